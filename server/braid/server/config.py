@@ -1,0 +1,80 @@
+"""Settings: one dataclass for the engine, one for the server, each validated on creation.
+
+Every field is a `braid serve` flag (--max-batch-size) and an environment variable
+(BRAID_MAX_BATCH_SIZE); the flag wins. cli.py builds the parser from these fields, so a setting is
+declared once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from braid.server.engine.types import Mode
+
+
+def _opt(help_text: str, **kw) -> dict:
+    return {"metadata": {"help": help_text, **kw}}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = field(default=None, **_opt(
+        "model: a local Hugging Face folder, a hub id, or a .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct)"))
+    mode: Mode = field(default=Mode.CONTINUOUS, **_opt(
+        "scheduling mode", choices=[m.value for m in Mode]))
+    device: str = field(default="auto", **_opt(
+        "auto (CUDA with bf16 where present, else CPU with fp32), cpu, cuda or cuda:N"))
+    threads: int = field(default=0, **_opt("torch CPU threads (0: torch's default, one per core)"))
+    max_batch_size: int = field(default=32, **_opt(
+        "most sessions running at once (KV cache slots); more are queued"))
+    max_wait_ms: float = field(default=20.0, **_opt(
+        "batched mode: longest a waiting session waits for its batch to fill"))
+    max_seq_len: int = field(default=4096, **_opt(
+        "most tokens (prompt + generated) per session, capped by the model's context length"))
+    prefill_chunk: int = field(default=512, **_opt(
+        "most prompt tokens prefilled per forward pass; longer prompts are prefilled in chunks"))
+    max_queued: int = field(default=1024, **_opt(
+        "most sessions waiting for a slot; past it new calls get RESOURCE_EXHAUSTED"))
+    cache_dir: Path = field(default_factory=lambda: _default_cache_dir(), **_opt(
+        "where converted models are kept"))
+
+    def __post_init__(self) -> None:
+        self.mode = Mode(self.mode)
+        self.cache_dir = Path(self.cache_dir).expanduser()
+        _positive(self, "max_batch_size", "max_seq_len", "prefill_chunk", "max_queued")
+        if self.threads < 0:
+            raise ValueError("--threads must be 0 or more")
+        if self.max_wait_ms < 0:
+            raise ValueError("--max-wait-ms must be 0 or more")
+
+
+@dataclass
+class ServerConfig:
+    host: str = field(default="[::]", **_opt("address to listen on"))
+    port: int = field(default=50051, **_opt("port to listen on (0: any free port)"))
+    default_max_new_tokens: int = field(default=256, **_opt(
+        "max_new_tokens of a request that leaves it at 0"))
+    grace_period: float = field(default=10.0, **_opt(
+        "seconds in-flight streams get to finish after SIGTERM"))
+    log_level: str = field(default="info", **_opt("debug, info, warning or error"))
+
+    def __post_init__(self) -> None:
+        _positive(self, "default_max_new_tokens")
+        if not 0 <= self.port < 65536:
+            raise ValueError("--port must be in [0, 65535]")
+        if self.grace_period < 0:
+            raise ValueError("--grace-period must be 0 or more")
+
+
+def _positive(config: object, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+
+
+def _default_cache_dir() -> Path:
+    from braid.server.model.loader import default_cache_dir
+
+    return default_cache_dir()

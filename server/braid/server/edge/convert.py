@@ -1,0 +1,121 @@
+"""Protobuf in, checked domain objects out, and back: the only place that knows both."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import uuid
+
+from braid.server.engine.types import (EngineStats, Finished, FinishReason, GenerationRequest, InvalidArgument,
+                                       Message, ModelInfo, SamplingParams)
+from braid.v1 import generate_pb2 as pb
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_BYTES = 128
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+
+
+def messages_from_pb(messages, field_name: str = "messages") -> tuple[Message, ...]:
+    out = []
+    for i, m in enumerate(messages):
+        if not m.role:
+            raise InvalidArgument(f"{field_name}[{i}].role", "is required")
+        out.append(Message(role=m.role, content=m.content))
+    return tuple(out)
+
+
+def _exactly_one(text: str, messages, text_field: str) -> None:
+    if text and messages:
+        raise InvalidArgument(text_field, f"set either {text_field} or messages, not both")
+    if not text and not messages:
+        raise InvalidArgument(text_field, f"set {text_field} or messages")
+
+
+def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
+    if math.isnan(value) or value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise InvalidArgument(name, f"{value} is outside {bracket}{lo}, {hi}]")
+
+
+def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_size: int,
+                    time_remaining: float | None) -> GenerationRequest:
+    """Checks every field (the engine checks the prompt's length once it is tokenized)."""
+    _exactly_one(req.prompt, req.messages, "prompt")
+    if req.max_new_tokens < 0:
+        raise InvalidArgument("max_new_tokens", f"{req.max_new_tokens} is negative")
+    if req.min_new_tokens < 0:
+        raise InvalidArgument("min_new_tokens", f"{req.min_new_tokens} is negative")
+    max_new = req.max_new_tokens or default_max_new_tokens
+    if req.min_new_tokens > max_new:
+        raise InvalidArgument("min_new_tokens", f"{req.min_new_tokens} is more than max_new_tokens ({max_new})")
+    _in_range("temperature", req.temperature, 0.0, MAX_TEMPERATURE)
+    _in_range("top_p", req.top_p, 0.0, 1.0)
+    _in_range("top_k", req.top_k, 0, vocab_size)
+    _in_range("min_p", req.min_p, 0.0, 1.0)
+    if req.repetition_penalty != 0.0:
+        _in_range("repetition_penalty", req.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument("stop", f"{len(req.stop)} strings; at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(req.stop):
+        if not s:
+            raise InvalidArgument(f"stop[{i}]", "is empty")
+        if len(s.encode()) > MAX_STOP_BYTES:
+            raise InvalidArgument(f"stop[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument("stop_token_ids", f"{len(req.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+    for i, t in enumerate(req.stop_token_ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"stop_token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
+    if len(req.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument("request_id", f"is longer than {MAX_REQUEST_ID_BYTES} bytes")
+    params = SamplingParams(
+        max_new_tokens=max_new, min_new_tokens=req.min_new_tokens, temperature=req.temperature,
+        top_p=req.top_p or 1.0, top_k=req.top_k, min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        seed=req.seed if req.HasField("seed") else secrets.randbits(63),
+        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
+    return GenerationRequest(
+        prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
+        request_id=req.request_id or uuid.uuid4().hex,
+        deadline=None if time_remaining is None else time.monotonic() + time_remaining)
+
+
+def tokenize_args_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, tuple[Message, ...]]:
+    _exactly_one(req.text, req.messages, "text")
+    return req.text or None, messages_from_pb(req.messages)
+
+
+def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateResponse:
+    t = finished.timings
+    return pb.GenerateResponse(
+        finish_reason=finished.reason.value,
+        usage=pb.Usage(prompt_tokens=finished.prompt_tokens, generated_tokens=finished.generated_tokens),
+        request_id=request_id, seed=seed,
+        timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
+                           total_ms=t.total_ms, tokens_per_second=t.tokens_per_second))
+
+
+def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
+    return pb.ModelInfoResponse(
+        model_name=info.model_name, architecture=info.architecture, context_length=info.context_length,
+        vocab_size=info.vocab_size, dtype=info.dtype, device=info.device,
+        mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name), max_batch_size=info.max_batch_size,
+        eos_token_ids=info.eos_token_ids, has_chat_template=info.has_chat_template,
+        parameters=info.parameters)
+
+
+def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.ServerStatusResponse:
+    f = stats.finished
+    return pb.ServerStatusResponse(
+        sessions_active=stats.sessions_active, sessions_queued=stats.sessions_queued,
+        tokens_generated=stats.tokens_generated, prompt_tokens=stats.prompt_tokens,
+        sessions_finished=pb.FinishCounts(
+            max_tokens=f[FinishReason.MAX_TOKENS], eos=f[FinishReason.EOS],
+            stop_sequence=f[FinishReason.STOP_SEQUENCE], stop_token=f[FinishReason.STOP_TOKEN],
+            cancelled=f[FinishReason.CANCELLED], deadline=f[FinishReason.DEADLINE], error=f[FinishReason.ERROR]),
+        forward_passes=stats.forward_passes, uptime_seconds=uptime_s,
+        mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name))

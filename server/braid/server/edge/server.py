@@ -1,0 +1,78 @@
+"""Builds and runs the grpc.aio server: braid's service, health checking, reflection, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from braid.server.config import EngineConfig, ServerConfig
+from braid.server.edge.errors import ErrorInterceptor
+from braid.server.edge.servicer import GenerateServicer
+from braid.v1 import generate_pb2 as pb
+from braid.v1 import generate_pb2_grpc as pb_grpc
+
+_LOGGER = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generate"].full_name
+_ENGINE_WATCH_S = 0.5
+
+
+def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Runs until SIGTERM/SIGINT (exit 0) or until the model thread dies (exit 1)."""
+    return asyncio.run(_serve(server_config, engine_config))
+
+
+async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
+    from braid.server.engine.engine import Engine
+    from braid.server.model.loader import load
+
+    model = await asyncio.to_thread(load, engine_config.model, engine_config.cache_dir)
+    engine = Engine(engine_config, model)
+    del model
+    engine.start()
+
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    pb_grpc.add_GenerateServicer_to_server(GenerateServicer(engine, config), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _LOGGER.info("braid serving %s (%s, %s mode, %s) on %s:%d", engine.info.model_name, engine.info.device,
+                 engine.info.mode.value, engine.info.dtype, config.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    exit_code = 0
+
+    async def watch_engine() -> None:
+        nonlocal exit_code
+        while engine.is_alive:
+            await asyncio.sleep(_ENGINE_WATCH_S)
+        if not stop.is_set():
+            _LOGGER.error("the model thread has stopped; shutting down")
+            exit_code = 1
+            stop.set()
+
+    watcher = asyncio.create_task(watch_engine())
+    await stop.wait()
+    # Drain: health says NOT_SERVING at once, new calls are refused, in-flight streams get the grace
+    # period, then whatever is left is cancelled.
+    await health_servicer.enter_graceful_shutdown()
+    engine.stop_accepting()
+    await server.stop(config.grace_period)
+    watcher.cancel()
+    await asyncio.to_thread(engine.stop, 10.0)
+    _LOGGER.info("braid stopped")
+    return exit_code

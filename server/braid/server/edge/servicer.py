@@ -1,0 +1,99 @@
+"""The thin servicer: protobuf to domain objects, the engine's events back to protobuf.
+
+Runs on the asyncio event loop and never touches the model: tokenization goes to a worker thread,
+generation to the model thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from braid.server.config import ServerConfig
+from braid.server.edge import convert
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.types import Delta, FinishReason, GenerationRequest
+from braid.v1 import generate_pb2 as pb
+from braid.v1 import generate_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the edge never imports torch: it reaches the engine only through this object
+    from braid.server.engine.engine import Engine
+
+_FINISH_STATUS = {
+    FinishReason.ERROR: grpc.StatusCode.INTERNAL,
+    FinishReason.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+class GenerateServicer(pb_grpc.GenerateServicer):
+    def __init__(self, engine: "Engine", config: ServerConfig) -> None:
+        self._engine = engine
+        self._config = config
+
+    async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        req = convert.request_from_pb(request, self._config.default_max_new_tokens,
+                                      self._engine.info.vocab_size, context.time_remaining())
+        handle = await self._submit(req)
+        await context.send_initial_metadata((("braid-request-id", req.request_id),))
+        try:
+            async for batch in handle.batches():
+                message = self._message(batch, handle)
+                if handle.finished is not None:
+                    if handle.finished.reason in _FINISH_STATUS:
+                        if message.text or message.token_ids:
+                            yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids)
+                        await context.abort(_FINISH_STATUS[handle.finished.reason],
+                                            handle.finished.error or "the call's deadline passed")
+                    context.set_trailing_metadata(_timing_metadata(message.timings))
+                yield message
+        except asyncio.CancelledError:
+            # The client closed the stream (or its deadline passed): free the session now.
+            deadline_passed = req.deadline is not None and time.monotonic() >= req.deadline
+            handle.cancel(FinishReason.DEADLINE if deadline_passed else FinishReason.CANCELLED)
+            raise
+        finally:
+            handle.cancel()  # a no-op once finished; covers a generator closed early
+
+    async def _submit(self, req: GenerationRequest) -> SessionHandle:
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, self._engine.submit, req, loop)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # Cancelled while the prompt was being tokenized: cancel the session once it exists.
+            future.add_done_callback(lambda f: f.exception() is None and f.result().cancel())
+            raise
+
+    @staticmethod
+    def _message(batch, handle: SessionHandle) -> pb.GenerateResponse:
+        deltas = [e for e in batch if isinstance(e, Delta)]
+        if handle.finished is not None:
+            message = convert.final_to_pb(handle.finished, handle.request_id, handle.seed)
+        else:
+            message = pb.GenerateResponse()
+        message.text = "".join(d.text for d in deltas)
+        for d in deltas:
+            message.token_ids.extend(d.token_ids)
+        return message
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        text, messages = convert.tokenize_args_from_pb(request)
+        ids, pieces = await asyncio.to_thread(self._engine.tokenize, text, messages)
+        return pb.TokenizeResponse(token_ids=ids, pieces=pieces)
+
+    async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
+        return convert.model_info_to_pb(self._engine.info)
+
+    async def ServerStatus(self, request, context) -> pb.ServerStatusResponse:
+        return convert.stats_to_pb(self._engine.stats(), self._engine.info,
+                                   time.monotonic() - self._engine.started_at)
+
+
+def _timing_metadata(t: pb.Timings) -> tuple[tuple[str, str], ...]:
+    return (("braid-queue-ms", f"{t.queue_ms:.3f}"),
+            ("braid-time-to-first-token-ms", f"{t.time_to_first_token_ms:.3f}"),
+            ("braid-total-ms", f"{t.total_ms:.3f}"),
+            ("braid-tokens-per-second", f"{t.tokens_per_second:.3f}"))

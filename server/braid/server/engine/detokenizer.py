@@ -1,0 +1,68 @@
+"""Turns a session's tokens into text that is safe to send: whole characters, no stop-string leaks."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+# Tokens of context decoded before the new ones, so tokenizers that drop a leading space when a
+# piece starts the text (SentencePiece) still produce it mid-stream.
+_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Decodes generated tokens one at a time, as text-generation-inference and vLLM do.
+
+    Text is released only once it ends in a whole character (a byte-level token may carry half a
+    UTF-8 sequence, which decodes to U+FFFD), and text that could still become one of the stop
+    strings is held back until it cannot.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int],
+                 stop: Sequence[str]) -> None:
+        self._decode = decode
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # ids[prefix:read] were decoded already and give the context text
+        self._read_offset = len(self._ids)
+        self._stop = tuple(stop)
+        self._longest_stop = max((len(s) for s in self._stop), default=0)
+        self.text = ""  # all output text decoded so far (cut at a stop string once one is found)
+        self._sent = 0  # characters of self.text already released
+        self.stopped = False
+
+    def add(self, token_id: int) -> None:
+        """Adds one generated token. Sets `stopped` once a stop string appears."""
+        if self.stopped:
+            return
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # an incomplete character: wait for its next byte
+        self.text += after[len(before):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._find_stop()
+
+    def _find_stop(self) -> None:
+        if not self._stop:
+            return
+        window_start = max(0, self._sent - self._longest_stop)
+        hits = [i for i in (self.text.find(s, window_start) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def take(self, final: bool = False) -> str:
+        """The text that can be released now; with final=True, everything that is left."""
+        end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
+        out = self.text[self._sent:end]
+        self._sent = max(self._sent, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        text = self.text
+        for n in range(min(self._longest_stop - 1, len(text) - self._sent), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

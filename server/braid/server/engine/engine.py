@@ -1,0 +1,307 @@
+"""The engine: one model thread that owns the model, its KV cache and every session.
+
+    work = scheduler.schedule(now)       # who runs, with how many tokens
+    tokens = runner.run(work)            # one forward pass
+    self._postprocess(work, tokens)      # detokenize, stop, stream out
+
+Other threads talk to it only through the inbox (typed messages) and read only its counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from braid.server.config import EngineConfig
+from braid.server.engine.detokenizer import IncrementalDetokenizer
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.scheduler import Scheduler
+from braid.server.engine.session import Session, SessionStatus
+from braid.server.engine.tokenizer import Tokenizer
+from braid.server.engine.types import (Delta, EngineStats, EngineUnavailable, Event, FinishReason, Finished,
+                                       GenerationRequest, InvalidArgument, ModelInfo, Overloaded, Timings)
+from braid.server.model.loader import LoadedModel
+from braid.server.runner.model_runner import ModelRunner, Work, pick_device
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    session: Session
+
+
+@dataclass
+class _Abort:
+    session_id: int
+    reason: FinishReason
+
+
+class _Stop:
+    pass
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: LoadedModel) -> None:
+        self.config = config
+        device, dtype = pick_device(config.device)
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
+        self.max_seq_len = min(config.max_seq_len or 4096, context)
+        self.runner = ModelRunner(model, device, dtype, config.max_batch_size, self.max_seq_len)
+        self.tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
+        self.scheduler = Scheduler(config.mode, self.runner.cache, config.max_wait_ms / 1000,
+                                   config.prefill_chunk)
+        self.info = ModelInfo(
+            model_name=model.name, architecture=model.architecture, context_length=self.max_seq_len,
+            vocab_size=self.runner.vocab_size, dtype=str(dtype).removeprefix("torch."), device=str(device),
+            mode=config.mode, max_batch_size=config.max_batch_size, eos_token_ids=model.eos_token_ids,
+            has_chat_template=self.tokenizer.has_chat_template, parameters=self.runner.num_parameters)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sessions: dict[int, Session] = {}  # model thread only
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards the counters below
+        self._stats = EngineStats()
+        self._submitted = 0
+        self._left_queue = 0  # admitted, or finished before admission
+        self._outbox: list[tuple[SessionHandle, list[Event]]] = []
+        self._thread = threading.Thread(target=self._run, name="braid-model", daemon=True)
+        self._accepting = True
+        self.started_at = time.monotonic()
+        self.error: BaseException | None = None
+
+    # ---- any thread -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._accepting = False
+        self._inbox.put(_Stop())
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> SessionHandle:
+        """Tokenizes and queues a session. Blocking (tokenization): call it off the event loop."""
+        if not self._accepting or not self.is_alive:
+            raise EngineUnavailable("the server is shutting down" if self.is_alive
+                                    else "the model thread has stopped")
+        prompt_ids = self.tokenizer.encode(request.prompt, request.messages)
+        params = request.params
+        field = "messages" if request.messages else "prompt"
+        if not prompt_ids:
+            raise InvalidArgument(field, "must not be empty")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise InvalidArgument(field, f"is {len(prompt_ids)} tokens; the context length is "
+                                         f"{self.max_seq_len}")
+        room = self.max_seq_len - len(prompt_ids)
+        if params.max_new_tokens > room:
+            raise InvalidArgument("max_new_tokens",
+                                  f"{params.max_new_tokens} new tokens after a {len(prompt_ids)}-token prompt "
+                                  f"exceed the context length {self.max_seq_len} (at most {room})")
+        with self._lock:
+            queued = self._submitted - self._left_queue
+            if queued >= self.config.max_queued:
+                raise Overloaded(f"{queued} sessions are queued (--max-queued {self.config.max_queued})",
+                                 retry_after_s=1.0)
+            self._submitted += 1
+        session_id = next(self._ids)
+        handle = SessionHandle(session_id, request.request_id, params.seed, len(prompt_ids), loop,
+                               self._abort)
+        session = Session(
+            id=session_id, prompt_ids=prompt_ids, params=params, handle=handle,
+            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop),
+            rng=torch.Generator().manual_seed(params.seed), deadline=request.deadline)
+        self._inbox.put(_Add(session))
+        return handle
+
+    def tokenize(self, prompt: str | None, messages: Sequence) -> tuple[list[int], list[str]]:
+        ids = self.tokenizer.encode(prompt, messages)
+        return ids, self.tokenizer.pieces(ids)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self._stats
+            return EngineStats(
+                sessions_active=len(self.scheduler.running),
+                sessions_queued=self._submitted - self._left_queue,
+                tokens_generated=s.tokens_generated, prompt_tokens=s.prompt_tokens,
+                forward_passes=s.forward_passes, finished=dict(s.finished))
+
+    def _abort(self, session_id: int, reason: FinishReason) -> None:
+        self._inbox.put(_Abort(session_id, reason))
+
+    # ---- the model thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as exc:  # the engine is dead: say so, loudly, and end every session
+            self.error = exc
+            _LOGGER.exception("the model thread died")
+            for session in list(self._sessions.values()):
+                self._finish(session, FinishReason.ERROR, f"the model thread died: {exc}")
+            self._flush()
+            raise
+        finally:
+            self._accepting = False
+            for session in list(self._sessions.values()):
+                self._finish(session, FinishReason.CANCELLED)
+            self._flush()
+
+    def _step(self) -> bool:
+        """One turn of the loop; False once asked to stop."""
+        now = time.monotonic()
+        sleep = None if self.scheduler.has_work else 3600.0
+        hint = self.scheduler.wait_hint(now)
+        if hint is not None:
+            sleep = hint
+        if not self._drain(block_for=sleep):
+            return False
+        now = time.monotonic()
+        self._expire(now)
+        work = self.scheduler.schedule(now)
+        if not work:
+            self._flush()
+            return True
+        for w in work:
+            if w.session.started is None:
+                w.session.started = now
+                with self._lock:
+                    self._left_queue += 1
+        try:
+            tokens = self.runner.run(work)
+        except Exception as exc:  # a failed pass ends only the sessions that were in it
+            _LOGGER.exception("forward pass failed")
+            for w in work:
+                self._finish(w.session, FinishReason.ERROR, f"forward pass failed: {exc}")
+        else:
+            self._postprocess(work, tokens)
+        self._flush()
+        return True
+
+    def _drain(self, block_for: float | None) -> bool:
+        """Applies every inbox message; waits up to block_for seconds for the first one."""
+        try:
+            msg = self._inbox.get(timeout=block_for) if block_for else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(msg, _Stop):
+                return False
+            if isinstance(msg, _Add):
+                self._sessions[msg.session.id] = msg.session
+                self.scheduler.add(msg.session)
+            elif isinstance(msg, _Abort) and msg.session_id in self._sessions:
+                self._finish(self._sessions[msg.session_id], msg.reason)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _expire(self, now: float) -> None:
+        for session in list(self._sessions.values()):
+            if session.deadline is not None and now >= session.deadline:
+                self._finish(session, FinishReason.DEADLINE)
+
+    def _postprocess(self, work: list[Work], tokens: list[int | None]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._stats.forward_passes += 1
+            self._stats.prompt_tokens += sum(w.num_tokens for w in work if w.session.is_prefilling)
+            self._stats.tokens_generated += sum(t is not None for t in tokens)
+        for w, token in zip(work, tokens):
+            s = w.session
+            s.num_cached += w.num_tokens
+            if token is None:
+                continue
+            s.token_ids.append(token)
+            s.pending_ids.append(token)
+            if s.first_token is None:
+                s.first_token = now
+            reason = self._check_stop(s, token)
+            if reason is not None:
+                self._finish(s, reason)
+            else:
+                self._emit(s, Delta(s.detokenizer.take(), s.pending_ids))
+
+    def _check_stop(self, s: Session, token: int) -> FinishReason | None:
+        p = s.params
+        if token in p.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if token in self.tokenizer.eos_token_ids and not p.ignore_eos:
+            return FinishReason.EOS
+        s.detokenizer.add(token)
+        if s.detokenizer.stopped:
+            return FinishReason.STOP_SEQUENCE
+        if s.num_generated >= p.max_new_tokens or len(s.token_ids) >= self.max_seq_len:
+            return FinishReason.MAX_TOKENS
+        return None
+
+    def _emit(self, s: Session, event: Event) -> None:
+        if isinstance(event, Delta):
+            if not event.text and not event.token_ids:
+                return
+            s.pending_ids = []
+        self._outbox.append((s.handle, [event]))
+
+    def _finish(self, s: Session, reason: FinishReason, error: str | None = None) -> None:
+        if s.status is SessionStatus.FINISHED:
+            return
+        was_waiting = s.status is SessionStatus.WAITING
+        self.scheduler.remove(s)
+        self._sessions.pop(s.id, None)
+        with self._lock:
+            self._stats.finished[reason] += 1
+            if was_waiting:
+                self._left_queue += 1
+        if reason not in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
+            self._emit(s, Delta(s.detokenizer.take(final=True), s.pending_ids))
+        self._emit(s, Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
+                               timings=_timings(s), error=error))
+
+    def _flush(self) -> None:
+        """Hands this step's events to the event loops: one wake-up per loop per step."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[SessionHandle, list[Event]]]] = {}
+        for handle, events in self._outbox:
+            by_loop.setdefault(handle.loop, []).append((handle, events))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(items: list[tuple[SessionHandle, list[Event]]]) -> None:
+    for handle, events in items:
+        handle.push(events)
+
+
+def _timings(s: Session) -> Timings:
+    now = time.monotonic()
+    ms = 1000.0
+    started = s.started if s.started is not None else now
+    first = s.first_token if s.first_token is not None else now
+    decode_s = now - first
+    rate = (s.num_generated - 1) / decode_s if s.num_generated > 1 and decode_s > 0 else 0.0
+    return Timings(queue_ms=(started - s.arrived) * ms, time_to_first_token_ms=(first - s.arrived) * ms,
+                   total_ms=(now - s.arrived) * ms, tokens_per_second=rate)

@@ -1,0 +1,62 @@
+"""A session: one Stream call's state on the model thread."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from braid.server.engine.types import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from braid.server.engine.detokenizer import IncrementalDetokenizer
+    from braid.server.engine.handle import SessionHandle
+
+
+class SessionStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    handle: SessionHandle
+    detokenizer: IncrementalDetokenizer
+    rng: torch.Generator
+    deadline: float | None = None
+    token_ids: list[int] = field(default_factory=list)  # prompt, then every generated token
+    num_cached: int = 0  # tokens whose keys and values are in the cache
+    slot: int | None = None
+    status: SessionStatus = SessionStatus.WAITING
+    finish_reason: FinishReason | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    started: float | None = None  # first forward pass
+    first_token: float | None = None
+    pending_ids: list[int] = field(default_factory=list)  # generated, not yet delivered
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        """Tokens still to feed to the model: the rest of the prompt, or the last sampled token."""
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_cached < self.num_prompt

@@ -1,0 +1,139 @@
+"""The small, torch-free types that cross between the gRPC edge and the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Mode(enum.Enum):
+    SEQUENTIAL = "sequential"
+    INTERLEAVED = "interleaved"
+    BATCHED = "batched"
+    CONTINUOUS = "continuous"
+
+
+class FinishReason(enum.Enum):
+    """Why a session ended; the values match braid.v1.FinishReason."""
+
+    MAX_TOKENS = 1
+    EOS = 2
+    STOP_SEQUENCE = 3
+    STOP_TOKEN = 4
+    CANCELLED = 5
+    DEADLINE = 6
+    ERROR = 7
+
+
+class InvalidArgument(ValueError):
+    """A request field is wrong; the edge turns it into INVALID_ARGUMENT naming the field."""
+
+    def __init__(self, field_name: str, description: str) -> None:
+        super().__init__(f"{field_name}: {description}")
+        self.field = field_name
+        self.description = description
+
+
+class Overloaded(RuntimeError):
+    """The engine cannot take another session now; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is shutting down or its model thread has stopped."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one session picks its tokens; defaults already applied, ranges already checked."""
+
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One Stream call, decoded and checked by the edge: exactly one of prompt and messages."""
+
+    prompt: str | None
+    messages: tuple[Message, ...]
+    params: SamplingParams
+    request_id: str
+    deadline: float | None = None  # time.monotonic() after which the session is stopped
+
+
+@dataclass
+class Delta:
+    """New output of a session: text now safe to send, and the tokens produced since the last one."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Timings:
+    queue_ms: float
+    time_to_first_token_ms: float
+    total_ms: float
+    tokens_per_second: float
+
+
+@dataclass
+class Finished:
+    """The last event of a session."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    generated_tokens: int
+    timings: Timings
+    error: str | None = None
+
+
+Event = Delta | Finished
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    architecture: str
+    context_length: int
+    vocab_size: int
+    dtype: str
+    device: str
+    mode: Mode
+    max_batch_size: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    parameters: int
+
+
+@dataclass
+class EngineStats:
+    sessions_active: int = 0
+    sessions_queued: int = 0
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    forward_passes: int = 0
+    finished: dict[FinishReason, int] = field(default_factory=lambda: {r: 0 for r in FinishReason})

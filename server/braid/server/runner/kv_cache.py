@@ -1,0 +1,39 @@
+"""The KV cache: one slot per running session, allocated once and written in place."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer, laid out [slot, kv_head, position, head_dim].
+
+    A slot holds one session's whole context, so a session's keys are one contiguous view per
+    head and a decode step over slots [lo, hi) attends to a view of the cache, never a copy. The
+    memory is reserved once at start (pages are touched only as positions are written).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self._free = list(range(num_slots))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """The lowest free slot: keeping running slots low keeps the decode view [lo, hi) tight."""
+        self._free.sort()
+        return self._free.pop(0)
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
