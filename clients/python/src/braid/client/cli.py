@@ -1,0 +1,153 @@
+"""braid-client: stream a generation from a braid server to the terminal, or query the server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message as ProtoMessage
+
+from braid.client.client import Client
+from braid.client.errors import describe
+from braid.client.generation import finish_reason_name
+from braid.client.request import PARAMS, Chat
+from braid.v1 import generate_pb2 as pb
+
+EXIT_CANCELLED = 130  # the shell's code for a process ended by SIGINT
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="braid-client", description="Stream text from a braid server.")
+    parser.add_argument("prompt", nargs="?", help="the prompt; '-' or absent (with piped stdin) reads stdin")
+    parser.add_argument("--target", default=os.environ.get("BRAID_TARGET", "localhost:50051"),
+                        help="host:port of the server (env BRAID_TARGET; default %(default)s)")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as one user message of a chat")
+    parser.add_argument("--system", metavar="TEXT", help="a system message first (implies --chat)")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the call")
+    parser.add_argument("--stats", action="store_true", help="print finish reason, usage, timings to stderr")
+
+    sampling = parser.add_argument_group("generation (GenerateRequest fields; unset: the server's default)")
+    sampling.add_argument("--max-new-tokens", type=int)
+    sampling.add_argument("--min-new-tokens", type=int)
+    sampling.add_argument("--temperature", type=float, help="0 is greedy")
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--top-k", type=int)
+    sampling.add_argument("--min-p", type=float)
+    sampling.add_argument("--repetition-penalty", type=float)
+    sampling.add_argument("--seed", type=int)
+    sampling.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
+    sampling.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", metavar="ID",
+                          help="a stop token id (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument("--request-id")
+
+    security = parser.add_argument_group("security")
+    security.add_argument("--tls", action="store_true", help="connect with TLS (system CAs unless --ca-cert)")
+    security.add_argument("--ca-cert", metavar="PATH", help="PEM CA certificates (implies --tls)")
+    security.add_argument("--client-cert", metavar="PATH", help="PEM client certificate for mTLS")
+    security.add_argument("--client-key", metavar="PATH", help="PEM client key for mTLS")
+    security.add_argument("--api-key", default=os.environ.get("BRAID_API_KEY"),
+                          help="bearer token (env BRAID_API_KEY)")
+
+    actions = parser.add_argument_group("instead of generating").add_mutually_exclusive_group()
+    actions.add_argument("--info", action="store_true", help="print ModelInfo as JSON")
+    actions.add_argument("--status", action="store_true", help="print ServerStatus as JSON")
+    actions.add_argument("--tokenize", action="store_true", help="print the prompt's tokens as JSON")
+    actions.add_argument("--health", action="store_true",
+                         help="print the health status; exit 1 unless SERVING")
+    return parser
+
+
+def _read_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    if args.prompt == "-" or (args.prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if args.prompt is None:
+        parser.error("a prompt is needed (as an argument, or on stdin)")
+    return str(args.prompt)
+
+
+Input = tuple[str | None, list[tuple[str, str]] | None]  # (prompt, messages): one of them is None
+
+
+def _input(args: argparse.Namespace, text: str) -> Input:
+    """Returns (prompt, None), or (None, messages) for --chat and --system."""
+    if not (args.chat or args.system):
+        return text, None
+    system = [("system", args.system)] if args.system else []
+    return None, [*system, ("user", text)]
+
+
+def _print_json(message: ProtoMessage) -> None:
+    options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
+    print(json_format.MessageToJson(message, **options))
+
+
+def _print_stats(final: pb.GenerateResponse) -> None:
+    usage, timings = final.usage, final.timings
+    print(
+        f"finish_reason: {finish_reason_name(final.finish_reason)}  "
+        f"request_id: {final.request_id}  seed: {final.seed}\n"
+        f"usage: {usage.prompt_tokens} prompt tokens, {usage.generated_tokens} generated tokens\n"
+        f"timings: queue {timings.queue_ms:.1f} ms, first token {timings.time_to_first_token_ms:.1f} ms, "
+        f"total {timings.total_ms:.1f} ms, {timings.tokens_per_second:.1f} tokens/s",
+        file=sys.stderr,
+    )
+
+
+def _generate(client: Client, args: argparse.Namespace, prompt: str | None, messages: Chat | None) -> int:
+    params = {name: getattr(args, name) for name in PARAMS}  # None: left to the server
+    with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:
+        for message in generation:
+            sys.stdout.write(message.text)
+            sys.stdout.flush()
+    print()
+    if args.stats and generation.final is not None:
+        _print_stats(generation.final)
+    return 0
+
+
+def _run(client: Client, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.info:
+        _print_json(client.model_info(timeout=args.timeout))
+    elif args.status:
+        _print_json(client.server_status(timeout=args.timeout))
+    elif args.health:
+        status = client.health(timeout=args.timeout)
+        print(status)
+        return 0 if status == "SERVING" else 1
+    else:
+        prompt, messages = _input(args, _read_prompt(args, parser))
+        if not args.tokenize:
+            return _generate(client, args, prompt, messages)
+        _print_json(client.tokenize(prompt, messages=messages, timeout=args.timeout))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs braid-client with argv (default: sys.argv[1:]) and returns its exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (args.client_cert is None) != (args.client_key is None):
+        parser.error("--client-cert and --client-key go together")
+    try:
+        client = Client(args.target, tls=args.tls, root_certificates=args.ca_cert, client_cert=args.client_cert,
+                        client_key=args.client_key, api_key=args.api_key)
+    except OSError as error:  # an unreadable certificate
+        parser.error(str(error))
+    try:
+        with client:  # leaving it closes the channel, which cancels a running stream
+            return _run(client, args, parser)
+    except KeyboardInterrupt:
+        print("\n[cancelled]", file=sys.stderr)
+        return EXIT_CANCELLED
+    except grpc.RpcError as error:
+        print(describe(error), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

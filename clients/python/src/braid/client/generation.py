@@ -1,0 +1,166 @@
+"""One running Stream call: iterate over its messages, cancel it, read its outcome."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import grpc
+from grpc import aio
+
+from braid.v1 import generate_pb2 as pb
+
+REQUEST_ID_KEY = "braid-request-id"
+
+
+@dataclass
+class Completion:
+    """The outcome of a finished generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # the FinishReason name without its prefix, e.g. "MAX_TOKENS"
+    usage: pb.Usage
+    final: pb.GenerateResponse
+
+
+def finish_reason_name(value: int) -> str:
+    """Returns a FinishReason's name without the FINISH_REASON_ prefix, e.g. "EOS"."""
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_")
+
+
+def _is_task_cancelling() -> bool:
+    """Whether the running task itself is being cancelled (always False before Python 3.11)."""
+    task = asyncio.current_task()
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
+
+
+class _Stream:
+    """A Stream call and what its messages add up to; shared by Generation and AsyncGeneration."""
+
+    def __init__(self, call: grpc.Call | aio.UnaryStreamCall) -> None:
+        self._call = call
+        self.final: pb.GenerateResponse | None = None
+        self.token_ids: list[int] = []
+        self._texts: list[str] = []
+        self._header_request_id: str | None = None  # "" once headers without one arrived
+        self._is_cancelled = False
+
+    @property
+    def text(self) -> str:
+        """The text received so far."""
+        return "".join(self._texts)
+
+    @property
+    def request_id(self) -> str | None:
+        """The request id: from the response headers once a message arrived, or the final message."""
+        if self.final is not None and self.final.request_id:
+            return self.final.request_id
+        return self._header_request_id or None
+
+    def completion(self) -> Completion:
+        """Returns the Completion of a stream that has ended with its final message."""
+        if self.final is None:
+            raise RuntimeError("the stream has not ended with a final message")
+        final = self.final
+        reason = finish_reason_name(final.finish_reason)
+        return Completion(self.text, list(self.token_ids), reason, final.usage, final)
+
+    def cancel(self) -> None:
+        """Cancels the call (and so the session on the server); iteration then stops."""
+        self._is_cancelled = True
+        self._call.cancel()
+
+    def _record(self, message: pb.GenerateResponse) -> pb.GenerateResponse:
+        self._texts.append(message.text)
+        self.token_ids.extend(message.token_ids)
+        if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.final = message
+        return message
+
+    def _record_headers(self, metadata: Sequence[tuple[str, Any]] | None) -> None:
+        self._header_request_id = next((v for k, v in metadata or () if k == REQUEST_ID_KEY), "")
+
+
+class Generation(_Stream):
+    """A running Stream call: an iterator over its GenerateResponse messages.
+
+    After iteration, `final` holds the last message (finish_reason, usage, timings,
+    seed, request_id) and `text` the whole text. Leaving a `with` block early, `close()`
+    or `cancel()` cancels the call, which cancels the session on the server.
+    """
+
+    def __init__(self, call: grpc.Call) -> None:
+        super().__init__(call)
+        self._call: grpc.Call = call
+        self._responses = cast(Iterator[pb.GenerateResponse], call)
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> pb.GenerateResponse:
+        if self._is_cancelled:
+            raise StopIteration
+        try:
+            message = next(self._responses)
+        except grpc.RpcError as error:
+            if self._is_cancelled and error.code() == grpc.StatusCode.CANCELLED:  # cancel() from a thread
+                raise StopIteration from None
+            raise
+        if self._header_request_id is None:
+            self._record_headers(self._call.initial_metadata())
+        return self._record(message)
+
+    def close(self) -> None:
+        """Cancels the call unless it has already ended."""
+        if self._call.is_active():
+            self.cancel()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncGeneration(_Stream):
+    """A running grpc.aio Stream call: an async iterator over its GenerateResponse messages.
+
+    Like Generation: `async with` (or `await aclose()`) cancels the call if it is still
+    running when the block is left, and `cancel()` cancels it at once.
+    """
+
+    def __init__(self, call: aio.UnaryStreamCall) -> None:
+        super().__init__(call)
+        self._call: aio.UnaryStreamCall = call
+
+    def __aiter__(self) -> AsyncGeneration:
+        return self
+
+    async def __anext__(self) -> pb.GenerateResponse:
+        if self._is_cancelled:
+            raise StopAsyncIteration
+        try:
+            message = await self._call.read()
+        except asyncio.CancelledError:
+            if self._is_cancelled and not _is_task_cancelling():  # cancel() from another task: just stop
+                raise StopAsyncIteration from None
+            raise
+        if message is aio.EOF:
+            raise StopAsyncIteration
+        if self._header_request_id is None:
+            self._record_headers(await self._call.initial_metadata())
+        return self._record(cast(pb.GenerateResponse, message))
+
+    async def aclose(self) -> None:
+        """Cancels the call unless it has already ended."""
+        if not self._call.done():
+            self.cancel()
+
+    async def __aenter__(self) -> AsyncGeneration:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,69 @@
+"""Building braid.v1 requests from plain Python values, shared by the sync and async clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from braid.v1 import generate_pb2 as pb
+
+# A chat turn: ("user", "hi"), {"role": "user", "content": "hi"} or a braid.v1 Message.
+MessageLike = tuple[str, str] | Mapping[str, str] | pb.Message
+Chat = Iterable[MessageLike]
+
+# GenerateRequest fields that `**params` may set: all but the input (prompt, messages).
+PARAMS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.name not in ("prompt", "messages"))
+
+
+def to_message(turn: MessageLike) -> pb.Message:
+    """Converts one chat turn to a braid.v1 Message."""
+    if isinstance(turn, pb.Message):
+        return turn
+    if isinstance(turn, Mapping):
+        return pb.Message(role=turn["role"], content=turn["content"])
+    role, content = turn
+    return pb.Message(role=role, content=content)
+
+
+def to_messages(messages: Chat) -> list[pb.Message]:
+    """Converts a chat to braid.v1 Messages."""
+    return [to_message(turn) for turn in messages]
+
+
+def _check_one_input(text_name: str, text: str | None, messages: object) -> None:
+    if (text is None) == (messages is None):
+        raise ValueError(f"set exactly one of {text_name} and messages")
+
+
+def build_request(
+    prompt: str | None = None, *, messages: Chat | None = None, **params: Any
+) -> pb.GenerateRequest:
+    """Builds a GenerateRequest from a prompt or a chat and GenerateRequest fields.
+
+    Params left out or None keep the proto default (the server's default). A single
+    string is accepted for `stop`, and a single int for `stop_token_ids`.
+
+    Raises:
+        ValueError: neither or both of prompt and messages are given.
+        TypeError: a param is not a GenerateRequest field.
+    """
+    _check_one_input("prompt", prompt, messages)
+    unknown = sorted(set(params) - set(PARAMS))
+    if unknown:
+        raise TypeError(f"unknown GenerateRequest parameter(s): {', '.join(unknown)}")
+    request = pb.GenerateRequest(prompt=prompt or "", messages=to_messages(messages or ()))
+    for name, value in params.items():
+        if value is None:
+            continue
+        field = getattr(request, name)
+        if isinstance(field, (str, int, float, bool)):
+            setattr(request, name, value)
+        else:  # a repeated field
+            field.extend([value] if isinstance(value, (str, int)) else value)
+    return request
+
+
+def build_tokenize_request(text: str | None = None, *, messages: Chat | None = None) -> pb.TokenizeRequest:
+    """Builds a TokenizeRequest; exactly one of text and messages must be given."""
+    _check_one_input("text", text, messages)
+    return pb.TokenizeRequest(text=text or "", messages=to_messages(messages or ()))

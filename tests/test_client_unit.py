@@ -1,0 +1,316 @@
+"""The Python client and CLI against a fake in-process Generate server (no model, no torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from braid.client import AsyncClient, AsyncGeneration, Client, cli, describe
+from braid.client.request import build_request, build_tokenize_request
+from braid.v1 import generate_pb2 as pb
+from braid.v1 import generate_pb2_grpc
+
+Context = grpc.ServicerContext
+REQUEST_ID = "req-42"
+FINAL = pb.GenerateResponse(
+    token_ids=[3],
+    finish_reason=pb.FINISH_REASON_MAX_TOKENS,
+    usage=pb.Usage(prompt_tokens=2, generated_tokens=3),
+    request_id=REQUEST_ID,
+    seed=7,
+    timings=pb.Timings(queue_ms=1, time_to_first_token_ms=2, total_ms=3, tokens_per_second=4),
+)
+
+
+def _status(code: int, message: str, detail: object) -> grpc.Status:
+    packed = any_pb2.Any()
+    packed.Pack(detail)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=[packed]))
+
+
+class FakeGenerate(generate_pb2_grpc.GenerateServicer):
+    """Streams "Hel", "lo" and a final message; the prompt "endless" streams until cancelled,
+    "invalid" and "full" fail with rich status details. Records what it was sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []
+        self.ended_while_active: list[bool] = []  # per endless stream, is_active() when it ended
+        self.endless_ended = threading.Event()
+        self.target = ""  # host:port, once serving
+
+    def Stream(self, request: pb.GenerateRequest, context: Context) -> Iterator[pb.GenerateResponse]:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        context.send_initial_metadata((("braid-request-id", REQUEST_ID),))
+        if request.prompt == "invalid":
+            violation = {"field": "temperature", "description": "must be in [0, 100]"}
+            detail = error_details_pb2.BadRequest(field_violations=[violation])
+            context.abort_with_status(_status(code_pb2.INVALID_ARGUMENT, "temperature: out of range", detail))
+        if request.prompt == "full":
+            detail = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=2))
+            context.abort_with_status(_status(code_pb2.RESOURCE_EXHAUSTED, "server is full", detail))
+        if request.prompt == "endless":
+            context.add_callback(self._on_endless_end(context))
+            while context.is_active():
+                yield pb.GenerateResponse(text="x", token_ids=[1])
+                time.sleep(0.01)
+            return
+        yield pb.GenerateResponse(text="Hel", token_ids=[1])
+        yield pb.GenerateResponse(text="lo", token_ids=[2])
+        yield FINAL
+
+    def _on_endless_end(self, context: Context) -> Callable[[], None]:
+        def callback() -> None:
+            self.ended_while_active.append(context.is_active())
+            self.endless_ended.set()
+
+        return callback
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
+        text = request.text or "".join(m.content for m in request.messages)
+        return pb.TokenizeResponse(token_ids=[ord(c) for c in text], pieces=list(text))
+
+    def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
+        return pb.ModelInfoResponse(model_name="fake", context_length=64, mode=pb.SCHEDULING_MODE_CONTINUOUS)
+
+    def ServerStatus(self, request: pb.ServerStatusRequest, context: Context) -> pb.ServerStatusResponse:
+        return pb.ServerStatusResponse(sessions_active=1, tokens_generated=5)
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeGenerate]:
+    servicer = FakeGenerate()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("braid.v1.Generate", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    servicer.target = f"127.0.0.1:{port}"
+    yield servicer
+    server.stop(0)
+
+
+@pytest.fixture
+def target(fake: FakeGenerate) -> str:
+    fake.endless_ended.clear()
+    return fake.target
+
+
+def test_build_request_maps_params_to_fields() -> None:
+    chat = [("system", "s"), {"role": "user", "content": "u"}, pb.Message(role="assistant", content="a")]
+    request = build_request(
+        messages=chat, max_new_tokens=8, temperature=0.5, seed=0, stop="\n", stop_token_ids=[5, 6],
+        ignore_eos=True, top_k=None,
+    )
+    assert [m.role for m in request.messages] == ["system", "user", "assistant"]
+    assert [m.content for m in request.messages] == ["s", "u", "a"]
+    assert (request.max_new_tokens, request.temperature, request.ignore_eos) == (8, 0.5, True)
+    assert request.HasField("seed") and request.seed == 0
+    assert list(request.stop) == ["\n"] and list(request.stop_token_ids) == [5, 6]
+    assert request.top_k == 0 and request.prompt == ""
+    assert not build_request("hi").HasField("seed")
+
+
+def test_build_request_rejects_bad_input() -> None:
+    with pytest.raises(TypeError, match="max_tokens, temp"):
+        build_request("hi", temp=1.0, max_tokens=3)
+    with pytest.raises(ValueError):
+        build_request("hi", messages=[("user", "hi")])
+    with pytest.raises(ValueError):
+        build_request()
+    with pytest.raises(ValueError):
+        build_tokenize_request()
+
+
+def test_stream_yields_messages_and_final(fake: FakeGenerate, target: str) -> None:
+    with Client(target) as client, client.stream("hello", max_new_tokens=3, seed=7) as generation:
+        texts = [message.text for message in generation]
+        assert generation.request_id == REQUEST_ID
+    assert texts == ["Hel", "lo", ""]
+    assert generation.text == "Hello" and generation.token_ids == [1, 2, 3]
+    assert generation.final == FINAL
+    assert fake.requests[-1] == pb.GenerateRequest(prompt="hello", max_new_tokens=3, seed=7)
+
+
+def test_generate_returns_completion(target: str) -> None:
+    with Client(target) as client:
+        completion = client.generate(messages=[("user", "hello")])
+    assert completion.text == "Hello" and completion.token_ids == [1, 2, 3]
+    assert completion.finish_reason == "MAX_TOKENS"
+    assert completion.usage.generated_tokens == 3 and completion.final.seed == 7
+
+
+def test_api_key_is_sent_as_bearer_metadata(fake: FakeGenerate, target: str) -> None:
+    with Client(target, api_key="sekret") as client:
+        client.generate("hello")
+    assert fake.metadata[-1]["authorization"] == "Bearer sekret"
+
+
+def test_unary_methods(target: str) -> None:
+    with Client(target) as client:
+        assert list(client.tokenize("ab").pieces) == ["a", "b"]
+        assert list(client.tokenize(messages=[("user", "c")]).token_ids) == [ord("c")]
+        assert client.model_info().model_name == "fake"
+        assert client.server_status().tokens_generated == 5
+        assert client.health() == "SERVING"
+        assert client.health("braid.v1.Generate") == "NOT_SERVING"
+
+
+def test_cancel_cancels_the_call_on_the_server(fake: FakeGenerate, target: str) -> None:
+    with Client(target) as client:
+        generation = client.stream("endless")
+        assert next(generation).text == "x"
+        generation.cancel()
+        assert list(generation) == []
+        assert fake.endless_ended.wait(5)
+    assert fake.ended_while_active[-1] is False
+    assert generation.final is None
+
+
+def test_leaving_the_with_block_early_cancels(fake: FakeGenerate, target: str) -> None:
+    with Client(target) as client:
+        with client.stream("endless") as generation:
+            next(generation)
+        assert fake.endless_ended.wait(5)
+    assert fake.ended_while_active[-1] is False
+
+
+def test_async_stream_generate_and_unary(fake: FakeGenerate, target: str) -> None:
+    async def main() -> None:
+        async with AsyncClient(target, api_key="k") as client:
+            async with client.stream("hello") as generation:
+                texts = [message.text async for message in generation]
+            assert texts == ["Hel", "lo", ""] and generation.final == FINAL
+            assert generation.request_id == REQUEST_ID
+            completion = await client.generate("hello")
+            assert (completion.text, completion.finish_reason) == ("Hello", "MAX_TOKENS")
+            assert list((await client.tokenize("ab")).pieces) == ["a", "b"]
+            assert (await client.model_info()).model_name == "fake"
+            assert (await client.server_status()).sessions_active == 1
+            assert await client.health() == "SERVING"
+
+    asyncio.run(main())
+    assert fake.metadata[-1]["authorization"] == "Bearer k"
+
+
+def test_async_cancel_and_early_exit_cancel_on_the_server(fake: FakeGenerate, target: str) -> None:
+    async def main() -> None:
+        async with AsyncClient(target) as client:
+            generation = client.stream("endless")
+            async for _ in generation:
+                generation.cancel()
+            assert fake.endless_ended.wait(5)
+            fake.endless_ended.clear()
+            async with client.stream("endless") as generation:
+                async for _ in generation:
+                    break
+            assert fake.endless_ended.wait(5)
+            fake.endless_ended.clear()
+            generation = client.stream("endless")
+            reader = asyncio.create_task(_drain(generation))
+            await asyncio.sleep(0.05)
+            generation.cancel()  # while the reader awaits a message: it just stops
+            assert await reader > 0 and fake.endless_ended.wait(5)
+
+    asyncio.run(main())
+    assert fake.ended_while_active[-3:] == [False, False, False]
+
+
+async def _drain(generation: AsyncGeneration) -> int:
+    return len([message async for message in generation])
+
+
+def test_describe_shows_field_violations_and_retry_info(target: str) -> None:
+    with Client(target) as client:
+        with pytest.raises(grpc.RpcError) as invalid:
+            client.generate("invalid")
+        with pytest.raises(grpc.RpcError) as full:
+            client.generate("full")
+    assert describe(invalid.value) == (
+        "INVALID_ARGUMENT: temperature: out of range\n  temperature: must be in [0, 100]"
+    )
+    assert describe(full.value) == "RESOURCE_EXHAUSTED: server is full\n  retry after 2 s"
+
+
+def test_cli_streams_text_and_stats(
+    fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--target", target, "--chat", "--system", "sys", "--max-new-tokens", "3", "--temperature", "0.5",
+            "--stop", "a", "--stop", "b", "--stop-token-id", "9", "--stats", "hello"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hello\n"
+    assert "finish_reason: MAX_TOKENS" in err and "3 generated tokens" in err
+    assert fake.requests[-1] == pb.GenerateRequest(
+        messages=[pb.Message(role="system", content="sys"), pb.Message(role="user", content="hello")],
+        max_new_tokens=3, stop=["a", "b"], stop_token_ids=[9], temperature=0.5,
+    )
+
+
+def test_cli_reads_the_prompt_from_stdin(
+    fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for argv in (["--target", target, "-"], ["--target", target]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))  # not a tty
+        assert cli.main(argv) == 0
+        assert fake.requests[-1].prompt == "from stdin"
+        assert capsys.readouterr().out == "Hello\n"
+
+
+def test_cli_json_actions(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--target", target, "--info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model_name"] == "fake" and info["vocab_size"] == 0
+    assert info["mode"] == "SCHEDULING_MODE_CONTINUOUS"
+    assert cli.main(["--target", target, "--status"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_generated"] == "5"  # proto3 JSON: uint64 as a string
+    assert cli.main(["--target", target, "--tokenize", "ab"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"token_ids": [97, 98], "pieces": ["a", "b"]}
+    assert cli.main(["--target", target, "--health"]) == 0
+    assert capsys.readouterr().out == "SERVING\n"
+
+
+def test_cli_error_exits_1_with_description(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--target", target, "invalid"]) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--target", target, "--info", "--status"])
+    assert exit_info.value.code == 2
+
+
+def test_cli_ctrl_c_cancels_and_exits_130(
+    fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupt(text: str) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.stdout, "write", interrupt)
+    assert cli.main(["--target", target, "endless"]) == 130
+    monkeypatch.undo()
+    assert capsys.readouterr().err == "\n[cancelled]\n"
+    assert fake.endless_ended.wait(5) and fake.ended_while_active[-1] is False
+
+
+def test_client_imports_neither_torch_nor_the_health_stubs() -> None:
+    modules = "{'torch', 'transformers', 'grpc_health.v1.health_pb2'}"  # (grpc itself imports grpc_health)
+    code = f"import sys, braid.client.cli; print(sorted({modules} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout == "[]\n"
