@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml $(STUBS) | $(PY)
 install: $(STAMP)
 
 serve: install
-	$(VENV)/bin/braid serve
+	$(VENV)/bin/braid serve $(ARGS)
 
 test: install
 	$(PY) -m pytest -q

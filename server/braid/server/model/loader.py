@@ -75,7 +75,9 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
         # local folder (huggingface_hub reads this when it is imported, so set it first).
         os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     local_only = is_local(source)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
     hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only,

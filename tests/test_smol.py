@@ -1,0 +1,41 @@
+"""End to end with the embedded SmolLM2-135M-Instruct, served with no --model at all."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from braid.v1 import generate_pb2 as pb
+
+CLIENT = str(Path(sys.executable).parent / "braid-client")
+
+
+def test_greedy_chat_knows_the_capital_of_france(smol):
+    with smol.client() as client:
+        done = client.generate(messages=[("user", "What is the capital of France?")], max_new_tokens=24)
+        info = client.model_info()
+    assert "Paris" in done.text
+    assert done.finish_reason == "EOS"
+    assert info.model_name == "SmolLM2-135M-Instruct"
+    assert info.architecture == "LlamaForCausalLM"
+    assert info.vocab_size == 49152 and info.context_length >= 2048
+    assert info.dtype == "float32" and info.device == "cpu"
+    assert info.mode == pb.SCHEDULING_MODE_CONTINUOUS and info.has_chat_template
+
+
+def test_repetition_penalty_stops_a_loop(smol):
+    prompt = "apple, apple, apple, apple, apple, apple,"
+    with smol.client() as client:
+        plain = client.generate(prompt, max_new_tokens=8, ignore_eos=True)
+        penalised = client.generate(prompt, max_new_tokens=8, ignore_eos=True, repetition_penalty=3.0)
+    assert "apple" in plain.text
+    assert "apple" not in penalised.text
+
+
+def test_cli_streams_a_chat_answer(smol):
+    out = subprocess.run([CLIENT, "--target", smol.target, "--chat", "--max-new-tokens", "48", "--stats",
+                          "Write a haiku about the sea"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split()) >= 5
+    assert "finish_reason" in out.stderr
