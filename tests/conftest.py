@@ -35,10 +35,18 @@ def free_port() -> int:
 class Server:
     """A running `braid serve` process."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+                 client_kw: dict | None = None) -> None:
+        """client_kw: how this server's clients connect (TLS settings, API key)."""
+        self.client_kw = client_kw or {}
+        if env and "BRAID_API_KEY" in env:
+            self.client_kw.setdefault("api_key", env["BRAID_API_KEY"])
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
-        self.log = open(os.devnull, "w") if not os.environ.get("BRAID_TEST_LOGS") else None
+        if log_path is not None:
+            self.log = open(log_path, "w")
+        else:
+            self.log = open(os.devnull, "w") if not os.environ.get("BRAID_TEST_LOGS") else None
         self.proc = subprocess.Popen(
             [BRAID, "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
             env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT)
@@ -46,7 +54,7 @@ class Server:
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        with Client(self.target) as client:
+        with self.client() as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"braid serve exited with {self.proc.returncode}")
@@ -58,7 +66,7 @@ class Server:
         raise TimeoutError("braid serve did not become healthy")
 
     def client(self, **kw) -> Client:
-        return Client(self.target, **kw)
+        return Client(self.target, **{**self.client_kw, **kw})
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

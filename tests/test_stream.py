@@ -130,6 +130,8 @@ def test_chat_messages_use_the_chat_template(servers):
     (dict(prompt="x", stop_token_ids=[10**9]), "stop_token_ids[0]"),
     (dict(prompt="x", min_new_tokens=9, max_new_tokens=3), "min_new_tokens"),
     (dict(prompt="word " * 5000), "prompt"),
+    (dict(prompt="x", request_id="tab\there"), "request_id"),
+    (dict(prompt="x", priority=7), "priority"),
 ])
 def test_bad_requests_get_invalid_argument_naming_the_field(servers, request_kwargs, field):
     server = servers("continuous")

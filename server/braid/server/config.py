@@ -28,26 +28,36 @@ class EngineConfig:
         "auto (CUDA with bf16 where present, else CPU with fp32), cpu, cuda or cuda:N"))
     threads: int = field(default=0, **_opt("torch CPU threads (0: torch's default, one per core)"))
     max_batch_size: int = field(default=32, **_opt(
-        "most sessions running at once (KV cache slots); more are queued"))
+        "most sessions in one forward pass (batched mode: the batch size)"))
+    max_sessions: int = field(default=0, **_opt(
+        "most sessions running at once, each holding a KV-cache slot (0: --max-batch-size); more "
+        "are queued"))
+    kv_cache_memory: str = field(default="0.5", **_opt(
+        "KV cache budget: bytes with a unit (4GiB, 512MB) or a fraction of the memory free at start "
+        "(0.5); slots that do not fit are not created"))
     max_wait_ms: float = field(default=20.0, **_opt(
         "batched mode: longest a waiting session waits for its batch to fill"))
     max_seq_len: int = field(default=4096, **_opt(
         "most tokens (prompt + generated) per session, capped by the model's context length"))
     prefill_chunk: int = field(default=512, **_opt(
         "most prompt tokens prefilled per forward pass; longer prompts are prefilled in chunks"))
-    max_queued: int = field(default=1024, **_opt(
+    max_queued: int = field(default=256, **_opt(
         "most sessions waiting for a slot; past it new calls get RESOURCE_EXHAUSTED"))
+    batch_max_wait_ms: float = field(default=5000.0, **_opt(
+        "a batch-priority session that has waited this long is admitted before interactive ones"))
     cache_dir: Path = field(default_factory=lambda: _default_cache_dir(), **_opt(
         "where converted models are kept"))
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
         self.cache_dir = Path(self.cache_dir).expanduser()
-        _positive(self, "max_batch_size", "max_seq_len", "prefill_chunk", "max_queued")
+        self.max_sessions = self.max_sessions or self.max_batch_size
+        _positive(self, "max_batch_size", "max_sessions", "max_seq_len", "prefill_chunk", "max_queued")
+        parse_memory(self.kv_cache_memory)
         if self.threads < 0:
             raise ValueError("--threads must be 0 or more")
-        if self.max_wait_ms < 0:
-            raise ValueError("--max-wait-ms must be 0 or more")
+        if self.max_wait_ms < 0 or self.batch_max_wait_ms < 0:
+            raise ValueError("--max-wait-ms and --batch-max-wait-ms must be 0 or more")
 
 
 @dataclass
@@ -59,13 +69,44 @@ class ServerConfig:
     grace_period: float = field(default=10.0, **_opt(
         "seconds in-flight streams get to finish after SIGTERM"))
     log_level: str = field(default="info", **_opt("debug, info, warning or error"))
+    tls_cert: Path | None = field(default=None, **_opt("PEM certificate chain: serve TLS"))
+    tls_key: Path | None = field(default=None, **_opt("PEM private key of --tls-cert"))
+    tls_client_ca: Path | None = field(default=None, **_opt(
+        "PEM CA bundle: require client certificates signed by it (mutual TLS)"))
+    api_key: str | None = field(default=None, **_opt(
+        "require `authorization: Bearer <key>` metadata on every braid call (health stays open)"))
+    max_message_bytes: int = field(default=4 * 1024 * 1024, **_opt(
+        "largest request message accepted"))
 
     def __post_init__(self) -> None:
-        _positive(self, "default_max_new_tokens")
+        _positive(self, "default_max_new_tokens", "max_message_bytes")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in [0, 65535]")
         if self.grace_period < 0:
             raise ValueError("--grace-period must be 0 or more")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(text: str) -> tuple[float, bool]:
+    """'4GiB' -> (4 * 2**30, False); '0.5' -> (0.5, True): a fraction of free memory."""
+    raw = text.strip().lower()
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"--kv-cache-memory {text!r}: expected bytes with a unit or a fraction") from None
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"--kv-cache-memory {text!r}: expected e.g. 4GiB, 512MB or 0.5")
+    if not unit and value <= 1:
+        return value, True
+    return value * _UNITS[unit], False
 
 
 def _positive(config: object, *names: str) -> None:

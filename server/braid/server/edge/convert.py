@@ -8,7 +8,7 @@ import time
 import uuid
 
 from braid.server.engine.types import (EngineStats, Finished, FinishReason, GenerationRequest, InvalidArgument,
-                                       Message, ModelInfo, SamplingParams)
+                                       Message, ModelInfo, Priority, SamplingParams)
 from braid.v1 import generate_pb2 as pb
 
 MAX_STOP_STRINGS = 16
@@ -17,6 +17,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_BYTES = 128
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
+MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
 
 
 def messages_from_pb(messages, field_name: str = "messages") -> tuple[Message, ...]:
@@ -45,6 +46,7 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
                     time_remaining: float | None) -> GenerationRequest:
     """Checks every field (the engine checks the prompt's length once it is tokenized)."""
     _exactly_one(req.prompt, req.messages, "prompt")
+    _not_too_long(req.prompt, req.messages, "prompt")
     if req.max_new_tokens < 0:
         raise InvalidArgument("max_new_tokens", f"{req.max_new_tokens} is negative")
     if req.min_new_tokens < 0:
@@ -70,8 +72,12 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
     for i, t in enumerate(req.stop_token_ids):
         if not 0 <= t < vocab_size:
             raise InvalidArgument(f"stop_token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
-    if len(req.request_id.encode()) > MAX_REQUEST_ID_BYTES:
-        raise InvalidArgument("request_id", f"is longer than {MAX_REQUEST_ID_BYTES} bytes")
+    if len(req.request_id) > MAX_REQUEST_ID_BYTES or not all(" " <= c <= "~" for c in req.request_id):
+        # it travels back as gRPC metadata, which holds printable ASCII only
+        raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} printable ASCII characters")
+    if req.priority not in (pb.PRIORITY_UNSPECIFIED, pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH):
+        raise InvalidArgument("priority", f"{req.priority} is not a Priority")
+    deadlines = [t for t in (time_remaining, req.timeout_ms / 1000 if req.timeout_ms else None) if t is not None]
     params = SamplingParams(
         max_new_tokens=max_new, min_new_tokens=req.min_new_tokens, temperature=req.temperature,
         top_p=req.top_p or 1.0, top_k=req.top_k, min_p=req.min_p,
@@ -81,11 +87,20 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
     return GenerationRequest(
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
         request_id=req.request_id or uuid.uuid4().hex,
-        deadline=None if time_remaining is None else time.monotonic() + time_remaining)
+        deadline=time.monotonic() + min(deadlines) if deadlines else None,
+        priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE)
+
+
+def _not_too_long(text: str, messages, text_field: str) -> None:
+    size = len(text.encode()) + sum(len(m.content.encode()) + len(m.role.encode()) for m in messages)
+    if size > MAX_TEXT_BYTES:
+        raise InvalidArgument(text_field if text else "messages",
+                              f"is {size} bytes; at most {MAX_TEXT_BYTES}")
 
 
 def tokenize_args_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, tuple[Message, ...]]:
     _exactly_one(req.text, req.messages, "text")
+    _not_too_long(req.text, req.messages, "text")
     return req.text or None, messages_from_pb(req.messages)
 
 

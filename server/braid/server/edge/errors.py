@@ -13,6 +13,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from braid.server.edge.wire import invalid_utf8_field
 from braid.server.engine.types import EngineUnavailable, InvalidArgument, Overloaded
 
 _LOGGER = logging.getLogger(__name__)
@@ -45,6 +46,36 @@ async def abort_with(context: grpc.aio.ServicerContext, status: grpc.Status) -> 
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
+class _Undecodable:
+    """Stands in for a request protobuf could not parse, so the handler can say why."""
+
+    def __init__(self, error: InvalidArgument) -> None:
+        self.error = error
+
+
+def _lenient(deserializer):
+    """Wraps a request deserializer: a bad message becomes INVALID_ARGUMENT naming the field,
+    instead of grpc's bare INTERNAL 'exception deserializing request'."""
+    message_type = getattr(deserializer, "__self__", None)
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            descriptor = getattr(message_type, "DESCRIPTOR", None)
+            field = invalid_utf8_field(data, descriptor) if descriptor is not None else None
+            if field is not None:
+                return _Undecodable(InvalidArgument(field, "is not valid UTF-8"))
+            return _Undecodable(InvalidArgument("request", f"cannot be parsed: {exc}"))
+
+    return parse
+
+
+def _check(request) -> None:
+    if isinstance(request, _Undecodable):
+        raise request.error
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns braid's exceptions, raised anywhere in a handler, into their status codes."""
 
@@ -52,11 +83,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith("/braid."):
             return handler
+        deserializer = _lenient(handler.request_deserializer)
         if handler.unary_unary:
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
                 try:
+                    _check(request)
                     return await inner(request, context)
                 except (grpc.aio.AbortError, grpc.RpcError):
                     raise
@@ -64,13 +97,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await abort_with(context, status_for(exc))
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
+                unary_unary, request_deserializer=deserializer,
                 response_serializer=handler.response_serializer)
         if handler.unary_stream:
             inner_stream = handler.unary_stream
 
             async def unary_stream(request, context):
                 try:
+                    _check(request)
                     async for response in inner_stream(request, context):
                         yield response
                 except (grpc.aio.AbortError, grpc.RpcError):
@@ -79,6 +113,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await abort_with(context, status_for(exc))
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
+                unary_stream, request_deserializer=deserializer,
                 response_serializer=handler.response_serializer)
         return handler

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from braid.server.config import EngineConfig, ServerConfig
+from braid.server.edge.auth import ApiKeyInterceptor
 from braid.server.edge.errors import ErrorInterceptor
 from braid.server.edge.servicer import GenerateServicer
 from braid.v1 import generate_pb2 as pb
@@ -19,6 +20,8 @@ from braid.v1 import generate_pb2_grpc as pb_grpc
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generate"].full_name
 _ENGINE_WATCH_S = 0.5
+_DRAIN_POLL_S = 0.05
+_FINAL_MESSAGES_S = 2.0  # after the grace period, time for the final CANCELLED messages to go out
 
 
 def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
@@ -35,7 +38,11 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     del model
     engine.start()
 
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    server = grpc.aio.server(
+        interceptors=[*interceptors, ErrorInterceptor()],
+        options=[("grpc.max_receive_message_length", config.max_message_bytes),
+                 ("grpc.so_reuseport", 0)])
     pb_grpc.add_GenerateServicer_to_server(GenerateServicer(engine, config), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -43,7 +50,7 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server)
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    port = _listen(server, address, config)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -67,12 +74,42 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
 
     watcher = asyncio.create_task(watch_engine())
     await stop.wait()
-    # Drain: health says NOT_SERVING at once, new calls are refused, in-flight streams get the grace
-    # period, then whatever is left is cancelled.
-    await health_servicer.enter_graceful_shutdown()
-    engine.stop_accepting()
-    await server.stop(config.grace_period)
+    await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0)
     watcher.cancel()
     await asyncio.to_thread(engine.stop, 10.0)
     _LOGGER.info("braid stopped")
     return exit_code
+
+
+async def _drain(server: grpc.aio.Server, health_servicer, engine, grace_period: float) -> None:
+    """Health turns NOT_SERVING at once and new calls get UNAVAILABLE; in-flight streams get the
+    grace period to finish, then the rest end with a final CANCELLED message."""
+    await health_servicer.enter_graceful_shutdown()
+    engine.stop_accepting()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_period
+    while loop.time() < deadline and engine.is_alive and _busy(engine):
+        await asyncio.sleep(_DRAIN_POLL_S)
+    if _busy(engine):
+        _LOGGER.info("grace period over: cancelling %d sessions", engine.stats().sessions_active)
+        engine.cancel_all()
+    await server.stop(_FINAL_MESSAGES_S)
+
+
+def _busy(engine) -> bool:
+    stats = engine.stats()
+    return stats.sessions_active + stats.sessions_queued > 0
+
+
+def _listen(server: grpc.aio.Server, address: str, config: ServerConfig) -> int:
+    if config.tls_cert is None:
+        return server.add_insecure_port(address)
+    with open(config.tls_cert, "rb") as cert, open(config.tls_key, "rb") as key:
+        pair = (key.read(), cert.read())
+    client_ca = None
+    if config.tls_client_ca is not None:
+        with open(config.tls_client_ca, "rb") as ca:
+            client_ca = ca.read()
+    credentials = grpc.ssl_server_credentials([pair], root_certificates=client_ca,
+                                              require_client_auth=client_ca is not None)
+    return server.add_secure_port(address, credentials)

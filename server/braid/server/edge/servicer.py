@@ -22,10 +22,6 @@ from braid.v1 import generate_pb2_grpc as pb_grpc
 if TYPE_CHECKING:  # the edge never imports torch: it reaches the engine only through this object
     from braid.server.engine.engine import Engine
 
-_FINISH_STATUS = {
-    FinishReason.ERROR: grpc.StatusCode.INTERNAL,
-    FinishReason.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
 
 
 class GenerateServicer(pb_grpc.GenerateServicer):
@@ -42,11 +38,11 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             async for batch in handle.batches():
                 message = self._message(batch, handle)
                 if handle.finished is not None:
-                    if handle.finished.reason in _FINISH_STATUS:
+                    failure = _failure_status(handle.finished.reason, context)
+                    if failure is not None:
                         if message.text or message.token_ids:
                             yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids)
-                        await context.abort(_FINISH_STATUS[handle.finished.reason],
-                                            handle.finished.error or "the call's deadline passed")
+                        await context.abort(failure, handle.finished.error or "the call's deadline passed")
                     context.set_trailing_metadata(_timing_metadata(message.timings))
                 yield message
         except asyncio.CancelledError:
@@ -90,6 +86,17 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def ServerStatus(self, request, context) -> pb.ServerStatusResponse:
         return convert.stats_to_pb(self._engine.stats(), self._engine.info,
                                    time.monotonic() - self._engine.started_at)
+
+
+def _failure_status(reason: FinishReason, context) -> grpc.StatusCode | None:
+    """An engine error ends the call with INTERNAL; a passed gRPC deadline with DEADLINE_EXCEEDED.
+    Every other end, the request's own timeout_ms included, is a normal final message."""
+    if reason is FinishReason.ERROR:
+        return grpc.StatusCode.INTERNAL
+    remaining = context.time_remaining()
+    if reason is FinishReason.DEADLINE and remaining is not None and remaining <= 0.05:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return None
 
 
 def _timing_metadata(t: pb.Timings) -> tuple[tuple[str, str], ...]:

@@ -21,7 +21,9 @@ from typing import Sequence
 import torch
 
 from braid.server.config import EngineConfig
+from braid.server.config import parse_memory
 from braid.server.engine.detokenizer import IncrementalDetokenizer
+from braid.server.engine.faults import FaultInjector
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.scheduler import Scheduler
 from braid.server.engine.session import Session, SessionStatus
@@ -29,9 +31,11 @@ from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import (Delta, EngineStats, EngineUnavailable, Event, FinishReason, Finished,
                                        GenerationRequest, InvalidArgument, ModelInfo, Overloaded, Timings)
 from braid.server.model.loader import LoadedModel
+from braid.server.runner.kv_cache import KVCache, free_memory
 from braid.server.runner.model_runner import ModelRunner, Work, pick_device
 
 _LOGGER = logging.getLogger(__name__)
+ALL_SESSIONS = -1
 
 
 @dataclass
@@ -56,15 +60,17 @@ class Engine:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
-        self.max_seq_len = min(config.max_seq_len or 4096, context)
-        self.runner = ModelRunner(model, device, dtype, config.max_batch_size, self.max_seq_len)
+        self.max_seq_len = min(config.max_seq_len, context)
+        num_slots = _fit_slots(config, model, self.max_seq_len, device, dtype)
+        self.runner = ModelRunner(model, device, dtype, num_slots, self.max_seq_len)
         self.tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
-        self.scheduler = Scheduler(config.mode, self.runner.cache, config.max_wait_ms / 1000,
-                                   config.prefill_chunk)
+        self.scheduler = Scheduler(config.mode, self.runner.cache, config.max_batch_size,
+                                   config.max_wait_ms / 1000, config.prefill_chunk,
+                                   config.batch_max_wait_ms / 1000)
         self.info = ModelInfo(
             model_name=model.name, architecture=model.architecture, context_length=self.max_seq_len,
             vocab_size=self.runner.vocab_size, dtype=str(dtype).removeprefix("torch."), device=str(device),
-            mode=config.mode, max_batch_size=config.max_batch_size, eos_token_ids=model.eos_token_ids,
+            mode=config.mode, max_batch_size=min(config.max_batch_size, num_slots), eos_token_ids=model.eos_token_ids,
             has_chat_template=self.tokenizer.has_chat_template, parameters=self.runner.num_parameters)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[int, Session] = {}  # model thread only
@@ -76,6 +82,7 @@ class Engine:
         self._outbox: list[tuple[SessionHandle, list[Event]]] = []
         self._thread = threading.Thread(target=self._run, name="braid-model", daemon=True)
         self._accepting = True
+        self.faults = FaultInjector.from_env()
         self.started_at = time.monotonic()
         self.error: BaseException | None = None
 
@@ -126,7 +133,8 @@ class Engine:
         session = Session(
             id=session_id, prompt_ids=prompt_ids, params=params, handle=handle,
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop),
-            rng=torch.Generator().manual_seed(params.seed), deadline=request.deadline)
+            rng=torch.Generator().manual_seed(params.seed), deadline=request.deadline,
+            priority=request.priority)
         self._inbox.put(_Add(session))
         return handle
 
@@ -145,6 +153,10 @@ class Engine:
 
     def _abort(self, session_id: int, reason: FinishReason) -> None:
         self._inbox.put(_Abort(session_id, reason))
+
+    def cancel_all(self) -> None:
+        """Ends every session with a final CANCELLED message (the end of a shutdown's grace)."""
+        self._inbox.put(_Abort(ALL_SESSIONS, FinishReason.CANCELLED))
 
     # ---- the model thread -------------------------------------------------------------------
 
@@ -185,7 +197,9 @@ class Engine:
                 w.session.started = now
                 with self._lock:
                     self._left_queue += 1
+        self.faults.before_pass(work)
         try:
+            self.faults.inside_pass(work)
             tokens = self.runner.run(work)
         except Exception as exc:  # a failed pass ends only the sessions that were in it
             _LOGGER.exception("forward pass failed")
@@ -208,6 +222,9 @@ class Engine:
             if isinstance(msg, _Add):
                 self._sessions[msg.session.id] = msg.session
                 self.scheduler.add(msg.session)
+            elif isinstance(msg, _Abort) and msg.session_id == ALL_SESSIONS:
+                for session in list(self._sessions.values()):
+                    self._finish(session, msg.reason)
             elif isinstance(msg, _Abort) and msg.session_id in self._sessions:
                 self._finish(self._sessions[msg.session_id], msg.reason)
             try:
@@ -289,6 +306,27 @@ class Engine:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
+
+
+def _fit_slots(config: EngineConfig, model: LoadedModel, max_seq_len: int, device: torch.device,
+               dtype: torch.dtype) -> int:
+    """KV-cache slots: --max-sessions, or fewer where the --kv-cache-memory budget holds fewer.
+    The cache is reserved at start, so the scheduler can never admit more than fits."""
+    cfg = model.hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_slot = max_seq_len * KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                     head_dim, dtype)
+    amount, is_fraction = parse_memory(config.kv_cache_memory)
+    budget = amount * free_memory(device) if is_fraction else amount
+    slots = min(config.max_sessions, int(budget // per_slot))
+    if slots < 1:
+        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory}: one session of --max-seq-len "
+                         f"{max_seq_len} tokens needs {per_slot / 2**20:.0f} MiB")
+    if slots < config.max_sessions:
+        _LOGGER.warning("KV cache budget fits %d sessions of %d tokens, not --max-sessions %d", slots,
+                        max_seq_len, config.max_sessions)
+    _LOGGER.info("KV cache: %d slots x %d tokens, %.0f MiB", slots, max_seq_len, slots * per_slot / 2**20)
+    return slots
 
 
 def _deliver(items: list[tuple[SessionHandle, list[Event]]]) -> None:

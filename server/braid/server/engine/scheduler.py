@@ -8,6 +8,11 @@ The four modes share everything else; they differ only in `_admit` (who gets a c
 - batched: waiting sessions are gathered (up to max_batch_size, or max_wait) and run together,
   prompts in one packed prefill, then decode steps, until the whole batch has left.
 - continuous: sessions join the running batch at every step and leave the moment they finish.
+
+Admission order is the same in every mode: interactive sessions first, except that a batch session
+that has waited `batch_max_wait_s` goes next, so batch work waits a bounded time, never forever.
+A pass holds at most `max_batch_size` sessions; when more are running (--max-sessions is larger),
+batched and continuous passes take turns over them.
 """
 
 from __future__ import annotations
@@ -15,32 +20,48 @@ from __future__ import annotations
 from collections import deque
 
 from braid.server.engine.session import Session, SessionStatus
-from braid.server.engine.types import Mode
+from braid.server.engine.types import Mode, Priority
 from braid.server.runner.kv_cache import KVCache
 from braid.server.runner.model_runner import Work
 
 
 class Scheduler:
-    def __init__(self, mode: Mode, cache: KVCache, max_wait_s: float, prefill_chunk: int) -> None:
+    def __init__(self, mode: Mode, cache: KVCache, max_batch_size: int, max_wait_s: float,
+                 prefill_chunk: int, batch_max_wait_s: float) -> None:
         self.mode = mode
         self.cache = cache
+        self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.prefill_chunk = prefill_chunk
-        self.waiting: deque[Session] = deque()
+        self.batch_max_wait_s = batch_max_wait_s
+        self.queues: dict[Priority, deque[Session]] = {p: deque() for p in Priority}
         self.running: list[Session] = []
         self._turn = 0
 
     @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running) or self.num_waiting > 0
 
     def add(self, session: Session) -> None:
-        self.waiting.append(session)
+        self.queues[session.priority].append(session)
+
+    def _oldest_waiting(self) -> Session | None:
+        return min((q[0] for q in self.queues.values() if q), key=lambda s: s.arrived, default=None)
+
+    def _next_waiting(self, now: float) -> Session | None:
+        interactive, batch = self.queues[Priority.INTERACTIVE], self.queues[Priority.BATCH]
+        if batch and (not interactive or now - batch[0].arrived >= self.batch_max_wait_s):
+            return batch[0]
+        return interactive[0] if interactive else None
 
     def remove(self, session: Session) -> None:
         """Takes a finished or cancelled session out, and frees its cache slot at once."""
         if session.status is SessionStatus.WAITING:
-            self.waiting.remove(session)
+            self.queues[session.priority].remove(session)
         elif session.status is SessionStatus.RUNNING:
             self.running.remove(session)
             self.cache.free(session.slot)
@@ -53,21 +74,23 @@ class Scheduler:
 
     def wait_hint(self, now: float) -> float | None:
         """Seconds the model thread may sleep before a batch should start (batched mode)."""
-        if self.mode is Mode.BATCHED and self.waiting and not self.running:
-            return max(0.0, self.waiting[0].arrived + self.max_wait_s - now)
+        oldest = self._oldest_waiting()
+        if self.mode is Mode.BATCHED and oldest is not None and not self.running:
+            return max(0.0, oldest.arrived + self.max_wait_s - now)
         return None
 
     def _admit(self, now: float) -> None:
         if self.mode is Mode.SEQUENTIAL:
             limit = 0 if self.running else 1
         elif self.mode is Mode.BATCHED:
-            batch_full = len(self.waiting) >= self.cache.num_slots
-            waited = bool(self.waiting) and now - self.waiting[0].arrived >= self.max_wait_s
-            limit = self.cache.num_slots if not self.running and (batch_full or waited) else 0
+            oldest = self._oldest_waiting()
+            batch_full = self.num_waiting >= self.max_batch_size
+            waited = oldest is not None and now - oldest.arrived >= self.max_wait_s
+            limit = self.max_batch_size if not self.running and (batch_full or waited) else 0
         else:
             limit = self.cache.num_slots
-        while self.waiting and limit > 0 and self.cache.num_free > 0:
-            session = self.waiting.popleft()
+        while limit > 0 and self.cache.num_free > 0 and (session := self._next_waiting(now)) is not None:
+            self.queues[session.priority].popleft()
             session.slot = self.cache.allocate()
             session.status = SessionStatus.RUNNING
             self.running.append(session)
@@ -85,7 +108,7 @@ class Scheduler:
         # per pass keeps running streams moving while a long prompt is prefilled in chunks.
         budget = None if self.mode is Mode.BATCHED else self.prefill_chunk
         work = []
-        for session in self.running:
+        for session in self._this_turn():
             if not session.is_prefilling:
                 work.append(Work(session, 1))
             elif budget is None or budget > 0:
@@ -93,6 +116,13 @@ class Scheduler:
                 budget = None if budget is None else budget - item.num_tokens
                 work.append(item)
         return work
+
+    def _this_turn(self) -> list[Session]:
+        """The running sessions of this pass: all of them, or max_batch_size in turn."""
+        if len(self.running) <= self.max_batch_size:
+            return self.running
+        start = self._turn = (self._turn + self.max_batch_size) % len(self.running)
+        return (self.running[start:] + self.running[:start])[:self.max_batch_size]
 
     @staticmethod
     def _work(session: Session, budget: int | None) -> Work:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from braid.server.engine.types import FinishReason, SamplingParams
+from braid.server.engine.types import FinishReason, Priority, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +31,7 @@ class Session:
     detokenizer: IncrementalDetokenizer
     rng: torch.Generator
     deadline: float | None = None
+    priority: Priority = Priority.INTERACTIVE
     token_ids: list[int] = field(default_factory=list)  # prompt, then every generated token
     num_cached: int = 0  # tokens whose keys and values are in the cache
     slot: int | None = None

@@ -13,6 +13,11 @@ class Mode(enum.Enum):
     CONTINUOUS = "continuous"
 
 
+class Priority(enum.Enum):
+    INTERACTIVE = 1
+    BATCH = 2
+
+
 class FinishReason(enum.Enum):
     """Why a session ended; the values match braid.v1.FinishReason."""
 
@@ -82,6 +87,7 @@ class GenerationRequest:
     params: SamplingParams
     request_id: str
     deadline: float | None = None  # time.monotonic() after which the session is stopped
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass

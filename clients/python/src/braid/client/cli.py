@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
                           help="a stop token id (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
+    sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
+                          metavar="interactive|batch", help="queue priority under load")
+    sampling.add_argument("--timeout-ms", type=int, metavar="MS",
+                          help="end the generation with finish reason DEADLINE after this long")
 
     security = parser.add_argument_group("security")
     security.add_argument("--tls", action="store_true", help="connect with TLS (system CAs unless --ca-cert)")

@@ -1,0 +1,246 @@
+"""Overload, deadlines, cancellation storms, faults and shutdown: the server tells every client exactly
+what happened, and stays up."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from braid.client import AsyncClient
+from braid.v1 import generate_pb2 as pb
+from conftest import Server, wait_for
+
+LONG = dict(max_new_tokens=900, ignore_eos=True)
+
+
+def _details(err: grpc.RpcError, kind):
+    raw = dict(err.trailing_metadata())["grpc-status-details-bin"]
+    detail = kind()
+    status_pb2.Status.FromString(raw).details[0].Unpack(detail)
+    return detail
+
+
+def _tiny(tiny_dir, *args, env=None) -> Server:
+    return Server(["--model", str(tiny_dir), "--threads", "1", *args], env=env)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_dir):
+    """Sequential, one running session and one queued at most: easy to fill."""
+    server = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--max-queued", "1")
+    yield server
+    server.stop()
+
+
+def _settled(client, **expected):
+    def check():
+        s = client.server_status()
+        return s if all(getattr(s, k) == v for k, v in expected.items()) else None
+    return wait_for(check)
+
+
+def test_invalid_utf8_is_invalid_argument_naming_the_field(servers):
+    server = servers("continuous")
+    good = pb.GenerateRequest(messages=[pb.Message(role="user", content="ok"),
+                                        pb.Message(role="user", content="x")]).SerializeToString()
+    with grpc.insecure_channel(server.target) as channel:
+        raw = channel.unary_stream("/braid.v1.Generate/Stream", request_serializer=None,
+                                   response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            list(raw(good.replace(b"x", b"\xff\xfe")))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _details(err.value, error_details_pb2.BadRequest).field_violations[0].field == "messages[1].content"
+
+
+def test_past_the_queue_calls_are_refused_at_once_with_retry_info(small):
+    with small.client() as client:
+        running = client.stream("hold", **LONG)
+        next(iter(running))
+        queued = client.stream("wait", max_new_tokens=2)
+        _settled(client, sessions_queued=1)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream("one too many", max_new_tokens=2))
+        assert time.monotonic() - started < 2
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _details(err.value, error_details_pb2.RetryInfo).retry_delay.ToMilliseconds() > 0
+        running.cancel()
+        assert list(queued)[-1].finish_reason == pb.FINISH_REASON_MAX_TOKENS
+        _settled(client, sessions_active=0, sessions_queued=0)
+
+
+def _order_of_service(server: Server, priorities: list[int]) -> list[int]:
+    """Holds the model with one stream, queues one request per priority (in order), releases the
+    model, and returns the queued requests' indices in the order they got their first token."""
+    async def run():
+        async with AsyncClient(server.target) as client:
+            hold = client.stream("hold", **LONG)
+            await hold.__anext__()
+            order = []
+
+            async def one(i, priority):
+                async for m in client.stream("go", max_new_tokens=3, ignore_eos=True, priority=priority):
+                    if m.token_ids:
+                        order.append(i)
+                        break
+
+            tasks = []
+            for i, p in enumerate(priorities):
+                tasks.append(asyncio.create_task(one(i, p)))
+                await asyncio.sleep(0.15)
+            hold.cancel()
+            await asyncio.gather(*tasks)
+            return order
+    return asyncio.run(run())
+
+
+def test_interactive_goes_before_batch_and_batch_is_not_starved(tiny_dir):
+    b, i = pb.PRIORITY_BATCH, pb.PRIORITY_INTERACTIVE
+    patient = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "60000")
+    try:
+        assert _order_of_service(patient, [b, b, i])[0] == 2
+    finally:
+        patient.stop()
+    # Once a batch session has waited --batch-max-wait-ms, it goes before newer interactive ones.
+    aging = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "100")
+    try:
+        assert _order_of_service(aging, [b, i, i])[0] == 0
+    finally:
+        aging.stop()
+
+
+def test_grpc_deadline_stops_generation_and_frees_the_session(servers):
+    with servers("continuous").client() as client:
+        before = client.server_status().sessions_finished.deadline
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream("slow", timeout=0.5, **LONG))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _settled(client, sessions_active=0, sessions_queued=0)
+        assert client.server_status().sessions_finished.deadline == before + 1
+
+
+def test_timeout_ms_ends_the_stream_with_a_deadline_final_message(servers):
+    with servers("continuous").client() as client:
+        stream = client.stream("slow", timeout_ms=400, **LONG)
+        messages = list(stream)
+    assert messages[-1].finish_reason == pb.FINISH_REASON_DEADLINE
+    assert 0 < messages[-1].usage.generated_tokens < 900
+
+
+def test_a_request_whose_deadline_passed_in_the_queue_never_runs(small):
+    with small.client() as client:
+        before = client.server_status()
+        running = client.stream("hold", **LONG)
+        next(iter(running))
+        expired = client.stream("too late", timeout_ms=200, max_new_tokens=5)
+        time.sleep(0.6)
+        running.cancel()
+        final = list(expired)[-1]
+        after = _settled(client, sessions_active=0, sessions_queued=0)
+    assert final.finish_reason == pb.FINISH_REASON_DEADLINE
+    assert final.usage.generated_tokens == 0
+    assert after.sessions_finished.deadline == before.sessions_finished.deadline + 1
+
+
+def test_a_thousand_random_cancellations_leak_nothing(servers):
+    server = servers("continuous")
+    rng = random.Random(7)
+
+    async def run():
+        async with AsyncClient(server.target) as client:
+            gate = asyncio.Semaphore(48)
+
+            async def cancelled(n_messages):
+                async with gate:
+                    stream = client.stream("cancel me", **LONG)
+                    async for _ in stream:
+                        n_messages -= 1
+                        if n_messages <= 0:
+                            break
+                    stream.cancel()
+
+            async def normal():
+                done = await client.generate("keep going", max_new_tokens=20, ignore_eos=True)
+                return done.usage.generated_tokens
+
+            jobs = [cancelled(rng.randint(0, 3)) for _ in range(1000)]
+            results = await asyncio.gather(*jobs, *(normal() for _ in range(8)))
+            return results[-8:]
+
+    with server.client() as client:
+        before = client.server_status().sessions_finished.cancelled
+        assert asyncio.run(run()) == [20] * 8
+        status = _settled(client, sessions_active=0, sessions_queued=0)
+        wait_for(lambda: client.server_status().sessions_finished.cancelled == before + 1000)
+
+
+def _token_id(server: Server, word: str) -> int:
+    with server.client() as client:
+        return client.tokenize(word).token_ids[-1]
+
+
+def test_a_failed_forward_pass_ends_only_its_sessions(tiny_dir, servers):
+    marker = _token_id(servers("continuous"), " zebra")
+    server = _tiny(tiny_dir, "--mode", "sequential", env={"BRAID_INJECT_FAULT": f"pass:{marker}"})
+    try:
+        with server.client() as client:
+            with pytest.raises(grpc.RpcError) as err:
+                list(client.stream("a zebra", max_new_tokens=4))
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "forward pass failed" in err.value.details()
+            assert client.health() == "SERVING"
+            assert client.generate("a horse", max_new_tokens=4, ignore_eos=True).usage.generated_tokens == 4
+            assert client.server_status().sessions_finished.error == 1
+    finally:
+        server.stop()
+
+
+def test_a_dead_model_thread_turns_health_off_and_exits_nonzero(tiny_dir, servers):
+    marker = _token_id(servers("continuous"), " zebra")
+    server = _tiny(tiny_dir, env={"BRAID_INJECT_FAULT": f"thread:{marker}"})
+    with server.client() as client:
+        with pytest.raises(grpc.RpcError):
+            list(client.stream("a zebra", max_new_tokens=4))
+    assert server.proc.wait(timeout=30) != 0
+
+
+def test_sigterm_drains_then_cancels_with_a_final_message_and_exits_zero(tiny_dir):
+    server = _tiny(tiny_dir, "--mode", "continuous", "--grace-period", "1.5")
+    client = server.client()
+    try:
+        short = client.stream("short", max_new_tokens=30, ignore_eos=True)
+        long = client.stream("long", **LONG)
+        next(iter(short)), next(iter(long))
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: client.health() == "NOT_SERVING", timeout=2)
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream("new", max_new_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert list(short)[-1].finish_reason == pb.FINISH_REASON_MAX_TOKENS
+        assert list(long)[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_prompts_and_outputs_stay_out_of_the_logs(tiny_dir, tmp_path):
+    log = tmp_path / "server.log"
+    server = Server(["--model", str(tiny_dir), "--threads", "1"], log_path=log)
+    try:
+        with server.client() as client:
+            done = client.generate("secret-marker-4711", max_new_tokens=8, ignore_eos=True)
+            with pytest.raises(grpc.RpcError):
+                list(client.stream("secret-marker-4712", top_p=7.0))
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "braid serving" in text
+    assert "secret-marker" not in text
+    assert len(done.text) < 12 or done.text not in text
