@@ -1,0 +1,162 @@
+'use strict';
+/**
+ * braid's Node.js client: stream LLM text generation from a braid server over gRPC.
+ *
+ *   const { Client } = require('@braid/client');
+ *   const client = new Client('localhost:50051');
+ *   const call = client.stream({ prompt: 'Once upon a time', maxNewTokens: 32 });
+ *   for await (const message of call) process.stdout.write(message.text);
+ *   client.close();
+ *
+ * The contract, protos/braid/v1/generate.proto, is loaded at run time with
+ * @grpc/proto-loader: there is no generated code to keep in step with it.
+ * Field names are camelCase (maxNewTokens, finishReason, tokenIds), enums are
+ * their names ('FINISH_REASON_EOS'), and 64-bit integers are decimal strings.
+ */
+
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const PROTO_DIR = path.resolve(__dirname, '..', '..', 'protos');
+const PROTO_FILE = 'braid/v1/generate.proto';
+const HEALTH_STATUS = ['UNKNOWN', 'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN'];
+
+const LOADER_OPTIONS = {
+  keepCase: false, // maxNewTokens, not max_new_tokens
+  longs: String, // uint64 seed and counters: exact, as decimal strings
+  enums: String, // 'FINISH_REASON_MAX_TOKENS', not 1
+  defaults: true, // every field present, at its default where unset
+  oneofs: true,
+};
+
+/** Loads braid.v1 from the .proto: { Generate, GenerateRequest, ... }. */
+function loadBraid(protoDir = PROTO_DIR) {
+  const definition = protoLoader.loadSync(PROTO_FILE, { ...LOADER_OPTIONS, includeDirs: [protoDir] });
+  return grpc.loadPackageDefinition(definition).braid.v1;
+}
+
+// grpc.health.v1 without its .proto: HealthCheckRequest is {1: string service} and
+// HealthCheckResponse is {1: enum status}, so both are hand-encoded here.
+function encodeHealthRequest(service) {
+  const bytes = Buffer.from(service, 'utf8');
+  if (bytes.length === 0) return Buffer.alloc(0);
+  if (bytes.length > 127) throw new RangeError('service name too long');
+  return Buffer.concat([Buffer.from([0x0a, bytes.length]), bytes]);
+}
+
+function decodeHealthResponse(buffer) {
+  // One varint field 1, or nothing (status 0, UNKNOWN).
+  const status = buffer.length >= 2 && buffer[0] === 0x08 ? buffer[1] : 0;
+  return HEALTH_STATUS[status] ?? String(status);
+}
+
+/** True for the error a stream ends with after call.cancel() (or a closed channel). */
+function isCancelled(error) {
+  return Boolean(error) && error.code === grpc.status.CANCELLED;
+}
+
+class Client {
+  /**
+   * Opens a channel to a braid server.
+   *
+   * @param {string} target host:port of the server.
+   * @param {object} [options]
+   * @param {grpc.ChannelCredentials} [options.credentials] default: plaintext.
+   * @param {string} [options.apiKey] sent with every call as `authorization: Bearer <apiKey>`.
+   * @param {object} [options.channelOptions] grpc-js channel options.
+   */
+  constructor(target = 'localhost:50051', { credentials, apiKey, channelOptions } = {}) {
+    const braid = loadBraid();
+    this.target = target;
+    this.stub = new braid.Generate(target, credentials ?? grpc.credentials.createInsecure(), channelOptions);
+    this.apiKey = apiKey;
+  }
+
+  metadata() {
+    const metadata = new grpc.Metadata();
+    if (this.apiKey) metadata.set('authorization', `Bearer ${this.apiKey}`);
+    return metadata;
+  }
+
+  static callOptions(timeoutMs) {
+    return timeoutMs === undefined ? {} : { deadline: Date.now() + timeoutMs };
+  }
+
+  /**
+   * Starts a generation and returns its call: a readable stream of GenerateResponse messages.
+   *
+   * Read it with `for await (const message of call)` or with events ('data', 'end', 'error',
+   * 'metadata', 'status'). The last message carries finishReason, usage, requestId, seed and
+   * timings. `call.cancel()` cancels the session on the server; the call then ends with an
+   * error whose code is grpc.status.CANCELLED (see isCancelled).
+   *
+   * @param {object} request GenerateRequest fields: prompt or messages ([{role, content}]),
+   *   maxNewTokens, temperature, topP, topK, minP, repetitionPenalty, seed, stop,
+   *   stopTokenIds, ignoreEos, requestId, minNewTokens.
+   * @param {object} [options]
+   * @param {number} [options.timeoutMs] deadline of the call.
+   * @returns {grpc.ClientReadableStream}
+   */
+  stream(request, { timeoutMs } = {}) {
+    return this.stub.Stream(request, this.metadata(), Client.callOptions(timeoutMs));
+  }
+
+  /** Runs a generation to its end: resolves to { text, tokenIds, final }. */
+  async generate(request, options) {
+    let text = '';
+    const tokenIds = [];
+    let final = null;
+    for await (const message of this.stream(request, options)) {
+      text += message.text;
+      tokenIds.push(...message.tokenIds);
+      if (message.finishReason !== 'FINISH_REASON_UNSPECIFIED') final = message;
+    }
+    return { text, tokenIds, final };
+  }
+
+  unary(method, request, timeoutMs) {
+    return new Promise((resolve, reject) => {
+      this.stub[method](request, this.metadata(), Client.callOptions(timeoutMs), (error, response) =>
+        error ? reject(error) : resolve(response),
+      );
+    });
+  }
+
+  /** Resolves to a TokenizeResponse ({ tokenIds, pieces }) for { text } or { messages }. */
+  tokenize(request, { timeoutMs } = {}) {
+    return this.unary('Tokenize', request, timeoutMs);
+  }
+
+  /** Resolves to a ModelInfoResponse. */
+  modelInfo({ timeoutMs } = {}) {
+    return this.unary('ModelInfo', {}, timeoutMs);
+  }
+
+  /** Resolves to a ServerStatusResponse: sessionsActive, sessionsFinished.cancelled, ... */
+  serverStatus({ timeoutMs } = {}) {
+    return this.unary('ServerStatus', {}, timeoutMs);
+  }
+
+  /** Resolves to the grpc.health.v1 status of `service` ('' is the whole server): 'SERVING', ... */
+  health(service = '', { timeoutMs } = {}) {
+    return new Promise((resolve, reject) => {
+      this.stub.makeUnaryRequest(
+        '/grpc.health.v1.Health/Check',
+        encodeHealthRequest,
+        decodeHealthResponse,
+        service,
+        this.metadata(),
+        Client.callOptions(timeoutMs),
+        (error, status) => (error ? reject(error) : resolve(status)),
+      );
+    });
+  }
+
+  /** Closes the channel; a stream still running on it is cancelled. */
+  close() {
+    this.stub.close();
+  }
+}
+
+module.exports = { Client, isCancelled, loadBraid, grpc, PROTO_DIR };

@@ -1,0 +1,95 @@
+'use strict';
+// The library against a live braid server: BRAID_TARGET=host:port npm test
+// (tests/test_node_client.py starts a server and runs this).
+
+const assert = require('node:assert/strict');
+const { after, before, test } = require('node:test');
+const { Client, isCancelled, grpc } = require('../index.js');
+const { buildRequest, parse } = require('../cli.js');
+
+const TARGET = process.env.BRAID_TARGET;
+let client;
+
+before(() => {
+  assert.ok(TARGET, 'set BRAID_TARGET=host:port of a running braid server');
+  client = new Client(TARGET);
+});
+
+after(() => client?.close());
+
+async function waitFor(predicate, timeoutMs = 20000) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await predicate();
+    if (value) return value;
+    assert.ok(Date.now() < deadline, 'condition not met in time');
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+}
+
+test('health, model info and tokenize', async () => {
+  assert.equal(await client.health(), 'SERVING');
+  assert.equal(await client.health('braid.v1.Generate'), 'SERVING');
+  const info = await client.modelInfo();
+  assert.ok(info.modelName);
+  assert.ok(info.contextLength > 0);
+  assert.match(info.mode, /^SCHEDULING_MODE_/);
+  const tokens = await client.tokenize({ text: 'Hello world' });
+  assert.ok(tokens.tokenIds.length > 0);
+  assert.equal(tokens.pieces.join(''), 'Hello world');
+});
+
+test('a stream read with for await ends with finishReason and usage', async () => {
+  const call = client.stream({ prompt: 'The capital of France is', maxNewTokens: 4, ignoreEos: true });
+  const messages = [];
+  for await (const message of call) messages.push(message);
+  const final = messages.at(-1);
+  assert.equal(final.finishReason, 'FINISH_REASON_MAX_TOKENS');
+  assert.equal(final.usage.generatedTokens, 4);
+  assert.equal(messages.flatMap((m) => m.tokenIds).length, 4);
+  assert.ok(messages.map((m) => m.text).join('').length > 0);
+  assert.ok(messages.slice(0, -1).every((m) => m.finishReason === 'FINISH_REASON_UNSPECIFIED'));
+});
+
+test('generate() runs a chat to its end with the seed it was given', async () => {
+  const result = await client.generate({
+    messages: [{ role: 'user', content: 'Say hi.' }], maxNewTokens: 3, temperature: 0.8, seed: '7', ignoreEos: true,
+  });
+  assert.equal(result.tokenIds.length, 3);
+  assert.equal(result.final.seed, '7');
+  assert.equal(result.final.usage.generatedTokens, 3);
+});
+
+test('cancel() ends the call with CANCELLED and frees the session on the server', async () => {
+  const before = await client.serverStatus();
+  const call = client.stream({ prompt: 'Count to a thousand:', maxNewTokens: 500, ignoreEos: true });
+  const error = await new Promise((resolve, reject) => {
+    call.once('data', () => call.cancel());
+    call.on('error', resolve);
+    call.on('end', () => reject(new Error('the stream ran to its end')));
+  });
+  assert.ok(isCancelled(error), String(error));
+  const status = await waitFor(async () => {
+    const now = await client.serverStatus();
+    const counted = BigInt(now.sessionsFinished.cancelled) > BigInt(before.sessionsFinished.cancelled);
+    return now.sessionsActive === 0 && counted && now;
+  });
+  assert.equal(status.sessionsQueued, 0);
+});
+
+test('a bad request is INVALID_ARGUMENT', async () => {
+  await assert.rejects(client.generate({ maxNewTokens: 2 }), (error) => {
+    assert.equal(error.code, grpc.status.INVALID_ARGUMENT);
+    assert.match(error.details, /prompt/);
+    return true;
+  });
+});
+
+test('the CLI maps its flags to GenerateRequest fields', () => {
+  const args = parse(['--target', 'h:1', '--max-tokens', '5', '--cancel-after', '2', '--seed', '3', '--chat', 'hi']);
+  assert.equal(args.target, 'h:1');
+  assert.equal(args.cancelAfter, 2);
+  assert.deepEqual(buildRequest(args), { messages: [{ role: 'user', content: 'hi' }], maxNewTokens: 5, seed: '3' });
+  assert.deepEqual(buildRequest(parse(['--temperature', '0.5', '--ignore-eos', 'x'])),
+    { prompt: 'x', temperature: 0.5, ignoreEos: true });
+});

@@ -1,0 +1,102 @@
+"""The Node.js client (clients/node) against a real braid server, as a user runs it.
+
+The CLI streams a generation, cancels it after N tokens, and cancels it on Ctrl-C; each time the
+server's ServerStatus shows the session gone and, when cancelled, counted as cancelled. The
+library's own node:test suite (clients/node/test) runs against the same server.
+node and npm must be on the PATH; `npm ci` installs clients/node/node_modules on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+NODE_DIR = Path(__file__).resolve().parents[1] / "clients" / "node"
+STREAM_TIMEOUT_S = 60
+
+
+def wait_for(predicate, timeout: float = 20.0):
+    """Polls predicate() until it returns something truthy, which it returns."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.fixture(scope="session")
+def node() -> str:
+    """The node binary, with clients/node's dependencies installed (`npm ci`, once)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    assert node and npm, "node and npm must be on the PATH"
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=600)
+    return node
+
+
+def status(server):
+    with server.client() as client:
+        return client.server_status(timeout=5)
+
+
+def cancelled_since(server, before) -> bool:
+    """True once no session is active and one more session than before finished as cancelled."""
+    now = status(server)
+    return now.sessions_active == 0 and now.sessions_finished.cancelled > before.sessions_finished.cancelled
+
+
+def cli(node: str, server, *args: str) -> list[str]:
+    return [node, "cli.js", "--target", server.target, *args]
+
+
+def test_cli_streams_a_generation(node, smol):
+    result = subprocess.run(cli(node, smol, "--max-tokens", "4", "--stats", "The capital of France is"),
+                            cwd=NODE_DIR, capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "finish_reason: FINISH_REASON_" in result.stderr
+    assert "4 generated tokens" in result.stderr or "FINISH_REASON_EOS" in result.stderr
+
+
+def test_cli_cancel_after_n_tokens(node, smol):
+    before = status(smol)
+    result = subprocess.run(cli(node, smol, "--max-tokens", "200", "--ignore-eos", "--cancel-after", "3",
+                                "Count to a thousand:"),
+                            cwd=NODE_DIR, capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert "[cancelled after 3 tokens]" in result.stderr
+    wait_for(lambda: cancelled_since(smol, before))
+
+
+def test_cli_ctrl_c_cancels_the_stream(node, smol):
+    before = status(smol)
+    proc = subprocess.Popen(cli(node, smol, "--max-tokens", "500", "--ignore-eos", "Tell me a long story."),
+                            cwd=NODE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: status(smol).sessions_active == 1)  # streaming now
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        _, stderr = proc.communicate(timeout=STREAM_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert "[cancelled]" in stderr
+    wait_for(lambda: cancelled_since(smol, before))
+
+
+def test_node_library_suite(node, smol):
+    npm = shutil.which("npm")
+    result = subprocess.run([npm, "test"], cwd=NODE_DIR, env={**os.environ, "BRAID_TARGET": smol.target},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The summary lines of node:test's reporters: "# pass 6" (tap) or "ℹ pass 6" (spec).
+    counts = dict(re.findall(r"^(?:#|ℹ) (tests|pass|fail|skipped|todo|cancelled) (\d+)$", result.stdout, re.M))
+    assert int(counts["tests"]) > 0 and counts["pass"] == counts["tests"], result.stdout  # nothing skipped
