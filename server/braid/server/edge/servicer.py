@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # the edge never imports torch: it reaches the engine only th
 
 
 
+_CLOCK_SLACK_S = 0.1
+
+
 class GenerateServicer(pb_grpc.GenerateServicer):
     def __init__(self, engine: "Engine", config: ServerConfig) -> None:
         self._engine = engine
@@ -47,7 +50,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 yield message
         except asyncio.CancelledError:
             # The client closed the stream (or its deadline passed): free the session now.
-            deadline_passed = req.deadline is not None and time.monotonic() >= req.deadline
+            # (the cancellation can arrive a hair before our own clock reaches the deadline)
+            deadline_passed = req.deadline is not None and time.monotonic() >= req.deadline - _CLOCK_SLACK_S
             handle.cancel(FinishReason.DEADLINE if deadline_passed else FinishReason.CANCELLED)
             raise
         finally:
