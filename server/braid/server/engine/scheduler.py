@@ -5,8 +5,9 @@ The four modes share everything else; they differ only in `_admit` (who gets a c
 
 - sequential: one session holds the model until it finishes.
 - interleaved: every admitted session has its own slot; one session per pass, round robin.
-- batched: waiting sessions are gathered (up to max_batch_size, or max_wait) and run together,
-  prompts in one packed prefill, then decode steps, until the whole batch has left.
+- batched: waiting sessions are gathered (up to max_batch_size, or max_wait), bucketed by prompt
+  length, and run together: prompts in one packed prefill, then decode steps, until the whole
+  batch has left.
 - continuous: sessions join the running batch at every step and leave the moment they finish.
 
 Admission order is the same in every mode: interactive sessions first, except that a batch session
@@ -87,14 +88,32 @@ class Scheduler:
             batch_full = self.num_waiting >= self.max_batch_size
             waited = oldest is not None and now - oldest.arrived >= self.max_wait_s
             limit = self.max_batch_size if not self.running and (batch_full or waited) else 0
+            if limit:
+                for session in self._bucket(now, min(limit, self.cache.num_free)):
+                    self._start(session)
+            return
         else:
             limit = self.cache.num_slots
         while limit > 0 and self.cache.num_free > 0 and (session := self._next_waiting(now)) is not None:
-            self.queues[session.priority].popleft()
-            session.slot = self.cache.allocate()
-            session.status = SessionStatus.RUNNING
-            self.running.append(session)
+            self._start(session)
             limit -= 1
+
+    def _bucket(self, now: float, size: int) -> list[Session]:
+        """The next session in admission order, and the waiting sessions closest to it in prompt
+        length. Every decode step attends over the batch's longest context, so similar lengths
+        waste less; the next session in order always goes, so no length waits for ever."""
+        first = self._next_waiting(now)
+        if first is None:
+            return []
+        others = [s for q in self.queues.values() for s in q if s is not first]
+        others.sort(key=lambda s: (abs(s.num_prompt - first.num_prompt), s.arrived))
+        return [first, *others[:size - 1]]
+
+    def _start(self, session: Session) -> None:
+        self.queues[session.priority].remove(session)
+        session.slot = self.cache.allocate()
+        session.status = SessionStatus.RUNNING
+        self.running.append(session)
 
     def _pick(self) -> list[Work]:
         if not self.running:

@@ -107,7 +107,9 @@ class LlamaDecoder:
         probe = torch.zeros(1, dtype=torch.float32)
         cos, sin = inner.rotary_emb(probe, positions)
         self.cos = cos[0].to(device=device, dtype=dtype)  # [max_seq, D]
-        self.sin = sin[0].to(device=device, dtype=dtype)
+        half = self.head_dim // 2
+        # sin with rotate_half's sign folded in: rope(x) = x * cos + roll(x, half) * signed_sin
+        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -120,10 +122,9 @@ class LlamaDecoder:
         for i, w in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
             qkv = F.linear(h, w.qkv, w.qkv_bias)
-            q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-            q = _rope(q.view(n, heads, d), cos, sin)
-            k = _rope(k.view(n, kv_heads, d), cos, sin)
-            v = v.view(n, kv_heads, d)
+            qk = _rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
             attn = self._attention(i, q, k, v, batch, cache)  # [N, H * D]
             x = x + F.linear(attn, w.o)
             h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
@@ -174,10 +175,9 @@ class LlamaDecoder:
         return out
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, x: [N, heads, D]; cos, signed_sin: [N, 1, D]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def _chunk_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
