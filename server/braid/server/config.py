@@ -7,6 +7,7 @@ declared once, here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,15 +78,22 @@ class ServerConfig:
         "require `authorization: Bearer <key>` metadata on every braid call (health stays open)"))
     max_message_bytes: int = field(default=4 * 1024 * 1024, **_opt(
         "largest request message accepted"))
+    metrics_port: int = field(default=0, **_opt(
+        "serve Prometheus metrics on http://<host>:<port>/metrics (0: off)"))
+    otlp_endpoint: str | None = field(default=None, **_opt(
+        "send traces and metrics over OTLP/gRPC to this collector, e.g. http://otel-collector:4317 "
+        "(http:// plaintext, https:// TLS; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else off)"))
 
     def __post_init__(self) -> None:
         _positive(self, "default_max_new_tokens", "max_message_bytes")
+        self.otlp_endpoint = self.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        if not 0 <= self.port < 65536:
-            raise ValueError("--port must be in [0, 65535]")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535]")
         if self.grace_period < 0:
             raise ValueError("--grace-period must be 0 or more")
 

@@ -6,6 +6,7 @@ RESOURCE_EXHAUSTED carries google.rpc.RetryInfo, so generated clients in any lan
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import grpc
@@ -13,6 +14,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from braid.server.edge.calls import wrap_calls
 from braid.server.edge.wire import invalid_utf8_field
 from braid.server.engine.types import EngineUnavailable, InvalidArgument, Overloaded
 
@@ -83,36 +85,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith("/braid."):
             return handler
-        deserializer = _lenient(handler.request_deserializer)
-        if handler.unary_unary:
-            inner = handler.unary_unary
+        return wrap_calls(handler, _as_status, request_deserializer=_lenient(handler.request_deserializer))
 
-            async def unary_unary(request, context):
-                try:
-                    _check(request)
-                    return await inner(request, context)
-                except (grpc.aio.AbortError, grpc.RpcError):
-                    raise
-                except Exception as exc:
-                    await abort_with(context, status_for(exc))
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream:
-            inner_stream = handler.unary_stream
-
-            async def unary_stream(request, context):
-                try:
-                    _check(request)
-                    async for response in inner_stream(request, context):
-                        yield response
-                except (grpc.aio.AbortError, grpc.RpcError):
-                    raise
-                except Exception as exc:
-                    await abort_with(context, status_for(exc))
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=deserializer,
-                response_serializer=handler.response_serializer)
-        return handler
+@contextlib.asynccontextmanager
+async def _as_status(request, context: grpc.aio.ServicerContext):
+    try:
+        _check(request)
+        yield
+    except (grpc.aio.AbortError, grpc.RpcError):
+        raise
+    except Exception as exc:
+        if context.done():  # the call is already over (e.g. its deadline passed mid-send)
+            raise
+        await abort_with(context, status_for(exc))

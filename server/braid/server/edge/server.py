@@ -14,6 +14,7 @@ from braid.server.config import EngineConfig, ServerConfig
 from braid.server.edge.auth import ApiKeyInterceptor
 from braid.server.edge.errors import ErrorInterceptor
 from braid.server.edge.servicer import GenerateServicer
+from braid.server.telemetry.tracing import TelemetryInterceptor
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
@@ -38,7 +39,10 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     del model
     engine.start()
 
-    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    telemetry_on = bool(config.metrics_port or config.otlp_endpoint)
+    interceptors = [TelemetryInterceptor()] if telemetry_on else []  # outermost: sees every status
+    if config.api_key:
+        interceptors.append(ApiKeyInterceptor(config.api_key))
     server = grpc.aio.server(
         interceptors=[*interceptors, ErrorInterceptor()],
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
@@ -51,6 +55,11 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         server)
     address = f"{config.host}:{config.port}"
     port = _listen(server, address, config)
+    telemetry = None
+    if telemetry_on:
+        from braid.server.telemetry.setup import start_telemetry  # the SDK and exporters: only when asked for
+
+        telemetry = start_telemetry(config, engine, port)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -77,6 +86,8 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0)
     watcher.cancel()
     await asyncio.to_thread(engine.stop, 10.0)
+    if telemetry is not None:
+        await asyncio.to_thread(telemetry.shutdown)
     _LOGGER.info("braid stopped")
     return exit_code
 

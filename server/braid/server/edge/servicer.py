@@ -16,6 +16,7 @@ from braid.server.config import ServerConfig
 from braid.server.edge import convert
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Delta, FinishReason, GenerationRequest
+from braid.server.telemetry import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
@@ -36,11 +37,13 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         req = convert.request_from_pb(request, self._config.default_max_new_tokens,
                                       self._engine.info.vocab_size, context.time_remaining())
         handle = await self._submit(req)
+        tracing.on_session(handle, self._engine.info.mode)
         await context.send_initial_metadata((("braid-request-id", req.request_id),))
         try:
             async for batch in handle.batches():
                 message = self._message(batch, handle)
                 if handle.finished is not None:
+                    tracing.on_finished(handle)
                     failure = _failure_status(handle.finished.reason, context)
                     if failure is not None:
                         if message.text or message.token_ids:

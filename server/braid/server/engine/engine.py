@@ -33,6 +33,7 @@ from braid.server.engine.types import (Delta, EngineStats, EngineUnavailable, Ev
 from braid.server.model.loader import LoadedModel
 from braid.server.runner.kv_cache import KVCache, free_memory
 from braid.server.runner.model_runner import ModelRunner, Work, pick_device
+from braid.server.telemetry.metrics import record_finish, record_pass
 
 _LOGGER = logging.getLogger(__name__)
 ALL_SESSIONS = -1
@@ -134,7 +135,7 @@ class Engine:
             id=session_id, prompt_ids=prompt_ids, params=params, handle=handle,
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop),
             rng=torch.Generator().manual_seed(params.seed), deadline=request.deadline,
-            priority=request.priority)
+            priority=request.priority, arrived=handle.arrived)
         self._inbox.put(_Add(session))
         return handle
 
@@ -243,6 +244,7 @@ class Engine:
             self._stats.forward_passes += 1
             self._stats.prompt_tokens += sum(w.num_tokens for w in work if w.session.is_prefilling)
             self._stats.tokens_generated += sum(t is not None for t in tokens)
+        record_pass(len(work), sum(w.num_tokens for w in work))
         for w, token in zip(work, tokens):
             s = w.session
             s.num_cached += w.num_tokens
@@ -290,8 +292,10 @@ class Engine:
                 self._left_queue += 1
         if reason not in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
             self._emit(s, Delta(s.detokenizer.take(final=True), s.pending_ids))
-        self._emit(s, Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
-                               timings=_timings(s), error=error))
+        finished = Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
+                            timings=_timings(s), error=error)
+        record_finish(finished)
+        self._emit(s, finished)
 
     def _flush(self) -> None:
         """Hands this step's events to the event loops: one wake-up per loop per step."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator, Callable
 
 from braid.server.engine.types import Event, FinishReason, Finished
@@ -21,6 +22,7 @@ class SessionHandle:
         self.loop = loop
         self._abort = abort
         self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self.arrived = time.monotonic()  # the session's arrival: its timings count from here
         self.finished: Finished | None = None
 
     def push(self, events: list[Event]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 from braid.server.engine.types import InvalidArgument, Message
@@ -10,13 +11,22 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 class Tokenizer:
+    """Thread-safe: worker threads encode while the model thread decodes. A Rust tokenizer shared
+    across threads raises "Already borrowed" if one call reconfigures it during another, so every
+    call holds one lock (uncontended, it costs well under a microsecond)."""
+
     def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int]) -> None:
         self._tok = hf_tokenizer
+        # The Rust tokenizer itself, where there is one: decoding through it skips the Python
+        # wrapper, which matters at one decode per token per session.
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._lock = threading.Lock()
         self.eos_token_ids = tuple(eos_token_ids)
         self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
 
     def encode_prompt(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
+        with self._lock:
+            return list(self._tok.encode(text, add_special_tokens=True))
 
     def encode_chat(self, messages: Sequence[Message], field_name: str = "messages") -> list[int]:
         if not self.has_chat_template:
@@ -30,14 +40,17 @@ class Tokenizer:
             text = self._tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja templates raise their own errors for chats they reject
             raise InvalidArgument(field_name, f"the chat template rejected it: {exc}") from exc
-        # The template already wrote the special tokens it wants.
-        return list(self._tok.encode(text, add_special_tokens=False))
+        with self._lock:  # the template already wrote the special tokens it wants
+            return list(self._tok.encode(text, add_special_tokens=False))
 
     def encode(self, prompt: str | None, messages: Sequence[Message]) -> list[int]:
         return self.encode_chat(messages) if messages else self.encode_prompt(prompt or "")
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=False)
+        with self._lock:
+            if self._backend is not None:
+                return self._backend.decode(list(token_ids), skip_special_tokens=False)
+            return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
-        return [self._tok.decode([t], skip_special_tokens=False) for t in token_ids]
+        return [self.decode([t]) for t in token_ids]

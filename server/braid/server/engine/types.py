@@ -116,6 +116,18 @@ class Finished:
     timings: Timings
     error: str | None = None
 
+    def milestones(self) -> dict[str, float]:
+        """Seconds from arrival to each point the session reached, in order: queued (0), prefill
+        (its first forward pass), first_token, finish."""
+        t = self.timings
+        points = {"queued": 0.0}
+        if t.queue_ms < t.total_ms:  # a session that never ran gets queue_ms == total_ms
+            points["prefill"] = t.queue_ms / 1000
+        if self.generated_tokens:
+            points["first_token"] = t.time_to_first_token_ms / 1000
+        points["finish"] = t.total_ms / 1000
+        return points
+
 
 Event = Delta | Finished
 

@@ -1,0 +1,110 @@
+"""Every braid instrument, declared once, and the few calls that record them.
+
+Names follow the OpenTelemetry conventions (dotted, unit apart); the Prometheus exporter turns
+`braid.request.duration` with unit `s` into `braid_request_duration_seconds`, adds `_total` to
+counters and drops units in braces. Until setup.py sets a meter provider (no --metrics-port and no
+OTLP endpoint: never), every record below is a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from braid.server.engine.types import Finished, FinishReason
+
+if TYPE_CHECKING:
+    from braid.server.engine.engine import Engine
+
+_meter = metrics.get_meter("braid.server")
+
+_LATENCY_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_LATENCY_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+_POWERS_OF_TWO = tuple(2**i for i in range(14))  # 1 .. 8192
+
+FINISH_REASON = "braid.finish_reason"
+RPC_METHOD = "rpc.method"
+RPC_STATUS_CODE = "rpc.response.status_code"
+
+
+def _histogram(name: str, unit: str, buckets: tuple[float, ...], description: str):
+    return _meter.create_histogram(name, unit=unit, description=description,
+                                   explicit_bucket_boundaries_advisory=buckets)
+
+
+QUEUE_DURATION = _histogram("braid.request.queue.duration", "s", _LATENCY_S,
+                            "Time from a session's arrival to its first forward pass")
+TIME_TO_FIRST_TOKEN = _histogram("braid.request.time_to_first_token", "s", _LATENCY_S,
+                                 "Time from a session's arrival to its first generated token")
+TIME_PER_OUTPUT_TOKEN = _histogram("braid.request.time_per_output_token", "s", _TOKEN_LATENCY_S,
+                                   "Decode time per generated token after the first")
+REQUEST_DURATION = _histogram("braid.request.duration", "s", _LATENCY_S,
+                              "Time from a session's arrival to the end of its generation")
+PASS_SESSIONS = _histogram("braid.forward_pass.sessions", "{session}", _POWERS_OF_TWO,
+                           "Sessions in one forward pass (the batch size)")
+PASS_TOKENS = _histogram("braid.forward_pass.tokens", "{token}", _POWERS_OF_TWO,
+                         "Tokens fed to the model in one forward pass")
+CALL_DURATION = _histogram("rpc.server.call.duration", "s", _LATENCY_S,
+                           "Duration of braid's gRPC calls, by method and status code")
+
+_ENDED_BY_ITSELF = {FinishReason.MAX_TOKENS, FinishReason.EOS, FinishReason.STOP_SEQUENCE,
+                    FinishReason.STOP_TOKEN}
+
+
+def record_pass(num_sessions: int, num_tokens: int) -> None:
+    """On the model thread, once per forward pass."""
+    PASS_SESSIONS.record(num_sessions)
+    PASS_TOKENS.record(num_tokens)
+
+
+def record_finish(finished: Finished) -> None:
+    """On the model thread, once per session."""
+    points = finished.milestones()
+    REQUEST_DURATION.record(points["finish"])
+    if "prefill" in points:
+        QUEUE_DURATION.record(points["prefill"])
+    if "first_token" in points:
+        TIME_TO_FIRST_TOKEN.record(points["first_token"])
+    # A cancelled session's end is not its last token's time: it says nothing of decoding speed.
+    if finished.generated_tokens > 1 and finished.reason in _ENDED_BY_ITSELF:
+        decode_s = points["finish"] - points["first_token"]
+        TIME_PER_OUTPUT_TOKEN.record(decode_s / (finished.generated_tokens - 1))
+
+
+def record_call(method: str, status_code: str, seconds: float) -> None:
+    CALL_DURATION.record(seconds, {RPC_METHOD: method, RPC_STATUS_CODE: status_code})
+
+
+def observe_engine(engine: "Engine") -> None:
+    """Gauges and counters read from the engine's own counts when a reader collects, so they cost
+    the model thread nothing."""
+    cache = engine.runner.cache
+
+    def sessions(options: CallbackOptions):
+        stats = engine.stats()
+        return [Observation(stats.sessions_active, {"braid.session.state": "active"}),
+                Observation(stats.sessions_queued, {"braid.session.state": "queued"})]
+
+    def requests(options: CallbackOptions):
+        return [Observation(n, {FINISH_REASON: reason.name.lower()})
+                for reason, n in engine.stats().finished.items()]
+
+    def tokens(options: CallbackOptions):
+        stats = engine.stats()
+        return [Observation(stats.prompt_tokens, {"braid.token.type": "prompt"}),
+                Observation(stats.tokens_generated, {"braid.token.type": "generated"})]
+
+    _meter.create_observable_gauge("braid.sessions", [sessions], unit="{session}",
+                                   description="Sessions running (holding a KV-cache slot) and queued")
+    _meter.create_observable_counter("braid.requests", [requests], unit="{request}",
+                                     description="Finished sessions, by finish reason")
+    _meter.create_observable_counter("braid.tokens", [tokens], unit="{token}",
+                                     description="Prompt tokens prefilled and tokens generated")
+    _meter.create_observable_gauge(
+        "braid.kv_cache.usage", [lambda options: [Observation(cache.num_slots - cache.num_free)]],
+        unit="{slot}", description="KV-cache slots in use")
+    _meter.create_observable_gauge(
+        "braid.kv_cache.limit", [lambda options: [Observation(cache.num_slots)]],
+        unit="{slot}", description="KV-cache slots in all")

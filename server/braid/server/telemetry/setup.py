@@ -1,0 +1,61 @@
+"""Turns telemetry on: the OpenTelemetry SDK's providers, Prometheus /metrics and OTLP export.
+
+Called only when --metrics-port or an OTLP endpoint is set. Metrics go to every reader asked for
+(Prometheus, OTLP); traces go over OTLP only, through a BatchSpanProcessor off the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opentelemetry import metrics, trace
+from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from prometheus_client import start_http_server
+
+from braid.server.config import ServerConfig
+from braid.server.telemetry.metrics import observe_engine
+
+if TYPE_CHECKING:
+    from braid.server.engine.engine import Engine
+
+
+@dataclass
+class Telemetry:
+    meter_provider: MeterProvider
+    tracer_provider: TracerProvider | None
+
+    def shutdown(self) -> None:
+        """Sends what is still buffered to the collector (blocking: call it off the event loop)."""
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+def start_telemetry(config: ServerConfig, engine: "Engine", port: int) -> Telemetry:
+    """port: the gRPC port being served, which tells this replica apart from others on its host."""
+    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "braid"),
+                                SERVICE_INSTANCE_ID: f"{socket.gethostname()}:{port}"})
+    readers = []
+    tracer_provider = None
+    if config.metrics_port:
+        readers.append(PrometheusMetricReader())
+        start_http_server(config.metrics_port, addr=config.host.strip("[]"))
+    if config.otlp_endpoint:
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=config.otlp_endpoint)))
+        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint)))
+        trace.set_tracer_provider(tracer_provider)
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource)
+    metrics.set_meter_provider(meter_provider)
+    observe_engine(engine)
+    return Telemetry(meter_provider, tracer_provider)
