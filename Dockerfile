@@ -44,6 +44,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
  && mkdir -p clients/python/src/braid/v1 \
  && python -m grpc_tools.protoc -I protos --python_out=clients/python/src \
         --pyi_out=clients/python/src --grpc_python_out=clients/python/src \
+        --include_source_info --descriptor_set_out=clients/python/src/braid/v1/generate.binpb \
         protos/braid/v1/generate.proto \
  && pip install ./clients/python . \
  && pip uninstall --yes grpcio-tools \

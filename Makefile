@@ -17,12 +17,14 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# Stubs are generated from the .proto by grpcio-tools, never edited by hand.
+# Stubs are generated from the .proto by grpcio-tools, never edited by hand. The descriptor set
+# keeps the .proto's comments, so server reflection (grpcurl describe) shows them.
 $(STUBS): $(PROTO) | $(PY)
 	$(PIP) install --quiet grpcio-tools
 	mkdir -p clients/python/src/braid/v1
 	$(PY) -m grpc_tools.protoc -I protos --python_out=clients/python/src \
-		--pyi_out=clients/python/src --grpc_python_out=clients/python/src $(PROTO)
+		--pyi_out=clients/python/src --grpc_python_out=clients/python/src \
+		--include_source_info --descriptor_set_out=clients/python/src/braid/v1/generate.binpb $(PROTO)
 
 protos: $(STUBS)
 
@@ -41,8 +43,17 @@ serve: install
 test: install
 	$(PY) -m pytest -q
 
-bench: install
-	$(PY) benchmarks/bench.py
+# The benchmark of issue 3 (docs/benchmarks.md): e.g. make bench BENCH_ARGS="--quick".
+# It builds llama.cpp into ~/.cache/braid/llama.cpp on first use (about 5 min on 2 cores).
+BENCH_ARGS  ?=
+BENCH_STAMP := $(VENV)/.braid-bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) clients/python/src/braid/v1 .pytest_cache

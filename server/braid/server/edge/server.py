@@ -8,10 +8,11 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha.reflection import SERVICE_NAME as REFLECTION_SERVICE
 
 from braid.server.config import EngineConfig, ServerConfig
 from braid.server.edge.auth import ApiKeyInterceptor
+from braid.server.edge import reflection
 from braid.server.edge.errors import ErrorInterceptor
 from braid.server.edge.servicer import GenerateServicer
 from braid.server.telemetry.tracing import TelemetryInterceptor
@@ -50,8 +51,8 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     pb_grpc.add_GenerateServicer_to_server(GenerateServicer(engine, config), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+    reflection.enable(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION_SERVICE),
         server)
     address = f"{config.host}:{config.port}"
     port = _listen(server, address, config)

@@ -1,0 +1,50 @@
+"""Server reflection that keeps the .proto's comments, so `grpcurl describe` shows them.
+
+grpcio-reflection rebuilds each file from the runtime descriptor pool, which has no source info; for
+braid's own files it serves instead the descriptor set `make protos` wrote with --include_source_info.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection
+
+from braid.v1 import generate_pb2
+
+_LOGGER = logging.getLogger(__name__)
+# beside the generated stubs (braid.v1 is a namespace package, so importlib.resources cannot find it)
+DESCRIPTOR_SET = Path(generate_pb2.__file__).with_name("generate.binpb")
+
+
+def _commented_files() -> dict[str, bytes]:
+    try:
+        raw = DESCRIPTOR_SET.read_bytes()
+    except OSError:
+        _LOGGER.warning("no %s: reflection serves the .proto without comments", DESCRIPTOR_SET)
+        return {}
+    files = descriptor_pb2.FileDescriptorSet.FromString(raw).file
+    return {f.name: f.SerializeToString() for f in files}
+
+
+class CommentedReflectionServicer(reflection.aio.ReflectionServicer):
+    def __init__(self, service_names) -> None:
+        super().__init__(service_names)
+        self._commented = _commented_files()
+
+    async def ServerReflectionInfo(self, request_iterator, context):
+        async for response in super().ServerReflectionInfo(request_iterator, context):
+            if response.HasField("file_descriptor_response"):
+                protos = response.file_descriptor_response.file_descriptor_proto
+                for i, raw in enumerate(protos):
+                    name = descriptor_pb2.FileDescriptorProto.FromString(raw).name
+                    protos[i] = self._commented.get(name, raw)
+            yield response
+
+
+def enable(service_names, server) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2_grpc
+
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(CommentedReflectionServicer(service_names), server)
