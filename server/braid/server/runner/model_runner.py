@@ -109,7 +109,9 @@ class ModelRunner:
                 span_lengths[slot - lo] = n
             mask = (torch.arange(kv_len, device=dev).unsqueeze(0)
                     < torch.tensor(span_lengths, device=dev).unsqueeze(1)).view(span, 1, 1, kv_len)
-        return DecodeRows(count=len(decodes),
-                          slots=torch.tensor(slots, dtype=torch.long, device=dev),
-                          positions=torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev),
-                          slot_lo=lo, span=span, rows_in_span=rows_in_span, kv_len=kv_len, mask=mask)
+        kv_heads, max_seq = self.decoder.num_kv_heads, self.cache.max_seq_len
+        cache_index = [(slot * kv_heads + h) * max_seq + n - 1 for slot, n in zip(slots, lengths)
+                       for h in range(kv_heads)]
+        return DecodeRows(count=len(decodes), slot_lo=lo, span=span,
+                          cache_index=torch.tensor(cache_index, dtype=torch.long, device=dev),
+                          rows_in_span=rows_in_span, kv_len=kv_len, mask=mask)
