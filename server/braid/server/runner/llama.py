@@ -53,13 +53,17 @@ class ForwardBatch:
 
 @dataclass
 class LayerWeights:
+    """Projection weights are stored transposed, [in, out], and applied as x @ w: for the few rows
+    of a decode step, MKL's fp32 GEMM is up to 10x faster this way than F.linear's x @ w.T on the
+    [out, in] layout (measured on a 2-core AVX-512 machine: 143 against 14 GFLOP/s at 16 rows)."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 KVH) D, hidden]: q, k and v projections fused into one matmul
+    qkv: torch.Tensor  # [hidden, (H + 2 KVH) D]: q, k and v projections fused into one matmul
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor  # [H D, hidden]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, hidden]: gate and up projections fused
-    down: torch.Tensor
+    gate_up: torch.Tensor  # [hidden, 2 I]: gate and up projections fused
+    down: torch.Tensor  # [I, hidden]
 
 
 class LlamaDecoder:
@@ -81,10 +85,14 @@ class LlamaDecoder:
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
 
+        def take_t(*weights: torch.Tensor) -> torch.Tensor:
+            """[out, in] linear weights, fused along out, as one contiguous [in, out] matrix."""
+            return take(torch.cat(weights).t())
+
         inner = hf_model.model
-        self.embed = take(inner.embed_tokens.weight)
+        self.embed = take(inner.embed_tokens.weight)  # [V, hidden], for lookups
         self.final_norm = take(inner.norm.weight)
-        self.lm_head = take(hf_model.lm_head.weight) if not cfg.tie_word_embeddings else self.embed
+        self.lm_head = take_t(hf_model.lm_head.weight)  # [hidden, V] (tied or not: its own copy)
         self.layers: list[LayerWeights] = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
@@ -93,12 +101,12 @@ class LlamaDecoder:
                 qkv_bias = take(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
             self.layers.append(LayerWeights(
                 input_norm=take(layer.input_layernorm.weight),
-                qkv=take(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                qkv=take_t(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
                 qkv_bias=qkv_bias,
-                o=take(att.o_proj.weight),
+                o=take_t(att.o_proj.weight),
                 post_norm=take(layer.post_attention_layernorm.weight),
-                gate_up=take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                down=take(mlp.down_proj.weight),
+                gate_up=take_t(mlp.gate_proj.weight, mlp.up_proj.weight),
+                down=take_t(mlp.down_proj.weight),
             ))
         # RoPE tables for every position, from transformers' own rotary module (it knows every
         # scaling variant: linear, dynamic, yarn, llama3).
@@ -120,17 +128,17 @@ class LlamaDecoder:
         x = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
         for i, w in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            qkv = torch.mm(h, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv)
             qk = _rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
             attn = self._attention(i, q, k, v, batch, cache)  # [N, H * D]
-            x = x + F.linear(attn, w.o)
+            x = torch.addmm(x, attn, w.o)
             h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            gate, up = torch.mm(h, w.gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, w.down)
         x = F.rms_norm(x[batch.logit_rows], (self.hidden_size,), self.final_norm, self.eps)
-        return F.linear(x, self.lm_head).float()
+        return torch.mm(x, self.lm_head).float()
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
