@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,19 +28,62 @@ _FINAL_MESSAGES_S = 2.0  # after the grace period, time for the final CANCELLED 
 
 
 def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Runs until SIGTERM/SIGINT (exit 0) or until the model thread dies (exit 1)."""
-    return asyncio.run(_serve(server_config, engine_config))
+    """Runs until SIGTERM/SIGINT (exit 0) or until the model loop dies (exit 1).
 
-
-async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
+    The model loop runs on the process's main thread and the asyncio gRPC edge on a thread of its
+    own: torch's CPU kernels ran ~40% slower on a spawned thread than on the main one here
+    (single-stream decode, 13 against 22 tok/s, same process, alternated).
+    """
     from braid.server.engine.engine import Engine
     from braid.server.model.loader import load
 
-    model = await asyncio.to_thread(load, engine_config.model, engine_config.cache_dir)
-    engine = Engine(engine_config, model)
-    del model
-    engine.start()
+    engine = Engine(engine_config, load(engine_config.model, engine_config.cache_dir))
+    edge = _Edge(server_config, engine)
+    edge.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: edge.request_stop())
+    try:
+        engine.run()  # returns once the edge has drained and stopped it
+    except BaseException:
+        _LOGGER.error("the model loop died; shutting down")
+    edge.join()
+    return edge.exit_code
 
+
+class _Edge(threading.Thread):
+    """The gRPC server's thread: its event loop, and a thread-safe way to ask it to stop."""
+
+    def __init__(self, config: ServerConfig, engine) -> None:
+        super().__init__(name="braid-grpc")
+        self._config, self._engine = config, engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stop_requested = threading.Event()
+        self.exit_code = 1
+
+    def run(self) -> None:
+        try:
+            self.exit_code = asyncio.run(self._main())
+        except BaseException:
+            _LOGGER.exception("the gRPC server failed")
+            self.exit_code = 1
+        finally:
+            self._engine.stop()  # the main thread's model loop returns
+
+    async def _main(self) -> int:
+        self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
+        if self._stop_requested.is_set():
+            self._stop_event.set()
+        return await _serve(self._config, self._engine, self._stop_event)
+
+    def request_stop(self) -> None:
+        """Safe from a signal handler or any thread."""
+        self._stop_requested.set()
+        if self._loop is not None and self._stop_event is not None:
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+
+
+async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
     telemetry_on = bool(config.metrics_port or config.otlp_endpoint)
     interceptors = [TelemetryInterceptor()] if telemetry_on else []  # outermost: sees every status
     if config.api_key:
@@ -67,10 +111,6 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     _LOGGER.info("braid serving %s (%s, %s mode, %s) on %s:%d", engine.info.model_name, engine.info.device,
                  engine.info.mode.value, engine.info.dtype, config.host, port)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     exit_code = 0
 
     async def watch_engine() -> None:
@@ -86,7 +126,7 @@ async def _serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     await stop.wait()
     await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0)
     watcher.cancel()
-    await asyncio.to_thread(engine.stop, 10.0)
+    engine.stop()
     if telemetry is not None:
         await asyncio.to_thread(telemetry.shutdown)
     _LOGGER.info("braid stopped")

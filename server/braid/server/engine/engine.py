@@ -37,6 +37,7 @@ from braid.server.telemetry.metrics import record_finish, record_pass
 
 _LOGGER = logging.getLogger(__name__)
 ALL_SESSIONS = -1
+_IDLE_WAIT_S = 0.5  # an idle loop wakes this often (on the main thread, that is when signals run)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Engine:
         self._outbox: list[tuple[SessionHandle, list[Event]]] = []
         self._thread = threading.Thread(target=self._run, name="braid-model", daemon=True)
         self._accepting = True
+        self._loop_ended = False
         self.faults = FaultInjector.from_env()
         self.started_at = time.monotonic()
         self.error: BaseException | None = None
@@ -90,16 +92,24 @@ class Engine:
     # ---- any thread -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Runs the model loop on a thread of its own (for embedding the engine in a process)."""
         self._thread.start()
+
+    def run(self) -> None:
+        """Runs the model loop on the calling thread until stop(); `braid serve` uses the main
+        thread, where torch's CPU kernels run fastest."""
+        self._run()
 
     def stop(self, timeout: float | None = None) -> None:
         self._accepting = False
         self._inbox.put(_Stop())
-        self._thread.join(timeout)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        """True until the model loop ends (stopped, or dead)."""
+        return not self._loop_ended
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -174,6 +184,7 @@ class Engine:
             raise
         finally:
             self._accepting = False
+            self._loop_ended = True
             for session in list(self._sessions.values()):
                 self._finish(session, FinishReason.CANCELLED)
             self._flush()
@@ -181,7 +192,7 @@ class Engine:
     def _step(self) -> bool:
         """One turn of the loop; False once asked to stop."""
         now = time.monotonic()
-        sleep = None if self.scheduler.has_work else 3600.0
+        sleep = None if self.scheduler.has_work else _IDLE_WAIT_S
         hint = self.scheduler.wait_hint(now)
         if hint is not None:
             sleep = hint
