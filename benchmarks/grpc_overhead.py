@@ -1,0 +1,94 @@
+"""What braid loses to gRPC: the same workload through the in-process engine and through the server.
+
+    .venv/bin/python benchmarks/grpc_overhead.py [--mode continuous] [--repeats 3] [--threads 2]
+
+The in-process side submits straight to braid's Engine on this process's event loop (the engine's
+own model thread does the work, exactly as in the server); the gRPC side is `braid serve` in a
+subprocess driven by the Python client. Runs alternate, so drift of the machine hits both; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import braid_server  # noqa: E402
+import drive  # noqa: E402
+import workloads  # noqa: E402
+from metrics import StreamTiming  # noqa: E402
+
+
+def engine_sender(engine):
+    from braid.server.engine.types import Delta, GenerationRequest, SamplingParams
+
+    async def send(request: workloads.Request) -> StreamTiming:
+        loop = asyncio.get_running_loop()
+        sent = time.perf_counter()
+        params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
+        req = GenerationRequest(prompt=request.prompt, messages=(), params=params, request_id="bench")
+        handle = await loop.run_in_executor(None, engine.submit, req, loop)
+        first = last = 0.0
+        num_tokens = 0
+        async for batch in handle.batches():
+            n = sum(len(e.token_ids) for e in batch if isinstance(e, Delta))
+            if n:
+                last = time.perf_counter()
+                first = first or last
+                num_tokens += n
+        return StreamTiming(sent, first, last, num_tokens)
+
+    return send
+
+
+async def throughput(workload: workloads.Workload, send) -> float:
+    timings, wall = await drive.run(workload, send)
+    return sum(t.num_tokens for t in timings) / wall
+
+
+async def main_async(args) -> None:
+    from braid.server.config import EngineConfig
+    from braid.server.engine.engine import Engine
+    from braid.server.model.loader import load
+
+    model = load(None, EngineConfig().cache_dir)
+    by_name = workloads.build(model.hf_tokenizer, repeats=1)
+    workload = by_name[args.workload]
+    engine = Engine(EngineConfig(mode=args.mode, threads=args.threads, max_batch_size=32), model)
+    engine.start()
+    in_process, over_grpc = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        async with braid_server.running(args.mode, threads=args.threads, max_batch_size=32,
+                                        log_path=Path(tmp) / "server.log") as (client, _pid):
+            grpc_send = braid_server.sender(client)
+            local_send = engine_sender(engine)
+            await throughput(workload, local_send)  # warm both
+            await throughput(workload, grpc_send)
+            for i in range(args.repeats):
+                in_process.append(await throughput(workload, local_send))
+                over_grpc.append(await throughput(workload, grpc_send))
+                print(f"repeat {i + 1}: in-process {in_process[-1]:.1f} tok/s, gRPC {over_grpc[-1]:.1f} tok/s",
+                      flush=True)
+    engine.stop(10)
+    local, remote = statistics.median(in_process), statistics.median(over_grpc)
+    print(f"{workload.title}, {args.mode} mode: in-process {local:.1f} tok/s, over gRPC {remote:.1f} tok/s "
+          f"(median of {args.repeats}); gRPC costs {1 - remote / local:+.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", default="continuous")
+    parser.add_argument("--workload", default="targets", help="a workload name from workloads.build")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

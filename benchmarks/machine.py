@@ -1,0 +1,124 @@
+"""The machine and software a run used, and how much of the CPU other processes took meanwhile."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class MachineInfo:
+    cpu_model: str
+    cores: int
+    memory_gb: float
+    os: str
+    threads: int
+    python: str
+    torch: str
+    transformers: str
+    grpcio: str
+    braid_commit: str
+    llama_cpp: str = "absent"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def describe(threads: int) -> MachineInfo:
+    return MachineInfo(cpu_model=_cpu_model(), cores=os.cpu_count() or 0, memory_gb=_memory_gb(),
+                       os=platform.platform(terse=True), threads=threads,
+                       python=platform.python_version(), torch=_version("torch"),
+                       transformers=_version("transformers"), grpcio=_version("grpcio"),
+                       braid_commit=braid_commit())
+
+
+def braid_commit() -> str:
+    """HEAD's short hash, plus a hash of the uncommitted changes to server/ if there are any."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    diff = git("diff", "HEAD", "--", "server")
+    return f"{head}+dirty:{hashlib.sha256(diff.encode()).hexdigest()[:8]}" if diff else head
+
+
+def _cpu_model() -> str:
+    """The model name and the vector extensions that matter for fp32 matmuls."""
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    name = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), platform.processor())
+    flags = set(next((l.split(":", 1)[1].split() for l in info if l.startswith("flags")), []))
+    extensions = [label for flag, label in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("amx_tile", "AMX"))
+                  if flag in flags]
+    return f"{name or 'unknown'} ({', '.join(extensions)})" if extensions else name or "unknown"
+
+
+def _memory_gb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 2**20, 1)
+    return 0.0
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+class CpuMeter:
+    """Cores used by processes other than `pids` (and this one) between start() and stop(): the
+    benchmark shares its 2 cores with whoever else runs on the machine."""
+
+    def __init__(self, pids: list[int] | None = None) -> None:
+        self._pids = [os.getpid(), *(pids or [])]
+
+    def start(self) -> None:
+        self._t0, self._busy0, self._own0 = time.monotonic(), _busy_seconds(), self._own_seconds()
+
+    def stop(self) -> float:
+        elapsed = time.monotonic() - self._t0
+        other = (_busy_seconds() - self._busy0) - (self._own_seconds() - self._own0)
+        return max(other, 0.0) / elapsed if elapsed > 0 else 0.0
+
+    def _own_seconds(self) -> float:
+        return sum(_process_seconds(pid) for pid in self._pids)
+
+
+def wait_until_quiet(pids: list[int], *, threshold: float, max_wait_s: float, sample_s: float = 1.0) -> float:
+    """Waits (at most max_wait_s) until other processes use at most `threshold` cores over a sample;
+    returns the last sample."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        meter = CpuMeter(pids)
+        meter.start()
+        time.sleep(sample_s)
+        other = meter.stop()
+        if other <= threshold or time.monotonic() >= deadline:
+            return other
+
+
+def _busy_seconds() -> float:
+    """CPU time spent by the whole machine, all cores, since boot (everything but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
+
+
+def _process_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads, and of its waited-for children."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / _CLOCK_TICKS
