@@ -23,8 +23,6 @@ from braid.v1 import generate_pb2_grpc as pb_grpc
 if TYPE_CHECKING:  # the edge never imports torch: it reaches the engine only through this object
     from braid.server.engine.engine import Engine
 
-
-
 _CLOCK_SLACK_S = 0.1
 
 
