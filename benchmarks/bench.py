@@ -244,6 +244,7 @@ async def run_all(args) -> Results:
 
 
 def write_docs(results: Results, output: Path) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
     plot_path = output.with_suffix(".png")
     has_plot = report.plot(results, plot_path)
     output.write_text(report.markdown(results, plot_path.name if has_plot else None))
