@@ -33,6 +33,11 @@ RUN --mount=type=cache,target=/root/.cache/pip \
       *)    echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; \
     esac
 
+# A C compiler for braid's AVX-512 kernels (setup.py); the runtime stage does not need it.
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /src
 COPY . .
 

@@ -28,7 +28,10 @@ $(STUBS): $(PROTO) | $(PY)
 
 protos: $(STUBS)
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml $(STUBS) | $(PY)
+# setup.py builds braid's C kernels (server/braid/server/runner/_cpu_kernels.c) into the package.
+KERNELS := setup.py server/braid/server/runner/_cpu_kernels.c
+
+$(STAMP): pyproject.toml clients/python/pyproject.toml $(KERNELS) $(STUBS) | $(PY)
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet -e clients/python -e '.[test]'
 	# xds-protos (test extra: Envoy's schema) vendors an old copy of opentelemetry/proto over the

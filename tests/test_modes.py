@@ -8,7 +8,7 @@ import time
 import pytest
 
 from braid.client import AsyncClient
-from conftest import MODES, wait_for
+from conftest import MODES, Server, wait_for
 
 PROMPTS = ["Hi", "The weather today is", "Once upon a time, in a land far away, there lived a " * 3,
            "1 2 3 4 5 6 7 8 9 10 11 12", "A much longer prompt that goes on " * 12, "Tell me"]
@@ -62,6 +62,20 @@ def test_greedy_tokens_match_sequential_mode(servers, tiny_dir, mode):
         if out["ids"] != ref["ids"]:
             assert _explained_by_a_near_tie(tiny_dir, servers("sequential"), req["prompt"], ref["ids"],
                                             out["ids"]), f"{mode} differs from sequential beyond rounding"
+
+
+def test_braids_kernels_give_torchs_greedy_tokens(servers, tiny_dir):
+    """--kernels torch runs every linear layer through torch's matmul instead of braid's C kernels."""
+    requests = [_greedy(p, 12) for p in PROMPTS]
+    reference = asyncio.run(_run_all(servers("continuous").target, requests))
+    plain = Server(["--model", str(tiny_dir), "--kernels", "torch", "--threads", "1"])
+    try:
+        got = asyncio.run(_run_all(plain.target, requests))
+        for req, ref, out in zip(requests, reference, got):
+            if out["ids"] != ref["ids"]:
+                assert _explained_by_a_near_tie(tiny_dir, plain, req["prompt"], ref["ids"], out["ids"])
+    finally:
+        plain.stop()
 
 
 def test_a_seed_gives_the_same_tokens_in_every_mode_and_every_batch(servers):

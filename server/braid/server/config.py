@@ -28,6 +28,9 @@ class EngineConfig:
     device: str = field(default="auto", **_opt(
         "auto (CUDA with bf16 where present, else CPU with fp32), cpu, cuda or cuda:N"))
     threads: int = field(default=0, **_opt("torch CPU threads (0: torch's default, one per core)"))
+    kernels: str = field(default="auto", **_opt(
+        "auto: braid's AVX-512 kernels for the linear layers where the CPU has AVX-512 (fp32), else "
+        "torch's; torch: torch's always", choices=["auto", "torch"]))
     max_batch_size: int = field(default=32, **_opt(
         "most sessions in one forward pass (batched mode: the batch size)"))
     max_sessions: int = field(default=0, **_opt(

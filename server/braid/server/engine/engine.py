@@ -64,7 +64,8 @@ class Engine:
         context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
         self.max_seq_len = min(config.max_seq_len, context)
         num_slots = _fit_slots(config, model, self.max_seq_len, device, dtype)
-        self.runner = ModelRunner(model, device, dtype, num_slots, self.max_seq_len)
+        self.runner = ModelRunner(model, device, dtype, num_slots, self.max_seq_len,
+                                  allow_kernels=config.kernels == "auto")
         self.tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
         self.scheduler = Scheduler(config.mode, self.runner.cache, config.max_batch_size,
                                    config.max_wait_ms / 1000, config.prefill_chunk,

@@ -11,12 +11,16 @@ over all decoding sequences.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from braid.server.runner.kv_cache import KVCache
+from braid.server.runner.linear import Linear, kernels_available, make_linear, rms_norm
+
+_LOGGER = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,17 +57,12 @@ class ForwardBatch:
 
 @dataclass
 class LayerWeights:
-    """Projection weights are stored transposed, [in, out], and applied as x @ w: for the few rows
-    of a decode step, MKL's fp32 GEMM is up to 10x faster this way than F.linear's x @ w.T on the
-    [out, in] layout (measured on a 2-core AVX-512 machine: 143 against 14 GFLOP/s at 16 rows)."""
-
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, (H + 2 KVH) D]: q, k and v projections fused into one matmul
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H D, hidden]
+    qkv: Linear  # hidden -> (H + 2 KVH) D: q, k and v projections fused into one matmul
+    o: Linear  # H D -> hidden
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [hidden, 2 I]: gate and up projections fused
-    down: torch.Tensor  # [I, hidden]
+    gate_up: Linear  # hidden -> 2 I: gate and up projections fused
+    down: Linear  # I -> hidden
 
 
 class LlamaDecoder:
@@ -72,7 +71,7 @@ class LlamaDecoder:
     SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
     def __init__(self, hf_model: torch.nn.Module, max_seq_len: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, allow_kernels: bool = True) -> None:
         cfg = hf_model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -82,31 +81,34 @@ class LlamaDecoder:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
 
+        # On an AVX-512 CPU, braid's own kernels run the linear layers and norms (runner/linear.py).
+        self.packed = allow_kernels and kernels_available(device, dtype)
+        _LOGGER.info("linear layers: %s", "braid's AVX-512 kernels" if self.packed else "torch")
+
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
 
-        def take_t(*weights: torch.Tensor) -> torch.Tensor:
-            """[out, in] linear weights, fused along out, as one contiguous [in, out] matrix."""
-            return take(torch.cat(weights).t())
+        def linear(*layers: torch.nn.Linear) -> Linear:
+            """[out, in] linear layers, fused along out, as one layer over an [in, out] weight."""
+            weight = take(torch.cat([layer.weight for layer in layers]).t())
+            biases = [layer.bias for layer in layers]
+            bias = None if biases[0] is None else take(torch.cat(biases))
+            return make_linear(weight, bias, self.packed)
 
         inner = hf_model.model
         self.embed = take(inner.embed_tokens.weight)  # [V, hidden], for lookups
         self.final_norm = take(inner.norm.weight)
-        self.lm_head = take_t(hf_model.lm_head.weight)  # [hidden, V] (tied or not: its own copy)
+        self.lm_head = linear(hf_model.lm_head)  # its own copy, tied or not
         self.layers: list[LayerWeights] = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
-            qkv_bias = None
-            if att.q_proj.bias is not None:
-                qkv_bias = take(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
             self.layers.append(LayerWeights(
                 input_norm=take(layer.input_layernorm.weight),
-                qkv=take_t(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
-                qkv_bias=qkv_bias,
-                o=take_t(att.o_proj.weight),
+                qkv=linear(att.q_proj, att.k_proj, att.v_proj),
+                o=linear(att.o_proj),
                 post_norm=take(layer.post_attention_layernorm.weight),
-                gate_up=take_t(mlp.gate_proj.weight, mlp.up_proj.weight),
-                down=take_t(mlp.down_proj.weight),
+                gate_up=linear(mlp.gate_proj, mlp.up_proj),
+                down=linear(mlp.down_proj),
             ))
         # RoPE tables for every position, from transformers' own rotary module (it knows every
         # scaling variant: linear, dynamic, yarn, llama3).
@@ -125,20 +127,20 @@ class LlamaDecoder:
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, D]
         sin = self.sin[batch.positions].unsqueeze(1)
-        x = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
+        x = F.embedding(batch.input_ids, self.embed)  # [N, hidden], the residual stream
         for i, w in enumerate(self.layers):
-            h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
-            qkv = torch.mm(h, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv)
+            qkv = w.qkv(self._norm(x, w.input_norm))
             qk = _rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
             attn = self._attention(i, q, k, v, batch, cache)  # [N, H * D]
-            x = torch.addmm(x, attn, w.o)
-            h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-            gate, up = torch.mm(h, w.gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, w.down)
-        x = F.rms_norm(x[batch.logit_rows], (self.hidden_size,), self.final_norm, self.eps)
-        return torch.mm(x, self.lm_head).float()
+            w.o.add_into(x, attn)  # x += attn @ o
+            gate, up = w.gate_up(self._norm(x, w.post_norm)).chunk(2, dim=-1)
+            w.down.add_into(x, F.silu(gate) * up)
+        return self.lm_head(self._norm(x[batch.logit_rows], self.final_norm)).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps, self.packed)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

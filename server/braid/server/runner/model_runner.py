@@ -41,12 +41,12 @@ def pick_device(device: str) -> tuple[torch.device, torch.dtype]:
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, device: torch.device, dtype: torch.dtype, num_slots: int,
-                 max_seq_len: int) -> None:
+                 max_seq_len: int, allow_kernels: bool = True) -> None:
         if model.architecture not in LlamaDecoder.SUPPORTED:
             raise ValueError(f"--model: architecture {model.architecture} is not supported; braid runs "
                              f"{', '.join(LlamaDecoder.SUPPORTED)}")
         self.device, self.dtype = device, dtype
-        self.decoder = LlamaDecoder(model.hf_model, max_seq_len, device, dtype)
+        self.decoder = LlamaDecoder(model.hf_model, max_seq_len, device, dtype, allow_kernels)
         self.cache = KVCache(self.decoder.num_layers, num_slots, self.decoder.num_kv_heads, max_seq_len,
                              self.decoder.head_dim, dtype, device)
         self.eos_token_ids = model.eos_token_ids

@@ -1,0 +1,73 @@
+"""braid's C kernels for the CPU decode step (server/braid/server/runner/_cpu_kernels.c).
+
+They must give torch's answer to rounding, and give a row the same bits whatever other rows share
+the call: that is what lets a seeded or greedy request come out the same in any batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from braid.server.runner import linear
+from braid.server.runner.linear import PackedLinear, make_linear, rms_norm
+
+CPU = torch.device("cpu")
+AVX512 = linear.kernels_available(CPU, torch.float32)
+
+# (in, out): the SmolLM2 shapes, the tiny test model's, and odd sizes that leave a partial panel.
+SHAPES = [(576, 960), (1536, 576), (64, 128), (577, 100), (3, 17), (64, 33)]
+ROWS = [1, 2, 7, 13, 16, 64, 65, 130]
+
+
+def test_the_extension_is_built():
+    """`make install` compiles it; without it braid silently runs torch's slower kernels."""
+    assert linear._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built (setup.py)"
+
+
+def test_the_kernels_are_used_only_where_they_run():
+    assert linear.kernels_available(CPU, torch.float32) == bool(linear._cpu_kernels.has_avx512())
+    assert not linear.kernels_available(CPU, torch.bfloat16)
+    assert not linear.kernels_available(torch.device("cuda"), torch.float32)
+    assert type(make_linear(torch.randn(4, 4), None, packed=False)) is linear.Linear
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_packed_matmul_matches_torch(shape):
+    if not AVX512:  # no AVX-512: the decoder runs torch's kernels (checked above), nothing to compare
+        return
+    torch.manual_seed(0)
+    k, n = shape
+    weight, bias = torch.randn(k, n), torch.randn(n)
+    with_bias, plain = PackedLinear(weight, bias), PackedLinear(weight, None)
+    for m in ROWS:
+        x = torch.randn(m, k)
+        torch.testing.assert_close(with_bias(x), torch.addmm(bias, x, weight), rtol=1e-4, atol=1e-3)
+        y = torch.randn(m, n)
+        expected = y + x @ weight
+        assert plain.add_into(y, x) is y
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(shape):
+    if not AVX512:
+        return
+    torch.manual_seed(1)
+    k, n = shape
+    layer = PackedLinear(torch.randn(k, n), torch.randn(n))
+    x = torch.randn(70, k)
+    together = layer(x)
+    for row in (0, 1, 12, 13, 69):
+        assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), row
+    # and in a batch of another size, where the rows split into tiles differently
+    assert torch.equal(layer(x[5:22]), together[5:22])
+
+
+def test_rms_norm_matches_torch():
+    torch.manual_seed(2)
+    for rows, width in ((1, 576), (9, 64), (3, 100)):
+        x, weight = torch.randn(rows, width), torch.randn(width)
+        expected = F.rms_norm(x, (width,), weight, 1e-5)
+        torch.testing.assert_close(rms_norm(x, weight, 1e-5, packed=AVX512), expected, rtol=1e-5, atol=1e-5)
