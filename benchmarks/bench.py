@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--poisson-rate", type=float, default=2.0, help="Poisson arrivals per second")
     parser.add_argument("--output", type=Path, default=DOCS / "benchmarks.md", help="the markdown page to write")
     parser.add_argument("--no-docs", action="store_true", help="print the tables only")
+    parser.add_argument("--resume", type=Path, metavar="JSON",
+                        help="carry on an interrupted run: keep its saved rows, run the rest, save to it")
     parser.add_argument("--report-from", type=Path, nargs="+", metavar="JSON",
                         help="write the report from saved results (later files replace earlier rows)")
     return parser.parse_args(argv)
@@ -124,6 +126,8 @@ async def run_workloads(system: str, selected: list[workloads.Workload], send, p
                         results: Results, save) -> None:
     """Every selected workload against one running server, through `send`."""
     for workload in selected:
+        if results.find(system, workload.name):  # kept from the run being resumed
+            continue
         row = reused(system, workload, results)
         if row is None and too_long(system, workload, args, results):
             continue
@@ -134,6 +138,8 @@ async def run_workloads(system: str, selected: list[workloads.Workload], send, p
 async def bench_braid(mode: str, selected: list[workloads.Workload], warm: list[workloads.Request],
                       args, results: Results, save) -> None:
     system = report.braid(mode)
+    if all(results.find(system, w.name) for w in selected):  # all kept from the run being resumed
+        return
     commit = machine.braid_commit()
     log(f"{system}: starting the server (braid {commit})")
     if commit != results.machine["braid_commit"]:  # others are editing the server meanwhile
@@ -152,6 +158,8 @@ async def bench_hf(model_path: str, selected: list[workloads.Workload], args, re
     for peer, system in ((peers.SEQUENTIAL, report.HF_SEQUENTIAL), (peers.STATIC, report.HF_STATIC),
                          (peers.CONTINUOUS, report.HF_CONTINUOUS)):
         for workload in (w for w in selected if w.name in PEER_WORKLOADS):
+            if results.find(system, workload.name):  # kept from the run being resumed
+                continue
             peers.warm_up(peer, hf, workload.requests)
             async def run_once(w=workload, p=peer):
                 return peers.run(p, hf, w.requests)
@@ -223,10 +231,14 @@ async def run_all(args) -> Results:
                 "count": all_workloads["targets"].num_requests, "poisson_rate": args.poisson_rate,
                 "braid_max_batch_size": MAX_BATCH_SIZE, "llama_cpp_parallel": LLAMA_PARALLEL,
                 "quick": args.quick, "disturbed_above": DISTURBED_ABOVE}
-    results = Results(machine.describe(args.threads).as_dict(), settings,
-                      titles={w.name: w.title for w in all_workloads.values()})
-    json_path = RESULTS_DIR / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    log(f"results are saved as they come to {json_path}")
+    if args.resume:
+        json_path, results = args.resume, Results.load(args.resume)
+        log(f"resuming {json_path}: {len(results.rows)} rows are kept and not run again")
+    else:
+        results = Results(machine.describe(args.threads).as_dict(), settings,
+                          titles={w.name: w.title for w in all_workloads.values()})
+        json_path = RESULTS_DIR / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        log(f"results are saved as they come to {json_path}")
 
     def save() -> None:
         results.save(json_path)
