@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from braid.server.runner import linear
-from braid.server.runner.linear import PackedLinear, make_linear, rms_norm
+from braid.server.runner import kernels
+from braid.server.runner.kernels import PackedLinear, make_linear, rms_norm
 
 CPU = torch.device("cpu")
-AVX512 = linear.kernels_available(CPU, torch.float32)
+AVX512 = kernels.kernels_available(CPU, torch.float32)
 
 # (in, out): the SmolLM2 shapes, the tiny test model's, and odd sizes that leave a partial panel.
 SHAPES = [(576, 960), (1536, 576), (64, 128), (577, 100), (3, 17), (64, 33)]
@@ -23,14 +23,14 @@ ROWS = [1, 2, 7, 13, 16, 64, 65, 130]
 
 def test_the_extension_is_built():
     """`make install` compiles it; without it braid silently runs torch's slower kernels."""
-    assert linear._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built (setup.py)"
+    assert kernels._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built (setup.py)"
 
 
 def test_the_kernels_are_used_only_where_they_run():
-    assert linear.kernels_available(CPU, torch.float32) == bool(linear._cpu_kernels.has_avx512())
-    assert not linear.kernels_available(CPU, torch.bfloat16)
-    assert not linear.kernels_available(torch.device("cuda"), torch.float32)
-    assert type(make_linear(torch.randn(4, 4), None, packed=False)) is linear.Linear
+    assert kernels.kernels_available(CPU, torch.float32) == bool(kernels._cpu_kernels.has_avx512())
+    assert not kernels.kernels_available(CPU, torch.bfloat16)
+    assert not kernels.kernels_available(torch.device("cuda"), torch.float32)
+    assert type(make_linear(torch.randn(4, 4), None, packed=False)) is kernels.Linear
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -71,3 +71,51 @@ def test_rms_norm_matches_torch():
         x, weight = torch.randn(rows, width), torch.randn(width)
         expected = F.rms_norm(x, (width,), weight, 1e-5)
         torch.testing.assert_close(rms_norm(x, weight, 1e-5, packed=AVX512), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_matches_torch():
+    torch.manual_seed(3)
+    for rows, width in ((1, 1536), (5, 64), (2, 100)):
+        gate_up = torch.randn(rows, 2 * width) * 4
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(kernels.swiglu(gate_up, packed=AVX512), F.silu(gate) * up,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_rope_matches_torch():
+    torch.manual_seed(4)
+    heads, d, max_seq = 5, 64, 50
+    cos, sin = torch.randn(max_seq, d), torch.randn(max_seq, d)
+    positions = torch.tensor([0, 7, 49, 3])
+    qkv = torch.randn(4, (heads + 2) * d)
+    original, expected = qkv.clone(), qkv.clone()
+    kernels.rope_(expected, heads, d, positions, cos, sin, packed=False)
+    kernels.rope_(qkv, heads, d, positions, cos, sin, packed=AVX512)
+    torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, heads * d:], original[:, heads * d:])  # only the first `heads` heads turn
+    assert not torch.equal(qkv[:, :heads * d], original[:, :heads * d])
+
+
+def test_decode_attention_matches_sdpa_and_writes_the_cache():
+    if not AVX512:
+        return
+    torch.manual_seed(5)
+    heads, kv_heads, d, slots, max_seq = 6, 2, 32, 4, 40
+    k_cache, v_cache = torch.randn(slots, kv_heads, max_seq, d), torch.randn(slots, kv_heads, max_seq, d)
+    seq_slots, positions = torch.tensor([2, 0, 3]), torch.tensor([9, 0, 39])  # lengths 10, 1, 40
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d)
+    out = torch.empty(3, heads * d)
+    before_k = k_cache.clone()
+    kernels.decode_attention(qkv, heads, k_cache, v_cache, seq_slots, positions, out)
+    for b, (slot, pos) in enumerate(zip(seq_slots.tolist(), positions.tolist())):
+        q = qkv[b, :heads * d].view(heads, 1, d)
+        k_new = qkv[b, heads * d:(heads + kv_heads) * d].view(kv_heads, d)
+        v_new = qkv[b, (heads + kv_heads) * d:].view(kv_heads, d)
+        assert torch.equal(k_cache[slot, :, pos], k_new) and torch.equal(v_cache[slot, :, pos], v_new)
+        keys, values = k_cache[slot, :, :pos + 1], v_cache[slot, :, :pos + 1]
+        expected = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                                  enable_gqa=True)[0]
+        torch.testing.assert_close(out[b].view(heads, d), expected[:, 0], rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[seq_slots] = False
+    assert torch.equal(k_cache[untouched], before_k[untouched])  # slot 1 is nobody's

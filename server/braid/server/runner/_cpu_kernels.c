@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define PANEL 32 /* columns per packed panel: two 16-float AVX-512 vectors */
 #ifndef PREFETCH
@@ -204,62 +206,180 @@ AVX512 static void rms_norm(const float *x, long ldx, const float *weight, float
     }
 }
 
-/* ---- Python bindings: integers in (pointers, sizes), None out. ---- */
-
-static int as_ptr(PyObject *o, void **out) {
-    if (o == Py_None) {
-        *out = NULL;
-        return 0;
-    }
-    *out = PyLong_AsVoidPtr(o);
-    return PyErr_Occurred() ? -1 : 0;
+/* exp(x) on 16 floats, after Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its
+ * degree-7 polynomial, times 2^n. About 2 ulp; the input is clamped to +-88.37 (no inf, no NaN). */
+AVX512 static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
 }
 
-static int as_longs(PyObject *const *args, long *out, Py_ssize_t n) {
+/* out[M, I] = silu(gate) * up, where each row of gu (stride ldg) is [gate (I) | up (I)]. */
+AVX512 static void silu_mul(const float *gu, long ldg, long M, long I, float *out, long ldo) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (long m = 0; m < M; m++) {
+        const float *g = gu + m * ldg, *u = g + I;
+        float *o = out + m * ldo;
+        for (long i = 0; i < I; i += 16) {
+            const __mmask16 k = I - i >= 16 ? 0xFFFF : (__mmask16)((1u << (I - i)) - 1);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+            const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_mask_storeu_ps(o + i, k, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(k, u + i)));
+        }
+    }
+}
+
+/* Rotary embedding in place on the first `heads` heads (of D floats) of each of N rows (stride ld):
+ * x' = x * cos[pos] + roll(x, D / 2) * signed_sin[pos], the tables [max_seq, D]. */
+AVX512 static void rope(float *x, long ld, long N, long heads, long D, const int64_t *positions,
+                        const float *cos_t, const float *sin_t) {
+    float tmp[1024];
+    const long half = D / 2;
+    for (long n = 0; n < N; n++) {
+        const float *c = cos_t + positions[n] * D, *s = sin_t + positions[n] * D;
+        for (long h = 0; h < heads; h++) {
+            float *v = x + n * ld + h * D;
+            memcpy(tmp, v, D * sizeof(float));
+            for (long d = 0; d < D; d++) v[d] = tmp[d] * c[d] + tmp[(d + half) % D] * s[d];
+        }
+    }
+}
+
+/* Attention for the decode rows of a pass: each of B sequences has one new token, at position
+ * positions[b] of cache slot slots[b]. Its key and value (rows of k_new / v_new, KVH heads of D)
+ * are written into the cache, [slots, KVH, max_seq, D], and its H query heads (rows of q) attend
+ * over positions [0, positions[b]] of the slot. Grouped-query: the H / KVH query heads of a KV head
+ * share one pass over its keys and values. out: B rows (stride ldo) of H x D. One task per
+ * (sequence, KV head); a sequence's result does not depend on the others in the pass. */
+AVX512 static void decode_attention(const float *q, const float *k_new, const float *v_new, long ldq,
+                                    float *k_cache, float *v_cache, const int64_t *slots,
+                                    const int64_t *positions, long B, long H, long KVH, long D,
+                                    long max_seq, float scale, float *out, long ldo, int threads) {
+    const long G = H / KVH, chunks = D / 16;
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && B * KVH > 1)
+    for (long task = 0; task < B * KVH; task++) {
+        const long b = task / KVH, h = task % KVH, L = positions[b] + 1;
+        float *keys = k_cache + (slots[b] * KVH + h) * max_seq * D;
+        float *values = v_cache + (slots[b] * KVH + h) * max_seq * D;
+        memcpy(keys + (L - 1) * D, k_new + b * ldq + h * D, D * sizeof(float));
+        memcpy(values + (L - 1) * D, v_new + b * ldq + h * D, D * sizeof(float));
+        float *scores = malloc(sizeof(float) * G * L);
+        for (long g = 0; g < G; g++) {
+            const float *qg = q + b * ldq + (h * G + g) * D;
+            float *sc = scores + g * L, top = -INFINITY;
+            for (long t = 0; t < L; t++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (long j = 0; j < chunks; j++)
+                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), _mm512_loadu_ps(keys + t * D + 16 * j), dot);
+                sc[t] = _mm512_reduce_add_ps(dot) * scale;
+                top = sc[t] > top ? sc[t] : top;
+            }
+            __m512 total = _mm512_setzero_ps();
+            const __m512 topv = _mm512_set1_ps(top);
+            for (long t = 0; t < L; t += 16) {
+                const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+                const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), topv)));
+                _mm512_mask_storeu_ps(sc + t, k, e);
+                total = _mm512_add_ps(total, e);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+            float *o = out + b * ldo + (h * G + g) * D;
+            for (long j = 0; j < chunks; j++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (long t = 0; t < L; t++)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_loadu_ps(values + t * D + 16 * j), acc);
+                _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc, inv));
+            }
+        }
+        free(scores);
+    }
+}
+
+/* ---- Python bindings: every argument a number (a pointer from data_ptr(), a size, a float),
+ * described by a format string: 'p' pointer (None: NULL), 'l' long, 'f' float. ---- */
+
+typedef union {
+    void *p;
+    long l;
+    double f;
+} arg_t;
+
+static int parse(PyObject *const *args, Py_ssize_t nargs, const char *format, arg_t *out) {
+    const Py_ssize_t n = (Py_ssize_t)strlen(format);
+    if (nargs != n) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", n, nargs);
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
-        out[i] = PyLong_AsLong(args[i]);
-        if (out[i] == -1 && PyErr_Occurred()) return -1;
+        if (format[i] == 'p') out[i].p = args[i] == Py_None ? NULL : PyLong_AsVoidPtr(args[i]);
+        else if (format[i] == 'l') out[i].l = PyLong_AsLong(args[i]);
+        else out[i].f = PyFloat_AsDouble(args[i]);
+        if (PyErr_Occurred()) return -1;
     }
     return 0;
 }
 
-/* gemm(x, ldx, w, y, ldy, M, K, N, accumulate, bias, threads) */
 static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    void *x, *w, *y, *bias;
-    long ldx, dims[4], rest[2];
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "gemm takes 11 arguments");
-        return NULL;
-    }
-    if (as_ptr(args[0], &x) || as_longs(args + 1, &ldx, 1) || as_ptr(args[2], &w) ||
-        as_ptr(args[3], &y) || as_longs(args + 4, dims, 4) || as_longs(args + 8, rest, 1) ||
-        as_ptr(args[9], &bias) || as_longs(args + 10, rest + 1, 1))
-        return NULL;
-    const long ldy = dims[0], M = dims[1], K = dims[2], N = dims[3];
-    if (M < 1 || K < 1 || N < 1 || ldx < K || ldy < N) {
+    arg_t a[11];
+    if (parse(args, nargs, "plpplllllpl", a)) return NULL;
+    const long M = a[5].l, K = a[6].l, N = a[7].l;
+    if (M < 1 || K < 1 || N < 1 || a[1].l < K || a[4].l < N) {
         PyErr_SetString(PyExc_ValueError, "gemm: bad shape");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    gemm(x, ldx, w, y, ldy, M, K, N, (int)rest[0], bias, (int)rest[1]);
+    gemm(a[0].p, a[1].l, a[2].p, a[3].p, a[4].l, M, K, N, (int)a[8].l, a[9].p, (int)a[10].l);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* rms_norm(x, ldx, weight, out, ldo, M, D, eps) */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    void *x, *weight, *out;
-    long ldx, dims[3];
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "rms_norm takes 8 arguments");
+    arg_t a[8];
+    if (parse(args, nargs, "plpplllf", a)) return NULL;
+    rms_norm(a[0].p, a[1].l, a[2].p, a[3].p, a[4].l, a[5].l, a[6].l, (float)a[7].f);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg_t a[6];
+    if (parse(args, nargs, "plllpl", a)) return NULL;
+    silu_mul(a[0].p, a[1].l, a[2].l, a[3].l, a[4].p, a[5].l);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg_t a[8];
+    if (parse(args, nargs, "pllllppp", a)) return NULL;
+    if (a[4].l > 1024 || a[4].l % 2) {
+        PyErr_SetString(PyExc_ValueError, "rope: head_dim must be even and at most 1024");
         return NULL;
     }
-    if (as_ptr(args[0], &x) || as_longs(args + 1, &ldx, 1) || as_ptr(args[2], &weight) ||
-        as_ptr(args[3], &out) || as_longs(args + 4, dims, 3))
+    rope(a[0].p, a[1].l, a[2].l, a[3].l, a[4].l, a[5].p, a[6].p, a[7].p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg_t a[17];
+    if (parse(args, nargs, "ppplpppplllllfpll", a)) return NULL;
+    const long H = a[9].l, KVH = a[10].l, D = a[11].l;
+    if (KVH < 1 || H % KVH || D % 16) {
+        PyErr_SetString(PyExc_ValueError, "decode_attention: heads must divide evenly, head_dim by 16");
         return NULL;
-    const double eps = PyFloat_AsDouble(args[7]);
-    if (eps == -1.0 && PyErr_Occurred()) return NULL;
-    rms_norm(x, ldx, weight, out, dims[0], dims[1], dims[2], (float)eps);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    decode_attention(a[0].p, a[1].p, a[2].p, a[3].l, a[4].p, a[5].p, a[6].p, a[7].p, a[8].l, H, KVH,
+                     D, a[12].l, (float)a[13].f, a[14].p, a[15].l, (int)a[16].l);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -273,11 +393,18 @@ static PyMethodDef METHODS[] = {
      "gemm(x, ldx, w_packed, y, ldy, M, K, N, accumulate, bias, threads): y (+)= x @ W + bias"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, ldx, weight, out, ldo, M, D, eps)"},
+    {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL,
+     "silu_mul(gate_up, ld, M, I, out, ldo): out = silu(gate) * up"},
+    {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL,
+     "rope(x, ld, N, heads, D, positions, cos, signed_sin): rotary embedding in place"},
+    {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL,
+     "decode_attention(q, k_new, v_new, ldq, k_cache, v_cache, slots, positions, B, H, KVH, D, "
+     "max_seq, scale, out, ldo, threads)"},
     {"has_avx512", py_has_avx512, METH_NOARGS, "whether this CPU runs the kernels"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_cpu_kernels",
-                                    "braid's AVX-512 kernels for few-row fp32 matmuls", -1, METHODS};
+                                    "braid's AVX-512 kernels for the CPU decode step", -1, METHODS};
 
 PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&MODULE); }

@@ -112,6 +112,6 @@ class ModelRunner:
         kv_heads, max_seq = self.decoder.num_kv_heads, self.cache.max_seq_len
         cache_index = [(slot * kv_heads + h) * max_seq + n - 1 for slot, n in zip(slots, lengths)
                        for h in range(kv_heads)]
-        return DecodeRows(count=len(decodes), slot_lo=lo, span=span,
+        return DecodeRows(count=len(decodes), slots=torch.tensor(slots, dtype=torch.long, device=dev), slot_lo=lo, span=span,
                           cache_index=torch.tensor(cache_index, dtype=torch.long, device=dev),
                           rows_in_span=rows_in_span, kv_len=kv_len, mask=mask)

@@ -1,0 +1,135 @@
+"""The decoder's building blocks: braid's AVX-512 kernels on the CPU, torch's elsewhere.
+
+On a CPU with AVX-512 (fp32), the linear layers, RMSNorm, SwiGLU, RoPE and the decode steps'
+attention run in _cpu_kernels.c: weights are packed once into 32-column panels and streamed from
+memory once per call whatever the number of rows, and each small op is one call instead of several
+torch ops (see the C file for why and for the measurements). Elsewhere (CUDA, an older CPU, a build
+without a C compiler, or --kernels torch) the same functions run torch's ops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+_LOGGER = logging.getLogger(__name__)
+
+try:
+    from braid.server.runner import _cpu_kernels
+except ImportError:  # built without a C compiler: torch's kernels do the work
+    _cpu_kernels = None
+
+PANEL = 32  # columns per packed panel; must match _cpu_kernels.c
+
+
+def kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32 and _cpu_kernels is not None
+            and _cpu_kernels.has_avx512())
+
+
+class Linear:
+    """y = x @ W (+ bias), W given [in, out]. `add_into(y, x)` does y += x @ W in place."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight.contiguous(), bias
+        self.in_features, self.out_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+    def add_into(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y.addmm_(x, self.weight) if self.bias is None else y.addmm_(x, self.weight).add_(self.bias)
+
+
+class PackedLinear(Linear):
+    """The weight packed into panels [ceil(out / 32), in, 32] (zero-padded), for _cpu_kernels.gemm."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        k, n = weight.shape
+        panels = -(-n // PANEL)
+        padded = weight.new_zeros(k, panels * PANEL)
+        padded[:, :n] = weight
+        self.weight = padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
+        self.bias = None if bias is None else bias.contiguous()
+        self.in_features, self.out_features = k, n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], self.out_features)
+        self._gemm(x, y, accumulate=False)
+        return y
+
+    def add_into(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        self._gemm(x, y, accumulate=True)
+        return y
+
+    def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+        x = _rows(x)
+        assert x.shape[1] == self.in_features and y.stride(-1) == 1
+        _cpu_kernels.gemm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), y.data_ptr(), y.stride(0),
+                          x.shape[0], self.in_features, self.out_features, int(accumulate),
+                          None if self.bias is None else self.bias.data_ptr(), torch.get_num_threads())
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> Linear:
+    return PackedLinear(weight, bias) if packed else Linear(weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, packed: bool) -> torch.Tensor:
+    """x: [N, hidden]. The C kernel is one pass per row; torch's is half a dozen ops."""
+    if not packed:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x = _rows(x)
+    out = torch.empty_like(x)
+    _cpu_kernels.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                          x.shape[0], x.shape[1], eps)
+    return out
+
+
+def swiglu(gate_up: torch.Tensor, packed: bool) -> torch.Tensor:
+    """gate_up: [N, 2 I], gate then up. Returns silu(gate) * up, [N, I]."""
+    if not packed:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gate_up = _rows(gate_up)
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
+    _cpu_kernels.silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr(), out.stride(0))
+    return out
+
+
+def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          signed_sin: torch.Tensor, packed: bool) -> None:
+    """Rotary embedding, in place, on the first `heads` heads of each row of qkv [N, ...]:
+    x * cos[pos] + roll(x, D / 2) * signed_sin[pos], the tables [max_seq, D]."""
+    n = qkv.shape[0]
+    if not packed:
+        x = qkv[:, :heads * head_dim].view(n, heads, head_dim)
+        c, s = cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1)
+        x.copy_(torch.addcmul(x * c, x.roll(head_dim // 2, dims=-1), s))
+        return
+    assert qkv.stride(-1) == 1 and positions.dtype == torch.long and positions.is_contiguous()
+    _cpu_kernels.rope(qkv.data_ptr(), qkv.stride(0), n, heads, head_dim, positions.data_ptr(),
+                      cos.data_ptr(), signed_sin.data_ptr())
+
+
+def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+    """The C kernel for the decode rows of a pass. qkv: [B, (H + 2 KVH) D], one row per sequence,
+    after RoPE. Writes each sequence's new key and value at positions[b] of slot slots[b] of the cache
+    [slots, KVH, max_seq, D], and its attention over positions [0, positions[b]] into out [B, H D]."""
+    b = qkv.shape[0]
+    kv_heads, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    assert qkv.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert slots.dtype == positions.dtype == torch.long and slots.is_contiguous() and positions.is_contiguous()
+    q = qkv.data_ptr()
+    k, v = q + heads * d * qkv.element_size(), q + (heads + kv_heads) * d * qkv.element_size()
+    _cpu_kernels.decode_attention(q, k, v, qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  slots.data_ptr(), positions.data_ptr(), b, heads, kv_heads, d, max_seq,
+                                  d ** -0.5, out.data_ptr(), out.stride(0), torch.get_num_threads())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with unit stride along its last dim (rows may be strided), as the C kernels read it."""
+    return x if x.stride(-1) == 1 else x.contiguous()
