@@ -305,6 +305,42 @@ AVX512 static void decode_attention(const float *q, const float *k_new, const fl
     }
 }
 
+/* A whole decode step through every layer, for passes where each sequence feeds one token: the
+ * same kernels as above in the decoder's order, with no Python between them (one call and no GIL
+ * for the step). x [B, hidden] holds the tokens' embeddings and leaves holding the last layer's
+ * residual stream; the caller applies the final norm and the LM head. Each layer's row of `table`
+ * holds pointers: input_norm, qkv, qkv_bias (or 0), o, post_norm, gate_up, down, k_cache, v_cache. */
+enum { T_INPUT_NORM, T_QKV, T_QKV_BIAS, T_O, T_POST_NORM, T_GATE_UP, T_DOWN, T_K_CACHE, T_V_CACHE, T_FIELDS };
+
+typedef struct {
+    long B, hidden, H, KVH, D, I, layers, max_seq;
+    float eps;
+    const int64_t *table, *positions, *slots;
+    const float *cos_t, *sin_t;
+    float *x, *h, *qkv, *attn, *gate_up, *act; /* scratch: [B, hidden], [B, (H + 2 KVH) D], [B, H D], [B, 2 I], [B, I] */
+    int threads;
+} step_t;
+
+AVX512 static void decode_step(const step_t *s) {
+    const long B = s->B, hd = s->hidden, qd = s->H * s->D, kvd = s->KVH * s->D, width = qd + 2 * kvd;
+    for (long layer = 0; layer < s->layers; layer++) {
+        const int64_t *t = s->table + layer * T_FIELDS;
+#define P(field) ((float *)(intptr_t)t[field])
+        rms_norm(s->x, hd, P(T_INPUT_NORM), s->h, hd, B, hd, s->eps);
+        gemm(s->h, hd, P(T_QKV), s->qkv, width, B, hd, width, 0, P(T_QKV_BIAS), s->threads);
+        rope(s->qkv, width, B, s->H + s->KVH, s->D, s->positions, s->cos_t, s->sin_t);
+        decode_attention(s->qkv, s->qkv + qd, s->qkv + qd + kvd, width, P(T_K_CACHE), P(T_V_CACHE), s->slots,
+                         s->positions, B, s->H, s->KVH, s->D, s->max_seq, 1.0f / sqrtf((float)s->D), s->attn,
+                         qd, s->threads);
+        gemm(s->attn, qd, P(T_O), s->x, hd, B, qd, hd, 1, NULL, s->threads);
+        rms_norm(s->x, hd, P(T_POST_NORM), s->h, hd, B, hd, s->eps);
+        gemm(s->h, hd, P(T_GATE_UP), s->gate_up, 2 * s->I, B, hd, 2 * s->I, 0, NULL, s->threads);
+        silu_mul(s->gate_up, 2 * s->I, B, s->I, s->act, s->I);
+        gemm(s->act, s->I, P(T_DOWN), s->x, hd, B, s->I, hd, 1, NULL, s->threads);
+#undef P
+    }
+}
+
 /* ---- Python bindings: every argument a number (a pointer from data_ptr(), a size, a float),
  * described by a format string: 'p' pointer (None: NULL), 'l' long, 'f' float. ---- */
 
@@ -383,6 +419,24 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
     Py_RETURN_NONE;
 }
 
+static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg_t a[21];
+    if (parse(args, nargs, "llllllllfpppppppppppl", a)) return NULL;
+    step_t s = {.B = a[0].l, .hidden = a[1].l, .H = a[2].l, .KVH = a[3].l, .D = a[4].l, .I = a[5].l,
+                .layers = a[6].l, .max_seq = a[7].l, .eps = (float)a[8].f, .table = a[9].p,
+                .positions = a[10].p, .slots = a[11].p, .cos_t = a[12].p, .sin_t = a[13].p, .x = a[14].p,
+                .h = a[15].p, .qkv = a[16].p, .attn = a[17].p, .gate_up = a[18].p, .act = a[19].p,
+                .threads = (int)a[20].l};
+    if (s.B < 1 || s.KVH < 1 || s.H % s.KVH || s.D % 16 || s.D > 1024) {
+        PyErr_SetString(PyExc_ValueError, "decode_step: bad shape");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    decode_step(&s);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_has_avx512(PyObject *self, PyObject *unused) {
     __builtin_cpu_init();
     return PyBool_FromLong(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"));
@@ -400,6 +454,9 @@ static PyMethodDef METHODS[] = {
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL,
      "decode_attention(q, k_new, v_new, ldq, k_cache, v_cache, slots, positions, B, H, KVH, D, "
      "max_seq, scale, out, ldo, threads)"},
+    {"decode_step", (PyCFunction)(void (*)(void))py_decode_step, METH_FASTCALL,
+     "decode_step(B, hidden, H, KVH, D, I, layers, max_seq, eps, table, positions, slots, cos, sin, "
+     "x, h, qkv, attn, gate_up, act, threads): every layer of a decode-only pass"},
     {"has_avx512", py_has_avx512, METH_NOARGS, "whether this CPU runs the kernels"},
     {NULL, NULL, 0, NULL},
 };

@@ -130,6 +130,43 @@ def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cac
                                   d ** -0.5, out.data_ptr(), out.stride(0), torch.get_num_threads())
 
 
+class DecodeStep:
+    """Every layer of a decode-only pass in one call (_cpu_kernels.decode_step): no Python and no
+    GIL between the layers' kernels. Holds the table of each layer's weight and cache pointers."""
+
+    FIELDS = 9  # per layer, in the C enum's order
+
+    def __init__(self, layers, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: list[torch.Tensor],
+                 v_cache: list[torch.Tensor]) -> None:
+        def ptr(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        self.table = torch.tensor([[ptr(w.input_norm), ptr(w.qkv.weight), ptr(w.qkv.bias), ptr(w.o.weight),
+                                    ptr(w.post_norm), ptr(w.gate_up.weight), ptr(w.down.weight), ptr(k), ptr(v)]
+                                   for w, k, v in zip(layers, k_cache, v_cache)], dtype=torch.long)
+        self._keep = (layers, k_cache, v_cache, cos, signed_sin)  # the memory the table points into
+        self.hidden = layers[0].qkv.in_features
+        self.intermediate = layers[0].down.in_features
+        self.shape = (num_heads, num_kv_heads, head_dim, self.intermediate, len(layers), k_cache[0].shape[2])
+        self.eps, self.cos, self.sin = eps, cos, signed_sin
+        self._scratch: list[torch.Tensor] = []
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """x: [B, hidden] embeddings, contiguous; on return the last layer's residual stream."""
+        b = x.shape[0]
+        assert x.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()
+        if not self._scratch or self._scratch[0].shape[0] < b:
+            heads, kv_heads, d, inter = self.shape[:4]
+            widths = (self.hidden, (heads + 2 * kv_heads) * d, heads * d, 2 * inter, inter)
+            self._scratch = [x.new_empty(b, w) for w in widths]
+        h, qkv, attn, gate_up, act = self._scratch
+        _cpu_kernels.decode_step(b, self.hidden, *self.shape, self.eps, self.table.data_ptr(),
+                                 positions.data_ptr(), slots.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+                                 x.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
+                                 act.data_ptr(), torch.get_num_threads())
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x with unit stride along its last dim (rows may be strided), as the C kernels read it."""
     return x if x.stride(-1) == 1 else x.contiguous()

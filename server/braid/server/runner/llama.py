@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from braid.server.runner.kv_cache import KVCache
-from braid.server.runner.kernels import (Linear, decode_attention, kernels_available, make_linear, rms_norm,
-                                         rope_, swiglu)
+from braid.server.runner.kernels import (DecodeStep, Linear, decode_attention, kernels_available,
+                                         make_linear, rms_norm, rope_, swiglu)
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class LlamaDecoder:
         # On an AVX-512 CPU, braid's own kernels run the linear layers and norms (runner/linear.py).
         self.packed = allow_kernels and kernels_available(device, dtype)
         self.packed_attention = self.packed and self.head_dim % 16 == 0
+        self._step: DecodeStep | None = None  # built on the first decode-only pass, for its cache
+        self._step_cache: KVCache | None = None
         _LOGGER.info("kernels: %s", "braid's AVX-512 kernels" if self.packed else "torch")
 
         def take(t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +128,8 @@ class LlamaDecoder:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the packed batch, writes its keys/values into the cache, returns [R, V] logits."""
+        if self.packed_attention and batch.decode is not None and not batch.prefills:
+            return self._decode_only(batch, cache)
         n = batch.input_ids.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(batch.input_ids, self.embed)  # [N, hidden], the residual stream
@@ -138,6 +142,16 @@ class LlamaDecoder:
             attn = self._attention(i, qkv, q, k, v, batch, cache)  # [N, H * D]
             w.o.add_into(x, attn)  # x += attn @ o
             w.down.add_into(x, swiglu(w.gate_up(self._norm(x, w.post_norm)), self.packed))
+        return self.lm_head(self._norm(x[batch.logit_rows], self.final_norm)).float()
+
+    def _decode_only(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """A pass of decode rows only (the steady state): every layer in one C call."""
+        if self._step is None or self._step_cache is not cache:
+            self._step = DecodeStep(self.layers, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+                                    self.cos, self.sin, cache.k, cache.v)
+            self._step_cache = cache
+        x = F.embedding(batch.input_ids, self.embed)  # [B, hidden]
+        self._step(x, batch.positions, batch.decode.slots)
         return self.lm_head(self._norm(x[batch.logit_rows], self.final_norm)).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
