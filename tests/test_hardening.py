@@ -17,6 +17,9 @@ from braid.v1 import generate_pb2 as pb
 from conftest import Server, wait_for
 
 LONG = dict(max_new_tokens=900, ignore_eos=True)
+# Every pass of a SLOW server takes 3 ms longer, so a LONG stream lasts at least 2.7 s on any machine
+# (the tiny model alone runs 900 tokens in well under a second).
+SLOW = {"BRAID_INJECT_FAULT": "delay:3"}
 
 
 def _details(err: grpc.RpcError, kind):
@@ -33,7 +36,7 @@ def _tiny(tiny_dir, *args, env=None) -> Server:
 @pytest.fixture(scope="module")
 def small(tiny_dir):
     """Sequential, one running session and one queued at most: easy to fill."""
-    server = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--max-queued", "1")
+    server = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--max-queued", "1", env=SLOW)
     yield server
     server.stop()
 
@@ -102,21 +105,29 @@ def _order_of_service(server: Server, priorities: list[int]) -> list[int]:
 
 def test_interactive_goes_before_batch_and_batch_is_not_starved(tiny_dir):
     b, i = pb.PRIORITY_BATCH, pb.PRIORITY_INTERACTIVE
-    patient = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "60000")
+    patient = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "60000",
+                    env=SLOW)
     try:
         assert _order_of_service(patient, [b, b, i])[0] == 2
     finally:
         patient.stop()
     # Once a batch session has waited --batch-max-wait-ms, it goes before newer interactive ones.
-    aging = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "100")
+    aging = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "100", env=SLOW)
     try:
         assert _order_of_service(aging, [b, i, i])[0] == 0
     finally:
         aging.stop()
 
 
-def test_grpc_deadline_stops_generation_and_frees_the_session(servers):
-    with servers("continuous").client() as client:
+@pytest.fixture(scope="module")
+def slow(tiny_dir):
+    server = _tiny(tiny_dir, "--mode", "continuous", env=SLOW)
+    yield server
+    server.stop()
+
+
+def test_grpc_deadline_stops_generation_and_frees_the_session(slow):
+    with slow.client() as client:
         before = client.server_status().sessions_finished.deadline
         with pytest.raises(grpc.RpcError) as err:
             list(client.stream("slow", timeout=0.5, **LONG))
@@ -125,8 +136,8 @@ def test_grpc_deadline_stops_generation_and_frees_the_session(servers):
         assert client.server_status().sessions_finished.deadline == before + 1
 
 
-def test_timeout_ms_ends_the_stream_with_a_deadline_final_message(servers):
-    with servers("continuous").client() as client:
+def test_timeout_ms_ends_the_stream_with_a_deadline_final_message(slow):
+    with slow.client() as client:
         stream = client.stream("slow", timeout_ms=400, **LONG)
         messages = list(stream)
     assert messages[-1].finish_reason == pb.FINISH_REASON_DEADLINE
@@ -211,7 +222,7 @@ def test_a_dead_model_thread_turns_health_off_and_exits_nonzero(tiny_dir, server
 
 
 def test_sigterm_drains_then_cancels_with_a_final_message_and_exits_zero(tiny_dir):
-    server = _tiny(tiny_dir, "--mode", "continuous", "--grace-period", "1.5")
+    server = _tiny(tiny_dir, "--mode", "continuous", "--grace-period", "1.5", env=SLOW)
     client = server.client()
     try:
         short = client.stream("short", max_new_tokens=30, ignore_eos=True)

@@ -137,7 +137,7 @@ def test_a_queued_session_can_be_cancelled_before_it_starts(servers):
     server = servers("sequential")
     with server.client() as client:
         before = client.server_status().sessions_finished.cancelled
-        running = client.stream("Hold the model", max_new_tokens=300, ignore_eos=True)
+        running = client.stream("Hold the model", max_new_tokens=900, ignore_eos=True)
         next(iter(running))
         queued = client.stream("Wait in line", max_new_tokens=10, ignore_eos=True)
         wait_for(lambda: client.server_status().sessions_queued == 1)

@@ -1,13 +1,16 @@
-"""Fault injection for resilience tests: BRAID_INJECT_FAULT=<where>:<token id>.
+"""Fault injection for resilience tests: BRAID_INJECT_FAULT=<where>:<value>.
 
 `pass:<id>` raises inside the forward pass of any batch that feeds token <id> (only that pass's
 sessions must fail); `thread:<id>` kills the model thread itself (the server must turn NOT_SERVING and
-exit non-zero). Unset, it costs one attribute check per pass.
+exit non-zero); `delay:<ms>` makes every forward pass take <ms> longer, a slow model, so a test's
+stream outlasts its deadline or grace period however fast the machine. Unset, it costs one attribute
+check per pass.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,21 +29,26 @@ class InjectedThreadDeath(BaseException):
 class FaultInjector:
     where: str | None = None
     token_id: int = -1
+    delay_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> FaultInjector:
         spec = os.environ.get(ENV)
         if not spec:
             return cls()
-        where, _, token = spec.partition(":")
+        where, _, value = spec.partition(":")
+        if where == "delay":
+            return cls(where, delay_s=float(value) / 1000)
         if where not in ("pass", "thread"):
-            raise ValueError(f"{ENV}={spec!r}: expected pass:<token id> or thread:<token id>")
-        return cls(where, int(token))
+            raise ValueError(f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id> or delay:<ms>")
+        return cls(where, int(value))
 
     def _hit(self, work: Sequence) -> bool:
         return any(self.token_id in w.session.token_ids[w.session.num_cached:] for w in work)
 
     def before_pass(self, work: Sequence) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if self.where == "thread" and self._hit(work):
             raise InjectedThreadDeath(f"injected by {ENV}")
 
