@@ -191,9 +191,9 @@ def markdown(results: Results, plot_name: str | None) -> str:
     notes = "".join(f"- {n}\n" for n in results.notes)
     return f"""# braid benchmarks
 
-> **Provisional.** braid's engine is being optimised while this harness is being written; braid's
-> figures below are from one run on {results.started} (braid commit `{results.machine.get('braid_commit')}`)
-> and will change. The peers' figures are what they are on this machine. Rerun `make bench`.
+> One run on {results.started} (braid commit `{results.machine.get('braid_commit')}`), every system
+> on the same machine in the same run. A shared VM's speed drifts (on the 2-core VM of issue 3, by
+> about 20% over tens of minutes): compare the rows of one run, not figures from different runs.
 
 Every figure is measured from the client side: braid over gRPC (its Python `AsyncClient`, asyncio,
 one stream per request), llama.cpp over HTTP (streamed `/completion`), Hugging Face transformers
@@ -228,8 +228,12 @@ The targets workload is {s.get('count', 16)} requests of 30-60 prompt tokens sen
 
 ## gRPC overhead
 
-See issue notes. (This harness measures every system from its client only; timing braid's engine
-in-process is the engine's side: `benchmarks/grpc_overhead.py` runs the same workload both ways.)
+This harness measures every system from its client only. What gRPC costs braid is measured apart,
+by `benchmarks/grpc_overhead.py`: the same workload through the engine in-process (its model loop
+on the main thread, as in the server) and through `braid serve`, alternated, medians:
+
+    .venv/bin/python benchmarks/grpc_overhead.py --mode continuous --workload targets --repeats 5
+    .venv/bin/python benchmarks/grpc_overhead.py --mode sequential --workload single --repeats 5
 
 ## Results
 
@@ -288,7 +292,7 @@ def plot(results: Results, path: Path) -> bool:
     ttft.set_yscale("log")
     tput.legend(fontsize=7)
     fig.suptitle(f"SmolLM2-135M fp32, {results.machine.get('cores')} CPU cores, {results.settings.get('new_tokens')} "
-                 f"new tokens per request (braid provisional, {results.started})", fontsize=9)
+                 f"new tokens per request (braid {results.machine.get('braid_commit')}, {results.started})", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
