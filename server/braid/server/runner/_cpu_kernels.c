@@ -147,6 +147,9 @@ AVX512 static void gemv_panel(const float *restrict x, const float *restrict w, 
 AVX512 static void gemm(const float *x, long ldx, const float *w, float *y, long ldy, long M, long K,
                         long N, int accumulate, const float *bias, int threads) {
     const long panels = (N + PANEL - 1) / PANEL;
+    /* Few rows: short k-blocks keep the weight stream even. Many rows (a prefill): long ones, so
+     * the partial sums go through L1 less often (~10% faster at 128+ rows); same sums either way. */
+    const long kblock = M > 16 ? 256 : KBLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long p = 0; p < panels; p++) {
         float acc[CHUNK_ROWS * PANEL] __attribute__((aligned(64)));
@@ -164,8 +167,8 @@ AVX512 static void gemm(const float *x, long ldx, const float *w, float *y, long
         for (long r0 = 0; r0 < M; r0 += CHUNK_ROWS) {
             const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
             const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
-            for (long k0 = 0; k0 < K; k0 += KBLOCK) {
-                const long k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+            for (long k0 = 0; k0 < K; k0 += kblock) {
+                const long k1 = k0 + kblock < K ? k0 + kblock : K;
                 const int last = k1 == K;
                 const float *ahead = r0 == 0 ? panel + PREFETCH : NULL;
                 /* rows split evenly over the tiles: 16 rows are two tiles of 8, not 12 + 4 */
