@@ -252,8 +252,19 @@ AVX512 static void rope(float *x, long ld, long N, long heads, long D, const int
         const float *c = cos_t + positions[n] * D, *s = sin_t + positions[n] * D;
         for (long h = 0; h < heads; h++) {
             float *v = x + n * ld + h * D;
+            if (half % 16 == 0) { /* both halves at once, 16 floats at a time */
+                for (long d = 0; d < half; d += 16) {
+                    const __m512 lo = _mm512_loadu_ps(v + d), hi = _mm512_loadu_ps(v + half + d);
+                    _mm512_storeu_ps(v + d, _mm512_fmadd_ps(hi, _mm512_loadu_ps(s + d),
+                                                            _mm512_mul_ps(lo, _mm512_loadu_ps(c + d))));
+                    _mm512_storeu_ps(v + half + d, _mm512_fmadd_ps(lo, _mm512_loadu_ps(s + half + d),
+                                                                   _mm512_mul_ps(hi, _mm512_loadu_ps(c + half + d))));
+                }
+                continue;
+            }
             memcpy(tmp, v, D * sizeof(float));
-            for (long d = 0; d < D; d++) v[d] = tmp[d] * c[d] + tmp[(d + half) % D] * s[d];
+            for (long d = 0; d < half; d++) v[d] = tmp[d] * c[d] + tmp[d + half] * s[d];
+            for (long d = half; d < D; d++) v[d] = tmp[d] * c[d] + tmp[d - half] * s[d];
         }
     }
 }
