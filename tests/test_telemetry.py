@@ -199,8 +199,11 @@ def test_metrics_move_with_a_stream(server):
     assert moved("braid_forward_pass_sessions_count") == 12
     assert moved("braid_forward_pass_sessions_sum") == 12
     assert moved("braid_forward_pass_tokens_sum") == prompt_tokens + 11
-    assert moved("rpc_server_call_duration_seconds_count", rpc_method="braid.v1.Generate/Stream",
-                 rpc_response_status_code="OK") == 1
+    # The call's duration is recorded as the server closes the call, which can be just after the
+    # client has read its last message: poll for it.
+    calls = dict(rpc_method="braid.v1.Generate/Stream", rpc_response_status_code="OK")
+    wait_for(lambda: value(scrape(server), "rpc_server_call_duration_seconds_count", **calls)
+             - value(before, "rpc_server_call_duration_seconds_count", **calls) == 1, timeout=5)
 
     assert value(after, "braid_sessions", braid_session_state="active") == 0
     assert value(after, "braid_sessions", braid_session_state="queued") == 0
