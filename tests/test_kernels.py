@@ -89,8 +89,8 @@ def test_rope_matches_torch():
     positions = torch.tensor([0, 7, 49, 3])
     qkv = torch.randn(4, (heads + 2) * d)
     original, expected = qkv.clone(), qkv.clone()
-    kernels.rope_(expected, heads, d, positions, cos, sin, packed=False)
-    kernels.rope_(qkv, heads, d, positions, cos, sin, packed=AVX512)
+    kernels.rope_(expected, heads, d, positions, *kernels.rope_tables(cos, sin, positions, False), packed=False)
+    kernels.rope_(qkv, heads, d, positions, *kernels.rope_tables(cos, sin, positions, AVX512), packed=AVX512)
     torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, heads * d:], original[:, heads * d:])  # only the first `heads` heads turn
     assert not torch.equal(qkv[:, :heads * d], original[:, :heads * d])

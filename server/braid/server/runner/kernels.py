@@ -102,16 +102,24 @@ def swiglu(gate_up: torch.Tensor, packed: bool) -> torch.Tensor:
 def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
           signed_sin: torch.Tensor, packed: bool) -> None:
     """Rotary embedding, in place, on the first `heads` heads of each row of qkv [N, ...]:
-    x * cos[pos] + roll(x, D / 2) * signed_sin[pos], the tables [max_seq, D]."""
+    x * cos[pos] + roll(x, D / 2) * signed_sin[pos]. The C kernel takes the whole tables
+    [max_seq, D] and looks positions up itself; torch's path takes the rows already looked up,
+    [N, D] (see `rope_tables`), so a pass looks them up once, not once per layer."""
     n = qkv.shape[0]
     if not packed:
         x = qkv[:, :heads * head_dim].view(n, heads, head_dim)
-        c, s = cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1)
+        c, s = cos.unsqueeze(1), signed_sin.unsqueeze(1)
         x.copy_(torch.addcmul(x * c, x.roll(head_dim // 2, dims=-1), s))
         return
     assert qkv.stride(-1) == 1 and positions.dtype == torch.long and positions.is_contiguous()
     _cpu_kernels.rope(qkv.data_ptr(), qkv.stride(0), n, heads, head_dim, positions.data_ptr(),
                       cos.data_ptr(), signed_sin.data_ptr())
+
+
+def rope_tables(cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor,
+                packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `rope_` takes for a pass: the whole tables for the C kernel, the pass's rows for torch."""
+    return (cos, signed_sin) if packed else (cos[positions], signed_sin[positions])
 
 
 def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,

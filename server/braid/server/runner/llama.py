@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from braid.server.runner.kv_cache import KVCache
 from braid.server.runner.kernels import (DecodeStep, Linear, decode_attention, kernels_available,
-                                         make_linear, rms_norm, rope_, swiglu)
+                                         make_linear, rms_norm, rope_, rope_tables, swiglu)
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class LlamaDecoder:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
 
-        # On an AVX-512 CPU, braid's own kernels run the linear layers and norms (runner/linear.py).
+        # On an AVX-512 CPU, braid's own kernels run the decoder (runner/kernels.py).
         self.packed = allow_kernels and kernels_available(device, dtype)
         self.packed_attention = self.packed and self.head_dim % 16 == 0
         self._step: DecodeStep | None = None  # built on the first decode-only pass, for its cache
@@ -132,10 +132,11 @@ class LlamaDecoder:
             return self._decode_only(batch, cache)
         n = batch.input_ids.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = rope_tables(self.cos, self.sin, batch.positions, self.packed)
         x = F.embedding(batch.input_ids, self.embed)  # [N, hidden], the residual stream
         for i, w in enumerate(self.layers):
             qkv = w.qkv(self._norm(x, w.input_norm))  # [N, (H + 2 KVH) D]
-            rope_(qkv, heads + kv_heads, d, batch.positions, self.cos, self.sin, self.packed)
+            rope_(qkv, heads + kv_heads, d, batch.positions, cos, sin, self.packed)
             q = qkv[:, :heads * d].view(n, heads, d)
             k = qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
