@@ -14,6 +14,7 @@ from pathlib import Path
 from braid.client import AsyncClient
 
 from metrics import StreamTiming
+from processes import logged_process
 from workloads import Request
 
 BRAID = Path(sys.executable).with_name("braid")
@@ -32,19 +33,10 @@ async def running(mode: str, *, threads: int, max_batch_size: int, log_path: Pat
     port = free_port()
     command = [str(BRAID), "serve", "--host", "127.0.0.1", "--port", str(port), "--mode", mode,
                "--max-batch-size", str(max_batch_size), "--threads", str(threads), "--log-level", "warning"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            async with AsyncClient(f"127.0.0.1:{port}") as client:
-                await _wait_healthy(client, process)
-                yield client, process.pid
-        finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with logged_process(command, log_path, grace_s=30) as process:
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            await _wait_healthy(client, process)
+            yield client, process.pid
 
 
 async def _wait_healthy(client: AsyncClient, process: subprocess.Popen) -> None:

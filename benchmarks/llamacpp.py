@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metrics import StreamTiming
+from processes import logged_process
 from workloads import Request
 
 BINARIES = ("llama-server", "llama-quantize")
@@ -118,18 +119,9 @@ def running_server(llama: LlamaCpp, gguf: Path, port: int, *, parallel: int, con
     command = [str(llama.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(parallel), "-c", str(context), "-t", str(threads), "-tb", str(threads),
                "--no-webui"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(f"http://127.0.0.1:{port}/health", process)
-            yield f"http://127.0.0.1:{port}", process.pid
-        finally:
-            process.terminate()
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with logged_process(command, log_path, grace_s=20) as process:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", process)
+        yield f"http://127.0.0.1:{port}", process.pid
 
 
 def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
