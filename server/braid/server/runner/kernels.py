@@ -67,6 +67,8 @@ class PackedLinear(Linear):
     def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
         x = _rows(x)
         assert x.shape[1] == self.in_features and y.stride(-1) == 1
+        if x.shape[0] == 0:  # no rows (a pass of prompt chunks that sample nothing): nothing to do,
+            return           # as torch.mm does; the C kernel rejects M < 1
         _cpu_kernels.gemm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), y.data_ptr(), y.stride(0),
                           x.shape[0], self.in_features, self.out_features, int(accumulate),
                           None if self.bias is None else self.bias.data_ptr(), torch.get_num_threads())

@@ -143,7 +143,14 @@ class LlamaDecoder:
             attn = self._attention(i, qkv, q, k, v, batch, cache)  # [N, H * D]
             w.o.add_into(x, attn)  # x += attn @ o
             w.down.add_into(x, swiglu(w.gate_up(self._norm(x, w.post_norm)), self.packed))
-        return self.lm_head(self._norm(x[batch.logit_rows], self.final_norm)).float()
+        return self._logits(x, batch.logit_rows)
+
+    def _logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[R, V] float32 next-token logits of the packed rows `rows` of the residual stream x.
+        R may be 0: a pass made only of prompt chunks that do not reach their prompt's end."""
+        if rows.numel() == 0:
+            return x.new_empty(0, self.vocab_size, dtype=torch.float32)
+        return self.lm_head(self._norm(x[rows], self.final_norm)).float()
 
     def _decode_only(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """A pass of decode rows only (the steady state): every layer in one C call."""
@@ -153,7 +160,7 @@ class LlamaDecoder:
             self._step_cache = cache
         x = F.embedding(batch.input_ids, self.embed)  # [B, hidden]
         self._step(x, batch.positions, batch.decode.slots)
-        return self.lm_head(self._norm(x[batch.logit_rows], self.final_norm)).float()
+        return self._logits(x, batch.logit_rows)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.packed)
