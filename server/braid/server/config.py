@@ -81,14 +81,20 @@ class ServerConfig:
         "require `authorization: Bearer <key>` metadata on every braid call (health stays open)"))
     max_message_bytes: int = field(default=4 * 1024 * 1024, **_opt(
         "largest request message accepted"))
+    max_concurrent_streams: int = field(default=100, **_opt(
+        "most calls one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); "
+        "a client queues the rest"))
     metrics_port: int = field(default=0, **_opt(
-        "serve Prometheus metrics on http://<host>:<port>/metrics (0: off)"))
+        "serve Prometheus metrics on http://<metrics-host>:<port>/metrics (0: off); they need no API key"))
+    metrics_host: str | None = field(default=None, **_opt(
+        "address the metrics endpoint listens on (default: --host), e.g. 127.0.0.1 to keep it off the network"))
     otlp_endpoint: str | None = field(default=None, **_opt(
         "send traces and metrics over OTLP/gRPC to this collector, e.g. http://otel-collector:4317 "
         "(http:// plaintext, https:// TLS; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else off)"))
 
     def __post_init__(self) -> None:
-        _positive(self, "default_max_new_tokens", "max_message_bytes")
+        _positive(self, "default_max_new_tokens", "max_message_bytes", "max_concurrent_streams")
+        self.metrics_host = self.metrics_host or self.host
         self.otlp_endpoint = self.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")

@@ -31,15 +31,23 @@ def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES):
             return handler
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get("authorization", "")
-        given = given.encode() if isinstance(given, str) else given
-        if hmac.compare_digest(given, self._expected):
+        if self._accepts(handler_call_details.invocation_metadata or ()):
             return handler
         return _deny_like(handler)
+
+    def _accepts(self, metadata) -> bool:
+        """Exactly one `authorization` header, `Bearer <key>`, the scheme in any case (RFC 9110
+        11.1: auth schemes are case-insensitive). Two headers are refused rather than one picked:
+        a proxy that adds its own must not decide which key counts."""
+        given = [value for key, value in metadata if key == "authorization"]
+        if len(given) != 1:
+            return False
+        value = given[0].encode() if isinstance(given[0], str) else given[0]
+        scheme, _, key = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(b" "), self._expected)

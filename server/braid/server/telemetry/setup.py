@@ -49,7 +49,7 @@ def start_telemetry(config: ServerConfig, engine: "Engine", port: int) -> Teleme
     tracer_provider = None
     if config.metrics_port:
         readers.append(PrometheusMetricReader())
-        start_http_server(config.metrics_port, addr=config.host.strip("[]"))
+        start_http_server(config.metrics_port, addr=config.metrics_host.strip("[]"))
     if config.otlp_endpoint:
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=config.otlp_endpoint)))
         tracer_provider = TracerProvider(resource=resource)
