@@ -83,7 +83,8 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         top_p=req.top_p or 1.0, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty or 1.0,
         seed=req.seed if req.HasField("seed") else secrets.randbits(63),
-        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
+        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        clip_max_new_tokens=req.max_new_tokens == 0)
     return GenerationRequest(
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
         request_id=req.request_id or uuid.uuid4().hex,
@@ -91,8 +92,13 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE)
 
 
+def text_bytes(text: str | None, messages) -> int:
+    """The UTF-8 size of a prompt, or of a chat's roles and contents."""
+    return len((text or "").encode()) + sum(len(m.content.encode()) + len(m.role.encode()) for m in messages)
+
+
 def _not_too_long(text: str, messages, text_field: str) -> None:
-    size = len(text.encode()) + sum(len(m.content.encode()) + len(m.role.encode()) for m in messages)
+    size = text_bytes(text, messages)
     if size > MAX_TEXT_BYTES:
         raise InvalidArgument(text_field if text else "messages",
                               f"is {size} bytes; at most {MAX_TEXT_BYTES}")
@@ -133,4 +139,5 @@ def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.Serv
             stop_sequence=f[FinishReason.STOP_SEQUENCE], stop_token=f[FinishReason.STOP_TOKEN],
             cancelled=f[FinishReason.CANCELLED], deadline=f[FinishReason.DEADLINE], error=f[FinishReason.ERROR]),
         forward_passes=stats.forward_passes, uptime_seconds=uptime_s,
-        mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name))
+        mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name),
+        sessions_submitted=stats.sessions_submitted, sessions_paused=stats.sessions_paused)

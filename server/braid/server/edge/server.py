@@ -91,6 +91,7 @@ async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
     server = grpc.aio.server(
         interceptors=[*interceptors, ErrorInterceptor()],
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
+                 ("grpc.max_concurrent_streams", config.max_concurrent_streams),
                  ("grpc.so_reuseport", 0)])
     pb_grpc.add_GenerateServicer_to_server(GenerateServicer(engine, config), server)
     health_servicer = health.aio.HealthServicer()
@@ -143,14 +144,15 @@ async def _drain(server: grpc.aio.Server, health_servicer, engine, grace_period:
     while loop.time() < deadline and engine.is_alive and _busy(engine):
         await asyncio.sleep(_DRAIN_POLL_S)
     if _busy(engine):
-        _LOGGER.info("grace period over: cancelling %d sessions", engine.stats().sessions_active)
+        stats = engine.stats()
+        _LOGGER.info("grace period over: cancelling %d active and %d queued sessions", stats.sessions_active,
+                     stats.sessions_queued)
         engine.cancel_all()
     await server.stop(_FINAL_MESSAGES_S)
 
 
 def _busy(engine) -> bool:
-    stats = engine.stats()
-    return stats.sessions_active + stats.sessions_queued > 0
+    return not engine.books.is_idle
 
 
 def _listen(server: grpc.aio.Server, address: str, config: ServerConfig) -> int:

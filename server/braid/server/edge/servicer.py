@@ -14,6 +14,7 @@ import grpc
 
 from braid.server.config import ServerConfig
 from braid.server.edge import convert
+from braid.server.edge.lanes import TokenizerLanes
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Delta, FinishReason, GenerationRequest
 from braid.server.telemetry import tracing
@@ -30,14 +31,19 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     def __init__(self, engine: "Engine", config: ServerConfig) -> None:
         self._engine = engine
         self._config = config
+        self._tokenizers = TokenizerLanes()
 
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         req = convert.request_from_pb(request, self._config.default_max_new_tokens,
                                       self._engine.info.vocab_size, context.time_remaining())
         handle = await self._submit(req)
+        # However the call ends (the client cancels, resets the stream or vanishes, at any await
+        # below or none), the session goes with it: this runs when the RPC terminates, even if this
+        # generator is never resumed. A no-op once the session has finished.
+        context.add_done_callback(lambda _: handle.cancel(_cancel_reason(req)))
         tracing.on_session(handle, self._engine.info.mode)
-        await context.send_initial_metadata((("braid-request-id", req.request_id),))
         try:
+            await context.send_initial_metadata((("braid-request-id", req.request_id),))
             async for batch in handle.batches():
                 message = self._message(batch, handle)
                 if handle.finished is not None:
@@ -51,16 +57,16 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 yield message
         except asyncio.CancelledError:
             # The client closed the stream (or its deadline passed): free the session now.
-            # (the cancellation can arrive a hair before our own clock reaches the deadline)
-            deadline_passed = req.deadline is not None and time.monotonic() >= req.deadline - _CLOCK_SLACK_S
-            handle.cancel(FinishReason.DEADLINE if deadline_passed else FinishReason.CANCELLED)
+            handle.cancel(_cancel_reason(req))
             raise
         finally:
             handle.cancel()  # a no-op once finished; covers a generator closed early
 
     async def _submit(self, req: GenerationRequest) -> SessionHandle:
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, self._engine.submit, req, loop)
+        # The place in the queue is taken here, before the call waits for a tokenizer thread.
+        ticket = self._engine.admit(req.prompt, req.messages)
+        future = self._tokenizers.run(convert.text_bytes(req.prompt, req.messages), ticket, self._engine.submit,
+                                      req, asyncio.get_running_loop())
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -82,7 +88,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         text, messages = convert.tokenize_args_from_pb(request)
-        ids, pieces = await asyncio.to_thread(self._engine.tokenize, text, messages)
+        ticket = self._engine.admit(text, messages, for_session=False)
+        ids, pieces = await self._tokenizers.run(convert.text_bytes(text, messages), ticket, self._engine.tokenize,
+                                                 text, messages)
         return pb.TokenizeResponse(token_ids=ids, pieces=pieces)
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
@@ -91,6 +99,13 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def ServerStatus(self, request, context) -> pb.ServerStatusResponse:
         return convert.stats_to_pb(self._engine.stats(), self._engine.info,
                                    time.monotonic() - self._engine.started_at)
+
+
+def _cancel_reason(req: GenerationRequest) -> FinishReason:
+    """A call that ends before its session: DEADLINE once its deadline has passed, else CANCELLED.
+    (the cancellation can arrive a hair before our own clock reaches the deadline)"""
+    deadline_passed = req.deadline is not None and time.monotonic() >= req.deadline - _CLOCK_SLACK_S
+    return FinishReason.DEADLINE if deadline_passed else FinishReason.CANCELLED
 
 
 def _failure_status(reason: FinishReason, context) -> grpc.StatusCode | None:

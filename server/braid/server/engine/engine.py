@@ -10,6 +10,7 @@ Other threads talk to it only through the inbox (typed messages) and read only i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -22,6 +23,7 @@ import torch
 
 from braid.server.config import EngineConfig
 from braid.server.config import parse_memory
+from braid.server.engine.books import Books, Ticket
 from braid.server.engine.detokenizer import IncrementalDetokenizer
 from braid.server.engine.faults import FaultInjector
 from braid.server.engine.handle import SessionHandle
@@ -29,7 +31,7 @@ from braid.server.engine.scheduler import Scheduler
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import (Delta, EngineStats, EngineUnavailable, Event, FinishReason, Finished,
-                                       GenerationRequest, InvalidArgument, ModelInfo, Overloaded, Timings)
+                                       GenerationRequest, InvalidArgument, Message, ModelInfo, Timings)
 from braid.server.model.loader import LoadedModel
 from braid.server.runner.kv_cache import KVCache, free_memory
 from braid.server.runner.model_runner import ModelRunner, Work, pick_device
@@ -55,6 +57,10 @@ class _Stop:
     pass
 
 
+class _Wake:
+    """A paused session's client has read its backlog: look again at who can run."""
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: LoadedModel) -> None:
         self.config = config
@@ -77,11 +83,11 @@ class Engine:
             has_chat_template=self.tokenizer.has_chat_template, parameters=self.runner.num_parameters)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[int, Session] = {}  # model thread only
+        self._num_added = 0  # sessions taken from the inbox (model thread only)
+        self._num_finished = 0  # and of those, finished (model thread only)
+        self._books_off: tuple[int, int] | None = None
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # guards the counters below
-        self._stats = EngineStats()
-        self._submitted = 0
-        self._left_queue = 0  # admitted, or finished before admission
+        self.books = Books(config.max_queued)
         self._outbox: list[tuple[SessionHandle, list[Event]]] = []
         self._thread = threading.Thread(target=self._run, name="braid-model", daemon=True)
         self._accepting = True
@@ -115,11 +121,32 @@ class Engine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> SessionHandle:
-        """Tokenizes and queues a session. Blocking (tokenization): call it off the event loop."""
+    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True) -> Ticket:
+        """Takes a place for a call before its text is tokenized: cheap, so the event loop calls it
+        the moment a call arrives. A Stream prompt that cannot fit in the context even at the most
+        bytes per token is refused here, without tokenizing it."""
         if not self._accepting or not self.is_alive:
             raise EngineUnavailable("the server is shutting down" if self.is_alive
                                     else "the model thread has stopped")
+        if for_session:
+            at_least = self.tokenizer.min_tokens(prompt, messages)
+            if at_least >= self.max_seq_len:
+                raise InvalidArgument("messages" if messages else "prompt",
+                                      f"is at least {at_least} tokens; the context length is {self.max_seq_len}")
+        return Ticket(self.books)
+
+    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> SessionHandle:
+        """Tokenizes, checks and queues a session; gives the ticket back whatever happens. Blocking
+        (tokenization): call it off the event loop."""
+        try:
+            session = self._session(request, loop)
+            ticket.release(submitted=True)  # counted before the model thread can finish it
+        finally:
+            ticket.release()
+        self._inbox.put(_Add(session))
+        return session.handle
+
+    def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Session:
         prompt_ids = self.tokenizer.encode(request.prompt, request.messages)
         params = request.params
         field = "messages" if request.messages else "prompt"
@@ -129,39 +156,38 @@ class Engine:
             raise InvalidArgument(field, f"is {len(prompt_ids)} tokens; the context length is "
                                          f"{self.max_seq_len}")
         room = self.max_seq_len - len(prompt_ids)
+        if params.max_new_tokens > room and params.clip_max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=room)
         if params.max_new_tokens > room:
             raise InvalidArgument("max_new_tokens",
                                   f"{params.max_new_tokens} new tokens after a {len(prompt_ids)}-token prompt "
                                   f"exceed the context length {self.max_seq_len} (at most {room})")
-        with self._lock:
-            queued = self._submitted - self._left_queue
-            if queued >= self.config.max_queued:
-                raise Overloaded(f"{queued} sessions are queued (--max-queued {self.config.max_queued})",
-                                 retry_after_s=1.0)
-            self._submitted += 1
+        if params.min_new_tokens > params.max_new_tokens:
+            raise InvalidArgument("min_new_tokens",
+                                  f"{params.min_new_tokens} is more than the {room} new tokens that fit after a "
+                                  f"{len(prompt_ids)}-token prompt (context length {self.max_seq_len})")
         session_id = next(self._ids)
         handle = SessionHandle(session_id, request.request_id, params.seed, len(prompt_ids), loop,
-                               self._abort)
-        session = Session(
+                               self._abort, self._wake)
+        return Session(
             id=session_id, prompt_ids=prompt_ids, params=params, handle=handle,
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop),
             rng=torch.Generator().manual_seed(params.seed), deadline=request.deadline,
             priority=request.priority, arrived=handle.arrived)
-        self._inbox.put(_Add(session))
-        return handle
 
-    def tokenize(self, prompt: str | None, messages: Sequence) -> tuple[list[int], list[str]]:
-        ids = self.tokenizer.encode(prompt, messages)
-        return ids, self.tokenizer.pieces(ids)
+    def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
+        """A Tokenize call's work; gives the ticket back. Blocking: call it off the event loop."""
+        try:
+            ids = self.tokenizer.encode(prompt, messages)
+            return ids, self.tokenizer.pieces(ids)
+        finally:
+            ticket.release()
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            s = self._stats
-            return EngineStats(
-                sessions_active=len(self.scheduler.running),
-                sessions_queued=self._submitted - self._left_queue,
-                tokens_generated=s.tokens_generated, prompt_tokens=s.prompt_tokens,
-                forward_passes=s.forward_passes, finished=dict(s.finished))
+        return self.books.snapshot()
+
+    def _wake(self) -> None:
+        self._inbox.put(_Wake())
 
     def _abort(self, session_id: int, reason: FinishReason) -> None:
         self._inbox.put(_Abort(session_id, reason))
@@ -193,23 +219,20 @@ class Engine:
     def _step(self) -> bool:
         """One turn of the loop; False once asked to stop."""
         now = time.monotonic()
-        sleep = None if self.scheduler.has_work else _IDLE_WAIT_S
-        hint = self.scheduler.wait_hint(now)
-        if hint is not None:
-            sleep = hint
-        if not self._drain(block_for=sleep):
-            return False
-        now = time.monotonic()
         self._expire(now)
+        self._pause_backlogged()
         work = self.scheduler.schedule(now)
-        if not work:
-            self._flush()
-            return True
+        self.books.set_running(len(self.scheduler.running), sum(s.paused for s in self.scheduler.running))
+        if work:
+            self._forward(work, now)
+        self._flush()
+        self._check_books()
+        return self._drain(block_for=None if work else self._idle_wait(now))
+
+    def _forward(self, work: list[Work], now: float) -> None:
         for w in work:
             if w.session.started is None:
                 w.session.started = now
-                with self._lock:
-                    self._left_queue += 1
         self.faults.before_pass(work)
         try:
             self.faults.inside_pass(work)
@@ -220,8 +243,22 @@ class Engine:
                 self._finish(w.session, FinishReason.ERROR, f"forward pass failed: {exc}")
         else:
             self._postprocess(work, tokens)
-        self._flush()
-        return True
+
+    def _idle_wait(self, now: float) -> float:
+        """How long the loop may block on its inbox when nothing can run: until a batch should start,
+        the next deadline passes, or at most _IDLE_WAIT_S (on the main thread, signals run then)."""
+        waits = [_IDLE_WAIT_S]
+        hint = self.scheduler.wait_hint(now)
+        if hint is not None:
+            waits.append(hint)
+        waits += [s.deadline - now for s in self._sessions.values() if s.deadline is not None]
+        return max(0.0, min(waits))
+
+    def _pause_backlogged(self) -> None:
+        """A session whose client has not taken MAX_UNSENT_TOKENS of its output sits out the passes
+        (keeping its slot) until the client reads: a client that never reads costs no compute."""
+        for s in self.scheduler.running:
+            s.paused = s.handle.is_backlogged()
 
     def _drain(self, block_for: float | None) -> bool:
         """Applies every inbox message; waits up to block_for seconds for the first one."""
@@ -234,6 +271,7 @@ class Engine:
                 return False
             if isinstance(msg, _Add):
                 self._sessions[msg.session.id] = msg.session
+                self._num_added += 1
                 self.scheduler.add(msg.session)
             elif isinstance(msg, _Abort) and msg.session_id == ALL_SESSIONS:
                 for session in list(self._sessions.values()):
@@ -250,12 +288,21 @@ class Engine:
             if session.deadline is not None and now >= session.deadline:
                 self._finish(session, FinishReason.DEADLINE)
 
+    def _check_books(self) -> None:
+        """The invariant every session obeys: taken from the inbox, it is then waiting, running or
+        finished, exactly one of them. Cheap (a few lengths), so it runs after every step; a
+        violation is a bug in braid, logged loudly (once per distinct imbalance)."""
+        held, waiting, running = len(self._sessions), self.scheduler.num_waiting, len(self.scheduler.running)
+        balance = (held - waiting - running, self._num_added - held - self._num_finished)
+        if balance != (0, 0) and balance != self._books_off:
+            _LOGGER.error("BOOKS DO NOT BALANCE: %d sessions held, %d waiting + %d running; %d added, %d finished",
+                          held, waiting, running, self._num_added, self._num_finished)
+        self._books_off = balance if balance != (0, 0) else None
+
     def _postprocess(self, work: list[Work], tokens: list[int | None]) -> None:
         now = time.monotonic()
-        with self._lock:
-            self._stats.forward_passes += 1
-            self._stats.prompt_tokens += sum(w.num_tokens for w in work if w.session.is_prefilling)
-            self._stats.tokens_generated += sum(t is not None for t in tokens)
+        self.books.count_pass(sum(w.num_tokens for w in work if w.session.is_prefilling),
+                              sum(t is not None for t in tokens))
         record_pass(len(work), sum(w.num_tokens for w in work))
         for w, token in zip(work, tokens):
             s = w.session
@@ -290,20 +337,19 @@ class Engine:
             if not event.text and not event.token_ids:
                 return
             s.pending_ids = []
+            s.handle.note_emitted(len(event.token_ids))
         self._outbox.append((s.handle, [event]))
 
     def _finish(self, s: Session, reason: FinishReason, error: str | None = None) -> None:
         if s.status is SessionStatus.FINISHED:
             return
-        was_waiting = s.status is SessionStatus.WAITING
         self.scheduler.remove(s)
         self._sessions.pop(s.id, None)
-        with self._lock:
-            self._stats.finished[reason] += 1
-            if was_waiting:
-                self._left_queue += 1
-        if reason not in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
-            self._emit(s, Delta(s.detokenizer.take(final=True), s.pending_ids))
+        self._num_finished += 1
+        self.books.finish(reason, active=len(self.scheduler.running))
+        # Whatever the reason, the text so far goes out: the tail held back in case it began a stop
+        # string, and tokens not yet delivered (a deadline ends the stream "with the text so far").
+        self._emit(s, Delta(s.detokenizer.take(final=True), s.pending_ids))
         finished = Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
                             timings=_timings(s), error=error)
         record_finish(finished)

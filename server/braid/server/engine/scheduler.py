@@ -14,6 +14,9 @@ Admission order is the same in every mode: interactive sessions first, except th
 that has waited `batch_max_wait_s` goes next, so batch work waits a bounded time, never forever.
 A pass holds at most `max_batch_size` sessions; when more are running (--max-sessions is larger),
 batched and continuous passes take turns over them.
+
+A *paused* session (its client has stopped reading) keeps its slot but sits out every pass, and no
+mode waits for it: sequential and batched admit the next sessions as if it had left.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ class Scheduler:
         return sum(len(q) for q in self.queues.values())
 
     @property
-    def has_work(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0
+    def runnable(self) -> list[Session]:
+        return [s for s in self.running if not s.paused]
 
     def add(self, session: Session) -> None:
         self.queues[session.priority].append(session)
@@ -76,18 +79,18 @@ class Scheduler:
     def wait_hint(self, now: float) -> float | None:
         """Seconds the model thread may sleep before a batch should start (batched mode)."""
         oldest = self._oldest_waiting()
-        if self.mode is Mode.BATCHED and oldest is not None and not self.running:
+        if self.mode is Mode.BATCHED and oldest is not None and not self.runnable:
             return max(0.0, oldest.arrived + self.max_wait_s - now)
         return None
 
     def _admit(self, now: float) -> None:
         if self.mode is Mode.SEQUENTIAL:
-            limit = 0 if self.running else 1
+            limit = 0 if self.runnable else 1
         elif self.mode is Mode.BATCHED:
             oldest = self._oldest_waiting()
             batch_full = self.num_waiting >= self.max_batch_size
             waited = oldest is not None and now - oldest.arrived >= self.max_wait_s
-            limit = self.max_batch_size if not self.running and (batch_full or waited) else 0
+            limit = self.max_batch_size if not self.runnable and (batch_full or waited) else 0
             if limit:
                 for session in self._bucket(now, min(limit, self.cache.num_free)):
                     self._start(session)
@@ -116,18 +119,19 @@ class Scheduler:
         self.running.append(session)
 
     def _pick(self) -> list[Work]:
-        if not self.running:
+        runnable = self.runnable
+        if not runnable:
             return []
         if self.mode is Mode.SEQUENTIAL:
-            return [self._work(self.running[0], self.prefill_chunk)]
+            return [self._work(runnable[0], self.prefill_chunk)]
         if self.mode is Mode.INTERLEAVED:
-            self._turn = (self._turn + 1) % len(self.running)
-            return [self._work(self.running[self._turn], self.prefill_chunk)]
+            self._turn = (self._turn + 1) % len(runnable)
+            return [self._work(runnable[self._turn], self.prefill_chunk)]
         # batched: the whole batch's prompts go in one packed prefill; continuous: a token budget
         # per pass keeps running streams moving while a long prompt is prefilled in chunks.
         budget = None if self.mode is Mode.BATCHED else self.prefill_chunk
         work = []
-        for session in self._this_turn():
+        for session in self._this_turn(runnable):
             if not session.is_prefilling:
                 work.append(Work(session, 1))
             elif budget is None or budget > 0:
@@ -136,12 +140,12 @@ class Scheduler:
                 work.append(item)
         return work
 
-    def _this_turn(self) -> list[Session]:
-        """The running sessions of this pass: all of them, or max_batch_size in turn."""
-        if len(self.running) <= self.max_batch_size:
-            return self.running
-        start = self._turn = (self._turn + self.max_batch_size) % len(self.running)
-        return (self.running[start:] + self.running[:start])[:self.max_batch_size]
+    def _this_turn(self, runnable: list[Session]) -> list[Session]:
+        """The sessions of this pass: every runnable one, or max_batch_size of them in turn."""
+        if len(runnable) <= self.max_batch_size:
+            return runnable
+        start = self._turn = (self._turn + self.max_batch_size) % len(runnable)
+        return (runnable[start:] + runnable[:start])[:self.max_batch_size]
 
     @staticmethod
     def _work(session: Session, budget: int | None) -> Work:

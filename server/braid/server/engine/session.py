@@ -36,6 +36,7 @@ class Session:
     num_cached: int = 0  # tokens whose keys and values are in the cache
     slot: int | None = None
     status: SessionStatus = SessionStatus.WAITING
+    paused: bool = False  # running, but its client has not read its output: sits out the passes
     finish_reason: FinishReason | None = None
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None  # first forward pass

@@ -51,6 +51,11 @@ class EngineUnavailable(RuntimeError):
     """The engine is shutting down or its model thread has stopped."""
 
 
+# Temperatures below this decode greedily, as in vLLM: dividing logits by a temperature near zero
+# overflows to inf and NaN (1e-38 sampled garbage where 1e-30 was still greedy).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one session picks its tokens; defaults already applied, ranges already checked."""
@@ -66,10 +71,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
+    # prompt instead of refusing the request
+    clip_max_new_tokens: bool = False
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,8 @@ class ModelInfo:
 class EngineStats:
     sessions_active: int = 0
     sessions_queued: int = 0
+    sessions_paused: int = 0  # active, but out of the passes: their clients are not reading
+    sessions_submitted: int = 0
     tokens_generated: int = 0
     prompt_tokens: int = 0
     forward_passes: int = 0

@@ -1,0 +1,38 @@
+"""The threads that tokenize calls' text, off the event loop: one lane for small texts, one for big.
+
+Tokenizing a 1 MiB text takes a second or more. On one shared pool, a flood of big prompts or
+Tokenize calls queued every small call behind them (a 4-token call waited 13.5 s behind 40 big
+prompts). Here big texts queue only behind each other, on one thread, so they also hold one big
+encoding in memory at a time; small calls keep their own threads. The tokenizer releases the GIL,
+so the lanes run in parallel with each other and with the model thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Callable, TypeVar
+
+from braid.server.engine.books import Ticket
+
+T = TypeVar("T")
+BIG_TEXT_BYTES = 16 * 1024  # about 4,000 tokens: tens of milliseconds to tokenize
+SMALL_THREADS = 2
+
+
+class TokenizerLanes:
+    def __init__(self) -> None:
+        self._small = concurrent.futures.ThreadPoolExecutor(SMALL_THREADS, thread_name_prefix="braid-tokenize")
+        self._big = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="braid-tokenize-big")
+
+    def run(self, text_bytes: int, ticket: Ticket, work: Callable[..., T], *args) -> asyncio.Future[T]:
+        """Runs work(ticket, *args) in the lane for a text of this size. The ticket is given back
+        however that ends, a call cancelled before its turn came included."""
+        lane = self._big if text_bytes > BIG_TEXT_BYTES else self._small
+        future = lane.submit(work, ticket, *args)
+        future.add_done_callback(lambda _: ticket.release())
+        return asyncio.wrap_future(future)
+
+    def shutdown(self) -> None:
+        self._small.shutdown(wait=False, cancel_futures=True)
+        self._big.shutdown(wait=False, cancel_futures=True)

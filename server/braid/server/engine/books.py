@@ -1,0 +1,98 @@
+"""The engine's books: how many sessions are queued, running and finished, read by every thread.
+
+Every session the engine accepts is counted once in `submitted`, and from then on is exactly one of
+queued, active or finished (under one finish reason):
+
+    submitted == queued + active + sum(finished)
+
+`queued` is derived from that identity rather than counted, so no path can leak it. Calls still
+being tokenized hold a *reservation*: they count against --max-queued (a flood of big prompts is
+refused at the door, before anyone tokenizes them), but are not sessions yet.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from braid.server.engine.types import EngineStats, FinishReason, Overloaded
+
+RETRY_AFTER_S = 1.0
+
+
+class Books:
+    def __init__(self, max_queued: int) -> None:
+        self.max_queued = max_queued
+        self._lock = threading.Lock()
+        self._stats = EngineStats()
+        self._reserved = 0  # calls admitted and being tokenized (Stream and Tokenize alike)
+
+    # ---- the threads that admit calls -------------------------------------------------------
+
+    def reserve(self) -> None:
+        """Takes a place for a call about to be tokenized; Overloaded when there is none."""
+        with self._lock:
+            queued = self._queued()
+            if queued + self._reserved >= self.max_queued:
+                raise Overloaded(f"{queued} sessions are queued and {self._reserved} calls are being "
+                                 f"tokenized (--max-queued {self.max_queued})", retry_after_s=RETRY_AFTER_S)
+            self._reserved += 1
+
+    def release(self, submitted: bool) -> None:
+        """Gives a reservation back: the call became a queued session, or it ended (a Tokenize call,
+        or a prompt refused once tokenized)."""
+        with self._lock:
+            self._reserved -= 1
+            self._stats.sessions_submitted += submitted
+
+    # ---- the model thread -------------------------------------------------------------------
+
+    def set_running(self, active: int, paused: int) -> None:
+        with self._lock:
+            self._stats.sessions_active, self._stats.sessions_paused = active, paused
+
+    def count_pass(self, prompt_tokens: int, generated_tokens: int) -> None:
+        with self._lock:
+            self._stats.forward_passes += 1
+            self._stats.prompt_tokens += prompt_tokens
+            self._stats.tokens_generated += generated_tokens
+
+    def finish(self, reason: FinishReason, active: int) -> None:
+        """One session ended; `active`: the sessions running now that it has left."""
+        with self._lock:
+            self._stats.finished[reason] += 1
+            self._stats.sessions_active = active
+
+    # ---- anyone -----------------------------------------------------------------------------
+
+    def _queued(self) -> int:
+        s = self._stats
+        return s.sessions_submitted - s.sessions_active - sum(s.finished.values())
+
+    def snapshot(self) -> EngineStats:
+        with self._lock:
+            s = self._stats
+            return EngineStats(
+                sessions_active=s.sessions_active, sessions_queued=self._queued(),
+                sessions_paused=s.sessions_paused, sessions_submitted=s.sessions_submitted,
+                tokens_generated=s.tokens_generated, prompt_tokens=s.prompt_tokens,
+                forward_passes=s.forward_passes, finished=dict(s.finished))
+
+    @property
+    def is_idle(self) -> bool:
+        """No session queued or running, and no call being tokenized."""
+        with self._lock:
+            return self._reserved == 0 and self._queued() == 0 and self._stats.sessions_active == 0
+
+
+class Ticket:
+    """A call's place among --max-queued, taken on the event loop the moment it arrives (before it
+    waits for a tokenizer thread) and given back exactly once: as a submitted session, or not."""
+
+    def __init__(self, books: Books) -> None:
+        books.reserve()
+        self._books: Books | None = books
+
+    def release(self, submitted: bool = False) -> None:
+        if self._books is not None:
+            self._books.release(submitted)
+            self._books = None

@@ -1,0 +1,197 @@
+"""Issue 10's defects, each called the way a user hit it; every test here failed before its fix.
+
+(Long prompts in every mode, cancellation storms, vanishing clients and floods: test_adversarial.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from braid.client import AsyncClient
+from braid.v1 import generate_pb2 as pb
+from conftest import Server, free_port, wait_for
+
+SLOW = {"BRAID_INJECT_FAULT": "delay:3"}  # every forward pass 3 ms longer: streams outlast their timeouts
+LONG = dict(max_new_tokens=900, ignore_eos=True)
+
+
+def _tiny(tiny_dir, *args, env=None, log_path=None) -> Server:
+    return Server(["--model", str(tiny_dir), "--threads", "1", *args], env=env, log_path=log_path)
+
+
+def _settled(client):
+    return wait_for(lambda: (s := client.server_status()).sessions_active == 0 and s.sessions_queued == 0 and s)
+
+
+def test_a_prompt_past_the_prefill_chunk_works_in_sequential_mode(servers):
+    """Was INTERNAL 'gemm: bad shape': a pass of prompt chunks only sampled zero rows."""
+    with servers("sequential").client() as client:
+        done = client.generate("hello " * 600, max_new_tokens=3, ignore_eos=True)
+    assert done.usage.prompt_tokens > 512 and done.usage.generated_tokens == 3
+
+
+def test_sessions_that_end_after_admission_but_before_their_first_pass_leave_the_queue(tiny_dir):
+    """Interleaved mode admits sessions at once and runs them in turn, so short timeouts and quick
+    cancels end many of them holding a slot, before their first pass. Those used to stay counted as
+    queued for ever, until every call got RESOURCE_EXHAUSTED."""
+    server = _tiny(tiny_dir, "--mode", "interleaved", "--max-queued", "8", env=SLOW)
+
+    async def rounds(client: AsyncClient):
+        hold = [client.stream("hold", max_new_tokens=300, ignore_eos=True) for _ in range(6)]
+        for stream in hold:
+            await stream.__anext__()
+        for round_ in range(4):
+            short = [client.stream("short", max_new_tokens=50, timeout_ms=1 + 10 * i) for i in range(4)]
+            cancelled = [client.stream("short", max_new_tokens=50) for _ in range(4)]
+            await asyncio.sleep(0.05)
+            for stream in cancelled:
+                stream.cancel()
+            for stream in short:
+                async for _ in stream:
+                    pass
+        for stream in hold:
+            stream.cancel()
+
+    try:
+        async def run():
+            async with AsyncClient(server.target) as client:
+                await rounds(client)
+        asyncio.run(run())
+        with server.client() as client:
+            status = _settled(client)
+            assert status.sessions_submitted == sum(
+                getattr(status.sessions_finished, f.name) for f in pb.FinishCounts.DESCRIPTOR.fields)
+            assert client.generate("after", max_new_tokens=2, ignore_eos=True).usage.generated_tokens == 2
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_dir):
+    server = _tiny(tiny_dir, "--mode", "continuous", env=SLOW)
+    yield server
+    server.stop()
+
+
+def test_a_timeout_ms_deadline_keeps_the_text_held_back_for_a_stop_string(slow):
+    """The .proto promises 'the text so far'. Text that might begin a stop string is held back; a
+    deadline used to drop it, so tokens arrived whose text never did."""
+    with slow.client() as client:
+        held, count = "", 0  # the greedy output's first tokens, up to a stop string's 256 bytes
+        for message in client.stream("once upon", max_new_tokens=60, ignore_eos=True):
+            if len((held + message.text).encode()) > 240:
+                break
+            held, count = held + message.text, count + len(message.token_ids)
+        assert count >= 10
+        # Every prefix of that output begins the stop string, so all its text is held back; each
+        # pass takes over 3 ms, so the deadline passes before the output can leave the stop string.
+        messages = list(client.stream("once upon", stop=[held + "\x07"], timeout_ms=3 * (count - 2), **LONG))
+    final = messages[-1]
+    assert final.finish_reason == pb.FINISH_REASON_DEADLINE and 0 < final.usage.generated_tokens < count
+    text = "".join(m.text for m in messages)
+    assert text and held.startswith(text)
+    assert len([t for m in messages for t in m.token_ids]) == final.usage.generated_tokens
+
+
+def test_max_new_tokens_left_at_zero_is_clipped_to_what_fits(servers):
+    """0 means the server default (256) clipped to the context, not INVALID_ARGUMENT naming a field
+    the caller never set. The tiny model's context is 1024 tokens."""
+    with servers("continuous").client() as client:
+        prompt = "hello " * 990
+        n = len(client.tokenize(prompt).token_ids)
+        done = client.generate(prompt, ignore_eos=True)
+        assert done.usage.prompt_tokens == n and done.usage.generated_tokens == 1024 - n
+        with pytest.raises(grpc.RpcError) as err:  # set by the caller: still refused, naming it
+            client.generate(prompt, max_new_tokens=256)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # a minimum that cannot fit is named too
+            client.generate(prompt, min_new_tokens=200)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_new_tokens" in err.value.details()
+
+
+def test_a_temperature_near_zero_decodes_greedily(servers):
+    with servers("continuous").client() as client:
+        greedy = client.generate("the sea", max_new_tokens=16, ignore_eos=True)
+        for temperature in (1e-38, 1e-30, 1e-6):
+            tiny_t = client.generate("the sea", max_new_tokens=16, ignore_eos=True, temperature=temperature, seed=3)
+            assert tiny_t.token_ids == greedy.token_ids, temperature
+
+
+def test_a_prompt_far_past_the_context_is_refused_without_tokenizing(servers):
+    with servers("continuous").client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("x" * 500_000, max_new_tokens=1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt: is at least" in err.value.details() and "context length" in err.value.details()
+        assert client.generate("ok", max_new_tokens=1, ignore_eos=True).usage.generated_tokens == 1
+
+
+def test_max_concurrent_streams_bounds_one_connection(tiny_dir):
+    server = _tiny(tiny_dir, "--max-concurrent-streams", "2", env=SLOW)
+    # A connection of its own: gRPC Python channels to one target may otherwise share one.
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    try:
+        with server.client(options=own_connection) as client, server.client(options=own_connection) as observer:
+            streams = [client.stream("hold", **LONG) for _ in range(3)]
+            for stream in streams[:2]:
+                next(iter(stream))
+            time.sleep(0.5)
+            assert observer.server_status().sessions_submitted == 2  # the third waits in the client
+            streams[0].cancel()
+            next(iter(streams[2]))  # and starts once a stream of its connection ends
+            assert observer.server_status().sessions_submitted == 3
+            for stream in streams[1:]:
+                stream.cancel()
+    finally:
+        server.stop()
+
+
+def test_the_api_key_scheme_is_case_insensitive_and_a_second_header_is_refused(tiny_dir):
+    server = _tiny(tiny_dir, env={"BRAID_API_KEY": "s3cret"})
+    stub_kw = dict(request_serializer=pb.ModelInfoRequest.SerializeToString,
+                   response_deserializer=pb.ModelInfoResponse.FromString)
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            info = channel.unary_unary("/braid.v1.Generate/ModelInfo", **stub_kw)
+            assert info(pb.ModelInfoRequest(), metadata=[("authorization", "bearer s3cret")]).vocab_size
+            with pytest.raises(grpc.RpcError) as err:
+                info(pb.ModelInfoRequest(), metadata=[("authorization", "Bearer nope"),
+                                                      ("authorization", "Bearer s3cret")])
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop()
+
+
+def test_metrics_listen_on_metrics_host(tiny_dir):
+    port = free_port()
+    server = _tiny(tiny_dir, "--metrics-port", str(port), "--metrics-host", "127.0.0.2")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=5) as response:
+            assert b"braid_sessions" in response.read()
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_the_shutdown_log_counts_queued_sessions_too(tiny_dir, tmp_path):
+    log = tmp_path / "server.log"
+    server = _tiny(tiny_dir, "--mode", "sequential", "--grace-period", "0.3", env=SLOW, log_path=log)
+    client = server.client()
+    try:
+        running = client.stream("hold", **LONG)
+        next(iter(running))
+        queued = [client.stream("wait", **LONG) for _ in range(2)]
+        wait_for(lambda: client.server_status().sessions_queued == 2)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        client.close()
+        server.stop()
+    assert "cancelling 1 active and 2 queued sessions" in log.read_text()
