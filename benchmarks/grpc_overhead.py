@@ -35,7 +35,8 @@ def engine_sender(engine):
         sent = time.perf_counter()
         params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
         req = GenerationRequest(prompt=request.prompt, messages=(), params=params, request_id="bench")
-        handle = await loop.run_in_executor(None, engine.submit, req, loop)
+        ticket = engine.admit(req.prompt, req.messages)
+        handle = await loop.run_in_executor(None, engine.submit, ticket, req, loop)
         first = last = 0.0
         num_tokens = 0
         async for batch in handle.batches():
