@@ -1,0 +1,629 @@
+"""Adversarial clients against a real `braid serve`, in every scheduling mode.
+
+Each case attacks one server per mode (started on first use, shared by the module) the way a
+careless or hostile client would, then checks the server's books with `assert_books_balance`:
+once traffic settles no session is active or queued, every submitted session is counted once among
+the finished ones, the server never logged "BOOKS DO NOT BALANCE" (or a traceback), and a new small
+call still succeeds.
+
+1. long prompts (513, 1,000 and 4,000 tokens; raw and chat; max_new_tokens small or left at 0),
+   with both kernel backends;
+2. cancellations and timeout_ms expiries at random moments, from before admission to after the
+   last token;
+3. a rapid-reset storm: raw HTTP/2 streams (h2) opened and reset at once or soon after;
+4. client processes SIGKILLed in the middle of long streams;
+5. a flood of big prompts and big Tokenize calls beside one small call (load/flood.py);
+6. a client that stops reading: its session is paused, costs nothing, and resumes when it reads.
+
+The model is a tiny random Llama with an 8,192-token position table, so a 4,000-token prompt fits
+the server's default --max-seq-len 4096.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import random
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from braid.client import AsyncClient
+from braid.v1 import generate_pb2 as pb
+from braid.v1 import generate_pb2_grpc
+from conftest import MODES, REPO, Server, wait_for
+
+sys.path.insert(0, str(REPO / "load"))
+from flood import flood  # noqa: E402  (load/ is not a package)
+
+SERVER_ARGS = ["--threads", "1", "--max-queued", "16", "--max-batch-size", "16", "--max-wait-ms", "5"]
+KERNELS = ("auto", "torch")
+CONTEXT = 4096  # the server's default --max-seq-len, under the model's 8,192 positions
+DEFAULT_MAX_NEW_TOKENS = 256  # the server's default --default-max-new-tokens
+FINISH_REASONS = [f.name for f in pb.FinishCounts.DESCRIPTOR.fields]
+LOG_ALARMS = ("BOOKS DO NOT BALANCE", "Traceback")
+WORD = " hello"  # one token per repetition with the embedded model's tokenizer
+
+
+# ---- servers ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory, smol_dir) -> Path:
+    """conftest's tiny random Llama, with max_position_embeddings=8192."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-8k")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+                         initializer_range=0.3)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smol_dir / name).exists():
+            shutil.copy(smol_dir / name, path / name)
+    return path
+
+
+def _servers_wanted(items) -> list[tuple[str, str]]:
+    """The (mode, kernels) servers that this module's selected tests use, in order of first use."""
+    wanted = []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module.__name__ == __name__ and "mode" in params:
+            key = (params["mode"], params.get("kernels", "auto"))
+            if key not in wanted:
+                wanted.append(key)
+    return wanted
+
+
+@pytest.fixture(scope="module")
+def servers(request, long_dir, tmp_path_factory):
+    """servers(mode, kernels="auto"): one server per (mode, kernels), shared by the module.
+
+    Started on first use of the fixture, two at a time in the background, in the order the selected
+    tests will use them (a server takes seconds to start, mostly importing torch: on two cores,
+    starting the next while a test runs saves most of that)."""
+    logs = tmp_path_factory.mktemp("adversarial-logs")
+
+    def start(mode: str, kernels: str) -> Server:
+        log_path = logs / f"{mode}-{kernels}.log"
+        server = Server(["--model", str(long_dir), "--mode", mode, "--kernels", kernels, *SERVER_ARGS],
+                        log_path=log_path)
+        server.log_path = log_path
+        return server
+
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="start-server")
+    futures = {key: pool.submit(start, *key) for key in _servers_wanted(request.session.items)}
+
+    def get(mode: str, kernels: str = "auto") -> Server:
+        if (mode, kernels) not in futures:
+            futures[mode, kernels] = pool.submit(start, mode, kernels)
+        return futures[mode, kernels].result()
+
+    yield get
+    pool.shutdown(wait=True)
+    started = [f.result() for f in futures.values() if f.exception() is None]
+    for server in started:  # all at once: each takes a moment to drain and exit
+        server.proc.terminate()
+    for server in started:
+        server.stop()
+
+
+# ---- the books ----------------------------------------------------------------------------------
+
+def status(server: Server) -> pb.ServerStatusResponse:
+    with server.client() as client:
+        return client.server_status(timeout=10)
+
+
+def finished(s: pb.ServerStatusResponse) -> int:
+    return sum(getattr(s.sessions_finished, name) for name in FINISH_REASONS)
+
+
+def delta(before: pb.ServerStatusResponse, after: pb.ServerStatusResponse) -> dict[str, int]:
+    """What happened between two snapshots: sessions submitted, and finished per reason."""
+    out = {name: getattr(after.sessions_finished, name) - getattr(before.sessions_finished, name)
+           for name in FINISH_REASONS}
+    out["submitted"] = after.sessions_submitted - before.sessions_submitted
+    return out
+
+
+def status_when(server: Server, predicate, timeout: float = 30.0) -> pb.ServerStatusResponse:
+    """The first ServerStatus for which predicate(status) holds; fails after timeout."""
+    def check():
+        s = status(server)
+        return s if predicate(s) else None
+
+    return wait_for(check, timeout=timeout)
+
+
+def assert_books_balance(server: Server, timeout: float = 20.0) -> pb.ServerStatusResponse:
+    """Waits until nothing is active or queued and every submitted session is counted once as
+    finished; checks the log; then checks that a new small call succeeds. Returns the settled
+    snapshot (taken before that small call)."""
+    def settled(s: pb.ServerStatusResponse) -> bool:
+        return (s.sessions_active == 0 and s.sessions_queued == 0 and s.sessions_paused == 0
+                and s.sessions_submitted == finished(s))
+
+    try:
+        snapshot = status_when(server, settled, timeout)
+    except AssertionError:
+        raise AssertionError(f"the books did not settle in {timeout} s: {status(server)}") from None
+    log = server.log_path.read_text()
+    for alarm in LOG_ALARMS:
+        assert alarm not in log, f"the server logged {alarm!r}:\n{log[-4000:]}"
+    with server.client() as client:
+        done = client.generate("still there?", max_new_tokens=4, ignore_eos=True, timeout=30)
+    assert (done.finish_reason, done.usage.generated_tokens) == ("MAX_TOKENS", 4)
+    return snapshot
+
+
+# ---- 1. long prompts ----------------------------------------------------------------------------
+
+def sized_inputs(server: Server, num_tokens: int) -> dict[str, dict]:
+    """A raw prompt and a one-turn chat of exactly num_tokens tokens, sized with the Tokenize RPC."""
+    with server.client() as client:
+        prompt = WORD * num_tokens
+        assert len(client.tokenize(prompt).token_ids) == num_tokens
+        overhead = len(client.tokenize(messages=[("user", WORD)]).token_ids) - 1
+        chat = [("user", WORD * (num_tokens - overhead))]
+        assert len(client.tokenize(messages=chat).token_ids) == num_tokens
+    return {"prompt": dict(prompt=prompt), "chat": dict(messages=chat)}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_logits(model_dir: Path, ids: tuple[int, ...]):
+    """transformers' logits at every position of ids (cached: most modes generate the same tokens)."""
+    import torch
+
+    with torch.no_grad():
+        return _reference_model(model_dir)(torch.tensor([list(ids)])).logits[0]
+
+
+def assert_greedy(model_dir: Path, prompt_ids: list[int], generated: list[int]) -> None:
+    """Each greedy token braid generated is transformers' most likely next token (within fp32
+    rounding of it, for a near-tie), given the prompt and braid's tokens before it."""
+    logits = _reference_logits(model_dir, tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1:]
+    for step, token in enumerate(generated):
+        best = logits[step].max()
+        tolerance = 1e-4 * max(1.0, best.abs().item())
+        assert (best - logits[step][token]).item() <= tolerance, (
+            f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("mode", MODES)
+def test_long_prompts_in_every_mode_and_backend(servers, long_dir, mode, kernels, record_property):
+    server = servers(mode, kernels)
+    # `--kernels auto` runs braid's AVX-512 kernels only on a CPU that has AVX-512; say which ran.
+    in_use = next(line.split("kernels: ", 1)[1] for line in server.log_path.read_text().splitlines()
+                  if "kernels: " in line)
+    record_property("kernels_in_use", in_use)
+    print(f"\n--kernels {kernels}: {in_use}")
+    with server.client() as client:
+        for num_tokens in (513, 1000, 4000):
+            for kind, inputs in sized_inputs(server, num_tokens).items():
+                prompt_ids = list(client.tokenize(inputs.get("prompt"), messages=inputs.get("messages")).token_ids)
+                done = client.generate(**inputs, max_new_tokens=4, ignore_eos=True, timeout=60)
+                assert (done.finish_reason, done.usage.prompt_tokens, len(done.token_ids)) == \
+                    ("MAX_TOKENS", num_tokens, 4), (kind, num_tokens)
+                assert_greedy(long_dir, prompt_ids, done.token_ids)
+                if num_tokens == 4000:  # max_new_tokens left at 0: the default, clipped to the context
+                    done = client.generate(**inputs, ignore_eos=True, timeout=60)
+                    room = min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - num_tokens)
+                    assert (done.finish_reason, done.usage.generated_tokens) == ("MAX_TOKENS", room), kind
+    assert_books_balance(server)
+
+
+# ---- 2. cancellations and timeouts at random moments ---------------------------------------------
+
+@dataclass
+class Plan:
+    """One stream of the cancellation test, and what became of it."""
+
+    kind: str  # finish | race | cancel | timeout
+    max_new_tokens: int
+    cancel_after_s: float | None = None
+    timeout_ms: int = 0
+    outcome: str = ""  # a finish reason seen by the client, "cancelled" (by the test), or a status code
+    generated: int = 0
+    cancelled: bool = False  # the test cancelled it before its end
+
+
+def plans(rng: random.Random, count: int) -> list[Plan]:
+    """finish: short, read to the end, then cancelled (a no-op after the last token).
+    race: short, cancelled after 0-200 ms: may end first, or be cancelled first.
+    cancel: long (1,000 tokens cannot be generated in the 200 ms before the cancel), so any
+      MAX_TOKENS among them is a session that outlived its cancellation.
+    timeout: timeout_ms 1-200 on up to 300 tokens: ends with DEADLINE or MAX_TOKENS."""
+    out = []
+    for i in range(count):
+        kind = ("finish", "race", "cancel", "timeout")[i % 4]
+        if kind == "finish":
+            out.append(Plan(kind, rng.randint(1, 40)))
+        elif kind == "race":
+            out.append(Plan(kind, rng.randint(1, 40), cancel_after_s=rng.uniform(0, 0.2)))
+        elif kind == "cancel":
+            out.append(Plan(kind, 1000, cancel_after_s=rng.uniform(0, 0.2)))
+        else:
+            out.append(Plan(kind, rng.randint(1, 300), timeout_ms=rng.randint(1, 200)))
+    rng.shuffle(out)
+    return out
+
+
+async def run_plan(client: AsyncClient, plan: Plan, gate: asyncio.Semaphore) -> None:
+    async with gate:
+        stream = client.stream("cancel me, or not", max_new_tokens=plan.max_new_tokens, ignore_eos=True,
+                               timeout_ms=plan.timeout_ms or None)
+
+        def cancel():
+            plan.cancelled = True
+            stream.cancel()
+
+        timer = None
+        if plan.cancel_after_s is not None:
+            timer = asyncio.get_running_loop().call_later(plan.cancel_after_s, cancel)
+        try:
+            async for _ in stream:
+                pass
+        except grpc.aio.AioRpcError as err:
+            plan.outcome = err.code().name
+        finally:
+            if timer is not None:
+                timer.cancel()
+        cancelled_here = plan.cancelled and plan.outcome in ("", "CANCELLED")  # not an error from the server
+        if stream.final is not None and (not plan.outcome or cancelled_here):
+            plan.outcome = stream.completion().finish_reason  # it ended before any cancellation
+            plan.generated = stream.final.usage.generated_tokens
+            if plan.kind == "finish":
+                stream.cancel()  # after the last token: must change nothing
+        elif cancelled_here:
+            plan.outcome = "cancelled"
+        elif not plan.outcome:
+            plan.outcome = "no final message"  # neither cancelled nor failed: never allowed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_cancellations_and_timeouts(servers, mode, record_property):
+    server = servers(mode)
+    todo = plans(random.Random(1000 + MODES.index(mode)), 96)
+
+    async def run():
+        async with AsyncClient(server.target) as client:
+            gate = asyncio.Semaphore(16)  # sequential mode: one running, the rest queued, within --max-queued
+            await asyncio.gather(*(run_plan(client, plan, gate) for plan in todo))
+
+    before = status(server)
+    asyncio.run(run())
+    after = assert_books_balance(server)
+    d = delta(before, after)
+
+    outcomes: dict[str, dict[str, int]] = {}
+    for plan in todo:
+        outcomes.setdefault(plan.kind, {}).setdefault(plan.outcome, 0)
+        outcomes[plan.kind][plan.outcome] += 1
+    record_property("outcomes", outcomes)
+    print(mode, outcomes, d)
+    allowed = {"finish": {"MAX_TOKENS", "RESOURCE_EXHAUSTED"},
+               "race": {"MAX_TOKENS", "cancelled", "RESOURCE_EXHAUSTED"},
+               "cancel": {"cancelled", "RESOURCE_EXHAUSTED"},
+               "timeout": {"MAX_TOKENS", "DEADLINE", "RESOURCE_EXHAUSTED"}}
+    for kind, seen in outcomes.items():
+        assert set(seen) <= allowed[kind], (kind, seen)
+    for plan in todo:
+        if plan.outcome == "MAX_TOKENS":
+            assert plan.generated == plan.max_new_tokens
+        if plan.outcome == "DEADLINE":
+            assert plan.generated < plan.max_new_tokens
+
+    seen_max = sum(plan.outcome == "MAX_TOKENS" for plan in todo)
+    raced = sum(plan.kind == "race" and plan.outcome == "cancelled" for plan in todo)
+    cancelled = sum(plan.outcome == "cancelled" for plan in todo)
+    # Only the streams allowed to finish end with MAX_TOKENS: those the client saw end so, and the
+    # short ones whose cancellation may have crossed their last token on the wire.
+    assert seen_max <= d["max_tokens"] <= seen_max + raced, d
+    assert d["deadline"] == sum(plan.outcome == "DEADLINE" for plan in todo), d
+    assert d["cancelled"] <= cancelled, d  # a stream cancelled before it reached the server has no session
+    assert d["eos"] == d["error"] == d["stop_sequence"] == d["stop_token"] == 0, d
+    assert d["submitted"] == d["max_tokens"] + d["deadline"] + d["cancelled"], d
+    assert seen_max and cancelled, outcomes  # both ends of the race happened
+
+
+# ---- 3. a rapid-reset storm over raw HTTP/2 --------------------------------------------------------
+
+class RawH2:
+    """A bare HTTP/2 connection (h2) that speaks just enough gRPC to open Stream calls and reset them."""
+
+    def __init__(self, target: str) -> None:
+        import h2.config
+        import h2.connection
+
+        host, port = target.rsplit(":", 1)
+        self.target = target
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.data: set[int] = set()  # streams that received a DATA frame (a message)
+        self.ended: set[int] = set()  # streams the server ended or reset
+        self.goaway = None  # the error code of a GOAWAY, if the server sent one
+        self.closed = False  # by a GOAWAY, or by the server closing the socket
+        self.conn.initiate_connection()
+        self.flush()
+
+    def flush(self) -> None:
+        if not self.closed:
+            self.sock.sendall(self.conn.data_to_send())
+
+    def open(self, request: pb.GenerateRequest) -> int:
+        """Sends HEADERS and one DATA frame (the length-prefixed request, end of stream)."""
+        body = request.SerializeToString()
+        stream_id = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(stream_id, [
+            (":method", "POST"), (":scheme", "http"), (":path", "/braid.v1.Generate/Stream"),
+            (":authority", self.target), ("content-type", "application/grpc"), ("te", "trailers")])
+        self.conn.send_data(stream_id, b"\x00" + len(body).to_bytes(4, "big") + body, end_stream=True)
+        return stream_id
+
+    def reset(self, stream_id: int) -> None:
+        import h2.errors
+        import h2.exceptions
+
+        if stream_id not in self.ended and not self.closed:
+            try:
+                self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            except h2.exceptions.StreamClosedError:
+                pass
+            self.ended.add(stream_id)
+
+    def pump(self, timeout: float) -> bool:
+        """Reads what the server sent within timeout (acknowledging data, so its windows stay
+        open); False once the connection is closed."""
+        import h2.events
+
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return True
+        data = self.sock.recv(1 << 16)
+        if not data:
+            self.closed = True
+            return False
+        for event in self.conn.receive_data(data):
+            if isinstance(event, h2.events.DataReceived):
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                self.data.add(event.stream_id)
+            elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                self.ended.add(event.stream_id)
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                self.goaway = event.error_code
+        self.flush()
+        self.closed = self.goaway is not None
+        return not self.closed
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def storm(target: str, rng: random.Random, waves: int, per_wave: int) -> dict[str, int]:
+    """Opens waves of Stream calls (500 tokens each, ignore_eos) on raw HTTP/2 connections and
+    resets every one: a third in the same write as their request, a third after a random 0-50 ms,
+    a third as soon as their first message arrives. Returns counts of what it did."""
+    request = pb.GenerateRequest(prompt="rapid reset", max_new_tokens=500, ignore_eos=True)
+    counts = {"streams": 0, "reset_at_once": 0, "reset_soon": 0, "reset_after_data": 0, "goaway": 0}
+    h2c = RawH2(target)
+    try:
+        for _ in range(waves):
+            if h2c.closed:  # the server may defend itself by closing: go on with a new connection
+                counts["goaway"] += h2c.goaway is not None
+                h2c.close()
+                h2c = RawH2(target)
+            soon, after_data = {}, set()
+            start = time.monotonic()
+            for _ in range(per_wave):
+                stream_id = h2c.open(request)
+                counts["streams"] += 1
+                how = rng.choice(("reset_at_once", "reset_soon", "reset_after_data"))
+                counts[how] += 1
+                if how == "reset_at_once":
+                    h2c.reset(stream_id)
+                elif how == "reset_soon":
+                    soon[stream_id] = start + rng.uniform(0, 0.05)
+                else:
+                    after_data.add(stream_id)
+            h2c.flush()
+            give_up = time.monotonic() + 10
+            while (soon or after_data) and time.monotonic() < give_up and h2c.pump(0.005):
+                now = time.monotonic()
+                for stream_id in [s for s, at in soon.items() if at <= now or s in h2c.ended]:
+                    h2c.reset(stream_id)
+                    del soon[stream_id]
+                for stream_id in [s for s in after_data if s in h2c.data or s in h2c.ended]:
+                    h2c.reset(stream_id)
+                    after_data.discard(stream_id)
+                h2c.flush()
+            for stream_id in [*soon, *after_data]:
+                h2c.reset(stream_id)
+            h2c.flush()
+        counts["goaway"] += h2c.goaway is not None
+    finally:
+        h2c.close()
+    return counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rapid_reset_storm(servers, mode, record_property):
+    server = servers(mode)
+    before = status(server)
+    counts = storm(server.target, random.Random(2000 + MODES.index(mode)), waves=10, per_wave=30)
+    record_property("storm", counts)
+    after = assert_books_balance(server)
+    d = delta(before, after)
+    record_property("sessions", d)
+    print(mode, counts, d)
+    # Every session the storm started was cancelled: none ran on to its 500 tokens.
+    assert d["max_tokens"] == 0, d
+    assert d["submitted"] == d["cancelled"], d
+
+
+# ---- 4. client processes killed mid-stream --------------------------------------------------------
+
+# A client that opens a long stream, reads a few tokens and then keeps reading ("read") or stops
+# reading for good ("stall"); the test SIGKILLs it either way.
+KILLED_CLIENT = """
+import sys, time
+from braid.client import Client
+client = Client(sys.argv[1])
+read = 0
+for message in client.stream("killed mid-stream", max_new_tokens=3000, ignore_eos=True):
+    read += len(message.token_ids)
+    if read >= 3:
+        print("read", read, flush=True)
+        if sys.argv[2] == "stall":
+            time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sigkilled_clients_sessions_are_cancelled(servers, mode):
+    server = servers(mode)
+    before = status(server)
+    children = [subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.target, how],
+                                 stdout=subprocess.PIPE, text=True)
+                for how in ("read", "stall", "read", "stall")]
+    try:
+        # Every stream is open (a session, running or queued) and at least one has read tokens.
+        # (Not necessarily the first: batched mode runs whichever batch formed first to its end.)
+        wait_for(lambda: status(server).sessions_submitted - before.sessions_submitted == len(children),
+                 timeout=60)
+        ready, _, _ = select.select([child.stdout for child in children], [], [], 60)
+        assert ready and ready[0].readline().startswith("read")
+    finally:
+        for child in children:
+            child.send_signal(signal.SIGKILL)
+        for child in children:
+            child.wait()
+    after = assert_books_balance(server, timeout=30)
+    d = delta(before, after)
+    # The server noticed each dead client and cancelled its session: none ran on to 3,000 tokens.
+    assert d["max_tokens"] == 0, d
+    assert d["submitted"] == d["cancelled"] == len(children), d
+
+
+# ---- 5. a flood of big prompts and Tokenize calls beside a small call ---------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flood_of_big_texts_beside_a_small_call(servers, mode, record_property):
+    server = servers(mode)
+    before = status(server)
+    result = asyncio.run(flood(server.target, door_prompts=10, big_prompts=12, big_tokenize=8, seed=3))
+    print(f"\n{mode}: {result.summary()}")
+    record_property("small_call_wait_s", round(result.small_wait_s, 3))
+    record_property("small_call_total_s", round(result.small_total_s, 3))
+    record_property("flood_codes", {kind: dict(c) for kind, c in result.codes.items()})
+    codes = result.codes
+    # 1 MiB prompts are refused at the door; 300 KB prompts are tokenized, then refused as too long,
+    # unless --max-queued turned them away first; 300 KB Tokenize calls are answered, or turned away.
+    assert set(codes["door"]) == {"INVALID_ARGUMENT"}, codes
+    assert set(codes["prompt"]) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"} and codes["prompt"]["INVALID_ARGUMENT"]
+    assert set(codes["tokenize"]) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["tokenize"]["OK"], codes
+    # Refused untokenized: "is at least N tokens" (from its size); tokenized: "is N tokens".
+    assert all("is at least" in d for _, d in result.details["door"]), result.details["door"][:2]
+    assert all("is at least" not in d for code, d in result.details["prompt"] if code == "INVALID_ARGUMENT"), \
+        result.details["prompt"][:2]
+    assert codes["small"]["OK"] == 1 and set(codes["small"]) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert result.small_tokens == 4
+    after = assert_books_balance(server)
+    d = delta(before, after)
+    assert d["submitted"] == d["max_tokens"] == 1, d  # only the small call became a session
+
+
+# ---- 6. a client that never reads ----------------------------------------------------------------
+
+# A client connection with a small HTTP/2 receive window (1 KiB per stream, no BDP growth). With
+# grpc's defaults the window takes a whole 4,095-token stream (about 4,000 small messages) without
+# the client reading any of it, so the server never has a backlog to pause for.
+SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0),
+                ("grpc.use_local_subchannel_pool", 1)]
+
+
+async def unread_stream(target: str, options, max_new_tokens: int, while_unread) -> list[pb.GenerateResponse]:
+    """Opens a stream on a channel of its own and does not read it; runs while_unread() (in a
+    thread), then reads the stream to its end and returns its messages."""
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        call = generate_pb2_grpc.GenerateStub(channel).Stream(
+            pb.GenerateRequest(prompt="nobody reads this", max_new_tokens=max_new_tokens, ignore_eos=True))
+        await call.initial_metadata()
+        await asyncio.to_thread(while_unread)
+        return [message async for message in call]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_client_that_stops_reading_is_paused_then_resumed(servers, mode):
+    server = servers(mode)
+    before = status(server)
+    max_new_tokens = 1500
+
+    def while_unread():
+        paused = status_when(server, lambda s: s.sessions_paused == 1)
+        time.sleep(0.3)
+        still = status(server)
+        # Paused: it holds its slot but sits out the passes, so it generates nothing more ...
+        assert (still.sessions_paused, still.sessions_active) == (1, 1)
+        assert still.tokens_generated == paused.tokens_generated
+        assert still.tokens_generated - before.tokens_generated < max_new_tokens
+        # ... and costs the others nothing, in every mode.
+        with server.client() as client:
+            done = client.generate("meanwhile", max_new_tokens=4, ignore_eos=True, timeout=30)
+        assert done.usage.generated_tokens == 4
+
+    messages = asyncio.run(unread_stream(server.target, SMALL_WINDOW, max_new_tokens, while_unread))
+    final = messages[-1]
+    assert final.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+    assert final.usage.generated_tokens == sum(len(m.token_ids) for m in messages) == max_new_tokens
+    after = assert_books_balance(server)
+    assert delta(before, after)["max_tokens"] == 2
+
+
+@pytest.mark.parametrize("mode", ["continuous"])
+def test_with_grpcs_default_window_an_unread_stream_is_paused_or_absorbed(servers, mode, record_property):
+    """With a default client, the connection's window may take everything a session can generate
+    (context 4,096): then the stream runs to its end unread. Either way it must end complete."""
+    server = servers(mode)
+    before = status(server)
+    max_new_tokens = 3000
+    seen = {}
+
+    def while_unread():
+        s = status_when(server, lambda s: s.sessions_paused == 1 or finished(s) > finished(before), timeout=60)
+        seen["paused"] = s.sessions_paused == 1
+        seen["generated_unread"] = s.tokens_generated - before.tokens_generated
+
+    messages = asyncio.run(unread_stream(server.target, [("grpc.use_local_subchannel_pool", 1)], max_new_tokens,
+                                         while_unread))
+    record_property("paused", seen["paused"])
+    record_property("generated_unread", seen["generated_unread"])
+    print(f"\ndefault window: paused={seen['paused']}, {seen['generated_unread']} tokens generated unread")
+    final = messages[-1]
+    assert final.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+    assert final.usage.generated_tokens == sum(len(m.token_ids) for m in messages) == max_new_tokens
+    assert_books_balance(server)
