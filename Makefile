@@ -28,8 +28,8 @@ $(STUBS): $(PROTO) | $(PY)
 
 protos: $(STUBS)
 
-# setup.py builds braid's C kernels (server/braid/server/runner/_cpu_kernels.c) into the package.
-KERNELS := setup.py server/braid/server/runner/_cpu_kernels.c
+# setup.py builds braid's C kernels (server/braid/server/runner/csrc/) into the package.
+KERNELS := setup.py $(wildcard server/braid/server/runner/csrc/*.[ch])
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml $(KERNELS) $(STUBS) | $(PY)
 	$(PIP) install --quiet $(TORCH)

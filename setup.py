@@ -1,4 +1,4 @@
-"""braid's one C extension: the AVX-512 kernels of the CPU decode step (server/braid/server/runner).
+"""braid's one C extension: the AVX-512 kernels of the CPU decode step (server/braid/server/runner/csrc).
 
 Everything else about the package is in pyproject.toml. The extension is optional: without a C
 compiler the install still succeeds and braid runs torch's own kernels instead (slower on a CPU).
@@ -8,7 +8,9 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "braid.server.runner._cpu_kernels",
-    sources=["server/braid/server/runner/_cpu_kernels.c"],
+    sources=[f"server/braid/server/runner/csrc/{name}.c"
+             for name in ("gemm", "elementwise", "attention", "decode_step", "bindings")],
+    depends=["server/braid/server/runner/csrc/kernels.h"],
     extra_compile_args=["-O3", "-fopenmp"],
     # torch loads its own libgomp.so.1 first; this soname resolves to that same runtime, so the
     # kernels share torch's OpenMP threads instead of starting a second pool.

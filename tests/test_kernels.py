@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from braid.server.runner import kernels
-from braid.server.runner.kernels import PackedLinear, make_linear, rms_norm
+from braid.server.runner.kernels import PackedLinear, TorchOps, pick_ops
 
 CPU = torch.device("cpu")
 AVX512 = kernels.kernels_available(CPU, torch.float32)
+OPS = pick_ops(CPU, torch.float32)  # the C kernels where they run; the tests compare them with torch's
+TORCH = TorchOps()
 # Without AVX-512 the decoder runs torch's kernels (checked below), and there is nothing to compare.
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512: braid's C kernels do not run here")
 
@@ -23,16 +25,20 @@ SHAPES = [(576, 960), (1536, 576), (64, 128), (577, 100), (3, 17), (64, 33)]
 ROWS = [1, 2, 7, 13, 16, 64, 65, 130]
 
 
-def test_the_extension_is_built():
-    """`make install` compiles it; without it braid silently runs torch's slower kernels."""
-    assert kernels._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built (setup.py)"
+def test_the_extension_is_built_and_matches_this_code():
+    """`make install` compiles it; without it (or with a stale build, whose layout the module checks
+    when imported) braid silently runs torch's slower kernels."""
+    assert kernels._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built, or is stale"
+    assert (kernels._cpu_kernels.PANEL, kernels._cpu_kernels.LAYER_FIELDS) == (kernels.PANEL, kernels.LAYER_FIELDS)
 
 
 def test_the_kernels_are_used_only_where_they_run():
     assert kernels.kernels_available(CPU, torch.float32) == bool(kernels._cpu_kernels.has_avx512())
     assert not kernels.kernels_available(CPU, torch.bfloat16)
     assert not kernels.kernels_available(torch.device("cuda"), torch.float32)
-    assert type(make_linear(torch.randn(4, 4), None, packed=False)) is kernels.Linear
+    assert type(pick_ops(CPU, torch.float32, allow_kernels=False)) is TorchOps
+    assert type(TORCH.linear(torch.randn(4, 4), None)) is kernels.Linear
+    assert (type(OPS) is kernels.CpuKernelOps) == AVX512
 
 
 @needs_avx512
@@ -70,7 +76,7 @@ def test_rms_norm_matches_torch():
     for rows, width in ((1, 576), (9, 64), (3, 100)):
         x, weight = torch.randn(rows, width), torch.randn(width)
         expected = F.rms_norm(x, (width,), weight, 1e-5)
-        torch.testing.assert_close(rms_norm(x, weight, 1e-5, packed=AVX512), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(OPS.rms_norm(x, weight, 1e-5), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_swiglu_matches_torch():
@@ -78,7 +84,7 @@ def test_swiglu_matches_torch():
     for rows, width in ((1, 1536), (5, 64), (2, 100)):
         gate_up = torch.randn(rows, 2 * width) * 4
         gate, up = gate_up.chunk(2, dim=-1)
-        torch.testing.assert_close(kernels.swiglu(gate_up, packed=AVX512), F.silu(gate) * up,
+        torch.testing.assert_close(OPS.swiglu(gate_up), F.silu(gate) * up,
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -89,8 +95,8 @@ def test_rope_matches_torch():
     positions = torch.tensor([0, 7, 49, 3])
     qkv = torch.randn(4, (heads + 2) * d)
     original, expected = qkv.clone(), qkv.clone()
-    kernels.rope_(expected, heads, d, positions, *kernels.rope_tables(cos, sin, positions, False), packed=False)
-    kernels.rope_(qkv, heads, d, positions, *kernels.rope_tables(cos, sin, positions, AVX512), packed=AVX512)
+    TORCH.rope_(expected, heads, d, positions, *TORCH.rope_tables(cos, sin, positions))
+    OPS.rope_(qkv, heads, d, positions, *OPS.rope_tables(cos, sin, positions))
     torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, heads * d:], original[:, heads * d:])  # only the first `heads` heads turn
     assert not torch.equal(qkv[:, :heads * d], original[:, :heads * d])

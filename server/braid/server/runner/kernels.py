@@ -16,12 +16,19 @@ import torch.nn.functional as F
 
 _LOGGER = logging.getLogger(__name__)
 
+PANEL = 32  # columns per packed panel (PackedLinear's layout)
+LAYER_FIELDS = 9  # pointers per layer in DecodeStep's table, in the C enum's order
+
 try:
     from braid.server.runner import _cpu_kernels
 except ImportError:  # built without a C compiler: torch's kernels do the work
     _cpu_kernels = None
-
-PANEL = 32  # columns per packed panel; must match _cpu_kernels.c
+if _cpu_kernels is not None and (_cpu_kernels.PANEL, _cpu_kernels.LAYER_FIELDS) != (PANEL, LAYER_FIELDS):
+    # A stale build of the extension: its memory layout is not this module's. Never run it.
+    _LOGGER.error("braid's C kernels were built for panels of %d and %d fields per layer, this code has %d "
+                  "and %d: rebuild them (make install); running torch's kernels", _cpu_kernels.PANEL,
+                  _cpu_kernels.LAYER_FIELDS, PANEL, LAYER_FIELDS)
+    _cpu_kernels = None
 
 
 def kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -74,54 +81,80 @@ class PackedLinear(Linear):
                           None if self.bias is None else self.bias.data_ptr(), torch.get_num_threads())
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> Linear:
-    return PackedLinear(weight, bias) if packed else Linear(weight, bias)
+class TorchOps:
+    """The decoder's small ops in torch: on CUDA, on a CPU without AVX-512, without the C extension,
+    and with --kernels torch. Chosen once, by `pick_ops`."""
 
+    name = "torch"
+    fused_decode = False  # DecodeStep and decode_attention need the C kernels
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, packed: bool) -> torch.Tensor:
-    """x: [N, hidden]. The C kernel is one pass per row; torch's is half a dozen ops."""
-    if not packed:
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return Linear(weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [N, hidden]."""
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x = _rows(x)
-    out = torch.empty_like(x)
-    _cpu_kernels.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
-                          x.shape[0], x.shape[1], eps)
-    return out
 
-
-def swiglu(gate_up: torch.Tensor, packed: bool) -> torch.Tensor:
-    """gate_up: [N, 2 I], gate then up. Returns silu(gate) * up, [N, I]."""
-    if not packed:
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [N, 2 I], gate then up. Returns silu(gate) * up, [N, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-    gate_up = _rows(gate_up)
-    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-    out = gate_up.new_empty(rows, width)
-    _cpu_kernels.silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr(), out.stride(0))
-    return out
 
+    def rope_tables(self, cos: torch.Tensor, signed_sin: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `rope_` takes for a pass: the pass's rows of the tables, [N, D], looked up once per
+        pass, not once per layer."""
+        return cos[positions], signed_sin[positions]
 
-def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
-          signed_sin: torch.Tensor, packed: bool) -> None:
-    """Rotary embedding, in place, on the first `heads` heads of each row of qkv [N, ...]:
-    x * cos[pos] + roll(x, D / 2) * signed_sin[pos]. The C kernel takes the whole tables
-    [max_seq, D] and looks positions up itself; torch's path takes the rows already looked up,
-    [N, D] (see `rope_tables`), so a pass looks them up once, not once per layer."""
-    n = qkv.shape[0]
-    if not packed:
+    def rope_(self, qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+              signed_sin: torch.Tensor) -> None:
+        """Rotary embedding, in place, on the first `heads` heads of each row of qkv [N, ...]:
+        x * cos[pos] + roll(x, D / 2) * signed_sin[pos]."""
+        n = qkv.shape[0]
         x = qkv[:, :heads * head_dim].view(n, heads, head_dim)
         c, s = cos.unsqueeze(1), signed_sin.unsqueeze(1)
         x.copy_(torch.addcmul(x * c, x.roll(head_dim // 2, dims=-1), s))
-        return
-    assert qkv.stride(-1) == 1 and positions.dtype == torch.long and positions.is_contiguous()
-    _cpu_kernels.rope(qkv.data_ptr(), qkv.stride(0), n, heads, head_dim, positions.data_ptr(),
-                      cos.data_ptr(), signed_sin.data_ptr())
 
 
-def rope_tables(cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor,
-                packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `rope_` takes for a pass: the whole tables for the C kernel, the pass's rows for torch."""
-    return (cos, signed_sin) if packed else (cos[positions], signed_sin[positions])
+class CpuKernelOps(TorchOps):
+    """The same ops in _cpu_kernels.c, for an AVX-512 CPU in fp32: one C call each instead of half
+    a dozen torch ops, weights packed into panels."""
+
+    name = "braid's AVX-512 kernels"
+    fused_decode = True
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return PackedLinear(weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = _rows(x)
+        out = torch.empty_like(x)
+        _cpu_kernels.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                              x.shape[0], x.shape[1], eps)
+        return out
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = _rows(gate_up)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, width)
+        _cpu_kernels.silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr(), out.stride(0))
+        return out
+
+    def rope_tables(self, cos: torch.Tensor, signed_sin: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tables [max_seq, D]: the C kernel looks positions up itself."""
+        return cos, signed_sin
+
+    def rope_(self, qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+              signed_sin: torch.Tensor) -> None:
+        assert qkv.stride(-1) == 1 and positions.dtype == torch.long and positions.is_contiguous()
+        _cpu_kernels.rope(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, head_dim, positions.data_ptr(),
+                          cos.data_ptr(), signed_sin.data_ptr())
+
+
+def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = True) -> TorchOps:
+    """braid's C kernels where they run (and are allowed: --kernels auto), torch's elsewhere."""
+    return CpuKernelOps() if allow_kernels and kernels_available(device, dtype) else TorchOps()
 
 
 def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -144,8 +177,6 @@ class DecodeStep:
     """Every layer of a decode-only pass in one call (_cpu_kernels.decode_step): no Python and no
     GIL between the layers' kernels. Holds the table of each layer's weight and cache pointers."""
 
-    FIELDS = 9  # per layer, in the C enum's order
-
     def __init__(self, layers, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: list[torch.Tensor],
                  v_cache: list[torch.Tensor]) -> None:
@@ -155,6 +186,7 @@ class DecodeStep:
         self.table = torch.tensor([[ptr(w.input_norm), ptr(w.qkv.weight), ptr(w.qkv.bias), ptr(w.o.weight),
                                     ptr(w.post_norm), ptr(w.gate_up.weight), ptr(w.down.weight), ptr(k), ptr(v)]
                                    for w, k, v in zip(layers, k_cache, v_cache)], dtype=torch.long)
+        assert self.table.shape[1] == LAYER_FIELDS
         self._keep = (layers, k_cache, v_cache, cos, signed_sin)  # the memory the table points into
         self.hidden = layers[0].qkv.in_features
         self.intermediate = layers[0].down.in_features
