@@ -5,50 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from braid.client import AsyncClient
+from braid.server.process import BraidProcess, free_port  # noqa: F401  (free_port: llama.cpp's port too)
 
 from metrics import StreamTiming
-from processes import logged_process
 from workloads import Request
-
-BRAID = Path(sys.executable).with_name("braid")
-_START_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
 async def running(mode: str, *, threads: int, max_batch_size: int, log_path: Path):
     """A healthy braid server in `mode`; yields (AsyncClient, server pid)."""
-    port = free_port()
-    command = [str(BRAID), "serve", "--host", "127.0.0.1", "--port", str(port), "--mode", mode,
-               "--max-batch-size", str(max_batch_size), "--threads", str(threads), "--log-level", "warning"]
-    with logged_process(command, log_path, grace_s=30) as process:
-        async with AsyncClient(f"127.0.0.1:{port}") as client:
-            await _wait_healthy(client, process)
-            yield client, process.pid
-
-
-async def _wait_healthy(client: AsyncClient, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"braid serve exited with {process.returncode}; see its log")
-        with contextlib.suppress(Exception):
-            if await client.health(timeout=2) == "SERVING":
-                return
-        await asyncio.sleep(0.3)
-    raise TimeoutError(f"braid serve not healthy after {_START_TIMEOUT_S:.0f} s")
+    server = await asyncio.to_thread(
+        BraidProcess, ["--mode", mode, "--max-batch-size", str(max_batch_size), "--threads", str(threads),
+                       "--log-level", "warning"], log_path=log_path)
+    try:
+        async with AsyncClient(server.target) as client:
+            yield client, server.pid
+    finally:
+        await asyncio.to_thread(server.stop)
 
 
 def sender(client: AsyncClient):

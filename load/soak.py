@@ -16,15 +16,13 @@ import asyncio
 import collections
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 
 from braid.client import AsyncClient
+from braid.server.process import BraidProcess
 from braid.v1 import generate_pb2 as pb
 
 EXPECTED_CODES = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
@@ -104,27 +102,8 @@ def books_balance(status) -> bool:
     return status.sessions_active == 0 and status.sessions_queued == 0 and status.sessions_submitted == finished
 
 
-def spawn(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    braid = str(Path(sys.executable).parent / "braid")
-    proc = subprocess.Popen([braid, "serve", "--host", "127.0.0.1", "--port", str(port), "--mode", args.mode,
-                             "--max-queued", str(args.concurrency)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    target = f"127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            with grpc.insecure_channel(target) as ch:
-                grpc.channel_ready_future(ch).result(timeout=1)
-            from braid.client import Client
-            with Client(target) as c:
-                if c.health(timeout=1) == "SERVING":
-                    return proc, target
-        except Exception:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not start")
+def spawn(args: argparse.Namespace) -> BraidProcess:
+    return BraidProcess(["--mode", args.mode, "--max-queued", str(args.concurrency)])
 
 
 def report(result: dict, duration: float) -> int:
@@ -159,21 +138,20 @@ def main() -> int:
     parser.add_argument("--pid", type=int, help="its process id, for RSS")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    proc = None
+    server = None
     if args.target:
         if not args.pid:
             parser.error("--target needs --pid")
         target, pid = args.target, args.pid
     else:
-        proc, target = spawn(args)
-        pid = proc.pid
+        server = spawn(args)
+        target, pid = server.target, server.pid
     try:
         result = asyncio.run(drive(target, args.duration, args.concurrency, pid, args.seed))
         return report(result, args.duration)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+        if server is not None:
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -6,12 +6,8 @@ they are fast; tests marked by the `smol` fixture use the embedded SmolLM2-135M-
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,21 +15,15 @@ import grpc
 import pytest
 
 from braid.client import Client
+from braid.server.process import BraidProcess, free_port  # noqa: F401  (free_port: for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
-BRAID = str(Path(sys.executable).parent / "braid")
 MODES = ("sequential", "interleaved", "batched", "continuous")
 START_TIMEOUT_S = 180
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A running `braid serve` process."""
+class Server(BraidProcess):
+    """A running `braid serve` (braid.server.process), and clients for it."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
                  client_kw: dict | None = None) -> None:
@@ -41,44 +31,20 @@ class Server:
         self.client_kw = client_kw or {}
         if env and "BRAID_API_KEY" in env:
             self.client_kw.setdefault("api_key", env["BRAID_API_KEY"])
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        if log_path is not None:
-            self.log = open(log_path, "w")
-        else:
-            self.log = open(os.devnull, "w") if not os.environ.get("BRAID_TEST_LOGS") else None
-        self.proc = subprocess.Popen(
-            [BRAID, "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_serving()
-
-    def _wait_serving(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with self.client() as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"braid serve exited with {self.proc.returncode}")
-                with contextlib.suppress(grpc.RpcError):
-                    if client.health(timeout=1) == "SERVING":
-                        return
-                time.sleep(0.2)
-        self.stop()
-        raise TimeoutError("braid serve did not become healthy")
+        super().__init__(args, env=env, log_path=log_path, show_output=bool(os.environ.get("BRAID_TEST_LOGS")),
+                         start_timeout=START_TIMEOUT_S, channel_credentials=_credentials(self.client_kw))
 
     def client(self, **kw) -> Client:
         return Client(self.target, **{**self.client_kw, **kw})
 
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.log:
-            self.log.close()
-        return self.proc.returncode
+
+def _credentials(client_kw: dict) -> grpc.ChannelCredentials | None:
+    roots = client_kw.get("root_certificates")
+    if roots is None:
+        return None
+    read = lambda p: None if p is None else Path(p).read_bytes()  # noqa: E731
+    return grpc.ssl_channel_credentials(read(roots), read(client_kw.get("client_key")),
+                                        read(client_kw.get("client_cert")))
 
 
 @pytest.fixture(scope="session")

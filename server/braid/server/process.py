@@ -1,0 +1,78 @@
+"""`braid serve` as a child process on a free port, healthy before it is handed over, stopped with
+SIGTERM: the one helper the tests, the benchmark and the soak script start servers with."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+BRAID = Path(sys.executable).with_name("braid")
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BraidProcess:
+    """A running `braid serve`: `target` is its host:port, `proc` the process."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, log_path: Path | None = None,
+                 show_output: bool = False, host: str = "127.0.0.1", start_timeout: float = START_TIMEOUT_S,
+                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+        """args: `braid serve` flags beyond --host and --port; log_path: where its output goes
+        (default: nowhere, or this process's own output with show_output); channel_credentials: to
+        health-check a TLS server."""
+        self.port = free_port()
+        self.target = f"{host}:{self.port}"
+        self.log = (open(log_path, "w") if log_path is not None else None if show_output else subprocess.DEVNULL)
+        self.proc = subprocess.Popen([str(BRAID), "serve", "--host", host, "--port", str(self.port), *args],
+                                     env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT)
+        self._credentials = channel_credentials
+        try:
+            self._wait_serving(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _wait_serving(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        channel = (grpc.secure_channel(self.target, self._credentials) if self._credentials is not None
+                   else grpc.insecure_channel(self.target))
+        with channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"braid serve exited with {self.proc.returncode}")
+                with contextlib.suppress(grpc.RpcError):
+                    if check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                time.sleep(0.2)
+        raise TimeoutError(f"braid serve not healthy after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM (a graceful drain), then SIGKILL after `timeout` s; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log not in (None, subprocess.DEVNULL):
+            self.log.close()
+        return self.proc.returncode
