@@ -35,8 +35,8 @@ def engine_sender(engine):
         sent = time.perf_counter()
         params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
         req = GenerationRequest(prompt=request.prompt, messages=(), params=params, request_id="bench")
-        ticket = engine.admit(req.prompt, req.messages)
-        handle = await loop.run_in_executor(None, engine.submit, ticket, req, loop)
+        ticket = engine.admission.admit(req.prompt, req.messages)
+        handle = await loop.run_in_executor(None, engine.admission.submit, ticket, req, loop)
         first = last = 0.0
         num_tokens = 0
         async for batch in handle.batches():
@@ -82,12 +82,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     from braid.server.config import EngineConfig
-    from braid.server.engine.engine import Engine
+    from braid.server.cli import build_engine
     from braid.server.model.loader import load
 
     model = load(None, EngineConfig().cache_dir)
     workload = workloads.build(model.hf_tokenizer, repeats=1)[args.workload]
-    engine = Engine(EngineConfig(mode=args.mode, threads=args.threads, max_batch_size=32), model)
+    engine = build_engine(EngineConfig(mode=args.mode, threads=args.threads, max_batch_size=32), model)
 
     def drive_then_stop() -> None:
         try:

@@ -26,11 +26,11 @@ def test_backlog_pauses_and_reading_wakes_the_model_thread():
         assert not handle.is_backlogged()
         handle.note_emitted(1)
         assert handle.is_backlogged()  # the model thread now leaves it out of the passes
-        handle.push([Delta("x" * MAX_UNSENT_TOKENS, list(range(MAX_UNSENT_TOKENS)))])
+        handle.push(Delta("x" * MAX_UNSENT_TOKENS, list(range(MAX_UNSENT_TOKENS))))
         batches = handle.batches()
         await batches.__anext__()
         assert not wakes  # taken, but not yet written to the call
-        handle.push([_finished()])
+        handle.push(_finished())
         await batches.__anext__()  # the first batch is written: the backlog drained
         assert wakes and not handle.is_backlogged()
         assert handle.finished is not None
@@ -45,7 +45,8 @@ def test_no_wake_without_a_pause():
         handle = _handle(asyncio.get_running_loop(), wakes, aborts)
         handle.note_emitted(2)
         assert not handle.is_backlogged()
-        handle.push([Delta("ab", [5, 6]), _finished()])
+        handle.push(Delta("ab", [5, 6]))
+        handle.push(_finished())
         async for _ in handle.batches():
             pass
         assert not wakes

@@ -7,10 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from braid.server.engine.session import Session
-from braid.server.engine.types import SamplingParams
 from braid.server.model.loader import LoadedModel
-from braid.server.runner.model_runner import ModelRunner, Work
+from braid.server.runner.model_runner import ModelRunner
+from braid.server.runner.rows import Row, Sampling
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])
@@ -25,15 +24,12 @@ def runner(request) -> ModelRunner:
                        allow_kernels=request.param)
 
 
-def _session(prompt: list[int], slot: int) -> Session:
-    s = Session(id=slot, prompt_ids=prompt, params=SamplingParams(), handle=None, detokenizer=None, rng=None)
-    s.slot = slot
-    return s
-
-
-def _feed(runner: ModelRunner, s: Session, n: int) -> int | None:
-    [token] = runner.run([Work(s, n)])
-    s.num_cached += n
+def _feed(runner: ModelRunner, prompt: list[int], start: int, n: int, slot: int) -> int | None:
+    """Feeds prompt[start:start + n] into `slot`; the next token if that reaches the prompt's end."""
+    sampling = Sampling()
+    [token] = runner.run([Row(slot=slot, start=start, token_ids=prompt[start:start + n],
+                              sample=start + n == len(prompt), sampling=sampling,
+                              rng=runner.random_state(sampling), is_prompt=True)])
     return token
 
 
@@ -41,8 +37,21 @@ def test_a_pass_of_prompt_chunks_that_sample_nothing(runner):
     """Issue 10: a 600-token prompt with --prefill-chunk 512 is fed 512 then 88 tokens. The first pass
     has no row to sample; the output head got zero rows, and the C gemm refused them."""
     prompt = [(7 * i) % 500 + 3 for i in range(600)]
-    chunked = _session(prompt, slot=0)
-    assert _feed(runner, chunked, 512) is None
-    token = _feed(runner, chunked, 88)
-    whole = _session(prompt, slot=1)
-    assert token is not None and _feed(runner, whole, 600) == token
+    assert _feed(runner, prompt, 0, 512, slot=0) is None
+    token = _feed(runner, prompt, 512, 88, slot=0)
+    assert token is not None and _feed(runner, prompt, 0, 600, slot=1) == token
+
+
+def test_tokens_come_back_in_the_order_of_the_rows(runner):
+    """Prompt chunks are packed before decode rows; each row still gets its own token back."""
+    sampling = Sampling()
+    prompt = [5, 9, 14, 3]
+    first = _feed(runner, prompt, 0, 4, slot=0)  # slot 0 now decodes from position 4
+    other = [8, 8, 2]
+    decode = Row(slot=0, start=4, token_ids=[first], sample=True, sampling=sampling,
+                 rng=runner.random_state(sampling))
+    chunk = Row(slot=1, start=0, token_ids=other, sample=True, sampling=sampling, rng=runner.random_state(sampling),
+                is_prompt=True)
+    mixed = runner.run([decode, chunk])  # the decode row first, packed last
+    assert mixed[1] == _feed(runner, other, 0, 3, slot=1)
+    assert mixed[0] == runner.run([decode])[0]

@@ -1,18 +1,17 @@
-"""The sampler's edge cases: temperatures so small that dividing by them overflows."""
+"""The sampler's edge cases: temperatures so small that dividing by them overflows, bans, seeds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from braid.server.engine.session import Session
-from braid.server.engine.types import GREEDY_BELOW_TEMPERATURE, SamplingParams
-from braid.server.runner.sampler import sample
+from braid.server.runner.rows import GREEDY_BELOW_TEMPERATURE, Row, Sampling
+from braid.server.runner.sampler import random_state, sample
 
 
-def _session(temperature: float, seed: int) -> Session:
-    return Session(id=1, prompt_ids=[1], params=SamplingParams(temperature=temperature, seed=seed), handle=None,
-                   detokenizer=None, rng=torch.Generator().manual_seed(seed))
+def _row(temperature: float, seed: int, **kw) -> Row:
+    sampling = Sampling(temperature=temperature, seed=seed)
+    return Row(slot=0, start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling), **kw)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1e-38, 1e-30, 1e-6, GREEDY_BELOW_TEMPERATURE / 2])
@@ -20,12 +19,36 @@ def test_a_temperature_near_zero_is_greedy(temperature):
     torch.manual_seed(0)
     logits = torch.randn(8, 49152) * 20
     expected = logits.argmax(dim=-1).tolist()
-    sessions = [_session(temperature, seed) for seed in range(8)]
-    assert sample(logits.clone(), sessions, eos_token_ids=[2]) == expected
+    rows = [_row(temperature, seed) for seed in range(8)]
+    assert sample(logits.clone(), rows) == expected
 
 
 def test_a_small_but_real_temperature_still_samples_validly():
     logits = torch.zeros(1, 1000)
     logits[0, 7] = 1.0
-    tokens = sample(logits, [_session(GREEDY_BELOW_TEMPERATURE, 0)], eos_token_ids=[2])
-    assert tokens == [7]  # 1 / 1e-5 dominates: the most likely token, and no NaN on the way
+    assert sample(logits, [_row(GREEDY_BELOW_TEMPERATURE, 0)]) == [7]  # no NaN on the way
+
+
+def test_banned_tokens_are_never_picked():
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 5.0
+    assert sample(logits, [_row(0.0, 0, banned=(3,)), _row(1.0, 1, banned=(3, 4))]) != [3, 3]
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 5.0
+    assert sample(logits, [_row(0.0, 0, banned=(3,))]) != [3]
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_shares_its_pass():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 500)
+    alone = sample(logits[1:2].clone(), [_row(1.0, 42)])
+    together = sample(logits.clone(), [_row(1.0, 7), _row(1.0, 42), _row(0.7, 9)])
+    assert together[1] == alone[0]
+
+
+def test_the_repetition_penalty_lowers_seen_tokens():
+    logits = torch.zeros(1, 10)
+    logits[0, 3], logits[0, 4] = 2.0, 1.9
+    sampling = Sampling(repetition_penalty=1.5)
+    row = Row(slot=0, start=0, token_ids=[3], sample=True, sampling=sampling, rng=random_state(sampling), history=[3])
+    assert sample(logits, [row]) == [4]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from braid.server.config import EngineConfig
 from braid.server.engine.scheduler import Scheduler
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.types import Mode, SamplingParams
@@ -27,12 +28,13 @@ class FakeCache:
 
 def _session(i: int, prompt_len: int = 4, arrived: float = 0.0) -> Session:
     return Session(id=i, prompt_ids=list(range(1, prompt_len + 1)), params=SamplingParams(), handle=None,
-                   detokenizer=None, rng=None, arrived=arrived)
+                   detokenizer=None, sampling=None, rng=None, arrived=arrived)
 
 
 def _scheduler(mode: Mode, slots: int = 4, prefill_chunk: int = 512) -> Scheduler:
-    return Scheduler(mode, FakeCache(slots), max_batch_size=4, max_wait_s=0.0, prefill_chunk=prefill_chunk,
-                     batch_max_wait_s=5.0)
+    config = EngineConfig(mode=mode, max_batch_size=4, max_wait_ms=0.0, prefill_chunk=prefill_chunk,
+                          batch_max_wait_ms=5000.0)
+    return Scheduler(config, FakeCache(slots))
 
 
 @pytest.mark.parametrize("mode", [Mode.SEQUENTIAL, Mode.BATCHED])
@@ -81,3 +83,49 @@ def test_a_pass_of_prompt_chunks_only_is_scheduled_whole():
     sched.add(s)
     [work] = sched.schedule(now=1.0)
     assert work.num_tokens == 512 and work.num_tokens < s.num_uncached
+
+
+@pytest.mark.parametrize("mode, admitted", [(Mode.SEQUENTIAL, 1), (Mode.INTERLEAVED, 4), (Mode.BATCHED, 4),
+                                            (Mode.CONTINUOUS, 4)])
+def test_each_mode_admits_as_many_as_it_runs(mode, admitted):
+    sched = _scheduler(mode, slots=4)
+    for i in range(6):
+        sched.add(_session(i))
+    work = sched.schedule(now=1.0)
+    assert len(sched.running) == admitted and sched.num_waiting == 6 - admitted
+    # sequential and interleaved feed one session a pass; batched and continuous all of them
+    assert len(work) == (1 if mode in (Mode.SEQUENTIAL, Mode.INTERLEAVED) else admitted)
+
+
+def test_continuous_shares_a_token_budget_between_prompts():
+    sched = _scheduler(Mode.CONTINUOUS, prefill_chunk=512)
+    long_prompt, short = _session(1, prompt_len=700), _session(2, prompt_len=100)
+    sched.add(long_prompt)
+    sched.add(short)
+    work = sched.schedule(now=1.0)
+    assert [(w.session.id, w.num_tokens) for w in work] == [(1, 512)]  # the budget is spent on the first
+
+
+def test_batched_waits_for_the_batch_to_fill_or_the_wait_to_pass():
+    config = EngineConfig(mode=Mode.BATCHED, max_batch_size=4, max_wait_ms=100.0)
+    sched = Scheduler(config, FakeCache(8))
+    sched.add(_session(1, arrived=0.0))
+    assert sched.schedule(now=0.05) == [] and sched.wait_hint(now=0.05) == pytest.approx(0.05)
+    assert len(sched.schedule(now=0.1)) == 1
+
+
+def test_batch_priority_waits_for_interactive_but_not_for_ever():
+    from braid.server.engine.types import Priority
+
+    config = EngineConfig(mode=Mode.SEQUENTIAL, max_batch_size=1, batch_max_wait_ms=1000.0)
+    sched = Scheduler(config, FakeCache(1))
+    batch = _session(1, arrived=0.0)
+    batch.priority = Priority.BATCH
+    interactive = _session(2, arrived=0.5)
+    sched.add(batch)
+    sched.add(interactive)
+    assert sched.schedule(now=0.6)[0].session is interactive  # interactive first
+    sched.remove(interactive)
+    late = _session(3, arrived=1.2)
+    sched.add(late)
+    assert sched.schedule(now=1.5)[0].session is batch  # waited past batch_max_wait: its turn

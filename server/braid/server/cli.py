@@ -78,7 +78,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from braid.server.edge.server import serve
 
-    return serve(server_config, engine_config)
+    return serve(server_config, build_engine(engine_config))
+
+
+def build_engine(config: EngineConfig, model=None):
+    """The composition root: loads --model (unless given it loaded), builds the runner the config
+    asks for and the engine over it. Only here do the layers meet, so none has to import another's
+    construction."""
+    from braid.server.engine.engine import Engine
+    from braid.server.engine.tokenizer import Tokenizer
+    from braid.server.model.loader import load
+    from braid.server.runner.model_runner import ModelRunner
+
+    model = model or load(config.model, config.cache_dir)
+    runner = ModelRunner.build(config, model)
+    return Engine(config, runner, Tokenizer(model.hf_tokenizer, model.eos_token_ids), model.name, model.architecture)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,19 @@ declared once, here.
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from braid.server.engine.types import Mode
+
+class Mode(enum.Enum):
+    """The scheduling modes (engine/scheduler.py says what each runs next)."""
+
+    SEQUENTIAL = "sequential"
+    INTERLEAVED = "interleaved"
+    BATCHED = "batched"
+    CONTINUOUS = "continuous"
 
 
 def _opt(help_text: str, **kw) -> dict:

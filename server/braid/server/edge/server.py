@@ -11,33 +11,27 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.reflection import SERVICE_NAME as REFLECTION_SERVICE
 
-from braid.server.config import EngineConfig, ServerConfig
+from braid.server.config import ServerConfig
 from braid.server.edge.auth import ApiKeyInterceptor
 from braid.server.edge import reflection
 from braid.server.edge.errors import ErrorInterceptor
 from braid.server.edge.servicer import GenerateServicer
-from braid.server.telemetry.tracing import TelemetryInterceptor
+from braid.server.edge.telemetry import TelemetryInterceptor
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generate"].full_name
-_ENGINE_WATCH_S = 0.5
-_DRAIN_POLL_S = 0.05
 _FINAL_MESSAGES_S = 2.0  # after the grace period, time for the final CANCELLED messages to go out
 
 
-def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Runs until SIGTERM/SIGINT (exit 0) or until the model loop dies (exit 1).
+def serve(server_config: ServerConfig, engine) -> int:
+    """Serves the engine until SIGTERM/SIGINT (exit 0) or until the model loop dies (exit 1).
 
     The model loop runs on the process's main thread and the asyncio gRPC edge on a thread of its
     own: torch's CPU kernels ran ~40% slower on a spawned thread than on the main one here
     (single-stream decode, 13 against 22 tok/s, same process, alternated).
     """
-    from braid.server.engine.engine import Engine
-    from braid.server.model.loader import load
-
-    engine = Engine(engine_config, load(engine_config.model, engine_config.cache_dir))
     edge = _Edge(server_config, engine)
     edge.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -113,11 +107,11 @@ async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
                  engine.info.mode.value, engine.info.dtype, config.host, port)
 
     exit_code = 0
+    loop = asyncio.get_running_loop()
 
     async def watch_engine() -> None:
         nonlocal exit_code
-        while engine.is_alive:
-            await asyncio.sleep(_ENGINE_WATCH_S)
+        await engine.when_stopped(loop)
         if not stop.is_set():
             _LOGGER.error("the model thread has stopped; shutting down")
             exit_code = 1
@@ -136,23 +130,23 @@ async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
 
 async def _drain(server: grpc.aio.Server, health_servicer, engine, grace_period: float) -> None:
     """Health turns NOT_SERVING at once and new calls get UNAVAILABLE; in-flight streams get the
-    grace period to finish, then the rest end with a final CANCELLED message."""
+    grace period to finish (the engine says when it is idle), then the rest end with a final
+    CANCELLED message."""
     await health_servicer.enter_graceful_shutdown()
     engine.stop_accepting()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace_period
-    while loop.time() < deadline and engine.is_alive and _busy(engine):
-        await asyncio.sleep(_DRAIN_POLL_S)
-    if _busy(engine):
+    try:
+        await asyncio.wait_for(engine.when_idle(asyncio.get_running_loop()), grace_period)
+    except asyncio.TimeoutError:
         stats = engine.stats()
+        if engine.books.is_idle:  # idle as the grace period ran out: nothing to cancel
+            stats = None
+    else:
+        stats = None
+    if stats is not None:
         _LOGGER.info("grace period over: cancelling %d active and %d queued sessions", stats.sessions_active,
                      stats.sessions_queued)
         engine.cancel_all()
     await server.stop(_FINAL_MESSAGES_S)
-
-
-def _busy(engine) -> bool:
-    return not engine.books.is_idle
 
 
 def _listen(server: grpc.aio.Server, address: str, config: ServerConfig) -> int:

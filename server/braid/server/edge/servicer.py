@@ -64,8 +64,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def _submit(self, req: GenerationRequest) -> SessionHandle:
         # The place in the queue is taken here, before the call waits for a tokenizer thread.
-        ticket = self._engine.admit(req.prompt, req.messages)
-        future = self._tokenizers.run(convert.text_bytes(req.prompt, req.messages), ticket, self._engine.submit,
+        ticket = self._engine.admission.admit(req.prompt, req.messages)
+        future = self._tokenizers.run(convert.text_bytes(req.prompt, req.messages), ticket, self._engine.admission.submit,
                                       req, asyncio.get_running_loop())
         try:
             return await asyncio.shield(future)
@@ -88,8 +88,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         text, messages = convert.tokenize_args_from_pb(request)
-        ticket = self._engine.admit(text, messages, for_session=False)
-        ids, pieces = await self._tokenizers.run(convert.text_bytes(text, messages), ticket, self._engine.tokenize,
+        ticket = self._engine.admission.admit(text, messages, for_session=False)
+        ids, pieces = await self._tokenizers.run(convert.text_bytes(text, messages), ticket, self._engine.admission.tokenize,
                                                  text, messages)
         return pb.TokenizeResponse(token_ids=ids, pieces=pieces)
 

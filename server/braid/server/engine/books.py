@@ -13,6 +13,7 @@ refused at the door, before anyone tokenizes them), but are not sessions yet.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from braid.server.engine.types import EngineStats, FinishReason, Overloaded
 
@@ -20,8 +21,11 @@ RETRY_AFTER_S = 1.0
 
 
 class Books:
-    def __init__(self, max_queued: int) -> None:
+    def __init__(self, max_queued: int, on_change: Callable[[], None] = lambda: None) -> None:
+        """on_change: called (on the changing thread, outside the lock) after a call or a session
+        leaves the books, so a waiter on `is_idle` learns of it at once, with no polling."""
         self.max_queued = max_queued
+        self._on_change = on_change
         self._lock = threading.Lock()
         self._stats = EngineStats()
         self._reserved = 0  # calls admitted and being tokenized (Stream and Tokenize alike)
@@ -43,6 +47,7 @@ class Books:
         with self._lock:
             self._reserved -= 1
             self._stats.sessions_submitted += submitted
+        self._on_change()
 
     # ---- the model thread -------------------------------------------------------------------
 
@@ -61,6 +66,7 @@ class Books:
         with self._lock:
             self._stats.finished[reason] += 1
             self._stats.sessions_active = active
+        self._on_change()
 
     # ---- anyone -----------------------------------------------------------------------------
 

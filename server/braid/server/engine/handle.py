@@ -40,10 +40,9 @@ class SessionHandle:
         self._sent = 0  # event loop only
         self._paused = False  # set by the model thread before it re-reads the backlog
 
-    def push(self, events: list[Event]) -> None:
+    def push(self, event: Event) -> None:
         """Called on the handle's loop (the engine schedules it with call_soon_threadsafe)."""
-        for event in events:
-            self._events.put_nowait(event)
+        self._events.put_nowait(event)
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         """Yields everything that has arrived since the last batch; ends after the Finished event.

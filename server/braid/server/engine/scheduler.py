@@ -22,22 +22,43 @@ mode waits for it: sequential and batched admit the next sessions as if it had l
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
 
+from braid.server.config import EngineConfig
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.types import Mode, Priority
-from braid.server.runner.kv_cache import KVCache
-from braid.server.runner.model_runner import Work
+
+
+class Slots(Protocol):
+    """The KV-cache slots sessions hold while running (the runner's cache)."""
+
+    num_slots: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self) -> int: ...
+
+    def free(self, slot: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Work:
+    """Feed `num_tokens` of `session`'s uncached tokens to the model in the next forward pass."""
+
+    session: Session
+    num_tokens: int
 
 
 class Scheduler:
-    def __init__(self, mode: Mode, cache: KVCache, max_batch_size: int, max_wait_s: float,
-                 prefill_chunk: int, batch_max_wait_s: float) -> None:
-        self.mode = mode
+    def __init__(self, config: EngineConfig, cache: Slots) -> None:
+        self.mode = config.mode
         self.cache = cache
-        self.max_batch_size = max_batch_size
-        self.max_wait_s = max_wait_s
-        self.prefill_chunk = prefill_chunk
-        self.batch_max_wait_s = batch_max_wait_s
+        self.max_batch_size = config.max_batch_size
+        self.max_wait_s = config.max_wait_ms / 1000
+        self.prefill_chunk = config.prefill_chunk
+        self.batch_max_wait_s = config.batch_max_wait_ms / 1000
         self.queues: dict[Priority, deque[Session]] = {p: deque() for p in Priority}
         self.running: list[Session] = []
         self._turn = 0

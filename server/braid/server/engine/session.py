@@ -7,13 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from braid.server.engine.types import FinishReason, Priority, SamplingParams
+from braid.server.engine.types import Priority, SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from braid.server.engine.detokenizer import IncrementalDetokenizer
     from braid.server.engine.handle import SessionHandle
+    from braid.server.runner.rows import Sampling
 
 
 class SessionStatus(enum.Enum):
@@ -29,7 +28,8 @@ class Session:
     params: SamplingParams
     handle: SessionHandle
     detokenizer: IncrementalDetokenizer
-    rng: torch.Generator
+    sampling: Sampling  # params as the runner takes them
+    rng: object  # the runner's random state for this session (Row.rng)
     deadline: float | None = None
     priority: Priority = Priority.INTERACTIVE
     token_ids: list[int] = field(default_factory=list)  # prompt, then every generated token
@@ -37,7 +37,6 @@ class Session:
     slot: int | None = None
     status: SessionStatus = SessionStatus.WAITING
     paused: bool = False  # running, but its client has not read its output: sits out the passes
-    finish_reason: FinishReason | None = None
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None  # first forward pass
     first_token: float | None = None

@@ -5,12 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-
-class Mode(enum.Enum):
-    SEQUENTIAL = "sequential"
-    INTERLEAVED = "interleaved"
-    BATCHED = "batched"
-    CONTINUOUS = "continuous"
+from braid.server.config import Mode  # noqa: F401  (re-exported: the engine's types include the modes)
 
 
 class Priority(enum.Enum):
@@ -51,11 +46,6 @@ class EngineUnavailable(RuntimeError):
     """The engine is shutting down or its model thread has stopped."""
 
 
-# Temperatures below this decode greedily, as in vLLM: dividing logits by a temperature near zero
-# overflows to inf and NaN (1e-38 sampled garbage where 1e-30 was still greedy).
-GREEDY_BELOW_TEMPERATURE = 1e-5
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How one session picks its tokens; defaults already applied, ranges already checked."""
@@ -74,10 +64,6 @@ class SamplingParams:
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)

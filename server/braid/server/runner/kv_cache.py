@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
 
 import torch
+
+from braid.server.config import EngineConfig, parse_memory
+
+_LOGGER = logging.getLogger(__name__)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -69,3 +74,27 @@ def free_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def head_dim(model_config) -> int:
+    """A transformers config's attention head size (some state it, the rest imply it)."""
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+
+
+def fit_slots(config: EngineConfig, model_config, max_seq_len: int, device: torch.device,
+              dtype: torch.dtype) -> int:
+    """KV-cache slots: --max-sessions, or fewer where the --kv-cache-memory budget holds fewer.
+    The cache is reserved at start, so the scheduler can never admit more than fits."""
+    per_slot = max_seq_len * KVCache.bytes_per_token(model_config.num_hidden_layers,
+                                                     model_config.num_key_value_heads, head_dim(model_config), dtype)
+    amount, is_fraction = parse_memory(config.kv_cache_memory)
+    budget = amount * free_memory(device) if is_fraction else amount
+    slots = min(config.max_sessions, int(budget // per_slot))
+    if slots < 1:
+        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory}: one session of --max-seq-len "
+                         f"{max_seq_len} tokens needs {per_slot / 2**20:.0f} MiB")
+    if slots < config.max_sessions:
+        _LOGGER.warning("KV cache budget fits %d sessions of %d tokens, not --max-sessions %d", slots,
+                        max_seq_len, config.max_sessions)
+    _LOGGER.info("KV cache: %d slots x %d tokens, %.0f MiB", slots, max_seq_len, slots * per_slot / 2**20)
+    return slots

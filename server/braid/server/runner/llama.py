@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from braid.server.runner.kv_cache import KVCache
-from braid.server.runner.kernels import (DecodeStep, Linear, decode_attention, kernels_available,
-                                         make_linear, rms_norm, rope_, rope_tables, swiglu)
+from braid.server.runner.kv_cache import KVCache, head_dim
+from braid.server.runner.kernels import DecodeStep, Linear, decode_attention, pick_ops
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -77,18 +76,18 @@ class LlamaDecoder:
         cfg = hf_model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim(cfg)
         self.num_layers = cfg.num_hidden_layers
         self.eps = cfg.rms_norm_eps
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
 
-        # On an AVX-512 CPU, braid's own kernels run the decoder (runner/kernels.py).
-        self.packed = allow_kernels and kernels_available(device, dtype)
-        self.packed_attention = self.packed and self.head_dim % 16 == 0
+        # On an AVX-512 CPU, braid's own kernels run the decoder (runner/kernels.py): chosen once.
+        self.ops = pick_ops(device, dtype, allow_kernels)
+        self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0
         self._step: DecodeStep | None = None  # built on the first decode-only pass, for its cache
         self._step_cache: KVCache | None = None
-        _LOGGER.info("kernels: %s", "braid's AVX-512 kernels" if self.packed else "torch")
+        _LOGGER.info("kernels: %s", self.ops.name)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
@@ -98,7 +97,7 @@ class LlamaDecoder:
             weight = take(torch.cat([layer.weight for layer in layers]).t())
             biases = [layer.bias for layer in layers]
             bias = None if biases[0] is None else take(torch.cat(biases))
-            return make_linear(weight, bias, self.packed)
+            return self.ops.linear(weight, bias)
 
         inner = hf_model.model
         self.embed = take(inner.embed_tokens.weight)  # [V, hidden], for lookups
@@ -128,21 +127,21 @@ class LlamaDecoder:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the packed batch, writes its keys/values into the cache, returns [R, V] logits."""
-        if self.packed_attention and batch.decode is not None and not batch.prefills:
+        if self.fused_attention and batch.decode is not None and not batch.prefills:
             return self._decode_only(batch, cache)
         n = batch.input_ids.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = rope_tables(self.cos, self.sin, batch.positions, self.packed)
+        cos, sin = self.ops.rope_tables(self.cos, self.sin, batch.positions)
         x = F.embedding(batch.input_ids, self.embed)  # [N, hidden], the residual stream
         for i, w in enumerate(self.layers):
             qkv = w.qkv(self._norm(x, w.input_norm))  # [N, (H + 2 KVH) D]
-            rope_(qkv, heads + kv_heads, d, batch.positions, cos, sin, self.packed)
+            self.ops.rope_(qkv, heads + kv_heads, d, batch.positions, cos, sin)
             q = qkv[:, :heads * d].view(n, heads, d)
             k = qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
             attn = self._attention(i, qkv, q, k, v, batch, cache)  # [N, H * D]
             w.o.add_into(x, attn)  # x += attn @ o
-            w.down.add_into(x, swiglu(w.gate_up(self._norm(x, w.post_norm)), self.packed))
+            w.down.add_into(x, self.ops.swiglu(w.gate_up(self._norm(x, w.post_norm))))
         return self._logits(x, batch.logit_rows)
 
     def _logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -163,7 +162,7 @@ class LlamaDecoder:
         return self._logits(x, batch.logit_rows)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.eps, self.packed)
+        return self.ops.rms_norm(x, weight, self.eps)
 
     def _attention(self, layer: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -186,7 +185,7 @@ class LlamaDecoder:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1).reshape(c.length, -1)
         dec = batch.decode
-        if dec is not None and self.packed_attention:
+        if dec is not None and self.fused_attention:
             rows = slice(n - dec.count, n)
             decode_attention(qkv[rows], self.num_heads, k_cache, v_cache, dec.slots, batch.positions[rows],
                              out[rows])

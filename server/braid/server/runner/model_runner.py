@@ -1,32 +1,26 @@
-"""The model runner: sessions' new tokens in, one forward pass, next token ids out.
+"""The model runner: rows of new tokens in, one forward pass, next token ids out.
 
-It never sees a queue, a socket or a protobuf: the scheduler decides what runs, the runner only
-builds the packed tensors, runs the decoder over its KV cache and samples.
+It never sees a session, a queue, a socket or a protobuf: the engine decides what runs and builds
+the rows (runner/rows.py); the runner packs them into tensors, runs the decoder over its KV cache
+and samples. It also owns what depends on the hardware: the device, torch's threads, and how many
+KV-cache slots fit.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from braid.server.engine.session import Session
+from braid.server.config import EngineConfig
 from braid.server.model.loader import LoadedModel
-from braid.server.runner.kv_cache import KVCache
+from braid.server.runner.kv_cache import KVCache, fit_slots
 from braid.server.runner.llama import DecodeRows, ForwardBatch, LlamaDecoder, PrefillChunk
-from braid.server.runner.sampler import sample
+from braid.server.runner.rows import Row, Sampling
+from braid.server.runner.sampler import random_state, sample
 
 _LOGGER = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Work:
-    """Feed `num_tokens` of `session`'s uncached tokens to the model in the next forward pass."""
-
-    session: Session
-    num_tokens: int
 
 
 def pick_device(device: str) -> tuple[torch.device, torch.dtype]:
@@ -46,56 +40,80 @@ class ModelRunner:
             raise ValueError(f"--model: architecture {model.architecture} is not supported; braid runs "
                              f"{', '.join(LlamaDecoder.SUPPORTED)}")
         self.device, self.dtype = device, dtype
+        self.max_seq_len = max_seq_len
         self.decoder = LlamaDecoder(model.hf_model, max_seq_len, device, dtype, allow_kernels)
         self.cache = KVCache(self.decoder.num_layers, num_slots, self.decoder.num_kv_heads, max_seq_len,
                              self.decoder.head_dim, dtype, device)
-        self.eos_token_ids = model.eos_token_ids
         self.vocab_size = self.decoder.vocab_size
         self.num_parameters = sum(p.numel() for p in model.hf_model.parameters())
 
-    def run(self, work: Sequence[Work]) -> list[int | None]:
-        """One forward pass. Returns, per work item, the sampled token, or None for a prompt chunk
-        that does not reach the end of its prompt."""
-        batch, sampled_work = self._build(work)
-        logits = self.decoder.forward(batch, self.cache)  # [R, V], rows in sampled_work order
-        tokens = sample(logits, [w.session for w in sampled_work], self.eos_token_ids)
-        by_work = {id(w): t for w, t in zip(sampled_work, tokens)}
-        return [by_work.get(id(w)) for w in work]
+    @classmethod
+    def build(cls, config: EngineConfig, model: LoadedModel) -> ModelRunner:
+        """The runner --device, --threads, --kernels, --max-seq-len and --kv-cache-memory ask for."""
+        device, dtype = pick_device(config.device)
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
+        max_seq_len = min(config.max_seq_len, context)
+        num_slots = fit_slots(config, model.hf_model.config, max_seq_len, device, dtype)
+        return cls(model, device, dtype, num_slots, max_seq_len, allow_kernels=config.kernels == "auto")
 
-    def _build(self, work: Sequence[Work]) -> tuple[ForwardBatch, list[Work]]:
-        """Packs prompt chunks first, then one token per decoding session."""
-        prefills = [w for w in work if w.session.is_prefilling or w.num_tokens > 1]
-        decodes = [w for w in work if not (w.session.is_prefilling or w.num_tokens > 1)]
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @staticmethod
+    def random_state(sampling: Sampling) -> object:
+        """A sequence's random state for Row.rng, made once per sequence."""
+        return random_state(sampling)
+
+    def run(self, rows: Sequence[Row]) -> list[int | None]:
+        """One forward pass. Returns, per row, the sampled token, or None for a row that does not
+        sample (a prompt chunk that does not reach the end of its prompt)."""
+        batch, sampled = self._build(rows)
+        logits = self.decoder.forward(batch, self.cache)  # [R, V], rows in `sampled` order
+        tokens: list[int | None] = [None] * len(rows)
+        for i, token in zip(sampled, sample(logits, [rows[i] for i in sampled])):
+            tokens[i] = token
+        return tokens
+
+    def _build(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[int]]:
+        """Packs prompt chunks first, then one token per decoding row. Returns the batch and the
+        indices of the rows that sample, in the order of its logit rows."""
+        prefills = [i for i, r in enumerate(rows) if r.is_prompt or len(r.token_ids) > 1]
+        decodes = [i for i, r in enumerate(rows) if not (r.is_prompt or len(r.token_ids) > 1)]
         ids: list[int] = []
         positions: list[int] = []
         chunks: list[PrefillChunk] = []
         logit_rows: list[int] = []
-        sampled_work: list[Work] = []
-        for w in prefills:
-            s, start = w.session, w.session.num_cached
-            chunks.append(PrefillChunk(slot=s.slot, start=start, length=w.num_tokens, offset=len(ids)))
-            ids += s.token_ids[start:start + w.num_tokens]
-            positions += range(start, start + w.num_tokens)
-            if start + w.num_tokens == len(s.token_ids):
+        sampled: list[int] = []
+        for i in prefills:
+            r = rows[i]
+            chunks.append(PrefillChunk(slot=r.slot, start=r.start, length=len(r.token_ids), offset=len(ids)))
+            ids += r.token_ids
+            positions += range(r.start, r.start + len(r.token_ids))
+            if r.sample:
                 logit_rows.append(len(ids) - 1)
-                sampled_work.append(w)
-        for w in decodes:
-            ids.append(w.session.token_ids[-1])
-            positions.append(w.session.num_cached)
-            logit_rows.append(len(ids) - 1)
-            sampled_work.append(w)
+                sampled.append(i)
+        for i in decodes:
+            r = rows[i]
+            ids.append(r.token_ids[0])
+            positions.append(r.start)
+            if r.sample:
+                logit_rows.append(len(ids) - 1)
+                sampled.append(i)
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             prefills=chunks,
-            decode=self._decode_rows(decodes) if decodes else None,
+            decode=self._decode_rows([rows[i] for i in decodes]) if decodes else None,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev))
-        return batch, sampled_work
+        return batch, sampled
 
-    def _decode_rows(self, decodes: list[Work]) -> DecodeRows:
-        slots = [w.session.slot for w in decodes]
-        lengths = [w.session.num_cached + 1 for w in decodes]  # the new token included
+    def _decode_rows(self, decodes: list[Row]) -> DecodeRows:
+        slots = [r.slot for r in decodes]
+        lengths = [r.start + 1 for r in decodes]  # the new token included
         lo, hi = min(slots), max(slots)
         span = hi - lo + 1
         kv_len = max(lengths)
@@ -112,6 +130,6 @@ class ModelRunner:
         kv_heads, max_seq = self.decoder.num_kv_heads, self.cache.max_seq_len
         cache_index = [(slot * kv_heads + h) * max_seq + n - 1 for slot, n in zip(slots, lengths)
                        for h in range(kv_heads)]
-        return DecodeRows(count=len(decodes), slots=torch.tensor(slots, dtype=torch.long, device=dev), slot_lo=lo, span=span,
-                          cache_index=torch.tensor(cache_index, dtype=torch.long, device=dev),
+        return DecodeRows(count=len(decodes), slots=torch.tensor(slots, dtype=torch.long, device=dev),
+                          slot_lo=lo, span=span, cache_index=torch.tensor(cache_index, dtype=torch.long, device=dev),
                           rows_in_span=rows_in_span, kv_len=kv_len, mask=mask)

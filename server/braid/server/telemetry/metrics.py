@@ -8,15 +8,12 @@ OTLP endpoint: never), every record below is a no-op.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from braid.server.engine.types import Finished, FinishReason
-
-if TYPE_CHECKING:
-    from braid.server.engine.engine import Engine
+from braid.server.engine.types import EngineStats, Finished, FinishReason
 
 _meter = metrics.get_meter("braid.server")
 
@@ -53,48 +50,53 @@ _ENDED_BY_ITSELF = {FinishReason.MAX_TOKENS, FinishReason.EOS, FinishReason.STOP
                     FinishReason.STOP_TOKEN}
 
 
-def record_pass(num_sessions: int, num_tokens: int) -> None:
-    """On the model thread, once per forward pass."""
-    PASS_SESSIONS.record(num_sessions)
-    PASS_TOKENS.record(num_tokens)
+class MetricsObserver:
+    """The engine's observer (engine/observer.py): its passes and finished sessions as metrics."""
 
+    @staticmethod
+    def on_pass(num_sessions: int, num_tokens: int) -> None:
+        """On the model thread, once per forward pass."""
+        PASS_SESSIONS.record(num_sessions)
+        PASS_TOKENS.record(num_tokens)
 
-def record_finish(finished: Finished) -> None:
-    """On the model thread, once per session."""
-    points = finished.milestones()
-    REQUEST_DURATION.record(points["finish"])
-    if "prefill" in points:
-        QUEUE_DURATION.record(points["prefill"])
-    if "first_token" in points:
-        TIME_TO_FIRST_TOKEN.record(points["first_token"])
-    # A cancelled session's end is not its last token's time: it says nothing of decoding speed.
-    if finished.generated_tokens > 1 and finished.reason in _ENDED_BY_ITSELF:
-        decode_s = points["finish"] - points["first_token"]
-        TIME_PER_OUTPUT_TOKEN.record(decode_s / (finished.generated_tokens - 1))
+    @staticmethod
+    def on_finish(finished: Finished) -> None:
+        """On the model thread, once per session."""
+        points = finished.milestones()
+        REQUEST_DURATION.record(points["finish"])
+        if "prefill" in points:
+            QUEUE_DURATION.record(points["prefill"])
+        if "first_token" in points:
+            TIME_TO_FIRST_TOKEN.record(points["first_token"])
+        # A cancelled session's end is not its last token's time: it says nothing of decoding speed.
+        if finished.generated_tokens > 1 and finished.reason in _ENDED_BY_ITSELF:
+            decode_s = points["finish"] - points["first_token"]
+            TIME_PER_OUTPUT_TOKEN.record(decode_s / (finished.generated_tokens - 1))
 
 
 def record_call(method: str, status_code: str, seconds: float) -> None:
     CALL_DURATION.record(seconds, {RPC_METHOD: method, RPC_STATUS_CODE: status_code})
 
 
-def observe_engine(engine: "Engine") -> None:
+def observe_engine(stats: Callable[[], EngineStats], num_slots: int) -> None:
     """Gauges and counters read from the engine's own counts when a reader collects, so they cost
-    the model thread nothing."""
-    cache = engine.runner.cache
+    the model thread nothing. Every active session holds one KV-cache slot of `num_slots`."""
+    def usage(options: CallbackOptions):
+        return [Observation(stats().sessions_active)]
 
     def sessions(options: CallbackOptions):
-        stats = engine.stats()
-        return [Observation(stats.sessions_active, {"braid.session.state": "active"}),
-                Observation(stats.sessions_queued, {"braid.session.state": "queued"})]
+        stats_now = stats()
+        return [Observation(stats_now.sessions_active, {"braid.session.state": "active"}),
+                Observation(stats_now.sessions_queued, {"braid.session.state": "queued"})]
 
     def requests(options: CallbackOptions):
         return [Observation(n, {FINISH_REASON: reason.name.lower()})
-                for reason, n in engine.stats().finished.items()]
+                for reason, n in stats().finished.items()]
 
     def tokens(options: CallbackOptions):
-        stats = engine.stats()
-        return [Observation(stats.prompt_tokens, {"braid.token.type": "prompt"}),
-                Observation(stats.tokens_generated, {"braid.token.type": "generated"})]
+        stats_now = stats()
+        return [Observation(stats_now.prompt_tokens, {"braid.token.type": "prompt"}),
+                Observation(stats_now.tokens_generated, {"braid.token.type": "generated"})]
 
     _meter.create_observable_gauge("braid.sessions", [sessions], unit="{session}",
                                    description="Sessions running (holding a KV-cache slot) and queued")
@@ -103,8 +105,8 @@ def observe_engine(engine: "Engine") -> None:
     _meter.create_observable_counter("braid.tokens", [tokens], unit="{token}",
                                      description="Prompt tokens prefilled and tokens generated")
     _meter.create_observable_gauge(
-        "braid.kv_cache.usage", [lambda options: [Observation(cache.num_slots - cache.num_free)]],
+        "braid.kv_cache.usage", [usage],
         unit="{slot}", description="KV-cache slots in use")
     _meter.create_observable_gauge(
-        "braid.kv_cache.limit", [lambda options: [Observation(cache.num_slots)]],
+        "braid.kv_cache.limit", [lambda options: [Observation(num_slots)]],
         unit="{slot}", description="KV-cache slots in all")

@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import start_http_server
 
 from braid.server.config import ServerConfig
-from braid.server.telemetry.metrics import observe_engine
+from braid.server.telemetry.metrics import MetricsObserver, observe_engine
 
 if TYPE_CHECKING:
     from braid.server.engine.engine import Engine
@@ -57,5 +57,6 @@ def start_telemetry(config: ServerConfig, engine: "Engine", port: int) -> Teleme
         trace.set_tracer_provider(tracer_provider)
     meter_provider = MeterProvider(metric_readers=readers, resource=resource)
     metrics.set_meter_provider(meter_provider)
-    observe_engine(engine)
+    observe_engine(engine.stats, engine.num_slots)
+    engine.observer = MetricsObserver()
     return Telemetry(meter_provider, tracer_provider)

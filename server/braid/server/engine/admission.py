@@ -1,0 +1,107 @@
+"""Admission: a call's place in the queue, its prompt tokenized and checked, its session made.
+
+Runs on the event loop (`admit`, cheap) and on tokenizer threads (`submit`, `tokenize`); hands
+sessions to the model thread through the `enqueue` callable it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from typing import Callable, Sequence
+
+from braid.server.config import EngineConfig
+from braid.server.engine.books import Books, Ticket
+from braid.server.engine.detokenizer import IncrementalDetokenizer
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.session import Session
+from braid.server.engine.tokenizer import Tokenizer
+from braid.server.engine.types import (EngineUnavailable, FinishReason, GenerationRequest, InvalidArgument,
+                                       Message, SamplingParams)
+from braid.server.runner.rows import Sampling
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, max_seq_len: int, books: Books,
+                 random_state: Callable[[Sampling], object], enqueue: Callable[[Session], None],
+                 abort: Callable[[int, FinishReason], None], wake: Callable[[], None],
+                 is_open: Callable[[], str | None]) -> None:
+        """random_state: the runner's, for a session's Row.rng; is_open: None while sessions may be
+        admitted, else why not."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.books = books
+        self._random_state = random_state
+        self._enqueue, self._abort, self._wake, self._is_open = enqueue, abort, wake, is_open
+        self._ids = itertools.count(1)
+
+    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True) -> Ticket:
+        """Takes a place for a call before its text is tokenized: cheap, so the event loop calls it
+        the moment a call arrives. A Stream prompt that cannot fit in the context even at the most
+        bytes per token is refused here, without tokenizing it."""
+        closed = self._is_open()
+        if closed is not None:
+            raise EngineUnavailable(closed)
+        if for_session:
+            at_least = self.tokenizer.min_tokens(prompt, messages)
+            if at_least >= self.max_seq_len:
+                raise InvalidArgument("messages" if messages else "prompt",
+                                      f"is at least {at_least} tokens; the context length is {self.max_seq_len}")
+        return Ticket(self.books)
+
+    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> SessionHandle:
+        """Tokenizes, checks and queues a session; gives the ticket back whatever happens. Blocking
+        (tokenization): call it off the event loop."""
+        try:
+            session = self._session(request, loop)
+            ticket.release(submitted=True)  # counted before the model thread can finish it
+        finally:
+            ticket.release()
+        self._enqueue(session)
+        return session.handle
+
+    def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
+        """A Tokenize call's work; gives the ticket back. Blocking: call it off the event loop."""
+        try:
+            ids = self.tokenizer.encode(prompt, messages)
+            return ids, self.tokenizer.pieces(ids)
+        finally:
+            ticket.release()
+
+    def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Session:
+        prompt_ids = self.tokenizer.encode(request.prompt, request.messages)
+        params = self._fit(request, prompt_ids)
+        sampling = Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                            min_p=params.min_p, repetition_penalty=params.repetition_penalty, seed=params.seed)
+        session_id = next(self._ids)
+        handle = SessionHandle(session_id, request.request_id, params.seed, len(prompt_ids), loop,
+                               self._abort, self._wake)
+        return Session(
+            id=session_id, prompt_ids=prompt_ids, params=params, sampling=sampling,
+            rng=self._random_state(sampling), handle=handle,
+            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop),
+            deadline=request.deadline, priority=request.priority, arrived=handle.arrived)
+
+    def _fit(self, request: GenerationRequest, prompt_ids: list[int]) -> SamplingParams:
+        """The request's parameters checked against its tokenized prompt; a default max_new_tokens
+        clipped to what fits."""
+        params = request.params
+        field = "messages" if request.messages else "prompt"
+        n = len(prompt_ids)
+        if not prompt_ids:
+            raise InvalidArgument(field, "must not be empty")
+        if n >= self.max_seq_len:
+            raise InvalidArgument(field, f"is {n} tokens; the context length is {self.max_seq_len}")
+        room = self.max_seq_len - n
+        if params.max_new_tokens > room and params.clip_max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=room)
+        if params.max_new_tokens > room:
+            raise InvalidArgument("max_new_tokens", f"{params.max_new_tokens} new tokens after a {n}-token prompt "
+                                                    f"exceed the context length {self.max_seq_len} (at most {room})")
+        if params.min_new_tokens > params.max_new_tokens:
+            raise InvalidArgument("min_new_tokens", f"{params.min_new_tokens} is more than the {room} new tokens "
+                                                    f"that fit after a {n}-token prompt "
+                                                    f"(context length {self.max_seq_len})")
+        return params

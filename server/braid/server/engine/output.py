@@ -1,0 +1,91 @@
+"""A session's output: stop rules, text that is safe to send, and the events that carry them to
+the session's event loop, one wake-up per loop per step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Sequence
+
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.session import Session
+from braid.server.engine.types import Delta, Event, Finished, FinishReason, Timings
+
+
+class Output:
+    """Model thread only, but for `flush`'s hand-over to the event loops."""
+
+    def __init__(self, eos_token_ids: Sequence[int], max_seq_len: int) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_seq_len = max_seq_len
+        self._outbox: list[tuple[SessionHandle, Event]] = []
+
+    def add_token(self, s: Session, token: int) -> FinishReason | None:
+        """Appends a generated token; returns why the session ends with it, or None and sends the
+        text it released."""
+        s.token_ids.append(token)
+        s.pending_ids.append(token)
+        reason = self._stop_reason(s, token)
+        if reason is None:
+            self._delta(s, s.detokenizer.take())
+        return reason
+
+    def _stop_reason(self, s: Session, token: int) -> FinishReason | None:
+        p = s.params
+        if token in p.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return FinishReason.EOS
+        s.detokenizer.add(token)
+        if s.detokenizer.stopped:
+            return FinishReason.STOP_SEQUENCE
+        if s.num_generated >= p.max_new_tokens or len(s.token_ids) >= self.max_seq_len:
+            return FinishReason.MAX_TOKENS
+        return None
+
+    def finish(self, s: Session, reason: FinishReason, error: str | None) -> Finished:
+        """The session's last events. Whatever the reason, the text so far goes out: the tail held
+        back in case it began a stop string, and tokens not yet delivered (a deadline ends the
+        stream "with the text so far")."""
+        self._delta(s, s.detokenizer.take(final=True))
+        finished = Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
+                            timings=_timings(s), error=error)
+        self._outbox.append((s.handle, finished))
+        return finished
+
+    def _delta(self, s: Session, text: str) -> None:
+        if not text and not s.pending_ids:
+            return
+        self._outbox.append((s.handle, Delta(text, s.pending_ids)))
+        s.handle.note_emitted(len(s.pending_ids))
+        s.pending_ids = []
+
+    def flush(self) -> None:
+        """Hands this step's events to the event loops: one wake-up per loop per step."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[SessionHandle, Event]]] = {}
+        for handle, event in self._outbox:
+            by_loop.setdefault(handle.loop, []).append((handle, event))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(items: list[tuple[SessionHandle, Event]]) -> None:
+    for handle, event in items:
+        handle.push(event)
+
+
+def _timings(s: Session) -> Timings:
+    now = time.monotonic()
+    ms = 1000.0
+    started = s.started if s.started is not None else now
+    first = s.first_token if s.first_token is not None else now
+    decode_s = now - first
+    rate = (s.num_generated - 1) / decode_s if s.num_generated > 1 and decode_s > 0 else 0.0
+    return Timings(queue_ms=(started - s.arrived) * ms, time_to_first_token_ms=(first - s.arrived) * ms,
+                   total_ms=(now - s.arrived) * ms, tokens_per_second=rate)

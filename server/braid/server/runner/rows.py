@@ -1,0 +1,49 @@
+"""What one forward pass takes: a row per sequence. The runner's own input type, torch-free, so the
+engine builds rows without knowing tensors, and the runner never sees a session or a queue."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+# Temperatures below this decode greedily, as in vLLM: dividing logits by a temperature near zero
+# overflows to inf and NaN (1e-38 sampled garbage where 1e-30 was still greedy).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a sequence picks its next tokens; ranges already checked."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class Row:
+    """Feed `token_ids` at positions [start, start + len) of KV-cache slot `slot`; when `sample`, pick
+    the next token after them.
+
+    `rng` is the sequence's random state, made once by the runner (`random_state`) and carried by
+    the caller, so a seeded sequence draws the same numbers whatever shares its pass. `history`
+    (the sequence's tokens so far, for the repetition penalty) and `banned` (token ids that must not
+    be picked now) matter only when sampling.
+    """
+
+    slot: int
+    start: int
+    token_ids: Sequence[int]
+    sample: bool
+    sampling: Sampling
+    rng: object
+    history: Sequence[int] = ()
+    banned: Sequence[int] = ()
+    is_prompt: bool = False  # prompt tokens (prefill attention), else the one last generated token

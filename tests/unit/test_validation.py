@@ -1,0 +1,68 @@
+"""The request checks at the edge: every field and bound gets INVALID_ARGUMENT naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from braid.server.edge import convert
+from braid.server.engine.types import InvalidArgument, Priority
+from braid.v1 import generate_pb2 as pb
+
+VOCAB = 1000
+
+
+def _check(**fields):
+    return convert.request_from_pb(pb.GenerateRequest(**fields), default_max_new_tokens=256, vocab_size=VOCAB,
+                                   time_remaining=None)
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(), "prompt"),
+    (dict(prompt="a", messages=[pb.Message(role="user", content="b")]), "prompt"),
+    (dict(prompt="x" * (convert.MAX_TEXT_BYTES + 1)), "prompt"),
+    (dict(messages=[pb.Message(role="", content="b")]), "messages[0].role"),
+    (dict(prompt="a", max_new_tokens=-1), "max_new_tokens"),
+    (dict(prompt="a", min_new_tokens=-1), "min_new_tokens"),
+    (dict(prompt="a", max_new_tokens=5, min_new_tokens=6), "min_new_tokens"),
+    (dict(prompt="a", min_new_tokens=257), "min_new_tokens"),  # past the default max
+    (dict(prompt="a", temperature=-0.1), "temperature"),
+    (dict(prompt="a", temperature=convert.MAX_TEMPERATURE + 1), "temperature"),
+    (dict(prompt="a", temperature=float("nan")), "temperature"),
+    (dict(prompt="a", top_p=1.5), "top_p"),
+    (dict(prompt="a", top_p=-0.5), "top_p"),
+    (dict(prompt="a", top_k=-1), "top_k"),
+    (dict(prompt="a", top_k=VOCAB + 1), "top_k"),
+    (dict(prompt="a", min_p=2.0), "min_p"),
+    (dict(prompt="a", repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(prompt="a", repetition_penalty=convert.MAX_REPETITION_PENALTY + 1), "repetition_penalty"),
+    (dict(prompt="a", stop=["x"] * (convert.MAX_STOP_STRINGS + 1)), "stop"),
+    (dict(prompt="a", stop=["ok", ""]), "stop[1]"),
+    (dict(prompt="a", stop=["x" * (convert.MAX_STOP_BYTES + 1)]), "stop[0]"),
+    (dict(prompt="a", stop_token_ids=[1] * (convert.MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
+    (dict(prompt="a", stop_token_ids=[3, VOCAB]), "stop_token_ids[1]"),
+    (dict(prompt="a", request_id="x" * (convert.MAX_REQUEST_ID_BYTES + 1)), "request_id"),
+    (dict(prompt="a", request_id="tab\there"), "request_id"),
+    (dict(prompt="a", priority=7), "priority"),
+])
+def test_a_bad_field_is_named(fields, field):
+    with pytest.raises(InvalidArgument) as err:
+        _check(**fields)
+    assert err.value.field == field
+
+
+def test_defaults_and_edges_pass():
+    req = _check(prompt="a", top_k=VOCAB, top_p=1.0, temperature=convert.MAX_TEMPERATURE, min_p=1.0,
+                 stop=["x" * convert.MAX_STOP_BYTES], priority=pb.PRIORITY_BATCH)
+    p = req.params
+    assert p.max_new_tokens == 256 and p.clip_max_new_tokens  # left at 0: the default, clipped to fit
+    assert req.priority is Priority.BATCH and req.request_id and req.deadline is None
+    explicit = _check(prompt="a", max_new_tokens=7, seed=0).params
+    assert explicit.max_new_tokens == 7 and not explicit.clip_max_new_tokens and explicit.seed == 0
+    assert _check(prompt="a", top_p=0.0, repetition_penalty=0.0).params.top_p == 1.0
+
+
+def test_the_earlier_of_the_grpc_deadline_and_timeout_ms_bounds_the_session():
+    import time
+    before = time.monotonic()
+    req = convert.request_from_pb(pb.GenerateRequest(prompt="a", timeout_ms=5000), 256, VOCAB, time_remaining=2.0)
+    assert 1.5 < req.deadline - before < 2.5
