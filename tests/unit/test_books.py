@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from braid.server.engine.books import Books, Ticket
+from braid.server.engine.books import BIG_TEXT_BYTES, Books, Ticket
 from braid.server.engine.types import FinishReason, Overloaded
 
 
@@ -59,3 +59,18 @@ def test_a_ticket_is_given_back_once_however_often_it_is_released():
     assert books.snapshot().sessions_submitted == 1
     books.finish(FinishReason.EOS, active=0)
     Ticket(books)  # the one place is free again
+
+
+def test_big_texts_hold_at_most_half_the_places():
+    """A flood of big prompts or Tokenize texts must not shut small calls out (issue 10)."""
+    books = Books(max_queued=4)
+    big = [Ticket(books, text_bytes=BIG_TEXT_BYTES + 1) for _ in range(2)]
+    with pytest.raises(Overloaded, match="half of --max-queued 4"):
+        Ticket(books, text_bytes=BIG_TEXT_BYTES + 1)
+    small = [Ticket(books, text_bytes=10) for _ in range(2)]  # small calls still get in
+    with pytest.raises(Overloaded):
+        Ticket(books, text_bytes=10)
+    big[0].release()
+    Ticket(books, text_bytes=BIG_TEXT_BYTES + 1)
+    for ticket in small:
+        ticket.release()

@@ -8,7 +8,7 @@ import time
 import uuid
 
 from braid.server.engine.types import (EngineStats, Finished, FinishReason, GenerationRequest, InvalidArgument,
-                                       Message, ModelInfo, Priority, SamplingParams)
+                                       Message, ModelInfo, Priority, SamplingParams, text_bytes)
 from braid.v1 import generate_pb2 as pb
 
 MAX_STOP_STRINGS = 16
@@ -90,11 +90,6 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         request_id=req.request_id or uuid.uuid4().hex,
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE)
-
-
-def text_bytes(text: str | None, messages) -> int:
-    """The UTF-8 size of a prompt, or of a chat's roles and contents."""
-    return len((text or "").encode()) + sum(len(m.content.encode()) + len(m.role.encode()) for m in messages)
 
 
 def _not_too_long(text: str, messages, text_field: str) -> None:

@@ -16,7 +16,6 @@ from typing import Callable, TypeVar
 from braid.server.engine.books import Ticket
 
 T = TypeVar("T")
-BIG_TEXT_BYTES = 16 * 1024  # about 4,000 tokens: tens of milliseconds to tokenize
 SMALL_THREADS = 2
 
 
@@ -25,10 +24,10 @@ class TokenizerLanes:
         self._small = concurrent.futures.ThreadPoolExecutor(SMALL_THREADS, thread_name_prefix="braid-tokenize")
         self._big = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="braid-tokenize-big")
 
-    def run(self, text_bytes: int, ticket: Ticket, work: Callable[..., T], *args) -> asyncio.Future[T]:
-        """Runs work(ticket, *args) in the lane for a text of this size. The ticket is given back
-        however that ends, a call cancelled before its turn came included."""
-        lane = self._big if text_bytes > BIG_TEXT_BYTES else self._small
+    def run(self, ticket: Ticket, work: Callable[..., T], *args) -> asyncio.Future[T]:
+        """Runs work(ticket, *args) in the lane for the ticket's text (big or not). The ticket is
+        given back however that ends, a call cancelled before its turn came included."""
+        lane = self._big if ticket.is_big else self._small
         future = lane.submit(work, ticket, *args)
         future.add_done_callback(lambda _: ticket.release())
         return asyncio.wrap_future(future)

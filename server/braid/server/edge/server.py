@@ -87,7 +87,8 @@ async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
                  ("grpc.max_concurrent_streams", config.max_concurrent_streams),
                  ("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerateServicer_to_server(GenerateServicer(engine, config), server)
+    servicer = GenerateServicer(engine, config)
+    pb_grpc.add_GenerateServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable(
@@ -121,6 +122,7 @@ async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
     await stop.wait()
     await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0)
     watcher.cancel()
+    servicer.close()
     engine.stop()
     if telemetry is not None:
         await asyncio.to_thread(telemetry.shutdown)

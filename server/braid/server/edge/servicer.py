@@ -33,6 +33,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._config = config
         self._tokenizers = TokenizerLanes()
 
+    def close(self) -> None:
+        """Drops the tokenizations still waiting for a thread (after the server has stopped)."""
+        self._tokenizers.shutdown()
+
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         req = convert.request_from_pb(request, self._config.default_max_new_tokens,
                                       self._engine.info.vocab_size, context.time_remaining())
@@ -65,8 +69,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def _submit(self, req: GenerationRequest) -> SessionHandle:
         # The place in the queue is taken here, before the call waits for a tokenizer thread.
         ticket = self._engine.admission.admit(req.prompt, req.messages)
-        future = self._tokenizers.run(convert.text_bytes(req.prompt, req.messages), ticket, self._engine.admission.submit,
-                                      req, asyncio.get_running_loop())
+        future = self._tokenizers.run(ticket, self._engine.admission.submit, req, asyncio.get_running_loop())
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -89,8 +92,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         text, messages = convert.tokenize_args_from_pb(request)
         ticket = self._engine.admission.admit(text, messages, for_session=False)
-        ids, pieces = await self._tokenizers.run(convert.text_bytes(text, messages), ticket, self._engine.admission.tokenize,
-                                                 text, messages)
+        ids, pieces = await self._tokenizers.run(ticket, self._engine.admission.tokenize, text, messages)
         return pb.TokenizeResponse(token_ids=ids, pieces=pieces)
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:

@@ -18,7 +18,7 @@ from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import (EngineUnavailable, FinishReason, GenerationRequest, InvalidArgument,
-                                       Message, SamplingParams)
+                                       Message, SamplingParams, text_bytes)
 from braid.server.runner.rows import Sampling
 
 
@@ -44,12 +44,13 @@ class Admission:
         closed = self._is_open()
         if closed is not None:
             raise EngineUnavailable(closed)
+        size = text_bytes(prompt, messages)
         if for_session:
-            at_least = self.tokenizer.min_tokens(prompt, messages)
+            at_least = self.tokenizer.min_tokens(size)
             if at_least >= self.max_seq_len:
                 raise InvalidArgument("messages" if messages else "prompt",
                                       f"is at least {at_least} tokens; the context length is {self.max_seq_len}")
-        return Ticket(self.books)
+        return Ticket(self.books, size)
 
     def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> SessionHandle:
         """Tokenizes, checks and queues a session; gives the ticket back whatever happens. Blocking

@@ -7,7 +7,8 @@ queued, active or finished (under one finish reason):
 
 `queued` is derived from that identity rather than counted, so no path can leak it. Calls still
 being tokenized hold a *reservation*: they count against --max-queued (a flood of big prompts is
-refused at the door, before anyone tokenizes them), but are not sessions yet.
+refused at the door, before anyone tokenizes them), but are not sessions yet. Calls with big texts
+may hold at most half the places, so a flood of them never shuts small calls out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable
 from braid.server.engine.types import EngineStats, FinishReason, Overloaded
 
 RETRY_AFTER_S = 1.0
+BIG_TEXT_BYTES = 16 * 1024  # a big text: about 4,000 tokens, tens of milliseconds to tokenize
 
 
 class Books:
@@ -29,23 +31,30 @@ class Books:
         self._lock = threading.Lock()
         self._stats = EngineStats()
         self._reserved = 0  # calls admitted and being tokenized (Stream and Tokenize alike)
+        self._reserved_big = 0  # of those, calls with big texts
 
     # ---- the threads that admit calls -------------------------------------------------------
 
-    def reserve(self) -> None:
-        """Takes a place for a call about to be tokenized; Overloaded when there is none."""
+    def reserve(self, big: bool = False) -> None:
+        """Takes a place for a call about to be tokenized; Overloaded when there is none (for a
+        big text: when big texts already hold half the places)."""
         with self._lock:
             queued = self._queued()
             if queued + self._reserved >= self.max_queued:
                 raise Overloaded(f"{queued} sessions are queued and {self._reserved} calls are being "
                                  f"tokenized (--max-queued {self.max_queued})", retry_after_s=RETRY_AFTER_S)
+            if big and self._reserved_big >= max(1, self.max_queued // 2):
+                raise Overloaded(f"{self._reserved_big} calls with texts over {BIG_TEXT_BYTES // 1024} KiB are being "
+                                 f"tokenized, half of --max-queued {self.max_queued}", retry_after_s=RETRY_AFTER_S)
             self._reserved += 1
+            self._reserved_big += big
 
-    def release(self, submitted: bool) -> None:
+    def release(self, submitted: bool, big: bool = False) -> None:
         """Gives a reservation back: the call became a queued session, or it ended (a Tokenize call,
         or a prompt refused once tokenized)."""
         with self._lock:
             self._reserved -= 1
+            self._reserved_big -= big
             self._stats.sessions_submitted += submitted
         self._on_change()
 
@@ -94,11 +103,12 @@ class Ticket:
     """A call's place among --max-queued, taken on the event loop the moment it arrives (before it
     waits for a tokenizer thread) and given back exactly once: as a submitted session, or not."""
 
-    def __init__(self, books: Books) -> None:
-        books.reserve()
+    def __init__(self, books: Books, text_bytes: int = 0) -> None:
+        self.is_big = text_bytes > BIG_TEXT_BYTES
+        books.reserve(self.is_big)
         self._books: Books | None = books
 
     def release(self, submitted: bool = False) -> None:
-        if self._books is not None:
-            self._books.release(submitted)
-            self._books = None
+        books, self._books = self._books, None
+        if books is not None:
+            books.release(submitted, self.is_big)

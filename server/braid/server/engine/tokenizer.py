@@ -37,13 +37,12 @@ class Tokenizer:
             own = self._local.tok = (tok, getattr(tok, "backend_tokenizer", None))
         return own
 
-    def min_tokens(self, prompt: str | None, messages: Sequence[Message]) -> int:
-        """A lower bound on the prompt's token count from its size alone, so a prompt far past the
-        context is refused without the second or more it takes to tokenize: no token covers more
-        than `max_token_bytes` bytes. Halved, because a normalizer (NFC, lowercasing) or a chat
+    def min_tokens(self, text_bytes: int) -> int:
+        """A lower bound on the token count of a text of this many UTF-8 bytes, so a prompt far past
+        the context is refused without the second or more it takes to tokenize: no token covers
+        more than `max_token_bytes` bytes. Halved, because a normalizer (NFC, lowercasing) or a chat
         template (trimming) may shrink the text a little before it is split into tokens."""
-        size = len((prompt or "").encode()) + sum(len(m.content.encode()) for m in messages)
-        return size // (2 * self.max_token_bytes)
+        return text_bytes // (2 * self.max_token_bytes)
 
     def encode_prompt(self, text: str) -> list[int]:
         tok, _ = self._own()

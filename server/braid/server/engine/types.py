@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from braid.server.config import Mode  # noqa: F401  (re-exported: the engine's types include the modes)
 
@@ -70,6 +71,11 @@ class SamplingParams:
 class Message:
     role: str
     content: str
+
+
+def text_bytes(prompt: str | None, messages: Sequence[Message]) -> int:
+    """The UTF-8 size of a prompt, or of a chat's roles and contents."""
+    return len((prompt or "").encode()) + sum(len(m.content.encode()) + len(m.role.encode()) for m in messages)
 
 
 @dataclass(frozen=True)
