@@ -55,17 +55,17 @@ def smol_dir() -> Path:
     return Path(resolve(None, default_cache_dir())[1])
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, smol_dir) -> Path:
-    """A tiny random Llama with the embedded model's tokenizer: fast, and real enough to run."""
+def tiny_model(path: Path, smol_dir: Path, max_position_embeddings: int = 1024) -> Path:
+    """Saves a tiny random Llama with the embedded model's tokenizer into path: fast, and real
+    enough to run."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, tie_word_embeddings=True,
                          initializer_range=0.3)  # peaked logits, so greedy decoding has few near-ties
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = 2
@@ -74,6 +74,12 @@ def tiny_dir(tmp_path_factory, smol_dir) -> Path:
         if (smol_dir / name).exists():
             shutil.copy(smol_dir / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_dir) -> Path:
+    """The tiny random Llama, with a 1,024-token context."""
+    return tiny_model(tmp_path_factory.mktemp("tiny-llama"), smol_dir)
 
 
 @pytest.fixture(scope="session")

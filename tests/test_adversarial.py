@@ -26,7 +26,6 @@ import concurrent.futures
 import functools
 import random
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -41,7 +40,7 @@ import pytest
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
-from conftest import MODES, REPO, Server, wait_for
+from conftest import MODES, REPO, Server, tiny_model, wait_for
 
 sys.path.insert(0, str(REPO / "load"))
 from flood import flood  # noqa: E402  (load/ is not a package)
@@ -60,22 +59,7 @@ WORD = " hello"  # one token per repetition with the embedded model's tokenizer
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory, smol_dir) -> Path:
     """conftest's tiny random Llama, with max_position_embeddings=8192."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama-8k")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
-                         initializer_range=0.3)
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smol_dir / name).exists():
-            shutil.copy(smol_dir / name, path / name)
-    return path
+    return tiny_model(tmp_path_factory.mktemp("tiny-llama-8k"), smol_dir, max_position_embeddings=8192)
 
 
 def _servers_wanted(items) -> list[tuple[str, str]]:

@@ -187,7 +187,7 @@ def test_the_shutdown_log_counts_queued_sessions_too(tiny_dir, tmp_path):
     try:
         running = client.stream("hold", **LONG)
         next(iter(running))
-        queued = [client.stream("wait", **LONG) for _ in range(2)]
+        queued = [client.stream("wait", **LONG) for _ in range(2)]  # noqa: F841  (held open, so they stay queued)
         wait_for(lambda: client.server_status().sessions_queued == 2)
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=30) == 0
