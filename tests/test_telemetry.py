@@ -207,6 +207,7 @@ def test_metrics_move_with_a_stream(server):
 
     assert value(after, "braid_sessions", braid_session_state="active") == 0
     assert value(after, "braid_sessions", braid_session_state="queued") == 0
+    assert value(after, "braid_sessions", braid_session_state="paused") == 0
     assert value(after, "braid_kv_cache_usage") == 0
     assert value(after, "braid_kv_cache_limit") > 0
 

@@ -87,7 +87,8 @@ def observe_engine(stats: Callable[[], EngineStats], num_slots: int) -> None:
     def sessions(options: CallbackOptions):
         stats_now = stats()
         return [Observation(stats_now.sessions_active, {"braid.session.state": "active"}),
-                Observation(stats_now.sessions_queued, {"braid.session.state": "queued"})]
+                Observation(stats_now.sessions_queued, {"braid.session.state": "queued"}),
+                Observation(stats_now.sessions_paused, {"braid.session.state": "paused"})]
 
     def requests(options: CallbackOptions):
         return [Observation(n, {FINISH_REASON: reason.name.lower()})
@@ -99,7 +100,8 @@ def observe_engine(stats: Callable[[], EngineStats], num_slots: int) -> None:
                 Observation(stats_now.tokens_generated, {"braid.token.type": "generated"})]
 
     _meter.create_observable_gauge("braid.sessions", [sessions], unit="{session}",
-                                   description="Sessions running (holding a KV-cache slot) and queued")
+                                   description="Sessions running (holding a KV-cache slot), queued, and paused (running, "
+                                               "their clients not reading)")
     _meter.create_observable_counter("braid.requests", [requests], unit="{request}",
                                      description="Finished sessions, by finish reason")
     _meter.create_observable_counter("braid.tokens", [tokens], unit="{token}",
