@@ -19,6 +19,10 @@ from braid.server.process import BraidProcess, free_port  # noqa: F401  (free_po
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("sequential", "interleaved", "batched", "continuous")
+LONG = dict(max_new_tokens=900, ignore_eos=True)
+# Every pass of a SLOW server takes 3 ms longer, so a LONG stream lasts at least 2.7 s on any machine
+# (the tiny model alone runs 900 tokens in well under a second).
+SLOW = {"BRAID_INJECT_FAULT": "delay:3"}
 START_TIMEOUT_S = 180
 
 
@@ -102,6 +106,20 @@ def servers(tiny_dir):
 def smol(smol_dir):
     """The embedded model in continuous mode, started with no --model at all, as `make serve` does."""
     server = Server(["--mode", "continuous"])
+    yield server
+    server.stop()
+
+
+def tiny_server(tiny_dir: Path, *args: str, env: dict[str, str] | None = None,
+                log_path: Path | None = None) -> Server:
+    """A server of the tiny model on one torch thread, with more flags."""
+    return Server(["--model", str(tiny_dir), "--threads", "1", *args], env=env, log_path=log_path)
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_dir):
+    """A continuous-mode tiny server whose passes each take 3 ms longer (SLOW), for the module."""
+    server = tiny_server(tiny_dir, "--mode", "continuous", env=SLOW)
     yield server
     server.stop()
 

@@ -14,13 +14,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
-from conftest import Server, wait_for
-
-LONG = dict(max_new_tokens=900, ignore_eos=True)
-# Every pass of a SLOW server takes 3 ms longer, so a LONG stream lasts at least 2.7 s on any machine
-# (the tiny model alone runs 900 tokens in well under a second).
-SLOW = {"BRAID_INJECT_FAULT": "delay:3"}
-
+from conftest import LONG, SLOW, Server, tiny_server, wait_for
 
 def _details(err: grpc.RpcError, kind):
     raw = dict(err.trailing_metadata())["grpc-status-details-bin"]
@@ -29,14 +23,10 @@ def _details(err: grpc.RpcError, kind):
     return detail
 
 
-def _tiny(tiny_dir, *args, env=None) -> Server:
-    return Server(["--model", str(tiny_dir), "--threads", "1", *args], env=env)
-
-
 @pytest.fixture(scope="module")
 def small(tiny_dir):
     """Sequential, one running session and one queued at most: easy to fill."""
-    server = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--max-queued", "1", env=SLOW)
+    server = tiny_server(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--max-queued", "1", env=SLOW)
     yield server
     server.stop()
 
@@ -105,25 +95,18 @@ def _order_of_service(server: Server, priorities: list[int]) -> list[int]:
 
 def test_interactive_goes_before_batch_and_batch_is_not_starved(tiny_dir):
     b, i = pb.PRIORITY_BATCH, pb.PRIORITY_INTERACTIVE
-    patient = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "60000",
+    patient = tiny_server(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "60000",
                     env=SLOW)
     try:
         assert _order_of_service(patient, [b, b, i])[0] == 2
     finally:
         patient.stop()
     # Once a batch session has waited --batch-max-wait-ms, it goes before newer interactive ones.
-    aging = _tiny(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "100", env=SLOW)
+    aging = tiny_server(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "100", env=SLOW)
     try:
         assert _order_of_service(aging, [b, i, i])[0] == 0
     finally:
         aging.stop()
-
-
-@pytest.fixture(scope="module")
-def slow(tiny_dir):
-    server = _tiny(tiny_dir, "--mode", "continuous", env=SLOW)
-    yield server
-    server.stop()
 
 
 def test_grpc_deadline_stops_generation_and_frees_the_session(slow):
@@ -198,7 +181,7 @@ def _token_id(server: Server, word: str) -> int:
 
 def test_a_failed_forward_pass_ends_only_its_sessions(tiny_dir, servers):
     marker = _token_id(servers("continuous"), " zebra")
-    server = _tiny(tiny_dir, "--mode", "sequential", env={"BRAID_INJECT_FAULT": f"pass:{marker}"})
+    server = tiny_server(tiny_dir, "--mode", "sequential", env={"BRAID_INJECT_FAULT": f"pass:{marker}"})
     try:
         with server.client() as client:
             with pytest.raises(grpc.RpcError) as err:
@@ -214,7 +197,7 @@ def test_a_failed_forward_pass_ends_only_its_sessions(tiny_dir, servers):
 
 def test_a_dead_model_thread_turns_health_off_and_exits_nonzero(tiny_dir, servers):
     marker = _token_id(servers("continuous"), " zebra")
-    server = _tiny(tiny_dir, env={"BRAID_INJECT_FAULT": f"thread:{marker}"})
+    server = tiny_server(tiny_dir, env={"BRAID_INJECT_FAULT": f"thread:{marker}"})
     with server.client() as client:
         with pytest.raises(grpc.RpcError):
             list(client.stream("a zebra", max_new_tokens=4))
@@ -222,7 +205,7 @@ def test_a_dead_model_thread_turns_health_off_and_exits_nonzero(tiny_dir, server
 
 
 def test_sigterm_drains_then_cancels_with_a_final_message_and_exits_zero(tiny_dir):
-    server = _tiny(tiny_dir, "--mode", "continuous", "--grace-period", "1.5", env=SLOW)
+    server = tiny_server(tiny_dir, "--mode", "continuous", "--grace-period", "1.5", env=SLOW)
     client = server.client()
     try:
         short = client.stream("short", max_new_tokens=30, ignore_eos=True)

@@ -15,15 +15,7 @@ import pytest
 
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
-from conftest import Server, free_port, wait_for
-
-SLOW = {"BRAID_INJECT_FAULT": "delay:3"}  # every forward pass 3 ms longer: streams outlast their timeouts
-LONG = dict(max_new_tokens=900, ignore_eos=True)
-
-
-def _tiny(tiny_dir, *args, env=None, log_path=None) -> Server:
-    return Server(["--model", str(tiny_dir), "--threads", "1", *args], env=env, log_path=log_path)
-
+from conftest import LONG, SLOW, free_port, tiny_server, wait_for
 
 def _settled(client):
     return wait_for(lambda: (s := client.server_status()).sessions_active == 0 and s.sessions_queued == 0 and s)
@@ -40,7 +32,7 @@ def test_sessions_that_end_after_admission_but_before_their_first_pass_leave_the
     """Interleaved mode admits sessions at once and runs them in turn, so short timeouts and quick
     cancels end many of them holding a slot, before their first pass. Those used to stay counted as
     queued for ever, until every call got RESOURCE_EXHAUSTED."""
-    server = _tiny(tiny_dir, "--mode", "interleaved", "--max-queued", "8", env=SLOW)
+    server = tiny_server(tiny_dir, "--mode", "interleaved", "--max-queued", "8", env=SLOW)
 
     async def rounds(client: AsyncClient):
         hold = [client.stream("hold", max_new_tokens=300, ignore_eos=True) for _ in range(6)]
@@ -70,13 +62,6 @@ def test_sessions_that_end_after_admission_but_before_their_first_pass_leave_the
             assert client.generate("after", max_new_tokens=2, ignore_eos=True).usage.generated_tokens == 2
     finally:
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def slow(tiny_dir):
-    server = _tiny(tiny_dir, "--mode", "continuous", env=SLOW)
-    yield server
-    server.stop()
 
 
 def test_a_timeout_ms_deadline_keeps_the_text_held_back_for_a_stop_string(slow):
@@ -133,7 +118,7 @@ def test_a_prompt_far_past_the_context_is_refused_without_tokenizing(servers):
 
 
 def test_max_concurrent_streams_bounds_one_connection(tiny_dir):
-    server = _tiny(tiny_dir, "--max-concurrent-streams", "2", env=SLOW)
+    server = tiny_server(tiny_dir, "--max-concurrent-streams", "2", env=SLOW)
     # A connection of its own: gRPC Python channels to one target may otherwise share one.
     own_connection = [("grpc.use_local_subchannel_pool", 1)]
     try:
@@ -153,7 +138,7 @@ def test_max_concurrent_streams_bounds_one_connection(tiny_dir):
 
 
 def test_the_api_key_scheme_is_case_insensitive_and_a_second_header_is_refused(tiny_dir):
-    server = _tiny(tiny_dir, env={"BRAID_API_KEY": "s3cret"})
+    server = tiny_server(tiny_dir, env={"BRAID_API_KEY": "s3cret"})
     stub_kw = dict(request_serializer=pb.ModelInfoRequest.SerializeToString,
                    response_deserializer=pb.ModelInfoResponse.FromString)
     try:
@@ -170,7 +155,7 @@ def test_the_api_key_scheme_is_case_insensitive_and_a_second_header_is_refused(t
 
 def test_metrics_listen_on_metrics_host(tiny_dir):
     port = free_port()
-    server = _tiny(tiny_dir, "--metrics-port", str(port), "--metrics-host", "127.0.0.2")
+    server = tiny_server(tiny_dir, "--metrics-port", str(port), "--metrics-host", "127.0.0.2")
     try:
         with urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=5) as response:
             assert b"braid_sessions" in response.read()
@@ -182,7 +167,7 @@ def test_metrics_listen_on_metrics_host(tiny_dir):
 
 def test_the_shutdown_log_counts_queued_sessions_too(tiny_dir, tmp_path):
     log = tmp_path / "server.log"
-    server = _tiny(tiny_dir, "--mode", "sequential", "--grace-period", "0.3", env=SLOW, log_path=log)
+    server = tiny_server(tiny_dir, "--mode", "sequential", "--grace-period", "0.3", env=SLOW, log_path=log)
     client = server.client()
     try:
         running = client.stream("hold", **LONG)
