@@ -139,15 +139,11 @@ async def _drain(server: grpc.aio.Server, health_servicer, engine, grace_period:
     try:
         await asyncio.wait_for(engine.when_idle(asyncio.get_running_loop()), grace_period)
     except asyncio.TimeoutError:
-        stats = engine.stats()
-        if engine.books.is_idle:  # idle as the grace period ran out: nothing to cancel
-            stats = None
-    else:
-        stats = None
-    if stats is not None:
-        _LOGGER.info("grace period over: cancelling %d active and %d queued sessions", stats.sessions_active,
-                     stats.sessions_queued)
-        engine.cancel_all()
+        if not engine.books.is_idle:  # (it may have gone idle just as the grace period ran out)
+            stats = engine.stats()
+            _LOGGER.info("grace period over: cancelling %d active and %d queued sessions", stats.sessions_active,
+                         stats.sessions_queued)
+            engine.cancel_all()
     await server.stop(_FINAL_MESSAGES_S)
 
 

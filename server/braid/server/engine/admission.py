@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 from typing import Callable, Sequence
 
-from braid.server.config import EngineConfig
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.detokenizer import IncrementalDetokenizer
 from braid.server.engine.handle import SessionHandle
@@ -23,13 +22,12 @@ from braid.server.runner.rows import Sampling
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, max_seq_len: int, books: Books,
+    def __init__(self, tokenizer: Tokenizer, max_seq_len: int, books: Books,
                  random_state: Callable[[Sampling], object], enqueue: Callable[[Session], None],
                  abort: Callable[[int, FinishReason], None], wake: Callable[[], None],
                  is_open: Callable[[], str | None]) -> None:
         """random_state: the runner's, for a session's Row.rng; is_open: None while sessions may be
         admitted, else why not."""
-        self.config = config
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.books = books

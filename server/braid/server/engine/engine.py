@@ -82,7 +82,7 @@ class Engine:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable[[], bool]]] = []
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
-        self.admission = Admission(config, tokenizer, self.max_seq_len, self.books, runner.random_state,
+        self.admission = Admission(tokenizer, self.max_seq_len, self.books, runner.random_state,
                                    enqueue=lambda s: self._inbox.put(_Add(s)), abort=self._abort,
                                    wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because)
         self._accepting = True
@@ -173,9 +173,9 @@ class Engine:
         """One turn of the loop; False once asked to stop."""
         now = time.monotonic()
         self._expire(now)
-        self._pause_backlogged()
-        work = self.scheduler.schedule(now)
-        self.books.set_running(len(self.scheduler.running), sum(s.paused for s in self.scheduler.running))
+        paused = self._pause_backlogged()
+        work = self.scheduler.schedule(now)  # sessions it admits start unpaused
+        self.books.set_running(len(self.scheduler.running), paused)
         if work:
             self._forward(work, now)
         self.output.flush()
@@ -217,11 +217,13 @@ class Engine:
         waits += [s.deadline - now for s in self._sessions.values() if s.deadline is not None]
         return max(0.0, min(waits))
 
-    def _pause_backlogged(self) -> None:
+    def _pause_backlogged(self) -> int:
         """A session whose client has not taken MAX_UNSENT_TOKENS of its output sits out the passes
-        (keeping its slot) until the client reads: a client that never reads costs no compute."""
+        (keeping its slot) until the client reads: a client that never reads costs no compute.
+        Returns how many are paused."""
         for s in self.scheduler.running:
             s.paused = s.handle.is_backlogged()
+        return sum(s.paused for s in self.scheduler.running)
 
     def _drain(self, block_for: float | None) -> bool:
         """Applies every inbox message; waits up to block_for seconds for the first one."""
