@@ -6,6 +6,7 @@ they are fast; tests marked by the `smol` fixture use the embedded SmolLM2-135M-
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
@@ -134,3 +135,32 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(interval)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_logits(model_dir: Path, ids: tuple[int, ...]):
+    """transformers' logits at every position of ids (cached: most modes generate the same tokens)."""
+    import torch
+
+    with torch.no_grad():
+        return _reference_model(model_dir)(torch.tensor([list(ids)])).logits[0]
+
+
+def assert_greedy(model_dir: Path, prompt_ids: list[int], generated: list[int]) -> None:
+    """Each greedy token braid generated is transformers' most likely next token (within fp32
+    rounding of it, for a near-tie), given the prompt and braid's tokens before it: the near-tie
+    rule. model_dir: a folder transformers loads in fp32."""
+    logits = _reference_logits(model_dir, tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1:]
+    for step, token in enumerate(generated):
+        best = logits[step].max()
+        tolerance = 1e-4 * max(1.0, best.abs().item())
+        assert (best - logits[step][token]).item() <= tolerance, (
+            f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import random
 import select
 import signal
@@ -40,7 +39,7 @@ import pytest
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
-from conftest import MODES, REPO, Server, tiny_model, wait_for
+from conftest import MODES, REPO, Server, assert_greedy, tiny_model, wait_for
 
 sys.path.insert(0, str(REPO / "load"))
 from flood import flood  # noqa: E402  (load/ is not a package)
@@ -167,34 +166,6 @@ def sized_inputs(server: Server, num_tokens: int) -> dict[str, dict]:
         chat = [("user", WORD * (num_tokens - overhead))]
         assert len(client.tokenize(messages=chat).token_ids) == num_tokens
     return {"prompt": dict(prompt=prompt), "chat": dict(messages=chat)}
-
-
-@functools.lru_cache(maxsize=None)
-def _reference_model(model_dir: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@functools.lru_cache(maxsize=None)
-def _reference_logits(model_dir: Path, ids: tuple[int, ...]):
-    """transformers' logits at every position of ids (cached: most modes generate the same tokens)."""
-    import torch
-
-    with torch.no_grad():
-        return _reference_model(model_dir)(torch.tensor([list(ids)])).logits[0]
-
-
-def assert_greedy(model_dir: Path, prompt_ids: list[int], generated: list[int]) -> None:
-    """Each greedy token braid generated is transformers' most likely next token (within fp32
-    rounding of it, for a near-tie), given the prompt and braid's tokens before it."""
-    logits = _reference_logits(model_dir, tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1:]
-    for step, token in enumerate(generated):
-        best = logits[step].max()
-        tolerance = 1e-4 * max(1.0, best.abs().item())
-        assert (best - logits[step][token]).item() <= tolerance, (
-            f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}")
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

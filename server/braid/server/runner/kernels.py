@@ -1,47 +1,86 @@
-"""The decoder's building blocks: braid's AVX-512 kernels on the CPU, torch's elsewhere.
+"""The decoder's building blocks: braid's own kernels on the CPU, torch's elsewhere.
 
-On a CPU with AVX-512 (fp32), the linear layers, RMSNorm, SwiGLU, RoPE and the decode steps'
-attention run in _cpu_kernels.c: weights are packed once into 32-column panels and streamed from
-memory once per call whatever the number of rows, and each small op is one call instead of several
-torch ops (see the C file for why and for the measurements). Elsewhere (CUDA, an older CPU, a build
-without a C compiler, or --kernels torch) the same functions run torch's ops.
+On a CPU with AVX-512 or AVX2 + FMA, the linear layers, RMSNorm, SwiGLU, RoPE and the decode steps'
+attention run in braid's C kernels (csrc/): each weight matrix is packed once into 32-column panels
+in its own format (fp32, bf16, f16, or GGUF's Q8_0/Q4_0/Q4_1 blocks), streamed from memory once per
+call whatever the number of rows, and widened to fp32 in registers. Each small op is one call
+instead of several torch ops (csrc/kernels.h says why). Elsewhere (CUDA, an older CPU, a build
+without a C compiler, or --kernels torch) the same functions run torch's ops on weights dequantized
+to the compute dtype.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 
+from braid.server.model.weights import FLOAT_FORMATS, Blocks
+
 _LOGGER = logging.getLogger(__name__)
 
-PANEL = 32  # columns per packed panel (PackedLinear's layout)
-LAYER_FIELDS = 9  # pointers per layer in DecodeStep's table, in the C enum's order
+PANEL = 32  # columns per packed panel
+QBLOCK = 32  # rows of k per block of a panel
+LAYER_FIELDS = 13  # entries per layer in DecodeStep's table, in the C enum's order
+# The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
+# of each block of 32 rows).
+FORMATS = {"f32": (128, 0), "bf16": (64, 0), "f16": (64, 0), "q8_0": (32, 64), "q4_0": (16, 64), "q4_1": (16, 128)}
+FORMAT_CODES = {name: code for code, name in enumerate(FORMATS)}
+ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512 or avx2: run that build of the kernels, not the best one
+
+Weight = torch.Tensor | Blocks  # a matrix [out, in]: float, or in GGUF blocks
 
 try:
     from braid.server.runner import _cpu_kernels
 except ImportError:  # built without a C compiler: torch's kernels do the work
     _cpu_kernels = None
-if _cpu_kernels is not None and (_cpu_kernels.PANEL, _cpu_kernels.LAYER_FIELDS) != (PANEL, LAYER_FIELDS):
+if _cpu_kernels is not None and (_cpu_kernels.PANEL, _cpu_kernels.QBLOCK, _cpu_kernels.LAYER_FIELDS,
+                                 _cpu_kernels.FORMATS) != (PANEL, QBLOCK, LAYER_FIELDS, tuple(FORMATS.values())):
     # A stale build of the extension: its memory layout is not this module's. Never run it.
-    _LOGGER.error("braid's C kernels were built for panels of %d and %d fields per layer, this code has %d "
-                  "and %d: rebuild them (make install); running torch's kernels", _cpu_kernels.PANEL,
-                  _cpu_kernels.LAYER_FIELDS, PANEL, LAYER_FIELDS)
+    _LOGGER.error("braid's C kernels were built for another layout than this code's (panels, blocks, table "
+                  "fields or formats): rebuild them (make install); running torch's kernels")
     _cpu_kernels = None
 
 
-def kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and _cpu_kernels is not None
-            and _cpu_kernels.has_avx512())
+def kernels_isa() -> str | None:
+    """The instruction set braid's kernels run in on this CPU: BRAID_KERNELS_ISA's if set, else
+    the best the CPU has ('avx512', 'avx2'); None where they do not run. Selects it in the module."""
+    if _cpu_kernels is None:
+        return None
+    wanted = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    supported = _cpu_kernels.isas()
+    if wanted and wanted not in supported:
+        raise ValueError(f"{ISA_VARIABLE}={wanted}: this CPU runs braid's kernels in "
+                         f"{', '.join(supported) or 'no instruction set'} (built: avx512, avx2)")
+    isa = wanted or (supported[0] if supported else None)
+    if isa is not None:
+        _cpu_kernels.select_isa(isa)
+    return isa
+
+
+def format_of(weight: Weight) -> str:
+    return weight.format if isinstance(weight, Blocks) else FLOAT_FORMATS.get(weight.dtype, "f32")
+
+
+def dense(weight: Weight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The matrix as a plain tensor [out, in] in dtype: blocks dequantized as GGUF's reference does."""
+    if isinstance(weight, Blocks):
+        weight = weight.dequantize()
+    return weight.detach().to(device=device, dtype=dtype)
 
 
 class Linear:
-    """y = x @ W (+ bias), W given [in, out]. `add_into(y, x)` does y += x @ W in place."""
+    """y = x @ W.T (+ bias), torch's matmul, W [out, in] held as [in, out].
+    `add_into(y, x)` does y += x @ W.T in place; `columns(ids)` is the embedding lookup in a tied
+    head: rows ids of W."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.bias = weight.contiguous(), bias
-        self.in_features, self.out_features = weight.shape
+    def __init__(self, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        self.weight = dense(weight, dtype, device).t().contiguous()
+        self.bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
+        self.in_features, self.out_features = self.weight.shape
+        self.format, self.nbytes = format_of(self.weight), self.weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
@@ -49,18 +88,22 @@ class Linear:
     def add_into(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return y.addmm_(x, self.weight) if self.bias is None else y.addmm_(x, self.weight).add_(self.bias)
 
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.index_select(1, ids).t().contiguous()
+
 
 class PackedLinear(Linear):
-    """The weight packed into panels [ceil(out / 32), in, 32] (zero-padded), for _cpu_kernels.gemm."""
+    """The weight packed into panels in its own format, for the C kernels' gemm: [ceil(out / 32),
+    in, 32] for a float dtype; for GGUF blocks, per panel and block of 32 rows, the 32 columns'
+    scales (and mins) then the 32 rows of quants, as bytes."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        k, n = weight.shape
-        panels = -(-n // PANEL)
-        padded = weight.new_zeros(k, panels * PANEL)
-        padded[:, :n] = weight
-        self.weight = padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
-        self.bias = None if bias is None else bias.contiguous()
-        self.in_features, self.out_features = k, n
+    def __init__(self, weight: Weight, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.format = format_of(weight)
+        self.code = FORMAT_CODES[self.format]
+        self.weight = _pack_blocks(weight) if isinstance(weight, Blocks) else _pack_dense(weight)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.nbytes = self.weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = x.new_empty(x.shape[0], self.out_features)
@@ -71,25 +114,69 @@ class PackedLinear(Linear):
         self._gemm(x, y, accumulate=True)
         return y
 
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.contiguous()
+        out = torch.empty(ids.shape[0], self.in_features)
+        _cpu_kernels.columns(self.weight.data_ptr(), self.code, self.in_features, self.out_features,
+                             ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
+        return out
+
     def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
         x = _rows(x)
         assert x.shape[1] == self.in_features and y.stride(-1) == 1
         if x.shape[0] == 0:  # no rows (a pass of prompt chunks that sample nothing): nothing to do,
             return           # as torch.mm does; the C kernel rejects M < 1
-        _cpu_kernels.gemm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), y.data_ptr(), y.stride(0),
+        _cpu_kernels.gemm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), self.code, y.data_ptr(), y.stride(0),
                           x.shape[0], self.in_features, self.out_features, int(accumulate),
                           None if self.bias is None else self.bias.data_ptr(), torch.get_num_threads())
 
 
+def _pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 32), in, 32], zero-padded, in the weight's dtype (fp32 for others)."""
+    weight = weight.detach()
+    if weight.dtype not in FLOAT_FORMATS:
+        weight = weight.float()
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros(panels * PANEL, k)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _pack_blocks(b: Blocks) -> torch.Tensor:
+    """GGUF blocks -> panels [ceil(out / 32), in / 32, block bytes] uint8: per block of 32 rows, the
+    32 columns' fp16 scales (then mins), then 32 rows of 32 quants (Q4: column j in the low nibble
+    of byte j, column j + 16 in its high nibble)."""
+    n, blocks = b.d.shape
+    panels = -(-n // PANEL)
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:  # [n, blocks, ...] -> [panels, blocks, 32 columns, ...]
+        t = torch.cat([t, t.new_zeros(panels * PANEL - n, *t.shape[1:])])
+        return t.view(panels, PANEL, blocks, *t.shape[2:]).transpose(1, 2)
+
+    parts = [by_panel(b.d)] + ([] if b.m is None else [by_panel(b.m)])
+    q = by_panel(b.q).transpose(2, 3)  # [panels, blocks, 32 rows, 32 columns]
+    if b.format != "q8_0":
+        q = q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)
+    parts.append(q)
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)
+
+
 class TorchOps:
-    """The decoder's small ops in torch: on CUDA, on a CPU without AVX-512, without the C extension,
-    and with --kernels torch. Chosen once, by `pick_ops`."""
+    """The decoder's small ops in torch: on CUDA, on a CPU without AVX-512 or AVX2, without the C
+    extension, and with --kernels torch. Chosen once, by `pick_ops`. Weights are dequantized to
+    the compute dtype."""
 
     name = "torch"
+    isa: str | None = None
     fused_decode = False  # DecodeStep and decode_attention need the C kernels
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        return Linear(weight, bias)
+    def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
+        self.dtype, self.device = dtype, device
+
+    def linear(self, weight: Weight, bias: torch.Tensor | None) -> Linear:
+        """weight: [out, in], float or GGUF blocks."""
+        return Linear(weight, bias, self.dtype, self.device)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [N, hidden]."""
@@ -117,13 +204,16 @@ class TorchOps:
 
 
 class CpuKernelOps(TorchOps):
-    """The same ops in _cpu_kernels.c, for an AVX-512 CPU in fp32: one C call each instead of half
-    a dozen torch ops, weights packed into panels."""
+    """The same ops in braid's C kernels, on a CPU with AVX-512 or AVX2, activations in fp32: one C
+    call each instead of half a dozen torch ops, weights packed into panels in their own format."""
 
-    name = "braid's AVX-512 kernels"
     fused_decode = True
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    def __init__(self, isa: str) -> None:
+        super().__init__(torch.float32, torch.device("cpu"))
+        self.isa, self.name = isa, f"braid's {isa} kernels"
+
+    def linear(self, weight: Weight, bias: torch.Tensor | None) -> Linear:
         return PackedLinear(weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,8 +243,10 @@ class CpuKernelOps(TorchOps):
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = True) -> TorchOps:
-    """braid's C kernels where they run (and are allowed: --kernels auto), torch's elsewhere."""
-    return CpuKernelOps() if allow_kernels and kernels_available(device, dtype) else TorchOps()
+    """braid's C kernels where they run (and are allowed: --kernels auto), torch's elsewhere.
+    dtype: the compute dtype torch's ops run in (the C kernels' is fp32)."""
+    isa = kernels_isa() if allow_kernels and device.type == "cpu" else None
+    return CpuKernelOps(isa) if isa is not None and dtype == torch.float32 else TorchOps(dtype, device)
 
 
 def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -183,8 +275,9 @@ class DecodeStep:
         def ptr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
 
-        self.table = torch.tensor([[ptr(w.input_norm), ptr(w.qkv.weight), ptr(w.qkv.bias), ptr(w.o.weight),
-                                    ptr(w.post_norm), ptr(w.gate_up.weight), ptr(w.down.weight), ptr(k), ptr(v)]
+        self.table = torch.tensor([[ptr(w.input_norm), ptr(w.qkv.weight), w.qkv.code, ptr(w.qkv.bias), ptr(w.o.weight),
+                                    w.o.code, ptr(w.post_norm), ptr(w.gate_up.weight), w.gate_up.code,
+                                    ptr(w.down.weight), w.down.code, ptr(k), ptr(v)]
                                    for w, k, v in zip(layers, k_cache, v_cache)], dtype=torch.long)
         assert self.table.shape[1] == LAYER_FIELDS
         self._keep = (layers, k_cache, v_cache, cos, signed_sin)  # the memory the table points into

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, decode_attention
 from braid.server.runner.kv_cache import KVCache, head_dim
-from braid.server.runner.kernels import DecodeStep, Linear, decode_attention, pick_ops
+from braid.server.runner.precision import Precision, fuse
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -71,8 +72,7 @@ class LlamaDecoder:
 
     SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
-    def __init__(self, hf_model: torch.nn.Module, max_seq_len: int, device: torch.device,
-                 dtype: torch.dtype, allow_kernels: bool = True) -> None:
+    def __init__(self, hf_model: torch.nn.Module, max_seq_len: int, ops: TorchOps, precision: Precision) -> None:
         cfg = hf_model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -81,39 +81,46 @@ class LlamaDecoder:
         self.eps = cfg.rms_norm_eps
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
+        device, dtype = ops.device, ops.dtype
 
-        # On an AVX-512 CPU, braid's own kernels run the decoder (runner/kernels.py): chosen once.
-        self.ops = pick_ops(device, dtype, allow_kernels)
+        # On a CPU with AVX-512 or AVX2, braid's own kernels run the decoder (runner/kernels.py):
+        # chosen once, by the caller.
+        self.ops = ops
         self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0
         self._step: DecodeStep | None = None  # built on the first decode-only pass, for its cache
         self._step_cache: KVCache | None = None
-        _LOGGER.info("kernels: %s", self.ops.name)
 
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(device=device, dtype=dtype).contiguous()
-
-        def linear(*layers: torch.nn.Linear) -> Linear:
-            """[out, in] linear layers, fused along out, as one layer over an [in, out] weight."""
-            weight = take(torch.cat([layer.weight for layer in layers]).t())
-            biases = [layer.bias for layer in layers]
-            bias = None if biases[0] is None else take(torch.cat(biases))
+        def linear(prefix: str, *names: str) -> Linear:
+            """[out, in] linear layers, fused along out, as one layer; each matrix in the format
+            `precision` serves it in."""
+            weight = fuse([precision.matrix(f"{prefix}{n}.weight") for n in names])
+            has_bias = f"{prefix}{names[0]}.bias" in precision.names
+            bias = torch.cat([precision.vector(f"{prefix}{n}.bias", dtype, device) for n in names]) if has_bias else None
             return self.ops.linear(weight, bias)
 
+        def vector(name: str) -> torch.Tensor:
+            return precision.vector(name, dtype, device)
+
         inner = hf_model.model
-        self.embed = take(inner.embed_tokens.weight)  # [V, hidden], for lookups
-        self.final_norm = take(inner.norm.weight)
-        self.lm_head = linear(hf_model.lm_head)  # its own copy, tied or not
+        # The embedding is the LM head's matrix: one copy for both where they are tied, and a
+        # lookup is `columns` of it.
+        self.lm_head = linear("", "lm_head") if "lm_head.weight" in precision.names else None
+        self.embed = linear("model.", "embed_tokens")
+        self.lm_head = self.lm_head or self.embed
+        self.final_norm = vector("model.norm.weight")
         self.layers: list[LayerWeights] = []
-        for layer in inner.layers:
-            att, mlp = layer.self_attn, layer.mlp
+        for i in range(self.num_layers):
+            at, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             self.layers.append(LayerWeights(
-                input_norm=take(layer.input_layernorm.weight),
-                qkv=linear(att.q_proj, att.k_proj, att.v_proj),
-                o=linear(att.o_proj),
-                post_norm=take(layer.post_attention_layernorm.weight),
-                gate_up=linear(mlp.gate_proj, mlp.up_proj),
-                down=linear(mlp.down_proj),
+                input_norm=vector(f"model.layers.{i}.input_layernorm.weight"),
+                qkv=linear(at, "q_proj", "k_proj", "v_proj"),
+                o=linear(at, "o_proj"),
+                post_norm=vector(f"model.layers.{i}.post_attention_layernorm.weight"),
+                gate_up=linear(mlp, "gate_proj", "up_proj"),
+                down=linear(mlp, "down_proj"),
             ))
+        self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(
+            t.nbytes for t in [self.final_norm, *(v for w in self.layers for v in (w.input_norm, w.post_norm))])
         # RoPE tables for every position, from transformers' own rotary module (it knows every
         # scaling variant: linear, dynamic, yarn, llama3).
         positions = torch.arange(max_seq_len).unsqueeze(0)
@@ -132,7 +139,7 @@ class LlamaDecoder:
         n = batch.input_ids.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self.ops.rope_tables(self.cos, self.sin, batch.positions)
-        x = F.embedding(batch.input_ids, self.embed)  # [N, hidden], the residual stream
+        x = self.embed.columns(batch.input_ids)  # [N, hidden], the residual stream
         for i, w in enumerate(self.layers):
             qkv = w.qkv(self._norm(x, w.input_norm))  # [N, (H + 2 KVH) D]
             self.ops.rope_(qkv, heads + kv_heads, d, batch.positions, cos, sin)
@@ -157,9 +164,14 @@ class LlamaDecoder:
             self._step = DecodeStep(self.layers, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
                                     self.cos, self.sin, cache.k, cache.v)
             self._step_cache = cache
-        x = F.embedding(batch.input_ids, self.embed)  # [B, hidden]
+        x = self.embed.columns(batch.input_ids).contiguous()  # [B, hidden]
         self._step(x, batch.positions, batch.decode.slots)
         return self._logits(x, batch.logit_rows)
+
+    def _matrices(self) -> list[Linear]:
+        """Every matrix once (a tied head is the embedding)."""
+        heads = [self.embed] if self.lm_head is self.embed else [self.embed, self.lm_head]
+        return heads + [m for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, self.eps)

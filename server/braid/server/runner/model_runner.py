@@ -9,54 +9,71 @@ KV-cache slots fit.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Sequence
 
 import torch
 
 from braid.server.config import EngineConfig
 from braid.server.model.loader import LoadedModel
+from braid.server.runner.kernels import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_slots
 from braid.server.runner.llama import DecodeRows, ForwardBatch, LlamaDecoder, PrefillChunk
+from braid.server.runner.precision import DTYPES, Precision
 from braid.server.runner.rows import Row, Sampling
 from braid.server.runner.sampler import random_state, sample
 
 _LOGGER = logging.getLogger(__name__)
 
 
-def pick_device(device: str) -> tuple[torch.device, torch.dtype]:
-    """'auto' is CUDA with bf16 where there is a GPU, else the CPU with fp32."""
+def pick_device(device: str, dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """The device, and the dtype activations and the KV cache are computed in: float32 on a CPU
+    (whatever the weights' format), --dtype on CUDA (auto: bfloat16)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if dev.type != "cuda":
+        return dev, torch.float32
+    return dev, DTYPES.get(dtype, torch.bfloat16)
 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, device: torch.device, dtype: torch.dtype, num_slots: int,
-                 max_seq_len: int, allow_kernels: bool = True) -> None:
+                 max_seq_len: int, allow_kernels: bool = True, weight_dtype: str = "auto",
+                 quantization: str = "auto") -> None:
         if model.architecture not in LlamaDecoder.SUPPORTED:
             raise ValueError(f"--model: architecture {model.architecture} is not supported; braid runs "
                              f"{', '.join(LlamaDecoder.SUPPORTED)}")
         self.device, self.dtype = device, dtype
         self.max_seq_len = max_seq_len
-        self.decoder = LlamaDecoder(model.hf_model, max_seq_len, device, dtype, allow_kernels)
+        ops = pick_ops(device, dtype, allow_kernels)
+        precision = Precision(model, weight_dtype, quantization)
+        self.decoder = LlamaDecoder(model.hf_model, max_seq_len, ops, precision)
         self.cache = KVCache(self.decoder.num_layers, num_slots, self.decoder.num_kv_heads, max_seq_len,
                              self.decoder.head_dim, dtype, device)
         self.vocab_size = self.decoder.vocab_size
         self.num_parameters = sum(p.numel() for p in model.hf_model.parameters())
+        self.kernels = ops.isa or "torch"  # the C kernels' instruction set, or torch's ops
+        self.quantization = quantization
+        self.weight_formats = dict(precision.formats)  # tensors served in each format
+        self.weight_bytes = self.decoder.weight_bytes
+        _LOGGER.info("kernels: %s; weights: %s, %.0f MB", ops.name,
+                     ", ".join(f"{n} {fmt}" for fmt, n in precision.formats.most_common()), self.weight_bytes / 1e6)
 
     @classmethod
     def build(cls, config: EngineConfig, model: LoadedModel) -> ModelRunner:
-        """The runner --device, --threads, --kernels, --max-seq-len and --kv-cache-memory ask for."""
-        device, dtype = pick_device(config.device)
+        """The runner --device, --dtype, --quantization, --threads, --kernels, --max-seq-len and
+        --kv-cache-memory ask for."""
+        device, dtype = pick_device(config.device, config.dtype)
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
         max_seq_len = min(config.max_seq_len, context)
         num_slots = fit_slots(config, model.hf_model.config, max_seq_len, device, dtype)
-        return cls(model, device, dtype, num_slots, max_seq_len, allow_kernels=config.kernels == "auto")
+        return cls(model, device, dtype, num_slots, max_seq_len, allow_kernels=config.kernels == "auto",
+                   weight_dtype=config.dtype, quantization=config.quantization)
 
     @property
     def dtype_name(self) -> str:
@@ -76,6 +93,25 @@ class ModelRunner:
         for i, token in zip(sampled, sample(logits, [rows[i] for i in sampled])):
             tokens[i] = token
         return tokens
+
+    @torch.no_grad()
+    def perplexity(self, token_ids: Sequence[int], chunk: int = 512) -> float:
+        """exp of the mean negative log-likelihood of token_ids[1:], each given all before it: the
+        text prefilled into slot 0 in chunks, with every position's logits kept. For measuring a
+        format's quality (--quantization), not for serving."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        assert 1 < len(ids) <= self.max_seq_len
+        nll = 0.0
+        for start in range(0, len(ids) - 1, chunk):
+            piece = ids[start:start + chunk]
+            n = len(piece)
+            batch = ForwardBatch(input_ids=piece, positions=torch.arange(start, start + n, device=self.device),
+                                 prefills=[PrefillChunk(slot=0, start=start, length=n, offset=0)], decode=None,
+                                 logit_rows=torch.arange(n, device=self.device))
+            targets = ids[start + 1:start + n + 1]
+            logits = self.decoder.forward(batch, self.cache)[:len(targets)].float()
+            nll -= torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).sum().item()
+        return math.exp(nll / (len(ids) - 1))
 
     def _build(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[int]]:
         """Packs prompt chunks first, then one token per decoding row. Returns the batch and the

@@ -1,5 +1,18 @@
-/* The Python module braid.server.runner._cpu_kernels. */
+/* The Python module braid.server.runner._cpu_kernels: each function calls the kernels of the
+ * instruction set selected by select_isa (isa_avx512.c or isa_avx2.c). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include "kernels.h"
+
+static const kernels_t *const ISAS[] = {&AVX512_KERNELS, &AVX2_KERNELS}; /* best first */
+static const kernels_t *K = NULL; /* the selected build; NULL until select_isa */
+
+static int selected(void) {
+    if (K) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "_cpu_kernels: no instruction set selected (select_isa)");
+    return -1;
+}
 
 /* ---- Python bindings: every argument a number (a pointer from data_ptr(), a size, a float),
  * described by a format string: 'p' pointer (None: NULL), 'l' long, 'f' float. ---- */
@@ -25,55 +38,85 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, const char *format, ar
     return 0;
 }
 
+static int check_format(long fmt, long K, const char *who) {
+    if (fmt < 0 || fmt >= F_FORMATS) {
+        PyErr_Format(PyExc_ValueError, "%s: unknown weight format %ld", who, fmt);
+        return -1;
+    }
+    if (HEAD_BYTES[fmt] && K % QBLOCK) {
+        PyErr_Format(PyExc_ValueError, "%s: a quantized weight needs K a multiple of %d, not %ld", who, QBLOCK, K);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    arg_t a[11];
-    if (parse(args, nargs, "plpplllllpl", a)) return NULL;
-    const long M = a[5].l, K = a[6].l, N = a[7].l;
-    if (M < 1 || K < 1 || N < 1 || a[1].l < K || a[4].l < N) {
+    arg_t a[12];
+    if (parse(args, nargs, "plplplllllpl", a) || selected()) return NULL;
+    const long M = a[6].l, Kd = a[7].l, N = a[8].l;
+    if (M < 1 || Kd < 1 || N < 1 || a[1].l < Kd || a[5].l < N) {
         PyErr_SetString(PyExc_ValueError, "gemm: bad shape");
         return NULL;
     }
+    if (check_format(a[3].l, Kd, "gemm")) return NULL;
+    int failed;
     Py_BEGIN_ALLOW_THREADS
-    gemm(a[0].p, a[1].l, a[2].p, a[3].p, a[4].l, M, K, N, (int)a[8].l, a[9].p, (int)a[10].l);
+    failed = K->gemm(a[0].p, a[1].l, a[2].p, (int)a[3].l, a[4].p, a[5].l, M, Kd, N, (int)a[9].l, a[10].p, (int)a[11].l);
     Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg_t a[8];
+    if (parse(args, nargs, "plllplpl", a) || selected()) return NULL;
+    const long Kd = a[2].l, N = a[3].l, count = a[5].l;
+    const int64_t *ids = a[4].p;
+    if (check_format(a[1].l, Kd, "columns")) return NULL;
+    for (long i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= N) {
+            PyErr_Format(PyExc_IndexError, "columns: id %lld is not in [0, %ld)", (long long)ids[i], N);
+            return NULL;
+        }
+    K->columns(a[0].p, (int)a[1].l, Kd, N, ids, count, a[6].p, a[7].l);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     arg_t a[8];
-    if (parse(args, nargs, "plpplllf", a)) return NULL;
-    rms_norm(a[0].p, a[1].l, a[2].p, a[3].p, a[4].l, a[5].l, a[6].l, (float)a[7].f);
+    if (parse(args, nargs, "plpplllf", a) || selected()) return NULL;
+    K->rms_norm(a[0].p, a[1].l, a[2].p, a[3].p, a[4].l, a[5].l, a[6].l, (float)a[7].f);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     arg_t a[6];
-    if (parse(args, nargs, "plllpl", a)) return NULL;
-    silu_mul(a[0].p, a[1].l, a[2].l, a[3].l, a[4].p, a[5].l);
+    if (parse(args, nargs, "plllpl", a) || selected()) return NULL;
+    K->silu_mul(a[0].p, a[1].l, a[2].l, a[3].l, a[4].p, a[5].l);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     arg_t a[8];
-    if (parse(args, nargs, "pllllppp", a)) return NULL;
+    if (parse(args, nargs, "pllllppp", a) || selected()) return NULL;
     if (a[4].l > 1024 || a[4].l % 2) {
         PyErr_SetString(PyExc_ValueError, "rope: head_dim must be even and at most 1024");
         return NULL;
     }
-    rope(a[0].p, a[1].l, a[2].l, a[3].l, a[4].l, a[5].p, a[6].p, a[7].p);
+    K->rope(a[0].p, a[1].l, a[2].l, a[3].l, a[4].l, a[5].p, a[6].p, a[7].p);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     arg_t a[17];
-    if (parse(args, nargs, "ppplpppplllllfpll", a)) return NULL;
+    if (parse(args, nargs, "ppplpppplllllfpll", a) || selected()) return NULL;
     const long H = a[9].l, KVH = a[10].l, D = a[11].l;
     if (KVH < 1 || H % KVH || D % 16) {
         PyErr_SetString(PyExc_ValueError, "decode_attention: heads must divide evenly, head_dim by 16");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    decode_attention(a[0].p, a[1].p, a[2].p, a[3].l, a[4].p, a[5].p, a[6].p, a[7].p, a[8].l, H, KVH,
+    K->decode_attention(a[0].p, a[1].p, a[2].p, a[3].l, a[4].p, a[5].p, a[6].p, a[7].p, a[8].l, H, KVH,
                      D, a[12].l, (float)a[13].f, a[14].p, a[15].l, (int)a[16].l);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -81,7 +124,7 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
 
 static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     arg_t a[21];
-    if (parse(args, nargs, "llllllllfpppppppppppl", a)) return NULL;
+    if (parse(args, nargs, "llllllllfpppppppppppl", a) || selected()) return NULL;
     step_t s = {.B = a[0].l, .hidden = a[1].l, .H = a[2].l, .KVH = a[3].l, .D = a[4].l, .I = a[5].l,
                 .layers = a[6].l, .max_seq = a[7].l, .eps = (float)a[8].f, .table = a[9].p,
                 .positions = a[10].p, .slots = a[11].p, .cos_t = a[12].p, .sin_t = a[13].p, .x = a[14].p,
@@ -91,20 +134,55 @@ static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "decode_step: bad shape");
         return NULL;
     }
+    int failed;
     Py_BEGIN_ALLOW_THREADS
-    decode_step(&s);
+    failed = K->decode_step(&s);
     Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-static PyObject *py_has_avx512(PyObject *self, PyObject *unused) {
-    __builtin_cpu_init();
-    return PyBool_FromLong(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"));
+static PyObject *py_isas(PyObject *self, PyObject *unused) {
+    PyObject *names = PyList_New(0);
+    for (size_t i = 0; names && i < sizeof ISAS / sizeof *ISAS; i++) {
+        if (!ISAS[i]->supported()) continue;
+        PyObject *name = PyUnicode_FromString(ISAS[i]->name);
+        if (!name || PyList_Append(names, name)) {
+            Py_XDECREF(name);
+            Py_CLEAR(names);
+            break;
+        }
+        Py_DECREF(name);
+    }
+    return names;
+}
+
+static PyObject *py_select_isa(PyObject *self, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    for (size_t i = 0; i < sizeof ISAS / sizeof *ISAS; i++) {
+        if (strcmp(ISAS[i]->name, name)) continue;
+        if (!ISAS[i]->supported()) {
+            PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s kernels", name);
+            return NULL;
+        }
+        K = ISAS[i];
+        Py_RETURN_NONE;
+    }
+    PyErr_Format(PyExc_ValueError, "no kernels for instruction set %R (built: avx512, avx2)", arg);
+    return NULL;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    if (!K) Py_RETURN_NONE;
+    return PyUnicode_FromString(K->name);
 }
 
 static PyMethodDef METHODS[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
-     "gemm(x, ldx, w_packed, y, ldy, M, K, N, accumulate, bias, threads): y (+)= x @ W + bias"},
+     "gemm(x, ldx, w_packed, fmt, y, ldy, M, K, N, accumulate, bias, threads): y (+)= x @ W + bias"},
+    {"columns", (PyCFunction)(void (*)(void))py_columns, METH_FASTCALL,
+     "columns(w_packed, fmt, K, N, ids, count, out, ldo): out[i] = column ids[i] of W, dequantized"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, ldx, weight, out, ldo, M, D, eps)"},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL,
@@ -117,18 +195,25 @@ static PyMethodDef METHODS[] = {
     {"decode_step", (PyCFunction)(void (*)(void))py_decode_step, METH_FASTCALL,
      "decode_step(B, hidden, H, KVH, D, I, layers, max_seq, eps, table, positions, slots, cos, sin, "
      "x, h, qkv, attn, gate_up, act, threads): every layer of a decode-only pass"},
-    {"has_avx512", py_has_avx512, METH_NOARGS, "whether this CPU runs the kernels"},
+    {"isas", py_isas, METH_NOARGS, "the instruction sets this CPU runs the kernels in, best first"},
+    {"select_isa", py_select_isa, METH_O, "select_isa(name): run the kernels built for that instruction set"},
+    {"isa", py_isa, METH_NOARGS, "the selected instruction set, or None"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_cpu_kernels",
-                                    "braid's AVX-512 kernels for the CPU decode step", -1, METHODS};
+                                    "braid's CPU kernels (AVX-512, AVX2) for the decoder", -1, METHODS};
 
 /* The Python side checks these against its own when it imports the module (runner/kernels.py). */
 PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     PyObject *m = PyModule_Create(&MODULE);
     if (m == NULL) return NULL;
-    if (PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 || PyModule_AddIntConstant(m, "LAYER_FIELDS", T_FIELDS) < 0) {
+    PyObject *layout = PyTuple_New(F_FORMATS); /* (row bytes, head bytes) per format */
+    for (int f = 0; layout && f < F_FORMATS; f++)
+        PyTuple_SET_ITEM(layout, f, Py_BuildValue("(ll)", ROW_BYTES[f], HEAD_BYTES[f]));
+    if (!layout || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 || PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 ||
+        PyModule_AddIntConstant(m, "LAYER_FIELDS", T_FIELDS) < 0 || PyModule_AddObject(m, "FORMATS", layout) < 0) {
+        Py_XDECREF(layout);
         Py_DECREF(m);
         return NULL;
     }

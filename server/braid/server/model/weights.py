@@ -1,0 +1,152 @@
+"""Weights in their own precision: GGUF's quantized blocks as the file holds them, read with gguf-py.
+
+transformers loads a GGUF model dequantized to fp32; that gives braid the config, the tokenizer and
+every tensor's values, but five times the bytes of a Q4 file. This module reads the same file's
+block-quantized matrices as they are (Blocks), so the runner's kernels can stream them in their own
+format, and quantizes a float matrix to Q8_0 for --quantization q8_0. Each block tensor is checked
+against transformers' dequantized copy when it is read: a layout mistake fails the start, it never
+runs silently wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_LOGGER = logging.getLogger(__name__)
+
+QBLOCK = 32  # weights per GGUF block (Q8_0, Q4_0, Q4_1), along a matrix's input dimension
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # the block formats braid's kernels run as they are
+FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+@dataclass
+class Blocks:
+    """A matrix [out, in] in GGUF blocks of 32 along `in`, unpacked from the file's bytes:
+    scales d [out, in / 32] fp16, mins m (Q4_1 only) likewise, quants q [out, in / 32, 32]
+    (int8 for Q8_0; uint8 0..15 for Q4_0 and Q4_1)."""
+
+    format: str
+    d: torch.Tensor
+    m: torch.Tensor | None
+    q: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * QBLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the GGUF file's own encoding (a Q4 quant is half a byte)."""
+        quant_bytes = self.q.numel() // (2 if self.format.startswith("q4") else 1)
+        return quant_bytes + self.d.numel() * 2 * (1 if self.m is None else 2)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32, computed as GGUF's reference does it (gguf-py, ggml): d * q, then + m,
+        each step rounded to fp32."""
+        d, q = self.d.float().unsqueeze(-1), self.q.float()
+        if self.format == "q8_0":
+            w = q * d
+        elif self.format == "q4_0":
+            w = d * (q - 8)
+        else:
+            w = d * q + self.m.float().unsqueeze(-1)
+        return w.reshape(self.shape)
+
+    def rows(self, index: torch.Tensor) -> Blocks:
+        """The matrix with its rows (outputs) taken in `index` order."""
+        return Blocks(self.format, self.d[index], None if self.m is None else self.m[index], self.q[index])
+
+    @staticmethod
+    def cat(parts: list[Blocks]) -> Blocks:
+        """Matrices of one format stacked along out (q, k and v fused into one)."""
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return Blocks(parts[0].format, torch.cat([p.d for p in parts]), m, torch.cat([p.q for p in parts]))
+
+
+def unpack_gguf(format: str, raw: np.ndarray) -> Blocks:
+    """Blocks from a GGUF tensor's bytes, [out, blocks per row * block bytes] uint8. A Q4 block's
+    16 quant bytes hold element j in the low nibble of byte j and element j + 16 in its high one."""
+    out = raw.shape[0]
+    head = 4 if format == "q4_1" else 2
+    body = QBLOCK if format == "q8_0" else QBLOCK // 2
+    blocks = torch.from_numpy(np.array(raw, copy=True)).view(out, -1, head + body)
+    d = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1) if format == "q4_1" else None
+    quants = blocks[..., head:].contiguous()
+    if format == "q8_0":
+        q = quants.view(torch.int8)
+    else:
+        q = torch.cat([quants & 0x0F, quants >> 4], dim=-1)
+    return Blocks(format, d, m, q)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> Blocks:
+    """A float matrix [out, in] (in a multiple of 32) in Q8_0 blocks, quantized by gguf-py's
+    reference (bit-exact with llama.cpp's quantize_row_q8_0)."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType.Q8_0)
+    return unpack_gguf("q8_0", raw)
+
+
+def gguf_type_name(tensor_type) -> str:
+    """A GGML tensor type as braid names formats: 'q4_1', 'f32', 'bf16', 'q6_k'."""
+    name = tensor_type.name.lower()
+    return {"f32": "f32", "f16": "f16", "bf16": "bf16"}.get(name, name)
+
+
+def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
+    """The block matrices of a GGUF file, keyed by the Hugging Face parameter name transformers
+    gives them, and every tensor's GGUF type by the same name. Rows come in transformers' order:
+    the permutation its tensor processor applies (Llama's q and k) is applied to the blocks too.
+    Slow (gguf-py parses the whole vocabulary): the loader does it once per file and keeps the result."""
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    reader = GGUFReader(str(path))
+    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_model.config.to_dict())
+    params = dict(hf_model.named_parameters())
+    names = _gguf_names(get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == architecture),
+                                            hf_model.config.num_hidden_layers), hf_model.state_dict())
+    blocks: dict[str, Blocks] = {}
+    types: dict[str, str] = {}
+    for tensor in reader.tensors:
+        hf_name = names.get(tensor.name)
+        if hf_name is None:
+            continue
+        kind = gguf_type_name(tensor.tensor_type)
+        types[hf_name] = kind
+        if kind not in BLOCK_FORMATS:
+            continue
+        b = unpack_gguf(kind, tensor.data)
+        # The processor's row order, found by running it on the row numbers.
+        rows = np.arange(b.shape[0])
+        order = np.asarray(processor.process(weights=rows.reshape(-1, 1), name=tensor.name).weights).reshape(-1)
+        if not np.array_equal(order, rows):
+            b = b.rows(torch.from_numpy(order.copy()))
+        expected = params[hf_name].detach()
+        if b.shape != tuple(expected.shape) or not torch.equal(b.dequantize(), expected.float()):
+            raise ValueError(f"--model {path.name}: tensor {tensor.name} ({kind}) does not read back as transformers "
+                             "loads it; braid will not serve it in its own format (--quantization none does)")
+        blocks[hf_name] = b
+    if "lm_head.weight" not in types and "model.embed_tokens.weight" in types:
+        types["lm_head.weight"] = types["model.embed_tokens.weight"]  # a tied head
+    return blocks, types
+
+
+def _gguf_names(name_map, state_dict) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face parameter name, by gguf-py's own table (as transformers
+    maps them, without its walk over every submodule)."""
+    names = {}
+    for hf_name in state_dict:
+        base, dot, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    return names

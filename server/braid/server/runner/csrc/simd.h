@@ -1,0 +1,146 @@
+/*
+ * The vector operations the kernels are written in, for one instruction set: VEC = 16 (AVX-512) or
+ * 8 (AVX2 + FMA + F16C), set by the isa_*.c file that includes this under its target pragma.
+ *
+ * Written by hand, not taken from a SIMD library: the kernels need a dozen operations, and each
+ * maps to one or two intrinsics here; a library would add a C++ dependency for that.
+ */
+#ifndef BRAID_SIMD_H
+#define BRAID_SIMD_H
+
+#include "kernels.h"
+
+#define NV (PANEL / VEC) /* vectors per 32-column panel row */
+
+#if VEC == 16
+typedef __m512 vf;
+typedef __mmask16 vmask;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vdiv _mm512_div_ps
+#define vmin _mm512_min_ps
+#define vmax _mm512_max_ps
+#define vfmadd _mm512_fmadd_ps
+#define vfnmadd _mm512_fnmadd_ps
+#define vsum _mm512_reduce_add_ps
+/* the first n lanes (none for n <= 0, all for n >= VEC) */
+static inline vmask vmask_n(long n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+#define vloadm(m, p) _mm512_maskz_loadu_ps(m, p)
+#define vstorem(m, p, v) _mm512_mask_storeu_ps(p, m, v)
+#define vmaskz(m, v) _mm512_maskz_mov_ps(m, v) /* v in the mask's lanes, 0 elsewhere */
+/* 16 int8 / fp16 / bf16 values widened to fp32 (exact) */
+static inline vf vcvt_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf vcvt_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vcvt_bf16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* one Q4 row: 16 bytes, column j in the low nibble of byte j and column j + 16 in its high one */
+static inline void vcvt_u4(const uint8_t *p, vf w[NV]) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), f = _mm_set1_epi8(0x0F);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, f)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), f)));
+}
+/* exp(x), after Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7
+ * polynomial, times 2^n. About 2 ulp; the input is clamped (no inf, no NaN). */
+#define EXP_LO -88.3762626647949f
+#define EXP_HI 88.3762626647949f
+#define vround(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vscale2(p, n) _mm512_scalef_ps(p, n)
+
+/* The 16 horizontal sums of v[0..15], as lane i of one vector: pairs within 128-bit lanes, then
+ * 128-bit lanes across vectors (45 shuffles and adds, against ~130 for 16 separate reductions). */
+static inline vf vhsum(const vf v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* lanes [v2i, v2i+1, v2i, v2i+1] per 128 bits */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* lanes [v4i .. v4i+3] per 128 bits */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#elif VEC == 8
+typedef __m256 vf;
+typedef __m256i vmask;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vdiv _mm256_div_ps
+#define vmin _mm256_min_ps
+#define vmax _mm256_max_ps
+#define vfmadd _mm256_fmadd_ps
+#define vfnmadd _mm256_fnmadd_ps
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vmask vmask_n(long n) {
+    const int lanes = n >= 8 ? 8 : n <= 0 ? 0 : (int)n;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#define vloadm(m, p) _mm256_maskload_ps(p, m)
+#define vstorem(m, p, v) _mm256_maskstore_ps(p, m, v)
+#define vmaskz(m, v) _mm256_and_ps(_mm256_castsi256_ps(m), v)
+static inline vf vcvt_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline vf vcvt_f16(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vcvt_bf16(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline void vcvt_u4(const uint8_t *p, vf w[NV]) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), f = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+/* Without AVX-512's scalef, 2^n is built in the exponent bits, so n must stay a normal exponent:
+ * the clamp keeps n in [-126, 127]. */
+#define EXP_LO -87.33654475f
+#define EXP_HI 88.37626266f
+#define vround(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline vf vscale2(vf p, vf n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+/* The 8 horizontal sums of v[0..7], as lane i of one vector. */
+static inline vf vhsum(const vf v[8]) {
+    const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#else
+#error "VEC must be 8 or 16"
+#endif
+
+static inline vf vexp(vf x) {
+    x = vmin(vmax(x, vset1(EXP_LO)), vset1(EXP_HI));
+    const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vf r = vfnmadd(n, vset1(0.693359375f), x);
+    r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+    vf p = vset1(1.9875691500e-4f);
+    p = vfmadd(p, r, vset1(1.3981999507e-3f));
+    p = vfmadd(p, r, vset1(8.3334519073e-3f));
+    p = vfmadd(p, r, vset1(4.1665795894e-2f));
+    p = vfmadd(p, r, vset1(1.6666665459e-1f));
+    p = vfmadd(p, r, vset1(5.0000001201e-1f));
+    p = vfmadd(p, vmul(r, r), vadd(r, vset1(1.0f)));
+    return vscale2(p, n);
+}
+
+#endif

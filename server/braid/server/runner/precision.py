@@ -1,0 +1,84 @@
+"""Which format each weight matrix is served in: --dtype and --quantization applied to a loaded model.
+
+Every matrix keeps its own format unless a flag says otherwise (`auto`): a GGUF file's Q8_0, Q4_0 and
+Q4_1 blocks, a checkpoint's bf16 or f16. A GGUF tensor type braid's kernels cannot run (the K-quants,
+Q5) is served dequantized to fp32, and start-up says so once per type. Vectors (norms, biases) are
+always in the compute dtype. What was picked is counted for ModelInfo.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+
+from braid.server.model.loader import LoadedModel
+from braid.server.model.weights import BLOCK_FORMATS, FLOAT_FORMATS, QBLOCK, Blocks, quantize_q8_0
+
+_LOGGER = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_FORMATS = {fmt: dtype for dtype, fmt in FLOAT_FORMATS.items()}
+
+Weight = torch.Tensor | Blocks
+
+
+class Precision:
+    def __init__(self, model: LoadedModel, dtype: str = "auto", quantization: str = "auto") -> None:
+        self.dtype, self.quantization = dtype, quantization
+        self._blocks, self._own = model.blocks, model.formats
+        self._params = dict(model.hf_model.named_parameters())
+        self.formats: Counter[str] = Counter()  # tensors served in each format
+        self._told: set[str] = set()
+
+    @property
+    def names(self) -> set[str]:
+        """The model's parameters (a tied head is not one: it is the embedding)."""
+        return set(self._params)
+
+    def matrix(self, name: str) -> Weight:
+        """The parameter `name`, [out, in], in the format it is served in."""
+        value = self._params[name].detach()
+        own = self._own.get(name) or FLOAT_FORMATS.get(value.dtype, "f32")
+        blocks = self._blocks.get(name)
+        if blocks is not None and self.quantization != "none":
+            return self._served(blocks, blocks.format)
+        if own not in FLOAT_FORMATS.values() and own not in BLOCK_FORMATS:
+            self._tell(own, f"{own} tensors (e.g. {name}) run dequantized to float32: braid's kernels have no "
+                            f"{own} format (they run q8_0, q4_0, q4_1, bf16, f16, f32)")
+        if self.quantization == "q8_0":
+            if value.shape[1] % QBLOCK == 0:
+                return self._served(quantize_q8_0(value), "q8_0")
+            self._tell("q8_0-shape", f"{name} stays float: Q8_0 needs its input size ({value.shape[1]}) to be a "
+                                     f"multiple of {QBLOCK}")
+        # auto: its own float type (a GGUF's f16 tensor was widened to fp32 on loading: this is
+        # exact); a quantized tensor dequantized: fp32
+        target = DTYPES[self.dtype] if self.dtype != "auto" else DTYPE_FORMATS.get(own, torch.float32)
+        return self._served(value.to(target), FLOAT_FORMATS[target])
+
+    def vector(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A norm's weight or a bias, in the compute dtype."""
+        self.formats[FLOAT_FORMATS.get(dtype, "f32")] += 1
+        return self._params[name].detach().to(device=device, dtype=dtype).contiguous()
+
+    def _served(self, weight: Weight, fmt: str) -> Weight:
+        self.formats[fmt] += 1
+        return weight
+
+    def _tell(self, key: str, message: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            _LOGGER.warning(message)
+
+
+def fuse(weights: list[Weight]) -> Weight:
+    """Matrices stacked along out (q, k and v; gate and up) as one. Parts in different formats
+    (a GGUF file may mix them) are fused in fp32."""
+    if all(isinstance(w, Blocks) for w in weights) and len({w.format for w in weights}) == 1:
+        return Blocks.cat(weights)
+    if all(isinstance(w, torch.Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:
+        return torch.cat(weights)
+    _LOGGER.warning("fusing matrices of formats %s in float32", sorted({getattr(w, "format", None) or
+                                                                       FLOAT_FORMATS.get(w.dtype) for w in weights}))
+    return torch.cat([w.dequantize() if isinstance(w, Blocks) else w.float() for w in weights])
