@@ -72,7 +72,9 @@ class Engine:
             model_name=model_name, architecture=architecture, context_length=self.max_seq_len,
             vocab_size=runner.vocab_size, dtype=runner.dtype_name, device=str(runner.device), mode=config.mode,
             max_batch_size=min(config.max_batch_size, self.num_slots), eos_token_ids=tokenizer.eos_token_ids,
-            has_chat_template=tokenizer.has_chat_template, parameters=runner.num_parameters)
+            has_chat_template=tokenizer.has_chat_template, parameters=runner.num_parameters,
+            weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
+            quantization=runner.quantization, kernels=runner.kernels)
         self.observer: EngineObserver = NoObserver()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[int, Session] = {}  # model thread only

@@ -145,6 +145,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
     parameters: int
+    weight_formats: dict[str, int]  # tensors served in each format
+    weight_bytes: int
+    quantization: str
+    kernels: str
 
 
 @dataclass

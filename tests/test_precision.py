@@ -1,0 +1,189 @@
+"""Weights in their own precision (issue 12): the embedded GGUF served as its Q4_1/Q8_0 blocks, bf16
+checkpoints as bf16, --quantization q8_0, --dtype, and what ModelInfo says about them.
+
+Served natively, a model runs the same weights as transformers does on their dequantized fp32
+values, so its greedy tokens obey the near-tie rule against transformers (conftest.assert_greedy);
+and braid's kernels compute a quantized matmul bit for bit as the fp32 one on those values, so
+`auto` and `--dtype float32 --quantization none` give the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from braid.server.model.loader import LoadedModel, load
+from braid.server.runner.kernels import ISA_VARIABLE
+from braid.server.runner.model_runner import ModelRunner
+from braid.server.runner.precision import Precision
+from conftest import REPO, Server, assert_greedy, tiny_server
+
+BRAID = str(Path(sys.executable).parent / "braid")
+EMBEDDED_FORMATS = {"q4_1": 210, "q8_0": 1, "f32": 61}  # SmolLM2-135M-Instruct.Q4_1.gguf's tensors
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
+TEXT = (REPO / "tests" / "data" / "perplexity.txt").read_text()
+
+
+def greedy(server, prompt: str, n: int = 24) -> tuple[list[int], list[int]]:
+    with server.client() as client:
+        ids = list(client.tokenize(prompt).token_ids)
+        return ids, list(client.generate(prompt, max_new_tokens=n, ignore_eos=True).token_ids)
+
+
+def test_the_embedded_model_is_served_in_its_own_formats(smol, smol_dir):
+    with smol.client() as client:
+        info = client.model_info()
+    assert dict(info.weight_formats) == EMBEDDED_FORMATS
+    assert info.quantization == "auto" and info.dtype == "float32"
+    assert info.kernels in ("avx512", "avx2", "torch")
+    # Q4_1 with a Q8_0 embedding: about 98 MB as the file has it, against 538 MB in fp32. Where
+    # torch's ops run (no AVX2), the weights are dequantized and take the fp32 bytes.
+    assert info.weight_bytes < 110e6 if info.kernels != "torch" else info.weight_bytes > 500e6
+    for prompt in PROMPTS:
+        assert_greedy(smol_dir, *greedy(smol, prompt))
+
+
+@pytest.fixture(scope="module")
+def fp32_smol():
+    """The embedded model in plain fp32, as braid served every model before issue 12."""
+    server = Server(["--dtype", "float32", "--quantization", "none"])
+    yield server
+    server.stop()
+
+
+def test_float32_and_none_is_the_plain_fp32_path_and_gives_the_same_tokens(smol, fp32_smol):
+    with fp32_smol.client() as client:
+        info = client.model_info()
+    assert dict(info.weight_formats) == {"f32": 272}
+    assert info.quantization == "none" and info.weight_bytes > 500e6
+    for prompt in PROMPTS:
+        assert greedy(fp32_smol, prompt) == greedy(smol, prompt), prompt
+
+
+def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "tiny-bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_dir / name).exists():
+            (folder / name).write_bytes((tiny_dir / name).read_bytes())
+    # 2 layers x (q, k, v, o, gate, up, down) + the tied embedding; 2 x 2 norms + the final norm.
+    for flags, formats in (([], {"bf16": 15, "f32": 5}), (["--quantization", "q8_0"], {"q8_0": 15, "f32": 5}),
+                           (["--dtype", "float16"], {"f16": 15, "f32": 5})):
+        server = tiny_server(folder, *flags)
+        try:
+            with server.client() as client:
+                info = client.model_info()
+                done = client.generate("Hello there", max_new_tokens=8, ignore_eos=True)
+            assert dict(info.weight_formats) == formats, flags
+            assert len(done.token_ids) == 8
+        finally:
+            server.stop()
+
+
+@pytest.mark.parametrize("value", ["fp8", "int4"])
+@pytest.mark.parametrize("flag", ["dtype", "quantization"])
+def test_an_unknown_flag_value_is_one_clear_line(flag, value):
+    for how in ("flag", "env"):
+        args = [BRAID, "serve", f"--{flag}", value] if how == "flag" else [BRAID, "serve"]
+        env = {"BRAID_" + flag.upper(): value} if how == "env" else {}
+        out = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, **env})
+        assert out.returncode == 2, (how, out.stderr)
+        assert f"--{flag}" in out.stderr and value in out.stderr, (how, out.stderr)
+
+
+def test_the_isa_variable_picks_the_kernels_and_a_wrong_one_fails_the_start(tiny_dir):
+    from braid.server.runner import _cpu_kernels
+
+    if not _cpu_kernels.isas():
+        pytest.skip("this CPU has neither AVX-512 nor AVX2: braid's C kernels do not run here")
+    server = tiny_server(tiny_dir, env={ISA_VARIABLE: "avx2"})
+    try:
+        with server.client() as client:
+            assert client.model_info().kernels == "avx2"
+    finally:
+        server.stop()
+    out = subprocess.run([BRAID, "serve", "--model", str(tiny_dir), "--port", "0"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, ISA_VARIABLE: "neon"})
+    assert out.returncode != 0
+    assert f"{ISA_VARIABLE}=neon" in out.stderr
+
+
+# ---- in process: perplexity, and formats braid does not run --------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_fp32(smol_dir) -> LoadedModel:
+    """The embedded model as an fp32 checkpoint: its converted folder, loaded as a plain model."""
+    return load(str(smol_dir), smol_dir.parent)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q8_0_costs_at_most_one_percent_of_perplexity(smol_fp32, dtype, record_property):
+    """--quantization q8_0 on an fp32 or a bf16 model, against the same model unquantized, on the
+    fixed text the repo ships (tests/data/perplexity.txt). docs/benchmarks.md quotes the figures."""
+    model = smol_fp32
+    if dtype == "bfloat16":
+        model = LoadedModel(hf_model=_bf16_copy(smol_fp32.hf_model), hf_tokenizer=smol_fp32.hf_tokenizer,
+                            name="bf16", architecture=smol_fp32.architecture, eos_token_ids=smol_fp32.eos_token_ids)
+    ids = smol_fp32.hf_tokenizer(TEXT)["input_ids"]
+
+    def perplexity(quantization: str) -> float:
+        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_slots=1, max_seq_len=2048,
+                             quantization=quantization)
+        assert ("q8_0" in runner.weight_formats) == (quantization == "q8_0")
+        return runner.perplexity(ids)
+
+    plain, quantized = perplexity("none"), perplexity("q8_0")
+    record_property("perplexity", f"{dtype}: {plain:.4f}, q8_0: {quantized:.4f}")
+    print(f"\n{dtype}: perplexity {plain:.4f}, with q8_0 {quantized:.4f} ({quantized / plain - 1:+.2%})")
+    assert 5 < plain < 100  # the model reads English: a broken forward pass would be in the thousands
+    assert quantized <= plain * 1.01
+
+
+def _bf16_copy(hf_model):
+    import copy
+
+    return copy.deepcopy(hf_model).to(torch.bfloat16)
+
+
+def test_a_tensor_type_braid_does_not_run_is_dequantized_and_said_once(caplog):
+    """A GGUF's K-quant tensors (Q6_K here) have no format in braid's kernels: they run in fp32,
+    dequantized by transformers, and start-up logs one line per type."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    hf_model = LlamaForCausalLM(config).eval()
+    formats = {n: ("q6_k" if "proj" in n else "f32") for n, _ in hf_model.named_parameters()}
+    model = LoadedModel(hf_model=hf_model, hf_tokenizer=None, name="k-quants", architecture="LlamaForCausalLM",
+                        eos_token_ids=(2,), formats=formats)
+    with caplog.at_level(logging.WARNING):
+        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_slots=1, max_seq_len=64)
+    said = [r.getMessage() for r in caplog.records if "q6_k" in r.getMessage()]
+    assert len(said) == 1 and "float32" in said[0], said
+    assert runner.weight_formats == {"f32": sum(Counter(formats.values()).values())}
+
+
+def test_q8_0_leaves_a_matrix_whose_rows_are_not_whole_blocks_in_float(caplog):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=40, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="odd",
+                        architecture="LlamaForCausalLM", eos_token_ids=(2,))
+    precision = Precision(model, quantization="q8_0")
+    with caplog.at_level(logging.WARNING):
+        down = precision.matrix("model.layers.0.mlp.down_proj.weight")  # in = 40: not whole blocks
+        q = precision.matrix("model.layers.0.self_attn.q_proj.weight")  # in = 48: not whole blocks
+        gate = precision.matrix("model.layers.0.mlp.gate_proj.weight")  # in = 48 either
+    assert all(isinstance(w, torch.Tensor) for w in (down, q, gate))
+    assert sum("multiple of 32" in r.getMessage() for r in caplog.records) == 1
