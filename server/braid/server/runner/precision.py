@@ -58,9 +58,11 @@ class Precision:
         return self._served(value.to(target), FLOAT_FORMATS[target])
 
     def vector(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A norm's weight or a bias, in the compute dtype."""
+        """A norm's weight or a bias, in the compute dtype: a copy, since a view would keep the
+        whole loaded checkpoint (a memory-mapped file) resident."""
         self.formats[FLOAT_FORMATS.get(dtype, "f32")] += 1
-        return self._params[name].detach().to(device=device, dtype=dtype).contiguous()
+        return self._params[name].detach().to(device=device, dtype=dtype, memory_format=torch.contiguous_format,
+                                               copy=True)
 
     def _served(self, weight: Weight, fmt: str) -> Weight:
         self.formats[fmt] += 1
