@@ -187,3 +187,35 @@ def test_q8_0_leaves_a_matrix_whose_rows_are_not_whole_blocks_in_float(caplog):
         gate = precision.matrix("model.layers.0.mlp.gate_proj.weight")  # in = 48 either
     assert all(isinstance(w, torch.Tensor) for w in (down, q, gate))
     assert sum("multiple of 32" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_every_mode_serves_q8_0_weights_and_a_row_ignores_its_batch(tiny_dir):
+    """--quantization q8_0 in all four modes: three concurrent greedy streams get, in every mode,
+    the tokens sequential mode gives each alone. braid's kernels compute a row the same whatever
+    shares its pass (torch's ops may not, so there this needs them)."""
+    import concurrent.futures
+
+    from conftest import MODES
+
+    prompts = ["The sea is", "Tell me a story about a fox", "1, 2, 3, 4,"]
+    tokens: dict[str, list[list[int]]] = {}
+    for mode in MODES:
+        server = tiny_server(tiny_dir, "--quantization", "q8_0", "--mode", mode, "--max-wait-ms", "5")
+        try:
+            with server.client() as client:
+                info = client.model_info()
+            assert dict(info.weight_formats) == {"q8_0": 15, "f32": 5}
+            if info.kernels == "torch":
+                pytest.skip("braid's kernels do not run on this CPU; torch's ops may round a row "
+                            "differently in another batch")
+
+            def run(prompt: str) -> list[int]:
+                with server.client() as client:
+                    return list(client.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids)
+
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                tokens[mode] = list(pool.map(run, prompts))
+        finally:
+            server.stop()
+    for mode in MODES:
+        assert tokens[mode] == tokens["sequential"], mode
