@@ -25,13 +25,16 @@ TORCH = TorchOps()
 needs_kernels = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2: braid's C kernels "
                                                    "do not run here")
 QUANTIZED = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-             "q4_1": GGMLQuantizationType.Q4_1}
+             "q4_1": GGMLQuantizationType.Q4_1, "q6_k": GGMLQuantizationType.Q6_K,
+             "q4_k": GGMLQuantizationType.Q4_K}
+K_QUANTS = {"q6_k": 210, "q4_k": 144}  # bytes per super-block of 256 weights
 FLOATS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 # (in, out): the SmolLM2 shapes, the tiny test model's, and odd sizes that leave a partial panel.
-# Quantized formats need `in` a multiple of 32 (GGUF's block size).
+# Quantized formats need `in` a multiple of 32 (GGUF's block size), the K-quants of 256.
 SHAPES = [(576, 960), (1536, 576), (64, 128), (577, 100), (3, 17), (64, 33)]
 BLOCK_SHAPES = [(576, 960), (1536, 577), (64, 33), (96, 17), (32, 1)]
+K_SHAPES = [(1536, 577), (256, 33), (512, 100)]
 ROWS = [1, 3, 16, 128]
 
 
@@ -55,8 +58,24 @@ def matrix(fmt: str, shape: tuple[int, int], seed: int):
     if fmt in FLOATS:
         weight = values.to(FLOATS[fmt])
         return weight, weight.float()
-    raw = quants.quantize(values.numpy(), QUANTIZED[fmt])
+    raw = k_quant_bytes(fmt, n, k, seed) if fmt in K_QUANTS else quants.quantize(values.numpy(), QUANTIZED[fmt])
     return unpack_gguf(fmt, raw), torch.from_numpy(np.asarray(quants.dequantize(raw, QUANTIZED[fmt])))
+
+
+def k_quant_bytes(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """A random [n, k] matrix in Q6_K or Q4_K, as a GGUF file holds it (gguf-py cannot quantize
+    to them): random bits, with small normal fp16 super-block scales."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, K_QUANTS[fmt]), dtype=np.uint8)
+
+    def f16(scale: float) -> np.ndarray:
+        return (rng.random((n, k // 256)) * scale + scale / 10).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+
+    if fmt == "q6_k":
+        raw[..., 208:210] = f16(0.01)  # d, after ql, qh and the 16 int8 scales
+    else:
+        raw[..., 0:2], raw[..., 2:4] = f16(0.01), f16(0.005)  # d and dmin, ahead of the scales
+    return raw.reshape(n, -1)
 
 
 def test_the_extension_is_built_and_matches_this_code():
@@ -92,7 +111,8 @@ def test_the_isa_variable_forces_a_build(monkeypatch):
 def test_packed_matmul_in_every_format_matches_the_dequantized_reference(isa, fmt):
     """x @ W.T at 1, 3, 16 and 128 rows, with bias and accumulating, against torch on the fp32
     values of W; and bit for bit the fp32 kernel's answer on those values."""
-    for i, shape in enumerate(BLOCK_SHAPES if fmt in QUANTIZED else SHAPES):
+    shapes = K_SHAPES if fmt in K_QUANTS else BLOCK_SHAPES if fmt in QUANTIZED else SHAPES
+    for i, shape in enumerate(shapes):
         weight, reference = matrix(fmt, shape, seed=i)
         k, n = shape
         bias = torch.randn(n)
@@ -111,7 +131,7 @@ def test_packed_matmul_in_every_format_matches_the_dequantized_reference(isa, fm
 
 @pytest.mark.parametrize("fmt", [*FLOATS, *QUANTIZED])
 def test_an_embedding_lookup_reads_the_packed_head_exactly(isa, fmt):
-    weight, reference = matrix(fmt, (64, 101), seed=7)  # a vocabulary of 101, hidden 64
+    weight, reference = matrix(fmt, (256, 101), seed=7)  # a vocabulary of 101, hidden 256
     ids = torch.tensor([0, 100, 31, 32, 33, 64, 5, 5])
     assert torch.equal(isa.linear(weight, None).columns(ids), reference[ids])
     assert torch.equal(TORCH.linear(weight, None).columns(ids), reference[ids])
@@ -119,11 +139,11 @@ def test_an_embedding_lookup_reads_the_packed_head_exactly(isa, fmt):
         isa.linear(weight, None).columns(torch.tensor([101]))
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_1"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_1", "q6_k"])
 def test_a_row_gets_the_same_bits_alone_and_in_a_batch(isa, fmt):
-    weight, _ = matrix(fmt, (576, 100), seed=1)
+    weight, _ = matrix(fmt, (512, 100), seed=1)
     layer = isa.linear(weight, torch.randn(100))
-    x = torch.randn(70, 576)
+    x = torch.randn(70, 512)
     together = layer(x)
     for row in (0, 1, 12, 13, 69):
         assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), row

@@ -129,7 +129,8 @@ def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks],
         return blocks, formats
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-        blocks = {n: Blocks(kind, f.get_tensor(f"{n}.d"), f.get_tensor(f"{n}.m") if kind == "q4_1" else None,
+        names = set(f.keys())
+        blocks = {n: Blocks(kind, f.get_tensor(f"{n}.d"), f.get_tensor(f"{n}.m") if f"{n}.m" in names else None,
                             f.get_tensor(f"{n}.q"))
                   for n, kind in json.loads(meta["blocks"]).items()}
     return blocks, json.loads(meta["formats"])

@@ -19,16 +19,18 @@ import torch
 
 _LOGGER = logging.getLogger(__name__)
 
-QBLOCK = 32  # weights per GGUF block (Q8_0, Q4_0, Q4_1), along a matrix's input dimension
-BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # the block formats braid's kernels run as they are
+QBLOCK = 32  # weights per GGUF block (Q8_0, Q4_0, Q4_1; a K-quant's sub-block), along a matrix's input
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q6_k", "q4_k")  # the block formats braid's kernels run
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 @dataclass
 class Blocks:
-    """A matrix [out, in] in GGUF blocks of 32 along `in`, unpacked from the file's bytes:
-    scales d [out, in / 32] fp16, mins m (Q4_1 only) likewise, quants q [out, in / 32, 32]
-    (int8 for Q8_0; uint8 0..15 for Q4_0 and Q4_1)."""
+    """A matrix [out, in] in GGUF blocks of 32 along `in`, unpacked from the file's bytes: quants
+    q [out, in / 32, 32] (int8 for Q8_0; q - 32 in int8 for Q6_K; uint8 0..15 for the 4-bit ones)
+    and scales d: [out, in / 32] fp16 for Q8_0, Q4_0, Q4_1 (and Q4_1's mins m likewise); the fp32
+    products d * scale GGUF's reference forms first for the K-quants: [out, in / 16] for Q6_K,
+    [out, in / 32] for Q4_K (with m = dmin * min)."""
 
     format: str
     d: torch.Tensor
@@ -39,20 +41,18 @@ class Blocks:
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.q.shape[1] * QBLOCK
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes in the GGUF file's own encoding (a Q4 quant is half a byte)."""
-        quant_bytes = self.q.numel() // (2 if self.format.startswith("q4") else 1)
-        return quant_bytes + self.d.numel() * 2 * (1 if self.m is None else 2)
-
     def dequantize(self) -> torch.Tensor:
-        """[out, in] float32, computed as GGUF's reference does it (gguf-py, ggml): d * q, then + m,
-        each step rounded to fp32."""
+        """[out, in] float32, computed as GGUF's reference does it (gguf-py, ggml): d * q, then + m
+        (- m for Q4_K), each step rounded to fp32."""
         d, q = self.d.float().unsqueeze(-1), self.q.float()
         if self.format == "q8_0":
             w = q * d
         elif self.format == "q4_0":
             w = d * (q - 8)
+        elif self.format == "q6_k":
+            w = d * q.view(q.shape[0], -1, 16)
+        elif self.format == "q4_k":
+            w = d * q - self.m.unsqueeze(-1)
         else:
             w = d * q + self.m.float().unsqueeze(-1)
         return w.reshape(self.shape)
@@ -71,6 +71,8 @@ class Blocks:
 def unpack_gguf(format: str, raw: np.ndarray) -> Blocks:
     """Blocks from a GGUF tensor's bytes, [out, blocks per row * block bytes] uint8. A Q4 block's
     16 quant bytes hold element j in the low nibble of byte j and element j + 16 in its high one."""
+    if format in ("q6_k", "q4_k"):
+        return _unpack_k_quant(format, raw)
     out = raw.shape[0]
     head = 4 if format == "q4_1" else 2
     body = QBLOCK if format == "q8_0" else QBLOCK // 2
@@ -83,6 +85,32 @@ def unpack_gguf(format: str, raw: np.ndarray) -> Blocks:
     else:
         q = torch.cat([quants & 0x0F, quants >> 4], dim=-1)
     return Blocks(format, d, m, q)
+
+
+def _unpack_k_quant(format: str, raw: np.ndarray) -> Blocks:
+    """Q6_K and Q4_K super-blocks of 256 as braid's Blocks: the bit unpacking of gguf-py's own
+    dequantize_blocks (gguf/quants.py), stopped before the last multiplication, whose operands
+    are kept (so the kernels compute it with the same rounding)."""
+    from gguf.quants import Q4_K
+
+    out = raw.shape[0]
+    blocks = np.array(raw, copy=True)
+    if format == "q6_k":
+        blocks = blocks.reshape(-1, 210)
+        ql, qh, scales, d = np.split(blocks, [128, 192, 208], axis=1)
+        d = d.view(np.float16).astype(np.float32) * scales.view(np.int8).astype(np.float32)  # [n, 16]
+        ql = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        qh = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+        q = (ql.reshape(-1, 8, 32) | (qh.reshape(-1, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        return Blocks(format, torch.from_numpy(d.reshape(out, -1)), None, torch.from_numpy(q.reshape(out, -1, 32)))
+    blocks = blocks.reshape(-1, 144)
+    d, dmin, scales, qs = np.split(blocks, [2, 4, 16], axis=1)
+    sc, mn = Q4_K.get_scale_min(scales)
+    d = d.view(np.float16).astype(np.float32) * sc.astype(np.float32)  # [n, 8]
+    m = dmin.view(np.float16).astype(np.float32) * mn.astype(np.float32)
+    q = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    return Blocks(format, torch.from_numpy(d.reshape(out, -1)), torch.from_numpy(m.reshape(out, -1)),
+                  torch.from_numpy(q.reshape(out, -1, 32)))
 
 
 def quantize_q8_0(weight: torch.Tensor) -> Blocks:

@@ -26,7 +26,8 @@ QBLOCK = 32  # rows of k per block of a panel
 LAYER_FIELDS = 13  # entries per layer in DecodeStep's table, in the C enum's order
 # The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
 # of each block of 32 rows).
-FORMATS = {"f32": (128, 0), "bf16": (64, 0), "f16": (64, 0), "q8_0": (32, 64), "q4_0": (16, 64), "q4_1": (16, 128)}
+FORMATS = {"f32": (128, 0), "bf16": (64, 0), "f16": (64, 0), "q8_0": (32, 64), "q4_0": (16, 64), "q4_1": (16, 128),
+           "q6_k": (32, 256), "q4_k": (16, 256)}
 FORMAT_CODES = {name: code for code, name in enumerate(FORMATS)}
 ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512 or avx2: run that build of the kernels, not the best one
 
@@ -145,18 +146,21 @@ def _pack_dense(weight: torch.Tensor) -> torch.Tensor:
 
 def _pack_blocks(b: Blocks) -> torch.Tensor:
     """GGUF blocks -> panels [ceil(out / 32), in / 32, block bytes] uint8: per block of 32 rows, the
-    32 columns' fp16 scales (then mins), then 32 rows of 32 quants (Q4: column j in the low nibble
-    of byte j, column j + 16 in its high nibble)."""
-    n, blocks = b.d.shape
+    32 columns' scales (then mins; Q6_K: the scales of rows 0-15, then of rows 16-31), then 32 rows
+    of 32 quants (4-bit ones: column j in the low nibble of byte j, column j + 16 in its high one)."""
+    n, blocks = b.q.shape[:2]
     panels = -(-n // PANEL)
 
     def by_panel(t: torch.Tensor) -> torch.Tensor:  # [n, blocks, ...] -> [panels, blocks, 32 columns, ...]
         t = torch.cat([t, t.new_zeros(panels * PANEL - n, *t.shape[1:])])
         return t.view(panels, PANEL, blocks, *t.shape[2:]).transpose(1, 2)
 
-    parts = [by_panel(b.d)] + ([] if b.m is None else [by_panel(b.m)])
+    if b.format == "q6_k":  # [n, 2 blocks of 16 rows per 32] -> [panels, blocks, 2, 32 columns]
+        parts = [by_panel(b.d.view(n, blocks, 2)).transpose(2, 3)]
+    else:
+        parts = [by_panel(b.d)] + ([] if b.m is None else [by_panel(b.m)])
     q = by_panel(b.q).transpose(2, 3)  # [panels, blocks, 32 rows, 32 columns]
-    if b.format != "q8_0":
+    if b.format in ("q4_0", "q4_1", "q4_k"):
         q = q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)
     parts.append(q)
     return torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)

@@ -1,8 +1,9 @@
 """Which format each weight matrix is served in: --dtype and --quantization applied to a loaded model.
 
-Every matrix keeps its own format unless a flag says otherwise (`auto`): a GGUF file's Q8_0, Q4_0 and
-Q4_1 blocks, a checkpoint's bf16 or f16. A GGUF tensor type braid's kernels cannot run (the K-quants,
-Q5) is served dequantized to fp32, and start-up says so once per type. Vectors (norms, biases) are
+Every matrix keeps its own format unless a flag says otherwise (`auto`): a GGUF file's Q8_0, Q4_0,
+Q4_1, Q6_K and Q4_K blocks, a checkpoint's bf16 or f16. A GGUF tensor type braid's kernels cannot run
+(Q5_*, Q2_K, Q3_K, Q5_K, the IQ types) is served dequantized to fp32, and start-up says so once per
+type. Vectors (norms, biases) are
 always in the compute dtype. What was picked is counted for ModelInfo.
 """
 
@@ -46,7 +47,7 @@ class Precision:
             return self._served(blocks, blocks.format)
         if own not in FLOAT_FORMATS.values() and own not in BLOCK_FORMATS:
             self._tell(own, f"{own} tensors (e.g. {name}) run dequantized to float32: braid's kernels have no "
-                            f"{own} format (they run q8_0, q4_0, q4_1, bf16, f16, f32)")
+                            f"{own} format (they run {', '.join(BLOCK_FORMATS)}, bf16, f16, f32)")
         if self.quantization == "q8_0":
             if value.shape[1] % QBLOCK == 0:
                 return self._served(quantize_q8_0(value), "q8_0")

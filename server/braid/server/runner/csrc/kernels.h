@@ -40,12 +40,16 @@
 #define PANEL 32  /* columns per packed panel */
 #define QBLOCK 32 /* rows of k per block of a panel; GGUF's block size */
 
-/* Weight formats, in the order of runner/weights.py's FORMATS. ROW_BYTES: one row of 32 weights
- * of a panel; HEAD_BYTES: the scales (fp16 d, then fp16 m for Q4_1) ahead of each block of rows.
+/* Weight formats, in the order of runner/kernels.py's FORMATS. ROW_BYTES: one row of 32 weights
+ * of a panel; HEAD_BYTES: the scales ahead of each block of 32 rows, per column. Q8_0, Q4_0 and
+ * Q4_1 keep GGUF's fp16 d (then Q4_1's fp16 m). GGUF's K-quants have sub-block scales built from
+ * two levels; they are kept as the fp32 products GGUF's reference computes first (Q6_K: d * scale
+ * per 16 rows, the int8 q - 32 as the row; Q4_K: d * scale and dmin * min per 32 rows), so the
+ * weights come out exactly as there for 50% (Q6_K) and 33% (Q4_K) more bytes than the file's.
  * Q4 rows hold column j in the low nibble of byte j and column j + 16 in its high nibble. */
-enum { F_F32, F_BF16, F_F16, F_Q8_0, F_Q4_0, F_Q4_1, F_FORMATS };
-static const long ROW_BYTES[F_FORMATS] = {128, 64, 64, 32, 16, 16};
-static const long HEAD_BYTES[F_FORMATS] = {0, 0, 0, 64, 64, 128};
+enum { F_F32, F_BF16, F_F16, F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K, F_Q4_K, F_FORMATS };
+static const long ROW_BYTES[F_FORMATS] = {128, 64, 64, 32, 16, 16, 32, 16};
+static const long HEAD_BYTES[F_FORMATS] = {0, 0, 0, 64, 64, 128, 256, 256};
 
 static inline long block_bytes(int fmt) { return HEAD_BYTES[fmt] + QBLOCK * ROW_BYTES[fmt]; }
 /* Bytes of one packed panel of K rows. A quantized format needs K to be a multiple of QBLOCK. */

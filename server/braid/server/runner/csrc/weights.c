@@ -3,9 +3,17 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* The scales d (and the mins m of Q4_1) of a block's 32 columns, as NV vectors each. */
+/* The scales d (and the mins m of Q4_1 and Q4_K) of a block's 32 columns, as NV vectors each. Q6_K
+ * has two scales per column, for rows 0-15 (d) and 16-31 (m). */
 INLINE void block_scales(const int fmt, const uint8_t *blk, vf d[NV], vf m[NV]) {
     if (fmt < F_Q8_0) return;
+    if (fmt == F_Q6_K || fmt == F_Q4_K) {
+        for (int j = 0; j < NV; j++) {
+            d[j] = vload((const float *)blk + VEC * j);
+            m[j] = vload((const float *)blk + PANEL + VEC * j);
+        }
+        return;
+    }
     for (int j = 0; j < NV; j++) d[j] = vcvt_f16(blk + 2 * VEC * j);
     if (fmt == F_Q4_1)
         for (int j = 0; j < NV; j++) m[j] = vcvt_f16(blk + 2 * PANEL + 2 * VEC * j);
@@ -35,6 +43,15 @@ INLINE void block_row(const int fmt, const uint8_t *blk, long k, const vf d[NV],
     case F_Q4_1:
         vcvt_u4(row, w);
         for (int j = 0; j < NV; j++) w[j] = vadd(vmul(d[j], w[j]), m[j]);
+        break;
+    case F_Q6_K: {
+        const vf *s = k < QBLOCK / 2 ? d : m;
+        for (int j = 0; j < NV; j++) w[j] = vmul(s[j], vcvt_i8((const int8_t *)row + VEC * j));
+        break;
+    }
+    case F_Q4_K:
+        vcvt_u4(row, w);
+        for (int j = 0; j < NV; j++) w[j] = vsub(vmul(d[j], w[j]), m[j]);
         break;
     }
 }
@@ -88,6 +105,8 @@ INLINE void dequantize_fmt(const int fmt, const uint8_t *restrict panel, long K,
     case F_Q8_0: CALL(F_Q8_0); break;       \
     case F_Q4_0: CALL(F_Q4_0); break;       \
     case F_Q4_1: CALL(F_Q4_1); break;       \
+    case F_Q6_K: CALL(F_Q6_K); break;       \
+    case F_Q4_K: CALL(F_Q4_K); break;       \
     }
 
 static void gemv_panel(int fmt, const float *x, const uint8_t *panel, long K, vf acc[NV]) {
@@ -107,6 +126,7 @@ static float weight_at(int fmt, const uint8_t *panel, long r, long c) {
     const uint8_t *blk = panel + r / QBLOCK * block_bytes(fmt);
     const uint8_t *row = blk + HEAD_BYTES[fmt] + r % QBLOCK * ROW_BYTES[fmt];
     const uint16_t *scales = (const uint16_t *)blk;
+    const float *wide = (const float *)blk; /* the K-quants' fp32 scales */
     const float nibble = (float)(c < 16 ? row[c] & 0x0F : row[c - 16] >> 4);
     switch (fmt) {
     case F_F32: return ((const float *)row)[c];
@@ -119,7 +139,9 @@ static float weight_at(int fmt, const uint8_t *panel, long r, long c) {
     case F_F16: return _cvtsh_ss(((const uint16_t *)row)[c]);
     case F_Q8_0: return (float)((const int8_t *)row)[c] * _cvtsh_ss(scales[c]);
     case F_Q4_0: return _cvtsh_ss(scales[c]) * (nibble - 8.0f);
-    default: return _cvtsh_ss(scales[c]) * nibble + _cvtsh_ss(scales[PANEL + c]);
+    case F_Q4_1: return _cvtsh_ss(scales[c]) * nibble + _cvtsh_ss(scales[PANEL + c]);
+    case F_Q6_K: return wide[(r % QBLOCK >= QBLOCK / 2 ? PANEL : 0) + c] * (float)((const int8_t *)row)[c];
+    default: return wide[c] * nibble - wide[PANEL + c];
     }
 }
 
