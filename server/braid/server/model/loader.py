@@ -116,15 +116,18 @@ def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks],
 
     from braid.server.model.weights import Blocks, read_gguf
 
+    from braid.server.model.weights import BLOCK_FORMATS
+
     path = folder / BLOCKS_FILE
-    if not path.is_file():
+    if not _kept_for(path, BLOCK_FORMATS):
         _LOGGER.info("reading %s's quantized matrices once into %s", gguf.name, path)
         blocks, formats = read_gguf(gguf, hf_model)
         tensors = {f"{n}.{part}": t for n, b in blocks.items()
                    for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None}
         staging = path.with_suffix(f".{os.getpid()}.tmp")
         save_file(tensors, str(staging), metadata={
-            "formats": json.dumps(formats), "blocks": json.dumps({n: b.format for n, b in blocks.items()})})
+            "formats": json.dumps(formats), "blocks": json.dumps({n: b.format for n, b in blocks.items()}),
+            "block_formats": json.dumps(BLOCK_FORMATS)})
         os.replace(staging, path)  # atomic: a concurrent start never reads half a file
         return blocks, formats
     with safe_open(str(path), framework="pt") as f:
@@ -134,6 +137,17 @@ def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks],
                             f.get_tensor(f"{n}.q"))
                   for n, kind in json.loads(meta["blocks"]).items()}
     return blocks, json.loads(meta["formats"])
+
+
+def _kept_for(path: Path, block_formats: tuple[str, ...]) -> bool:
+    """Whether path holds a GGUF's blocks read by a braid that ran these block formats (one that
+    ran fewer left some tensors out)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata().get("block_formats", "[]")) == list(block_formats)
 
 
 def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:
