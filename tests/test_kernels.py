@@ -3,8 +3,9 @@ and every instruction-set build this CPU runs (AVX-512 and AVX2 where it has bot
 what BRAID_KERNELS_ISA=avx2 forces).
 
 They must give torch's answer to rounding, and give a row the same bits whatever other rows share
-the call: that is what lets a seeded or greedy request come out the same in any batch. A quantized
-matrix must give, bit for bit, the fp32 kernel's answer on the weights gguf-py dequantizes.
+the call: that is what lets a seeded or greedy request come out the same in any batch. A float
+format must give, bit for bit, the fp32 kernel's answer on its values; a quantized one, torch's
+answer (to rounding) on the weights gguf-py dequantizes, and an embedding lookup those weights exactly.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def test_the_isa_variable_forces_a_build(monkeypatch):
 @pytest.mark.parametrize("fmt", [*FLOATS, *QUANTIZED])
 def test_packed_matmul_in_every_format_matches_the_dequantized_reference(isa, fmt):
     """x @ W.T at 1, 3, 16 and 128 rows, with bias and accumulating, against torch on the fp32
-    values of W; and bit for bit the fp32 kernel's answer on those values."""
+    values of W (gguf-py's dequantization for a GGUF format); a float format bit for bit as the fp32
+    kernel on those values."""
     shapes = K_SHAPES if fmt in K_QUANTS else BLOCK_SHAPES if fmt in QUANTIZED else SHAPES
     for i, shape in enumerate(shapes):
         weight, reference = matrix(fmt, shape, seed=i)
@@ -122,7 +124,8 @@ def test_packed_matmul_in_every_format_matches_the_dequantized_reference(isa, fm
             x = torch.randn(m, k)
             out = layer(x)
             torch.testing.assert_close(out, torch.addmm(bias, x, reference.t()), rtol=1e-4, atol=2e-3)
-            assert torch.equal(out, fp32(x)), (shape, m)
+            if fmt in FLOATS:
+                assert torch.equal(out, fp32(x)), (shape, m)
             y = torch.randn(m, n)
             expected = y + x @ reference.t()
             assert plain.add_into(y, x) is y
@@ -139,7 +142,7 @@ def test_an_embedding_lookup_reads_the_packed_head_exactly(isa, fmt):
         isa.linear(weight, None).columns(torch.tensor([101]))
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_1", "q6_k"])
+@pytest.mark.parametrize("fmt", [*FLOATS, *QUANTIZED])
 def test_a_row_gets_the_same_bits_alone_and_in_a_batch(isa, fmt):
     weight, _ = matrix(fmt, (512, 100), seed=1)
     layer = isa.linear(weight, torch.randn(100))

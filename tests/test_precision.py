@@ -2,9 +2,9 @@
 checkpoints as bf16, --quantization q8_0, --dtype, and what ModelInfo says about them.
 
 Served natively, a model runs the same weights as transformers does on their dequantized fp32
-values, so its greedy tokens obey the near-tie rule against transformers (conftest.assert_greedy);
-and braid's kernels compute a quantized matmul bit for bit as the fp32 one on those values, so
-`auto` and `--dtype float32 --quantization none` give the same tokens.
+values (braid applies a block's scale once per block, so its sums round differently, within fp32
+rounding), so its greedy tokens obey the near-tie rule against transformers (conftest.assert_greedy),
+as those of `--dtype float32 --quantization none` do.
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ def fp32_smol():
     server.stop()
 
 
-def test_float32_and_none_is_the_plain_fp32_path_and_gives_the_same_tokens(smol, fp32_smol):
+def test_float32_and_none_is_the_plain_fp32_path(fp32_smol, smol_dir):
     with fp32_smol.client() as client:
         info = client.model_info()
     assert dict(info.weight_formats) == {"f32": 272}
     assert info.quantization == "none" and info.weight_bytes > 500e6
     for prompt in PROMPTS:
-        assert greedy(fp32_smol, prompt) == greedy(smol, prompt), prompt
+        assert_greedy(smol_dir, *greedy(fp32_smol, prompt))
 
 
 def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tiny_dir):

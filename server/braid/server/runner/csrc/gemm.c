@@ -72,6 +72,73 @@ DEFINE_TILE(10)
 DEFINE_TILE(11)
 DEFINE_TILE(12)
 
+/* Folds tile rows [0, MR)'s sums s of one group into their totals in acc. */
+#define FOLD_ROWS(F)                                                                             \
+    for (int m = 0; m < TILE_ROWS; m++) {                                                        \
+        vf a[NV];                                                                                \
+        for (int j = 0; j < NV; j++) a[j] = first && group == 0 ? vzero() : vload(acc + m * PANEL + VEC * j); \
+        block_fold(F, blk, group, s[m], sums ? sums[m * blocks + k0 / QBLOCK] : 0.0f, a);       \
+        for (int j = 0; j < NV; j++) vstore(acc + m * PANEL + VEC * j, a[j]);                    \
+    }
+
+/* One tile of a quantized panel: rows [0, MR) of x times the 32 rows of block `blk` (from k0),
+ * given widened to unscaled quants in w. Each group of rows that shares a scale is summed from zero
+ * and folded into the totals in acc ([MR][32], in L1) as gemv_fmt folds it; the first block starts
+ * the totals, the last adds bias (and y) and stores into y. */
+#define DEFINE_QTILE(MR)                                                                         \
+    static void qtile_##MR(const float *restrict x, long ldx, const float *restrict w, long k0, \
+                           const uint8_t *blk, int fmt, float *restrict acc, float *restrict y, \
+                           long ldy, int first, int last, int accumulate,                       \
+                           const float *restrict bias, long width, const float *sums,           \
+                           long blocks) {                                                       \
+        enum { TILE_ROWS = MR };                                                                 \
+        const long group_rows = SCALE_ROWS(fmt);                                                 \
+        for (int group = 0; group * group_rows < QBLOCK; group++) {                              \
+            const long g0 = k0 + group * group_rows;                                             \
+            vf s[MR][NV];                                                                        \
+            for (int m = 0; m < MR; m++)                                                         \
+                for (int j = 0; j < NV; j++) s[m][j] = vzero();                                  \
+            for (long k = g0; k < g0 + group_rows; k++) {                                        \
+                vf wv[NV];                                                                       \
+                for (int j = 0; j < NV; j++) wv[j] = vload(w + k * PANEL + VEC * j);             \
+                for (int m = 0; m < MR; m++) {                                                   \
+                    const vf b = vset1(x[m * ldx + k]);                                          \
+                    for (int j = 0; j < NV; j++) s[m][j] = vfmadd(b, wv[j], s[m][j]);           \
+                }                                                                                \
+            }                                                                                    \
+            /* inlined per format, so the sums stay in registers */                             \
+            _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wswitch\"")       \
+            EACH_FORMAT(FOLD_ROWS)                                                               \
+            _Pragma("GCC diagnostic pop")                                                        \
+        }                                                                                        \
+        if (!last) return;                                                                       \
+        for (int m = 0; m < MR; m++) {                                                           \
+            vf r[NV];                                                                            \
+            for (int j = 0; j < NV; j++)                                                         \
+                r[j] = vadd(vload(acc + m * PANEL + VEC * j),                                    \
+                            bias ? vloadm(vmask_n(width - VEC * j), bias + VEC * j) : vzero());  \
+            store_row(r, y + m * ldy, accumulate, NULL, width);                                  \
+        }                                                                                        \
+    }
+
+DEFINE_QTILE(1)
+DEFINE_QTILE(2)
+DEFINE_QTILE(3)
+DEFINE_QTILE(4)
+DEFINE_QTILE(5)
+DEFINE_QTILE(6)
+DEFINE_QTILE(7)
+DEFINE_QTILE(8)
+DEFINE_QTILE(9)
+DEFINE_QTILE(10)
+DEFINE_QTILE(11)
+DEFINE_QTILE(12)
+
+typedef void (*qtile_fn)(const float *, long, const float *, long, const uint8_t *, int, float *, float *, long,
+                         int, int, int, const float *, long, const float *, long);
+static const qtile_fn QTILES[13] = {NULL,     qtile_1,  qtile_2,  qtile_3,  qtile_4,  qtile_5, qtile_6,
+                                    qtile_7,  qtile_8,  qtile_9,  qtile_10, qtile_11, qtile_12};
+
 typedef void (*tile_fn)(const float *, long, const float *, long, long, float *, const float *, float *,
                         long, int, int, const float *, long);
 static const tile_fn TILES[13] = {NULL,    tile_1,  tile_2,  tile_3, tile_4, tile_5, tile_6,
@@ -81,6 +148,8 @@ static const tile_fn TILES[13] = {NULL,    tile_1,  tile_2,  tile_3, tile_4, til
 static __thread float *panel_buffer;
 static __thread long panel_buffer_floats;
 
+/* The panel as fp32 rows [K][32]: an fp32 panel itself, else widened into the thread's buffer
+ * (a quantized one as unscaled quants). */
 static float *fp32_panel(int fmt, const uint8_t *panel, long K) {
     if (fmt == F_F32) return (float *)panel;
     if (panel_buffer_floats < K * PANEL) {
@@ -89,7 +158,7 @@ static float *fp32_panel(int fmt, const uint8_t *panel, long K) {
         panel_buffer_floats = panel_buffer ? K * PANEL : 0;
         if (!panel_buffer) return NULL;
     }
-    dequantize_panel(fmt, panel, K, panel_buffer);
+    widen_panel(fmt, panel, K, panel_buffer);
     return panel_buffer;
 }
 
@@ -104,6 +173,8 @@ static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long
     /* Few rows: short k-blocks keep the weight stream even. Many rows (a prefill): long ones, so
      * the partial sums go through L1 less often (~10% faster at 128+ rows); same sums either way. */
     const long kblock = M > 16 ? 256 : KBLOCK;
+    float *sums = block_sums(fmt, x, ldx, M, K);
+    if (NEEDS_SUMS(fmt) && !sums) return -1;
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1) reduction(| : failed)
     for (long p = 0; p < panels; p++) {
@@ -114,7 +185,7 @@ static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long
         if (M == 1) {
             vf a[NV];
             for (int j = 0; j < NV; j++) a[j] = vzero();
-            gemv_panel(fmt, x, panel, K, a);
+            gemv_panel(fmt, x, sums, panel, K, a);
             store_row(a, y + col, accumulate, b, width);
             continue;
         }
@@ -125,7 +196,22 @@ static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long
         }
         /* A long prefill goes in chunks of rows; the panel stays in L2 for the chunks after the
          * first, so it is read from memory once. */
-        for (long r0 = 0; r0 < M; r0 += CHUNK_ROWS) {
+        for (long r0 = 0; r0 < M && HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) { /* a quantized panel */
+            const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
+            const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
+            for (long k0 = 0; k0 < K; k0 += QBLOCK) {
+                long row = 0;
+                for (long t = 0; t < tiles; t++) {
+                    const long rows = (rows_in_chunk - row + (tiles - t) - 1) / (tiles - t);
+                    const long r = r0 + row;
+                    QTILES[rows](x + r * ldx, ldx, fw, k0, panel + k0 / QBLOCK * block_bytes(fmt), fmt,
+                                 acc + row * PANEL, y + r * ldy + col, ldy, k0 == 0, k0 + QBLOCK == K, accumulate,
+                                 b, width, sums ? sums + r * (K / QBLOCK) : NULL, K / QBLOCK);
+                    row += rows;
+                }
+            }
+        }
+        for (long r0 = 0; r0 < M && !HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) {
             const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
             const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
             for (long k0 = 0; k0 < K; k0 += kblock) {
@@ -144,5 +230,6 @@ static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long
             }
         }
     }
+    free(sums);
     return failed ? -1 : 0;
 }

@@ -14,11 +14,12 @@
  * it is in registers. Within a panel the rows k = 0..K-1 come in blocks of 32 (QBLOCK); a quantized
  * block starts with its 32 columns' scales (and mins), then its 32 rows of quants (see FORMATS).
  *
- * Activations and sums are fp32. A weight is dequantized exactly as GGUF's reference does it
- * (d * q, or d * q + m, each product rounded to fp32), and every output element is one fused
- * multiply-add chain over k = 0..K-1 in order. So a quantized matmul gives, bit for bit, the fp32
- * matmul of the dequantized weights, and a row's result does not depend on how many other rows
- * share the call: the same token gives the same logits whatever else is in the batch.
+ * Activations and sums are fp32. A float format's output element is one fused multiply-add chain
+ * over k = 0..K-1 in order; a quantized format's sums x times the unscaled quants over each group
+ * of rows that shares a scale, then folds the group in with its scale (weights.c), within fp32
+ * rounding of the matmul on the weights GGUF's reference dequantizes. Either way the order is
+ * fixed, so a row's result does not depend on how many other rows share the call: the same token
+ * gives the same logits whatever else is in the batch.
  *
  * The same source is compiled twice, for AVX-512 (16-float vectors) and for AVX2 + FMA (8-float
  * vectors): isa_avx512.c and isa_avx2.c each include it under their own target (simd.h). The

@@ -1,96 +1,137 @@
 /* The weight formats: a panel's rows widened to fp32 in registers (the layout is in kernels.h).
- * Compiled once per instruction set, through isa_avx512.c and isa_avx2.c. */
+ * Compiled once per instruction set, through isa_avx512.c and isa_avx2.c.
+ *
+ * A quantized matmul sums x times the unscaled quants over each group of rows that shares a scale
+ * (32 rows; 16 for Q6_K), then folds the group in: y += d * sum (+ m * sum(x)). That is a third
+ * of the arithmetic of widening every weight to d * q + m, and its result is within fp32 rounding
+ * of the matmul on the weights GGUF's reference dequantizes (not bit for bit: it rounds in other
+ * places). Both the one-row and the many-row paths compute it in the same order. */
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* The scales d (and the mins m of Q4_1 and Q4_K) of a block's 32 columns, as NV vectors each. Q6_K
- * has two scales per column, for rows 0-15 (d) and 16-31 (m). */
-INLINE void block_scales(const int fmt, const uint8_t *blk, vf d[NV], vf m[NV]) {
-    if (fmt < F_Q8_0) return;
-    if (fmt == F_Q6_K || fmt == F_Q4_K) {
-        for (int j = 0; j < NV; j++) {
-            d[j] = vload((const float *)blk + VEC * j);
-            m[j] = vload((const float *)blk + PANEL + VEC * j);
-        }
-        return;
-    }
-    for (int j = 0; j < NV; j++) d[j] = vcvt_f16(blk + 2 * VEC * j);
-    if (fmt == F_Q4_1)
-        for (int j = 0; j < NV; j++) m[j] = vcvt_f16(blk + 2 * PANEL + 2 * VEC * j);
+/* Row k of a float format's block (f32, bf16, f16): its 32 weights widened to fp32. */
+INLINE void float_row(const int fmt, const uint8_t *blk, long k, vf w[NV]) {
+    const uint8_t *row = blk + k * ROW_BYTES[fmt];
+    for (int j = 0; j < NV; j++)
+        w[j] = fmt == F_F32 ? vload((const float *)row + VEC * j)
+             : fmt == F_BF16 ? vcvt_bf16(row + 2 * VEC * j) : vcvt_f16(row + 2 * VEC * j);
 }
 
-/* Row k of a block: its 32 weights in fp32, dequantized as GGUF's reference does it (d * q, then
- * + m, each rounded; -ffp-contract=off keeps the compiler from fusing them). */
-INLINE void block_row(const int fmt, const uint8_t *blk, long k, const vf d[NV], const vf m[NV], vf w[NV]) {
+/* Row k of a quantized block: its 32 quants as fp32, unscaled (Q4_0's as 0..15, its -8 is folded in
+ * with the scale; Q6_K's as q - 32). */
+INLINE void quant_row(const int fmt, const uint8_t *blk, long k, vf w[NV]) {
     const uint8_t *row = blk + HEAD_BYTES[fmt] + k * ROW_BYTES[fmt];
-    switch (fmt) {
-    case F_F32:
-        for (int j = 0; j < NV; j++) w[j] = vload((const float *)row + VEC * j);
-        break;
-    case F_BF16:
-        for (int j = 0; j < NV; j++) w[j] = vcvt_bf16(row + 2 * VEC * j);
-        break;
-    case F_F16:
-        for (int j = 0; j < NV; j++) w[j] = vcvt_f16(row + 2 * VEC * j);
-        break;
-    case F_Q8_0:
-        for (int j = 0; j < NV; j++) w[j] = vmul(vcvt_i8((const int8_t *)row + VEC * j), d[j]);
-        break;
-    case F_Q4_0:
+    if (fmt == F_Q8_0 || fmt == F_Q6_K)
+        for (int j = 0; j < NV; j++) w[j] = vcvt_i8((const int8_t *)row + VEC * j);
+    else
         vcvt_u4(row, w);
-        for (int j = 0; j < NV; j++) w[j] = vmul(d[j], vsub(w[j], vset1(8.0f)));
-        break;
-    case F_Q4_1:
-        vcvt_u4(row, w);
-        for (int j = 0; j < NV; j++) w[j] = vadd(vmul(d[j], w[j]), m[j]);
-        break;
-    case F_Q6_K: {
-        const vf *s = k < QBLOCK / 2 ? d : m;
-        for (int j = 0; j < NV; j++) w[j] = vmul(s[j], vcvt_i8((const int8_t *)row + VEC * j));
-        break;
-    }
-    case F_Q4_K:
-        vcvt_u4(row, w);
-        for (int j = 0; j < NV; j++) w[j] = vsub(vmul(d[j], w[j]), m[j]);
-        break;
+}
+
+/* Rows per scale: a Q6_K block has two scales per column (rows 0-15 and 16-31), the others one. */
+#define SCALE_ROWS(fmt) ((fmt) == F_Q6_K ? QBLOCK / 2 : QBLOCK)
+
+/* Whether a format's fold needs the sum of x over each block (a min, or Q4_0's offset of 8). */
+#define NEEDS_SUMS(fmt) ((fmt) == F_Q4_0 || (fmt) == F_Q4_1 || (fmt) == F_Q4_K)
+
+/* sums[m * K / 32 + b] = the sum of x[m, 32 b .. 32 b + 31], added in order: computed once per
+ * matmul, for both the one-row and the many-row paths. NULL if the format needs none (or no memory). */
+static float *block_sums(int fmt, const float *x, long ldx, long M, long K) {
+    if (!NEEDS_SUMS(fmt)) return NULL;
+    const long blocks = K / QBLOCK;
+    float *sums = malloc(sizeof(float) * M * blocks);
+    for (long m = 0; sums && m < M; m++)
+        for (long b = 0; b < blocks; b++) {
+            float sum = 0.0f;
+            for (long k = 0; k < QBLOCK; k++) sum += x[m * ldx + b * QBLOCK + k];
+            sums[m * blocks + b] = sum;
+        }
+    return sums;
+}
+
+/* Folds a scale group's sums s = sum_k x_k q_k (one per column) into the running totals a:
+ * a += d s, with Q4_1's + m sum(x), Q4_K's - m sum(x) and Q4_0's -8 d sum(x). Scaling once per
+ * group instead of once per weight is what makes a quantized row cheaper than an fp32 one. */
+INLINE void block_fold(const int fmt, const uint8_t *blk, int group, const vf s[NV], float xs, vf a[NV]) {
+    const vf sum = vset1(xs);
+    for (int j = 0; j < NV; j++) {
+        switch (fmt) {
+        case F_Q8_0:
+            a[j] = vfmadd(vcvt_f16(blk + 2 * VEC * j), s[j], a[j]);
+            break;
+        case F_Q4_0:
+            a[j] = vfmadd(vcvt_f16(blk + 2 * VEC * j), vfnmadd(vset1(8.0f), sum, s[j]), a[j]);
+            break;
+        case F_Q4_1:
+            a[j] = vfmadd(vcvt_f16(blk + 2 * VEC * j), s[j], a[j]);
+            a[j] = vfmadd(vcvt_f16(blk + 2 * PANEL + 2 * VEC * j), sum, a[j]);
+            break;
+        case F_Q6_K:
+            a[j] = vfmadd(vload((const float *)blk + group * PANEL + VEC * j), s[j], a[j]);
+            break;
+        case F_Q4_K:
+            a[j] = vfmadd(vload((const float *)blk + VEC * j), s[j], a[j]);
+            a[j] = vfnmadd(vload((const float *)blk + PANEL + VEC * j), sum, a[j]);
+            break;
+        }
     }
 }
 
 /* The one-row case (a single decoding session): acc[j] += the whole panel times x, widened row by
- * row in registers, with the stream prefetched a few KiB ahead; bound by memory bandwidth. The sums
- * run over k in the same order as the tiles', so a row gets the same result alone as in a batch. */
+ * row in registers, with the stream prefetched a few KiB ahead; bound by memory bandwidth (fp32)
+ * or by the widening (4-bit formats). A quantized group's sums start from zero and are folded in
+ * with their scale, exactly as the many-row tiles do, so a row gets the same result alone as in a
+ * batch. */
 #define GEMV_AHEAD 8192
-INLINE void gemv_fmt(const int fmt, const float *restrict x, const uint8_t *restrict panel, long K, vf acc[NV]) {
+INLINE void prefetch_row(const int fmt, const char *row, long k) {
+    if (ROW_BYTES[fmt] >= 64) {
+        for (long off = 0; off < ROW_BYTES[fmt]; off += 64) _mm_prefetch(row + GEMV_AHEAD + off, _MM_HINT_T0);
+    } else if (((k * ROW_BYTES[fmt]) & 63) == 0) {
+        _mm_prefetch(row + GEMV_AHEAD, _MM_HINT_T0);
+    }
+}
+
+INLINE void gemv_fmt(const int fmt, const float *restrict x, const float *restrict sums, const uint8_t *restrict panel,
+                     long K, vf acc[NV]) {
     for (long k0 = 0; k0 < K; k0 += QBLOCK) {
         const uint8_t *blk = panel + k0 / QBLOCK * block_bytes(fmt);
-        vf d[NV], m[NV];
-        block_scales(fmt, blk, d, m);
         const long rows = K - k0 < QBLOCK ? K - k0 : QBLOCK;
-        for (long k = 0; k < rows; k++) {
-            const char *row = (const char *)blk + HEAD_BYTES[fmt] + k * ROW_BYTES[fmt];
-            if (ROW_BYTES[fmt] >= 64) {
-                for (long off = 0; off < ROW_BYTES[fmt]; off += 64) _mm_prefetch(row + GEMV_AHEAD + off, _MM_HINT_T0);
-            } else if (((k * ROW_BYTES[fmt]) & 63) == 0) {
-                _mm_prefetch(row + GEMV_AHEAD, _MM_HINT_T0);
+        vf w[NV];
+        if (!HEAD_BYTES[fmt]) {
+            for (long k = 0; k < rows; k++) {
+                prefetch_row(fmt, (const char *)blk + k * ROW_BYTES[fmt], k);
+                float_row(fmt, blk, k, w);
+                const vf b = vset1(x[k0 + k]);
+                for (int j = 0; j < NV; j++) acc[j] = vfmadd(b, w[j], acc[j]);
             }
-            vf w[NV];
-            block_row(fmt, blk, k, d, m, w);
-            const vf b = vset1(x[k0 + k]);
-            for (int j = 0; j < NV; j++) acc[j] = vfmadd(b, w[j], acc[j]);
+            continue;
+        }
+        for (int group = 0; group * SCALE_ROWS(fmt) < QBLOCK; group++) {
+            const long g0 = group * SCALE_ROWS(fmt);
+            vf s[NV];
+            for (int j = 0; j < NV; j++) s[j] = vzero();
+            for (long k = g0; k < g0 + SCALE_ROWS(fmt); k++) {
+                prefetch_row(fmt, (const char *)blk + HEAD_BYTES[fmt] + k * ROW_BYTES[fmt], k);
+                quant_row(fmt, blk, k, w);
+                const vf b = vset1(x[k0 + k]);
+                for (int j = 0; j < NV; j++) s[j] = vfmadd(b, w[j], s[j]);
+            }
+            block_fold(fmt, blk, group, s, NEEDS_SUMS(fmt) ? sums[k0 / QBLOCK] : 0.0f, acc);
         }
     }
 }
 
-/* The panel widened to fp32 rows [K][32] in out: a many-row matmul dequantizes each block once and
- * uses it for every row. */
-INLINE void dequantize_fmt(const int fmt, const uint8_t *restrict panel, long K, float *restrict out) {
+/* The panel widened to fp32 rows [K][32] in out, once for all the rows of a matmul: a float
+ * format's weights, or a quantized format's unscaled quants (the tiles fold the scales in). */
+INLINE void widen_fmt(const int fmt, const uint8_t *restrict panel, long K, float *restrict out) {
     for (long k0 = 0; k0 < K; k0 += QBLOCK) {
         const uint8_t *blk = panel + k0 / QBLOCK * block_bytes(fmt);
-        vf d[NV], m[NV], w[NV];
-        block_scales(fmt, blk, d, m);
         const long rows = K - k0 < QBLOCK ? K - k0 : QBLOCK;
+        vf w[NV];
         for (long k = 0; k < rows; k++) {
-            block_row(fmt, blk, k, d, m, w);
+            if (HEAD_BYTES[fmt])
+                quant_row(fmt, blk, k, w);
+            else
+                float_row(fmt, blk, k, w);
             for (int j = 0; j < NV; j++) vstore(out + (k0 + k) * PANEL + VEC * j, w[j]);
         }
     }
@@ -109,19 +150,22 @@ INLINE void dequantize_fmt(const int fmt, const uint8_t *restrict panel, long K,
     case F_Q4_K: CALL(F_Q4_K); break;       \
     }
 
-static void gemv_panel(int fmt, const float *x, const uint8_t *panel, long K, vf acc[NV]) {
-#define GEMV(F) gemv_fmt(F, x, panel, K, acc)
+static void gemv_panel(int fmt, const float *x, const float *sums, const uint8_t *panel, long K, vf acc[NV]) {
+#define GEMV(F) gemv_fmt(F, x, sums, panel, K, acc)
     EACH_FORMAT(GEMV)
 #undef GEMV
 }
 
-static void dequantize_panel(int fmt, const uint8_t *panel, long K, float *out) {
-#define DEQUANTIZE(F) dequantize_fmt(F, panel, K, out)
-    EACH_FORMAT(DEQUANTIZE)
-#undef DEQUANTIZE
+static void widen_panel(int fmt, const uint8_t *panel, long K, float *out) {
+#define WIDEN(F) widen_fmt(F, panel, K, out)
+    EACH_FORMAT(WIDEN)
+#undef WIDEN
 }
 
-/* Weight (row r, column c) of a packed panel, one at a time: the same products as block_row. */
+
+
+/* Weight (row r, column c) of a packed panel, dequantized as GGUF's reference does it (d * q, then
+ * + m, each rounded; -ffp-contract=off keeps the compiler from fusing them). */
 static float weight_at(int fmt, const uint8_t *panel, long r, long c) {
     const uint8_t *blk = panel + r / QBLOCK * block_bytes(fmt);
     const uint8_t *row = blk + HEAD_BYTES[fmt] + r % QBLOCK * ROW_BYTES[fmt];
