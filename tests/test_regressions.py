@@ -123,9 +123,14 @@ def test_max_concurrent_streams_bounds_one_connection(tiny_dir):
     own_connection = [("grpc.use_local_subchannel_pool", 1)]
     try:
         with server.client(options=own_connection) as client, server.client(options=own_connection) as observer:
-            streams = [client.stream("hold", **LONG) for _ in range(3)]
-            for stream in streams[:2]:
-                next(iter(stream))
+            # One at a time: gRPC does not start a connection's queued calls in the order they
+            # were made, so with all three made at once the third could take a slot and leave the
+            # second waiting for a stream this test never finishes reading (it hung once).
+            streams = []
+            for _ in range(3):
+                streams.append(client.stream("hold", timeout=120, **LONG))
+                if len(streams) < 3:
+                    next(iter(streams[-1]))
             time.sleep(0.5)
             assert observer.server_status().sessions_submitted == 2  # the third waits in the client
             streams[0].cancel()
