@@ -9,7 +9,7 @@ STUBS  := clients/python/src/braid/v1/generate_pb2.py
 # would pull several GB of CUDA packages. Override on a GPU machine if needed.
 TORCH  ?= torch==2.13.0
 
-.PHONY: all install protos serve test bench clean
+.PHONY: all install protos serve test bench bench-formats clean
 
 all: install
 
@@ -59,8 +59,16 @@ $(BENCH_STAMP): $(STAMP)
 	$(PIP) install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
+# Then braid in each weight format beside llama.cpp on the same files (issue 12; about 30 min):
+# e.g. make bench FORMATS_ARGS="--quick". make bench-formats runs that part alone.
+FORMATS_ARGS ?=
+
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+	$(PY) benchmarks/formats.py $(FORMATS_ARGS)
+
+bench-formats: $(BENCH_STAMP)
+	$(PY) benchmarks/formats.py $(FORMATS_ARGS)
 
 clean:
 	rm -rf $(VENV) clients/python/src/braid/v1 .pytest_cache

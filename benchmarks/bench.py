@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import math
 import os
 import sys
 import tempfile
@@ -74,16 +73,17 @@ def log(message: str) -> None:
 
 # ---------------------------------------------------------------- one measurement
 
-async def measure(system: str, workload: workloads.Workload, run_once: RunOnce, pids: list[int]) -> Row:
-    """Runs the workload up to `repeats` times while the repeats take under REPEAT_BUDGET_S, and
-    again when other processes disturbed a run; the median of the undisturbed runs, or of all of
-    them if none was."""
+async def measure(system: str, workload: workloads.Workload, run_once: RunOnce, pids: list[int],
+                  budget_s: float = REPEAT_BUDGET_S) -> Row:
+    """Runs the workload up to `repeats` times while the repeats take under `budget_s`, and again
+    when other processes disturbed a run; the median of the undisturbed runs, or of all of them if
+    none was."""
     prompt_tokens = sum(len(r.prompt_ids) for r in workload.requests)
     clean: list[Row] = []
     disturbed: list[Row] = []
     started = time.monotonic()
     while len(clean) < workload.repeats and len(disturbed) <= RETRIES:
-        if clean and time.monotonic() - started > REPEAT_BUDGET_S:
+        if clean and time.monotonic() - started > budget_s:
             break
         machine.wait_until_quiet(pids, threshold=DISTURBED_ABOVE, max_wait_s=QUIET_WAIT_S)
         meter = machine.CpuMeter(pids)
@@ -178,7 +178,7 @@ async def bench_llama_cpp(selected: list[workloads.Workload], warm: list[workloa
 
     gguf = llamacpp.f32_gguf(llama, embedded_gguf())
     longest = max(len(r.prompt_ids) + r.max_new_tokens for w in selected for r in w.requests)
-    context = LLAMA_PARALLEL * 256 * math.ceil((longest + 64) / 256)  # every slot fits the longest request
+    context = llamacpp.context_size(LLAMA_PARALLEL, longest)
     log(f"{report.LLAMA_CPP}: --parallel {LLAMA_PARALLEL} -c {context}, {gguf.name}")
     log_path = Path(tempfile.gettempdir()) / "braid-bench-llama-server.log"
     with llamacpp.running_server(llama, gguf, braid_server.free_port(), parallel=LLAMA_PARALLEL,
@@ -221,7 +221,7 @@ async def run_all(args) -> Results:
 
     from braid.server.model.loader import default_cache_dir, resolve
 
-    model_name, model_path = resolve(None, default_cache_dir())
+    model_name, model_path, _ = resolve(None, default_cache_dir())
     all_workloads = workloads.build(AutoTokenizer.from_pretrained(model_path, local_files_only=True),
                                     quick=args.quick, poisson_rate=args.poisson_rate,
                                     repeats=1 if args.quick else args.repeats)
@@ -256,10 +256,16 @@ async def run_all(args) -> Results:
 
 
 def write_docs(results: Results, output: Path) -> None:
+    """Writes the page anew, keeping the sections other benchmarks own (report.OTHER_SECTIONS)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     plot_path = output.with_suffix(".png")
     has_plot = report.plot(results, plot_path)
-    output.write_text(report.markdown(results, plot_path.name if has_plot else None))
+    text = report.markdown(results, plot_path.name if has_plot else None)
+    old = output.read_text() if output.is_file() else ""
+    for heading in report.OTHER_SECTIONS:
+        if kept := report.section(old, heading):
+            text = report.with_section(text, heading, kept)
+    output.write_text(text)
     log(f"wrote {output}" + (f" and {plot_path}" if has_plot else ""))
 
 

@@ -6,21 +6,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from braid.client import AsyncClient
-from braid.server.process import BraidProcess, free_port  # noqa: F401  (free_port: llama.cpp's port too)
+from braid.server.process import START_TIMEOUT_S, BraidProcess
+from braid.server.process import free_port  # noqa: F401  (llama.cpp's port too)
 
 from metrics import StreamTiming
 from workloads import Request
 
 
 @contextlib.asynccontextmanager
-async def running(mode: str, *, threads: int, max_batch_size: int, log_path: Path):
-    """A healthy braid server in `mode`; yields (AsyncClient, server pid)."""
+async def running(mode: str, *, threads: int, max_batch_size: int, log_path: Path,
+                  extra_args: Sequence[str] = (), start_timeout: float = START_TIMEOUT_S):
+    """A healthy braid server in `mode`, with `extra_args` (--model, --dtype, ...) on its command
+    line; yields (AsyncClient, server pid)."""
     server = await asyncio.to_thread(
         BraidProcess, ["--mode", mode, "--max-batch-size", str(max_batch_size), "--threads", str(threads),
-                       "--log-level", "warning"], log_path=log_path)
+                       "--log-level", "warning", *extra_args], log_path=log_path, start_timeout=start_timeout)
     try:
         async with AsyncClient(server.target) as client:
             yield client, server.pid

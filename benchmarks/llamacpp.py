@@ -1,11 +1,15 @@
-"""llama.cpp for the benchmark: find or build `llama-server`, make the f32 GGUF, run the server.
+"""llama.cpp for the benchmark: find or build `llama-server`, make GGUF files, run the server.
 
 Nothing of llama.cpp lives in the repo. The llama-cpp-python source package on PyPI vendors
 llama.cpp (vendor/llama.cpp); `build()` downloads it with pip, builds llama-server and
-llama-quantize with cmake into the cache folder, and `f32_gguf()` requantizes the embedded Q4_1
-GGUF to F32 (the same weights braid serves, dequantised the same way):
+llama-quantize with cmake into the cache folder and keeps the source tree's Hugging Face to GGUF
+converter (`convert_hf_to_gguf.py` with its `conversion` and `gguf-py` packages, so that the
+converter runs with the gguf library of its own commit). `f32_gguf()` requantizes the embedded Q4_1
+GGUF to F32 (the same weights braid serves, dequantised the same way); `convert()` and `quantize()`
+make the other formats:
 
     ~/.cache/braid/llama.cpp/bin/{llama-server,llama-quantize}
+    ~/.cache/braid/llama.cpp/convert/convert_hf_to_gguf.py
     ~/.cache/braid/llama.cpp/BUILD_INFO           what was built, from which source
     ~/.cache/braid/llama.cpp/<model>.F32.gguf
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -30,6 +35,7 @@ from processes import logged_process
 from workloads import Request
 
 BINARIES = ("llama-server", "llama-quantize")
+CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # the script and the packages it imports
 SDIST = "llama-cpp-python"
 
 
@@ -79,15 +85,16 @@ def build(jobs: int = 2) -> LlamaCpp:
               "--target", *BINARIES])
         for name in BINARIES:
             shutil.copy2(build_dir / "bin" / name, target / "bin" / name)
+        _keep_converter(source)
     info = f"{sdist.stem.removesuffix('.tar')} vendored llama.cpp {commit[:10]}, Release, GGML_NATIVE=ON"
     (target / "BUILD_INFO").write_text(info + "\n")
     _log(f"llama.cpp: built into {target / 'bin'}")
     return LlamaCpp(target / "bin" / "llama-server", target / "bin" / "llama-quantize", info)
 
 
-def _download_sdist(work_dir: Path, log) -> Path:
+def _download_sdist(work_dir: Path, log, version: str | None = None) -> Path:
     _run(log, [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-          SDIST, "-d", str(work_dir)])
+          f"{SDIST}=={version}" if version else SDIST, "-d", str(work_dir)])
     return next(work_dir.glob("llama_cpp_python-*.tar.gz"))
 
 
@@ -101,15 +108,80 @@ def _extract_llama_cpp(sdist: Path, work_dir: Path) -> tuple[Path, str]:
     return root / "vendor" / "llama.cpp", commit
 
 
-def f32_gguf(llama: LlamaCpp, source_gguf: Path) -> Path:
-    """`source_gguf` requantized to F32 in the cache folder, made once."""
-    out = cache_dir() / f"{source_gguf.stem}.F32.gguf"
+def _keep_converter(source: Path) -> None:
+    """Copies the converter out of the llama.cpp source tree into the cache folder."""
+    target = cache_dir() / "convert"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name in CONVERTER:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, target / name)
+        else:
+            shutil.copy2(source / name, target / name)
+
+
+def converter() -> Path:
+    """convert_hf_to_gguf.py in the cache folder; fetched (not built: a few seconds) from the sdist of
+    the llama.cpp build, when that build predates keeping it."""
+    script = cache_dir() / "convert" / CONVERTER[0]
+    if script.is_file():
+        return script
+    info = (cache_dir() / "BUILD_INFO").read_text() if (cache_dir() / "BUILD_INFO").is_file() else ""
+    version = info.split()[0].removeprefix("llama_cpp_python-") if info.startswith("llama_cpp_python-") else None
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="braid-llama-cpp-") as work, \
+            open(cache_dir() / "convert.log", "w") as log:
+        source, _ = _extract_llama_cpp(_download_sdist(Path(work), log, version), Path(work))
+        _keep_converter(source)
+    return script
+
+
+def convert(hf_folder: Path, out: Path, outtype: str) -> Path:
+    """A Hugging Face folder converted to a GGUF file of `outtype` (f32, bf16, f16, q8_0), made once.
+    The converter runs in this Python (it needs torch, transformers, numpy) with the gguf-py package
+    of its own llama.cpp commit ahead of any installed gguf."""
+    if out.is_file():
+        return out
+    script = converter()
+    staging = out.with_suffix(".partial")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent)]),
+           "HF_HUB_OFFLINE": "1"}
+    log_path = out.with_suffix(".convert.log")
+    with open(log_path, "w") as log:
+        done = subprocess.run([sys.executable, str(script), str(hf_folder), "--outfile", str(staging),
+                               "--outtype", outtype], stdout=log, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        lines = log_path.read_text().strip().splitlines() or ["(no output)"]
+        raise RuntimeError(f"convert_hf_to_gguf.py {hf_folder.name} failed: {lines[-1]} (log: {log_path})")
+    os.replace(staging, out)
+    return out
+
+
+def quantize(llama: LlamaCpp, source_gguf: Path, out: Path, gguf_type: str, *,
+             allow_requantize: bool = False, embedding_type: str | None = None) -> Path:
+    """`source_gguf` quantized to `gguf_type` (Q4_0, Q8_0, BF16, F32, ...) by llama-quantize, made
+    once; `embedding_type`: the token embedding's and the output projection's type, instead of the
+    one llama-quantize picks for them (Q6_K for Q4_0)."""
     if not out.is_file():
         staging = out.with_suffix(".partial")
-        with open(cache_dir() / "quantize.log", "w") as log:
-            _run(log, [str(llama.quantize), "--allow-requantize", str(source_gguf), str(staging), "F32"])
+        flags = ["--allow-requantize"] if allow_requantize else []
+        if embedding_type:
+            flags += ["--token-embedding-type", embedding_type, "--output-tensor-type", embedding_type]
+        with open(out.with_suffix(".quantize.log"), "w") as log:
+            _run(log, [str(llama.quantize), *flags, str(source_gguf), str(staging), gguf_type])
         os.replace(staging, out)
     return out
+
+
+def f32_gguf(llama: LlamaCpp, source_gguf: Path) -> Path:
+    """`source_gguf` requantized to F32 in the cache folder, made once."""
+    return quantize(llama, source_gguf, cache_dir() / f"{source_gguf.stem}.F32.gguf", "F32",
+                    allow_requantize=True)
+
+
+def context_size(parallel: int, longest: int) -> int:
+    """The server's -c: `parallel` slots, each holding the longest request (prompt and new tokens)."""
+    return parallel * 256 * math.ceil((longest + 64) / 256)
 
 
 @contextlib.contextmanager
@@ -158,6 +230,10 @@ def sender(http, base_url: str):
                     num_tokens += len(chunk["tokens"])
                 if chunk.get("stop"):
                     _check_prompt(chunk, request)
+                    # A token whose text ends inside a UTF-8 character is held back and comes in no
+                    # chunk's `tokens` (a random model's output has such): count the server's total.
+                    if chunk.get("tokens_predicted", 0) > num_tokens:
+                        last, num_tokens = time.perf_counter(), chunk["tokens_predicted"]
         return StreamTiming(sent, first, last, num_tokens)
 
     return send

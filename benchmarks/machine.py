@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -61,6 +62,18 @@ def _cpu_model() -> str:
     return f"{name or 'unknown'} ({', '.join(extensions)})" if extensions else name or "unknown"
 
 
+def vector_isa() -> str:
+    """The vector extensions the CPU kernels care about, those it has and those it lacks:
+    "AVX2, FMA, F16C; no AVX-512, no AMX"."""
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = set(next((l.split(":", 1)[1].split() for l in info if l.startswith("flags")), []))
+    wanted = (("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("avx512f", "AVX-512"),
+              ("avx512_bf16", "AVX-512 BF16"), ("avx512_vnni", "AVX-512 VNNI"), ("amx_tile", "AMX"))
+    present = [label for flag, label in wanted if flag in flags]
+    absent = [f"no {label}" for flag, label in wanted if flag not in flags and "AVX-512 " not in label]
+    return "; ".join(part for part in (", ".join(present), ", ".join(absent)) if part)
+
+
 def _memory_gb() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -73,6 +86,31 @@ def _version(package: str) -> str:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "absent"
+
+
+def read_bandwidth_gbs(threads: int, size_mib: int = 512, rounds: int = 5) -> float:
+    """Memory read bandwidth in GB/s: `threads` threads each sum their own part of a `size_mib` MiB
+    array (numpy releases the GIL in the sum); the best of `rounds`. What a decode step, which reads
+    every weight once, can hope for at best."""
+    import numpy as np
+
+    parts = [np.ones(size_mib * 2**20 // 8 // threads, dtype=np.int64) for _ in range(threads)]
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, parts))  # touch the pages once
+        for _ in range(rounds):
+            start = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, sum(p.nbytes for p in parts) / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def rss_mib(pid: int) -> float:
+    """The resident memory of a process (VmRSS: anonymous memory and the mapped file pages it has touched)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 class CpuMeter:

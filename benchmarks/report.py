@@ -19,8 +19,37 @@ LLAMA_CPP = "llama.cpp server"
 TARGETS = "targets"
 
 
+FORMATS_HEADING = "## Weight formats (issue 12)"  # benchmarks/formats.py's section of the page
+OTHER_SECTIONS = (FORMATS_HEADING,)  # sections of docs/benchmarks.md that bench.py keeps as they are
+
+
 def braid(mode: str) -> str:
     return f"braid {mode}"
+
+
+def section(text: str, heading: str) -> str:
+    """The markdown section that starts at the line `heading`, up to the next `## ` heading; "" if none."""
+    lines = text.splitlines()
+    start, end = _section_span(lines, heading)
+    return "\n".join(lines[start:end]).rstrip("\n") + "\n" if start is not None else ""
+
+
+def with_section(text: str, heading: str, body: str) -> str:
+    """`text` with its section `heading` replaced by `body` (which starts with the heading), or with
+    `body` appended at the end when it has no such section."""
+    lines = text.splitlines()
+    start, end = _section_span(lines, heading)
+    if start is None:
+        start = end = len(lines)
+    before, after = "\n".join(lines[:start]).rstrip("\n"), "\n".join(lines[end:]).strip("\n")
+    return "\n\n".join(part for part in (before, body.strip("\n"), after) if part) + "\n"
+
+
+def _section_span(lines: list[str], heading: str) -> tuple[int | None, int]:
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
+    if start is None:
+        return None, len(lines)
+    return start, next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
 
 
 @dataclass
@@ -103,7 +132,7 @@ def sweep_table(results: Results, metric: str = "tokens_per_s", digits: int = 1)
 _MACHINE_LABELS = {"cpu_model": "CPU", "cores": "cores", "memory_gb": "memory (GB)", "os": "OS",
                    "threads": "threads per system", "python": "Python", "torch": "torch",
                    "transformers": "transformers", "grpcio": "grpcio", "braid_commit": "braid commit",
-                   "llama_cpp": "llama.cpp build"}
+                   "llama_cpp": "llama.cpp build", "vector_isa": "vector ISA"}
 
 
 def machine_table(machine: dict) -> str:

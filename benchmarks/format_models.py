@@ -1,0 +1,141 @@
+"""The model files the weight-format benchmark serves, made once into ~/.cache/braid/bench/, and the
+bytes of weights each one reads per decode step.
+
+- SmolLM2-135M-Instruct: the embedded Q4_1 GGUF as shipped; braid's fp32 folder of it (what braid
+  converts it to on first use); that folder saved in bf16; and GGUFs in F32 (converted from the fp32
+  folder by llama.cpp's convert_hf_to_gguf.py), Q8_0 and BF16 (llama-quantize from the F32 one).
+- A model of Llama-3.2-1B's shape with random weights (fixed seed) and SmolLM2's tokenizer, so
+  vocabulary 49152 instead of 128256 (no 128k tokenizer can be had offline) and no llama3 rope
+  scaling: ~1.07 B parameters. Saved in bf16; GGUFs in BF16 (converted), Q8_0 and Q4_0 with a Q8_0
+  embedding (llama-quantize from the BF16 one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import llamacpp
+
+BENCH_DIR = Path.home() / ".cache" / "braid" / "bench"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+SEED = 12
+# Llama-3.2-1B's shape, but SmolLM2's vocabulary (its tokenizer is the one at hand offline).
+LLAMA_1B_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=64, intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, vocab_size=49152,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+LLAMA_1B_NAME = "llama-3.2-1b-shape-random"
+
+
+def smollm_fp32_folder() -> Path:
+    """braid's fp32 safetensors folder of the embedded GGUF (converted now if braid has not yet)."""
+    from braid.server.model.loader import default_cache_dir, resolve
+
+    return Path(resolve(None, default_cache_dir())[1])
+
+
+def bf16_folder(fp32_folder: Path, out: Path) -> Path:
+    """`fp32_folder` saved with bfloat16 weights, tokenizer files copied; made once."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(fp32_folder, local_files_only=True, dtype=torch.bfloat16)
+    _save(model, fp32_folder, out)
+    return out
+
+
+def llama_1b_folder(tokenizer_folder: Path, out: Path = BENCH_DIR / LLAMA_1B_NAME) -> Path:
+    """A random Llama-3.2-1B-shaped model in bf16 (seed SEED), with the tokenizer of
+    `tokenizer_folder`; made once (about a minute, 2 GB)."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(**LLAMA_1B_SHAPE)
+    config.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    _save(model, tokenizer_folder, out)
+    return out
+
+
+def _save(model, tokenizer_folder: Path, out: Path) -> None:
+    """Saves into a staging folder, then renames it: a half-made folder is never taken for a model."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".making-", dir=out.parent))
+    try:
+        model.save_pretrained(staging)
+        for name in TOKENIZER_FILES:
+            if (tokenizer_folder / name).is_file():
+                shutil.copy2(tokenizer_folder / name, staging / name)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def smollm_ggufs(llama: llamacpp.LlamaCpp, fp32_folder: Path) -> dict[str, Path]:
+    """SmolLM2's GGUFs by type: F32 (converted from braid's fp32 folder), Q8_0 and BF16 from it."""
+    f32 = llamacpp.convert(fp32_folder, BENCH_DIR / "SmolLM2-135M-Instruct.F32.gguf", "f32")
+    return {"F32": f32, **{t: llamacpp.quantize(llama, f32, BENCH_DIR / f"SmolLM2-135M-Instruct.{t}.gguf", t)
+                           for t in ("Q8_0", "BF16")}}
+
+
+def llama_1b_ggufs(llama: llamacpp.LlamaCpp, folder: Path) -> dict[str, Path]:
+    """The 1B model's GGUFs by type: BF16 (converted), Q8_0 and Q4_0 from it. The Q4_0 one keeps its
+    (tied) embedding in Q8_0, as the embedded SmolLM2 GGUF does, where llama-quantize would pick Q6_K:
+    every matrix then is in a format both servers read natively."""
+    bf16 = llamacpp.convert(folder, BENCH_DIR / f"{LLAMA_1B_NAME}.BF16.gguf", "bf16")
+    q8_0 = llamacpp.quantize(llama, bf16, BENCH_DIR / f"{LLAMA_1B_NAME}.Q8_0.gguf", "Q8_0")
+    q4_0 = llamacpp.quantize(llama, bf16, BENCH_DIR / f"{LLAMA_1B_NAME}.Q4_0-Q8_0-embedding.gguf", "Q4_0",
+                             embedding_type="Q8_0")
+    return {"BF16": bf16, "Q8_0": q8_0, "Q4_0": q4_0}
+
+
+# ---------------------------------------------------------------- bytes per decode step
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of weights one decode step reads: every tensor of a .gguf file or a safetensors folder,
+    but the token embedding only when the output projection is tied to it (an untied embedding is
+    read a row per token)."""
+    sizes = _gguf_sizes(path) if path.suffix == ".gguf" else _safetensors_sizes(path)
+    untied = {"output.weight", "lm_head.weight"} & sizes.keys()
+    return sum(n for name, n in sizes.items()
+               if not (untied and name in ("token_embd.weight", "model.embed_tokens.weight")))
+
+
+def describe_types(path: Path) -> str:
+    """The tensor types of a GGUF file, most bytes first: "Q4_1 (Q8_0 token_embd, F32 norms)"-like."""
+    from gguf import GGUFReader
+
+    by_type: dict[str, int] = {}
+    for tensor in GGUFReader(path).tensors:
+        by_type[tensor.tensor_type.name] = by_type.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    return " + ".join(name for name, _ in sorted(by_type.items(), key=lambda kv: -kv[1]))
+
+
+def _gguf_sizes(path: Path) -> dict[str, int]:
+    from gguf import GGUFReader
+
+    return {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(path).tensors}
+
+
+def _safetensors_sizes(folder: Path) -> dict[str, int]:
+    """Tensor byte sizes from the headers of a folder's model*.safetensors files (nothing else is read;
+    braid keeps other files beside a converted GGUF's weights)."""
+    sizes = {}
+    for file in sorted(folder.glob("model*.safetensors")):
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        sizes |= {name: meta["data_offsets"][1] - meta["data_offsets"][0]
+                  for name, meta in header.items() if name != "__metadata__"}
+    return sizes

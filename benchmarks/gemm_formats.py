@@ -1,0 +1,77 @@
+"""The packed matmul in every weight format, in process: time per call and weight bytes streamed
+per second, at 1 row (one decoding session), 16 rows (a decode batch) and 256 rows (a prefill
+chunk), on SmolLM2's and Llama-3.2-1B's layer shapes. Where a step's time goes, by format.
+
+    .venv/bin/python benchmarks/gemm_formats.py [--isa avx2] [--repeats 5]
+
+BRAID_KERNELS_ISA (or --isa) picks the instruction-set build; medians of --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from braid.server.model.weights import unpack_gguf
+from braid.server.runner import kernels
+
+SHAPES = {"SmolLM2 gate_up 576x3072": (576, 3072), "SmolLM2 down 1536x576": (1536, 576),
+          "1B gate_up 2048x16384": (2048, 16384), "1B down 8192x2048": (8192, 2048)}
+FORMATS = ("f32", "bf16", "f16", "q8_0", "q4_1", "q4_0")
+
+
+def matrix(fmt: str, k: int, n: int):
+    values = torch.randn(n, k)
+    if fmt in ("f32", "bf16", "f16"):
+        return values.to({"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[fmt])
+    return unpack_gguf(fmt, quants.quantize(values.numpy(), GGMLQuantizationType[fmt.upper()]))
+
+
+def seconds_per_call(layer, x: torch.Tensor, repeats: int) -> float:
+    layer(x)
+    calls = max(3, int(0.2 / max(1e-5, _once(layer, x))))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            layer(x)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def _once(layer, x) -> float:
+    start = time.perf_counter()
+    layer(x)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--isa", help="avx512 or avx2 (default: BRAID_KERNELS_ISA, else the best)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", default="1,16,256")
+    args = parser.parse_args()
+    if args.isa:
+        os.environ[kernels.ISA_VARIABLE] = args.isa
+    ops = kernels.pick_ops(torch.device("cpu"), torch.float32)
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"kernels: {ops.name}, {torch.get_num_threads()} threads; medians of {args.repeats}\n")
+    print("| shape | format | MB | " + " | ".join(f"{m} rows: us, GB/s" for m in rows) + " |")
+    print("| --- | --- | ---: | " + " | ".join("---:" for _ in rows) + " |")
+    for label, (k, n) in SHAPES.items():
+        for fmt in FORMATS:
+            layer = ops.linear(matrix(fmt, k, n), None)
+            cells = []
+            for m in rows:
+                s = seconds_per_call(layer, torch.randn(m, k), args.repeats)
+                cells.append(f"{s * 1e6:.0f}, {layer.nbytes / s / 1e9:.1f}")
+            print(f"| {label} | {fmt} | {layer.nbytes / 1e6:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
