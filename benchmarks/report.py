@@ -20,7 +20,9 @@ TARGETS = "targets"
 
 
 FORMATS_HEADING = "## Weight formats (issue 12)"  # benchmarks/formats.py's section of the page
-OTHER_SECTIONS = (FORMATS_HEADING,)  # sections of docs/benchmarks.md that bench.py keeps as they are
+FORMATS_NOTES_HEADING = "## Weight formats: quality, memory and where the time goes (issue 12, by hand)"
+# sections of docs/benchmarks.md that bench.py keeps as they are
+OTHER_SECTIONS = (FORMATS_HEADING, FORMATS_NOTES_HEADING)
 
 
 def braid(mode: str) -> str:
