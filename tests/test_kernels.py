@@ -223,3 +223,23 @@ def test_a_linear_layer_takes_zero_rows(isa):
     assert layer(torch.empty(0, 64)).shape == (0, 33)
     y = torch.empty(0, 33)
     assert layer.add_into(y, torch.empty(0, 64)).shape == (0, 33)
+
+
+@needs_kernels
+def test_a_build_that_fails_its_start_up_check_is_never_used(monkeypatch, caplog):
+    """Each instruction-set build is checked against torch the first time it is picked; one that
+    computes wrong on this CPU (a CPU no test has run on) falls back to the next, then to torch."""
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    monkeypatch.setattr(kernels, "_self_check", lambda: False)
+    assert kernels.kernels_isa() is None
+    assert type(pick_ops(CPU, torch.float32)) is TorchOps
+    assert "give wrong results" in caplog.text
+    monkeypatch.setenv(kernels.ISA_VARIABLE, ISAS[-1])
+    with pytest.raises(ValueError, match="fail their check"):
+        kernels.kernels_isa()
+    monkeypatch.undo()
+    assert kernels.kernels_isa() == ISAS[0]  # and the real check passes here
+
+
+def test_the_real_start_up_check_passes_in_every_build(isa):
+    assert kernels._self_check()

@@ -55,10 +55,52 @@ def kernels_isa() -> str | None:
     if wanted and wanted not in supported:
         raise ValueError(f"{ISA_VARIABLE}={wanted}: this CPU runs braid's kernels in "
                          f"{', '.join(supported) or 'no instruction set'} (built: avx512, avx2)")
-    isa = wanted or (supported[0] if supported else None)
-    if isa is not None:
+    for isa in [wanted] if wanted else supported:
         _cpu_kernels.select_isa(isa)
-    return isa
+        if _passes_self_check(isa):
+            return isa
+        if wanted:
+            raise ValueError(f"{ISA_VARIABLE}={wanted}: braid's {wanted} kernels fail their check on this CPU")
+    return None
+
+
+_CHECKED: dict[str, bool] = {}
+
+
+def _passes_self_check(isa: str) -> bool:
+    """A few small matmuls in every format and the row-wise kernels, against torch, once per
+    instruction set and process: a build that computes wrong on this CPU (one no test has run on)
+    is never used. Takes a few milliseconds."""
+    if isa not in _CHECKED:
+        try:
+            _CHECKED[isa] = _self_check()
+        except Exception:  # noqa: BLE001 (any failure means: do not use this build)
+            _LOGGER.exception("braid's %s kernels failed their start-up check", isa)
+            _CHECKED[isa] = False
+        if not _CHECKED[isa]:
+            _LOGGER.error("braid's %s kernels give wrong results on this CPU: not using them", isa)
+    return _CHECKED[isa]
+
+
+def _self_check() -> bool:
+    from braid.server.model.weights import quantize_q8_0
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(70, 96, generator=generator)  # [out, in]: a partial panel, three blocks
+    x = torch.randn(5, 96, generator=generator)
+    ops = CpuKernelOps.__new__(CpuKernelOps)
+    for weight in (values, values.bfloat16(), quantize_q8_0(values)):
+        reference = dense(weight, torch.float32, torch.device("cpu"))
+        layer = PackedLinear(weight, None)
+        if not (torch.allclose(layer(x), x @ reference.t(), rtol=1e-4, atol=1e-3)
+                and torch.equal(layer(x[:1]), layer(x)[:1])
+                and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])):
+            return False
+    norm = torch.rand(96, generator=generator)
+    gate_up = torch.randn(5, 96, generator=generator)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (torch.allclose(CpuKernelOps.rms_norm(ops, x, norm, 1e-5), F.rms_norm(x, (96,), norm, 1e-5), atol=1e-5)
+            and torch.allclose(CpuKernelOps.swiglu(ops, gate_up), F.silu(gate) * up, atol=1e-5))
 
 
 def format_of(weight: Weight) -> str:
