@@ -76,40 +76,44 @@ DEFINE_TILE(12)
 #define FOLD_ROWS(F)                                                                             \
     for (int m = 0; m < TILE_ROWS; m++) {                                                        \
         vf a[NV];                                                                                \
-        for (int j = 0; j < NV; j++) a[j] = first && group == 0 ? vzero() : vload(acc + m * PANEL + VEC * j); \
-        block_fold(F, blk, group, s[m], sums ? sums[m * blocks + k0 / QBLOCK] : 0.0f, a);       \
+        for (int j = 0; j < NV; j++) a[j] = first && b0 == 0 && group == 0 ? vzero() : vload(acc + m * PANEL + VEC * j); \
+        block_fold(F, blk, group, s[m], sums ? sums[m * blocks + b0 / QBLOCK] : 0.0f, a);       \
         for (int j = 0; j < NV; j++) vstore(acc + m * PANEL + VEC * j, a[j]);                    \
     }
 
-/* One tile of a quantized panel: rows [0, MR) of x times the 32 rows of block `blk` (from k0),
+/* One tile of a quantized panel: rows [0, MR) of x times rows [k0, k1) of the panel (whole blocks),
  * given widened to unscaled quants in w. Each group of rows that shares a scale is summed from zero
- * and folded into the totals in acc ([MR][32], in L1) as gemv_fmt folds it; the first block starts
- * the totals, the last adds bias (and y) and stores into y. */
+ * and folded into the totals in acc ([MR][32], in L1) as gemv_fmt folds it; the first k-range
+ * starts the totals, the last adds bias (and y) and stores into y. A long k-range per call keeps
+ * each row of x read as one run (a prefill's rows are K floats apart). */
 #define DEFINE_QTILE(MR)                                                                         \
     static void qtile_##MR(const float *restrict x, long ldx, const float *restrict w, long k0, \
-                           const uint8_t *blk, int fmt, float *restrict acc, float *restrict y, \
-                           long ldy, int first, int last, int accumulate,                       \
+                           long k1, const uint8_t *panel, int fmt, float *restrict acc,          \
+                           float *restrict y, long ldy, int first, int last, int accumulate,     \
                            const float *restrict bias, long width, const float *sums,           \
                            long blocks) {                                                       \
         enum { TILE_ROWS = MR };                                                                 \
         const long group_rows = SCALE_ROWS(fmt);                                                 \
-        for (int group = 0; group * group_rows < QBLOCK; group++) {                              \
-            const long g0 = k0 + group * group_rows;                                             \
-            vf s[MR][NV];                                                                        \
-            for (int m = 0; m < MR; m++)                                                         \
-                for (int j = 0; j < NV; j++) s[m][j] = vzero();                                  \
-            for (long k = g0; k < g0 + group_rows; k++) {                                        \
-                vf wv[NV];                                                                       \
-                for (int j = 0; j < NV; j++) wv[j] = vload(w + k * PANEL + VEC * j);             \
-                for (int m = 0; m < MR; m++) {                                                   \
-                    const vf b = vset1(x[m * ldx + k]);                                          \
-                    for (int j = 0; j < NV; j++) s[m][j] = vfmadd(b, wv[j], s[m][j]);           \
+        for (long b0 = k0; b0 < k1; b0 += QBLOCK) {                                              \
+            const uint8_t *blk = panel + b0 / QBLOCK * block_bytes(fmt);                         \
+            for (int group = 0; group * group_rows < QBLOCK; group++) {                          \
+                const long g0 = b0 + group * group_rows;                                         \
+                vf s[MR][NV];                                                                    \
+                for (int m = 0; m < MR; m++)                                                     \
+                    for (int j = 0; j < NV; j++) s[m][j] = vzero();                              \
+                for (long k = g0; k < g0 + group_rows; k++) {                                    \
+                    vf wv[NV];                                                                   \
+                    for (int j = 0; j < NV; j++) wv[j] = vload(w + k * PANEL + VEC * j);         \
+                    for (int m = 0; m < MR; m++) {                                               \
+                        const vf b = vset1(x[m * ldx + k]);                                      \
+                        for (int j = 0; j < NV; j++) s[m][j] = vfmadd(b, wv[j], s[m][j]);       \
+                    }                                                                            \
                 }                                                                                \
+                /* inlined per format */                                                         \
+                _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wswitch\"")   \
+                EACH_FORMAT(FOLD_ROWS)                                                           \
+                _Pragma("GCC diagnostic pop")                                                    \
             }                                                                                    \
-            /* inlined per format, so the sums stay in registers */                             \
-            _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wswitch\"")       \
-            EACH_FORMAT(FOLD_ROWS)                                                               \
-            _Pragma("GCC diagnostic pop")                                                        \
         }                                                                                        \
         if (!last) return;                                                                       \
         for (int m = 0; m < MR; m++) {                                                           \
@@ -134,8 +138,8 @@ DEFINE_QTILE(10)
 DEFINE_QTILE(11)
 DEFINE_QTILE(12)
 
-typedef void (*qtile_fn)(const float *, long, const float *, long, const uint8_t *, int, float *, float *, long,
-                         int, int, int, const float *, long, const float *, long);
+typedef void (*qtile_fn)(const float *, long, const float *, long, long, const uint8_t *, int, float *, float *,
+                         long, int, int, int, const float *, long, const float *, long);
 static const qtile_fn QTILES[13] = {NULL,     qtile_1,  qtile_2,  qtile_3,  qtile_4,  qtile_5, qtile_6,
                                     qtile_7,  qtile_8,  qtile_9,  qtile_10, qtile_11, qtile_12};
 
@@ -199,14 +203,15 @@ static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long
         for (long r0 = 0; r0 < M && HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) { /* a quantized panel */
             const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
             const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
-            for (long k0 = 0; k0 < K; k0 += QBLOCK) {
+            for (long k0 = 0; k0 < K; k0 += kblock) {
+                const long k1 = k0 + kblock < K ? k0 + kblock : K;
                 long row = 0;
                 for (long t = 0; t < tiles; t++) {
                     const long rows = (rows_in_chunk - row + (tiles - t) - 1) / (tiles - t);
                     const long r = r0 + row;
-                    QTILES[rows](x + r * ldx, ldx, fw, k0, panel + k0 / QBLOCK * block_bytes(fmt), fmt,
-                                 acc + row * PANEL, y + r * ldy + col, ldy, k0 == 0, k0 + QBLOCK == K, accumulate,
-                                 b, width, sums ? sums + r * (K / QBLOCK) : NULL, K / QBLOCK);
+                    QTILES[rows](x + r * ldx, ldx, fw, k0, k1, panel, fmt, acc + row * PANEL, y + r * ldy + col,
+                                 ldy, k0 == 0, k1 == K, accumulate, b, width,
+                                 sums ? sums + r * (K / QBLOCK) : NULL, K / QBLOCK);
                     row += rows;
                 }
             }
