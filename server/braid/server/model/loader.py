@@ -114,9 +114,7 @@ def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks],
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from braid.server.model.weights import Blocks, read_gguf
-
-    from braid.server.model.weights import BLOCK_FORMATS
+    from braid.server.model.weights import BLOCK_FORMATS, Blocks, read_gguf
 
     path = folder / BLOCKS_FILE
     if not _kept_for(path, BLOCK_FORMATS):

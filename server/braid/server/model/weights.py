@@ -68,6 +68,9 @@ class Blocks:
         return Blocks(parts[0].format, torch.cat([p.d for p in parts]), m, torch.cat([p.q for p in parts]))
 
 
+Weight = torch.Tensor | Blocks  # a matrix [out, in]: float, or in GGUF blocks
+
+
 def unpack_gguf(format: str, raw: np.ndarray) -> Blocks:
     """Blocks from a GGUF tensor's bytes, [out, blocks per row * block bytes] uint8. A Q4 block's
     16 quant bytes hold element j in the low nibble of byte j and element j + 16 in its high one."""

@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from braid.server.model.weights import FLOAT_FORMATS, Blocks
+from braid.server.model.weights import FLOAT_FORMATS, Blocks, Weight, quantize_q8_0
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ FORMATS = {"f32": (128, 0), "bf16": (64, 0), "f16": (64, 0), "q8_0": (32, 64), "
 FORMAT_CODES = {name: code for code, name in enumerate(FORMATS)}
 ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512 or avx2: run that build of the kernels, not the best one
 
-Weight = torch.Tensor | Blocks  # a matrix [out, in]: float, or in GGUF blocks
 
 try:
     from braid.server.runner import _cpu_kernels
@@ -83,12 +82,10 @@ def _passes_self_check(isa: str) -> bool:
 
 
 def _self_check() -> bool:
-    from braid.server.model.weights import quantize_q8_0
-
     generator = torch.Generator().manual_seed(0)
     values = torch.randn(70, 96, generator=generator)  # [out, in]: a partial panel, three blocks
     x = torch.randn(5, 96, generator=generator)
-    ops = CpuKernelOps.__new__(CpuKernelOps)
+    ops = CpuKernelOps(_cpu_kernels.isa())
     for weight in (values, values.bfloat16(), quantize_q8_0(values)):
         reference = dense(weight, torch.float32, torch.device("cpu"))
         layer = PackedLinear(weight, None)
@@ -99,8 +96,8 @@ def _self_check() -> bool:
     norm = torch.rand(96, generator=generator)
     gate_up = torch.randn(5, 96, generator=generator)
     gate, up = gate_up.chunk(2, dim=-1)
-    return (torch.allclose(CpuKernelOps.rms_norm(ops, x, norm, 1e-5), F.rms_norm(x, (96,), norm, 1e-5), atol=1e-5)
-            and torch.allclose(CpuKernelOps.swiglu(ops, gate_up), F.silu(gate) * up, atol=1e-5))
+    return (torch.allclose(ops.rms_norm(x, norm, 1e-5), F.rms_norm(x, (96,), norm, 1e-5), atol=1e-5)
+            and torch.allclose(ops.swiglu(gate_up), F.silu(gate) * up, atol=1e-5))
 
 
 def format_of(weight: Weight) -> str:

@@ -104,9 +104,8 @@ class LlamaDecoder:
         inner = hf_model.model
         # The embedding is the LM head's matrix: one copy for both where they are tied, and a
         # lookup is `columns` of it.
-        self.lm_head = linear("", "lm_head") if "lm_head.weight" in precision.names else None
         self.embed = linear("model.", "embed_tokens")
-        self.lm_head = self.lm_head or self.embed
+        self.lm_head = linear("", "lm_head") if "lm_head.weight" in precision.names else self.embed
         self.final_norm = vector("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(self.num_layers):

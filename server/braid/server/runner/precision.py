@@ -15,14 +15,12 @@ from collections import Counter
 import torch
 
 from braid.server.model.loader import LoadedModel
-from braid.server.model.weights import BLOCK_FORMATS, FLOAT_FORMATS, QBLOCK, Blocks, quantize_q8_0
+from braid.server.model.weights import BLOCK_FORMATS, FLOAT_FORMATS, QBLOCK, Blocks, Weight, quantize_q8_0
 
 _LOGGER = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_FORMATS = {fmt: dtype for dtype, fmt in FLOAT_FORMATS.items()}
-
-Weight = torch.Tensor | Blocks
 
 
 class Precision:
@@ -30,13 +28,9 @@ class Precision:
         self.dtype, self.quantization = dtype, quantization
         self._blocks, self._own = model.blocks, model.formats
         self._params = dict(model.hf_model.named_parameters())
+        self.names = set(self._params)  # the model's parameters (a tied head is not one: it is the embedding)
         self.formats: Counter[str] = Counter()  # tensors served in each format
         self._told: set[str] = set()
-
-    @property
-    def names(self) -> set[str]:
-        """The model's parameters (a tied head is not one: it is the embedding)."""
-        return set(self._params)
 
     def matrix(self, name: str) -> Weight:
         """The parameter `name`, [out, in], in the format it is served in."""
