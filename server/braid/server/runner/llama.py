@@ -11,7 +11,6 @@ over all decoding sequences.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,6 @@ from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, decode_att
 from braid.server.runner.kv_cache import KVCache, head_dim
 from braid.server.runner.precision import Precision, fuse
 
-_LOGGER = logging.getLogger(__name__)
 
 
 @dataclass
