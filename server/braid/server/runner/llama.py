@@ -21,7 +21,6 @@ from braid.server.runner.kv_cache import KVCache, head_dim
 from braid.server.runner.precision import Precision, fuse
 
 
-
 @dataclass
 class PrefillChunk:
     """Tokens [offset, offset + length) of the packed batch extend slot `slot` from position `start`."""
