@@ -192,27 +192,37 @@ def test_rope_matches_torch(isa):
     assert not torch.equal(qkv[:, :heads * d], original[:, :heads * d])
 
 
-def test_decode_attention_matches_sdpa_and_writes_the_cache(isa):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype):
+    """Pages of 16 positions, each sequence's scattered and out of order; two sequences share their
+    first page (a common prefix). A bf16 or f16 cache is written rounded as torch rounds, and read
+    back widened."""
     torch.manual_seed(5)
-    heads, kv_heads, d, slots, max_seq = 6, 2, 32, 4, 40
-    k_cache, v_cache = torch.randn(slots, kv_heads, max_seq, d), torch.randn(slots, kv_heads, max_seq, d)
-    seq_slots, positions = torch.tensor([2, 0, 3]), torch.tensor([9, 0, 39])  # lengths 10, 1, 40
+    heads, kv_heads, d, num_pages, page = 6, 2, 32, 12, 16
+    k_cache = torch.randn(num_pages, kv_heads, page, d).to(kv_dtype)
+    v_cache = torch.randn(num_pages, kv_heads, page, d).to(kv_dtype)
+    tables = torch.tensor([[7, 2, 0], [7, 11, 0], [5, 9, 3]])  # rows padded with page 0
+    positions = torch.tensor([20, 16, 39])  # lengths 21, 17, 40
     qkv = torch.randn(3, (heads + 2 * kv_heads) * d)
     out = torch.empty(3, heads * d)
     before_k = k_cache.clone()
-    kernels.decode_attention(qkv, heads, k_cache, v_cache, seq_slots, positions, out)
-    for b, (slot, pos) in enumerate(zip(seq_slots.tolist(), positions.tolist())):
+    kernels.decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out)
+    for b, pos in enumerate(positions.tolist()):
         q = qkv[b, :heads * d].view(heads, 1, d)
         k_new = qkv[b, heads * d:(heads + kv_heads) * d].view(kv_heads, d)
         v_new = qkv[b, (heads + kv_heads) * d:].view(kv_heads, d)
-        assert torch.equal(k_cache[slot, :, pos], k_new) and torch.equal(v_cache[slot, :, pos], v_new)
-        keys, values = k_cache[slot, :, :pos + 1], v_cache[slot, :, :pos + 1]
+        where = tables[b, pos // page], pos % page
+        assert torch.equal(k_cache[where[0], :, where[1]], k_new.to(kv_dtype))
+        assert torch.equal(v_cache[where[0], :, where[1]], v_new.to(kv_dtype))
+        pages = tables[b, :pos // page + 1]
+        keys = k_cache[pages].transpose(0, 1).reshape(kv_heads, -1, d)[:, :pos + 1].float()
+        values = v_cache[pages].transpose(0, 1).reshape(kv_heads, -1, d)[:, :pos + 1].float()
         expected = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                   enable_gqa=True)[0]
         torch.testing.assert_close(out[b].view(heads, d), expected[:, 0], rtol=1e-5, atol=1e-5)
-    untouched = torch.ones(slots, dtype=torch.bool)
-    untouched[seq_slots] = False
-    assert torch.equal(k_cache[untouched], before_k[untouched])  # slot 1 is nobody's
+    untouched = torch.ones(num_pages, dtype=torch.bool)
+    untouched[[2, 11, 3]] = False  # the pages the new tokens went to
+    assert torch.equal(k_cache[untouched], before_k[untouched])  # the shared page 7 included
 
 
 def test_a_linear_layer_takes_zero_rows(isa):

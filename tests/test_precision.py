@@ -137,7 +137,7 @@ def test_q8_0_costs_at_most_one_percent_of_perplexity(smol_fp32, dtype, record_p
     ids = smol_fp32.hf_tokenizer(TEXT)["input_ids"]
 
     def perplexity(quantization: str) -> float:
-        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_slots=1, max_seq_len=2048,
+        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048,
                              quantization=quantization)
         assert ("q8_0" in runner.weight_formats) == (quantization == "q8_0")
         return runner.perplexity(ids)
@@ -167,7 +167,7 @@ def test_a_tensor_type_braid_does_not_run_is_dequantized_and_said_once(caplog):
     model = LoadedModel(hf_model=hf_model, hf_tokenizer=None, name="k-quants", architecture="LlamaForCausalLM",
                         eos_token_ids=(2,), formats=formats)
     with caplog.at_level(logging.WARNING):
-        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_slots=1, max_seq_len=64)
+        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=4, max_seq_len=64)
     said = [r.getMessage() for r in caplog.records if "q5_k" in r.getMessage()]
     assert len(said) == 1 and "float32" in said[0], said
     assert runner.weight_formats == {"f32": sum(Counter(formats.values()).values())}

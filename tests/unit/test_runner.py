@@ -20,14 +20,24 @@ def runner(request) -> ModelRunner:
                          tie_word_embeddings=True, initializer_range=0.3)
     model = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="tiny",
                         architecture="LlamaForCausalLM", eos_token_ids=(2,))
-    return ModelRunner(model, torch.device("cpu"), torch.float32, num_slots=2, max_seq_len=2048,
+    return ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=4 * PAGES, max_seq_len=2048,
                        allow_kernels=request.param)
 
 
-def _feed(runner: ModelRunner, prompt: list[int], start: int, n: int, slot: int) -> int | None:
-    """Feeds prompt[start:start + n] into `slot`; the next token if that reaches the prompt's end."""
+PAGES = 2048 // 16  # pages of one 2048-token sequence
+
+
+def _slot(i: int) -> list[int]:
+    """The pages of sequence i, when each has pages for 2048 tokens of its own."""
+    return list(range(i * PAGES, (i + 1) * PAGES))
+
+
+def _feed(runner: ModelRunner, prompt: list[int], start: int, n: int, slot: int | list[int]) -> int | None:
+    """Feeds prompt[start:start + n] into the pages of sequence `slot` (or those pages); the next
+    token if that reaches the prompt's end."""
     sampling = Sampling()
-    [token] = runner.run([Row(slot=slot, start=start, token_ids=prompt[start:start + n],
+    pages = _slot(slot) if isinstance(slot, int) else slot
+    [token] = runner.run([Row(pages=pages, start=start, token_ids=prompt[start:start + n],
                               sample=start + n == len(prompt), sampling=sampling,
                               rng=runner.random_state(sampling), is_prompt=True)])
     return token
@@ -48,10 +58,44 @@ def test_tokens_come_back_in_the_order_of_the_rows(runner):
     prompt = [5, 9, 14, 3]
     first = _feed(runner, prompt, 0, 4, slot=0)  # slot 0 now decodes from position 4
     other = [8, 8, 2]
-    decode = Row(slot=0, start=4, token_ids=[first], sample=True, sampling=sampling,
+    decode = Row(pages=_slot(0), start=4, token_ids=[first], sample=True, sampling=sampling,
                  rng=runner.random_state(sampling))
-    chunk = Row(slot=1, start=0, token_ids=other, sample=True, sampling=sampling, rng=runner.random_state(sampling),
+    chunk = Row(pages=_slot(1), start=0, token_ids=other, sample=True, sampling=sampling, rng=runner.random_state(sampling),
                 is_prompt=True)
     mixed = runner.run([decode, chunk])  # the decode row first, packed last
     assert mixed[1] == _feed(runner, other, 0, 3, slot=1)
     assert mixed[0] == runner.run([decode])[0]
+
+
+def _greedy(runner: ModelRunner, pages: list[int], prompt: list[int], start: int, steps: int) -> list[int]:
+    """Prefills prompt[start:] (positions before `start` already in `pages`), then decodes
+    `steps` tokens one pass each; the tokens."""
+    sampling = Sampling()
+    tokens = [_feed(runner, prompt, start, len(prompt) - start, pages)]
+    for _ in range(steps - 1):
+        position = len(prompt) + len(tokens) - 1
+        [token] = runner.run([Row(pages=pages, start=position, token_ids=[tokens[-1]], sample=True,
+                                  sampling=sampling, rng=runner.random_state(sampling))])
+        tokens.append(token)
+    return tokens
+
+
+def test_any_pages_in_any_order_give_the_same_tokens(runner):
+    """A sequence reads and writes only through its page table: scattered pages, in any order,
+    give what a run of consecutive pages gives."""
+    prompt = [(11 * i) % 500 + 3 for i in range(70)]
+    scattered = [3 * PAGES + 9, 17, 2 * PAGES + 1, 5, 40, 3 * PAGES]
+    assert _greedy(runner, scattered, prompt, 0, 20) == _greedy(runner, _slot(0), prompt, 0, 20)
+
+
+def test_a_shared_prefix_is_read_not_recomputed(runner):
+    """A second sequence whose table starts with the first's full pages prefills only the rest of
+    its prompt, and generates what it would have from scratch; the shared pages are not written."""
+    prefix = [(13 * i) % 500 + 3 for i in range(48)]  # three full pages
+    first = _slot(0)
+    _feed(runner, prefix + [9], 0, 49, first)
+    shared = [p.clone() for p in runner.cache.k[:1]]
+    second = first[:3] + _slot(1)[3:]
+    prompt = prefix + [21, 4, 7]
+    assert _greedy(runner, second, prompt, 48, 12) == _greedy(runner, _slot(2), prompt, 0, 12)
+    assert torch.equal(runner.cache.k[0][first[:3]], shared[0][first[:3]])

@@ -11,7 +11,7 @@ from braid.server.runner.sampler import random_state, sample
 
 def _row(temperature: float, seed: int, **kw) -> Row:
     sampling = Sampling(temperature=temperature, seed=seed)
-    return Row(slot=0, start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling), **kw)
+    return Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling), **kw)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1e-38, 1e-30, 1e-6, GREEDY_BELOW_TEMPERATURE / 2])
@@ -50,5 +50,5 @@ def test_the_repetition_penalty_lowers_seen_tokens():
     logits = torch.zeros(1, 10)
     logits[0, 3], logits[0, 4] = 2.0, 1.9
     sampling = Sampling(repetition_penalty=1.5)
-    row = Row(slot=0, start=0, token_ids=[3], sample=True, sampling=sampling, rng=random_state(sampling), history=[3])
+    row = Row(pages=[0], start=0, token_ids=[3], sample=True, sampling=sampling, rng=random_state(sampling), history=[3])
     assert sample(logits, [row]) == [4]

@@ -1,29 +1,15 @@
-"""The scheduler with paused sessions: a client that does not read never holds the model."""
+"""The scheduler: paused sessions never hold the model; admission by KV-cache pages; preemption
+instead of failure when the pages run out."""
 
 from __future__ import annotations
 
 import pytest
 
 from braid.server.config import EngineConfig
+from braid.server.engine.pages import Pages
 from braid.server.engine.scheduler import Scheduler
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.types import Mode, SamplingParams
-
-
-class FakeCache:
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        return self._free.pop(0)
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
 
 
 def _session(i: int, prompt_len: int = 4, arrived: float = 0.0) -> Session:
@@ -31,10 +17,10 @@ def _session(i: int, prompt_len: int = 4, arrived: float = 0.0) -> Session:
                    detokenizer=None, sampling=None, rng=None, arrived=arrived)
 
 
-def _scheduler(mode: Mode, slots: int = 4, prefill_chunk: int = 512) -> Scheduler:
-    config = EngineConfig(mode=mode, max_batch_size=4, max_wait_ms=0.0, prefill_chunk=prefill_chunk,
-                          batch_max_wait_ms=5000.0)
-    return Scheduler(config, FakeCache(slots))
+def _scheduler(mode: Mode, sessions: int = 4, prefill_chunk: int = 512, pages: int = 256) -> Scheduler:
+    config = EngineConfig(mode=mode, max_batch_size=4, max_sessions=sessions, max_wait_ms=0.0,
+                          prefill_chunk=prefill_chunk, batch_max_wait_ms=5000.0)
+    return Scheduler(config, Pages(pages, page_size=16))
 
 
 @pytest.mark.parametrize("mode", [Mode.SEQUENTIAL, Mode.BATCHED])
@@ -48,7 +34,7 @@ def test_a_paused_session_does_not_hold_back_the_next(mode):
     assert [w.session for w in sched.schedule(now=2.0)] == [first]  # one at a time / until the batch drains
     first.paused = True
     assert [w.session for w in sched.schedule(now=3.0)] == [second]
-    assert first.status is SessionStatus.RUNNING and first.slot is not None  # keeps its slot
+    assert first.status is SessionStatus.RUNNING and first.pages  # keeps its pages
 
 
 @pytest.mark.parametrize("mode", list(Mode))
@@ -88,7 +74,7 @@ def test_a_pass_of_prompt_chunks_only_is_scheduled_whole():
 @pytest.mark.parametrize("mode, admitted", [(Mode.SEQUENTIAL, 1), (Mode.INTERLEAVED, 4), (Mode.BATCHED, 4),
                                             (Mode.CONTINUOUS, 4)])
 def test_each_mode_admits_as_many_as_it_runs(mode, admitted):
-    sched = _scheduler(mode, slots=4)
+    sched = _scheduler(mode, sessions=4)
     for i in range(6):
         sched.add(_session(i))
     work = sched.schedule(now=1.0)
@@ -108,7 +94,7 @@ def test_continuous_shares_a_token_budget_between_prompts():
 
 def test_batched_waits_for_the_batch_to_fill_or_the_wait_to_pass():
     config = EngineConfig(mode=Mode.BATCHED, max_batch_size=4, max_wait_ms=100.0)
-    sched = Scheduler(config, FakeCache(8))
+    sched = Scheduler(config, Pages(8, page_size=16))
     sched.add(_session(1, arrived=0.0))
     assert sched.schedule(now=0.05) == [] and sched.wait_hint(now=0.05) == pytest.approx(0.05)
     assert len(sched.schedule(now=0.1)) == 1
@@ -118,7 +104,7 @@ def test_batch_priority_waits_for_interactive_but_not_for_ever():
     from braid.server.engine.types import Priority
 
     config = EngineConfig(mode=Mode.SEQUENTIAL, max_batch_size=1, batch_max_wait_ms=1000.0)
-    sched = Scheduler(config, FakeCache(1))
+    sched = Scheduler(config, Pages(1, page_size=16))
     batch = _session(1, arrived=0.0)
     batch.priority = Priority.BATCH
     interactive = _session(2, arrived=0.5)
@@ -129,3 +115,64 @@ def test_batch_priority_waits_for_interactive_but_not_for_ever():
     late = _session(3, arrived=1.2)
     sched.add(late)
     assert sched.schedule(now=1.5)[0].session is batch  # waited past batch_max_wait: its turn
+
+
+def _run(sched: Scheduler, now: float) -> list:
+    """One step as the engine runs it: schedule, then every work item computed."""
+    work = sched.schedule(now)
+    for w in work:
+        sched.computed(w.session, w.num_tokens)
+        if not w.session.is_prefilling and w.session.num_uncached == 0:
+            w.session.token_ids.append(7)  # the sampled token
+    return work
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_admission_is_by_the_pages_a_session_needs_not_by_the_longest_it_may_grow(mode):
+    """64 pages of 16 tokens: 40-token prompts need 3 pages each, plus one of room per running
+    session, so 16 run (a slot per --max-seq-len would have fitted one)."""
+    sched = _scheduler(mode, sessions=32, pages=64)
+    for i in range(20):
+        sched.add(_session(i, prompt_len=40))
+    sched.schedule(now=1.0)
+    expected = {Mode.SEQUENTIAL: 1, Mode.BATCHED: 4}.get(mode, 16)
+    assert len(sched.running) == expected
+    assert sched.pages.num_used == 3 * expected
+
+
+def test_a_session_out_of_pages_preempts_the_newest_and_it_resumes_from_its_tokens():
+    """Two sessions fill the cache; when the first needs a page, the newest is preempted: its pages
+    go back, it waits at the head of the queue, and nothing fails."""
+    sched = _scheduler(Mode.CONTINUOUS, pages=5)
+    old, new = _session(1, prompt_len=32, arrived=0.0), _session(2, prompt_len=31, arrived=1.0)
+    sched.add(old)
+    sched.add(new)
+    _run(sched, now=2.0)  # old: 2 pages + 1 room; new: 2 pages
+    assert sched.running == [old, new] and sched.pages.num_available == 1
+    _run(sched, now=3.0)  # old samples past its second page: takes the last one
+    new.token_ids += [7] * 16  # new's 32 tokens fill its pages; its next one needs a page
+    new.num_cached = 32 + 15
+    work = sched.schedule(now=4.0)
+    assert new.status is SessionStatus.WAITING and new.num_cached == 0 and new.preemptions == 1
+    assert [w.session for w in work] == [old] and sched.take_preempted() == [new]
+    sched.remove(old)
+    assert sched.pages.num_used == 0
+    sched.schedule(now=5.0)
+    # readmitted: its two full pages were still cached, the rest is recomputed as one prompt
+    assert new.status is SessionStatus.RUNNING and new.is_prefilling and new.num_cached == 32
+    assert new.cached_tokens == 0  # what its response reports: the cache at its first admission
+
+
+def test_a_batch_session_is_preempted_before_an_interactive_one():
+    from braid.server.engine.types import Priority
+
+    sched = _scheduler(Mode.CONTINUOUS, pages=5)
+    batch, interactive = _session(1, prompt_len=32, arrived=0.0), _session(2, prompt_len=16, arrived=1.0)
+    batch.priority = Priority.BATCH
+    sched.add(batch)
+    sched.add(interactive)
+    _run(sched, now=2.0)
+    assert interactive.status is SessionStatus.RUNNING
+    while batch.status is SessionStatus.RUNNING:
+        _run(sched, now=3.0)
+    assert interactive.status is SessionStatus.RUNNING and batch.preemptions == 1

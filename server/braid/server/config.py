@@ -54,11 +54,19 @@ class EngineConfig:
     max_batch_size: int = field(default=32, **_opt(
         "most sessions in one forward pass (batched mode: the batch size)"))
     max_sessions: int = field(default=0, **_opt(
-        "most sessions running at once, each holding a KV-cache slot (0: --max-batch-size); more "
-        "are queued"))
+        "most sessions running at once (0: --max-batch-size); more are queued"))
     kv_cache_memory: str = field(default="0.5", **_opt(
         "KV cache budget: bytes with a unit (4GiB, 512MB) or a fraction of the memory free at start "
-        "(0.5); slots that do not fit are not created"))
+        "(0.5), cut into pages; a session holds pages for the tokens it has, and is admitted while "
+        "pages are free"))
+    kv_page_size: int = field(default=16, **_opt(
+        "tokens per KV-cache page, a multiple of 16: the unit of allocation and of prefix sharing"))
+    kv_cache_dtype: str = field(default="auto", **_opt(
+        "dtype of the KV cache: auto (the compute dtype), float32, bfloat16 or float16 (half the "
+        "memory, so twice the tokens, for a small loss of precision)", choices=list(DTYPES)))
+    prefix_caching: str = field(default="on", **_opt(
+        "on: sessions with the same prompt prefix share its KV-cache pages, and a finished session's "
+        "pages stay cached until the memory is needed; off: every prompt is computed", choices=["on", "off"]))
     max_wait_ms: float = field(default=20.0, **_opt(
         "batched mode: longest a waiting session waits for its batch to fill"))
     max_seq_len: int = field(default=4096, **_opt(
@@ -66,7 +74,7 @@ class EngineConfig:
     prefill_chunk: int = field(default=512, **_opt(
         "most prompt tokens prefilled per forward pass; longer prompts are prefilled in chunks"))
     max_queued: int = field(default=256, **_opt(
-        "most sessions waiting for a slot; past it new calls get RESOURCE_EXHAUSTED"))
+        "most sessions waiting to be admitted; past it new calls get RESOURCE_EXHAUSTED"))
     batch_max_wait_ms: float = field(default=5000.0, **_opt(
         "a batch-priority session that has waited this long is admitted before interactive ones"))
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(), **_opt(
@@ -77,10 +85,14 @@ class EngineConfig:
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "quantization", QUANTIZATIONS)
         _one_of(self, "kernels", ("auto", "torch"))
+        _one_of(self, "kv_cache_dtype", DTYPES)
+        _one_of(self, "prefix_caching", ("on", "off"))
         self.cache_dir = Path(self.cache_dir).expanduser()
         self.max_sessions = self.max_sessions or self.max_batch_size
         _positive(self, "max_batch_size", "max_sessions", "max_seq_len", "prefill_chunk", "max_queued")
         parse_memory(self.kv_cache_memory)
+        if self.kv_page_size < 16 or self.kv_page_size % 16:
+            raise ValueError(f"--kv-page-size {self.kv_page_size}: expected a multiple of 16")
         if self.threads < 0:
             raise ValueError("--threads must be 0 or more")
         if self.max_wait_ms < 0 or self.batch_max_wait_ms < 0:

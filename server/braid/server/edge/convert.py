@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_BYTES = 128
+MAX_CACHE_SALT_BYTES = 256
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
@@ -77,6 +78,8 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} printable ASCII characters")
     if req.priority not in (pb.PRIORITY_UNSPECIFIED, pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH):
         raise InvalidArgument("priority", f"{req.priority} is not a Priority")
+    if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidArgument("cache_salt", f"is {len(req.cache_salt.encode())} bytes; at most {MAX_CACHE_SALT_BYTES}")
     deadlines = [t for t in (time_remaining, req.timeout_ms / 1000 if req.timeout_ms else None) if t is not None]
     params = SamplingParams(
         max_new_tokens=max_new, min_new_tokens=req.min_new_tokens, temperature=req.temperature,
@@ -89,7 +92,8 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
         request_id=req.request_id or uuid.uuid4().hex,
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
-        priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE)
+        priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
+        cache_salt=req.cache_salt)
 
 
 def _not_too_long(text: str, messages, text_field: str) -> None:
@@ -109,7 +113,8 @@ def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateRe
     t = finished.timings
     return pb.GenerateResponse(
         finish_reason=finished.reason.value,
-        usage=pb.Usage(prompt_tokens=finished.prompt_tokens, generated_tokens=finished.generated_tokens),
+        usage=pb.Usage(prompt_tokens=finished.prompt_tokens, generated_tokens=finished.generated_tokens,
+                       cached_tokens=finished.cached_tokens),
         request_id=request_id, seed=seed,
         timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
                            total_ms=t.total_ms, tokens_per_second=t.tokens_per_second))
@@ -136,4 +141,7 @@ def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.Serv
             cancelled=f[FinishReason.CANCELLED], deadline=f[FinishReason.DEADLINE], error=f[FinishReason.ERROR]),
         forward_passes=stats.forward_passes, uptime_seconds=uptime_s,
         mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name),
-        sessions_submitted=stats.sessions_submitted, sessions_paused=stats.sessions_paused)
+        sessions_submitted=stats.sessions_submitted, sessions_paused=stats.sessions_paused,
+        prompt_tokens_cached=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens,
+        preemptions=stats.preemptions, kv_evictions=stats.kv_evictions, kv_pages_total=stats.kv_pages_total,
+        kv_pages_used=stats.kv_pages_used, kv_pages_cached=stats.kv_pages_cached, kv_page_tokens=stats.kv_page_tokens)

@@ -57,7 +57,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                         if message.text or message.token_ids:
                             yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids)
                         await context.abort(failure, handle.finished.error or "the call's deadline passed")
-                    context.set_trailing_metadata(_timing_metadata(message.timings))
+                    context.set_trailing_metadata(_timing_metadata(message.timings) + (
+                        ("braid-cached-tokens", str(message.usage.cached_tokens)),))
                 yield message
         except asyncio.CancelledError:
             # The client closed the stream (or its deadline passed): free the session now.

@@ -81,7 +81,8 @@ class Admission:
             id=session_id, prompt_ids=prompt_ids, params=params, sampling=sampling,
             rng=self._random_state(sampling), handle=handle,
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop),
-            deadline=request.deadline, priority=request.priority, arrived=handle.arrived)
+            deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
+            cache_salt=request.cache_salt)
 
     def _fit(self, request: GenerationRequest, prompt_ids: list[int]) -> SamplingParams:
         """The request's parameters checked against its tokenized prompt; a default max_new_tokens

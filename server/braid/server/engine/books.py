@@ -60,9 +60,13 @@ class Books:
 
     # ---- the model thread -------------------------------------------------------------------
 
-    def set_running(self, active: int, paused: int) -> None:
+    def set_running(self, active: int, paused: int, cache: dict[str, int] | None = None) -> None:
+        """Once per step: the sessions running now, and the KV cache's totals and pages (EngineStats'
+        prompt_tokens_cached, preemptions, kv_* fields)."""
         with self._lock:
             self._stats.sessions_active, self._stats.sessions_paused = active, paused
+            for name, value in (cache or {}).items():
+                setattr(self._stats, name, value)
 
     def count_pass(self, prompt_tokens: int, generated_tokens: int) -> None:
         with self._lock:
@@ -90,7 +94,10 @@ class Books:
                 sessions_active=s.sessions_active, sessions_queued=self._queued(),
                 sessions_paused=s.sessions_paused, sessions_submitted=s.sessions_submitted,
                 tokens_generated=s.tokens_generated, prompt_tokens=s.prompt_tokens,
-                forward_passes=s.forward_passes, finished=dict(s.finished))
+                forward_passes=s.forward_passes, finished=dict(s.finished),
+                prompt_tokens_cached=s.prompt_tokens_cached, preemptions=s.preemptions, kv_evictions=s.kv_evictions,
+                kv_pages_total=s.kv_pages_total, kv_pages_used=s.kv_pages_used, kv_pages_cached=s.kv_pages_cached,
+                kv_page_tokens=s.kv_page_tokens)
 
     @property
     def is_idle(self) -> bool:

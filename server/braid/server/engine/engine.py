@@ -25,6 +25,7 @@ from braid.server.engine.books import Books
 from braid.server.engine.faults import FaultInjector
 from braid.server.engine.observer import EngineObserver, NoObserver
 from braid.server.engine.output import Output
+from braid.server.engine.pages import Pages
 from braid.server.engine.scheduler import Scheduler, Work
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.tokenizer import Tokenizer
@@ -65,13 +66,13 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_seq_len = runner.max_seq_len
-        self.num_slots = runner.cache.num_slots
-        self.scheduler = Scheduler(config, runner.cache)
+        self.pages = Pages(runner.cache.num_pages, runner.cache.page_size, config.prefix_caching == "on")
+        self.scheduler = Scheduler(config, self.pages)
         self.output = Output(tokenizer.eos_token_ids, self.max_seq_len)
         self.info = ModelInfo(
             model_name=model_name, architecture=architecture, context_length=self.max_seq_len,
             vocab_size=runner.vocab_size, dtype=runner.dtype_name, device=str(runner.device), mode=config.mode,
-            max_batch_size=min(config.max_batch_size, self.num_slots), eos_token_ids=tokenizer.eos_token_ids,
+            max_batch_size=min(config.max_batch_size, config.max_sessions), eos_token_ids=tokenizer.eos_token_ids,
             has_chat_template=tokenizer.has_chat_template, parameters=runner.num_parameters,
             weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
             quantization=runner.quantization, kernels=runner.kernels)
@@ -80,6 +81,7 @@ class Engine:
         self._sessions: dict[int, Session] = {}  # model thread only
         self._num_added = 0  # sessions taken from the inbox (model thread only)
         self._num_finished = 0  # and of those, finished (model thread only)
+        self._num_preemptions = 0  # (model thread only)
         self._books_off: tuple[int, int] | None = None
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable[[], bool]]] = []
         self._waiters_lock = threading.Lock()
@@ -177,12 +179,19 @@ class Engine:
         self._expire(now)
         paused = self._pause_backlogged()
         work = self.scheduler.schedule(now)  # sessions it admits start unpaused
-        self.books.set_running(len(self.scheduler.running), paused)
+        self._num_preemptions += len(self.scheduler.take_preempted())
+        self.books.set_running(len(self.scheduler.running), paused, self._cache_stats())
         if work:
             self._forward(work, now)
         self.output.flush()
         self._check_books()
         return self._drain(block_for=None if work else self._idle_wait(now))
+
+    def _cache_stats(self) -> dict[str, int]:
+        pages = self.pages
+        return dict(prompt_tokens_cached=self.scheduler.num_cached_tokens, preemptions=self._num_preemptions,
+                    kv_evictions=pages.num_evictions, kv_pages_total=pages.num_pages, kv_pages_used=pages.num_used,
+                    kv_pages_cached=pages.num_cached, kv_page_tokens=pages.page_size)
 
     def _forward(self, work: list[Work], now: float) -> None:
         for w in work:
@@ -206,7 +215,7 @@ class Engine:
         banned = ()
         if s.num_generated < p.min_new_tokens:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.tokenizer.eos_token_ids)
-        return Row(slot=s.slot, start=start, token_ids=s.token_ids[start:end], sample=end == len(s.token_ids),
+        return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=end == len(s.token_ids),
                    sampling=s.sampling, rng=s.rng, history=s.token_ids, banned=banned, is_prompt=s.is_prefilling)
 
     def _idle_wait(self, now: float) -> float:
@@ -257,14 +266,17 @@ class Engine:
 
     def _check_books(self) -> None:
         """The invariant every session obeys: taken from the inbox, it is then waiting, running or
-        finished, exactly one of them. Cheap (a few lengths), so it runs after every step; a
-        violation is a bug in braid, logged loudly (once per distinct imbalance)."""
+        finished, exactly one of them; and with none running, no KV-cache page is held. Cheap (a few
+        lengths), so it runs after every step; a violation is a bug in braid, logged loudly (once
+        per distinct imbalance)."""
         held, waiting, running = len(self._sessions), self.scheduler.num_waiting, len(self.scheduler.running)
-        balance = (held - waiting - running, self._num_added - held - self._num_finished)
-        if balance != (0, 0) and balance != self._books_off:
-            _LOGGER.error("BOOKS DO NOT BALANCE: %d sessions held, %d waiting + %d running; %d added, %d finished",
-                          held, waiting, running, self._num_added, self._num_finished)
-        self._books_off = balance if balance != (0, 0) else None
+        pages_held = 0 if running else self.pages.num_used
+        balance = (held - waiting - running, self._num_added - held - self._num_finished, pages_held)
+        if balance != (0, 0, 0) and balance != self._books_off:
+            _LOGGER.error("BOOKS DO NOT BALANCE: %d sessions held, %d waiting + %d running; %d added, %d finished; "
+                          "%d KV-cache pages held with no session running", held, waiting, running,
+                          self._num_added, self._num_finished, pages_held)
+        self._books_off = balance if balance != (0, 0, 0) else None
 
     def _postprocess(self, work: list[Work], tokens: list[int | None]) -> None:
         now = time.monotonic()
@@ -274,7 +286,7 @@ class Engine:
         self.observer.on_pass(len(work), num_tokens)
         for w, token in zip(work, tokens):
             s = w.session
-            s.num_cached += w.num_tokens
+            self.scheduler.computed(s, w.num_tokens)
             if token is None:
                 continue
             if s.first_token is None:

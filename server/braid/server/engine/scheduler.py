@@ -1,10 +1,10 @@
 """The scheduler: which sessions run in the next forward pass, and with how many tokens.
 
-The four modes share everything else; they differ only in `_admit` (who gets a cache slot) and
+The four modes share everything else; they differ only in `_admit` (who is admitted to run) and
 `_pick` (whose tokens go into the pass):
 
 - sequential: one session holds the model until it finishes.
-- interleaved: every admitted session has its own slot; one session per pass, round robin.
+- interleaved: every admitted session runs; one session per pass, round robin.
 - batched: waiting sessions are gathered (up to max_batch_size, or max_wait), bucketed by prompt
   length, and run together: prompts in one packed prefill, then decode steps, until the whole
   batch has left.
@@ -15,32 +15,25 @@ that has waited `batch_max_wait_s` goes next, so batch work waits a bounded time
 A pass holds at most `max_batch_size` sessions; when more are running (--max-sessions is larger),
 batched and continuous passes take turns over them.
 
-A *paused* session (its client has stopped reading) keeps its slot but sits out every pass, and no
-mode waits for it: sequential and batched admit the next sessions as if it had left.
+A *paused* session (its client has stopped reading) keeps its pages but sits out every pass, and
+no mode waits for it: sequential and batched admit the next sessions as if it had left.
+
+Memory is the KV cache's pages (engine/pages.py). A session is admitted when the pages its tokens
+need now (less the prefix already cached) leave one page free per running session, at most
+--max-sessions at once. When a running session needs a page and none is left, the scheduler
+*preempts* one: the lowest priority first, then the newest. Its pages are released (its full ones
+stay cached) and it goes back to the head of its queue, to recompute its tokens when it is admitted
+again. Its stream only pauses: a session admitted is never failed for memory.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
-
 from braid.server.config import EngineConfig
+from braid.server.engine.pages import Pages
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.types import Mode, Priority
-
-
-class Slots(Protocol):
-    """The KV-cache slots sessions hold while running (the runner's cache)."""
-
-    num_slots: int
-
-    @property
-    def num_free(self) -> int: ...
-
-    def allocate(self) -> int: ...
-
-    def free(self, slot: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -52,15 +45,18 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: Slots) -> None:
+    def __init__(self, config: EngineConfig, pages: Pages) -> None:
         self.mode = config.mode
-        self.cache = cache
+        self.pages = pages
+        self.max_sessions = config.max_sessions
         self.max_batch_size = config.max_batch_size
         self.max_wait_s = config.max_wait_ms / 1000
         self.prefill_chunk = config.prefill_chunk
         self.batch_max_wait_s = config.batch_max_wait_ms / 1000
         self.queues: dict[Priority, deque[Session]] = {p: deque() for p in Priority}
         self.running: list[Session] = []
+        self.preempted: list[Session] = []  # since the engine last took them (take_preempted)
+        self.num_cached_tokens = 0  # tokens admitted sessions found in the prefix cache, since start
         self._turn = 0
 
     @property
@@ -84,18 +80,27 @@ class Scheduler:
         return interactive[0] if interactive else None
 
     def remove(self, session: Session) -> None:
-        """Takes a finished or cancelled session out, and frees its cache slot at once."""
+        """Takes a finished or cancelled session out, and releases its pages at once."""
         if session.status is SessionStatus.WAITING:
             self.queues[session.priority].remove(session)
         elif session.status is SessionStatus.RUNNING:
             self.running.remove(session)
-            self.cache.free(session.slot)
-            session.slot = None
+            self.pages.release(session)
         session.status = SessionStatus.FINISHED
 
     def schedule(self, now: float) -> list[Work]:
         self._admit(now)
-        return self._pick()
+        return self._grow(self._pick())
+
+    def computed(self, session: Session, num_tokens: int) -> None:
+        """A pass computed `num_tokens` more of the session's tokens: its full pages get named."""
+        before = session.num_cached
+        session.num_cached += num_tokens
+        self.pages.commit(session, before)
+
+    def take_preempted(self) -> list[Session]:
+        preempted, self.preempted = self.preempted, []
+        return preempted
 
     def wait_hint(self, now: float) -> float | None:
         """Seconds the model thread may sleep before a batch should start (batched mode)."""
@@ -105,6 +110,7 @@ class Scheduler:
         return None
 
     def _admit(self, now: float) -> None:
+        room = self.max_sessions - len(self.running)
         if self.mode is Mode.SEQUENTIAL:
             limit = 0 if self.runnable else 1
         elif self.mode is Mode.BATCHED:
@@ -112,14 +118,14 @@ class Scheduler:
             batch_full = self.num_waiting >= self.max_batch_size
             waited = oldest is not None and now - oldest.arrived >= self.max_wait_s
             limit = self.max_batch_size if not self.runnable and (batch_full or waited) else 0
-            if limit:
-                for session in self._bucket(now, min(limit, self.cache.num_free)):
-                    self._start(session)
+            for session in self._bucket(now, min(limit, room)):
+                if not self._start(session):
+                    break
             return
         else:
-            limit = self.cache.num_slots
-        while limit > 0 and self.cache.num_free > 0 and (session := self._next_waiting(now)) is not None:
-            self._start(session)
+            limit = room
+        limit = min(limit, room)
+        while limit > 0 and (session := self._next_waiting(now)) is not None and self._start(session):
             limit -= 1
 
     def _bucket(self, now: float, size: int) -> list[Session]:
@@ -127,17 +133,43 @@ class Scheduler:
         length. Every decode step attends over the batch's longest context, so similar lengths
         waste less; the next session in order always goes, so no length waits for ever."""
         first = self._next_waiting(now)
-        if first is None:
+        if first is None or size < 1:
             return []
         others = [s for q in self.queues.values() for s in q if s is not first]
         others.sort(key=lambda s: (abs(s.num_prompt - first.num_prompt), s.arrived))
         return [first, *others[:size - 1]]
 
-    def _start(self, session: Session) -> None:
+    def _start(self, session: Session) -> bool:
+        """Admits the session if its pages fit, leaving one page of room per running session."""
+        if not self.pages.admit(session, reserve=len(self.running)):
+            return False
+        if session.cached_tokens is None:
+            session.cached_tokens = session.num_cached
+        self.num_cached_tokens += session.num_cached
         self.queues[session.priority].remove(session)
-        session.slot = self.cache.allocate()
         session.status = SessionStatus.RUNNING
         self.running.append(session)
+        return True
+
+    def _grow(self, work: list[Work]) -> list[Work]:
+        """Pages for every new token of the pass. Where none are left, sessions are preempted until
+        they fit; one preempted leaves the pass (it may be the very session that needed the page)."""
+        for w in work:
+            while w.session.status is SessionStatus.RUNNING and not self.pages.grow(w.session, w.num_tokens):
+                self._preempt(max(self.running, key=lambda s: (s.priority.value, s.arrived)))
+        return [w for w in work if w.session.status is SessionStatus.RUNNING]
+
+    def _preempt(self, session: Session) -> None:
+        """Takes a running session's pages back: it waits at the head of its queue, to recompute
+        its tokens (those of its full pages still cached are found again) when admitted again."""
+        self.running.remove(session)
+        self.pages.release(session)
+        session.num_cached = 0
+        session.status = SessionStatus.WAITING
+        session.paused = False
+        session.preemptions += 1
+        self.queues[session.priority].appendleft(session)
+        self.preempted.append(session)
 
     def _pick(self) -> list[Work]:
         runnable = self.runnable

@@ -34,7 +34,11 @@ class Session:
     priority: Priority = Priority.INTERACTIVE
     token_ids: list[int] = field(default_factory=list)  # prompt, then every generated token
     num_cached: int = 0  # tokens whose keys and values are in the cache
-    slot: int | None = None
+    cache_salt: str = ""  # prefixes are shared only between sessions with the same salt
+    pages: list[int] = field(default_factory=list)  # KV-cache page table, while running (engine/pages.py)
+    page_keys: list[bytes] = field(default_factory=list)  # names of its full pages, computed as needed
+    cached_tokens: int | None = None  # prompt tokens found in the cache when first admitted
+    preemptions: int = 0  # times its pages were taken back, to be recomputed later
     status: SessionStatus = SessionStatus.WAITING
     paused: bool = False  # running, but its client has not read its output: sits out the passes
     arrived: float = field(default_factory=time.monotonic)
@@ -60,4 +64,6 @@ class Session:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_cached < self.num_prompt
+        """Its prompt is still being computed, or recomputed after a preemption (then with the
+        tokens it had generated)."""
+        return self.num_cached < self.num_prompt or self.num_uncached > 1

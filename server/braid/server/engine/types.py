@@ -88,6 +88,7 @@ class GenerationRequest:
     request_id: str
     deadline: float | None = None  # time.monotonic() after which the session is stopped
     priority: Priority = Priority.INTERACTIVE
+    cache_salt: str = ""  # prompt prefixes are shared only between requests with the same salt
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Finished:
     generated_tokens: int
     timings: Timings
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
     def milestones(self) -> dict[str, float]:
         """Seconds from arrival to each point the session reached, in order: queued (0), prefill
@@ -161,3 +163,11 @@ class EngineStats:
     prompt_tokens: int = 0
     forward_passes: int = 0
     finished: dict[FinishReason, int] = field(default_factory=lambda: {r: 0 for r in FinishReason})
+    # the KV cache (engine/pages.py): totals since start, then pages now
+    prompt_tokens_cached: int = 0  # prompt tokens found in the prefix cache (prompt_tokens: those computed)
+    preemptions: int = 0  # running sessions whose pages were taken back, to be recomputed
+    kv_evictions: int = 0  # cached pages taken back for other use
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0  # held by running sessions
+    kv_pages_cached: int = 0  # held by no session, keeping a prefix for the next
+    kv_page_tokens: int = 0  # tokens per page

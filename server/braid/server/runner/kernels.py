@@ -24,6 +24,7 @@ _LOGGER = logging.getLogger(__name__)
 PANEL = 32  # columns per packed panel
 QBLOCK = 32  # rows of k per block of a panel
 LAYER_FIELDS = 13  # entries per layer in DecodeStep's table, in the C enum's order
+KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim]
 # The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
 # of each block of 32 rows).
 FORMATS = {"f32": (128, 0), "bf16": (64, 0), "f16": (64, 0), "q8_0": (32, 64), "q4_0": (16, 64), "q4_1": (16, 128),
@@ -36,11 +37,12 @@ try:
     from braid.server.runner import _cpu_kernels
 except ImportError:  # built without a C compiler: torch's kernels do the work
     _cpu_kernels = None
-if _cpu_kernels is not None and (_cpu_kernels.PANEL, _cpu_kernels.QBLOCK, _cpu_kernels.LAYER_FIELDS,
-                                 _cpu_kernels.FORMATS) != (PANEL, QBLOCK, LAYER_FIELDS, tuple(FORMATS.values())):
+if _cpu_kernels is not None and (
+        (_cpu_kernels.PANEL, _cpu_kernels.QBLOCK, _cpu_kernels.LAYER_FIELDS, getattr(_cpu_kernels, "KV_LAYOUT", 1),
+         _cpu_kernels.FORMATS) != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, tuple(FORMATS.values()))):
     # A stale build of the extension: its memory layout is not this module's. Never run it.
     _LOGGER.error("braid's C kernels were built for another layout than this code's (panels, blocks, table "
-                  "fields or formats): rebuild them (make install); running torch's kernels")
+                  "fields, KV cache or formats): rebuild them (make install); running torch's kernels")
     _cpu_kernels = None
 
 
@@ -292,20 +294,25 @@ def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = Tru
     return CpuKernelOps(isa) if isa is not None and dtype == torch.float32 else TorchOps(dtype, device)
 
 
+KV_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # a KV cache's dtypes, in C
+
+
 def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slots: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+                     tables: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
     """The C kernel for the decode rows of a pass. qkv: [B, (H + 2 KVH) D], one row per sequence,
-    after RoPE. Writes each sequence's new key and value at positions[b] of slot slots[b] of the cache
-    [slots, KVH, max_seq, D], and its attention over positions [0, positions[b]] into out [B, H D]."""
+    after RoPE. Writes each sequence's new key and value at positions[b], through its page table
+    tables[b] ([B, pages] long), into the paged cache [pages, KVH, P, D], and its attention over
+    positions [0, positions[b]] into out [B, H D]."""
     b = qkv.shape[0]
-    kv_heads, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    _, kv_heads, page_size, d = k_cache.shape
     assert qkv.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert slots.dtype == positions.dtype == torch.long and slots.is_contiguous() and positions.is_contiguous()
+    assert tables.dtype == positions.dtype == torch.long and tables.is_contiguous() and positions.is_contiguous()
     q = qkv.data_ptr()
     k, v = q + heads * d * qkv.element_size(), q + (heads + kv_heads) * d * qkv.element_size()
     _cpu_kernels.decode_attention(q, k, v, qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                  slots.data_ptr(), positions.data_ptr(), b, heads, kv_heads, d, max_seq,
-                                  d ** -0.5, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                                  FORMAT_CODES[KV_FORMATS[k_cache.dtype]], tables.data_ptr(), tables.shape[1],
+                                  positions.data_ptr(), b, heads, kv_heads, d, page_size, d ** -0.5,
+                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
 
 
 class DecodeStep:
@@ -326,23 +333,25 @@ class DecodeStep:
         self._keep = (layers, k_cache, v_cache, cos, signed_sin)  # the memory the table points into
         self.hidden = layers[0].qkv.in_features
         self.intermediate = layers[0].down.in_features
-        self.shape = (num_heads, num_kv_heads, head_dim, self.intermediate, len(layers), k_cache[0].shape[2])
+        page_size, kv_format = k_cache[0].shape[2], FORMAT_CODES[KV_FORMATS[k_cache[0].dtype]]
+        self.shape = (num_heads, num_kv_heads, head_dim, self.intermediate, len(layers), page_size, kv_format)
         self.eps, self.cos, self.sin = eps, cos, signed_sin
         self._scratch: list[torch.Tensor] = []
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """x: [B, hidden] embeddings, contiguous; on return the last layer's residual stream."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> None:
+        """x: [B, hidden] embeddings, contiguous; tables: [B, pages] long, each sequence's page
+        table. On return x holds the last layer's residual stream."""
         b = x.shape[0]
-        assert x.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()
+        assert x.is_contiguous() and positions.is_contiguous() and tables.is_contiguous()
         if not self._scratch or self._scratch[0].shape[0] < b:
             heads, kv_heads, d, inter = self.shape[:4]
             widths = (self.hidden, (heads + 2 * kv_heads) * d, heads * d, 2 * inter, inter)
             self._scratch = [x.new_empty(b, w) for w in widths]
         h, qkv, attn, gate_up, act = self._scratch
         _cpu_kernels.decode_step(b, self.hidden, *self.shape, self.eps, self.table.data_ptr(),
-                                 positions.data_ptr(), slots.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
-                                 x.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-                                 act.data_ptr(), torch.get_num_threads())
+                                 positions.data_ptr(), tables.data_ptr(), tables.shape[1], self.cos.data_ptr(),
+                                 self.sin.data_ptr(), x.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+                                 gate_up.data_ptr(), act.data_ptr(), torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

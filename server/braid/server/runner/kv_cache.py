@@ -1,4 +1,8 @@
-"""The KV cache: one slot per running session, allocated once and written in place."""
+"""The KV cache's memory: fixed-size pages of keys and values, reserved once, written in place.
+
+Which session holds which page, and which pages hold which prefix, is the engine's business
+(engine/pages.py); the runner only reads and writes the pages a row's page table names.
+"""
 
 from __future__ import annotations
 
@@ -29,37 +33,24 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class KVCache:
-    """Keys and values of every layer, laid out [slot, kv_head, position, head_dim].
+    """Keys and values of every layer in pages of `page_size` positions, laid out
+    [page, kv_head, position in page, head_dim]: within a page, a head's keys are contiguous, so
+    attention reads a page at a time. A sequence's page table lists its pages in position order;
+    position t lives at offset t % page_size of page table[t // page_size]. The memory is reserved
+    once at start (the OS commits it as pages are first written)."""
 
-    A slot holds one session's whole context, so a session's keys are one contiguous view per
-    head and a decode step over slots [lo, hi) attends to a view of the cache, never a copy. The
-    memory is reserved once at start (pages are touched only as positions are written).
-    """
-
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
+    def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.num_slots = num_slots
-        self.max_seq_len = max_seq_len
-        self._free = list(range(num_slots))
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.dtype = dtype
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        """The lowest free slot: keeping running slots low keeps the decode view [lo, hi) tight."""
-        self._free.sort()
-        return self._free.pop(0)
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
 
 
 def free_memory(device: torch.device) -> int:
@@ -81,20 +72,20 @@ def head_dim(model_config) -> int:
     return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
 
 
-def fit_slots(config: EngineConfig, model_config, max_seq_len: int, device: torch.device,
+def fit_pages(config: EngineConfig, model_config, max_seq_len: int, device: torch.device,
               dtype: torch.dtype) -> int:
-    """KV-cache slots: --max-sessions, or fewer where the --kv-cache-memory budget holds fewer.
-    The cache is reserved at start, so the scheduler can never admit more than fits."""
-    per_slot = max_seq_len * KVCache.bytes_per_token(model_config.num_hidden_layers,
-                                                     model_config.num_key_value_heads, head_dim(model_config), dtype)
+    """KV-cache pages the --kv-cache-memory budget holds. At least one session of --max-seq-len
+    tokens must fit, so a session admitted alone can always run to its end."""
+    per_page = config.kv_page_size * KVCache.bytes_per_token(
+        model_config.num_hidden_layers, model_config.num_key_value_heads, head_dim(model_config), dtype)
     amount, is_fraction = parse_memory(config.kv_cache_memory)
     budget = amount * free_memory(device) if is_fraction else amount
-    slots = min(config.max_sessions, int(budget // per_slot))
-    if slots < 1:
+    pages = int(budget // per_page)
+    needed = -(-max_seq_len // config.kv_page_size)
+    if pages < needed:
         raise ValueError(f"--kv-cache-memory {config.kv_cache_memory}: one session of --max-seq-len "
-                         f"{max_seq_len} tokens needs {per_slot / 2**20:.0f} MiB")
-    if slots < config.max_sessions:
-        _LOGGER.warning("KV cache budget fits %d sessions of %d tokens, not --max-sessions %d", slots,
-                        max_seq_len, config.max_sessions)
-    _LOGGER.info("KV cache: %d slots x %d tokens, %.0f MiB", slots, max_seq_len, slots * per_slot / 2**20)
-    return slots
+                         f"{max_seq_len} tokens needs {needed * per_page / 2**20:.0f} MiB")
+    _LOGGER.info("KV cache: %d pages of %d tokens (%d tokens, %d sessions of --max-seq-len), %.0f MiB, %s",
+                 pages, config.kv_page_size, pages * config.kv_page_size, pages // needed, pages * per_page / 2**20,
+                 str(dtype).removeprefix("torch."))
+    return pages

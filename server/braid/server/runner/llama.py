@@ -1,8 +1,8 @@
-"""A Llama-family decoder that reads and writes braid's slot KV cache.
+"""A Llama-family decoder that reads and writes braid's paged KV cache.
 
 transformers loads the weights (safetensors, GGUF, hub); this module runs them. It exists because a
 decode step must touch only the new tokens: every sequence of a batch writes its keys and values in
-place into its own cache slot, and no step copies, pads or re-runs anything already cached.
+place into its own cache pages, and no step re-runs anything already cached.
 
 One forward pass takes a *packed* batch: the new tokens of every sequence side by side, with no
 padding. Linear layers run once over all of them; attention runs per prefill chunk and once, batched,
@@ -23,9 +23,10 @@ from braid.server.runner.precision import Precision, fuse
 
 @dataclass
 class PrefillChunk:
-    """Tokens [offset, offset + length) of the packed batch extend slot `slot` from position `start`."""
+    """Tokens [offset, offset + length) of the packed batch extend a sequence from position `start`;
+    `pages`: its page table, covering positions [0, start + length)."""
 
-    slot: int
+    pages: torch.Tensor  # [ceil((start + length) / P)] long
     start: int
     length: int
     offset: int
@@ -36,19 +37,16 @@ class DecodeRows:
     """The last `count` tokens of the packed batch, one new token per sequence."""
 
     count: int
-    slots: torch.Tensor  # [B] long: each sequence's cache slot
-    slot_lo: int  # the slots span [slot_lo, slot_lo + span); attention runs over that view
-    span: int
-    cache_index: torch.Tensor  # [B * KVH] rows of the cache viewed as [slots * KVH * max_seq, D]
-    rows_in_span: torch.Tensor | None  # [B] slot - slot_lo, or None when the slots are exactly the span
+    tables: torch.Tensor  # [B, pages] long: each sequence's page table (padded with page 0)
     kv_len: int  # T: longest cached length among them, new token included
-    mask: torch.Tensor | None  # [span, 1, 1, T] bool, or None when every length is T
+    mask: torch.Tensor | None  # [B, 1, 1, T] bool, or None when every length is T
 
 
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [N] long
     positions: torch.Tensor  # [N] long
+    kv_index: torch.Tensor  # [N * KVH] long: where each token's key of each head goes, in the cache viewed as [-1, D]
     prefills: list[PrefillChunk]
     decode: DecodeRows | None
     logit_rows: torch.Tensor  # [R] long: the packed rows whose next-token logits are wanted
@@ -161,7 +159,7 @@ class LlamaDecoder:
                                     self.cos, self.sin, cache.k, cache.v)
             self._step_cache = cache
         x = self.embed.columns(batch.input_ids).contiguous()  # [B, hidden]
-        self._step(x, batch.positions, batch.decode.slots)
+        self._step(x, batch.positions, batch.decode.tables)
         return self._logits(x, batch.logit_rows)
 
     def _matrices(self) -> list[Linear]:
@@ -174,52 +172,58 @@ class LlamaDecoder:
 
     def _attention(self, layer: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """q, k, v: [N, heads, D] views of qkv [N, (H + 2 KVH) D], after RoPE."""
-        k_cache, v_cache = cache.k[layer], cache.v[layer]  # [slots, KVH, max_seq, D]
-        n = q.shape[0]
-        out = torch.empty(n, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        """q, k, v: [N, heads, D] views of qkv [N, (H + 2 KVH) D], after RoPE. Keys and values are
+        written into the pages first, and attention always reads them back from there, so a prefix
+        read from the cache and one just computed are the same numbers (in the cache's dtype)."""
+        k_cache, v_cache = cache.k[layer], cache.v[layer]  # [pages, KVH, P, D]
+        n, d = q.shape[0], self.head_dim
+        dec = batch.decode
+        fused = dec is not None and self.fused_attention  # the C kernel writes the decode rows' keys
+        written = n - dec.count if fused else n
+        if written:
+            # Rows of a flat view: an advanced-index assignment here would have torch copy the
+            # whole cache of the layer (measured: ~4 ms, against 6 us).
+            index = batch.kv_index[:written * self.num_kv_heads]
+            k_cache.view(-1, d).index_copy_(0, index, k[:written].reshape(-1, d).to(k_cache.dtype))
+            v_cache.view(-1, d).index_copy_(0, index, v[:written].reshape(-1, d).to(v_cache.dtype))
+        out = torch.empty(n, self.num_heads * d, dtype=q.dtype, device=q.device)
         for c in batch.prefills:
             rows = slice(c.offset, c.offset + c.length)
             end = c.start + c.length
-            k_cache[c.slot, :, c.start:end] = k[rows].transpose(0, 1)
-            v_cache[c.slot, :, c.start:end] = v[rows].transpose(0, 1)
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-            kc = k_cache[c.slot:c.slot + 1, :, :end]  # [1, KVH, T, D]
-            vc = v_cache[c.slot:c.slot + 1, :, :end]
+            kc = _gather(k_cache, c.pages.unsqueeze(0), end, q.dtype)  # [1, KVH, T, D]
+            vc = _gather(v_cache, c.pages.unsqueeze(0), end, q.dtype)
             if c.start == 0:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
             else:
                 mask = _chunk_mask(c.start, c.length, q.device)
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1).reshape(c.length, -1)
-        dec = batch.decode
-        if dec is not None and self.fused_attention:
+        if fused:
             rows = slice(n - dec.count, n)
-            decode_attention(qkv[rows], self.num_heads, k_cache, v_cache, dec.slots, batch.positions[rows],
+            decode_attention(qkv[rows], self.num_heads, k_cache, v_cache, dec.tables, batch.positions[rows],
                              out[rows])
         elif dec is not None:
             rows = slice(n - dec.count, n)
-            # Written in place as rows of a flat view: an advanced-index assignment here would
-            # have torch copy the whole cache of the layer (measured: ~4 ms, against 6 us).
-            d = self.head_dim
-            k_cache.view(-1, d).index_copy_(0, dec.cache_index, k[rows].reshape(-1, d))
-            v_cache.view(-1, d).index_copy_(0, dec.cache_index, v[rows].reshape(-1, d))
             group = self.num_heads // self.num_kv_heads
             # Grouped-query trick: the `group` query heads that share a KV head become `group` query
-            # rows of that head, so no key or value is ever repeated or copied.
-            qd = q[rows].view(dec.count, self.num_kv_heads, group, self.head_dim)
-            if dec.rows_in_span is not None:
-                spread = qd.new_zeros(dec.span, self.num_kv_heads, group, self.head_dim)
-                spread[dec.rows_in_span] = qd
-                qd = spread
-            hi = dec.slot_lo + dec.span
-            kd = k_cache[dec.slot_lo:hi, :, :dec.kv_len]  # a view: [S, KVH, T, D]
-            vd = v_cache[dec.slot_lo:hi, :, :dec.kv_len]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [S, KVH, G, D]
-            if dec.rows_in_span is not None:
-                o = o[dec.rows_in_span]
+            # rows of that head, so no key or value is ever repeated.
+            qd = q[rows].view(dec.count, self.num_kv_heads, group, d)
+            kd = _gather(k_cache, dec.tables, dec.kv_len, q.dtype)  # [B, KVH, T, D]
+            vd = _gather(v_cache, dec.tables, dec.kv_len, q.dtype)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [B, KVH, G, D]
             out[rows] = o.reshape(dec.count, -1)
         return out
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, KVH, length, D]: the first `length` positions of each sequence's pages (tables [B, pages]),
+    copied out of the cache [pages, KVH, P, D] in `dtype` (torch's attention reads one contiguous
+    run per head; braid's C kernel reads the pages in place)."""
+    b = tables.shape[0]
+    _, kv_heads, page_size, d = cache.shape
+    pages = cache[tables[:, :-(-length // page_size)]]  # [B, n, KVH, P, D]
+    return pages.transpose(1, 2).reshape(b, kv_heads, -1, d)[:, :, :length].to(dtype)
 
 
 def _chunk_mask(start: int, length: int, device: torch.device) -> torch.Tensor:

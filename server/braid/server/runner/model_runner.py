@@ -3,7 +3,7 @@
 It never sees a session, a queue, a socket or a protobuf: the engine decides what runs and builds
 the rows (runner/rows.py); the runner packs them into tensors, runs the decoder over its KV cache
 and samples. It also owns what depends on the hardware: the device, torch's threads, and how many
-KV-cache slots fit.
+KV-cache pages fit.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from braid.server.config import EngineConfig
 from braid.server.model.loader import LoadedModel
 from braid.server.runner.kernels import pick_ops
-from braid.server.runner.kv_cache import KVCache, fit_slots
+from braid.server.runner.kv_cache import KVCache, fit_pages
 from braid.server.runner.llama import DecodeRows, ForwardBatch, LlamaDecoder, PrefillChunk
 from braid.server.runner.precision import DTYPES, Precision
 from braid.server.runner.rows import Row, Sampling
@@ -40,9 +40,9 @@ def pick_device(device: str, dtype: str = "auto") -> tuple[torch.device, torch.d
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, device: torch.device, dtype: torch.dtype, num_slots: int,
+    def __init__(self, model: LoadedModel, device: torch.device, dtype: torch.dtype, num_pages: int,
                  max_seq_len: int, allow_kernels: bool = True, weight_dtype: str = "auto",
-                 quantization: str = "auto") -> None:
+                 quantization: str = "auto", page_size: int = 16, kv_dtype: torch.dtype | None = None) -> None:
         if model.architecture not in LlamaDecoder.SUPPORTED:
             raise ValueError(f"--model: architecture {model.architecture} is not supported; braid runs "
                              f"{', '.join(LlamaDecoder.SUPPORTED)}")
@@ -51,8 +51,8 @@ class ModelRunner:
         ops = pick_ops(device, dtype, allow_kernels)
         precision = Precision(model, weight_dtype, quantization)
         self.decoder = LlamaDecoder(model.hf_model, max_seq_len, ops, precision)
-        self.cache = KVCache(self.decoder.num_layers, num_slots, self.decoder.num_kv_heads, max_seq_len,
-                             self.decoder.head_dim, dtype, device)
+        self.cache = KVCache(self.decoder.num_layers, num_pages, self.decoder.num_kv_heads, page_size,
+                             self.decoder.head_dim, kv_dtype or dtype, device)
         self.vocab_size = self.decoder.vocab_size
         self.num_parameters = sum(p.numel() for p in model.hf_model.parameters())
         self.kernels = ops.isa or "torch"  # the C kernels' instruction set, or torch's ops
@@ -64,20 +64,26 @@ class ModelRunner:
 
     @classmethod
     def build(cls, config: EngineConfig, model: LoadedModel) -> ModelRunner:
-        """The runner --device, --dtype, --quantization, --threads, --kernels, --max-seq-len and
-        --kv-cache-memory ask for."""
+        """The runner --device, --dtype, --quantization, --threads, --kernels, --max-seq-len,
+        --kv-cache-memory, --kv-page-size and --kv-cache-dtype ask for."""
         device, dtype = pick_device(config.device, config.dtype)
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
         max_seq_len = min(config.max_seq_len, context)
-        num_slots = fit_slots(config, model.hf_model.config, max_seq_len, device, dtype)
-        return cls(model, device, dtype, num_slots, max_seq_len, allow_kernels=config.kernels == "auto",
-                   weight_dtype=config.dtype, quantization=config.quantization)
+        kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # auto: the compute dtype
+        num_pages = fit_pages(config, model.hf_model.config, max_seq_len, device, kv_dtype)
+        return cls(model, device, dtype, num_pages, max_seq_len, allow_kernels=config.kernels == "auto",
+                   weight_dtype=config.dtype, quantization=config.quantization, page_size=config.kv_page_size,
+                   kv_dtype=kv_dtype)
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.cache.dtype).removeprefix("torch.")
 
     @staticmethod
     def random_state(sampling: Sampling) -> object:
@@ -97,17 +103,19 @@ class ModelRunner:
     @torch.no_grad()
     def perplexity(self, token_ids: Sequence[int], chunk: int = 512) -> float:
         """exp of the mean negative log-likelihood of token_ids[1:], each given all before it: the
-        text prefilled into slot 0 in chunks, with every position's logits kept. For measuring a
-        format's quality (--quantization), not for serving."""
+        text prefilled into the cache's first pages in chunks, with every position's logits kept.
+        For measuring a format's quality (--quantization) on an idle runner, not for serving."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        assert 1 < len(ids) <= self.max_seq_len
+        assert 1 < len(ids) <= min(self.max_seq_len, self.cache.num_pages * self.cache.page_size)
+        pages = list(range(-(-len(ids) // self.cache.page_size)))
         nll = 0.0
         for start in range(0, len(ids) - 1, chunk):
             piece = ids[start:start + chunk]
             n = len(piece)
-            batch = ForwardBatch(input_ids=piece, positions=torch.arange(start, start + n, device=self.device),
-                                 prefills=[PrefillChunk(slot=0, start=start, length=n, offset=0)], decode=None,
-                                 logit_rows=torch.arange(n, device=self.device))
+            row = Row(pages=pages, start=start, token_ids=piece.tolist(), sample=False, sampling=Sampling(), rng=None,
+                      is_prompt=True)
+            batch, _ = self._build([row])
+            batch.logit_rows = torch.arange(n, device=self.device)
             targets = ids[start + 1:start + n + 1]
             logits = self.decoder.forward(batch, self.cache)[:len(targets)].float()
             nll -= torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).sum().item()
@@ -116,56 +124,48 @@ class ModelRunner:
     def _build(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[int]]:
         """Packs prompt chunks first, then one token per decoding row. Returns the batch and the
         indices of the rows that sample, in the order of its logit rows."""
-        prefills = [i for i, r in enumerate(rows) if r.is_prompt or len(r.token_ids) > 1]
-        decodes = [i for i, r in enumerate(rows) if not (r.is_prompt or len(r.token_ids) > 1)]
+        is_prefill = [r.is_prompt or len(r.token_ids) > 1 for r in rows]
+        prefills = [i for i, r in enumerate(rows) if is_prefill[i]]
+        decodes = [i for i, r in enumerate(rows) if not is_prefill[i]]
         ids: list[int] = []
         positions: list[int] = []
+        token_pages: list[int] = []  # the page each packed token's key and value go to
         chunks: list[PrefillChunk] = []
         logit_rows: list[int] = []
         sampled: list[int] = []
-        for i in prefills:
+        dev, page_size = self.device, self.cache.page_size
+        for i in prefills + decodes:
             r = rows[i]
-            chunks.append(PrefillChunk(slot=r.slot, start=r.start, length=len(r.token_ids), offset=len(ids)))
+            end = r.start + len(r.token_ids)
+            if is_prefill[i]:
+                table = torch.tensor(r.pages[:-(-end // page_size)], dtype=torch.long, device=dev)
+                chunks.append(PrefillChunk(pages=table, start=r.start, length=len(r.token_ids), offset=len(ids)))
             ids += r.token_ids
-            positions += range(r.start, r.start + len(r.token_ids))
+            positions += range(r.start, end)
+            token_pages += [r.pages[p // page_size] for p in range(r.start, end)]
             if r.sample:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(i)
-        for i in decodes:
-            r = rows[i]
-            ids.append(r.token_ids[0])
-            positions.append(r.start)
-            if r.sample:
-                logit_rows.append(len(ids) - 1)
-                sampled.append(i)
-        dev = self.device
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=dev)
+        # [N * KVH]: the row of the cache viewed as [-1, D] each token's key of each head goes to
+        offsets = (torch.tensor(token_pages, dtype=torch.long, device=dev) * self.decoder.num_kv_heads * page_size
+                   + position_tensor % page_size)
+        heads = torch.arange(self.decoder.num_kv_heads, device=dev) * page_size
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            prefills=chunks,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=position_tensor,
+            kv_index=(offsets.unsqueeze(1) + heads.unsqueeze(0)).flatten(), prefills=chunks,
             decode=self._decode_rows([rows[i] for i in decodes]) if decodes else None,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev))
         return batch, sampled
 
     def _decode_rows(self, decodes: list[Row]) -> DecodeRows:
-        slots = [r.slot for r in decodes]
         lengths = [r.start + 1 for r in decodes]  # the new token included
-        lo, hi = min(slots), max(slots)
-        span = hi - lo + 1
         kv_len = max(lengths)
-        dev = self.device
-        contiguous = slots == list(range(lo, hi + 1))
-        rows_in_span = None if contiguous else torch.tensor([s - lo for s in slots], device=dev)
+        width = -(-kv_len // self.cache.page_size)
+        tables = torch.tensor([list(r.pages[:width]) + [0] * (width - len(r.pages[:width])) for r in decodes],
+                              dtype=torch.long, device=self.device)
         mask = None
-        if not contiguous or any(n != kv_len for n in lengths):
-            span_lengths = [1] * span  # holes see position 0 only, so their softmax is defined
-            for slot, n in zip(slots, lengths):
-                span_lengths[slot - lo] = n
-            mask = (torch.arange(kv_len, device=dev).unsqueeze(0)
-                    < torch.tensor(span_lengths, device=dev).unsqueeze(1)).view(span, 1, 1, kv_len)
-        kv_heads, max_seq = self.decoder.num_kv_heads, self.cache.max_seq_len
-        cache_index = [(slot * kv_heads + h) * max_seq + n - 1 for slot, n in zip(slots, lengths)
-                       for h in range(kv_heads)]
-        return DecodeRows(count=len(decodes), slots=torch.tensor(slots, dtype=torch.long, device=dev),
-                          slot_lo=lo, span=span, cache_index=torch.tensor(cache_index, dtype=torch.long, device=dev),
-                          rows_in_span=rows_in_span, kv_len=kv_len, mask=mask)
+        if any(n != kv_len for n in lengths):
+            mask = (torch.arange(kv_len, device=self.device).unsqueeze(0)
+                    < torch.tensor(lengths, device=self.device).unsqueeze(1)).view(len(decodes), 1, 1, kv_len)
+        return DecodeRows(count=len(decodes), tables=tables, kv_len=kv_len, mask=mask)

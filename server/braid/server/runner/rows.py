@@ -29,7 +29,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Row:
-    """Feed `token_ids` at positions [start, start + len) of KV-cache slot `slot`; when `sample`, pick
+    """Feed `token_ids` at positions [start, start + len) of a sequence whose KV-cache pages are
+    `pages`, in position order (they cover every position up to start + len); when `sample`, pick
     the next token after them.
 
     `rng` is the sequence's random state, made once by the runner (`random_state`) and carried by
@@ -38,7 +39,7 @@ class Row:
     be picked now) matter only when sampling.
     """
 
-    slot: int
+    pages: Sequence[int]
     start: int
     token_ids: Sequence[int]
     sample: bool

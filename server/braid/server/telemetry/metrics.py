@@ -78,11 +78,16 @@ def record_call(method: str, status_code: str, seconds: float) -> None:
     CALL_DURATION.record(seconds, {RPC_METHOD: method, RPC_STATUS_CODE: status_code})
 
 
-def observe_engine(stats: Callable[[], EngineStats], num_slots: int) -> None:
+def observe_engine(stats: Callable[[], EngineStats]) -> None:
     """Gauges and counters read from the engine's own counts when a reader collects, so they cost
-    the model thread nothing. Every active session holds one KV-cache slot of `num_slots`."""
-    def usage(options: CallbackOptions):
-        return [Observation(stats().sessions_active)]
+    the model thread nothing."""
+    def pages(options: CallbackOptions):
+        stats_now = stats()
+        return [Observation(stats_now.kv_pages_used, {"braid.kv_page.state": "used"}),
+                Observation(stats_now.kv_pages_cached, {"braid.kv_page.state": "cached"})]
+
+    def cache(name: str):
+        return lambda options: [Observation(getattr(stats(), name))]
 
     def sessions(options: CallbackOptions):
         stats_now = stats()
@@ -97,18 +102,25 @@ def observe_engine(stats: Callable[[], EngineStats], num_slots: int) -> None:
     def tokens(options: CallbackOptions):
         stats_now = stats()
         return [Observation(stats_now.prompt_tokens, {"braid.token.type": "prompt"}),
+                Observation(stats_now.prompt_tokens_cached, {"braid.token.type": "prompt_cached"}),
                 Observation(stats_now.tokens_generated, {"braid.token.type": "generated"})]
 
     _meter.create_observable_gauge("braid.sessions", [sessions], unit="{session}",
-                                   description="Sessions running (holding a KV-cache slot), queued, and paused (running, "
+                                   description="Sessions running (holding KV-cache pages), queued, and paused (running, "
                                                "their clients not reading)")
     _meter.create_observable_counter("braid.requests", [requests], unit="{request}",
                                      description="Finished sessions, by finish reason")
     _meter.create_observable_counter("braid.tokens", [tokens], unit="{token}",
-                                     description="Prompt tokens prefilled and tokens generated")
+                                     description="Prompt tokens computed (prompt), prompt tokens found in the prefix "
+                                                 "cache (prompt_cached), and tokens generated")
     _meter.create_observable_gauge(
-        "braid.kv_cache.usage", [usage],
-        unit="{slot}", description="KV-cache slots in use")
+        "braid.kv_cache.usage", [pages], unit="{page}",
+        description="KV-cache pages held by running sessions (used), and held by none but keeping a prefix (cached)")
     _meter.create_observable_gauge(
-        "braid.kv_cache.limit", [lambda options: [Observation(num_slots)]],
-        unit="{slot}", description="KV-cache slots in all")
+        "braid.kv_cache.limit", [cache("kv_pages_total")], unit="{page}", description="KV-cache pages in all")
+    _meter.create_observable_counter(
+        "braid.kv_cache.evictions", [cache("kv_evictions")], unit="{page}",
+        description="Cached KV-cache pages taken back for other use")
+    _meter.create_observable_counter(
+        "braid.preemptions", [cache("preemptions")], unit="{session}",
+        description="Running sessions whose KV-cache pages were taken back, to be recomputed when readmitted")

@@ -57,6 +57,6 @@ def start_telemetry(config: ServerConfig, engine: "Engine", port: int) -> Teleme
         trace.set_tracer_provider(tracer_provider)
     meter_provider = MeterProvider(metric_readers=readers, resource=resource)
     metrics.set_meter_provider(meter_provider)
-    observe_engine(engine.stats, engine.num_slots)
+    observe_engine(engine.stats)
     engine.observer = MetricsObserver()
     return Telemetry(meter_provider, tracer_provider)

@@ -1,40 +1,78 @@
-/* Decode attention over the slot KV cache. Compiled once per instruction set. */
+/* Decode attention over the paged KV cache. Compiled once per instruction set.
+ *
+ * The cache of a layer is [pages, KVH, P, D] in kv_fmt (fp32, bf16 or f16): page p holds P
+ * consecutive positions of one sequence, each KV head's keys contiguous. A sequence's page table
+ * (a row of `tables`) lists its pages in position order: position t is at offset t % P of page
+ * table[t / P]. Pages are shared between sequences with a common prefix; a decode step only ever
+ * writes the position of its new token, in a page its sequence alone holds. */
+
+/* VEC cache values from element `index` of a cache in kv_fmt, widened to fp32 (exact). */
+static inline vf kv_load(const void *cache, int kv_fmt, long index) {
+    if (kv_fmt == F_BF16) return vcvt_bf16((const uint16_t *)cache + index);
+    if (kv_fmt == F_F16) return vcvt_f16((const uint16_t *)cache + index);
+    return vload((const float *)cache + index);
+}
+
+/* Stores n fp32 values into a cache in kv_fmt, rounded to nearest even as torch's .to() does, so
+ * a key written here and one written by torch's prefill are the same bits. */
+static inline void kv_store(void *cache, int kv_fmt, long index, const float *x, long n) {
+    if (kv_fmt == F_F32) {
+        memcpy((float *)cache + index, x, n * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + index;
+    for (long i = 0; i < n; i++) {
+        if (kv_fmt == F_F16) {
+            out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+            continue;
+        }
+        uint32_t u;
+        memcpy(&u, &x[i], sizeof u);
+        out[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40) /* NaN stays NaN */
+                                                 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+    }
+}
 
 /* Attention for the decode rows of a pass: each of B sequences has one new token, at position
- * positions[b] of cache slot slots[b]. Its key and value (rows of k_new / v_new, KVH heads of D)
- * are written into the cache, [slots, KVH, max_seq, D], and its H query heads (rows of q) attend
- * over positions [0, positions[b]] of the slot. Grouped-query: the H / KVH query heads of a KV head
- * share one pass over its keys and values. out: B rows (stride ldo) of H x D. One task per
- * (sequence, KV head); a sequence's result does not depend on the others in the pass.
- * D is a multiple of 16. */
-static void decode_attention(const float *q, const float *k_new, const float *v_new, long ldq, float *k_cache,
-                             float *v_cache, const int64_t *slots, const int64_t *positions, long B, long H,
-                             long KVH, long D, long max_seq, float scale, float *out, long ldo, int threads) {
+ * positions[b], with page table tables[b * table_stride ...]. Its key and value (rows of k_new /
+ * v_new, KVH heads of D) are written into the cache, and its H query heads (rows of q) attend over
+ * positions [0, positions[b]]. Grouped-query: the H / KVH query heads of a KV head share one pass
+ * over its keys and values. out: B rows (stride ldo) of H x D. One task per (sequence, KV head); a
+ * sequence's result does not depend on the others in the pass, nor on which pages it holds.
+ * D and P are multiples of 16. */
+static void decode_attention(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
+                             void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
+                             const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
+                             float *out, long ldo, int threads) {
     const long G = H / KVH, chunks = D / VEC;
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && B * KVH > 1)
     for (long task = 0; task < B * KVH; task++) {
         const long b = task / KVH, h = task % KVH, L = positions[b] + 1;
-        float *keys = k_cache + (slots[b] * KVH + h) * max_seq * D;
-        float *values = v_cache + (slots[b] * KVH + h) * max_seq * D;
-        memcpy(keys + (L - 1) * D, k_new + b * ldq + h * D, D * sizeof(float));
-        memcpy(values + (L - 1) * D, v_new + b * ldq + h * D, D * sizeof(float));
+        const int64_t *table = tables + b * table_stride;
+/* element index of position t's first value, in a page of this head */
+#define AT(t) (((table[(t) / P] * KVH + h) * P + (t) % P) * D)
+        kv_store(k_cache, kv_fmt, AT(L - 1), k_new + b * ldq + h * D, D);
+        kv_store(v_cache, kv_fmt, AT(L - 1), v_new + b * ldq + h * D, D);
         float *scores = malloc(sizeof(float) * G * L);
         for (long g = 0; g < G; g++) {
             const float *qg = q + b * ldq + (h * G + g) * D;
             float *sc = scores + g * L, top = -INFINITY;
             long t = 0;
-            for (; t + VEC <= L; t += VEC) { /* VEC keys at a time, their sums in one transpose */
+            for (; t + VEC <= L; t += VEC) { /* VEC keys at a time (one page holds them), their sums in one transpose */
+                const long base = AT(t);
                 vf dots[VEC];
                 for (int i = 0; i < VEC; i++) {
                     dots[i] = vzero();
                     for (long j = 0; j < chunks; j++)
-                        dots[i] = vfmadd(vload(qg + VEC * j), vload(keys + (t + i) * D + VEC * j), dots[i]);
+                        dots[i] = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + i * D + VEC * j), dots[i]);
                 }
                 vstore(sc + t, vmul(vhsum(dots), vset1(scale)));
             }
             for (; t < L; t++) {
+                const long base = AT(t);
                 vf dot = vzero();
-                for (long j = 0; j < chunks; j++) dot = vfmadd(vload(qg + VEC * j), vload(keys + t * D + VEC * j), dot);
+                for (long j = 0; j < chunks; j++)
+                    dot = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + VEC * j), dot);
                 sc[t] = vsum(dot) * scale;
             }
             for (t = 0; t < L; t++) top = sc[t] > top ? sc[t] : top;
@@ -51,10 +89,15 @@ static void decode_attention(const float *q, const float *k_new, const float *v_
             float *o = out + b * ldo + (h * G + g) * D;
             for (long j = 0; j < chunks; j++) {
                 vf acc = vzero();
-                for (long t = 0; t < L; t++) acc = vfmadd(vset1(sc[t]), vload(values + t * D + VEC * j), acc);
+                for (long t0 = 0; t0 < L; t0 += P) { /* a page at a time: its positions are contiguous */
+                    const long base = AT(t0) + VEC * j, n = L - t0 < P ? L - t0 : P;
+                    for (long i = 0; i < n; i++)
+                        acc = vfmadd(vset1(sc[t0 + i]), kv_load(v_cache, kv_fmt, base + i * D), acc);
+                }
                 vstore(o + VEC * j, vmul(acc, inv));
             }
         }
+#undef AT
         free(scores);
     }
 }

@@ -107,33 +107,39 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
-static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    arg_t a[17];
-    if (parse(args, nargs, "ppplpppplllllfpll", a) || selected()) return NULL;
-    const long H = a[9].l, KVH = a[10].l, D = a[11].l;
-    if (KVH < 1 || H % KVH || D % 16) {
-        PyErr_SetString(PyExc_ValueError, "decode_attention: heads must divide evenly, head_dim by 16");
-        return NULL;
+static int check_paging(long H, long KVH, long D, long P, long kv_fmt, const char *who) {
+    if (KVH < 1 || H % KVH || D % 16 || D > 1024 || P < 16 || P % 16) {
+        PyErr_Format(PyExc_ValueError, "%s: heads must divide evenly, head_dim and page size by 16", who);
+        return -1;
     }
+    if (kv_fmt != F_F32 && kv_fmt != F_BF16 && kv_fmt != F_F16) {
+        PyErr_Format(PyExc_ValueError, "%s: a KV cache is f32, bf16 or f16, not format %ld", who, kv_fmt);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg_t a[19];
+    if (parse(args, nargs, "ppplpplplplllllfpll", a) || selected()) return NULL;
+    const long H = a[11].l, KVH = a[12].l, D = a[13].l, P = a[14].l;
+    if (check_paging(H, KVH, D, P, a[6].l, "decode_attention")) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    K->decode_attention(a[0].p, a[1].p, a[2].p, a[3].l, a[4].p, a[5].p, a[6].p, a[7].p, a[8].l, H, KVH,
-                     D, a[12].l, (float)a[13].f, a[14].p, a[15].l, (int)a[16].l);
+    K->decode_attention(a[0].p, a[1].p, a[2].p, a[3].l, a[4].p, a[5].p, (int)a[6].l, a[7].p, a[8].l, a[9].p,
+                        a[10].l, H, KVH, D, P, (float)a[15].f, a[16].p, a[17].l, (int)a[18].l);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    arg_t a[21];
-    if (parse(args, nargs, "llllllllfpppppppppppl", a) || selected()) return NULL;
+    arg_t a[23];
+    if (parse(args, nargs, "lllllllllfppplppppppppl", a) || selected()) return NULL;
     step_t s = {.B = a[0].l, .hidden = a[1].l, .H = a[2].l, .KVH = a[3].l, .D = a[4].l, .I = a[5].l,
-                .layers = a[6].l, .max_seq = a[7].l, .eps = (float)a[8].f, .table = a[9].p,
-                .positions = a[10].p, .slots = a[11].p, .cos_t = a[12].p, .sin_t = a[13].p, .x = a[14].p,
-                .h = a[15].p, .qkv = a[16].p, .attn = a[17].p, .gate_up = a[18].p, .act = a[19].p,
-                .threads = (int)a[20].l};
-    if (s.B < 1 || s.KVH < 1 || s.H % s.KVH || s.D % 16 || s.D > 1024) {
-        PyErr_SetString(PyExc_ValueError, "decode_step: bad shape");
-        return NULL;
-    }
+                .layers = a[6].l, .page_size = a[7].l, .kv_fmt = (int)a[8].l, .eps = (float)a[9].f,
+                .table = a[10].p, .positions = a[11].p, .tables = a[12].p, .table_stride = a[13].l,
+                .cos_t = a[14].p, .sin_t = a[15].p, .x = a[16].p, .h = a[17].p, .qkv = a[18].p,
+                .attn = a[19].p, .gate_up = a[20].p, .act = a[21].p, .threads = (int)a[22].l};
+    if (s.B < 1 || check_paging(s.H, s.KVH, s.D, s.page_size, s.kv_fmt, "decode_step")) return NULL;
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = K->decode_step(&s);
@@ -190,10 +196,11 @@ static PyMethodDef METHODS[] = {
     {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL,
      "rope(x, ld, N, heads, D, positions, cos, signed_sin): rotary embedding in place"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL,
-     "decode_attention(q, k_new, v_new, ldq, k_cache, v_cache, slots, positions, B, H, KVH, D, "
-     "max_seq, scale, out, ldo, threads)"},
+     "decode_attention(q, k_new, v_new, ldq, k_cache, v_cache, kv_fmt, tables, table_stride, positions, "
+     "B, H, KVH, D, page_size, scale, out, ldo, threads)"},
     {"decode_step", (PyCFunction)(void (*)(void))py_decode_step, METH_FASTCALL,
-     "decode_step(B, hidden, H, KVH, D, I, layers, max_seq, eps, table, positions, slots, cos, sin, "
+     "decode_step(B, hidden, H, KVH, D, I, layers, page_size, kv_fmt, eps, table, positions, tables, "
+     "table_stride, cos, sin, "
      "x, h, qkv, attn, gate_up, act, threads): every layer of a decode-only pass"},
     {"isas", py_isas, METH_NOARGS, "the instruction sets this CPU runs the kernels in, best first"},
     {"select_isa", py_select_isa, METH_O, "select_isa(name): run the kernels built for that instruction set"},
@@ -212,7 +219,8 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     for (int f = 0; layout && f < F_FORMATS; f++)
         PyTuple_SET_ITEM(layout, f, Py_BuildValue("(ll)", ROW_BYTES[f], HEAD_BYTES[f]));
     if (!layout || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 || PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 ||
-        PyModule_AddIntConstant(m, "LAYER_FIELDS", T_FIELDS) < 0 || PyModule_AddObject(m, "FORMATS", layout) < 0) {
+        PyModule_AddIntConstant(m, "LAYER_FIELDS", T_FIELDS) < 0 ||
+        PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 || PyModule_AddObject(m, "FORMATS", layout) < 0) {
         Py_XDECREF(layout);
         Py_DECREF(m);
         return NULL;

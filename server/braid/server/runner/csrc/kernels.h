@@ -40,6 +40,7 @@
 /* The contract with runner/kernels.py and runner/weights.py, checked when the module loads. */
 #define PANEL 32  /* columns per packed panel */
 #define QBLOCK 32 /* rows of k per block of a panel; GGUF's block size */
+#define KV_LAYOUT 2 /* the KV cache's layout: 2, paged [pages, KVH, page size, D] (attention.c) */
 
 /* Weight formats, in the order of runner/kernels.py's FORMATS. ROW_BYTES: one row of 32 weights
  * of a panel; HEAD_BYTES: the scales ahead of each block of 32 rows, per column. Q8_0, Q4_0 and
@@ -69,9 +70,10 @@ enum {
 };
 
 typedef struct {
-    long B, hidden, H, KVH, D, I, layers, max_seq;
+    long B, hidden, H, KVH, D, I, layers, page_size, table_stride;
+    int kv_fmt; /* the KV cache's format: F_F32, F_BF16 or F_F16 (attention.c) */
     float eps;
-    const int64_t *table, *positions, *slots;
+    const int64_t *table, *positions, *tables; /* tables: B page tables of table_stride entries */
     const float *cos_t, *sin_t;
     float *x, *h, *qkv, *attn, *gate_up, *act; /* scratch: [B, hidden], [B, (H + 2 KVH) D], [B, H D], [B, 2 I], [B, I] */
     int threads;
@@ -91,9 +93,10 @@ typedef struct {
     void (*silu_mul)(const float *gu, long ldg, long M, long I, float *out, long ldo);
     void (*rope)(float *x, long ld, long N, long heads, long D, const int64_t *positions, const float *cos_t,
                  const float *sin_t);
-    void (*decode_attention)(const float *q, const float *k_new, const float *v_new, long ldq, float *k_cache,
-                             float *v_cache, const int64_t *slots, const int64_t *positions, long B, long H,
-                             long KVH, long D, long max_seq, float scale, float *out, long ldo, int threads);
+    void (*decode_attention)(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
+                             void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
+                             const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
+                             float *out, long ldo, int threads);
     int (*decode_step)(const step_t *s); /* -1: out of memory */
 } kernels_t;
 

@@ -1,0 +1,186 @@
+"""The paged KV cache as users meet it: a shared prompt prefix computed once, a chat's earlier turns
+found in the cache, sessions admitted by the memory they use, and preemption instead of failure."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+
+from braid.client import AsyncClient
+from braid.v1 import generate_pb2 as pb
+from braid.v1 import generate_pb2_grpc as pb_grpc
+from conftest import MODES, SLOW, tiny_server, wait_for
+
+SYSTEM = ("You are a careful assistant who answers questions about the sea, ships and the weather "
+          "in plain words, briefly, and never makes anything up. ") * 4  # about 100 tokens
+
+
+def _ask(client, question: str, salt: str, n: int = 12):
+    return client.generate(SYSTEM + question, max_new_tokens=n, ignore_eos=True, cache_salt=salt)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_cache_hit_gives_the_tokens_of_a_cold_run(servers, mode):
+    """The shared prefix is found in the cache (Usage.cached_tokens), and greedy decoding gives the
+    very tokens a cold run gives, in every mode."""
+    server = servers(mode)
+    salt = uuid.uuid4().hex  # a prefix no earlier test has cached
+    with server.client() as client:
+        cold = _ask(client, "What is a tide?", salt)
+        before = client.server_status()
+        warm = _ask(client, "What is a tide?", salt)
+        other = _ask(client, "Why is the sea salty?", salt)
+        other_cold = _ask(client, "Why is the sea salty?", uuid.uuid4().hex)
+        after = client.server_status()
+    assert cold.usage.cached_tokens == 0 and cold.usage.prompt_tokens > 64
+    # the last page holding a prompt token is always computed
+    assert cold.usage.prompt_tokens - 16 <= warm.usage.cached_tokens < cold.usage.prompt_tokens
+    assert warm.token_ids == cold.token_ids
+    assert other.usage.cached_tokens >= 64 and other.token_ids == other_cold.token_ids
+    assert other_cold.usage.cached_tokens == 0
+    assert after.prompt_tokens_cached - before.prompt_tokens_cached == warm.usage.cached_tokens + other.usage.cached_tokens
+    assert after.prompt_tokens_computed == after.prompt_tokens
+
+
+def test_cached_tokens_travel_in_the_trailing_metadata(servers):
+    request = pb.GenerateRequest(prompt=SYSTEM + "Hi", max_new_tokens=2, cache_salt="trailers")
+    with grpc.insecure_channel(servers("continuous").target) as channel:
+        stub = pb_grpc.GenerateStub(channel)
+        for _ in range(2):
+            call = stub.Stream(request, timeout=60)
+            final = list(call)[-1]
+            trailers = dict(call.trailing_metadata())
+    assert final.usage.cached_tokens > 0
+    assert trailers["braid-cached-tokens"] == str(final.usage.cached_tokens)
+
+
+def test_a_chats_next_turn_finds_the_earlier_turns_in_the_cache(servers):
+    chat = [{"role": "system", "content": SYSTEM}]
+    with servers("continuous").client() as client:
+        previous = None
+        for question in ("What is a tide?", "And a wave?", "Which is bigger?", "Thanks!"):
+            chat.append({"role": "user", "content": question})
+            reply = client.generate(messages=chat, max_new_tokens=12, cache_salt="chat-turns")
+            chat.append({"role": "assistant", "content": reply.text})
+            if previous is not None:  # everything up to the last turn's answer, but a page or two
+                assert reply.usage.cached_tokens >= previous.usage.prompt_tokens - 16
+            previous = reply
+
+
+def test_a_salt_that_is_too_long_is_invalid_argument(servers):
+    with servers("continuous").client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate("Hi", max_new_tokens=1, cache_salt="x" * 257)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in err.value.details()
+
+
+def test_cancelling_a_session_that_shares_pages_frees_only_its_own(tiny_dir):
+    """Two sessions share a prefix; one is cancelled mid-stream: the other goes on to the very tokens
+    it gives alone, and afterwards no page is held, only cached."""
+    server = tiny_server(tiny_dir, "--mode", "continuous", env=SLOW)
+    try:
+        with server.client() as client:
+            alone = _ask(client, "Tell me about ships.", "alone", n=200).token_ids
+
+        async def run():
+            async with AsyncClient(server.target) as client:
+                def _ask_async(question: str, n: int):
+                    return client.stream(SYSTEM + question, max_new_tokens=n, ignore_eos=True, cache_salt="shared")
+
+                await client.generate(SYSTEM + "Warm up.", max_new_tokens=1, cache_salt="shared")
+                kept = asyncio.create_task(_collect(_ask_async("Tell me about ships.", 200)))
+                cancelled = _ask_async("Tell me about the weather.", 900)
+                async for message in cancelled:
+                    if message.token_ids:
+                        break
+                await asyncio.sleep(0.05)
+                cancelled.cancel()
+                return await kept
+
+        final, ids = asyncio.run(run())
+        assert final.usage.cached_tokens > 0 and ids == alone
+        with server.client() as client:
+            status = wait_for(lambda: (s := client.server_status()).sessions_active == 0 and s)
+        assert status.kv_pages_used == 0 and status.kv_pages_cached > 0
+        assert status.sessions_finished.cancelled == 1
+    finally:
+        server.stop()
+
+
+async def _collect(generation):
+    ids = []
+    final = None
+    async for message in generation:
+        ids += message.token_ids
+        final = message
+    return final, ids
+
+
+@pytest.mark.parametrize("mode", ["continuous", "batched"])
+def test_sessions_preempted_for_memory_resume_to_the_same_tokens(tiny_dir, servers, mode):
+    """A cache of 48 pages (768 tokens) and four sessions that grow to 360 tokens each: the
+    scheduler must preempt. Every session still ends normally, with the tokens it gives alone."""
+    questions = [f"Question {i}: how far is the horizon from a ship's mast {i} meters tall?" for i in range(4)]
+    with servers("sequential").client() as client:
+        alone = [client.generate(q, max_new_tokens=300, ignore_eos=True).token_ids for q in questions]
+    # the tiny model's keys and values: 2 layers x 2 heads x 16 x 4 bytes x 2 = 512 bytes a token
+    server = tiny_server(tiny_dir, "--mode", mode, "--max-seq-len", "512", "--kv-cache-memory",
+                         str(48 * 16 * 512) + "B", "--max-wait-ms", "50")
+
+    async def run():
+        async with AsyncClient(server.target) as client:
+            return await asyncio.gather(*(_collect(client.stream(q, max_new_tokens=300, ignore_eos=True))
+                                          for q in questions))
+
+    try:
+        results = asyncio.run(run())
+        with server.client() as client:
+            status = client.server_status()
+        assert [ids for _, ids in results] == alone
+        assert all(final.finish_reason == pb.FINISH_REASON_MAX_TOKENS for final, _ in results)
+        assert status.preemptions > 0 and status.kv_pages_total == 48 and status.kv_pages_used == 0
+    finally:
+        server.stop()
+
+
+def test_admission_is_by_the_pages_in_use_not_by_max_seq_len(tiny_dir):
+    """A budget that holds two sessions of --max-seq-len runs eight short ones at once."""
+    server = tiny_server(tiny_dir, "--mode", "continuous", "--max-seq-len", "1024", "--kv-cache-memory",
+                         str(2 * 1024 * 512) + "B", env=SLOW)
+
+    async def run():
+        async with AsyncClient(server.target) as client:
+            streams = [asyncio.create_task(_collect(client.stream(f"Short prompt {i}", max_new_tokens=150,
+                                                                  ignore_eos=True))) for i in range(8)]
+            peak = 0
+            while not all(s.done() for s in streams):
+                peak = max(peak, (await client.server_status()).sessions_active)
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*streams)
+            return peak
+
+    try:
+        assert asyncio.run(run()) == 8
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("flags", [["--prefix-caching", "off"], ["--kv-cache-dtype", "bfloat16"]])
+def test_the_cache_flags(tiny_dir, flags):
+    """--prefix-caching off computes every prompt; a bfloat16 cache (half the pages' bytes) still
+    gives a warm run the tokens of a cold one (both read the same rounded keys)."""
+    server = tiny_server(tiny_dir, "--mode", "continuous", "--kv-cache-memory", "8MiB", *flags)
+    try:
+        with server.client() as client:
+            cold = _ask(client, "What is a tide?", "flags")
+            warm = _ask(client, "What is a tide?", "flags")
+            status = client.server_status()
+        assert warm.token_ids == cold.token_ids
+        if "off" in flags:
+            assert warm.usage.cached_tokens == 0 and status.prompt_tokens_cached == 0
+        else:  # bfloat16: 256 bytes a token, so 8 MiB is 2,048 pages of 16
+            assert warm.usage.cached_tokens > 0 and status.kv_pages_total == 2048
+    finally:
+        server.stop()
