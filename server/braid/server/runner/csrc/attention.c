@@ -33,6 +33,66 @@ static inline void kv_store(void *cache, int kv_fmt, long index, const float *x,
     }
 }
 
+/* One (sequence, KV head) task of decode_attention: writes the new key and value at position L - 1
+ * and attends the head's G query heads over positions [0, L). Inlined once per kv_fmt, so the
+ * format is a constant in the loops. Position t is row t % P of page table[t / P]; the loops walk
+ * a page at a time, so no position is divided. */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *k_new, const float *v_new,
+                                                         void *k_cache, void *v_cache, const int kv_fmt,
+                                                         const int64_t *table, long L, long h, long G, long KVH,
+                                                         long D, long P, float scale, float *scores, float *out) {
+    const long chunks = D / VEC, page_stride = KVH * P * D, head = h * P * D;
+#define PAGE(t) (table[(t) / P] * page_stride + head) /* element index of position t's page, this head */
+    kv_store(k_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, k_new, D);
+    kv_store(v_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, v_new, D);
+    for (long g = 0; g < G; g++) {
+        const float *qg = q + g * D;
+        float *sc = scores + g * L, top = -INFINITY;
+        for (long t0 = 0, page = 0; t0 < L; t0 += P, page++) {
+            const long base = table[page] * page_stride + head, n = L - t0 < P ? L - t0 : P;
+            long i = 0;
+            for (; i + VEC <= n; i += VEC) { /* VEC keys at a time, their sums in one transpose */
+                vf dots[VEC];
+                for (int r = 0; r < VEC; r++) {
+                    dots[r] = vzero();
+                    for (long j = 0; j < chunks; j++)
+                        dots[r] = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + (i + r) * D + VEC * j),
+                                         dots[r]);
+                }
+                vstore(sc + t0 + i, vmul(vhsum(dots), vset1(scale)));
+            }
+            for (; i < n; i++) {
+                vf dot = vzero();
+                for (long j = 0; j < chunks; j++)
+                    dot = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + i * D + VEC * j), dot);
+                sc[t0 + i] = vsum(dot) * scale;
+            }
+        }
+        for (long t = 0; t < L; t++) top = sc[t] > top ? sc[t] : top;
+        vf total = vzero();
+        const vf topv = vset1(top);
+        for (long t = 0; t < L; t += VEC) {
+            const vmask k = vmask_n(L - t);
+            /* masked-off lanes load 0, whose exp is not 0: zeroed before they are summed */
+            const vf e = vmaskz(k, vexp(vsub(vloadm(k, sc + t), topv)));
+            vstorem(k, sc + t, e);
+            total = vadd(total, e);
+        }
+        const vf inv = vset1(1.0f / vsum(total));
+        float *o = out + g * D;
+        for (long j = 0; j < chunks; j++) {
+            vf acc = vzero();
+            for (long t0 = 0, page = 0; t0 < L; t0 += P, page++) {
+                const long base = table[page] * page_stride + head + VEC * j, n = L - t0 < P ? L - t0 : P;
+                for (long i = 0; i < n; i++)
+                    acc = vfmadd(vset1(sc[t0 + i]), kv_load(v_cache, kv_fmt, base + i * D), acc);
+            }
+            vstore(o + VEC * j, vmul(acc, inv));
+        }
+    }
+#undef PAGE
+}
+
 /* Attention for the decode rows of a pass: each of B sequences has one new token, at position
  * positions[b], with page table tables[b * table_stride ...]. Its key and value (rows of k_new /
  * v_new, KVH heads of D) are written into the cache, and its H query heads (rows of q) attend over
@@ -44,60 +104,19 @@ static void decode_attention(const float *q, const float *k_new, const float *v_
                              void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
                              const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
                              float *out, long ldo, int threads) {
-    const long G = H / KVH, chunks = D / VEC;
+    const long G = H / KVH;
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && B * KVH > 1)
     for (long task = 0; task < B * KVH; task++) {
         const long b = task / KVH, h = task % KVH, L = positions[b] + 1;
         const int64_t *table = tables + b * table_stride;
-/* element index of position t's first value, in a page of this head */
-#define AT(t) (((table[(t) / P] * KVH + h) * P + (t) % P) * D)
-        kv_store(k_cache, kv_fmt, AT(L - 1), k_new + b * ldq + h * D, D);
-        kv_store(v_cache, kv_fmt, AT(L - 1), v_new + b * ldq + h * D, D);
-        float *scores = malloc(sizeof(float) * G * L);
-        for (long g = 0; g < G; g++) {
-            const float *qg = q + b * ldq + (h * G + g) * D;
-            float *sc = scores + g * L, top = -INFINITY;
-            long t = 0;
-            for (; t + VEC <= L; t += VEC) { /* VEC keys at a time (one page holds them), their sums in one transpose */
-                const long base = AT(t);
-                vf dots[VEC];
-                for (int i = 0; i < VEC; i++) {
-                    dots[i] = vzero();
-                    for (long j = 0; j < chunks; j++)
-                        dots[i] = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + i * D + VEC * j), dots[i]);
-                }
-                vstore(sc + t, vmul(vhsum(dots), vset1(scale)));
-            }
-            for (; t < L; t++) {
-                const long base = AT(t);
-                vf dot = vzero();
-                for (long j = 0; j < chunks; j++)
-                    dot = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + VEC * j), dot);
-                sc[t] = vsum(dot) * scale;
-            }
-            for (t = 0; t < L; t++) top = sc[t] > top ? sc[t] : top;
-            vf total = vzero();
-            const vf topv = vset1(top);
-            for (long t = 0; t < L; t += VEC) {
-                const vmask k = vmask_n(L - t);
-                /* masked-off lanes load 0, whose exp is not 0: zeroed before they are summed */
-                const vf e = vmaskz(k, vexp(vsub(vloadm(k, sc + t), topv)));
-                vstorem(k, sc + t, e);
-                total = vadd(total, e);
-            }
-            const vf inv = vset1(1.0f / vsum(total));
-            float *o = out + b * ldo + (h * G + g) * D;
-            for (long j = 0; j < chunks; j++) {
-                vf acc = vzero();
-                for (long t0 = 0; t0 < L; t0 += P) { /* a page at a time: its positions are contiguous */
-                    const long base = AT(t0) + VEC * j, n = L - t0 < P ? L - t0 : P;
-                    for (long i = 0; i < n; i++)
-                        acc = vfmadd(vset1(sc[t0 + i]), kv_load(v_cache, kv_fmt, base + i * D), acc);
-                }
-                vstore(o + VEC * j, vmul(acc, inv));
-            }
-        }
-#undef AT
+        const float *qb = q + b * ldq + h * G * D, *kb = k_new + b * ldq + h * D, *vb = v_new + b * ldq + h * D;
+        float *ob = out + b * ldo + h * G * D, *scores = malloc(sizeof(float) * G * L);
+        if (kv_fmt == F_BF16)
+            attend(qb, kb, vb, k_cache, v_cache, F_BF16, table, L, h, G, KVH, D, P, scale, scores, ob);
+        else if (kv_fmt == F_F16)
+            attend(qb, kb, vb, k_cache, v_cache, F_F16, table, L, h, G, KVH, D, P, scale, scores, ob);
+        else
+            attend(qb, kb, vb, k_cache, v_cache, F_F32, table, L, h, G, KVH, D, P, scale, scores, ob);
         free(scores);
     }
 }
