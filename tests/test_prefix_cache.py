@@ -176,11 +176,12 @@ def test_the_cache_flags(tiny_dir, flags):
         with server.client() as client:
             cold = _ask(client, "What is a tide?", "flags")
             warm = _ask(client, "What is a tide?", "flags")
-            status = client.server_status()
+            status, info = client.server_status(), client.model_info()
         assert warm.token_ids == cold.token_ids
         if "off" in flags:
-            assert warm.usage.cached_tokens == 0 and status.prompt_tokens_cached == 0
+            assert warm.usage.cached_tokens == 0 and status.prompt_tokens_cached == 0 and not info.prefix_caching
         else:  # bfloat16: 256 bytes a token, so 8 MiB is 2,048 pages of 16
             assert warm.usage.cached_tokens > 0 and status.kv_pages_total == 2048
+            assert info.kv_cache_dtype == "bfloat16" and info.prefix_caching
     finally:
         server.stop()

@@ -127,7 +127,8 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name), max_batch_size=info.max_batch_size,
         eos_token_ids=info.eos_token_ids, has_chat_template=info.has_chat_template,
         parameters=info.parameters, weight_formats=info.weight_formats, weight_bytes=info.weight_bytes,
-        quantization=info.quantization, kernels=info.kernels)
+        quantization=info.quantization, kernels=info.kernels, kv_cache_dtype=info.kv_cache_dtype,
+        prefix_caching=info.prefix_caching)
 
 
 def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.ServerStatusResponse:

@@ -75,7 +75,8 @@ class Engine:
             max_batch_size=min(config.max_batch_size, config.max_sessions), eos_token_ids=tokenizer.eos_token_ids,
             has_chat_template=tokenizer.has_chat_template, parameters=runner.num_parameters,
             weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
-            quantization=runner.quantization, kernels=runner.kernels)
+            quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
+            prefix_caching=self.pages.prefix_caching)
         self.observer: EngineObserver = NoObserver()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[int, Session] = {}  # model thread only

@@ -151,6 +151,8 @@ class ModelInfo:
     weight_bytes: int
     quantization: str
     kernels: str
+    kv_cache_dtype: str = "float32"
+    prefix_caching: bool = True
 
 
 @dataclass
