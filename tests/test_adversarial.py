@@ -135,12 +135,12 @@ def status_when(server: Server, predicate, timeout: float = 30.0) -> pb.ServerSt
 
 
 def assert_books_balance(server: Server, timeout: float = 20.0) -> pb.ServerStatusResponse:
-    """Waits until nothing is active or queued and every submitted session is counted once as
-    finished; checks the log; then checks that a new small call succeeds. Returns the settled
-    snapshot (taken before that small call)."""
+    """Waits until nothing is active or queued, every submitted session is counted once as
+    finished and no KV-cache page is held (only cached ones); checks the log; then checks that a
+    new small call succeeds. Returns the settled snapshot (taken before that small call)."""
     def settled(s: pb.ServerStatusResponse) -> bool:
         return (s.sessions_active == 0 and s.sessions_queued == 0 and s.sessions_paused == 0
-                and s.sessions_submitted == finished(s))
+                and s.sessions_submitted == finished(s) and s.kv_pages_used == 0)
 
     try:
         snapshot = status_when(server, settled, timeout)

@@ -29,7 +29,7 @@ REQUEST_ID = "req-42"
 FINAL = pb.GenerateResponse(
     token_ids=[3],
     finish_reason=pb.FINISH_REASON_MAX_TOKENS,
-    usage=pb.Usage(prompt_tokens=2, generated_tokens=3),
+    usage=pb.Usage(prompt_tokens=2, generated_tokens=3, cached_tokens=1),
     request_id=REQUEST_ID,
     seed=7,
     timings=pb.Timings(queue_ms=1, time_to_first_token_ms=2, total_ms=3, tokens_per_second=4),
@@ -263,6 +263,15 @@ def test_cli_streams_text_and_stats(
         messages=[pb.Message(role="system", content="sys"), pb.Message(role="user", content="hello")],
         max_new_tokens=3, stop=["a", "b"], stop_token_ids=[9], temperature=0.5,
     )
+
+
+def test_cli_sends_the_cache_salt_and_shows_cached_tokens(
+    fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["--target", target, "--cache-salt", "tenant-a", "--stats", "hello"]) == 0
+    assert fake.requests[-1].cache_salt == "tenant-a"
+    assert "2 prompt tokens (1 from the cache)" in capsys.readouterr().err
+    assert build_request("hi", cache_salt="tenant-a").cache_salt == "tenant-a"
 
 
 def test_cli_reads_the_prompt_from_stdin(

@@ -127,7 +127,7 @@ def test_sessions_preempted_for_memory_resume_to_the_same_tokens(tiny_dir, serve
         alone = [client.generate(q, max_new_tokens=300, ignore_eos=True).token_ids for q in questions]
     # the tiny model's keys and values: 2 layers x 2 heads x 16 x 4 bytes x 2 = 512 bytes a token
     server = tiny_server(tiny_dir, "--mode", mode, "--max-seq-len", "512", "--kv-cache-memory",
-                         str(48 * 16 * 512) + "B", "--max-wait-ms", "50")
+                         str(48 * 16 * 512) + "B", "--max-batch-size", "4", "--max-wait-ms", "5000")
 
     async def run():
         async with AsyncClient(server.target) as client:
@@ -183,5 +183,43 @@ def test_the_cache_flags(tiny_dir, flags):
         else:  # bfloat16: 256 bytes a token, so 8 MiB is 2,048 pages of 16
             assert warm.usage.cached_tokens > 0 and status.kv_pages_total == 2048
             assert info.kv_cache_dtype == "bfloat16" and info.prefix_caching
+    finally:
+        server.stop()
+
+
+def test_cancels_at_odd_moments_under_memory_pressure_leave_no_page_held(tiny_dir, tmp_path):
+    """Twelve streams sharing a prefix in a cache too small for them all: preemptions happen while
+    half of them are cancelled at random moments (queued, prefilling, preempted, decoding). The
+    rest end normally, and afterwards no page is held and the log has no alarm."""
+    import random
+
+    log = tmp_path / "server.log"
+    server = tiny_server(tiny_dir, "--mode", "continuous", "--max-seq-len", "512", "--kv-cache-memory",
+                         str(64 * 16 * 512) + "B", log_path=log)
+    rng = random.Random(7)
+
+    async def one(client, i: int):
+        generation = client.stream(SYSTEM + f"Question {i}.", max_new_tokens=200, ignore_eos=True,
+                                   cache_salt="storm")
+        if i % 2:
+            task = asyncio.create_task(_collect(generation))
+            await asyncio.sleep(rng.uniform(0, 1.5))
+            task.cancel()
+            return None
+        final, _ = await _collect(generation)
+        return final.finish_reason
+
+    async def run():
+        async with AsyncClient(server.target) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(12)), return_exceptions=True)
+
+    try:
+        results = asyncio.run(run())
+        assert results[::2] == [pb.FINISH_REASON_MAX_TOKENS] * 6
+        with server.client() as client:
+            status = wait_for(lambda: (s := client.server_status()).sessions_active == 0
+                              and s.sessions_queued == 0 and s)
+        assert status.kv_pages_used == 0 and status.preemptions > 0
+        assert "BOOKS DO NOT BALANCE" not in log.read_text() and "Traceback" not in log.read_text()
     finally:
         server.stop()

@@ -74,11 +74,14 @@ class Books:
             self._stats.prompt_tokens += prompt_tokens
             self._stats.tokens_generated += generated_tokens
 
-    def finish(self, reason: FinishReason, active: int) -> None:
-        """One session ended; `active`: the sessions running now that it has left."""
+    def finish(self, reason: FinishReason, active: int, cache: dict[str, int] | None = None) -> None:
+        """One session ended; `active`: the sessions running now that it has left; `cache`: the KV
+        cache's pages now that it has released its own (as in set_running)."""
         with self._lock:
             self._stats.finished[reason] += 1
             self._stats.sessions_active = active
+            for name, value in (cache or {}).items():
+                setattr(self._stats, name, value)
         self._on_change()
 
     # ---- anyone -----------------------------------------------------------------------------

@@ -303,4 +303,4 @@ class Engine:
         self._sessions.pop(s.id, None)
         self._num_finished += 1
         self.observer.on_finish(self.output.finish(s, reason, error))
-        self.books.finish(reason, active=len(self.scheduler.running))
+        self.books.finish(reason, active=len(self.scheduler.running), cache=self._cache_stats())
