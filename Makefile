@@ -9,7 +9,7 @@ STUBS  := clients/python/src/braid/v1/generate_pb2.py
 # would pull several GB of CUDA packages. Override on a GPU machine if needed.
 TORCH  ?= torch==2.13.0
 
-.PHONY: all install protos serve test bench bench-formats clean
+.PHONY: all install protos serve test bench bench-formats bench-prefix clean
 
 all: install
 
@@ -62,13 +62,20 @@ $(BENCH_STAMP): $(STAMP)
 # Then braid in each weight format beside llama.cpp on the same files (issue 12; about 30 min):
 # e.g. make bench FORMATS_ARGS="--quick". make bench-formats runs that part alone.
 FORMATS_ARGS ?=
+# Then the paged KV cache and prefix sharing (issue 13; about 15 min): e.g. make bench PREFIX_ARGS="--quick".
+# make bench-prefix runs that part alone.
+PREFIX_ARGS ?=
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 	$(PY) benchmarks/formats.py $(FORMATS_ARGS)
+	$(PY) benchmarks/prefix.py $(PREFIX_ARGS)
 
 bench-formats: $(BENCH_STAMP)
 	$(PY) benchmarks/formats.py $(FORMATS_ARGS)
+
+bench-prefix: $(BENCH_STAMP)
+	$(PY) benchmarks/prefix.py $(PREFIX_ARGS)
 
 clean:
 	rm -rf $(VENV) clients/python/src/braid/v1 .pytest_cache

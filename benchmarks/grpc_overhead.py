@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,7 +35,8 @@ def engine_sender(engine):
         loop = asyncio.get_running_loop()
         sent = time.perf_counter()
         params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
-        req = GenerationRequest(prompt=request.prompt, messages=(), params=params, request_id="bench")
+        req = GenerationRequest(prompt=request.prompt, messages=(), params=params, request_id="bench",
+                                cache_salt=uuid.uuid4().hex)  # as braid_server.sender: no prefix cache hits
         ticket = engine.admission.admit(req.prompt, req.messages)
         handle = await loop.run_in_executor(None, engine.admission.submit, ticket, req, loop)
         first = last = 0.0

@@ -209,12 +209,13 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -
     raise TimeoutError(f"llama-server not healthy after {timeout_s:.0f} s")
 
 
-def sender(http, base_url: str):
+def sender(http, base_url: str, cache_prompt: bool = False):
     """The `send` coroutine for drive.run: one streamed /completion call with the request's own token
-    ids, greedy, ignore_eos, no prompt cache (braid has none either); `http` is an httpx.AsyncClient."""
+    ids, greedy, ignore_eos; `cache_prompt`: reuse the prefix a slot already holds (off: every prompt
+    is computed in full). `http` is an httpx.AsyncClient."""
     async def send(request: Request) -> StreamTiming:
         body = {"prompt": request.prompt_ids, "n_predict": request.max_new_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True, "cache_prompt": False, "return_tokens": True}
+                "temperature": 0, "stream": True, "cache_prompt": cache_prompt, "return_tokens": True}
         sent = time.perf_counter()
         first = last = 0.0
         num_tokens = 0

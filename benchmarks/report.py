@@ -21,8 +21,9 @@ TARGETS = "targets"
 
 FORMATS_HEADING = "## Weight formats (issue 12)"  # benchmarks/formats.py's section of the page
 FORMATS_NOTES_HEADING = "## Weight formats: quality, memory and where the time goes (issue 12, by hand)"
+PREFIX_HEADING = "## Prefix sharing and paged KV cache (issue 13)"  # benchmarks/prefix.py's section
 # sections of docs/benchmarks.md that bench.py keeps as they are
-OTHER_SECTIONS = (FORMATS_HEADING, FORMATS_NOTES_HEADING)
+OTHER_SECTIONS = (FORMATS_HEADING, FORMATS_NOTES_HEADING, PREFIX_HEADING)
 
 
 def braid(mode: str) -> str:
@@ -193,8 +194,8 @@ def absolute_targets(results: Results) -> list[Ratio]:
     ]
 
 
-def ratio_table(items: list[Ratio]) -> str:
-    lines = ["| | measured | issue 3 target | met |", "|---|---:|---|---|"]
+def ratio_table(items: list[Ratio], issue: int = 3) -> str:
+    lines = [f"| | measured | issue {issue} target | met |", "|---|---:|---|---|"]
     for r in items:
         value = "not measured" if r.value is None else f"{r.value:.2f}"
         met = "" if r.met is None or r.value is None else ("yes" if r.met else "**no**")
@@ -282,7 +283,8 @@ a run with more than {s.get('disturbed_above', 0.3)} is repeated.
 {notes}- The client (this benchmark's Python process) runs on the same 2 cores as the server it drives,
   as does llama.cpp's HTTP client; the in-process HF peers have no client to pay for.
 - llama.cpp gets the prompts as token ids (so its prompt lengths are exactly braid's) and
-  `cache_prompt: false` (braid has no prefix cache, and repeats would otherwise hit it).
+  `cache_prompt: false`, and braid a fresh `cache_salt` per request: the workloads repeat their prompts,
+  which would otherwise hit either prefix cache. Prefix sharing is measured on its own below.
 - The HF peers force exact counts with `min_new_tokens = max_new_tokens` (`generate`) and
   `eos_token_id = -1` (`generate_batch`); all requests of a peer arrive at the start, so
   one-at-a-time's TTFT includes the wait for the requests before it.

@@ -23,6 +23,7 @@ class Request:
     prompt: str
     prompt_ids: list[int]  # what the server's tokenizer makes of `prompt`
     max_new_tokens: int = NEW_TOKENS
+    cache_salt: str = ""  # braid shares cached prefixes only within one salt ("": the server's default)
 
 
 @dataclass

@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                           metavar="interactive|batch", help="queue priority under load")
     sampling.add_argument("--timeout-ms", type=int, metavar="MS",
                           help="end the generation with finish reason DEADLINE after this long")
+    sampling.add_argument("--cache-salt", metavar="TEXT",
+                          help="share cached prompt prefixes only with requests of the same salt")
 
     security = parser.add_argument_group("security")
     security.add_argument("--tls", action="store_true", help="connect with TLS (system CAs unless --ca-cert)")
@@ -95,7 +97,8 @@ def _print_stats(final: pb.GenerateResponse) -> None:
     print(
         f"finish_reason: {finish_reason_name(final.finish_reason)}  "
         f"request_id: {final.request_id}  seed: {final.seed}\n"
-        f"usage: {usage.prompt_tokens} prompt tokens, {usage.generated_tokens} generated tokens\n"
+        f"usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} from the cache), "
+        f"{usage.generated_tokens} generated tokens\n"
         f"timings: queue {timings.queue_ms:.1f} ms, first token {timings.time_to_first_token_ms:.1f} ms, "
         f"total {timings.total_ms:.1f} ms, {timings.tokens_per_second:.1f} tokens/s",
         file=sys.stderr,
