@@ -274,6 +274,17 @@ def test_cli_sends_the_cache_salt_and_shows_cached_tokens(
     assert build_request("hi", cache_salt="tenant-a").cache_salt == "tenant-a"
 
 
+def test_cli_sends_penalties_bias_and_include_stop_sequence(fake: FakeGenerate, target: str) -> None:
+    argv = ["--target", target, "--presence-penalty", "0.5", "--frequency-penalty", "-1", "--logit-bias", "42=-100",
+            "--logit-bias", "7=2.5", "--include-stop-sequence", "hello"]
+    assert cli.main(argv) == 0
+    assert fake.requests[-1] == pb.GenerateRequest(prompt="hello", presence_penalty=0.5, frequency_penalty=-1,
+                                                   logit_bias={42: -100.0, 7: 2.5}, include_stop_sequence=True)
+    assert build_request("hi", logit_bias={3: 1.0}).logit_bias == {3: 1.0}
+    with pytest.raises(SystemExit):
+        cli.main(["--target", target, "--logit-bias", "forty-two", "hello"])
+
+
 def test_cli_reads_the_prompt_from_stdin(
     fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

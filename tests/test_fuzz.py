@@ -24,7 +24,10 @@ requests = st.builds(
     stop=st.lists(st.text(max_size=300), max_size=20),
     stop_token_ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=70),
     ignore_eos=st.booleans(), request_id=st.text(max_size=140),
-    priority=st.integers(0, 5), timeout_ms=st.integers(0, 2000))
+    priority=st.integers(0, 5), timeout_ms=st.integers(0, 2000),
+    cache_salt=st.text(max_size=300), presence_penalty=FLOATS, frequency_penalty=FLOATS,
+    logit_bias=st.dictionaries(st.one_of(st.integers(-3, 60000), st.integers(-2**31, 2**31 - 1)), FLOATS,
+                               max_size=4))
 
 
 @settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

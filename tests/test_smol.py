@@ -33,6 +33,18 @@ def test_repetition_penalty_stops_a_loop(smol):
     assert "apple" not in penalised.text
 
 
+def test_presence_and_frequency_penalties_break_a_loop(smol):
+    """OpenAI's penalties count generated tokens only: the model falls into a loop on its own output,
+    and the penalties pull it out."""
+    prompt = "apple, apple, apple, apple, apple, apple,"
+    with smol.client() as client:
+        plain = client.generate(prompt, max_new_tokens=16, ignore_eos=True)
+        penalised = client.generate(prompt, max_new_tokens=16, ignore_eos=True, presence_penalty=2.0,
+                                    frequency_penalty=2.0)
+    most = lambda ids: max(ids.count(t) for t in ids)  # noqa: E731
+    assert most(penalised.token_ids) < most(plain.token_ids)
+
+
 def test_cli_streams_a_chat_answer(smol):
     out = subprocess.run([CLIENT, "--target", smol.target, "--chat", "--max-new-tokens", "48", "--stats",
                           "Write a haiku about the sea"], capture_output=True, text=True, timeout=120)

@@ -76,6 +76,20 @@ def test_temperature_spreads_the_choices(servers):
     assert len({tuple(h) for h in hot}) == 3
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_logit_bias_forces_and_bans_tokens(servers, mode):
+    """+100 on a token forces it at every step, sampled or greedy; -100 on the greedy tokens keeps
+    them out."""
+    with servers(mode).client() as client:
+        forced = client.generate("The sea is", max_new_tokens=6, ignore_eos=True, logit_bias={4242: 100.0},
+                                 temperature=1.0, seed=1)
+        greedy = client.generate("The sea is", max_new_tokens=12, ignore_eos=True)
+        banned = client.generate("The sea is", max_new_tokens=12, ignore_eos=True,
+                                 logit_bias={t: -100.0 for t in set(greedy.token_ids)})
+    assert forced.token_ids == [4242] * 6
+    assert banned.token_ids and not set(banned.token_ids) & set(greedy.token_ids)
+
+
 def test_stop_sequence_ends_the_stream_and_never_leaks(servers):
     with servers("continuous").client() as client:
         full = client.generate(PROMPT, max_new_tokens=30, ignore_eos=True)
@@ -89,7 +103,18 @@ def test_stop_sequence_ends_the_stream_and_never_leaks(servers):
         sent += m.text
         assert expected.startswith(sent), "text past the stop string's start was sent"
     assert stopped.final.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
-    assert sent == expected
+    assert sent == expected and stopped.final.stop_sequence == stop
+
+
+def test_include_stop_sequence_sends_the_matched_string(servers):
+    with servers("continuous").client() as client:
+        full = client.generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+        stop = full.text[len(full.text) // 2:][:4]
+        other = "\u2603 never produced"
+        included = client.generate(PROMPT, max_new_tokens=30, ignore_eos=True, stop=[other, stop],
+                                   include_stop_sequence=True)
+    assert included.text == full.text[:full.text.find(stop) + len(stop)]
+    assert included.final.stop_sequence == stop
 
 
 def test_stop_token_ids_and_min_new_tokens(servers):

@@ -55,3 +55,16 @@ def test_held_back_text_goes_out_at_the_end():
 def test_overlapping_stop_strings_cut_at_the_earliest():
     pieces, d = _run([1, 10, 8, 9], stop=["STOP", "SSTO"])
     assert d.stopped and "".join(pieces) == "Hel"
+
+
+
+def test_the_matched_stop_string_is_reported_and_can_be_kept():
+    """The earliest of the stop strings found is reported; with include_stop the text ends after
+    it. "Hel" "lo": "llo" starts at 2, "lo" at 3, "Hello" at 0 but is longer than the text."""
+    for include, text in ((False, "He"), (True, "Hello")):
+        d = IncrementalDetokenizer(_decode, [0], ["lo", "llo", "Hello w"], include_stop=include)
+        for token in (1, 2, 3, 4):
+            d.add(token)
+            if d.stopped:
+                break
+        assert d.stopped and d.stop_sequence == "llo" and d.take(final=True) == text

@@ -52,3 +52,25 @@ def test_the_repetition_penalty_lowers_seen_tokens():
     sampling = Sampling(repetition_penalty=1.5)
     row = Row(pages=[0], start=0, token_ids=[3], sample=True, sampling=sampling, rng=random_state(sampling), history=[3])
     assert sample(logits, [row]) == [4]
+
+
+def test_presence_frequency_and_bias_as_openai_defines_them():
+    """logit - frequency * count - presence (over generated tokens only) + bias, by hand."""
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0, 0.5]])
+    sampling = Sampling(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((4, -10.0), (0, 2.0)))
+    # prompt [2, 3]; generated 3, 3, 1: token 3 twice, token 1 once; token 2 only in the prompt
+    row = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling),
+              history=[2, 3, 3, 3, 1], num_prompt=2)
+    from braid.server.runner.sampler import _penalise
+
+    _penalise(logits[0], row)
+    expected = [1.0 + 2.0, 2.0 - 0.25 - 0.5, 3.0, 4.0 - 0.5 - 0.5, 0.5 - 10.0]
+    torch.testing.assert_close(logits[0], torch.tensor(expected))
+    assert sample(torch.tensor([[1.0, 2.0, 3.0, 4.0, 0.5]]), [row]) == [0]  # the bias moves greedy choices
+
+
+def test_a_bias_of_100_forces_a_token_even_when_sampling():
+    sampling = Sampling(temperature=1.0, seed=3, logit_bias=((7, 100.0),))
+    row = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling))
+    torch.manual_seed(0)
+    assert sample(torch.randn(1, 50) * 5, [row]) == [7]

@@ -43,6 +43,14 @@ def _check(**fields):
     (dict(prompt="a", request_id="x" * (convert.MAX_REQUEST_ID_BYTES + 1)), "request_id"),
     (dict(prompt="a", request_id="tab\there"), "request_id"),
     (dict(prompt="a", priority=7), "priority"),
+    (dict(prompt="a", cache_salt="x" * (convert.MAX_CACHE_SALT_BYTES + 1)), "cache_salt"),
+    (dict(prompt="a", presence_penalty=2.5), "presence_penalty"),
+    (dict(prompt="a", frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(prompt="a", frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(prompt="a", logit_bias={5: 101.0}), "logit_bias[5]"),
+    (dict(prompt="a", logit_bias={VOCAB: 1.0}), f"logit_bias[{VOCAB}]"),
+    (dict(prompt="a", logit_bias={-1: 1.0}), "logit_bias[-1]"),
+    (dict(prompt="a", logit_bias={i: 1.0 for i in range(convert.MAX_LOGIT_BIAS_ENTRIES + 1)}), "logit_bias"),
 ])
 def test_a_bad_field_is_named(fields, field):
     with pytest.raises(InvalidArgument) as err:
@@ -59,6 +67,8 @@ def test_defaults_and_edges_pass():
     explicit = _check(prompt="a", max_new_tokens=7, seed=0).params
     assert explicit.max_new_tokens == 7 and not explicit.clip_max_new_tokens and explicit.seed == 0
     assert _check(prompt="a", top_p=0.0, repetition_penalty=0.0).params.top_p == 1.0
+    edges = _check(prompt="a", presence_penalty=-2.0, frequency_penalty=2.0, logit_bias={9: -100.0, 3: 100.0}).params
+    assert edges.presence_penalty == -2.0 and edges.logit_bias == ((3, 100.0), (9, -100.0))
 
 
 def test_the_earlier_of_the_grpc_deadline_and_timeout_ms_bounds_the_session():

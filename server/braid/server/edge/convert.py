@@ -16,6 +16,9 @@ MAX_STOP_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_BYTES = 128
 MAX_CACHE_SALT_BYTES = 256
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI's
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
@@ -61,6 +64,9 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
     _in_range("min_p", req.min_p, 0.0, 1.0)
     if req.repetition_penalty != 0.0:
         _in_range("repetition_penalty", req.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+    _in_range("presence_penalty", req.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _in_range("frequency_penalty", req.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    logit_bias = _logit_bias(req.logit_bias, vocab_size)
     if len(req.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument("stop", f"{len(req.stop)} strings; at most {MAX_STOP_STRINGS}")
     for i, s in enumerate(req.stop):
@@ -84,9 +90,11 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
     params = SamplingParams(
         max_new_tokens=max_new, min_new_tokens=req.min_new_tokens, temperature=req.temperature,
         top_p=req.top_p or 1.0, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, logit_bias=logit_bias,
         seed=req.seed if req.HasField("seed") else secrets.randbits(63),
-        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        stop=tuple(req.stop), include_stop_sequence=req.include_stop_sequence,
+        stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         clip_max_new_tokens=req.max_new_tokens == 0)
     return GenerationRequest(
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
@@ -94,6 +102,16 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
         cache_salt=req.cache_salt)
+
+
+def _logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument("logit_bias", f"{len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    for token, value in bias.items():
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(f"logit_bias[{token}]", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+        _in_range(f"logit_bias[{token}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return tuple(sorted(bias.items()))
 
 
 def _not_too_long(text: str, messages, text_field: str) -> None:
@@ -115,7 +133,7 @@ def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateRe
         finish_reason=finished.reason.value,
         usage=pb.Usage(prompt_tokens=finished.prompt_tokens, generated_tokens=finished.generated_tokens,
                        cached_tokens=finished.cached_tokens),
-        request_id=request_id, seed=seed,
+        request_id=request_id, seed=seed, stop_sequence=finished.stop_sequence,
         timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
                            total_ms=t.total_ms, tokens_per_second=t.tokens_per_second))
 

@@ -73,14 +73,17 @@ class Admission:
         prompt_ids = self.tokenizer.encode(request.prompt, request.messages)
         params = self._fit(request, prompt_ids)
         sampling = Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                            min_p=params.min_p, repetition_penalty=params.repetition_penalty, seed=params.seed)
+                            min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+                            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                            logit_bias=params.logit_bias, seed=params.seed)
         session_id = next(self._ids)
         handle = SessionHandle(session_id, request.request_id, params.seed, len(prompt_ids), loop,
                                self._abort, self._wake)
         return Session(
             id=session_id, prompt_ids=prompt_ids, params=params, sampling=sampling,
             rng=self._random_state(sampling), handle=handle,
-            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop,
+                                               params.include_stop_sequence),
             deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
             cache_salt=request.cache_salt)
 

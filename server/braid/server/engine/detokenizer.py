@@ -18,16 +18,19 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int],
-                 stop: Sequence[str]) -> None:
+                 stop: Sequence[str], include_stop: bool = False) -> None:
+        """include_stop: the text ends after the stop string that matched, not before it."""
         self._decode = decode
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # ids[prefix:read] were decoded already and give the context text
         self._read_offset = len(self._ids)
         self._stop = tuple(stop)
         self._longest_stop = max((len(s) for s in self._stop), default=0)
+        self._include_stop = include_stop
         self.text = ""  # all output text decoded so far (cut at a stop string once one is found)
         self._sent = 0  # characters of self.text already released
         self.stopped = False
+        self.stop_sequence = ""  # the stop string that matched, once stopped
 
     def add(self, token_id: int) -> None:
         """Adds one generated token. Sets `stopped` once a stop string appears."""
@@ -46,9 +49,10 @@ class IncrementalDetokenizer:
         if not self._stop:
             return
         window_start = max(0, self._sent - self._longest_stop)
-        hits = [i for i in (self.text.find(s, window_start) for s in self._stop) if i >= 0]
+        hits = [(i, -len(s), s) for s, i in ((s, self.text.find(s, window_start)) for s in self._stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, _, self.stop_sequence = min(hits)  # the earliest; of two there, the longest
+            self.text = self.text[:at + (len(self.stop_sequence) if self._include_stop else 0)]
             self.stopped = True
 
     def take(self, final: bool = False) -> str:

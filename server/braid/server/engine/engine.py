@@ -217,7 +217,8 @@ class Engine:
         if s.num_generated < p.min_new_tokens:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.tokenizer.eos_token_ids)
         return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=end == len(s.token_ids),
-                   sampling=s.sampling, rng=s.rng, history=s.token_ids, banned=banned, is_prompt=s.is_prefilling)
+                   sampling=s.sampling, rng=s.rng, history=s.token_ids, num_prompt=s.num_prompt, banned=banned,
+                   is_prompt=s.is_prefilling)
 
     def _idle_wait(self, now: float) -> float:
         """How long the loop may block on its inbox when nothing can run: until a batch should start,

@@ -49,7 +49,8 @@ class Output:
         stream "with the text so far")."""
         self._delta(s, s.detokenizer.take(final=True))
         finished = Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
-                            timings=_timings(s), error=error, cached_tokens=s.cached_tokens or 0)
+                            timings=_timings(s), error=error, cached_tokens=s.cached_tokens or 0,
+                            stop_sequence=s.detokenizer.stop_sequence)
         self._outbox.append((s.handle, finished))
         return finished
 

@@ -58,8 +58,12 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids sorted
     seed: int = 0
     stop: tuple[str, ...] = ()
+    include_stop_sequence: bool = False  # send the stop string that matched as text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
@@ -117,6 +121,7 @@ class Finished:
     timings: Timings
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+    stop_sequence: str = ""  # the stop string that ended it (reason STOP_SEQUENCE)
 
     def milestones(self) -> dict[str, float]:
         """Seconds from arrival to each point the session reached, in order: queued (0), prefill

@@ -20,6 +20,9 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     seed: int = 0
 
     @property
@@ -35,8 +38,9 @@ class Row:
 
     `rng` is the sequence's random state, made once by the runner (`random_state`) and carried by
     the caller, so a seeded sequence draws the same numbers whatever shares its pass. `history`
-    (the sequence's tokens so far, for the repetition penalty) and `banned` (token ids that must not
-    be picked now) matter only when sampling.
+    (the sequence's tokens so far, for the repetition penalty), `num_prompt` (how many of them are
+    the prompt: the rest are generated, for the presence and frequency penalties) and `banned`
+    (token ids that must not be picked now) matter only when sampling.
     """
 
     pages: Sequence[int]
@@ -46,5 +50,6 @@ class Row:
     sampling: Sampling
     rng: object
     history: Sequence[int] = ()
+    num_prompt: int = 0
     banned: Sequence[int] = ()
     is_prompt: bool = False  # prompt tokens (prefill attention), else the one last generated token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -30,11 +31,24 @@ def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
 
 
 def _penalise(logits: torch.Tensor, row: Row) -> None:
+    """The row's penalties and bias, in place: repetition (over prompt and output, as transformers),
+    presence and frequency (over the output, as OpenAI: logit - frequency * count - presence), the
+    logit bias, then the banned tokens."""
     p = row.sampling
+    device = logits.device
     if p.repetition_penalty != 1.0 and row.history:
-        seen = torch.tensor(sorted(set(row.history)), dtype=torch.long, device=logits.device)
+        seen = torch.tensor(sorted(set(row.history)), dtype=torch.long, device=device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    generated = row.history[row.num_prompt:]
+    if (p.presence_penalty or p.frequency_penalty) and generated:
+        counts = Counter(generated)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=device)
+        times = torch.tensor(list(counts.values()), dtype=logits.dtype, device=device)
+        logits[ids] -= p.frequency_penalty * times + p.presence_penalty
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=device)
     if row.banned:
         logits[list(row.banned)] = float("-inf")
 

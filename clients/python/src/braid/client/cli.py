@@ -20,6 +20,14 @@ from braid.v1 import generate_pb2 as pb
 EXIT_CANCELLED = 130  # the shell's code for a process ended by SIGINT
 
 
+def _bias(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TOKEN_ID=BIAS, e.g. 42=-100") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="braid-client", description="Stream text from a braid server.")
     parser.add_argument("prompt", nargs="?", help="the prompt; '-' or absent (with piped stdin) reads stdin")
@@ -38,10 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int)
     sampling.add_argument("--min-p", type=float)
     sampling.add_argument("--repetition-penalty", type=float)
+    sampling.add_argument("--presence-penalty", type=float, help="OpenAI's, over generated tokens: -2 to 2")
+    sampling.add_argument("--frequency-penalty", type=float, help="OpenAI's, over generated tokens: -2 to 2")
+    sampling.add_argument("--logit-bias", type=_bias, action="append", metavar="ID=BIAS",
+                          help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
     sampling.add_argument("--seed", type=int)
     sampling.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
     sampling.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", metavar="ID",
                           help="a stop token id (repeatable)")
+    sampling.add_argument("--include-stop-sequence", action="store_true", default=None,
+                          help="send the stop string that ended the generation as text")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
@@ -107,6 +121,7 @@ def _print_stats(final: pb.GenerateResponse) -> None:
 
 def _generate(client: Client, args: argparse.Namespace, prompt: str | None, messages: Chat | None) -> int:
     params = {name: getattr(args, name) for name in PARAMS}  # None: left to the server
+    params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:
         for message in generation:
             sys.stdout.write(message.text)

@@ -58,6 +58,8 @@ def build_request(
         field = getattr(request, name)
         if isinstance(field, (str, int, float, bool)):
             setattr(request, name, value)
+        elif hasattr(field, "update"):  # a map (logit_bias: token id -> bias)
+            field.update(value)
         else:  # a repeated field
             field.extend([value] if isinstance(value, (str, int)) else value)
     return request
