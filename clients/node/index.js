@@ -92,8 +92,10 @@ class Client {
    * error whose code is grpc.status.CANCELLED (see isCancelled).
    *
    * @param {object} request GenerateRequest fields: prompt or messages ([{role, content}]),
-   *   maxNewTokens, temperature, topP, topK, minP, repetitionPenalty, seed, stop,
-   *   stopTokenIds, ignoreEos, requestId, minNewTokens.
+   *   maxNewTokens, temperature, topP, topK, minP, repetitionPenalty, presencePenalty,
+   *   frequencyPenalty, logitBias ({tokenId: bias}), seed, stop, includeStopSequence,
+   *   stopTokenIds, ignoreEos, requestId, minNewTokens, priority, timeoutMs, cacheSalt,
+   *   logprobs, topLogprobs (messages then carry logprobs, one per token id).
    * @param {object} [options]
    * @param {number} [options.timeoutMs] deadline of the call.
    * @returns {grpc.ClientReadableStream}

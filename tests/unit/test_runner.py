@@ -56,7 +56,7 @@ def test_tokens_come_back_in_the_order_of_the_rows(runner):
     """Prompt chunks are packed before decode rows; each row still gets its own token back."""
     sampling = Sampling()
     prompt = [5, 9, 14, 3]
-    first = _feed(runner, prompt, 0, 4, slot=0)  # slot 0 now decodes from position 4
+    first = _feed(runner, prompt, 0, 4, slot=0).token  # sequence 0 now decodes from position 4
     other = [8, 8, 2]
     decode = Row(pages=_slot(0), start=4, token_ids=[first], sample=True, sampling=sampling,
                  rng=runner.random_state(sampling))
@@ -71,12 +71,12 @@ def _greedy(runner: ModelRunner, pages: list[int], prompt: list[int], start: int
     """Prefills prompt[start:] (positions before `start` already in `pages`), then decodes
     `steps` tokens one pass each; the tokens."""
     sampling = Sampling()
-    tokens = [_feed(runner, prompt, start, len(prompt) - start, pages)]
+    tokens = [_feed(runner, prompt, start, len(prompt) - start, pages).token]
     for _ in range(steps - 1):
         position = len(prompt) + len(tokens) - 1
         [token] = runner.run([Row(pages=pages, start=position, token_ids=[tokens[-1]], sample=True,
                                   sampling=sampling, rng=runner.random_state(sampling))])
-        tokens.append(token)
+        tokens.append(token.token)
     return tokens
 
 

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from braid.server.runner.rows import GREEDY_BELOW_TEMPERATURE, Row, Sampling
-from braid.server.runner.sampler import random_state, sample
+from braid.server.runner.sampler import random_state
+from braid.server.runner.sampler import sample as sample_with_logprobs
+
+
+def sample(logits, rows) -> list[int]:
+    return [s.token for s in sample_with_logprobs(logits, rows)]
 
 
 def _row(temperature: float, seed: int, **kw) -> Row:
@@ -74,3 +79,21 @@ def test_a_bias_of_100_forces_a_token_even_when_sampling():
     row = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling))
     torch.manual_seed(0)
     assert sample(torch.randn(1, 50) * 5, [row]) == [7]
+
+
+def test_logprobs_are_of_the_raw_distribution_whatever_the_sampling():
+    """Before temperature, penalties, bias and truncation: a token forced by a bias of +100 still
+    reports its raw log probability and rank; the top list is the raw top, most likely first."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    raw = logits.log_softmax(dim=-1)[0]
+    sampling = Sampling(temperature=0.5, top_k=1, logit_bias=((2, 100.0),), logprobs=2, seed=1)
+    row = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling))
+    [out] = sample_with_logprobs(logits.clone(), [row])
+    assert out.token == 2 and out.logprob.rank == 3
+    assert abs(out.logprob.logprob - raw[2].item()) < 1e-6
+    assert [t for t, _ in out.logprob.top] == [1, 3]
+    greedy = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=Sampling(logprobs=0), rng=None)
+    [best] = sample_with_logprobs(logits.clone(), [greedy])
+    assert best.token == 1 and best.logprob.rank == 1 and best.logprob.top == ()
+    [plain] = sample_with_logprobs(logits.clone(), [_row(0.0, 0)])
+    assert plain.logprob is None

@@ -19,6 +19,7 @@ MAX_CACHE_SALT_BYTES = 256
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI's
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
@@ -67,6 +68,8 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
     _in_range("presence_penalty", req.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _in_range("frequency_penalty", req.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     logit_bias = _logit_bias(req.logit_bias, vocab_size)
+    if req.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument("top_logprobs", f"{req.top_logprobs} is more than {MAX_TOP_LOGPROBS}")
     if len(req.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument("stop", f"{len(req.stop)} strings; at most {MAX_STOP_STRINGS}")
     for i, s in enumerate(req.stop):
@@ -95,6 +98,7 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         seed=req.seed if req.HasField("seed") else secrets.randbits(63),
         stop=tuple(req.stop), include_stop_sequence=req.include_stop_sequence,
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs or req.top_logprobs > 0, top_logprobs=req.top_logprobs,
         clip_max_new_tokens=req.max_new_tokens == 0)
     return GenerationRequest(
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
@@ -136,6 +140,12 @@ def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateRe
         request_id=request_id, seed=seed, stop_sequence=finished.stop_sequence,
         timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
                            total_ms=t.total_ms, tokens_per_second=t.tokens_per_second))
+
+
+def logprobs_to_pb(logprobs) -> list[pb.TokenLogprob]:
+    """runner.rows.TokenLogprob (read by attribute: the edge imports no runner) to protobuf."""
+    return [pb.TokenLogprob(logprob=lp.logprob, rank=lp.rank,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
 
 
 def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:

@@ -88,6 +88,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         message.text = "".join(d.text for d in deltas)
         for d in deltas:
             message.token_ids.extend(d.token_ids)
+            message.logprobs.extend(convert.logprobs_to_pb(d.logprobs))
         return message
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

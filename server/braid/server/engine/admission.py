@@ -75,7 +75,8 @@ class Admission:
         sampling = Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                             min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                            logit_bias=params.logit_bias, seed=params.seed)
+                            logit_bias=params.logit_bias, seed=params.seed,
+                            logprobs=params.top_logprobs if params.logprobs else None)
         session_id = next(self._ids)
         handle = SessionHandle(session_id, request.request_id, params.seed, len(prompt_ids), loop,
                                self._abort, self._wake)

@@ -30,7 +30,7 @@ from braid.server.engine.scheduler import Scheduler, Work
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import EngineStats, FinishReason, ModelInfo
-from braid.server.runner.rows import Row
+from braid.server.runner.rows import Row, Sampled
 
 if TYPE_CHECKING:
     from braid.server.runner.model_runner import ModelRunner
@@ -280,20 +280,20 @@ class Engine:
                           self._num_added, self._num_finished, pages_held)
         self._books_off = balance if balance != (0, 0, 0) else None
 
-    def _postprocess(self, work: list[Work], tokens: list[int | None]) -> None:
+    def _postprocess(self, work: list[Work], tokens: list[Sampled | None]) -> None:
         now = time.monotonic()
         num_tokens = sum(w.num_tokens for w in work)
         self.books.count_pass(sum(w.num_tokens for w in work if w.session.is_prefilling),
                               sum(t is not None for t in tokens))
         self.observer.on_pass(len(work), num_tokens)
-        for w, token in zip(work, tokens):
+        for w, sampled in zip(work, tokens):
             s = w.session
             self.scheduler.computed(s, w.num_tokens)
-            if token is None:
+            if sampled is None:
                 continue
             if s.first_token is None:
                 s.first_token = now
-            reason = self.output.add_token(s, token)
+            reason = self.output.add_token(s, sampled.token, sampled.logprob)
             if reason is not None:
                 self._finish(s, reason)
 

@@ -20,11 +20,13 @@ class Output:
         self.max_seq_len = max_seq_len
         self._outbox: list[tuple[SessionHandle, Event]] = []
 
-    def add_token(self, s: Session, token: int) -> FinishReason | None:
-        """Appends a generated token; returns why the session ends with it, or None and sends the
-        text it released."""
+    def add_token(self, s: Session, token: int, logprob=None) -> FinishReason | None:
+        """Appends a generated token (and its runner.rows.TokenLogprob, when the session asked for
+        them); returns why the session ends with it, or None and sends the text it released."""
         s.token_ids.append(token)
         s.pending_ids.append(token)
+        if logprob is not None:
+            s.pending_logprobs.append(logprob)
         reason = self._stop_reason(s, token)
         if reason is None:
             self._delta(s, s.detokenizer.take())
@@ -57,9 +59,9 @@ class Output:
     def _delta(self, s: Session, text: str) -> None:
         if not text and not s.pending_ids:
             return
-        self._outbox.append((s.handle, Delta(text, s.pending_ids)))
+        self._outbox.append((s.handle, Delta(text, s.pending_ids, s.pending_logprobs)))
         s.handle.note_emitted(len(s.pending_ids))
-        s.pending_ids = []
+        s.pending_ids, s.pending_logprobs = [], []
 
     def flush(self) -> None:
         """Hands this step's events to the event loops: one wake-up per loop per step."""

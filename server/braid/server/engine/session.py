@@ -45,6 +45,7 @@ class Session:
     started: float | None = None  # first forward pass
     first_token: float | None = None
     pending_ids: list[int] = field(default_factory=list)  # generated, not yet delivered
+    pending_logprobs: list = field(default_factory=list)  # theirs (runner.rows.TokenLogprob), when asked for
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -66,6 +66,8 @@ class SamplingParams:
     include_stop_sequence: bool = False  # send the stop string that matched as text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False
@@ -101,6 +103,7 @@ class Delta:
 
     text: str
     token_ids: list[int]
+    logprobs: list = field(default_factory=list)  # runner.rows.TokenLogprob per token id, when asked for
 
 
 @dataclass

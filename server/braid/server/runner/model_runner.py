@@ -20,7 +20,7 @@ from braid.server.runner.kernels import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
 from braid.server.runner.llama import DecodeRows, ForwardBatch, LlamaDecoder, PrefillChunk
 from braid.server.runner.precision import DTYPES, Precision
-from braid.server.runner.rows import Row, Sampling
+from braid.server.runner.rows import Row, Sampled, Sampling
 from braid.server.runner.sampler import random_state, sample
 
 _LOGGER = logging.getLogger(__name__)
@@ -90,12 +90,13 @@ class ModelRunner:
         """A sequence's random state for Row.rng, made once per sequence."""
         return random_state(sampling)
 
-    def run(self, rows: Sequence[Row]) -> list[int | None]:
-        """One forward pass. Returns, per row, the sampled token, or None for a row that does not
-        sample (a prompt chunk that does not reach the end of its prompt)."""
+    def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
+        """One forward pass. Returns, per row, the sampled token (with its log probability where the
+        row asks), or None for a row that does not sample (a prompt chunk that does not reach the
+        end of its prompt)."""
         batch, sampled = self._build(rows)
         logits = self.decoder.forward(batch, self.cache)  # [R, V], rows in `sampled` order
-        tokens: list[int | None] = [None] * len(rows)
+        tokens: list[Sampled | None] = [None] * len(rows)
         for i, token in zip(sampled, sample(logits, [rows[i] for i in sampled])):
             tokens[i] = token
         return tokens

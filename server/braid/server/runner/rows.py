@@ -4,7 +4,7 @@ engine builds rows without knowing tensors, and the runner never sees a session 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 # Temperatures below this decode greedily, as in vLLM: dividing logits by a temperature near zero
 # overflows to inf and NaN (1e-38 sampled garbage where 1e-30 was still greedy).
@@ -24,6 +24,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     seed: int = 0
+    logprobs: int | None = None  # None: none; k: the sampled token's log probability and the k most likely
 
     @property
     def is_greedy(self) -> bool:
@@ -53,3 +54,21 @@ class Row:
     num_prompt: int = 0
     banned: Sequence[int] = ()
     is_prompt: bool = False  # prompt tokens (prefill attention), else the one last generated token
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability under the model's raw distribution (the log-softmax of its
+    logits, before penalties, bias, temperature and truncation), its rank there (1: the most likely),
+    and the most likely tokens with theirs, most likely first."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Sampled(NamedTuple):
+    """What a row that samples gets back from a pass."""
+
+    token: int
+    logprob: TokenLogprob | None = None  # when its Sampling asked for logprobs

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from braid.server.runner.rows import Row, Sampling
+from braid.server.runner.rows import Row, Sampled, Sampling, TokenLogprob
 
 
 def random_state(sampling: Sampling) -> torch.Generator:
@@ -15,19 +15,33 @@ def random_state(sampling: Sampling) -> torch.Generator:
     return torch.Generator().manual_seed(sampling.seed)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
-    """logits: [R, V] float32, one row per sampled Row (modified in place). Returns R token ids.
+def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Sampled]:
+    """logits: [R, V] float32, one row per sampled Row (modified in place). Returns R tokens, with
+    their log probabilities for the rows that ask (of the raw logits, before anything below).
 
     Every sampled row draws exactly one uniform number from its own generator per token, so a
     seeded sequence gets the same tokens whichever other sequences share its batch.
     """
+    wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
+    raw = logits[wanted].log_softmax(dim=-1) if wanted else None  # [W, V], a copy
     for i, row in enumerate(rows):
         _penalise(logits[i], row)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.sampling.is_greedy]
     if sampled:
         tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled])
-    return tokens.tolist()
+    out = [Sampled(t) for t in tokens.tolist()]
+    for j, i in enumerate(wanted):
+        out[i] = Sampled(out[i].token, _logprob(raw[j], out[i].token, rows[i].sampling.logprobs))
+    return out
+
+
+def _logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """logprobs: [V] one row's log-softmax."""
+    chosen = logprobs[token]
+    best = logprobs.topk(top) if top else None
+    return TokenLogprob(logprob=chosen.item(), rank=int((logprobs > chosen).sum().item()) + 1,
+                        top=tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ())
 
 
 def _penalise(logits: torch.Tensor, row: Row) -> None:

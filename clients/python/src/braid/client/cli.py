@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="a stop token id (repeatable)")
     sampling.add_argument("--include-stop-sequence", action="store_true", default=None,
                           help="send the stop string that ended the generation as text")
+    sampling.add_argument("--logprobs", action="store_true", default=None,
+                          help="ask for each token's log probability (shown by --stats)")
+    sampling.add_argument("--top-logprobs", type=int, metavar="K", help="and the K (0-20) most likely tokens")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
@@ -122,11 +125,16 @@ def _print_stats(final: pb.GenerateResponse) -> None:
 def _generate(client: Client, args: argparse.Namespace, prompt: str | None, messages: Chat | None) -> int:
     params = {name: getattr(args, name) for name in PARAMS}  # None: left to the server
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
+    logprobs: list[float] = []
     with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:
         for message in generation:
             sys.stdout.write(message.text)
             sys.stdout.flush()
+            logprobs += [lp.logprob for lp in message.logprobs]
     print()
+    if args.stats and logprobs:
+        print(f"logprobs: {len(logprobs)} tokens, mean {sum(logprobs) / len(logprobs):.3f}, "
+              f"lowest {min(logprobs):.3f}", file=sys.stderr)
     if args.stats and generation.final is not None:
         _print_stats(generation.final)
     return 0
