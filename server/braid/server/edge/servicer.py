@@ -7,6 +7,7 @@ generation to the model thread.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from braid.server.config import ServerConfig
 from braid.server.edge import convert
 from braid.server.edge.lanes import TokenizerLanes
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Delta, FinishReason, GenerationRequest
+from braid.server.engine.types import Delta, FinishReason, GenerationRequest, InvalidArgument
 from braid.server.telemetry import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # the edge never imports torch: it reaches the engine only th
     from braid.server.engine.engine import Engine
 
 _CLOCK_SLACK_S = 0.1
+MAX_ABORT_IDS = 256
 
 
 class GenerateServicer(pb_grpc.GenerateServicer):
@@ -32,6 +34,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._engine = engine
         self._config = config
         self._tokenizers = TokenizerLanes()
+        # Running Stream calls by request_id, with the credentials they came with (for Abort). A
+        # request_id is the caller's: two calls may share one.
+        self._by_request_id: dict[str, list[tuple[SessionHandle, tuple]]] = {}
 
     def close(self) -> None:
         """Drops the tokenizations still waiting for a thread (after the server has stopped)."""
@@ -46,6 +51,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         # generator is never resumed. A no-op once the session has finished.
         context.add_done_callback(lambda _: handle.cancel(_cancel_reason(req)))
         tracing.on_session(handle, self._engine.info.mode)
+        entry = (handle, _credentials(context))
+        self._by_request_id.setdefault(req.request_id, []).append(entry)
         try:
             await context.send_initial_metadata((("braid-request-id", req.request_id),))
             async for batch in handle.batches():
@@ -66,6 +73,11 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             raise
         finally:
             handle.cancel()  # a no-op once finished; covers a generator closed early
+            calls = self._by_request_id.get(req.request_id, [])
+            if entry in calls:
+                calls.remove(entry)
+            if not calls:
+                self._by_request_id.pop(req.request_id, None)
 
     async def _submit(self, req: GenerationRequest) -> SessionHandle:
         # The place in the queue is taken here, before the call waits for a tokenizer thread.
@@ -100,9 +112,32 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
         return convert.model_info_to_pb(self._engine.info)
 
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        if len(request.request_ids) > MAX_ABORT_IDS:
+            raise InvalidArgument("request_ids", f"{len(request.request_ids)} ids; at most {MAX_ABORT_IDS}")
+        who = _credentials(context)
+        aborted = []
+        for request_id in dict.fromkeys(request.request_ids):
+            owned = [handle for handle, owner in self._by_request_id.get(request_id, ()) if owner == who
+                     and handle.finished is None]
+            for handle in owned:
+                handle.cancel(FinishReason.CANCELLED)
+            if owned:
+                aborted.append(request_id)
+        return pb.AbortResponse(aborted=aborted)
+
     async def ServerStatus(self, request, context) -> pb.ServerStatusResponse:
         return convert.stats_to_pb(self._engine.stats(), self._engine.info,
                                    time.monotonic() - self._engine.started_at)
+
+
+def _credentials(context) -> tuple:
+    """Who a call is, for Abort: its `authorization` metadata (a hash of it, never the key) and its
+    TLS client certificate's identity, each empty where absent."""
+    auth = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+    peer = context.auth_context() or {}
+    identity = tuple(peer.get("x509_subject_alternative_name", ())) + tuple(peer.get("x509_common_name", ()))
+    return hashlib.sha256(repr(auth).encode()).hexdigest(), identity
 
 
 def _cancel_reason(req: GenerationRequest) -> FinishReason:
