@@ -270,7 +270,7 @@ def test_cli_sends_the_cache_salt_and_shows_cached_tokens(
 ) -> None:
     assert cli.main(["--target", target, "--cache-salt", "tenant-a", "--stats", "hello"]) == 0
     assert fake.requests[-1].cache_salt == "tenant-a"
-    assert "2 prompt tokens (1 from the cache)" in capsys.readouterr().err
+    assert "2 prompt tokens (1 from the cache, 0 cut)" in capsys.readouterr().err
     assert build_request("hi", cache_salt="tenant-a").cache_salt == "tenant-a"
 
 

@@ -27,7 +27,9 @@ requests = st.builds(
     priority=st.integers(0, 5), timeout_ms=st.integers(0, 2000),
     cache_salt=st.text(max_size=300), presence_penalty=FLOATS, frequency_penalty=FLOATS,
     logit_bias=st.dictionaries(st.one_of(st.integers(-3, 60000), st.integers(-2**31, 2**31 - 1)), FLOATS,
-                               max_size=4))
+                               max_size=4),
+    logprobs=st.booleans(), top_logprobs=st.integers(0, 40), include_stop_sequence=st.booleans(),
+    truncate_input_tokens=st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)))
 
 
 @settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -99,6 +99,7 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         stop=tuple(req.stop), include_stop_sequence=req.include_stop_sequence,
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         logprobs=req.logprobs or req.top_logprobs > 0, top_logprobs=req.top_logprobs,
+        truncate_input_tokens=req.truncate_input_tokens,
         clip_max_new_tokens=req.max_new_tokens == 0)
     return GenerationRequest(
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
@@ -136,7 +137,7 @@ def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateRe
     return pb.GenerateResponse(
         finish_reason=finished.reason.value,
         usage=pb.Usage(prompt_tokens=finished.prompt_tokens, generated_tokens=finished.generated_tokens,
-                       cached_tokens=finished.cached_tokens),
+                       cached_tokens=finished.cached_tokens, truncated_tokens=finished.truncated_tokens),
         request_id=request_id, seed=seed, stop_sequence=finished.stop_sequence,
         timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
                            total_ms=t.total_ms, tokens_per_second=t.tokens_per_second))

@@ -81,7 +81,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def _submit(self, req: GenerationRequest) -> SessionHandle:
         # The place in the queue is taken here, before the call waits for a tokenizer thread.
-        ticket = self._engine.admission.admit(req.prompt, req.messages)
+        ticket = self._engine.admission.admit(req.prompt, req.messages,
+                                              truncated=req.params.truncate_input_tokens > 0)
         future = self._tokenizers.run(ticket, self._engine.admission.submit, req, asyncio.get_running_loop())
         try:
             return await asyncio.shield(future)

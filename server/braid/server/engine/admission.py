@@ -35,15 +35,16 @@ class Admission:
         self._enqueue, self._abort, self._wake, self._is_open = enqueue, abort, wake, is_open
         self._ids = itertools.count(1)
 
-    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True) -> Ticket:
+    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True,
+              truncated: bool = False) -> Ticket:
         """Takes a place for a call before its text is tokenized: cheap, so the event loop calls it
         the moment a call arrives. A Stream prompt that cannot fit in the context even at the most
-        bytes per token is refused here, without tokenizing it."""
+        bytes per token is refused here, without tokenizing it (unless it is to be truncated)."""
         closed = self._is_open()
         if closed is not None:
             raise EngineUnavailable(closed)
         size = text_bytes(prompt, messages)
-        if for_session:
+        if for_session and not truncated:
             at_least = self.tokenizer.min_tokens(size)
             if at_least >= self.max_seq_len:
                 raise InvalidArgument("messages" if messages else "prompt",
@@ -70,7 +71,7 @@ class Admission:
             ticket.release()
 
     def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Session:
-        prompt_ids = self.tokenizer.encode(request.prompt, request.messages)
+        prompt_ids, truncated = self._encode(request)
         params = self._fit(request, prompt_ids)
         sampling = Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                             min_p=params.min_p, repetition_penalty=params.repetition_penalty,
@@ -86,7 +87,34 @@ class Admission:
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop,
                                                params.include_stop_sequence),
             deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
-            cache_salt=request.cache_salt)
+            cache_salt=request.cache_salt, truncated_tokens=truncated)
+
+    def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
+        """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""
+        ids = self.tokenizer.encode(request.prompt, request.messages)
+        keep = request.params.truncate_input_tokens
+        if not keep or len(ids) <= keep:
+            return ids, 0
+        if request.messages:
+            kept = self._drop_oldest_turns(request.messages, keep)
+            if kept is not None:
+                return kept, len(ids) - len(kept)
+        return ids[-keep:], len(ids) - keep
+
+    def _drop_oldest_turns(self, messages: Sequence[Message], keep: int) -> list[int] | None:
+        """The chat without its oldest non-system messages, as few dropped as make it fit in
+        `keep` tokens (a rendering the template rejects is passed over); None if only the last
+        message left still does not fit."""
+        others = [i for i, m in enumerate(messages) if m.role != "system"]
+        for n in range(1, len(others)):
+            dropped = set(others[:n])
+            try:
+                ids = self.tokenizer.encode_chat([m for i, m in enumerate(messages) if i not in dropped])
+            except InvalidArgument:
+                continue
+            if len(ids) <= keep:
+                return ids
+        return None
 
     def _fit(self, request: GenerationRequest, prompt_ids: list[int]) -> SamplingParams:
         """The request's parameters checked against its tokenized prompt; a default max_new_tokens

@@ -52,7 +52,7 @@ class Output:
         self._delta(s, s.detokenizer.take(final=True))
         finished = Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
                             timings=_timings(s), error=error, cached_tokens=s.cached_tokens or 0,
-                            stop_sequence=s.detokenizer.stop_sequence)
+                            stop_sequence=s.detokenizer.stop_sequence, truncated_tokens=s.truncated_tokens)
         self._outbox.append((s.handle, finished))
         return finished
 

@@ -39,6 +39,7 @@ class Session:
     page_keys: list[bytes] = field(default_factory=list)  # names of its full pages, computed as needed
     cached_tokens: int | None = None  # prompt tokens found in the cache when first admitted
     preemptions: int = 0  # times its pages were taken back, to be recomputed later
+    truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
     status: SessionStatus = SessionStatus.WAITING
     paused: bool = False  # running, but its client has not read its output: sits out the passes
     arrived: float = field(default_factory=time.monotonic)

@@ -68,6 +68,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    truncate_input_tokens: int = 0  # keep at most this many prompt tokens (0: all)
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False
@@ -125,6 +126,7 @@ class Finished:
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     stop_sequence: str = ""  # the stop string that ended it (reason STOP_SEQUENCE)
+    truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
 
     def milestones(self) -> dict[str, float]:
         """Seconds from arrival to each point the session reached, in order: queued (0), prefill

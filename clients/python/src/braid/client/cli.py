@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--logprobs", action="store_true", default=None,
                           help="ask for each token's log probability (shown by --stats)")
     sampling.add_argument("--top-logprobs", type=int, metavar="K", help="and the K (0-20) most likely tokens")
+    sampling.add_argument("--truncate-input-tokens", type=int, metavar="N",
+                          help="keep at most the last N prompt tokens (a chat: drop its oldest turns first)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
@@ -114,7 +116,8 @@ def _print_stats(final: pb.GenerateResponse) -> None:
     print(
         f"finish_reason: {finish_reason_name(final.finish_reason)}  "
         f"request_id: {final.request_id}  seed: {final.seed}\n"
-        f"usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} from the cache), "
+        f"usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} from the cache, "
+        f"{usage.truncated_tokens} cut), "
         f"{usage.generated_tokens} generated tokens\n"
         f"timings: queue {timings.queue_ms:.1f} ms, first token {timings.time_to_first_token_ms:.1f} ms, "
         f"total {timings.total_ms:.1f} ms, {timings.tokens_per_second:.1f} tokens/s",
