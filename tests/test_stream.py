@@ -90,6 +90,23 @@ def test_logit_bias_forces_and_bans_tokens(servers, mode):
     assert banned.token_ids and not set(banned.token_ids) & set(greedy.token_ids)
 
 
+def test_bad_words_are_never_generated(servers, smol_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    with servers("continuous").client() as client:
+        greedy = client.generate("The sea is", max_new_tokens=16, ignore_eos=True)
+        words = [w for w in greedy.text.split() if w.isalpha()][:2]
+        assert words, greedy.text
+        avoided = client.generate("The sea is", max_new_tokens=16, ignore_eos=True, bad_words=words)
+    ids = avoided.token_ids
+    for word in words:
+        for variant in (word, " " + word):
+            seq = tokenizer.encode(variant, add_special_tokens=False)
+            assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (word, avoided.text)
+    assert avoided.token_ids != greedy.token_ids
+
+
 def test_stop_sequence_ends_the_stream_and_never_leaks(servers):
     with servers("continuous").client() as client:
         full = client.generate(PROMPT, max_new_tokens=30, ignore_eos=True)

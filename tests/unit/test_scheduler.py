@@ -176,3 +176,11 @@ def test_a_batch_session_is_preempted_before_an_interactive_one():
     while batch.status is SessionStatus.RUNNING:
         _run(sched, now=3.0)
     assert interactive.status is SessionStatus.RUNNING and batch.preemptions == 1
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    s = _session(1, prompt_len=3)  # tokens 1, 2, 3
+    s.bad_words = ((9,), (3, 4), (2, 3, 5), (7, 8))
+    assert sorted(s.banned_by_bad_words()) == [4, 5, 9]  # (7, 8): its 7 has not come
+    s.token_ids.append(7)
+    assert sorted(s.banned_by_bad_words()) == [8, 9]

@@ -51,6 +51,10 @@ def _check(**fields):
     (dict(prompt="a", logit_bias={VOCAB: 1.0}), f"logit_bias[{VOCAB}]"),
     (dict(prompt="a", logit_bias={-1: 1.0}), "logit_bias[-1]"),
     (dict(prompt="a", logit_bias={i: 1.0 for i in range(convert.MAX_LOGIT_BIAS_ENTRIES + 1)}), "logit_bias"),
+    (dict(prompt="a", top_logprobs=convert.MAX_TOP_LOGPROBS + 1), "top_logprobs"),
+    (dict(prompt="a", bad_words=["ok", ""]), "bad_words[1]"),
+    (dict(prompt="a", bad_words=["x" * (convert.MAX_STOP_BYTES + 1)]), "bad_words[0]"),
+    (dict(prompt="a", bad_words=["x"] * (convert.MAX_BAD_WORDS + 1)), "bad_words"),
 ])
 def test_a_bad_field_is_named(fields, field):
     with pytest.raises(InvalidArgument) as err:

@@ -12,6 +12,7 @@ from braid.server.engine.types import (EngineStats, Finished, FinishReason, Gene
 from braid.v1 import generate_pb2 as pb
 
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 64
 MAX_STOP_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_BYTES = 128
@@ -77,6 +78,13 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
             raise InvalidArgument(f"stop[{i}]", "is empty")
         if len(s.encode()) > MAX_STOP_BYTES:
             raise InvalidArgument(f"stop[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
+    if len(req.bad_words) > MAX_BAD_WORDS:
+        raise InvalidArgument("bad_words", f"{len(req.bad_words)} words; at most {MAX_BAD_WORDS}")
+    for i, w in enumerate(req.bad_words):
+        if not w:
+            raise InvalidArgument(f"bad_words[{i}]", "is empty")
+        if len(w.encode()) > MAX_STOP_BYTES:
+            raise InvalidArgument(f"bad_words[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
     if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument("stop_token_ids", f"{len(req.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
     for i, t in enumerate(req.stop_token_ids):
@@ -99,7 +107,7 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         stop=tuple(req.stop), include_stop_sequence=req.include_stop_sequence,
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         logprobs=req.logprobs or req.top_logprobs > 0, top_logprobs=req.top_logprobs,
-        truncate_input_tokens=req.truncate_input_tokens,
+        truncate_input_tokens=req.truncate_input_tokens, bad_words=tuple(req.bad_words),
         clip_max_new_tokens=req.max_new_tokens == 0)
     return GenerationRequest(
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,

@@ -87,7 +87,8 @@ class Admission:
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop,
                                                params.include_stop_sequence),
             deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
-            cache_salt=request.cache_salt, truncated_tokens=truncated)
+            cache_salt=request.cache_salt, truncated_tokens=truncated,
+            bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else ())
 
     def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""

@@ -213,9 +213,11 @@ class Engine:
         s, p = w.session, w.session.params
         start = s.num_cached
         end = start + w.num_tokens
-        banned = ()
+        banned: tuple[int, ...] = ()
         if s.num_generated < p.min_new_tokens:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.tokenizer.eos_token_ids)
+        if s.bad_words and end == len(s.token_ids):
+            banned += tuple(s.banned_by_bad_words())
         return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=end == len(s.token_ids),
                    sampling=s.sampling, rng=s.rng, history=s.token_ids, num_prompt=s.num_prompt, banned=banned,
                    is_prompt=s.is_prefilling)

@@ -40,6 +40,13 @@ class Session:
     cached_tokens: int | None = None  # prompt tokens found in the cache when first admitted
     preemptions: int = 0  # times its pages were taken back, to be recomputed later
     truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete (bad_words)
+
+    def banned_by_bad_words(self) -> list[int]:
+        """The tokens that would complete a bad word now: a word's last token, wherever the tokens
+        so far end with the rest of it."""
+        return [w[-1] for w in self.bad_words
+                if len(w) == 1 or (len(self.token_ids) >= len(w) - 1 and self.token_ids[1 - len(w):] == list(w[:-1]))]
     status: SessionStatus = SessionStatus.WAITING
     paused: bool = False  # running, but its client has not read its output: sits out the passes
     arrived: float = field(default_factory=time.monotonic)

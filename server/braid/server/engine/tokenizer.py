@@ -63,6 +63,12 @@ class Tokenizer:
             raise InvalidArgument(field_name, f"the chat template rejected it: {exc}") from exc
         return list(tok.encode(text, add_special_tokens=False))  # the template wrote its special tokens
 
+    def encode_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's token sequences as it appears in text: alone, and after a space."""
+        tok, _ = self._own()
+        sequences = {tuple(tok.encode(text, add_special_tokens=False)) for w in words for text in (w, " " + w)}
+        return tuple(sorted(s for s in sequences if s))
+
     def encode(self, prompt: str | None, messages: Sequence[Message]) -> list[int]:
         return self.encode_chat(messages) if messages else self.encode_prompt(prompt or "")
 

@@ -69,6 +69,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     truncate_input_tokens: int = 0  # keep at most this many prompt tokens (0: all)
+    bad_words: tuple[str, ...] = ()  # never generated
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False

@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-logprobs", type=int, metavar="K", help="and the K (0-20) most likely tokens")
     sampling.add_argument("--truncate-input-tokens", type=int, metavar="N",
                           help="keep at most the last N prompt tokens (a chat: drop its oldest turns first)")
+    sampling.add_argument("--bad-word", dest="bad_words", action="append", metavar="TEXT",
+                          help="a word never to generate (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
