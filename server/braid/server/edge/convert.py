@@ -71,20 +71,8 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
     logit_bias = _logit_bias(req.logit_bias, vocab_size)
     if req.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidArgument("top_logprobs", f"{req.top_logprobs} is more than {MAX_TOP_LOGPROBS}")
-    if len(req.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument("stop", f"{len(req.stop)} strings; at most {MAX_STOP_STRINGS}")
-    for i, s in enumerate(req.stop):
-        if not s:
-            raise InvalidArgument(f"stop[{i}]", "is empty")
-        if len(s.encode()) > MAX_STOP_BYTES:
-            raise InvalidArgument(f"stop[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
-    if len(req.bad_words) > MAX_BAD_WORDS:
-        raise InvalidArgument("bad_words", f"{len(req.bad_words)} words; at most {MAX_BAD_WORDS}")
-    for i, w in enumerate(req.bad_words):
-        if not w:
-            raise InvalidArgument(f"bad_words[{i}]", "is empty")
-        if len(w.encode()) > MAX_STOP_BYTES:
-            raise InvalidArgument(f"bad_words[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
+    _strings("stop", req.stop, MAX_STOP_STRINGS)
+    _strings("bad_words", req.bad_words, MAX_BAD_WORDS)
     if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument("stop_token_ids", f"{len(req.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
     for i, t in enumerate(req.stop_token_ids):
@@ -115,6 +103,17 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
         cache_salt=req.cache_salt)
+
+
+def _strings(name: str, values, most: int) -> None:
+    """A repeated string field (stop, bad_words): at most `most`, none empty or over MAX_STOP_BYTES."""
+    if len(values) > most:
+        raise InvalidArgument(name, f"{len(values)} strings; at most {most}")
+    for i, value in enumerate(values):
+        if not value:
+            raise InvalidArgument(f"{name}[{i}]", "is empty")
+        if len(value.encode()) > MAX_STOP_BYTES:
+            raise InvalidArgument(f"{name}[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
 
 
 def _logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
