@@ -17,7 +17,7 @@ from braid.server.config import ServerConfig
 from braid.server.edge import convert
 from braid.server.edge.lanes import TokenizerLanes
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Delta, FinishReason, GenerationRequest, InvalidArgument
+from braid.server.engine.types import Delta, FinishReason, GenerationRequest, InvalidArgument, Queued
 from braid.server.telemetry import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
@@ -98,6 +98,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             message = convert.final_to_pb(handle.finished, handle.request_id, handle.seed)
         else:
             message = pb.GenerateResponse()
+            queued = [e.position for e in batch if isinstance(e, Queued)]
+            if queued and not deltas:
+                message.queue_position = queued[-1]
         message.text = "".join(d.text for d in deltas)
         for d in deltas:
             message.token_ids.extend(d.token_ids)

@@ -180,6 +180,7 @@ class Engine:
         self._expire(now)
         paused = self._pause_backlogged()
         work = self.scheduler.schedule(now)  # sessions it admits start unpaused
+        self._report_queue(now)
         self._num_preemptions += len(self.scheduler.take_preempted())
         self.books.set_running(len(self.scheduler.running), paused, self._cache_stats())
         if work:
@@ -187,6 +188,12 @@ class Engine:
         self.output.flush()
         self._check_books()
         return self._drain(block_for=None if work else self._idle_wait(now))
+
+    def _report_queue(self, now: float) -> None:
+        """Queue positions for the waiting sessions that asked (interactive ones first, as admitted)."""
+        for position, s in enumerate(self.scheduler.waiting_in_order(), start=1):
+            if s.params.report_queue:
+                self.output.queued(s, position, now)
 
     def _cache_stats(self) -> dict[str, int]:
         pages = self.pages

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
-from braid.server.engine.types import Delta, Event, Finished, FinishReason, Timings
+from braid.server.engine.types import Delta, Event, Finished, FinishReason, Queued, Timings
 
 
 class Output:
@@ -55,6 +55,14 @@ class Output:
                             stop_sequence=s.detokenizer.stop_sequence, truncated_tokens=s.truncated_tokens)
         self._outbox.append((s.handle, finished))
         return finished
+
+    def queued(self, s: Session, position: int, now: float) -> None:
+        """Tells a waiting session's client where it stands, when that changed and at most once a
+        second (report_queue)."""
+        last, at = s.queue_reported
+        if position != last and now - at >= 1.0:
+            s.queue_reported = (position, now)
+            self._outbox.append((s.handle, Queued(position)))
 
     def _delta(self, s: Session, text: str) -> None:
         if not text and not s.pending_ids:

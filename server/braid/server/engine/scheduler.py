@@ -67,6 +67,10 @@ class Scheduler:
     def runnable(self) -> list[Session]:
         return [s for s in self.running if not s.paused]
 
+    def waiting_in_order(self) -> list[Session]:
+        """The waiting sessions, interactive first (the order admission mostly takes them in)."""
+        return [s for p in Priority for s in self.queues[p]]
+
     def add(self, session: Session) -> None:
         self.queues[session.priority].append(session)
 

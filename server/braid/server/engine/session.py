@@ -41,6 +41,7 @@ class Session:
     preemptions: int = 0  # times its pages were taken back, to be recomputed later
     truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete (bad_words)
+    queue_reported: tuple[int, float] = (0, float("-inf"))  # the last queue position sent, and when
 
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens

@@ -70,6 +70,7 @@ class SamplingParams:
     top_logprobs: int = 0
     truncate_input_tokens: int = 0  # keep at most this many prompt tokens (0: all)
     bad_words: tuple[str, ...] = ()  # never generated
+    report_queue: bool = False  # send Queued events while waiting
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False
@@ -142,7 +143,14 @@ class Finished:
         return points
 
 
-Event = Delta | Finished
+@dataclass
+class Queued:
+    """The session waits to be admitted, `position`-th in line (1: next); with report_queue."""
+
+    position: int
+
+
+Event = Delta | Finished | Queued
 
 
 @dataclass(frozen=True)

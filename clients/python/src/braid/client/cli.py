@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="keep at most the last N prompt tokens (a chat: drop its oldest turns first)")
     sampling.add_argument("--bad-word", dest="bad_words", action="append", metavar="TEXT",
                           help="a word never to generate (repeatable)")
+    sampling.add_argument("--report-queue", action="store_true", default=None,
+                          help="show the queue position while waiting (to stderr)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
@@ -136,6 +138,8 @@ def _generate(client: Client, args: argparse.Namespace, prompt: str | None, mess
             sys.stdout.write(message.text)
             sys.stdout.flush()
             logprobs += [lp.logprob for lp in message.logprobs]
+            if message.queue_position:
+                print(f"[queue position {message.queue_position}]", file=sys.stderr)
     print()
     if args.stats and logprobs:
         print(f"logprobs: {len(logprobs)} tokens, mean {sum(logprobs) / len(logprobs):.3f}, "
