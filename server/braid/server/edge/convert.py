@@ -21,6 +21,7 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI's
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOP_LOGPROBS = 20
+MAX_SAMPLES = 16
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
@@ -69,6 +70,8 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
     _in_range("presence_penalty", req.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _in_range("frequency_penalty", req.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     logit_bias = _logit_bias(req.logit_bias, vocab_size)
+    if req.n > MAX_SAMPLES:
+        raise InvalidArgument("n", f"{req.n} samples; at most {MAX_SAMPLES}")
     if req.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidArgument("top_logprobs", f"{req.top_logprobs} is more than {MAX_TOP_LOGPROBS}")
     _strings("stop", req.stop, MAX_STOP_STRINGS)
@@ -103,7 +106,7 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         request_id=req.request_id or uuid.uuid4().hex,
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
-        cache_salt=req.cache_salt)
+        cache_salt=req.cache_salt, n=req.n or 1)
 
 
 def _strings(name: str, values, most: int) -> None:

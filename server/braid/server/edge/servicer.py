@@ -45,41 +45,46 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         req = convert.request_from_pb(request, self._config.default_max_new_tokens,
                                       self._engine.info.vocab_size, context.time_remaining())
-        handle = await self._submit(req)
+        handles = await self._submit(req)
         # However the call ends (the client cancels, resets the stream or vanishes, at any await
-        # below or none), the session goes with it: this runs when the RPC terminates, even if this
-        # generator is never resumed. A no-op once the session has finished.
-        context.add_done_callback(lambda _: handle.cancel(_cancel_reason(req)))
-        tracing.on_session(handle, self._engine.info.mode)
-        entry = (handle, _credentials(context))
-        self._by_request_id.setdefault(req.request_id, []).append(entry)
+        # below or none), its sessions go with it: this runs when the RPC terminates, even if this
+        # generator is never resumed. A no-op once a session has finished.
+        context.add_done_callback(lambda _: [h.cancel(_cancel_reason(req)) for h in handles])
+        tracing.on_session(handles[0], self._engine.info.mode)
+        entries = [(h, _credentials(context)) for h in handles]
+        self._by_request_id.setdefault(req.request_id, []).extend(entries)
         try:
             await context.send_initial_metadata((("braid-request-id", req.request_id),))
-            async for batch in handle.batches():
+            async for index, handle, batch in _merged(handles):
                 message = self._message(batch, handle)
+                if len(handles) > 1:
+                    message.index = index
                 if handle.finished is not None:
                     tracing.on_finished(handle)
                     failure = _failure_status(handle.finished.reason, context)
                     if failure is not None:
                         if message.text or message.token_ids:
-                            yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids)
+                            yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids,
+                                                      index=message.index)
                         await context.abort(failure, handle.finished.error or "the call's deadline passed")
                     context.set_trailing_metadata(_timing_metadata(message.timings) + (
                         ("braid-cached-tokens", str(message.usage.cached_tokens)),))
                 yield message
         except asyncio.CancelledError:
-            # The client closed the stream (or its deadline passed): free the session now.
-            handle.cancel(_cancel_reason(req))
+            # The client closed the stream (or its deadline passed): free the sessions now.
+            for h in handles:
+                h.cancel(_cancel_reason(req))
             raise
         finally:
-            handle.cancel()  # a no-op once finished; covers a generator closed early
             calls = self._by_request_id.get(req.request_id, [])
-            if entry in calls:
-                calls.remove(entry)
+            for h, entry in zip(handles, entries):
+                h.cancel()  # a no-op once finished; covers a generator closed early
+                if entry in calls:
+                    calls.remove(entry)
             if not calls:
                 self._by_request_id.pop(req.request_id, None)
 
-    async def _submit(self, req: GenerationRequest) -> SessionHandle:
+    async def _submit(self, req: GenerationRequest) -> list[SessionHandle]:
         # The place in the queue is taken here, before the call waits for a tokenizer thread.
         ticket = self._engine.admission.admit(req.prompt, req.messages,
                                               truncated=req.params.truncate_input_tokens > 0)
@@ -133,6 +138,39 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def ServerStatus(self, request, context) -> pb.ServerStatusResponse:
         return convert.stats_to_pb(self._engine.stats(), self._engine.info,
                                    time.monotonic() - self._engine.started_at)
+
+
+async def _merged(handles: list[SessionHandle]):
+    """(index, handle, batch) from every handle's batches, as they come. Each handle's next batch
+    is taken only once the caller has written its last (its generator resumes after the yield), so
+    a slow client holds every sample back, as it holds one."""
+    if len(handles) == 1:
+        async for batch in handles[0].batches():
+            yield 0, handles[0], batch
+        return
+    ready: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: SessionHandle) -> None:
+        async for batch in handle.batches():
+            written = asyncio.Event()
+            await ready.put((index, handle, batch, written))
+            await written.wait()
+        await ready.put(None)
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await ready.get()
+            if item is None:
+                running -= 1
+                continue
+            index, handle, batch, written = item
+            yield index, handle, batch
+            written.set()
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _credentials(context) -> tuple:

@@ -51,16 +51,34 @@ class Admission:
                                       f"is at least {at_least} tokens; the context length is {self.max_seq_len}")
         return Ticket(self.books, size)
 
-    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> SessionHandle:
-        """Tokenizes, checks and queues a session; gives the ticket back whatever happens. Blocking
-        (tokenization): call it off the event loop."""
+    def submit(self, ticket: Ticket, request: GenerationRequest,
+               loop: asyncio.AbstractEventLoop) -> list[SessionHandle]:
+        """Tokenizes, checks and queues the request's `n` sessions (sample i seeded seed + i); gives
+        the ticket back whatever happens. Blocking (tokenization): call it off the event loop."""
         try:
-            session = self._session(request, loop)
-            ticket.release(submitted=True)  # counted before the model thread can finish it
+            first = self._session(request, loop)
+            sessions = [first] + [self._fork(first, i, loop) for i in range(1, request.n)]
+            ticket.release(submitted=len(sessions))  # counted before the model thread can finish them
         finally:
             ticket.release()
-        self._enqueue(session)
-        return session.handle
+        for session in sessions:
+            self._enqueue(session)
+        return [s.handle for s in sessions]
+
+    def _fork(self, first: Session, index: int, loop: asyncio.AbstractEventLoop) -> Session:
+        """Sample `index` of first's request: the same prompt and parameters, seed + index. It is
+        held until first has computed the prompt, then finds its pages in the prefix cache."""
+        params = dataclasses.replace(first.params, seed=(first.params.seed + index) % 2**64)
+        sampling = dataclasses.replace(first.sampling, seed=params.seed)
+        session_id = next(self._ids)
+        handle = SessionHandle(session_id, first.handle.request_id, params.seed, first.num_prompt, loop,
+                               self._abort, self._wake)
+        return dataclasses.replace(
+            first, id=session_id, params=params, sampling=sampling, rng=self._random_state(sampling), handle=handle,
+            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, first.prompt_ids, params.stop,
+                                               params.include_stop_sequence),
+            parent=first, arrived=handle.arrived, token_ids=[], pages=[], page_keys=[], pending_ids=[],
+            pending_logprobs=[])
 
     def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
         """A Tokenize call's work; gives the ticket back. Blocking: call it off the event loop."""

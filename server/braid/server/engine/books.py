@@ -49,9 +49,9 @@ class Books:
             self._reserved += 1
             self._reserved_big += big
 
-    def release(self, submitted: bool, big: bool = False) -> None:
-        """Gives a reservation back: the call became a queued session, or it ended (a Tokenize call,
-        or a prompt refused once tokenized)."""
+    def release(self, submitted: int, big: bool = False) -> None:
+        """Gives a reservation back: the call became `submitted` queued sessions (n samples), or
+        none (a Tokenize call, or a prompt refused once tokenized)."""
         with self._lock:
             self._reserved -= 1
             self._reserved_big -= big
@@ -118,7 +118,7 @@ class Ticket:
         books.reserve(self.is_big)
         self._books: Books | None = books
 
-    def release(self, submitted: bool = False) -> None:
+    def release(self, submitted: int = 0) -> None:
         books, self._books = self._books, None
         if books is not None:
             books.release(submitted, self.is_big)

@@ -55,13 +55,14 @@ class Scheduler:
         self.batch_max_wait_s = config.batch_max_wait_ms / 1000
         self.queues: dict[Priority, deque[Session]] = {p: deque() for p in Priority}
         self.running: list[Session] = []
+        self.held: list[Session] = []  # samples 1.. of a request (n > 1) until sample 0 has the prompt
         self.preempted: list[Session] = []  # since the engine last took them (take_preempted)
         self.num_cached_tokens = 0  # tokens admitted sessions found in the prefix cache, since start
         self._turn = 0
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return sum(len(q) for q in self.queues.values()) + len(self.held)
 
     @property
     def runnable(self) -> list[Session]:
@@ -69,10 +70,25 @@ class Scheduler:
 
     def waiting_in_order(self) -> list[Session]:
         """The waiting sessions, interactive first (the order admission mostly takes them in)."""
-        return [s for p in Priority for s in self.queues[p]]
+        return [s for p in Priority for s in self.queues[p]] + self.held
 
     def add(self, session: Session) -> None:
-        self.queues[session.priority].append(session)
+        if session.parent is not None and self._computing_prompt(session.parent):
+            self.held.append(session)
+        else:
+            self.queues[session.priority].append(session)
+
+    @staticmethod
+    def _computing_prompt(parent: Session) -> bool:
+        return parent.status is not SessionStatus.FINISHED and parent.num_cached < parent.num_prompt
+
+    def _release_held(self) -> None:
+        """Samples whose sample 0 has computed the prompt (or ended) join the head of their queue:
+        admitted now, they find the prompt's pages in the prefix cache instead of computing them."""
+        ready = [s for s in self.held if not self._computing_prompt(s.parent)]
+        for s in reversed(ready):
+            self.held.remove(s)
+            self.queues[s.priority].appendleft(s)
 
     def _oldest_waiting(self) -> Session | None:
         return min((q[0] for q in self.queues.values() if q), key=lambda s: s.arrived, default=None)
@@ -85,7 +101,9 @@ class Scheduler:
 
     def remove(self, session: Session) -> None:
         """Takes a finished or cancelled session out, and releases its pages at once."""
-        if session.status is SessionStatus.WAITING:
+        if session.status is SessionStatus.WAITING and session in self.held:
+            self.held.remove(session)
+        elif session.status is SessionStatus.WAITING:
             self.queues[session.priority].remove(session)
         elif session.status is SessionStatus.RUNNING:
             self.running.remove(session)
@@ -93,6 +111,8 @@ class Scheduler:
         session.status = SessionStatus.FINISHED
 
     def schedule(self, now: float) -> list[Work]:
+        if self.held:
+            self._release_held()
         self._admit(now)
         return self._grow(self._pick())
 

@@ -42,6 +42,7 @@ class Session:
     truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete (bad_words)
     queue_reported: tuple[int, float] = (0, float("-inf"))  # the last queue position sent, and when
+    parent: Session | None = None  # sample 0 of the same request (n > 1): held until it has the prompt
 
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens

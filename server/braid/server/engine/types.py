@@ -98,6 +98,7 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() after which the session is stopped
     priority: Priority = Priority.INTERACTIVE
     cache_salt: str = ""  # prompt prefixes are shared only between requests with the same salt
+    n: int = 1  # samples of the prompt, sample i seeded seed + i
 
 
 @dataclass

@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="a word never to generate (repeatable)")
     sampling.add_argument("--report-queue", action="store_true", default=None,
                           help="show the queue position while waiting (to stderr)")
+    sampling.add_argument("-n", type=int, metavar="N", help="N samples of the prompt (1-16), seeded seed + i")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
@@ -133,13 +134,19 @@ def _generate(client: Client, args: argparse.Namespace, prompt: str | None, mess
     params = {name: getattr(args, name) for name in PARAMS}  # None: left to the server
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     logprobs: list[float] = []
+    samples: dict[int, str] = {}  # with -n: each sample's text, printed at the end
     with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:
         for message in generation:
-            sys.stdout.write(message.text)
-            sys.stdout.flush()
+            if (args.n or 1) > 1:
+                samples[message.index] = samples.get(message.index, "") + message.text
+            else:
+                sys.stdout.write(message.text)
+                sys.stdout.flush()
             logprobs += [lp.logprob for lp in message.logprobs]
             if message.queue_position:
                 print(f"[queue position {message.queue_position}]", file=sys.stderr)
+    for index in sorted(samples):
+        print(f"--- sample {index} ---\n{samples[index]}")
     print()
     if args.stats and logprobs:
         print(f"logprobs: {len(logprobs)} tokens, mean {sum(logprobs) / len(logprobs):.3f}, "
