@@ -93,7 +93,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             # Cancelled while the prompt was being tokenized: cancel the session once it exists.
-            future.add_done_callback(lambda f: f.exception() is None and f.result().cancel())
+            future.add_done_callback(lambda f: f.exception() is None and [h.cancel() for h in f.result()])
             raise
 
     @staticmethod
