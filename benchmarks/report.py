@@ -23,8 +23,9 @@ FORMATS_HEADING = "## Weight formats (issue 12)"  # benchmarks/formats.py's sect
 FORMATS_NOTES_HEADING = "## Weight formats: quality, memory and where the time goes (issue 12, by hand)"
 PREFIX_HEADING = "## Prefix sharing and paged KV cache (issue 13)"  # benchmarks/prefix.py's section
 PREFIX_NOTES_HEADING = "## Paged KV cache: what paging costs, and what is left (issue 13, by hand)"
+FEATURES_HEADING = "## Generation features: what they cost (issue 14, by hand)"
 # sections of docs/benchmarks.md that bench.py keeps as they are
-OTHER_SECTIONS = (FORMATS_HEADING, FORMATS_NOTES_HEADING, PREFIX_HEADING, PREFIX_NOTES_HEADING)
+OTHER_SECTIONS = (FORMATS_HEADING, FORMATS_NOTES_HEADING, PREFIX_HEADING, PREFIX_NOTES_HEADING, FEATURES_HEADING)
 
 
 def braid(mode: str) -> str:

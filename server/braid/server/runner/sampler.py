@@ -31,17 +31,21 @@ def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Sampled]:
     if sampled:
         tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled])
     out = [Sampled(t) for t in tokens.tolist()]
-    for j, i in enumerate(wanted):
-        out[i] = Sampled(out[i].token, _logprob(raw[j], out[i].token, rows[i].sampling.logprobs))
+    if wanted:
+        for i, logprob in zip(wanted, _logprobs(raw, tokens[wanted], [rows[i].sampling.logprobs for i in wanted])):
+            out[i] = Sampled(out[i].token, logprob)
     return out
 
 
-def _logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """logprobs: [V] one row's log-softmax."""
-    chosen = logprobs[token]
-    best = logprobs.topk(top) if top else None
-    return TokenLogprob(logprob=chosen.item(), rank=int((logprobs > chosen).sum().item()) + 1,
-                        top=tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ())
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[TokenLogprob]:
+    """raw: [W, V] log-softmax rows; tokens: [W] the sampled ones; tops: how many most likely
+    tokens each row wants. Batched, with one copy to Python for all the rows."""
+    chosen = raw.gather(1, tokens.unsqueeze(1))  # [W, 1]
+    ranks = (raw > chosen).sum(dim=1) + 1
+    best = raw.topk(max(tops)) if max(tops) else None
+    values, ids = (best.values.tolist(), best.indices.tolist()) if best is not None else ([[]] * len(tops),) * 2
+    return [TokenLogprob(logprob=lp, rank=rank, top=tuple(zip(ids[j][:k], values[j][:k])))
+            for j, (lp, rank, k) in enumerate(zip(chosen.squeeze(1).tolist(), ranks.tolist(), tops))]
 
 
 def _penalise(logits: torch.Tensor, row: Row) -> None:
