@@ -65,8 +65,7 @@ class Books:
         prompt_tokens_cached, preemptions, kv_* fields)."""
         with self._lock:
             self._stats.sessions_active, self._stats.sessions_paused = active, paused
-            for name, value in (cache or {}).items():
-                setattr(self._stats, name, value)
+            self._set_cache(cache)
 
     def count_pass(self, prompt_tokens: int, generated_tokens: int) -> None:
         with self._lock:
@@ -80,9 +79,13 @@ class Books:
         with self._lock:
             self._stats.finished[reason] += 1
             self._stats.sessions_active = active
-            for name, value in (cache or {}).items():
-                setattr(self._stats, name, value)
+            self._set_cache(cache)
         self._on_change()
+
+    def _set_cache(self, cache: dict[str, int] | None) -> None:
+        """The KV cache's totals and pages (EngineStats' fields of those names); under the lock."""
+        for name, value in (cache or {}).items():
+            setattr(self._stats, name, value)
 
     # ---- anyone -----------------------------------------------------------------------------
 

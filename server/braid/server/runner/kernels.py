@@ -297,6 +297,11 @@ def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = Tru
 KV_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # a KV cache's dtypes, in C
 
 
+def _kv_format(cache: torch.Tensor) -> int:
+    """The C format code of a KV cache tensor's dtype."""
+    return FORMAT_CODES[KV_FORMATS[cache.dtype]]
+
+
 def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
     """The C kernel for the decode rows of a pass. qkv: [B, (H + 2 KVH) D], one row per sequence,
@@ -310,7 +315,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cac
     q = qkv.data_ptr()
     k, v = q + heads * d * qkv.element_size(), q + (heads + kv_heads) * d * qkv.element_size()
     _cpu_kernels.decode_attention(q, k, v, qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                  FORMAT_CODES[KV_FORMATS[k_cache.dtype]], tables.data_ptr(), tables.shape[1],
+                                  _kv_format(k_cache), tables.data_ptr(), tables.shape[1],
                                   positions.data_ptr(), b, heads, kv_heads, d, page_size, d ** -0.5,
                                   out.data_ptr(), out.stride(0), torch.get_num_threads())
 
@@ -333,8 +338,8 @@ class DecodeStep:
         self._keep = (layers, k_cache, v_cache, cos, signed_sin)  # the memory the table points into
         self.hidden = layers[0].qkv.in_features
         self.intermediate = layers[0].down.in_features
-        page_size, kv_format = k_cache[0].shape[2], FORMAT_CODES[KV_FORMATS[k_cache[0].dtype]]
-        self.shape = (num_heads, num_kv_heads, head_dim, self.intermediate, len(layers), page_size, kv_format)
+        self.shape = (num_heads, num_kv_heads, head_dim, self.intermediate, len(layers), k_cache[0].shape[2],
+                      _kv_format(k_cache[0]))
         self.eps, self.cos, self.sin = eps, cos, signed_sin
         self._scratch: list[torch.Tensor] = []
 

@@ -42,8 +42,10 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[
     tokens each row wants. Batched, with one copy to Python for all the rows."""
     chosen = raw.gather(1, tokens.unsqueeze(1))  # [W, 1]
     ranks = (raw > chosen).sum(dim=1) + 1
-    best = raw.topk(max(tops)) if max(tops) else None
-    values, ids = (best.values.tolist(), best.indices.tolist()) if best is not None else ([[]] * len(tops),) * 2
+    most = max(tops)
+    best = raw.topk(most) if most else None
+    values = best.values.tolist() if best is not None else [[] for _ in tops]
+    ids = best.indices.tolist() if best is not None else values
     return [TokenLogprob(logprob=lp, rank=rank, top=tuple(zip(ids[j][:k], values[j][:k])))
             for j, (lp, rank, k) in enumerate(zip(chosen.squeeze(1).tolist(), ranks.tolist(), tops))]
 
