@@ -31,7 +31,7 @@ requests = st.builds(
     logprobs=st.booleans(), top_logprobs=st.integers(0, 40), include_stop_sequence=st.booleans(),
     truncate_input_tokens=st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)),
     bad_words=st.lists(st.text(max_size=300), max_size=70), report_queue=st.booleans(),
-    n=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)))
+    n=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)), prompt_logprobs=st.booleans())
 
 
 @settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

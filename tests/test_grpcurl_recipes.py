@@ -121,7 +121,8 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "Set a request id and see the metadata#0": contains(
         "braid-request-id: recipe-1", '"request_id": "recipe-1"', "Response trailers received:",
         "braid-total-ms:"),
-    "Log probabilities#0": contains('"logprobs": [', '"rank": 1', '"top": [', '"token_id"'),
+    "Log probabilities#0": contains('"logprobs": [', '"rank": 1', '"top": [', '"token_id"', '"prompt_logprobs": [',
+                                    '"prompt_token_ids": ['),
     "Abort a generation by its request id#0": one(lambda m: m == {}),
     "Reuse a cached prompt prefix#0": contains('"cached_tokens": 32', "braid-cached-tokens: 32"),
     "See an error#0": contains("Code: InvalidArgument", "prompt", "google.rpc.BadRequest",

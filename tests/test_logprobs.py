@@ -68,3 +68,34 @@ def test_top_logprobs_past_20_is_invalid_argument(servers, fields):
     with servers("continuous").client() as client, pytest.raises(grpc.RpcError) as err:
         client.generate("Hi", max_new_tokens=1, **fields)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in err.value.details()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_logprobs_score_every_prompt_token_in_the_first_message(servers, tiny_dir, mode):
+    """A prompt longer than one prefill chunk, sent twice with one cache_salt: both times the first
+    message carries the prompt's tokens and, for each after the first, transformers' log-softmax of
+    it given those before (the second call computes its prompt again rather than read the cache)."""
+    prompt = " ".join(f"word{i % 37}" for i in range(260))
+    with servers(mode).client() as client:
+        prompt_ids = list(client.tokenize(prompt).token_ids)
+        assert len(prompt_ids) > 512  # more than one --prefill-chunk
+        runs = [list(client.stream(prompt, max_new_tokens=3, ignore_eos=True, prompt_logprobs=True, top_logprobs=2,
+                                   cache_salt="same")) for _ in range(2)]
+    reference = _reference_logits(tiny_dir, tuple(prompt_ids)).log_softmax(-1)
+    for messages in runs:
+        first, rest = messages[0], messages[1:]
+        assert list(first.prompt_token_ids) == prompt_ids and len(first.prompt_logprobs) == len(prompt_ids) - 1
+        assert not any(m.prompt_logprobs or m.prompt_token_ids for m in rest)
+        for i, lp in enumerate(first.prompt_logprobs):
+            assert lp.logprob == pytest.approx(reference[i, prompt_ids[i + 1]].item(), abs=1e-3)
+            assert len(lp.top) == 2 and lp.top[0].logprob >= lp.logprob - 1e-3
+        assert sum(len(m.logprobs) for m in messages) == 3  # top_logprobs implies logprobs
+
+
+def test_prompt_logprobs_with_n_come_once_on_sample_0(servers):
+    with servers("continuous").client() as client:
+        messages = list(client.stream("The weather today is", max_new_tokens=2, ignore_eos=True, n=3,
+                                      prompt_logprobs=True, seed=1))
+    carrying = [m for m in messages if m.prompt_logprobs]
+    assert len(carrying) == 1 and carrying[0].index == 0
+    assert len(carrying[0].prompt_logprobs) == len(carrying[0].prompt_token_ids) - 1

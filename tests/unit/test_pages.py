@@ -20,6 +20,7 @@ class Seq:
     num_cached: int = 0
     pages: list[int] = field(default_factory=list)
     page_keys: list[bytes] = field(default_factory=list)
+    reads_prefix_cache: bool = True
 
 
 def _compute(pages: Pages, s: Seq, n: int | None = None) -> None:
@@ -30,6 +31,20 @@ def _compute(pages: Pages, s: Seq, n: int | None = None) -> None:
 
 
 SYSTEM = list(range(100, 140))  # 40 tokens: two full pages and 8 more
+
+
+def test_a_holder_that_must_compute_its_prompt_reads_nothing_from_the_cache():
+    """prompt_logprobs scores every prompt position, so its session computes them all."""
+    pages = Pages(32, P)
+    first = Seq(SYSTEM + [1, 2, 3])
+    assert pages.admit(first)
+    _compute(pages, first)
+    pages.release(first)
+    scorer = Seq(SYSTEM + [1, 2, 3], reads_prefix_cache=False)
+    assert pages.admit(scorer) and scorer.num_cached == 0
+    pages.release(scorer)
+    reader = Seq(SYSTEM + [1, 2, 3])
+    assert pages.admit(reader) and reader.num_cached == 2 * P
 
 
 def test_sessions_with_a_common_prefix_share_its_full_pages():

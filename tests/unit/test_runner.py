@@ -12,14 +12,19 @@ from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])
-def runner(request) -> ModelRunner:
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=True, initializer_range=0.3)
-    model = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="tiny",
-                        architecture="LlamaForCausalLM", eos_token_ids=(2,))
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])
+def runner(request, tiny) -> ModelRunner:
+    model = LoadedModel(hf_model=tiny, hf_tokenizer=None, name="tiny", architecture="LlamaForCausalLM",
+                        eos_token_ids=(2,))
     return ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=4 * PAGES, max_seq_len=2048,
                        allow_kernels=request.param)
 
@@ -99,3 +104,32 @@ def test_a_shared_prefix_is_read_not_recomputed(runner):
     prompt = prefix + [21, 4, 7]
     assert _greedy(runner, second, prompt, 48, 12) == _greedy(runner, _slot(2), prompt, 0, 12)
     assert torch.equal(runner.cache.k[0][first[:3]], shared[0][first[:3]])
+
+
+def test_prompt_targets_score_as_transformers_in_chunks_beside_other_rows(runner, tiny):
+    """prompt_logprobs: a prompt fed in two chunks, each pass also carrying another sequence's
+    decode row, scores every prompt token after the first as log_softmax of transformers' logits,
+    and the rows that sample still get their own tokens."""
+    prompt = [(11 * i) % 500 + 3 for i in range(40)]
+    with torch.no_grad():
+        expected = torch.log_softmax(tiny(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    other = [4, 9, 16]
+    decoding = _feed(runner, other, 0, 3, slot=1).token
+    sampling = Sampling(logprobs=3)
+    scores = []
+    for start, end in ((0, 25), (25, 40)):
+        rows = [Row(pages=_slot(0), start=start, token_ids=prompt[start:end], sample=end == 40, sampling=sampling,
+                    rng=runner.random_state(sampling), is_prompt=True, targets=prompt[start + 1:min(end, 39) + 1]),
+                Row(pages=_slot(1), start=3 + (start > 0), token_ids=[decoding], sample=True, sampling=Sampling(),
+                    rng=None)]
+        scored, other_token = runner.run(rows)
+        assert other_token.token is not None and not other_token.targets
+        scores += scored.targets
+        decoding = other_token.token
+    assert scored.token is not None  # the last chunk sampled the first generated token too
+    assert len(scores) == 39
+    for i, lp in enumerate(scores):
+        assert abs(lp.logprob - expected[i, prompt[i + 1]].item()) < 1e-3
+        assert lp.rank == int((expected[i] > expected[i, prompt[i + 1]]).sum()) + 1
+        assert [t for t, _ in lp.top] == expected[i].topk(3).indices.tolist()
+

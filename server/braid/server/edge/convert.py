@@ -99,7 +99,7 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         logprobs=req.logprobs or req.top_logprobs > 0, top_logprobs=req.top_logprobs,
         truncate_input_tokens=req.truncate_input_tokens, bad_words=tuple(req.bad_words),
-        report_queue=req.report_queue,
+        report_queue=req.report_queue, prompt_logprobs=req.prompt_logprobs,
         clip_max_new_tokens=req.max_new_tokens == 0)
     return GenerationRequest(
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,

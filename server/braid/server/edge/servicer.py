@@ -110,6 +110,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         for d in deltas:
             message.token_ids.extend(d.token_ids)
             message.logprobs.extend(convert.logprobs_to_pb(d.logprobs))
+            message.prompt_token_ids.extend(d.prompt_token_ids)
+            message.prompt_logprobs.extend(convert.logprobs_to_pb(d.prompt_logprobs))
         return message
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

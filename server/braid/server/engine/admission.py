@@ -78,7 +78,7 @@ class Admission:
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, first.prompt_ids, params.stop,
                                                params.include_stop_sequence),
             parent=first, arrived=handle.arrived, token_ids=[], pages=[], page_keys=[], pending_ids=[],
-            pending_logprobs=[])
+            pending_logprobs=[], prompt_scores=None)
 
     def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
         """A Tokenize call's work; gives the ticket back. Blocking: call it off the event loop."""
@@ -106,7 +106,8 @@ class Admission:
                                                params.include_stop_sequence),
             deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
             cache_salt=request.cache_salt, truncated_tokens=truncated,
-            bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else ())
+            bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else (),
+            prompt_scores=[] if params.prompt_logprobs else None)
 
     def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""

@@ -227,7 +227,7 @@ class Engine:
             banned += tuple(s.banned_by_bad_words())
         return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=end == len(s.token_ids),
                    sampling=s.sampling, rng=s.rng, history=s.token_ids, num_prompt=s.num_prompt, banned=banned,
-                   is_prompt=s.is_prefilling)
+                   is_prompt=s.is_prefilling, targets=s.prompt_targets(start, end))
 
     def _idle_wait(self, now: float) -> float:
         """How long the loop may block on its inbox when nothing can run: until a batch should start,
@@ -297,8 +297,11 @@ class Engine:
         self.observer.on_pass(len(work), num_tokens)
         for w, sampled in zip(work, tokens):
             s = w.session
+            if sampled is not None and sampled.targets and s.prompt_scores is not None:
+                del s.prompt_scores[s.num_cached:]  # scored again after a preemption
+                s.prompt_scores.extend(sampled.targets)
             self.scheduler.computed(s, w.num_tokens)
-            if sampled is None:
+            if sampled is None or sampled.token is None:
                 continue
             if s.first_token is None:
                 s.first_token = now

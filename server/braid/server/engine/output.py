@@ -67,7 +67,11 @@ class Output:
     def _delta(self, s: Session, text: str) -> None:
         if not text and not s.pending_ids:
             return
-        self._outbox.append((s.handle, Delta(text, s.pending_ids, s.pending_logprobs)))
+        delta = Delta(text, s.pending_ids, s.pending_logprobs)
+        if s.prompt_scores is not None and s.pending_ids:  # the first token: the prompt's scores go with it
+            delta.prompt_token_ids, delta.prompt_logprobs = list(s.prompt_ids), s.prompt_scores
+            s.prompt_scores = None
+        self._outbox.append((s.handle, delta))
         s.handle.note_emitted(len(s.pending_ids))
         s.pending_ids, s.pending_logprobs = [], []
 

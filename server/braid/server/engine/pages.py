@@ -34,6 +34,7 @@ class Holder(Protocol):
     cache_salt: str
     pages: list[int]  # the page table
     page_keys: list[bytes]  # keys of its first full pages, computed as needed
+    reads_prefix_cache: bool  # False: every position computed, even those cached
 
 
 @dataclass
@@ -157,7 +158,7 @@ class Pages:
 
     def _match(self, s: Holder) -> list[int]:
         """The named pages holding the longest prefix of the session's tokens but its last."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or not s.reads_prefix_cache:
             return []
         full = (len(s.token_ids) - 1) // self.page_size
         hits: list[int] = []

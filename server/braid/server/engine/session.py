@@ -43,6 +43,9 @@ class Session:
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete (bad_words)
     queue_reported: tuple[int, float] = (0, float("-inf"))  # the last queue position sent, and when
     parent: Session | None = None  # sample 0 of the same request (n > 1): held until it has the prompt
+    # prompt_logprobs: a runner.rows.TokenLogprob per prompt position scored so far, until they are
+    # sent with the first token; None when not asked for, or sent
+    prompt_scores: list | None = None
 
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens
@@ -72,6 +75,18 @@ class Session:
     def num_uncached(self) -> int:
         """Tokens still to feed to the model: the rest of the prompt, or the last sampled token."""
         return len(self.token_ids) - self.num_cached
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether admission may take its prompt's pages from the prefix cache: not while it must
+        score the prompt (prompt_logprobs), which means computing every position."""
+        return self.prompt_scores is None
+
+    def prompt_targets(self, start: int, end: int) -> list[int]:
+        """The prompt tokens that positions [start, end) predict, to be scored (prompt_logprobs)."""
+        if self.prompt_scores is None:
+            return []
+        return self.token_ids[start + 1:min(end, self.num_prompt - 1) + 1]
 
     @property
     def is_prefilling(self) -> bool:

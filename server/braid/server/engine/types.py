@@ -71,6 +71,7 @@ class SamplingParams:
     truncate_input_tokens: int = 0  # keep at most this many prompt tokens (0: all)
     bad_words: tuple[str, ...] = ()  # never generated
     report_queue: bool = False  # send Queued events while waiting
+    prompt_logprobs: bool = False  # score the prompt's tokens, sent with the first Delta
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False
@@ -108,6 +109,9 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list = field(default_factory=list)  # runner.rows.TokenLogprob per token id, when asked for
+    # with prompt_logprobs, on the first Delta with tokens: the prompt, and a TokenLogprob per prompt token but its first
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from braid.server.runner.kv_cache import KVCache, fit_pages
 from braid.server.runner.llama import DecodeRows, ForwardBatch, LlamaDecoder, PrefillChunk
 from braid.server.runner.precision import DTYPES, Precision
 from braid.server.runner.rows import Row, Sampled, Sampling
-from braid.server.runner.sampler import random_state, sample
+from braid.server.runner.sampler import random_state, sample, score
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -92,14 +92,19 @@ class ModelRunner:
 
     def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
         """One forward pass. Returns, per row, the sampled token (with its log probability where the
-        row asks), or None for a row that does not sample (a prompt chunk that does not reach the
-        end of its prompt)."""
-        batch, sampled = self._build(rows)
-        logits = self.decoder.forward(batch, self.cache)  # [R, V], rows in `sampled` order
-        tokens: list[Sampled | None] = [None] * len(rows)
+        row asks) and its targets' log probabilities, or None for a row that neither samples nor
+        scores (a prompt chunk that does not reach the end of its prompt)."""
+        batch, sampled, scored = self._build(rows)
+        logits = self.decoder.forward(batch, self.cache)  # [L, V], in batch.logit_rows order
+        out: list[Sampled | None] = [None] * len(rows)
+        if scored:  # the targets' rows come first; the sampled rows' logits are the rest
+            for i, (begin, end) in scored.items():
+                out[i] = Sampled(None, targets=tuple(score(logits[begin:end], rows[i].targets,
+                                                           rows[i].sampling.logprobs or 0)))
+            logits = logits[max(end for _, end in scored.values()):]
         for i, token in zip(sampled, sample(logits, [rows[i] for i in sampled])):
-            tokens[i] = token
-        return tokens
+            out[i] = token._replace(targets=out[i].targets) if out[i] else token
+        return out
 
     @torch.no_grad()
     def perplexity(self, token_ids: Sequence[int], chunk: int = 512) -> float:
@@ -115,16 +120,17 @@ class ModelRunner:
             n = len(piece)
             row = Row(pages=pages, start=start, token_ids=piece.tolist(), sample=False, sampling=Sampling(), rng=None,
                       is_prompt=True)
-            batch, _ = self._build([row])
+            batch, _, _ = self._build([row])
             batch.logit_rows = torch.arange(n, device=self.device)
             targets = ids[start + 1:start + n + 1]
             logits = self.decoder.forward(batch, self.cache)[:len(targets)].float()
             nll -= torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).sum().item()
         return math.exp(nll / (len(ids) - 1))
 
-    def _build(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[int]]:
-        """Packs prompt chunks first, then one token per decoding row. Returns the batch and the
-        indices of the rows that sample, in the order of its logit rows."""
+    def _build(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[int], dict[int, tuple[int, int]]]:
+        """Packs prompt chunks first, then one token per decoding row. Returns the batch, the indices
+        of the rows that sample in the order of their logit rows, and the logit rows [begin, end) of
+        each row with targets, which come before all of those."""
         is_prefill = [r.is_prompt or len(r.token_ids) > 1 for r in rows]
         prefills = [i for i, r in enumerate(rows) if is_prefill[i]]
         decodes = [i for i, r in enumerate(rows) if not is_prefill[i]]
@@ -134,6 +140,8 @@ class ModelRunner:
         chunks: list[PrefillChunk] = []
         logit_rows: list[int] = []
         sampled: list[int] = []
+        scored: dict[int, tuple[int, int]] = {}
+        sample_at: list[int] = []  # the packed token each sampling row's logits come from
         dev, page_size = self.device, self.cache.page_size
         for i in prefills + decodes:
             r = rows[i]
@@ -141,11 +149,14 @@ class ModelRunner:
             if is_prefill[i]:
                 table = torch.tensor(r.pages[:-(-end // page_size)], dtype=torch.long, device=dev)
                 chunks.append(PrefillChunk(pages=table, start=r.start, length=len(r.token_ids), offset=len(ids)))
+            if r.targets:
+                scored[i] = (len(logit_rows), len(logit_rows) + len(r.targets))
+                logit_rows += range(len(ids), len(ids) + len(r.targets))
             ids += r.token_ids
             positions += range(r.start, end)
             token_pages += [r.pages[p // page_size] for p in range(r.start, end)]
             if r.sample:
-                logit_rows.append(len(ids) - 1)
+                sample_at.append(len(ids) - 1)
                 sampled.append(i)
         position_tensor = torch.tensor(positions, dtype=torch.long, device=dev)
         # [N * KVH]: the row of the cache viewed as [-1, D] each token's key of each head goes to
@@ -156,8 +167,8 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=position_tensor,
             kv_index=(offsets.unsqueeze(1) + heads.unsqueeze(0)).flatten(), prefills=chunks,
             decode=self._decode_rows([rows[i] for i in decodes]) if decodes else None,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev))
-        return batch, sampled
+            logit_rows=torch.tensor(logit_rows + sample_at, dtype=torch.long, device=dev))
+        return batch, sampled, scored
 
     def _decode_rows(self, decodes: list[Row]) -> DecodeRows:
         lengths = [r.start + 1 for r in decodes]  # the new token included

@@ -54,6 +54,9 @@ class Row:
     num_prompt: int = 0
     banned: Sequence[int] = ()
     is_prompt: bool = False  # prompt tokens (prefill attention), else the one last generated token
+    # prompt_logprobs: targets[i] is the prompt token after token_ids[i], whose log probability
+    # (with sampling.logprobs most likely tokens) the pass returns; may be shorter than token_ids
+    targets: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,8 @@ class TokenLogprob:
 
 
 class Sampled(NamedTuple):
-    """What a row that samples gets back from a pass."""
+    """What a row that samples or scores gets back from a pass."""
 
-    token: int
+    token: int | None  # None: the row only scored its targets
     logprob: TokenLogprob | None = None  # when its Sampling asked for logprobs
+    targets: tuple[TokenLogprob, ...] = ()  # one per Row.targets

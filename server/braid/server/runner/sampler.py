@@ -37,6 +37,13 @@ def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Sampled]:
     return out
 
 
+def score(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:
+    """logits: [T, V] float32, where row i predicts targets[i]: each target's log probability,
+    rank and the `top` most likely tokens (prompt_logprobs)."""
+    chosen = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    return _logprobs(logits.log_softmax(dim=-1), chosen, [top] * len(targets))
+
+
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[TokenLogprob]:
     """raw: [W, V] log-softmax rows; tokens: [W] the sampled ones; tops: how many most likely
     tokens each row wants. Batched, with one copy to Python for all the rows."""
