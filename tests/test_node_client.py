@@ -2,17 +2,20 @@
 
 The CLI streams a generation, cancels it after N tokens, and cancels it on Ctrl-C; each time the
 server's ServerStatus shows the session gone and, when cancelled, counted as cancelled. The
-library's own node:test suite (clients/node/test) runs against the same server.
-node and npm must be on the PATH; `npm ci` installs clients/node/node_modules on first use.
+library's own node:test suite (clients/node/test) runs against the same server, and `npm pack`
+yields a package that loads its .proto. node and npm must be on the PATH; `npm ci` installs
+clients/node/node_modules on first use.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -100,3 +103,21 @@ def test_node_library_suite(node, smol):
     # The summary lines of node:test's reporters: "# pass 6" (tap) or "ℹ pass 6" (spec).
     counts = dict(re.findall(r"^(?:#|ℹ) (tests|pass|fail|skipped|todo|cancelled) (\d+)$", result.stdout, re.M))
     assert int(counts["tests"]) > 0 and counts["pass"] == counts["tests"], result.stdout  # nothing skipped
+
+
+def test_npm_pack_ships_the_proto(node, tmp_path):
+    """The packed package lists generate.proto and loads it with no repository around it."""
+    npm = shutil.which("npm")
+    listing = subprocess.run([npm, "pack", "--dry-run", "--json"], cwd=NODE_DIR, capture_output=True, text=True,
+                             check=True, timeout=120)
+    assert "protos/braid/v1/generate.proto" in [f["path"] for f in json.loads(listing.stdout)[0]["files"]]
+    packed = subprocess.run([npm, "pack", "--json", "--pack-destination", str(tmp_path)], cwd=NODE_DIR,
+                            capture_output=True, text=True, check=True, timeout=120)
+    with tarfile.open(tmp_path / json.loads(packed.stdout)[0]["filename"]) as tar:
+        tar.extractall(tmp_path, filter="data")
+    assert not (NODE_DIR / "protos").exists()  # postpack removed the copy
+    loads = "const c = require('./package/index.js'); console.log(c.PROTO_DIR); c.loadBraid().GenerateRequest"
+    result = subprocess.run([node, "-e", loads], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "NODE_PATH": str(NODE_DIR / "node_modules")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "package" / "protos")

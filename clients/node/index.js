@@ -9,17 +9,22 @@
  *   client.close();
  *
  * The contract, protos/braid/v1/generate.proto, is loaded at run time with
- * @grpc/proto-loader: there is no generated code to keep in step with it.
+ * @grpc/proto-loader: there is no generated code to keep in step with it. The package
+ * ships its own copy (`npm pack` copies it in); in the repository it is read from the
+ * root's protos/.
  * Field names are camelCase (maxNewTokens, finishReason, tokenIds), enums are
  * their names ('FINISH_REASON_EOS'), and 64-bit integers are decimal strings.
  */
 
+const fs = require('node:fs');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
-const PROTO_DIR = path.resolve(__dirname, '..', '..', 'protos');
 const PROTO_FILE = 'braid/v1/generate.proto';
+const PROTO_DIR = [path.join(__dirname, 'protos'), path.resolve(__dirname, '..', '..', 'protos')].find((dir) =>
+  fs.existsSync(path.join(dir, PROTO_FILE)),
+);
 const HEALTH_STATUS = ['UNKNOWN', 'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN'];
 
 const LOADER_OPTIONS = {
@@ -56,6 +61,11 @@ function isCancelled(error) {
   return Boolean(error) && error.code === grpc.status.CANCELLED;
 }
 
+/** An error's gRPC status by name, and its details: 'INVALID_ARGUMENT: top_logprobs: 50 is more than 20'. */
+function describe(error) {
+  return `${grpc.status[error.code] ?? 'UNKNOWN'}: ${error.details || error.message}`;
+}
+
 class Client {
   /**
    * Opens a channel to a braid server.
@@ -88,14 +98,17 @@ class Client {
    *
    * Read it with `for await (const message of call)` or with events ('data', 'end', 'error',
    * 'metadata', 'status'). The last message carries finishReason, usage, requestId, seed and
-   * timings. `call.cancel()` cancels the session on the server; the call then ends with an
-   * error whose code is grpc.status.CANCELLED (see isCancelled).
+   * timings; with n > 1 every message carries its sample's index and each sample ends with its
+   * own last message. `call.cancel()` cancels the session on the server; the call then ends
+   * with an error whose code is grpc.status.CANCELLED (see isCancelled).
    *
    * @param {object} request GenerateRequest fields: prompt or messages ([{role, content}]),
    *   maxNewTokens, temperature, topP, topK, minP, repetitionPenalty, presencePenalty,
    *   frequencyPenalty, logitBias ({tokenId: bias}), seed, stop, includeStopSequence,
    *   stopTokenIds, ignoreEos, requestId, minNewTokens, priority, timeoutMs, cacheSalt,
-   *   logprobs, topLogprobs (messages then carry logprobs, one per token id).
+   *   logprobs, topLogprobs (messages then carry logprobs, one per token id),
+   *   truncateInputTokens, badWords, reportQueue (messages then carry queuePosition while
+   *   waiting), n.
    * @param {object} [options]
    * @param {number} [options.timeoutMs] deadline of the call.
    * @returns {grpc.ClientReadableStream}
@@ -161,4 +174,4 @@ class Client {
   }
 }
 
-module.exports = { Client, isCancelled, loadBraid, grpc, PROTO_DIR };
+module.exports = { Client, describe, isCancelled, loadBraid, grpc, PROTO_DIR };
