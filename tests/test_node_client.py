@@ -1,9 +1,10 @@
 """The Node.js client (clients/node) against a real braid server, as a user runs it.
 
-The CLI streams a generation, cancels it after N tokens, and cancels it on Ctrl-C; each time the
-server's ServerStatus shows the session gone and, when cancelled, counted as cancelled. The
-library's own node:test suite (clients/node/test) runs against the same server, and `npm pack`
-yields a package that loads its .proto. node and npm must be on the PATH; `npm ci` installs
+The CLI streams a generation, cancels it after N tokens (the README's command), and cancels it on
+Ctrl-C; each time the server's ServerStatus shows the session gone and, when cancelled, counted as
+cancelled. It prints log probabilities, n samples, and errors by status name. The library's own
+node:test suite (clients/node/test) runs against the same server, and `npm pack` yields a package
+that loads its .proto. node and npm must be on the PATH; `npm ci` installs
 clients/node/node_modules on first use.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -59,28 +61,70 @@ def cli(node: str, server, *args: str) -> list[str]:
     return [node, "cli.js", "--target", server.target, *args]
 
 
+def run_cli(node: str, server, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cli(node, server, *args), cwd=NODE_DIR, capture_output=True, text=True,
+                          timeout=STREAM_TIMEOUT_S)
+
+
+def readme_command(flag: str) -> list[str]:
+    """The README's `node cli.js ...` example that uses flag, as argv."""
+    readme = (NODE_DIR / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("node cli.js ") and flag in line)
+    return shlex.split(line)
+
+
 def test_cli_streams_a_generation(node, smol):
-    result = subprocess.run(cli(node, smol, "--max-tokens", "4", "--stats", "The capital of France is"),
-                            cwd=NODE_DIR, capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
+    result = run_cli(node, smol, "--max-new-tokens", "4", "--stats", "The capital of France is")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "finish_reason: FINISH_REASON_" in result.stderr
     assert "4 generated tokens" in result.stderr or "FINISH_REASON_EOS" in result.stderr
 
 
-def test_cli_cancel_after_n_tokens(node, smol):
+def test_cli_cancel_after_n_tokens_as_the_readme_shows(node, smol):
     before = status(smol)
-    result = subprocess.run(cli(node, smol, "--max-tokens", "200", "--ignore-eos", "--cancel-after", "3",
-                                "Count to a thousand:"),
-                            cwd=NODE_DIR, capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
+    _, *args = readme_command("--cancel-after")  # the README's exact command, for BRAID_TARGET
+    result = subprocess.run([node, *args], cwd=NODE_DIR, env={**os.environ, "BRAID_TARGET": smol.target},
+                            capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
-    assert "[cancelled after 3 tokens]" in result.stderr
+    assert "[cancelled after 10 tokens]" in result.stderr
     wait_for(lambda: cancelled_since(smol, before))
+
+
+def test_cli_prints_each_tokens_logprob_and_top_list(node, smol):
+    result = run_cli(node, smol, "--max-new-tokens", "3", "--ignore-eos", "--top-logprobs", "2",
+                     "The capital of France is")
+    assert result.returncode == 0, result.stderr
+    assert "logprobs: 3 tokens, mean -" in result.stderr
+    # "   7042 " Paris"   -0.258  rank 1  top: 7042 -0.258, 260 -2.741": id, text, logprob, rank, top 2
+    rows = re.findall(r"^ +(\d+) .*? (-?\d+\.\d{3})  rank (\d+)  top: (\d+ -?\d+\.\d{3}), (\d+ -?\d+\.\d{3})$",
+                      result.stderr, re.M)
+    assert len(rows) == 3, result.stderr
+    token, logprob, rank, best, _ = rows[0]
+    assert rank == "1" and best == f"{token} {logprob}"  # greedy: the top token, first in the top list
+
+
+def test_cli_prints_n_samples_by_index(node, smol):
+    result = run_cli(node, smol, "-n", "2", "--temperature", "0.8", "--seed", "1", "--max-new-tokens", "4",
+                     "--ignore-eos", "--stats", "Once upon a time")
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"--- sample 0 ---\n.+\n--- sample 1 ---\n.+\n", result.stdout, re.S), result.stdout
+    for index in (0, 1):  # each sample's own final message, seeded seed + index
+        assert f"[sample {index}] finish_reason: FINISH_REASON_MAX_TOKENS" in result.stderr
+        assert f"seed: {1 + index}" in result.stderr
+    assert result.stderr.count("4 generated tokens") == 2
+
+
+def test_cli_names_the_status_of_a_bad_request(node, smol):
+    result = run_cli(node, smol, "--top-logprobs", "50", "hello")
+    assert result.returncode == 1
+    assert result.stderr.startswith("INVALID_ARGUMENT: "), result.stderr
+    assert "top_logprobs" in result.stderr
 
 
 def test_cli_ctrl_c_cancels_the_stream(node, smol):
     before = status(smol)
-    proc = subprocess.Popen(cli(node, smol, "--max-tokens", "500", "--ignore-eos", "Tell me a long story."),
+    proc = subprocess.Popen(cli(node, smol, "--max-new-tokens", "500", "--ignore-eos", "Tell me a long story."),
                             cwd=NODE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: status(smol).sessions_active == 1)  # streaming now

@@ -3,60 +3,186 @@
 /**
  * braid-node: stream a generation from a braid server to the terminal.
  *
- *   node cli.js [--target host:port] [--max-tokens N] [--cancel-after N] "prompt"
+ *   node cli.js [--target host:port] [--max-new-tokens N] [--cancel-after N] "prompt"
  *
  * Tokens are printed as they arrive. Ctrl-C (SIGINT) cancels the stream on the server and exits
  * 130; --cancel-after N cancels it after N generated tokens and exits 0, as a completed stream does.
+ * Every GenerateRequest field has a flag (REQUEST_FLAGS), typed by generate.proto.
  */
 
 const { parseArgs } = require('node:util');
-const { Client, isCancelled } = require('./index.js');
+const { Client, describe, isCancelled, loadBraid } = require('./index.js');
 
 const EXIT_USAGE = 2;
 const EXIT_INTERRUPTED = 130; // the shell's code for a process ended by SIGINT
 
-const USAGE = `usage: node cli.js [options] "prompt"
+// One flag per GenerateRequest field but the input (prompt is the argument; messages come of --chat
+// and --system), named as braid-client's: the field in kebab-case unless `flag` says otherwise.
+// Its value is parsed as the field's type in generate.proto says; repeated fields repeat the flag.
+const REQUEST_FLAGS = [
+  { field: 'maxNewTokens', alias: 'max-tokens', help: 'the most tokens to generate (or --max-tokens N)' },
+  { field: 'minNewTokens', help: 'no end-of-sequence or stop token before N tokens' },
+  { field: 'temperature', metavar: 'T', help: '0 (default) is greedy' },
+  { field: 'topP', metavar: 'P', help: 'keep the most likely tokens adding up to probability P' },
+  { field: 'topK', metavar: 'K', help: 'keep the K most likely tokens' },
+  { field: 'minP', metavar: 'P', help: "drop tokens less likely than P times the top token" },
+  { field: 'repetitionPenalty', help: 'divide the logits of tokens seen before (0 to 10)' },
+  { field: 'presencePenalty', help: "OpenAI's, over generated tokens: -2 to 2" },
+  { field: 'frequencyPenalty', help: "OpenAI's, over generated tokens: -2 to 2" },
+  { field: 'logitBias', metavar: 'ID=BIAS', help: "add BIAS (-100 to 100) to token ID's logit (repeatable)" },
+  { field: 'seed', metavar: 'S', help: 'sampling seed (sample i of -n is seeded S + i)' },
+  { field: 'stop', help: 'a stop string (repeatable)' },
+  { field: 'stopTokenIds', flag: 'stop-token-id', metavar: 'ID', help: 'a stop token id (repeatable)' },
+  { field: 'includeStopSequence', help: 'send the stop string that ended the generation as text' },
+  { field: 'ignoreEos', help: 'keep generating past end-of-sequence, up to --max-new-tokens' },
+  { field: 'requestId', metavar: 'ID', help: 'the id to run under (default: the server assigns one)' },
+  { field: 'priority', help: 'queue priority under load' },
+  { field: 'timeoutMs', metavar: 'MS', help: 'end the generation with finish reason DEADLINE after MS' },
+  { field: 'cacheSalt', help: 'share cached prompt prefixes only with requests of the same salt' },
+  { field: 'logprobs', help: "print each token's log probability and rank (to stderr)" },
+  { field: 'topLogprobs', metavar: 'K', help: 'and the K (0-20) most likely tokens at each step' },
+  { field: 'promptLogprobs', help: "print each prompt token's log probability too (to stderr)" },
+  { field: 'truncateInputTokens', help: 'keep at most the last N prompt tokens (a chat: its latest turns)' },
+  { field: 'badWords', flag: 'bad-word', help: 'a word never to generate (repeatable)' },
+  { field: 'reportQueue', help: 'print the queue position while waiting (to stderr)' },
+  { field: 'n', short: 'n', help: 'N samples of the prompt (1-16), printed one after another' },
+];
 
-  --target HOST:PORT   the braid server (env BRAID_TARGET; default localhost:50051)
-  --max-tokens N       max_new_tokens (default: the server's)
-  --cancel-after N     cancel the stream after N generated tokens (exit 0)
-  --temperature T      0 is greedy (default)
-  --seed S             sampling seed
-  --ignore-eos         keep generating past end-of-sequence (up to --max-tokens)
-  --chat               send the prompt as one user message of a chat
-  --stats              print finish reason, usage and timings to stderr
-  -h, --help           this help
-
-Ctrl-C cancels the generation on the server and exits 130.`;
-
-const OPTIONS = {
-  target: { type: 'string', default: process.env.BRAID_TARGET || 'localhost:50051' },
-  'max-tokens': { type: 'string' },
-  'cancel-after': { type: 'string' },
-  temperature: { type: 'string' },
-  seed: { type: 'string' },
-  chat: { type: 'boolean', default: false },
-  'ignore-eos': { type: 'boolean', default: false },
-  stats: { type: 'boolean', default: false },
-  help: { type: 'boolean', short: 'h', default: false },
-};
+const CLI_FLAGS = [
+  ['--target HOST:PORT', 'the braid server (env BRAID_TARGET; default localhost:50051)'],
+  ['--chat', 'send the prompt as one user message of a chat'],
+  ['--system TEXT', 'a system message first (implies --chat)'],
+  ['--cancel-after N', 'cancel the stream after N generated tokens (exit 0)'],
+  ['--stats', 'print finish reason, usage and timings to stderr'],
+  ['-h, --help', 'this help'],
+];
 
 function usageError(message) {
-  process.stderr.write(`${message}\n\n${USAGE}\n`);
+  process.stderr.write(`${message}\n\nusage: node cli.js [options] "prompt" (--help lists them)\n`);
   process.exit(EXIT_USAGE);
 }
 
-function digits(name, value) {
-  if (value !== undefined && !/^\d+$/.test(value)) {
-    usageError(`--${name} must be a non-negative integer, not ${JSON.stringify(value)}`);
+const kebab = (name) => name.replace(/[A-Z]/g, (letter) => `-${letter.toLowerCase()}`);
+
+function expected(what, text) {
+  return new RangeError(`expected ${what}, not ${JSON.stringify(text)}`);
+}
+
+function matching(pattern, convert, what) {
+  return (text) => {
+    if (!pattern.test(text)) throw expected(what, text);
+    return convert(text);
+  };
+}
+
+// Scalar types of the proto: the text of a flag's value to the value proto-loader sends.
+const SCALARS = {
+  TYPE_INT32: { metavar: 'N', parse: matching(/^-?\d+$/, Number, 'an integer') },
+  TYPE_UINT32: { metavar: 'N', parse: matching(/^\d+$/, Number, 'a non-negative integer') },
+  TYPE_UINT64: { metavar: 'N', parse: matching(/^\d+$/, String, 'a non-negative integer') }, // exact, as a string
+  TYPE_FLOAT: { metavar: 'X', parse: matching(/^[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$/i, Number, 'a number') },
+  TYPE_STRING: { metavar: 'TEXT', parse: (text) => text },
+  TYPE_BOOL: { metavar: '', parse: (present) => present },
+};
+
+/** How a GenerateRequest field's flag reads its value: { metavar, parse, repeated }. */
+function fieldType(braid, field) {
+  const repeated = field.label === 'LABEL_REPEATED';
+  if (field.type === 'TYPE_ENUM') {
+    // Priority: 'batch' for PRIORITY_BATCH; PRIORITY_UNSPECIFIED is the default, not a choice.
+    const [unspecified, ...names] = braid[field.typeName].type.value.map((v) => v.name);
+    const prefix = unspecified.slice(0, -'UNSPECIFIED'.length);
+    const choices = names.map((name) => name.slice(prefix.length).toLowerCase());
+    const metavar = choices.join('|');
+    const parse = (text) => {
+      if (!choices.includes(text)) throw expected(metavar, text);
+      return names[choices.indexOf(text)];
+    };
+    return { metavar, parse, repeated };
   }
-  return value;
+  const entry = braid.GenerateRequest.type.nestedType.find((t) => t.name === field.typeName && t.options?.mapEntry);
+  if (entry) {
+    // A map: KEY=VALUE, repeatable; logit_bias's 42=-100.
+    const [key, value] = entry.field.map((f) => SCALARS[f.type]);
+    const metavar = `${key.metavar}=${value.metavar}`;
+    const parse = (text) => {
+      const [, k, v] = /^([^=]*)=(.*)$/.exec(text) ?? [];
+      if (k === undefined) throw expected('KEY=VALUE', text);
+      return [key.parse(k), value.parse(v)];
+    };
+    return { metavar, parse, repeated: true, map: true };
+  }
+  if (!SCALARS[field.type]) throw new Error(`braid-node has no flag type for ${field.name} (${field.type})`);
+  return { ...SCALARS[field.type], repeated };
 }
 
-function nonNegativeInt(name, value) {
-  return value === undefined ? undefined : Number(digits(name, value));
+function requestFlags() {
+  const braid = loadBraid();
+  const fields = new Map(braid.GenerateRequest.type.field.map((f) => [f.name, f]));
+  return REQUEST_FLAGS.map((spec) => {
+    const field = fields.get(spec.field);
+    if (!field) throw new Error(`generate.proto's GenerateRequest has no field ${spec.field}`);
+    const type = fieldType(braid, field);
+    return { flag: kebab(spec.field), ...type, ...spec };
+  });
 }
 
+const FLAGS = requestFlags();
+
+const OPTIONS = {
+  target: { type: 'string', default: process.env.BRAID_TARGET || 'localhost:50051' },
+  chat: { type: 'boolean', default: false },
+  system: { type: 'string' },
+  'cancel-after': { type: 'string' },
+  stats: { type: 'boolean', default: false },
+  help: { type: 'boolean', short: 'h', default: false },
+};
+for (const { flag, alias, short, metavar, repeated } of FLAGS) {
+  const option = { type: metavar ? 'string' : 'boolean', multiple: repeated, ...(short && { short }) };
+  OPTIONS[flag] = option;
+  if (alias) OPTIONS[alias] = option;
+}
+
+function usage() {
+  const line = ([flag, help]) => `  ${flag.padEnd(30)} ${help}`;
+  const request = FLAGS.map(({ flag, short, metavar, help }) => [
+    `${short ? `-${short}, ` : ''}--${flag}${metavar ? ` ${metavar}` : ''}`,
+    help,
+  ]);
+  return [
+    'usage: node cli.js [options] "prompt"',
+    '',
+    ...CLI_FLAGS.map(line),
+    '',
+    "generation (GenerateRequest's fields; unset: the server's default):",
+    ...request.map(line),
+    '',
+    'Ctrl-C cancels the generation on the server and exits 130.',
+  ].join('\n');
+}
+
+/** parse(text), or exit 2 with what is wrong with --flag's value. */
+function flagValue(flag, parse, text) {
+  try {
+    return parse(text);
+  } catch (error) {
+    return usageError(`--${flag}: ${error.message}`);
+  }
+}
+
+/** The GenerateRequest fields the flags in `values` set; fields left out keep the server's default. */
+function requestOf(values) {
+  const request = {};
+  for (const { field, flag, alias, parse, map } of FLAGS) {
+    const value = values[flag] ?? (alias && values[alias]);
+    if (value === undefined) continue;
+    const parsed = [value].flat().map((text) => flagValue(flag, parse, text));
+    request[field] = map ? Object.fromEntries(parsed) : Array.isArray(value) ? parsed : parsed[0];
+  }
+  return request;
+}
+
+/** The command line to { target, cancelAfter, stats, request }; exits 2 on a bad flag. */
 function parse(argv) {
   let parsed;
   try {
@@ -66,52 +192,66 @@ function parse(argv) {
   }
   const { values, positionals } = parsed;
   if (values.help) {
-    process.stdout.write(`${USAGE}\n`);
+    process.stdout.write(`${usage()}\n`);
     process.exit(0);
   }
   if (positionals.length !== 1) usageError('one prompt is needed (quote it)');
-  const temperature = values.temperature === undefined ? undefined : Number(values.temperature);
-  if (Number.isNaN(temperature)) usageError('--temperature must be a number');
+  const [prompt] = positionals;
+  const system = values.system === undefined ? [] : [{ role: 'system', content: values.system }];
+  const chat = values.chat || system.length > 0;
+  const input = chat ? { messages: [...system, { role: 'user', content: prompt }] } : { prompt };
+  const cancelAfter = values['cancel-after'];
   return {
     target: values.target,
-    prompt: positionals[0],
-    chat: values.chat,
-    ignoreEos: values['ignore-eos'],
     stats: values.stats,
-    maxTokens: nonNegativeInt('max-tokens', values['max-tokens']),
-    cancelAfter: nonNegativeInt('cancel-after', values['cancel-after']),
-    temperature,
-    seed: digits('seed', values.seed), // a uint64: kept as a string, exact
+    cancelAfter:
+      cancelAfter === undefined ? undefined : flagValue('cancel-after', SCALARS.TYPE_UINT32.parse, cancelAfter),
+    request: { ...input, ...requestOf(values) },
   };
 }
 
-function buildRequest(args) {
-  const request = args.chat ? { messages: [{ role: 'user', content: args.prompt }] } : { prompt: args.prompt };
-  if (args.maxTokens !== undefined) request.maxNewTokens = args.maxTokens;
-  if (args.temperature !== undefined) request.temperature = args.temperature;
-  if (args.seed !== undefined) request.seed = args.seed;
-  if (args.ignoreEos) request.ignoreEos = true;
-  return request;
+const fixed = (x) => x.toFixed(3);
+
+/** A summary line, then a line per token: id, the text its message added, logprob, rank, top list. */
+function printLogprobs(title, tokens) {
+  const values = tokens.map((t) => t.logprob);
+  const mean = values.reduce((a, b) => a + b, 0) / values.length;
+  const lines = [`${title}: ${values.length} tokens, mean ${fixed(mean)}, lowest ${fixed(Math.min(...values))}`];
+  for (const { id, text, logprob, rank, top } of tokens) {
+    const shown = text === undefined ? '' : JSON.stringify(text);
+    const alternatives = top.map((t) => `${t.tokenId} ${fixed(t.logprob)}`).join(', ');
+    lines.push(
+      `  ${String(id).padStart(6)} ${shown.padEnd(14)} ${fixed(logprob).padStart(8)}  rank ${rank}` +
+        (alternatives && `  top: ${alternatives}`),
+    );
+  }
+  process.stderr.write(`${lines.join('\n')}\n`);
 }
 
-function printStats(final) {
+function printStats(final, label) {
   const { usage, timings } = final;
+  const ms = (x) => `${x.toFixed(1)} ms`;
+  const stopped = final.stopSequence ? ` (stop sequence ${JSON.stringify(final.stopSequence)})` : '';
   process.stderr.write(
-    `finish_reason: ${final.finishReason}  request_id: ${final.requestId}  seed: ${final.seed}\n` +
-      `usage: ${usage.promptTokens} prompt tokens, ${usage.generatedTokens} generated tokens\n` +
-      `timings: first token ${timings.timeToFirstTokenMs.toFixed(1)} ms, total ${timings.totalMs.toFixed(1)} ms, ` +
-      `${timings.tokensPerSecond.toFixed(1)} tokens/s\n`,
+    `${label}finish_reason: ${final.finishReason}${stopped}  request_id: ${final.requestId}  seed: ${final.seed}\n` +
+      `${label}usage: ${usage.promptTokens} prompt tokens (${usage.cachedTokens} from the cache, ` +
+      `${usage.truncatedTokens} cut), ${usage.generatedTokens} generated tokens\n` +
+      `${label}timings: queue ${ms(timings.queueMs)}, first token ${ms(timings.timeToFirstTokenMs)}, ` +
+      `total ${ms(timings.totalMs)}, ${timings.tokensPerSecond.toFixed(1)} tokens/s\n`,
   );
 }
 
-/** Streams one generation; resolves to the exit code. */
-function run(args) {
-  const client = new Client(args.target);
-  const call = client.stream(buildRequest(args));
-  let tokens = 0;
+/** Streams one generation (n samples of it); resolves to the exit code. */
+function run({ target, request, cancelAfter, stats }) {
+  const client = new Client(target);
+  const call = client.stream(request);
+  const wanted = request.n || 1; // samples
+  const many = wanted > 1; // then each sample is printed whole, once the stream ends
+  const samples = []; // by index: { text, tokens and promptTokens (with logprobs), final }
+  let generated = 0;
+  let finished = 0;
   let cancelledAfter = false;
   let interrupted = false;
-  let final = null;
 
   const onSigint = () => {
     interrupted = true;
@@ -120,14 +260,38 @@ function run(args) {
   process.once('SIGINT', onSigint);
 
   call.on('data', (message) => {
-    process.stdout.write(message.text);
-    tokens += message.tokenIds.length;
-    if (message.finishReason !== 'FINISH_REASON_UNSPECIFIED') final = message;
-    if (args.cancelAfter !== undefined && tokens >= args.cancelAfter && !final && !cancelledAfter) {
+    if (message.queuePosition) process.stderr.write(`[queue position ${message.queuePosition}]\n`);
+    const sample = (samples[message.index] ??= { text: '', tokens: [], promptTokens: [], final: null });
+    if (many) sample.text += message.text;
+    else process.stdout.write(message.text);
+    message.logprobs.forEach((logprob, i) => {
+      const text = message.tokenIds.length === 1 ? message.text : undefined; // one token's text, if known
+      sample.tokens.push({ id: message.tokenIds[i], text, ...logprob });
+    });
+    message.promptLogprobs.forEach((logprob, i) => {
+      sample.promptTokens.push({ id: message.promptTokenIds[i + 1], ...logprob }); // the first has none
+    });
+    generated += message.tokenIds.length;
+    if (message.finishReason !== 'FINISH_REASON_UNSPECIFIED') {
+      sample.final = message;
+      finished += 1;
+    }
+    if (cancelAfter !== undefined && generated >= cancelAfter && finished < wanted && !cancelledAfter) {
       cancelledAfter = true;
       call.cancel();
     }
   });
+
+  const report = () => {
+    if (!many) process.stdout.write('\n'); // after the text streamed so far
+    samples.forEach(({ text, tokens, promptTokens, final }, index) => {
+      const label = many ? `[sample ${index}] ` : '';
+      if (many) process.stdout.write(`--- sample ${index} ---\n${text}\n`);
+      if (promptTokens.length) printLogprobs(`${label}prompt logprobs`, promptTokens);
+      if (tokens.length) printLogprobs(`${label}logprobs`, tokens);
+      if (stats && final) printStats(final, label);
+    });
+  };
 
   return new Promise((resolve) => {
     const finish = (code) => {
@@ -136,20 +300,19 @@ function run(args) {
       resolve(code);
     };
     call.on('end', () => {
-      process.stdout.write('\n');
-      if (args.stats && final) printStats(final);
+      report();
       finish(0);
     });
     call.on('error', (error) => {
-      process.stdout.write('\n');
+      report();
       if (isCancelled(error) && interrupted) {
         process.stderr.write('[cancelled]\n');
         finish(EXIT_INTERRUPTED);
       } else if (isCancelled(error) && cancelledAfter) {
-        process.stderr.write(`[cancelled after ${tokens} tokens]\n`);
+        process.stderr.write(`[cancelled after ${generated} tokens]\n`);
         finish(0);
       } else {
-        process.stderr.write(`error: ${error.code} ${error.details || error.message}\n`);
+        process.stderr.write(`${describe(error)}\n`);
         finish(1);
       }
     });
@@ -162,4 +325,4 @@ if (require.main === module) {
   });
 }
 
-module.exports = { parse, buildRequest, run };
+module.exports = { FLAGS, parse, run, usage };

@@ -5,7 +5,6 @@
 const assert = require('node:assert/strict');
 const { after, before, test } = require('node:test');
 const { Client, isCancelled, grpc } = require('../index.js');
-const { buildRequest, parse } = require('../cli.js');
 
 const TARGET = process.env.BRAID_TARGET;
 let client;
@@ -83,13 +82,4 @@ test('a bad request is INVALID_ARGUMENT', async () => {
     assert.match(error.details, /prompt/);
     return true;
   });
-});
-
-test('the CLI maps its flags to GenerateRequest fields', () => {
-  const args = parse(['--target', 'h:1', '--max-tokens', '5', '--cancel-after', '2', '--seed', '3', '--chat', 'hi']);
-  assert.equal(args.target, 'h:1');
-  assert.equal(args.cancelAfter, 2);
-  assert.deepEqual(buildRequest(args), { messages: [{ role: 'user', content: 'hi' }], maxNewTokens: 5, seed: '3' });
-  assert.deepEqual(buildRequest(parse(['--temperature', '0.5', '--ignore-eos', 'x'])),
-    { prompt: 'x', temperature: 0.5, ignoreEos: true });
 });

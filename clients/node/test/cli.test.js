@@ -1,0 +1,140 @@
+'use strict';
+// The command line without a braid server: its flags against generate.proto and the README, and
+// what it prints for the messages of a fake Generate service. `npm test` runs it.
+
+const assert = require('node:assert/strict');
+const { execFile } = require('node:child_process');
+const fs = require('node:fs');
+const path = require('node:path');
+const { after, before, test } = require('node:test');
+const { grpc, loadBraid } = require('../index.js');
+const { FLAGS, parse, usage } = require('../cli.js');
+
+const braid = loadBraid();
+const INPUT = ['prompt', 'messages']; // the prompt argument, --chat and --system
+const fieldsOf = (type) => type.field.filter((field) => !INPUT.includes(field.name));
+
+test('every GenerateRequest field has a flag', () => {
+  const flagged = new Set(FLAGS.map((flag) => flag.field));
+  const missing = fieldsOf(braid.GenerateRequest.type).filter((field) => !flagged.has(field.name));
+  assert.deepEqual(missing.map((field) => field.name), [], 'add them to REQUEST_FLAGS in cli.js');
+});
+
+test('each flag sets its field, as the server decodes the request', () => {
+  // A value of each type (TYPE_MESSAGE: the map logit_bias); integers otherwise.
+  const sample = { TYPE_BOOL: [], TYPE_FLOAT: ['0.5'], TYPE_STRING: ['x'], TYPE_ENUM: ['batch'], TYPE_MESSAGE: ['5=-1'] };
+  const argv = FLAGS.flatMap(({ flag, field }) => {
+    const { type } = fieldsOf(braid.GenerateRequest.type).find((f) => f.name === field);
+    return [`--${flag}`, ...(sample[type] ?? ['3'])];
+  });
+  const { Stream } = braid.Generate.service;
+  const sent = Stream.requestDeserialize(Stream.requestSerialize(parse([...argv, 'hi']).request));
+  const defaults = Stream.requestDeserialize(Buffer.alloc(0));
+  for (const { field } of FLAGS) assert.notDeepEqual(sent[field], defaults[field], field);
+  assert.deepEqual(sent.logitBias, { 5: -1 });
+  assert.equal(sent.priority, 'PRIORITY_BATCH');
+});
+
+test('flags read as braid-client reads them', () => {
+  const args = parse([
+    ...['--target', 'h:1', '--max-tokens', '5', '--cancel-after', '2', '--seed', '18446744073709551615'],
+    ...['--system', 's', '--stop', 'a', '--stop', 'b', '--logit-bias', '42=-100', '--logit-bias', '7=2.5', '-n', '2', 'hi'],
+  ]);
+  assert.equal(args.target, 'h:1');
+  assert.equal(args.cancelAfter, 2);
+  assert.deepEqual(args.request, {
+    messages: [{ role: 'system', content: 's' }, { role: 'user', content: 'hi' }],
+    maxNewTokens: 5, seed: '18446744073709551615', stop: ['a', 'b'], logitBias: { 42: -100, 7: 2.5 }, n: 2,
+  });
+  const greedy = parse(['--temperature', '0.5', '--ignore-eos', 'x']).request;
+  assert.deepEqual(greedy, { prompt: 'x', temperature: 0.5, ignoreEos: true });
+});
+
+test('--help and the README list every flag', () => {
+  const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
+  for (const { flag } of FLAGS) {
+    assert.match(usage(), new RegExp(`--${flag}\\b`), flag);
+    assert.match(readme, new RegExp(`^\\| .*\`--${flag}\\b`, 'm'), `--${flag} is missing from the README's flag table`);
+  }
+});
+
+// A fake Generate service: two samples with logprobs (and the prompt's) after a queue position, or an error.
+const received = [];
+let server;
+let target;
+
+const logprob = (tokenId, value, rank) => ({
+  logprob: value, rank, top: [{ tokenId, logprob: value }, { tokenId: 260, logprob: -4 }],
+});
+const final = (index, reason, extra) => ({
+  index, finishReason: reason, requestId: 'r1', seed: String(7 + index),
+  usage: { promptTokens: 5, generatedTokens: 2, cachedTokens: 3, truncatedTokens: 1 },
+  timings: { queueMs: 1, timeToFirstTokenMs: 2, totalMs: 3, tokensPerSecond: 4 }, ...extra,
+});
+const REPLIES = [
+  { queuePosition: 1 },
+  { index: 0, text: ' Paris', tokenIds: [7042], logprobs: [logprob(7042, -0.25, 1)],
+    promptTokenIds: [1, 2], promptLogprobs: [logprob(2, -2, 3)] },
+  { index: 1, text: ' Lyon', tokenIds: [9], logprobs: [logprob(9, -3.5, 4)] },
+  final(0, 'FINISH_REASON_STOP_SEQUENCE', { stopSequence: '.', tokenIds: [30], logprobs: [logprob(30, -0.5, 1)] }),
+  final(1, 'FINISH_REASON_MAX_TOKENS', { text: '!', tokenIds: [17], logprobs: [logprob(17, -1, 2)] }),
+];
+
+before(async () => {
+  server = new grpc.Server();
+  server.addService(braid.Generate.service, {
+    Stream(call) {
+      received.push(call.request);
+      if (call.request.prompt === 'fail') {
+        call.emit('error', { code: grpc.status.INVALID_ARGUMENT, details: 'top_logprobs: 50 is more than 20' });
+        return;
+      }
+      for (const reply of REPLIES) call.write(reply);
+      call.end();
+    },
+  });
+  const port = await new Promise((resolve, reject) => {
+    const credentials = grpc.ServerCredentials.createInsecure();
+    server.bindAsync('127.0.0.1:0', credentials, (error, p) => (error ? reject(error) : resolve(p)));
+  });
+  target = `127.0.0.1:${port}`;
+});
+
+after(() => server?.forceShutdown());
+
+function cli(...args) {
+  const argv = [path.join(__dirname, '..', 'cli.js'), '--target', target, ...args];
+  return new Promise((resolve) => {
+    execFile(process.execPath, argv, (error, stdout, stderr) => resolve({ code: error?.code ?? 0, stdout, stderr }));
+  });
+}
+
+test('samples, logprobs, queue position and stats as the CLI prints them', async () => {
+  const flags = ['-n', '2', '--top-logprobs', '2', '--prompt-logprobs', '--report-queue', '--stats'];
+  const { code, stdout, stderr } = await cli(...flags, 'hi');
+  assert.equal(code, 0, stderr);
+  const { prompt, n, topLogprobs, promptLogprobs, reportQueue } = received.at(-1);
+  assert.deepEqual({ prompt, n, topLogprobs, promptLogprobs, reportQueue },
+    { prompt: 'hi', n: 2, topLogprobs: 2, promptLogprobs: true, reportQueue: true });
+  assert.equal(stdout, '--- sample 0 ---\n Paris\n--- sample 1 ---\n Lyon!\n');
+  const lines = stderr.split('\n');
+  assert.equal(lines[0], '[queue position 1]');
+  assert.ok(lines.includes('[sample 0] prompt logprobs: 1 tokens, mean -2.000, lowest -2.000'), stderr);
+  assert.match(stderr, /^ +2 +-2\.000 +rank 3 +top: 2 -2\.000, 260 -4\.000$/m);
+  assert.ok(lines.includes('[sample 1] logprobs: 2 tokens, mean -2.250, lowest -3.500'), stderr);
+  assert.match(stderr, /^ +7042 " Paris" +-0\.250 +rank 1 +top: 7042 -0\.250, 260 -4\.000$/m);
+  assert.match(stderr, /^ +9 " Lyon" +-3\.500 +rank 4 +top: 9 -3\.500, 260 -4\.000$/m);
+  const stopped = '[sample 0] finish_reason: FINISH_REASON_STOP_SEQUENCE (stop sequence ".")  request_id: r1  seed: 7';
+  assert.ok(lines.includes(stopped), stderr);
+  assert.ok(lines.includes('[sample 0] usage: 5 prompt tokens (3 from the cache, 1 cut), 2 generated tokens'), stderr);
+  assert.ok(lines.includes('[sample 1] finish_reason: FINISH_REASON_MAX_TOKENS  request_id: r1  seed: 8'), stderr);
+});
+
+test('an error prints its status name and exits 1; a bad flag value exits 2', async () => {
+  const failed = await cli('--top-logprobs', '50', 'fail');
+  assert.equal(failed.code, 1);
+  assert.equal(failed.stderr, 'INVALID_ARGUMENT: top_logprobs: 50 is more than 20\n');
+  const bad = await cli('--logit-bias', 'forty-two', 'hi');
+  assert.equal(bad.code, 2);
+  assert.match(bad.stderr, /^--logit-bias: expected KEY=VALUE, not "forty-two"/);
+});
