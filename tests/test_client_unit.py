@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from braid.client import AsyncClient, AsyncGeneration, Client, cli, describe
-from braid.client.request import build_request, build_tokenize_request
+from braid.client.request import PARAMS, build_request, build_tokenize_request
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
 
@@ -283,6 +283,11 @@ def test_cli_sends_penalties_bias_and_include_stop_sequence(fake: FakeGenerate, 
     assert build_request("hi", logit_bias={3: 1.0}).logit_bias == {3: 1.0}
     with pytest.raises(SystemExit):
         cli.main(["--target", target, "--logit-bias", "forty-two", "hello"])
+
+
+def test_cli_has_a_flag_for_every_param() -> None:
+    args = cli._parser().parse_args([])
+    assert not set(PARAMS) - set(vars(args)), "a GenerateRequest field without a braid-client flag"
 
 
 def test_cli_reads_the_prompt_from_stdin(

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--logprobs", action="store_true", default=None,
                           help="ask for each token's log probability (shown by --stats)")
     sampling.add_argument("--top-logprobs", type=int, metavar="K", help="and the K (0-20) most likely tokens")
+    sampling.add_argument("--prompt-logprobs", action="store_true", default=None,
+                          help="ask for the prompt tokens' log probabilities")
     sampling.add_argument("--truncate-input-tokens", type=int, metavar="N",
                           help="keep at most the last N prompt tokens (a chat: drop its oldest turns first)")
     sampling.add_argument("--bad-word", dest="bad_words", action="append", metavar="TEXT",
