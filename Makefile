@@ -17,14 +17,17 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# Stubs are generated from the .proto by grpcio-tools, never edited by hand. The descriptor set
-# keeps the .proto's comments, so server reflection (grpcurl describe) shows them.
+# Stubs are generated from the .proto by grpcio-tools, never edited by hand. mypy-protobuf's plugins
+# (protoc-gen-mypy, protoc-gen-mypy_grpc, found on PATH) write typed .pyi for the messages and the grpc
+# stubs, and py.typed says the package is typed. The descriptor set keeps the .proto's comments, so
+# server reflection (grpcurl describe) shows them.
 $(STUBS): $(PROTO) | $(PY)
-	$(PIP) install --quiet grpcio-tools
+	$(PIP) install --quiet grpcio-tools mypy-protobuf
 	mkdir -p clients/python/src/braid/v1
-	$(PY) -m grpc_tools.protoc -I protos --python_out=clients/python/src \
-		--pyi_out=clients/python/src --grpc_python_out=clients/python/src \
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -I protos --python_out=clients/python/src \
+		--mypy_out=clients/python/src --grpc_python_out=clients/python/src --mypy_grpc_out=clients/python/src \
 		--include_source_info --descriptor_set_out=clients/python/src/braid/v1/generate.binpb $(PROTO)
+	touch clients/python/src/braid/v1/py.typed
 
 protos: $(STUBS)
 

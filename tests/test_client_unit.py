@@ -19,7 +19,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from braid.client import AsyncClient, AsyncGeneration, Client, cli, describe
+from braid.client import AsyncClient, AsyncGeneration, Client, GenerateParams, cli, describe
 from braid.client.request import PARAMS, build_request, build_tokenize_request
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
@@ -138,6 +138,16 @@ def test_build_request_rejects_bad_input() -> None:
         build_request()
     with pytest.raises(ValueError):
         build_tokenize_request()
+
+
+def test_generate_params_has_a_key_per_generate_request_field() -> None:
+    fields = {f.name for f in pb.GenerateRequest.DESCRIPTOR.fields} - {"prompt", "messages"}
+    keys = set(GenerateParams.__annotations__)
+    assert keys == fields, (
+        f"GenerateParams in clients/python/src/braid/client/request.py has one key per GenerateRequest field "
+        f"(with its type, or None): add {sorted(fields - keys)}, remove {sorted(keys - fields)}"
+    )
+    assert not GenerateParams.__required_keys__ and set(PARAMS) == fields
 
 
 def test_stream_yields_messages_and_final(fake: FakeGenerate, target: str) -> None:

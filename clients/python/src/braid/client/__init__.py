@@ -9,13 +9,14 @@
 from braid.client.client import AsyncClient, Client
 from braid.client.errors import describe
 from braid.client.generation import AsyncGeneration, Completion, Generation
-from braid.client.request import build_request, build_tokenize_request
+from braid.client.request import GenerateParams, build_request, build_tokenize_request
 
 __all__ = [
     "AsyncClient",
     "AsyncGeneration",
     "Client",
     "Completion",
+    "GenerateParams",
     "Generation",
     "build_request",
     "build_tokenize_request",

@@ -114,8 +114,9 @@ def _input(args: argparse.Namespace, text: str) -> Input:
 
 
 def _print_json(message: ProtoMessage) -> None:
-    options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
-    print(json_format.MessageToJson(message, **options))
+    print(json_format.MessageToJson(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    ))
 
 
 def _print_stats(final: pb.GenerateResponse) -> None:

@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
+import abc
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from google.protobuf import wrappers_pb2
 from grpc import aio
+from typing_extensions import Unpack
 
 from braid.client.generation import AsyncGeneration, Completion, Generation
-from braid.client.request import Chat, build_request, build_tokenize_request
+from braid.client.request import Chat, GenerateParams, build_request, build_tokenize_request
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
 
 # grpc.health.v1 without its generated code: HealthCheckRequest is {1: string service} and
 # HealthCheckResponse is {1: enum status}, the same wire format as StringValue and Int32Value.
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+_HEALTH_CODECS = (wrappers_pb2.StringValue.SerializeToString, wrappers_pb2.Int32Value.FromString)
 _HEALTH_STATUS = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
 
 GenerationT = TypeVar("GenerationT", Generation, AsyncGeneration)
 Certificate = bytes | str | os.PathLike[str]
+ChannelOptions = Sequence[tuple[str, Any]]  # e.g. [("grpc.max_receive_message_length", -1)]
+Credentials = grpc.ChannelCredentials
+ChannelT_co = TypeVar("ChannelT_co", covariant=True)
 
 
 def _read(certificate: Certificate | None) -> bytes | None:
@@ -32,16 +37,31 @@ def _read(certificate: Certificate | None) -> bytes | None:
     return Path(certificate).read_bytes()
 
 
+class _Channels(Protocol[ChannelT_co]):
+    """grpc or grpc.aio, as far as opening a channel goes."""
+
+    def insecure_channel(self, target: str, options: ChannelOptions | None = ...) -> ChannelT_co: ...
+
+    def secure_channel(
+        self, target: str, credentials: Credentials, options: ChannelOptions | None = ...
+    ) -> ChannelT_co: ...
+
+
+def _open_channel(
+    api: _Channels[ChannelT_co], target: str, credentials: Credentials | None, options: ChannelOptions | None
+) -> ChannelT_co:
+    if credentials is None:
+        return api.insecure_channel(target, options)
+    return api.secure_channel(target, credentials, options)
+
+
 def _health_status(response: wrappers_pb2.Int32Value) -> str:
     status = response.value
     return _HEALTH_STATUS[status] if 0 <= status < len(_HEALTH_STATUS) else str(status)
 
 
-class _BaseClient(Generic[GenerationT]):
-    """Channel, stub, call options and stream(), shared by Client and AsyncClient."""
-
-    _grpc: ModuleType  # grpc or grpc.aio: both have insecure_channel and secure_channel
-    _generation: Callable[[Any], GenerationT]  # wraps a Stream call
+class _BaseClient(abc.ABC, Generic[GenerationT]):
+    """Target, credentials, call metadata and stream(), shared by Client and AsyncClient."""
 
     def __init__(
         self,
@@ -52,7 +72,7 @@ class _BaseClient(Generic[GenerationT]):
         client_cert: Certificate | None = None,
         client_key: Certificate | None = None,
         api_key: str | None = None,
-        options: Sequence[tuple[str, Any]] | None = None,
+        options: ChannelOptions | None = None,
     ) -> None:
         """Opens a channel to a braid server.
 
@@ -68,22 +88,20 @@ class _BaseClient(Generic[GenerationT]):
             raise ValueError("client_cert and client_key go together")
         self.target = target
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        credentials = None
         if tls or root_certificates is not None or client_cert is not None:
             credentials = grpc.ssl_channel_credentials(
                 _read(root_certificates), _read(client_key), _read(client_cert)
             )
-            self._channel = self._grpc.secure_channel(target, credentials, options)
-        else:
-            self._channel = self._grpc.insecure_channel(target, options)
-        self._stub = generate_pb2_grpc.GenerateStub(self._channel)
-        self._health = self._channel.unary_unary(
-            _HEALTH_CHECK,
-            request_serializer=wrappers_pb2.StringValue.SerializeToString,
-            response_deserializer=wrappers_pb2.Int32Value.FromString,
-        )
+        self._connect(target, credentials, options)
 
-    def _call_options(self, timeout: float | None) -> dict[str, Any]:
-        return {"timeout": timeout, "metadata": self._metadata}
+    @abc.abstractmethod
+    def _connect(self, target: str, credentials: Credentials | None, options: ChannelOptions | None) -> None:
+        """Opens the channel (secure where credentials are given) and its stubs."""
+
+    @abc.abstractmethod
+    def _start(self, request: pb.GenerateRequest, timeout: float | None) -> GenerationT:
+        """Starts a Stream call."""
 
     def stream(
         self,
@@ -91,15 +109,14 @@ class _BaseClient(Generic[GenerationT]):
         *,
         messages: Chat | None = None,
         timeout: float | None = None,
-        **params: Any,
+        **params: Unpack[GenerateParams],
     ) -> GenerationT:
         """Starts a generation from a prompt or a chat; params are GenerateRequest fields.
 
         Raises ValueError unless exactly one of prompt and messages is given, and TypeError
         for a param that is not a GenerateRequest field.
         """
-        request = build_request(prompt, messages=messages, **params)
-        return self._generation(self._stub.Stream(request, **self._call_options(timeout)))
+        return self._start(build_request(prompt, messages=messages, **params), timeout)
 
 
 class Client(_BaseClient[Generation]):
@@ -111,8 +128,13 @@ class Client(_BaseClient[Generation]):
                 print(message.text, end="", flush=True)
     """
 
-    _grpc = grpc
-    _generation = Generation
+    def _connect(self, target: str, credentials: Credentials | None, options: ChannelOptions | None) -> None:
+        self._channel = _open_channel(grpc, target, credentials, options)
+        self._stub = generate_pb2_grpc.GenerateStub(self._channel)
+        self._health = self._channel.unary_unary(_HEALTH_CHECK, *_HEALTH_CODECS)
+
+    def _start(self, request: pb.GenerateRequest, timeout: float | None) -> Generation:
+        return Generation(self._stub.Stream(request, timeout=timeout, metadata=self._metadata))
 
     def generate(
         self,
@@ -120,7 +142,7 @@ class Client(_BaseClient[Generation]):
         *,
         messages: Chat | None = None,
         timeout: float | None = None,
-        **params: Any,
+        **params: Unpack[GenerateParams],
     ) -> Completion:
         """Runs a generation to its end and returns its Completion."""
         with self.stream(prompt, messages=messages, timeout=timeout, **params) as generation:
@@ -133,20 +155,20 @@ class Client(_BaseClient[Generation]):
     ) -> pb.TokenizeResponse:
         """Returns the tokens the model would see for a text or a chat."""
         request = build_tokenize_request(text, messages=messages)
-        return self._stub.Tokenize(request, **self._call_options(timeout))
+        return self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfoResponse:
         """Describes the served model and its scheduling."""
-        return self._stub.ModelInfo(pb.ModelInfoRequest(), **self._call_options(timeout))
+        return self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
 
     def server_status(self, *, timeout: float | None = None) -> pb.ServerStatusResponse:
         """Returns the engine's live counts."""
-        return self._stub.ServerStatus(pb.ServerStatusRequest(), **self._call_options(timeout))
+        return self._stub.ServerStatus(pb.ServerStatusRequest(), timeout=timeout, metadata=self._metadata)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
         request = wrappers_pb2.StringValue(value=service)
-        return _health_status(self._health(request, **self._call_options(timeout)))
+        return _health_status(self._health(request, timeout=timeout, metadata=self._metadata))
 
     def close(self) -> None:
         """Closes the channel, cancelling any call still running."""
@@ -169,8 +191,13 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
                     print(message.text, end="", flush=True)
     """
 
-    _grpc = aio
-    _generation = AsyncGeneration
+    def _connect(self, target: str, credentials: Credentials | None, options: ChannelOptions | None) -> None:
+        self._channel = _open_channel(aio, target, credentials, options)
+        self._stub = generate_pb2_grpc.GenerateStub(self._channel)  # a GenerateAsyncStub
+        self._health = self._channel.unary_unary(_HEALTH_CHECK, *_HEALTH_CODECS)
+
+    def _start(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGeneration:
+        return AsyncGeneration(self._stub.Stream(request, timeout=timeout, metadata=self._metadata))
 
     async def generate(
         self,
@@ -178,7 +205,7 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         *,
         messages: Chat | None = None,
         timeout: float | None = None,
-        **params: Any,
+        **params: Unpack[GenerateParams],
     ) -> Completion:
         """Runs a generation to its end and returns its Completion."""
         async with self.stream(prompt, messages=messages, timeout=timeout, **params) as generation:
@@ -191,20 +218,20 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
     ) -> pb.TokenizeResponse:
         """Returns the tokens the model would see for a text or a chat."""
         request = build_tokenize_request(text, messages=messages)
-        return await self._stub.Tokenize(request, **self._call_options(timeout))
+        return await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfoResponse:
         """Describes the served model and its scheduling."""
-        return await self._stub.ModelInfo(pb.ModelInfoRequest(), **self._call_options(timeout))
+        return await self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
 
     async def server_status(self, *, timeout: float | None = None) -> pb.ServerStatusResponse:
         """Returns the engine's live counts."""
-        return await self._stub.ServerStatus(pb.ServerStatusRequest(), **self._call_options(timeout))
+        return await self._stub.ServerStatus(pb.ServerStatusRequest(), timeout=timeout, metadata=self._metadata)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
         request = wrappers_pb2.StringValue(value=service)
-        return _health_status(await self._health(request, **self._call_options(timeout)))
+        return _health_status(await self._health(request, timeout=timeout, metadata=self._metadata))
 
     async def close(self) -> None:
         """Closes the channel, cancelling any call still running."""

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import grpc
 from google.protobuf.message import DecodeError
 
-try:  # googleapis-common-protos is optional: without it, errors show their code and details only.
-    from google.rpc import error_details_pb2, status_pb2
-except ImportError:  # pragma: no cover - exercised only where the package is missing
-    error_details_pb2 = status_pb2 = None
+from braid.client.generation import Metadata, metadata_value
 
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
@@ -28,9 +27,15 @@ def describe(error: grpc.RpcError) -> str:
 
 
 def _rich_details(error: grpc.RpcError) -> list[str]:
-    if status_pb2 is None or not hasattr(error, "trailing_metadata"):
+    try:  # googleapis-common-protos is optional: without it, errors show their code and details only.
+        from google.rpc import error_details_pb2, status_pb2
+    except ImportError:  # pragma: no cover - exercised only where the package is missing
         return []
-    blob = next((v for k, v in error.trailing_metadata() or () if k == _STATUS_DETAILS_KEY), None)
+    if not hasattr(error, "trailing_metadata"):
+        return []
+    # (key, value) pairs from grpc and grpc.aio both, whatever types-grpcio says of RpcError's
+    metadata = cast(Metadata | None, error.trailing_metadata())
+    blob = metadata_value(metadata, _STATUS_DETAILS_KEY)
     if not isinstance(blob, bytes):
         return []
     try:

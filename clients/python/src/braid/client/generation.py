@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import grpc
 from grpc import aio
@@ -13,6 +13,9 @@ from grpc import aio
 from braid.v1 import generate_pb2 as pb
 
 REQUEST_ID_KEY = "braid-request-id"
+
+# A call's metadata: (key, value) pairs, as both grpc and grpc.aio give them.
+Metadata = Iterable[tuple[str, str | bytes]]
 
 
 @dataclass
@@ -26,9 +29,14 @@ class Completion:
     final: pb.GenerateResponse
 
 
-def finish_reason_name(value: int) -> str:
+def finish_reason_name(value: pb.FinishReason.ValueType) -> str:
     """Returns a FinishReason's name without the FINISH_REASON_ prefix, e.g. "EOS"."""
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_")
+
+
+def metadata_value(metadata: Metadata | None, key: str) -> str | bytes | None:
+    """Returns the first value of key in a call's metadata, or None."""
+    return next((value for name, value in metadata or () if name == key), None)
 
 
 def _is_task_cancelling() -> bool:
@@ -40,7 +48,7 @@ def _is_task_cancelling() -> bool:
 class _Stream:
     """A Stream call and what its messages add up to; shared by Generation and AsyncGeneration."""
 
-    def __init__(self, call: grpc.Call | aio.UnaryStreamCall) -> None:
+    def __init__(self, call: grpc.Call | aio.Call) -> None:
         self._call = call
         self.final: pb.GenerateResponse | None = None
         self.token_ids: list[int] = []
@@ -80,8 +88,9 @@ class _Stream:
             self.final = message
         return message
 
-    def _record_headers(self, metadata: Sequence[tuple[str, Any]] | None) -> None:
-        self._header_request_id = next((v for k, v in metadata or () if k == REQUEST_ID_KEY), "")
+    def _record_headers(self, metadata: Metadata | None) -> None:
+        request_id = metadata_value(metadata, REQUEST_ID_KEY)
+        self._header_request_id = request_id if isinstance(request_id, str) else ""
 
 
 class Generation(_Stream):
@@ -132,9 +141,9 @@ class AsyncGeneration(_Stream):
     running when the block is left, and `cancel()` cancels it at once.
     """
 
-    def __init__(self, call: aio.UnaryStreamCall) -> None:
+    def __init__(self, call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]) -> None:
         super().__init__(call)
-        self._call: aio.UnaryStreamCall = call
+        self._call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] = call
 
     def __aiter__(self) -> AsyncGeneration:
         return self

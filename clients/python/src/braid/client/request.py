@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TypedDict
+
+from typing_extensions import Unpack
 
 from braid.v1 import generate_pb2 as pb
 
@@ -13,6 +15,42 @@ Chat = Iterable[MessageLike]
 
 # GenerateRequest fields that `**params` may set: all but the input (prompt, messages).
 PARAMS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.name not in ("prompt", "messages"))
+
+
+class GenerateParams(TypedDict, total=False):
+    """The GenerateRequest fields that stream() and generate() take as keyword arguments.
+
+    One key per field but the input (prompt, messages); protos/braid/v1/generate.proto
+    documents each. None, like leaving a key out, keeps the server's default. A single
+    string is accepted for stop and bad_words, and a single int for stop_token_ids.
+    """
+
+    max_new_tokens: int | None
+    min_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: int | Sequence[int] | None
+    ignore_eos: bool | None
+    request_id: str | None
+    priority: pb.Priority.ValueType | None  # pb.PRIORITY_BATCH, pb.Priority.Value("PRIORITY_BATCH")
+    timeout_ms: int | None
+    cache_salt: str | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    logit_bias: Mapping[int, float] | None  # token id -> bias
+    include_stop_sequence: bool | None
+    logprobs: bool | None
+    top_logprobs: int | None
+    truncate_input_tokens: int | None
+    bad_words: str | Sequence[str] | None
+    report_queue: bool | None
+    n: int | None
+    prompt_logprobs: bool | None
 
 
 def to_message(turn: MessageLike) -> pb.Message:
@@ -36,16 +74,15 @@ def _check_one_input(text_name: str, text: str | None, messages: object) -> None
 
 
 def build_request(
-    prompt: str | None = None, *, messages: Chat | None = None, **params: Any
+    prompt: str | None = None, *, messages: Chat | None = None, **params: Unpack[GenerateParams]
 ) -> pb.GenerateRequest:
-    """Builds a GenerateRequest from a prompt or a chat and GenerateRequest fields.
+    """Builds a GenerateRequest from a prompt or a chat and GenerateRequest fields (GenerateParams).
 
-    Params left out or None keep the proto default (the server's default). A single
-    string is accepted for `stop`, and a single int for `stop_token_ids`.
+    Params left out or None keep the proto default (the server's default).
 
     Raises:
         ValueError: neither or both of prompt and messages are given.
-        TypeError: a param is not a GenerateRequest field.
+        TypeError: a param is not a GenerateRequest field (a caller mypy does not check).
     """
     _check_one_input("prompt", prompt, messages)
     unknown = sorted(set(params) - set(PARAMS))

@@ -1,0 +1,59 @@
+"""The Python client under `mypy --strict`, as a user's code meets it: keyword arguments typed by
+GenerateParams, and the stubs mypy-protobuf writes for braid.v1 (make protos).
+
+tests/data/typed_client.py uses Client, AsyncClient, stream(), generate() and completions() and must
+type-check together with the client package itself; tests/data/mistyped_client.py holds mistakes mypy
+must report. mypy runs as for Python 3.10, the oldest the client supports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CLIENT = REPO / "clients" / "python"
+DATA = Path(__file__).resolve().parent / "data"
+
+Mypy = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def mypy(tmp_path_factory: pytest.TempPathFactory) -> Mypy:
+    """Runs mypy --strict on modules of the client and of tests/data, with one cache for the module."""
+    if not (CLIENT / "src" / "braid" / "v1" / "generate_pb2_grpc.pyi").exists():
+        pytest.fail("braid.v1 has no typed grpc stubs: `make protos` generates them (delete generate_pb2.py first)")
+    cache = tmp_path_factory.mktemp("mypy-cache")
+    env = {**os.environ, "MYPYPATH": os.pathsep.join([str(CLIENT / "src"), str(DATA)])}
+
+    def run(*modules: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "mypy", "--strict", "--python-version", "3.10", "--config-file",
+                   str(CLIENT / "pyproject.toml"), "--cache-dir", str(cache), "--no-pretty", *modules]
+        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+                              check=False)
+
+    return run
+
+
+def test_the_client_and_an_example_pass_mypy_strict(mypy: Mypy) -> None:
+    result = mypy("-p", "braid.client", "-p", "braid.v1", "-m", "typed_client")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mistyped_and_unknown_keywords_are_errors(mypy: Mypy) -> None:
+    result = mypy("-m", "mistyped_client")
+    source = (DATA / "mistyped_client.py").read_text().splitlines()
+    expected = {number: match.group(1) for number, line in enumerate(source, 1)
+                if (match := re.search(r"# error: (.+)$", line))}
+    errors = {int(match.group(1)): match.group(2) for match in re.finditer(
+        r"^\S*mistyped_client\.py:(\d+): error: (.+)$", result.stdout, re.MULTILINE)}
+    assert result.returncode == 1 and len(expected) == 5, result.stdout + result.stderr
+    assert errors.keys() == expected.keys(), result.stdout
+    for number, start in expected.items():
+        assert errors[number].startswith(start), (number, errors[number])
