@@ -42,9 +42,23 @@ def _status(code: int, message: str, detail: object) -> grpc.Status:
     return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=[packed]))
 
 
+def _samples(n: int) -> list[pb.GenerateResponse]:
+    """n samples interleaved, the last index first: sample i is "s{i}" then "!", tokens [i, 9], and its
+    own final message (seed 7 + i)."""
+    indexes = range(n - 1, -1, -1)
+    return [
+        *(pb.GenerateResponse(index=i, text=f"s{i}", token_ids=[i]) for i in indexes),
+        *(pb.GenerateResponse(index=i, text="!", token_ids=[9]) for i in indexes),
+        *(pb.GenerateResponse(index=i, finish_reason=pb.FINISH_REASON_EOS + i % 2, seed=7 + i,
+                              usage=pb.Usage(prompt_tokens=2, generated_tokens=2), request_id=REQUEST_ID)
+          for i in indexes),
+    ]
+
+
 class FakeGenerate(generate_pb2_grpc.GenerateServicer):
-    """Streams "Hel", "lo" and a final message; the prompt "endless" streams until cancelled,
-    "invalid" and "full" fail with rich status details. Records what it was sent."""
+    """Streams "Hel", "lo" and a final message, or with n > 1 the n samples of _samples; the prompt
+    "endless" streams until cancelled, "invalid" and "full" fail with rich status details. Records
+    what it was sent."""
 
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
@@ -70,7 +84,11 @@ class FakeGenerate(generate_pb2_grpc.GenerateServicer):
                 yield pb.GenerateResponse(text="x", token_ids=[1])
                 time.sleep(0.01)
             return
-        yield pb.GenerateResponse(text="Hel", token_ids=[1])
+        if request.n > 1:
+            yield from _samples(request.n)
+            return
+        scored = [pb.TokenLogprob(logprob=-1, rank=1), pb.TokenLogprob(logprob=-3, rank=2)]
+        yield pb.GenerateResponse(text="Hel", token_ids=[1], prompt_logprobs=scored if request.prompt_logprobs else [])
         yield pb.GenerateResponse(text="lo", token_ids=[2])
         yield FINAL
 
@@ -166,6 +184,50 @@ def test_generate_returns_completion(target: str) -> None:
     assert completion.text == "Hello" and completion.token_ids == [1, 2, 3]
     assert completion.finish_reason == "MAX_TOKENS"
     assert completion.usage.generated_tokens == 3 and completion.final.seed == 7
+
+
+def test_n_samples_accumulate_per_index(fake: FakeGenerate, target: str) -> None:
+    with Client(target) as client:
+        generation = client.stream("hello", n=3)
+        next(generation)
+        with pytest.raises(RuntimeError, match="not ended"):
+            generation.completions()
+        messages = [next(generation), *generation]
+        with pytest.raises(ValueError, match="completions"):
+            client.generate("hello", n=3)  # refused before a call is made
+    assert fake.requests[-1].n == 3
+    assert generation.final == messages[-1] and generation.final.index == 0
+    completions = generation.completions()
+    assert [c.final.index for c in completions] == [0, 1, 2]
+    assert [(c.text, c.token_ids, c.finish_reason) for c in completions] == [
+        ("s0!", [0, 9], "EOS"), ("s1!", [1, 9], "STOP_SEQUENCE"), ("s2!", [2, 9], "EOS"),
+    ]
+    assert [c.final.seed for c in completions] == [7, 8, 9] and completions[1].usage.generated_tokens == 2
+    assert (generation.text, generation.token_ids) == ("s0!", [0, 9])  # sample 0's
+    with pytest.raises(RuntimeError, match="3 samples: use completions"):
+        generation.completion()
+
+
+def test_one_sample_is_both_completion_and_completions(target: str) -> None:
+    with Client(target) as client, client.stream("hello", n=1) as generation:
+        with pytest.raises(RuntimeError, match="not ended"):
+            generation.completion()
+        list(generation)
+    assert generation.completions() == [generation.completion()]
+    assert generation.completion().text == "Hello"
+
+
+def test_async_n_samples(target: str) -> None:
+    async def main() -> list[tuple[str, list[int]]]:
+        async with AsyncClient(target) as client:
+            with pytest.raises(ValueError, match="completions"):
+                await client.generate("hello", n=2)
+            async with client.stream("hello", n=2) as generation:
+                async for _ in generation:
+                    pass
+            return [(c.text, c.token_ids) for c in generation.completions()]
+
+    assert asyncio.run(main()) == [("s0!", [0, 9]), ("s1!", [1, 9])]
 
 
 def test_api_key_is_sent_as_bearer_metadata(fake: FakeGenerate, target: str) -> None:
@@ -293,6 +355,21 @@ def test_cli_sends_penalties_bias_and_include_stop_sequence(fake: FakeGenerate, 
     assert build_request("hi", logit_bias={3: 1.0}).logit_bias == {3: 1.0}
     with pytest.raises(SystemExit):
         cli.main(["--target", target, "--logit-bias", "forty-two", "hello"])
+
+
+def test_cli_prints_each_sample(fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--target", target, "-n", "2", "--stats", "hello"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "--- sample 0 ---\ns0!\n--- sample 1 ---\ns1!\n"
+    assert "[sample 0] finish_reason: EOS" in err and "[sample 1] finish_reason: STOP_SEQUENCE" in err
+    assert "seed: 8" in err and fake.requests[-1].n == 2
+
+
+def test_cli_shows_the_prompt_logprobs(fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--target", target, "--prompt-logprobs", "--stats", "hello"]) == 0
+    assert fake.requests[-1].prompt_logprobs
+    out, err = capsys.readouterr()
+    assert out == "Hello\n" and "prompt logprobs: 2 tokens, mean -2.000, lowest -3.000" in err
 
 
 def test_cli_has_a_flag_for_every_param() -> None:

@@ -27,12 +27,12 @@ def run(target: str) -> list[Completion]:
         completion = client.generate(messages=[("system", "Be brief."), ("user", "What is gRPC?")], top_k=40)
         assert_type(completion.token_ids, list[int])
         params: GenerateParams = {"n": 2, "cache_salt": "tenant-a", "ignore_eos": True}
-        with client.stream("Hi", timeout=5.0, **params) as more:
-            for _ in more:
+        with client.stream("Hi", timeout=5.0, **params) as samples:
+            for _ in samples:
                 pass
         assert_type(client.tokenize("Hi"), pb.TokenizeResponse)
         assert_type(client.model_info().context_length, int)
-        return [completion, more.completion()]
+        return [completion, *samples.completions()]
 
 
 async def run_async(target: str) -> str:
@@ -41,7 +41,7 @@ async def run_async(target: str) -> str:
             assert_type(generation, AsyncGeneration)
             async for message in generation:
                 assert_type(message.index, int)
-        texts = [generation.text]
+        texts = [c.text for c in generation.completions()]
         completion = await client.generate("2 + 2 =", max_new_tokens=4, stop=["\n", "."])
         status = await client.server_status()
         assert_type(status, pb.ServerStatusResponse)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections import defaultdict
 from collections.abc import Sequence
 
 import grpc
@@ -60,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="ask for each token's log probability (shown by --stats)")
     sampling.add_argument("--top-logprobs", type=int, metavar="K", help="and the K (0-20) most likely tokens")
     sampling.add_argument("--prompt-logprobs", action="store_true", default=None,
-                          help="ask for the prompt tokens' log probabilities")
+                          help="ask for the prompt tokens' log probabilities (shown by --stats)")
     sampling.add_argument("--truncate-input-tokens", type=int, metavar="N",
                           help="keep at most the last N prompt tokens (a chat: drop its oldest turns first)")
     sampling.add_argument("--bad-word", dest="bad_words", action="append", metavar="TEXT",
@@ -119,15 +120,22 @@ def _print_json(message: ProtoMessage) -> None:
     ))
 
 
-def _print_stats(final: pb.GenerateResponse) -> None:
+def _logprobs_line(logprobs: list[float]) -> str:
+    return (f"logprobs: {len(logprobs)} tokens, mean {sum(logprobs) / len(logprobs):.3f}, "
+            f"lowest {min(logprobs):.3f}")
+
+
+def _print_stats(final: pb.GenerateResponse, logprobs: list[float], label: str) -> None:
+    if logprobs:
+        print(f"{label}{_logprobs_line(logprobs)}", file=sys.stderr)
     usage, timings = final.usage, final.timings
     print(
-        f"finish_reason: {finish_reason_name(final.finish_reason)}  "
+        f"{label}finish_reason: {finish_reason_name(final.finish_reason)}  "
         f"request_id: {final.request_id}  seed: {final.seed}\n"
-        f"usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} from the cache, "
+        f"{label}usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} from the cache, "
         f"{usage.truncated_tokens} cut), "
         f"{usage.generated_tokens} generated tokens\n"
-        f"timings: queue {timings.queue_ms:.1f} ms, first token {timings.time_to_first_token_ms:.1f} ms, "
+        f"{label}timings: queue {timings.queue_ms:.1f} ms, first token {timings.time_to_first_token_ms:.1f} ms, "
         f"total {timings.total_ms:.1f} ms, {timings.tokens_per_second:.1f} tokens/s",
         file=sys.stderr,
     )
@@ -136,26 +144,27 @@ def _print_stats(final: pb.GenerateResponse) -> None:
 def _generate(client: Client, args: argparse.Namespace, prompt: str | None, messages: Chat | None) -> int:
     params = {name: getattr(args, name) for name in PARAMS}  # None: left to the server
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
-    logprobs: list[float] = []
-    samples: dict[int, str] = {}  # with -n: each sample's text, printed at the end
+    logprobs: defaultdict[int, list[float]] = defaultdict(list)  # by sample index
+    prompt_logprobs: list[float] = []
     with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:
         for message in generation:
-            if (args.n or 1) > 1:
-                samples[message.index] = samples.get(message.index, "") + message.text
-            else:
+            if generation.n == 1:  # n > 1: each sample is printed whole once all have ended
                 sys.stdout.write(message.text)
                 sys.stdout.flush()
-            logprobs += [lp.logprob for lp in message.logprobs]
+            logprobs[message.index] += [lp.logprob for lp in message.logprobs]
+            prompt_logprobs += [lp.logprob for lp in message.prompt_logprobs]
             if message.queue_position:
                 print(f"[queue position {message.queue_position}]", file=sys.stderr)
-    for index in sorted(samples):
-        print(f"--- sample {index} ---\n{samples[index]}")
-    print()
-    if args.stats and logprobs:
-        print(f"logprobs: {len(logprobs)} tokens, mean {sum(logprobs) / len(logprobs):.3f}, "
-              f"lowest {min(logprobs):.3f}", file=sys.stderr)
-    if args.stats and generation.final is not None:
-        _print_stats(generation.final)
+    if generation.n == 1:
+        print()
+    if args.stats and prompt_logprobs:
+        print(f"prompt {_logprobs_line(prompt_logprobs)}", file=sys.stderr)
+    for completion in generation.completions() if generation.final is not None else ():
+        index = completion.final.index
+        if generation.n > 1:
+            print(f"--- sample {index} ---\n{completion.text}")
+        if args.stats:
+            _print_stats(completion.final, logprobs[index], f"[sample {index}] " if generation.n > 1 else "")
     return 0
 
 

@@ -55,6 +55,11 @@ def _open_channel(
     return api.secure_channel(target, credentials, options)
 
 
+def _check_one_sample(params: GenerateParams) -> None:
+    if (params.get("n") or 1) > 1:
+        raise ValueError("generate() returns one Completion: for n > 1 samples, use stream() and completions()")
+
+
 def _health_status(response: wrappers_pb2.Int32Value) -> str:
     status = response.value
     return _HEALTH_STATUS[status] if 0 <= status < len(_HEALTH_STATUS) else str(status)
@@ -134,7 +139,7 @@ class Client(_BaseClient[Generation]):
         self._health = self._channel.unary_unary(_HEALTH_CHECK, *_HEALTH_CODECS)
 
     def _start(self, request: pb.GenerateRequest, timeout: float | None) -> Generation:
-        return Generation(self._stub.Stream(request, timeout=timeout, metadata=self._metadata))
+        return Generation(self._stub.Stream(request, timeout=timeout, metadata=self._metadata), request.n)
 
     def generate(
         self,
@@ -144,7 +149,11 @@ class Client(_BaseClient[Generation]):
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Completion:
-        """Runs a generation to its end and returns its Completion."""
+        """Runs a generation of one sample to its end and returns its Completion.
+
+        Raises ValueError for n > 1: stream() and its completions() have every sample.
+        """
+        _check_one_sample(params)
         with self.stream(prompt, messages=messages, timeout=timeout, **params) as generation:
             for _ in generation:
                 pass
@@ -197,7 +206,7 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         self._health = self._channel.unary_unary(_HEALTH_CHECK, *_HEALTH_CODECS)
 
     def _start(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGeneration:
-        return AsyncGeneration(self._stub.Stream(request, timeout=timeout, metadata=self._metadata))
+        return AsyncGeneration(self._stub.Stream(request, timeout=timeout, metadata=self._metadata), request.n)
 
     async def generate(
         self,
@@ -207,7 +216,11 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Completion:
-        """Runs a generation to its end and returns its Completion."""
+        """Runs a generation of one sample to its end and returns its Completion.
+
+        Raises ValueError for n > 1: stream() and its completions() have every sample.
+        """
+        _check_one_sample(params)
         async with self.stream(prompt, messages=messages, timeout=timeout, **params) as generation:
             async for _ in generation:
                 pass

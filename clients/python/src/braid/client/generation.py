@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import cast
@@ -46,20 +47,29 @@ def _is_task_cancelling() -> bool:
 
 
 class _Stream:
-    """A Stream call and what its messages add up to; shared by Generation and AsyncGeneration."""
+    """A Stream call and what its messages add up to, sample by sample; shared by Generation and
+    AsyncGeneration. A stream of n > 1 samples (GenerateRequest.n) interleaves them: every message
+    carries its sample's index, and each sample ends with its own final message."""
 
-    def __init__(self, call: grpc.Call | aio.Call) -> None:
+    def __init__(self, call: grpc.Call | aio.Call, n: int = 1) -> None:
         self._call = call
-        self.final: pb.GenerateResponse | None = None
-        self.token_ids: list[int] = []
-        self._texts: list[str] = []
+        self.n = max(n, 1)  # the samples in the stream (GenerateRequest.n; 0 is 1)
+        self.final: pb.GenerateResponse | None = None  # the message that ended the stream
+        self._texts: defaultdict[int, list[str]] = defaultdict(list)  # by sample index
+        self._token_ids: defaultdict[int, list[int]] = defaultdict(list)
+        self._finals: dict[int, pb.GenerateResponse] = {}
         self._header_request_id: str | None = None  # "" once headers without one arrived
         self._is_cancelled = False
 
     @property
     def text(self) -> str:
-        """The text received so far."""
-        return "".join(self._texts)
+        """The text received so far (of sample 0: the only one unless n > 1)."""
+        return "".join(self._texts[0])
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated token ids received so far (of sample 0: the only one unless n > 1)."""
+        return self._token_ids[0]
 
     @property
     def request_id(self) -> str | None:
@@ -69,12 +79,21 @@ class _Stream:
         return self._header_request_id or None
 
     def completion(self) -> Completion:
-        """Returns the Completion of a stream that has ended with its final message."""
+        """Returns the Completion of a stream of one sample that has ended with its final message."""
+        if self.n > 1:
+            raise RuntimeError(f"the stream has {self.n} samples: use completions()")
+        return self.completions()[0]
+
+    def completions(self) -> list[Completion]:
+        """Returns one Completion per sample, by index, once every sample has ended with its final message."""
         if self.final is None:
-            raise RuntimeError("the stream has not ended with a final message")
-        final = self.final
-        reason = finish_reason_name(final.finish_reason)
-        return Completion(self.text, list(self.token_ids), reason, final.usage, final)
+            raise RuntimeError("the stream has not ended with a final message for every sample")
+        return [self._completion(index) for index in sorted(self._finals)]
+
+    def _completion(self, index: int) -> Completion:
+        final = self._finals[index]
+        text, token_ids = "".join(self._texts[index]), list(self._token_ids[index])
+        return Completion(text, token_ids, finish_reason_name(final.finish_reason), final.usage, final)
 
     def cancel(self) -> None:
         """Cancels the call (and so the session on the server); iteration then stops."""
@@ -82,10 +101,12 @@ class _Stream:
         self._call.cancel()
 
     def _record(self, message: pb.GenerateResponse) -> pb.GenerateResponse:
-        self._texts.append(message.text)
-        self.token_ids.extend(message.token_ids)
+        self._texts[message.index].append(message.text)
+        self._token_ids[message.index].extend(message.token_ids)
         if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.final = message
+            self._finals[message.index] = message
+            if len(self._finals) >= self.n:
+                self.final = message
         return message
 
     def _record_headers(self, metadata: Metadata | None) -> None:
@@ -97,12 +118,13 @@ class Generation(_Stream):
     """A running Stream call: an iterator over its GenerateResponse messages.
 
     After iteration, `final` holds the last message (finish_reason, usage, timings,
-    seed, request_id) and `text` the whole text. Leaving a `with` block early, `close()`
-    or `cancel()` cancels the call, which cancels the session on the server.
+    seed, request_id), `text` the whole text and `completion()` all of it; with n > 1,
+    `completions()` has each sample's. Leaving a `with` block early, `close()` or
+    `cancel()` cancels the call, which cancels the session on the server.
     """
 
-    def __init__(self, call: grpc.Call) -> None:
-        super().__init__(call)
+    def __init__(self, call: grpc.Call, n: int = 1) -> None:
+        super().__init__(call, n)
         self._call: grpc.Call = call
         self._responses = cast(Iterator[pb.GenerateResponse], call)
 
@@ -141,8 +163,8 @@ class AsyncGeneration(_Stream):
     running when the block is left, and `cancel()` cancels it at once.
     """
 
-    def __init__(self, call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]) -> None:
-        super().__init__(call)
+    def __init__(self, call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse], n: int = 1) -> None:
+        super().__init__(call, n)
         self._call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] = call
 
     def __aiter__(self) -> AsyncGeneration:
