@@ -13,6 +13,9 @@ EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 ROLES = st.sampled_from(["user", "system", "assistant", "tool", "", "wizard", "USER"])
 FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.floats(0, 2, width=32))
 INTS = st.one_of(st.integers(-5, 40), st.integers(-2**31, 2**31 - 1))
+# constraints that compile, beside the random text that mostly does not
+SCHEMAS = ['{"type": "integer", "minimum": 3}', '{"enum": ["a", "b"]}', "true", "false", '{"type": "array"}']
+PATTERNS = ["a*", "", "[^\\s\\S]", "(yes|no)", "\\d{2,4}"]
 
 requests = st.builds(
     pb.GenerateRequest,
@@ -31,7 +34,13 @@ requests = st.builds(
     logprobs=st.booleans(), top_logprobs=st.integers(0, 40), include_stop_sequence=st.booleans(),
     truncate_input_tokens=st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)),
     bad_words=st.lists(st.text(max_size=300), max_size=70), report_queue=st.booleans(),
-    n=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)), prompt_logprobs=st.booleans())
+    n=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)), prompt_logprobs=st.booleans(),
+    constraint=st.one_of(
+        st.none(), st.builds(pb.Constraint), st.builds(pb.Constraint, json_object=st.booleans()),
+        st.builds(pb.Constraint, json_schema=st.one_of(st.text(max_size=80), st.sampled_from(SCHEMAS))),
+        st.builds(pb.Constraint, regex=st.one_of(st.text(max_size=30), st.sampled_from(PATTERNS))),
+        st.builds(pb.Constraint, choice=st.builds(pb.Choice, choices=st.lists(st.text(max_size=12), max_size=4))),
+        st.builds(pb.Constraint, grammar=st.builds(pb.Grammar, syntax=st.integers(0, 3), text=st.text(max_size=60)))))
 
 
 @settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

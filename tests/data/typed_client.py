@@ -9,7 +9,8 @@ import asyncio
 
 from typing_extensions import assert_type
 
-from braid.client import AsyncClient, AsyncGeneration, Client, Completion, GenerateParams, Generation
+from braid.client import (AsyncClient, AsyncGeneration, Client, Completion, GenerateParams, Generation, choice,
+                          json_schema)
 from braid.v1 import generate_pb2 as pb
 
 
@@ -24,7 +25,8 @@ def run(target: str) -> list[Completion]:
                 print(message.text, end="", flush=True)
         final = generation.final
         assert_type(final, pb.GenerateResponse | None)
-        completion = client.generate(messages=[("system", "Be brief."), ("user", "What is gRPC?")], top_k=40)
+        completion = client.generate(messages=[("system", "Be brief."), ("user", "What is gRPC?")], top_k=40,
+                                     constraint=json_schema({"type": "object"}))
         assert_type(completion.token_ids, list[int])
         params: GenerateParams = {"n": 2, "cache_salt": "tenant-a", "ignore_eos": True}
         with client.stream("Hi", timeout=5.0, **params) as samples:
@@ -32,12 +34,13 @@ def run(target: str) -> list[Completion]:
                 pass
         assert_type(client.tokenize("Hi"), pb.TokenizeResponse)
         assert_type(client.model_info().context_length, int)
+        assert_type(client.abort(["req-1"]), list[str])
         return [completion, *samples.completions()]
 
 
 async def run_async(target: str) -> str:
     async with AsyncClient(target) as client:
-        async with client.stream("Once upon a time", n=2, max_new_tokens=8) as generation:
+        async with client.stream("Once upon a time", n=2, max_new_tokens=8, constraint=choice(["a", "b"])) as generation:
             assert_type(generation, AsyncGeneration)
             async for message in generation:
                 assert_type(message.index, int)
@@ -45,6 +48,7 @@ async def run_async(target: str) -> str:
         completion = await client.generate("2 + 2 =", max_new_tokens=4, stop=["\n", "."])
         status = await client.server_status()
         assert_type(status, pb.ServerStatusResponse)
+        assert_type(await client.abort(("req-1", "req-2")), list[str])
         return completion.text + "".join(texts) + await client.health()
 
 

@@ -97,3 +97,22 @@ def test_logprobs_are_of_the_raw_distribution_whatever_the_sampling():
     assert best.token == 1 and best.logprob.rank == 1 and best.logprob.top == ()
     [plain] = sample_with_logprobs(logits.clone(), [_row(0.0, 0)])
     assert plain.logprob is None
+
+
+def test_a_constraint_mask_limits_greedy_and_sampled_rows_but_not_their_logprobs():
+    """Rows 1 and 2 are constrained to tokens 5..9; row 0 is not. Logprobs stay the raw ones."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 64) * 5
+    logits[:, 0] = 50.0  # everyone's favourite, and not allowed to the constrained rows
+    mask = torch.zeros(2, 64, dtype=torch.bool)
+    mask[:, 5:10] = True
+    rows = [_row(0.0, 0), _row(0.0, 0), _row(1.0, 3)]
+    rows = [Row(**{**vars(r), "sampling": Sampling(temperature=r.sampling.temperature, seed=3, logprobs=0)})
+            for r in rows]
+    raw = logits.log_softmax(dim=-1)
+    out = sample_with_logprobs(logits.clone(), rows, allowed=([1, 2], mask))
+    assert out[0].token == 0
+    assert out[1].token == int(logits[1, 5:10].argmax()) + 5
+    assert 5 <= out[2].token < 10
+    assert out[1].logprob.logprob == pytest.approx(raw[1, out[1].token].item(), abs=1e-5)
+    assert out[1].logprob.rank > 1  # ranked in the raw distribution, where token 0 leads

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
 import uuid
 
-from braid.server.engine.types import (EngineStats, Finished, FinishReason, GenerationRequest, InvalidArgument,
-                                       Message, ModelInfo, Priority, SamplingParams, text_bytes)
+from braid.server.engine.types import (
+    Constraint,
+    EngineStats,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    InvalidArgument,
+    Message,
+    ModelInfo,
+    Priority,
+    SamplingParams,
+    text_bytes,
+)
 from braid.v1 import generate_pb2 as pb
 
 MAX_STOP_STRINGS = 16
@@ -25,6 +37,10 @@ MAX_SAMPLES = 16
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
+MAX_CONSTRAINT_BYTES = 64 << 10  # a schema, regex or grammar
+MAX_CHOICES = 1024
+MAX_CHOICE_BYTES = 1024
+_GRAMMAR_SYNTAX = {pb.GRAMMAR_SYNTAX_LARK: "lark", pb.GRAMMAR_SYNTAX_GBNF: "gbnf"}
 
 
 def messages_from_pb(messages, field_name: str = "messages") -> tuple[Message, ...]:
@@ -106,7 +122,41 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         request_id=req.request_id or uuid.uuid4().hex,
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
-        cache_salt=req.cache_salt, n=req.n or 1)
+        cache_salt=req.cache_salt, n=req.n or 1, constraint=constraint_from_pb(req))
+
+
+def constraint_from_pb(req: pb.GenerateRequest) -> Constraint | None:
+    """The request's constraint, its sizes checked (the engine's compiler checks the rest)."""
+    if not req.HasField("constraint"):
+        return None
+    c = req.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("constraint", "set one of json_schema, json_object, regex, choice and grammar")
+    if kind == "json_object":
+        if not c.json_object:
+            raise InvalidArgument("constraint.json_object", "must be true (or leave the constraint out)")
+        return Constraint("json_object", "", "constraint.json_object")
+    if kind == "choice":
+        choices = list(c.choice.choices)
+        if not choices or len(choices) > MAX_CHOICES:
+            raise InvalidArgument("constraint.choice.choices", f"{len(choices)} choices; 1 to {MAX_CHOICES}")
+        for i, choice in enumerate(choices):
+            if not choice or len(choice.encode()) > MAX_CHOICE_BYTES:
+                raise InvalidArgument(f"constraint.choice.choices[{i}]", f"must be 1 to {MAX_CHOICE_BYTES} bytes")
+        return Constraint("choice", json.dumps(choices), "constraint.choice.choices")
+    if kind == "grammar":
+        if c.grammar.syntax not in _GRAMMAR_SYNTAX:
+            raise InvalidArgument("constraint.grammar.syntax", "name the grammar's dialect: GRAMMAR_SYNTAX_LARK or "
+                                  "GRAMMAR_SYNTAX_GBNF")
+        kind, text, field = _GRAMMAR_SYNTAX[c.grammar.syntax], c.grammar.text, "constraint.grammar.text"
+    else:
+        text, field = getattr(c, kind), f"constraint.{kind}"
+    if not text:
+        raise InvalidArgument(field, "is empty")
+    if len(text.encode()) > MAX_CONSTRAINT_BYTES:
+        raise InvalidArgument(field, f"is {len(text.encode())} bytes; at most {MAX_CONSTRAINT_BYTES}")
+    return Constraint(kind, text, field)
 
 
 def _strings(name: str, values, most: int) -> None:
@@ -179,7 +229,8 @@ def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.Serv
         sessions_finished=pb.FinishCounts(
             max_tokens=f[FinishReason.MAX_TOKENS], eos=f[FinishReason.EOS],
             stop_sequence=f[FinishReason.STOP_SEQUENCE], stop_token=f[FinishReason.STOP_TOKEN],
-            cancelled=f[FinishReason.CANCELLED], deadline=f[FinishReason.DEADLINE], error=f[FinishReason.ERROR]),
+            cancelled=f[FinishReason.CANCELLED], deadline=f[FinishReason.DEADLINE], error=f[FinishReason.ERROR],
+            constraint=f[FinishReason.CONSTRAINT]),
         forward_passes=stats.forward_passes, uptime_seconds=uptime_s,
         mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name),
         sessions_submitted=stats.sessions_submitted, sessions_paused=stats.sessions_paused,

@@ -13,17 +13,25 @@ from typing import Callable, Sequence
 
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.detokenizer import IncrementalDetokenizer
+from braid.server.engine.grammars import Grammars
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
 from braid.server.engine.tokenizer import Tokenizer
-from braid.server.engine.types import (EngineUnavailable, FinishReason, GenerationRequest, InvalidArgument,
-                                       Message, SamplingParams, text_bytes)
+from braid.server.engine.types import (
+    EngineUnavailable,
+    FinishReason,
+    GenerationRequest,
+    InvalidArgument,
+    Message,
+    SamplingParams,
+    text_bytes,
+)
 from braid.server.runner.rows import Sampling
 
 
 class Admission:
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int, books: Books,
-                 random_state: Callable[[Sampling], object], enqueue: Callable[[Session], None],
+                 random_state: Callable[[Sampling], object], grammars: Grammars, enqueue: Callable[[Session], None],
                  abort: Callable[[int, FinishReason], None], wake: Callable[[], None],
                  is_open: Callable[[], str | None]) -> None:
         """random_state: the runner's, for a session's Row.rng; is_open: None while sessions may be
@@ -32,6 +40,7 @@ class Admission:
         self.max_seq_len = max_seq_len
         self.books = books
         self._random_state = random_state
+        self.grammars = grammars
         self._enqueue, self._abort, self._wake, self._is_open = enqueue, abort, wake, is_open
         self._ids = itertools.count(1)
 
@@ -78,7 +87,7 @@ class Admission:
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, first.prompt_ids, params.stop,
                                                params.include_stop_sequence),
             parent=first, arrived=handle.arrived, token_ids=[], pages=[], page_keys=[], pending_ids=[],
-            pending_logprobs=[], prompt_scores=None)
+            pending_logprobs=[], prompt_scores=None, matcher=first.matcher.deep_copy() if first.matcher else None)
 
     def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
         """A Tokenize call's work; gives the ticket back. Blocking: call it off the event loop."""
@@ -107,7 +116,8 @@ class Admission:
             deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
             cache_salt=request.cache_salt, truncated_tokens=truncated,
             bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else (),
-            prompt_scores=[] if params.prompt_logprobs else None)
+            prompt_scores=[] if params.prompt_logprobs else None,
+            matcher=self.grammars.matcher(request.constraint) if request.constraint else None)
 
     def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""

@@ -23,6 +23,7 @@ from braid.server.config import EngineConfig
 from braid.server.engine.admission import Admission
 from braid.server.engine.books import Books
 from braid.server.engine.faults import FaultInjector
+from braid.server.engine.grammars import Grammars
 from braid.server.engine.observer import EngineObserver, NoObserver
 from braid.server.engine.output import Output
 from braid.server.engine.pages import Pages
@@ -87,7 +88,11 @@ class Engine:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable[[], bool]]] = []
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
-        self.admission = Admission(tokenizer, self.max_seq_len, self.books, runner.random_state,
+        self.grammars = Grammars(tokenizer.hf_tokenizer, tokenizer.eos_token_ids, runner.vocab_size,
+                                 getattr(config, "constraint_compile_timeout_s", 5.0))
+        # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
+        threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()
+        self.admission = Admission(tokenizer, self.max_seq_len, self.books, runner.random_state, self.grammars,
                                    enqueue=lambda s: self._inbox.put(_Add(s)), abort=self._abort,
                                    wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because)
         self._accepting = True
@@ -221,13 +226,15 @@ class Engine:
         start = s.num_cached
         end = start + w.num_tokens
         banned: tuple[int, ...] = ()
-        if s.num_generated < p.min_new_tokens:
+        if s.num_generated < p.min_new_tokens and s.matcher is None:  # a constraint says where it may end
             banned = p.stop_token_ids + (() if p.ignore_eos else self.tokenizer.eos_token_ids)
         if s.bad_words and end == len(s.token_ids):
             banned += tuple(s.banned_by_bad_words())
-        return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=end == len(s.token_ids),
+        sample = end == len(s.token_ids)
+        return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=sample,
                    sampling=s.sampling, rng=s.rng, history=s.token_ids, num_prompt=s.num_prompt, banned=banned,
-                   is_prompt=s.is_prefilling, targets=s.prompt_targets(start, end))
+                   is_prompt=s.is_prefilling, targets=s.prompt_targets(start, end),
+                   matcher=s.matcher if sample else None)
 
     def _idle_wait(self, now: float) -> float:
         """How long the loop may block on its inbox when nothing can run: until a batch should start,
@@ -306,7 +313,9 @@ class Engine:
             if s.first_token is None:
                 s.first_token = now
             reason = self.output.add_token(s, sampled.token, sampled.logprob)
-            if reason is not None:
+            if reason is FinishReason.ERROR:  # only a constraint's matcher refuses a token
+                self._finish(s, reason, f"constraint: {s.matcher.get_error() or 'token not allowed'}")
+            elif reason is not None:
                 self._finish(s, reason)
 
     def _finish(self, s: Session, reason: FinishReason, error: str | None = None) -> None:

@@ -33,14 +33,21 @@ class Output:
         return reason
 
     def _stop_reason(self, s: Session, token: int) -> FinishReason | None:
-        p = s.params
+        p, matcher = s.params, s.matcher
         if token in p.stop_token_ids:
             return FinishReason.STOP_TOKEN
-        if token in self.eos_token_ids and not p.ignore_eos:
+        if matcher is not None:  # the constraint decides where the output may end, and advances
+            if token in self.eos_token_ids and matcher.is_accepting():
+                return FinishReason.CONSTRAINT
+            if not matcher.consume_token(token):
+                return FinishReason.ERROR
+        elif token in self.eos_token_ids and not p.ignore_eos:
             return FinishReason.EOS
         s.detokenizer.add(token)
         if s.detokenizer.stopped:
             return FinishReason.STOP_SEQUENCE
+        if matcher is not None and matcher.is_stopped():  # complete, and nothing could follow
+            return FinishReason.CONSTRAINT
         if s.num_generated >= p.max_new_tokens or len(s.token_ids) >= self.max_seq_len:
             return FinishReason.MAX_TOKENS
         return None

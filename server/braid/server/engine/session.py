@@ -46,6 +46,7 @@ class Session:
     # prompt_logprobs: a runner.rows.TokenLogprob per prompt position scored so far, until they are
     # sent with the first token; None when not asked for, or sent
     prompt_scores: list | None = None
+    matcher: object = None  # its constraint's llguidance matcher (engine/grammars.py), or None
 
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens

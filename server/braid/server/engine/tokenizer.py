@@ -26,6 +26,11 @@ class Tokenizer:
         self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
         self.max_token_bytes = _longest_token_bytes(hf_tokenizer)
 
+    @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer itself, for what reads the vocabulary once (engine/grammars.py)."""
+        return self._original
+
     def _own(self):
         """This thread's tokenizer: (the transformers wrapper, its Rust backend or None)."""
         own = getattr(self._local, "tok", None)

@@ -24,6 +24,7 @@ class FinishReason(enum.Enum):
     CANCELLED = 5
     DEADLINE = 6
     ERROR = 7
+    CONSTRAINT = 8  # the output completely matches its constraint
 
 
 class InvalidArgument(ValueError):
@@ -78,6 +79,17 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A format the output must match (GenerateRequest.constraint): `kind` is json_schema,
+    json_object, regex, choice (text: the choices as a JSON list), lark or gbnf; `field` is the
+    request field it came from, for errors."""
+
+    kind: str
+    text: str
+    field: str
+
+
+@dataclass(frozen=True)
 class Message:
     role: str
     content: str
@@ -100,6 +112,7 @@ class GenerationRequest:
     priority: Priority = Priority.INTERACTIVE
     cache_salt: str = ""  # prompt prefixes are shared only between requests with the same salt
     n: int = 1  # samples of the prompt, sample i seeded seed + i
+    constraint: Constraint | None = None
 
 
 @dataclass

@@ -13,12 +13,17 @@ import math
 from typing import Sequence
 
 import torch
-
 from braid.server.config import EngineConfig
 from braid.server.model.loader import LoadedModel
 from braid.server.runner.kernels import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
-from braid.server.runner.llama import DecodeRows, ForwardBatch, LlamaDecoder, PrefillChunk
+from braid.server.runner.llama import (
+    DecodeRows,
+    ForwardBatch,
+    LlamaDecoder,
+    PrefillChunk,
+)
+from braid.server.runner.masks import Masks
 from braid.server.runner.precision import DTYPES, Precision
 from braid.server.runner.rows import Row, Sampled, Sampling
 from braid.server.runner.sampler import random_state, sample, score
@@ -54,6 +59,7 @@ class ModelRunner:
         self.cache = KVCache(self.decoder.num_layers, num_pages, self.decoder.num_kv_heads, page_size,
                              self.decoder.head_dim, kv_dtype or dtype, device)
         self.vocab_size = self.decoder.vocab_size
+        self.masks = Masks(self.vocab_size)
         self.num_parameters = sum(p.numel() for p in model.hf_model.parameters())
         self.kernels = ops.isa or "torch"  # the C kernels' instruction set, or torch's ops
         self.quantization = quantization
@@ -95,6 +101,8 @@ class ModelRunner:
         row asks) and its targets' log probabilities, or None for a row that neither samples nor
         scores (a prompt chunk that does not reach the end of its prompt)."""
         batch, sampled, scored = self._build(rows)
+        constrained = [k for k, i in enumerate(sampled) if rows[i].matcher is not None]  # among `sampled`
+        filling = self.masks.start([rows[sampled[k]].matcher for k in constrained])  # during the pass
         logits = self.decoder.forward(batch, self.cache)  # [L, V], in batch.logit_rows order
         out: list[Sampled | None] = [None] * len(rows)
         if scored:  # the targets' rows come first; the sampled rows' logits are the rest
@@ -102,7 +110,8 @@ class ModelRunner:
                 out[i] = Sampled(None, targets=tuple(score(logits[begin:end], rows[i].targets,
                                                            rows[i].sampling.logprobs or 0)))
             logits = logits[max(end for _, end in scored.values()):]
-        for i, token in zip(sampled, sample(logits, [rows[i] for i in sampled])):
+        allowed = (constrained, self.masks.allowed(filling)) if filling is not None else None
+        for i, token in zip(sampled, sample(logits, [rows[i] for i in sampled], allowed)):
             out[i] = token._replace(targets=out[i].targets) if out[i] else token
         return out
 

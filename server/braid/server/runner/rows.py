@@ -57,6 +57,9 @@ class Row:
     # prompt_logprobs: targets[i] is the prompt token after token_ids[i], whose log probability
     # (with sampling.logprobs most likely tokens) the pass returns; may be shorter than token_ids
     targets: Sequence[int] = ()
+    # a constraint's matcher (llguidance.LLMatcher, made by the engine): when sampling, only the
+    # tokens its mask allows now can be picked
+    matcher: object = None
 
 
 @dataclass(frozen=True)

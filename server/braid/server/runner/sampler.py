@@ -15,9 +15,12 @@ def random_state(sampling: Sampling) -> torch.Generator:
     return torch.Generator().manual_seed(sampling.seed)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Sampled]:
+def sample(logits: torch.Tensor, rows: Sequence[Row],
+           allowed: tuple[list[int], torch.Tensor] | None = None) -> list[Sampled]:
     """logits: [R, V] float32, one row per sampled Row (modified in place). Returns R tokens, with
     their log probabilities for the rows that ask (of the raw logits, before anything below).
+    allowed: the constrained rows' indices and [C, V] bool masks of the tokens each may pick
+    (runner/masks.py), applied after penalties, bias and bans.
 
     Every sampled row draws exactly one uniform number from its own generator per token, so a
     seeded sequence gets the same tokens whichever other sequences share its batch.
@@ -26,6 +29,9 @@ def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Sampled]:
     raw = logits[wanted].log_softmax(dim=-1) if wanted else None  # [W, V], a copy
     for i, row in enumerate(rows):
         _penalise(logits[i], row)
+    if allowed is not None:
+        idx, mask = allowed
+        logits[idx] = logits[idx].masked_fill(~mask.to(logits.device), float("-inf"))
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.sampling.is_greedy]
     if sampled:

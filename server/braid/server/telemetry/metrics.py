@@ -47,7 +47,7 @@ CALL_DURATION = _histogram("rpc.server.call.duration", "s", _LATENCY_S,
                            "Duration of braid's gRPC calls, by method and status code")
 
 _ENDED_BY_ITSELF = {FinishReason.MAX_TOKENS, FinishReason.EOS, FinishReason.STOP_SEQUENCE,
-                    FinishReason.STOP_TOKEN}
+                    FinishReason.STOP_TOKEN, FinishReason.CONSTRAINT}
 
 
 class MetricsObserver:

@@ -9,7 +9,8 @@
 from braid.client.client import AsyncClient, Client
 from braid.client.errors import describe
 from braid.client.generation import AsyncGeneration, Completion, Generation
-from braid.client.request import GenerateParams, build_request, build_tokenize_request
+from braid.client.request import (GenerateParams, build_request, build_tokenize_request, choice, grammar, json_object,
+                                  json_schema, regex)
 
 __all__ = [
     "AsyncClient",
@@ -20,5 +21,10 @@ __all__ = [
     "Generation",
     "build_request",
     "build_tokenize_request",
+    "choice",
     "describe",
+    "grammar",
+    "json_object",
+    "json_schema",
+    "regex",
 ]

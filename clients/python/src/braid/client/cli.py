@@ -7,6 +7,7 @@ import os
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
@@ -15,7 +16,7 @@ from google.protobuf.message import Message as ProtoMessage
 from braid.client.client import Client
 from braid.client.errors import describe
 from braid.client.generation import finish_reason_name
-from braid.client.request import PARAMS, Chat
+from braid.client.request import PARAMS, Chat, choice, grammar, json_object, json_schema, regex
 from braid.v1 import generate_pb2 as pb
 
 EXIT_CANCELLED = 130  # the shell's code for a process ended by SIGINT
@@ -77,6 +78,16 @@ def _parser() -> argparse.ArgumentParser:
                           help="end the generation with finish reason DEADLINE after this long")
     sampling.add_argument("--cache-salt", metavar="TEXT",
                           help="share cached prompt prefixes only with requests of the same salt")
+    # GenerateRequest.constraint: one of these (the parsed constraint is set in _generate)
+    constraint = parser.add_argument_group("output constraint (GenerateRequest.constraint; one of)")
+    constraint = constraint.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema file")
+    constraint.add_argument("--json-object", action="store_true", help="the output is any JSON object")
+    constraint.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression")
+    constraint.add_argument("--choice", metavar="A,B,C", help="the output is exactly one of these comma-separated strings")
+    constraint.add_argument("--grammar", metavar="FILE", help="the output is a sentence of this grammar (--grammar-syntax)")
+    parser.add_argument("--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="--grammar's dialect")
+    parser.set_defaults(constraint=None)
 
     security = parser.add_argument_group("security")
     security.add_argument("--tls", action="store_true", help="connect with TLS (system CAs unless --ca-cert)")
@@ -141,9 +152,25 @@ def _print_stats(final: pb.GenerateResponse, logprobs: list[float], label: str) 
     )
 
 
+def _constraint(args: argparse.Namespace) -> pb.Constraint | None:
+    """The constraint the flags ask for, or None."""
+    if args.json_schema:
+        return json_schema(Path(args.json_schema).read_text())
+    if args.json_object:
+        return json_object()
+    if args.regex is not None:
+        return regex(args.regex)
+    if args.choice is not None:
+        return choice(args.choice.split(","))
+    if args.grammar:
+        return grammar(Path(args.grammar).read_text(), args.grammar_syntax)
+    return None
+
+
 def _generate(client: Client, args: argparse.Namespace, prompt: str | None, messages: Chat | None) -> int:
     params = {name: getattr(args, name) for name in PARAMS}  # None: left to the server
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
+    params["constraint"] = _constraint(args)
     logprobs: defaultdict[int, list[float]] = defaultdict(list)  # by sample index
     prompt_logprobs: list[float] = []
     with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:

@@ -174,6 +174,12 @@ class Client(_BaseClient[Generation]):
         """Returns the engine's live counts."""
         return self._stub.ServerStatus(pb.ServerStatusRequest(), timeout=timeout, metadata=self._metadata)
 
+    def abort(self, request_ids: Sequence[str], *, timeout: float | None = None) -> list[str]:
+        """Cancels the generations started with these request ids (by calls with this client's
+        credentials); returns the ids that were running or queued."""
+        request = pb.AbortRequest(request_ids=list(request_ids))
+        return list((self._stub.Abort(request, timeout=timeout, metadata=self._metadata)).aborted)
+
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
         request = wrappers_pb2.StringValue(value=service)
@@ -240,6 +246,12 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
     async def server_status(self, *, timeout: float | None = None) -> pb.ServerStatusResponse:
         """Returns the engine's live counts."""
         return await self._stub.ServerStatus(pb.ServerStatusRequest(), timeout=timeout, metadata=self._metadata)
+
+    async def abort(self, request_ids: Sequence[str], *, timeout: float | None = None) -> list[str]:
+        """Cancels the generations started with these request ids (by calls with this client's
+        credentials); returns the ids that were running or queued."""
+        request = pb.AbortRequest(request_ids=list(request_ids))
+        return list((await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)).aborted)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""

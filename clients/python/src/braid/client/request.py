@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypedDict
 
@@ -51,6 +52,32 @@ class GenerateParams(TypedDict, total=False):
     report_queue: bool | None
     n: int | None
     prompt_logprobs: bool | None
+    constraint: pb.Constraint | None  # json_schema(...), json_object(), regex(...), choice(...), grammar(...)
+
+
+def json_schema(schema: Mapping[str, object] | str) -> pb.Constraint:
+    """A constraint: the output is one JSON value valid against this JSON Schema (a dict or its text)."""
+    return pb.Constraint(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def json_object() -> pb.Constraint:
+    """A constraint: the output is any one JSON object."""
+    return pb.Constraint(json_object=True)
+
+
+def regex(pattern: str) -> pb.Constraint:
+    """A constraint: the whole output matches this regular expression."""
+    return pb.Constraint(regex=pattern)
+
+
+def choice(choices: Iterable[str]) -> pb.Constraint:
+    """A constraint: the output is exactly one of these strings."""
+    return pb.Constraint(choice=pb.Choice(choices=list(choices)))
+
+
+def grammar(text: str, syntax: str = "lark") -> pb.Constraint:
+    """A constraint: the output is a sentence of this grammar, in syntax "lark" or "gbnf"."""
+    return pb.Constraint(grammar=pb.Grammar(text=text, syntax=pb.GrammarSyntax.Value(f"GRAMMAR_SYNTAX_{syntax.upper()}")))
 
 
 def to_message(turn: MessageLike) -> pb.Message:
@@ -95,6 +122,8 @@ def build_request(
         field = getattr(request, name)
         if isinstance(field, (str, int, float, bool)):
             setattr(request, name, value)
+        elif isinstance(field, pb.Constraint) and isinstance(value, pb.Constraint):
+            field.CopyFrom(value)
         elif hasattr(field, "update"):  # a map (logit_bias: token id -> bias)
             field.update(value)
         else:  # a repeated field

@@ -1,0 +1,44 @@
+"""Token masks of the constrained rows of a pass (GenerateRequest.constraint).
+
+llguidance computes each row's mask of allowed tokens from its matcher, all rows in one call that
+drops the GIL; braid starts that call on a thread just before the forward pass and collects it
+just after, so the masks cost no time on the critical path while the pass takes longer than they
+do (a mask takes ~20 us, a pass tens of ms). Unconstrained rows never wait for them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Sequence
+
+import llguidance
+import llguidance.torch as llt
+import torch
+
+
+class Masks:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._executor: llguidance.LLExecutor | None = None  # made on first use: its threads
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="braid-masks")
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def start(self, matchers: Sequence[object]) -> concurrent.futures.Future | None:
+        """Starts filling the masks of these matchers (one per constrained row), or None if none."""
+        if not matchers:
+            return None
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        bitmask = llt.allocate_token_bitmask(len(matchers), self.vocab_size)
+        return self._thread.submit(self._fill, list(matchers), bitmask)
+
+    def _fill(self, matchers: list, bitmask: torch.Tensor) -> torch.Tensor:
+        llt.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        return bitmask
+
+    def allowed(self, filling: concurrent.futures.Future) -> torch.Tensor:
+        """[C, V] bool: the tokens each constrained row may pick (bit i % 32 of word i // 32 of
+        llguidance's int32 bitmask). Waits for the masks if they are still being filled."""
+        bits = filling.result()
+        unpacked = (bits.unsqueeze(-1) >> self._shifts) & 1  # [C, W, 32]
+        return unpacked.view(bits.shape[0], -1)[:, :self.vocab_size].bool()
