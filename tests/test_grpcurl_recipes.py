@@ -105,6 +105,16 @@ def one(check: Callable[[dict], bool]) -> Callable[[str], None]:
     return run_check
 
 
+def constrained(check: Callable[[str], object]) -> Callable[[str], None]:
+    """A stream whose whole text passes check and that ends with FINISH_REASON_CONSTRAINT."""
+    def run_check(output: str) -> None:
+        messages = json_messages(output)
+        text = "".join(m.get("text", "") for m in messages)
+        assert messages[-1]["finish_reason"] == "FINISH_REASON_CONSTRAINT" and check(text), (text, messages[-1])
+
+    return run_check
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "List services#0": contains("braid.v1.Generate\n", "grpc.health.v1.Health\n", "grpc.reflection."),
     "List the methods of Generate#0": contains(*(f"braid.v1.Generate.{rpc}\n" for rpc in
@@ -125,6 +135,10 @@ CHECKS: dict[str, Callable[[str], None]] = {
                                     '"prompt_token_ids": ['),
     "Abort a generation by its request id#0": one(lambda m: m == {}),
     "Reuse a cached prompt prefix#0": contains('"cached_tokens": 32', "braid-cached-tokens: 32"),
+    "Constrain the output to a format#0": constrained(lambda text: set(json.loads(text)) == {"name", "age"}),
+    "Constrain the output to a format#1": constrained(lambda text: text in ("yes", "no")),
+    "Constrain the output to a format#2": constrained(lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text)),
+    "Constrain the output to a format#3": constrained(lambda text: text in ("hello world", "hi world")),
     "See an error#0": contains("Code: InvalidArgument", "prompt", "google.rpc.BadRequest",
                                "grpcurl exited with 67"),
     "Tokenize#0": one(lambda m: "".join(m["pieces"]) == "Hello, world!"
