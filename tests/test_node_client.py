@@ -2,10 +2,10 @@
 
 The CLI streams a generation, cancels it after N tokens (the README's command), and cancels it on
 Ctrl-C; each time the server's ServerStatus shows the session gone and, when cancelled, counted as
-cancelled. It prints log probabilities, n samples, and errors by status name. The library's own
-node:test suite (clients/node/test) runs against the same server, and `npm pack` yields a package
-that loads its .proto. node and npm must be on the PATH; `npm ci` installs
-clients/node/node_modules on first use.
+cancelled. It prints log probabilities, n samples, and errors by status name, and constrains the
+output to a choice or a regex. The library's own node:test suite (clients/node/test) runs against
+the same server, and `npm pack` yields a package that loads its .proto. node and npm must be on the
+PATH; `npm ci` installs clients/node/node_modules on first use.
 """
 
 from __future__ import annotations
@@ -66,11 +66,13 @@ def run_cli(node: str, server, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=STREAM_TIMEOUT_S)
 
 
-def readme_command(flag: str) -> list[str]:
-    """The README's `node cli.js ...` example that uses flag, as argv."""
+def run_readme_command(node: str, server, flag: str) -> subprocess.CompletedProcess[str]:
+    """Runs the README's `node cli.js ...` example that uses flag, exactly, with BRAID_TARGET set to server."""
     readme = (NODE_DIR / "README.md").read_text()
     line = next(line for line in readme.splitlines() if line.startswith("node cli.js ") and flag in line)
-    return shlex.split(line)
+    _, *args = shlex.split(line)
+    return subprocess.run([node, *args], cwd=NODE_DIR, env={**os.environ, "BRAID_TARGET": server.target},
+                          capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
 
 
 def test_cli_streams_a_generation(node, smol):
@@ -83,9 +85,7 @@ def test_cli_streams_a_generation(node, smol):
 
 def test_cli_cancel_after_n_tokens_as_the_readme_shows(node, smol):
     before = status(smol)
-    _, *args = readme_command("--cancel-after")  # the README's exact command, for BRAID_TARGET
-    result = subprocess.run([node, *args], cwd=NODE_DIR, env={**os.environ, "BRAID_TARGET": smol.target},
-                            capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
+    result = run_readme_command(node, smol, "--cancel-after")
     assert result.returncode == 0, result.stderr
     assert "[cancelled after 10 tokens]" in result.stderr
     wait_for(lambda: cancelled_since(smol, before))
@@ -120,6 +120,20 @@ def test_cli_names_the_status_of_a_bad_request(node, smol):
     assert result.returncode == 1
     assert result.stderr.startswith("INVALID_ARGUMENT: "), result.stderr
     assert "top_logprobs" in result.stderr
+
+
+def test_cli_constrains_the_output(node, smol):
+    chosen = run_readme_command(node, smol, "--choice")  # --choice yes,no --stats
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout in ("yes\n", "no\n"), chosen.stdout
+    assert "finish_reason: FINISH_REASON_CONSTRAINT" in chosen.stderr
+    digits = run_cli(node, smol, "--regex", "[0-9]{3}", "--stats", "My lucky number is")
+    assert digits.returncode == 0, digits.stderr
+    assert re.fullmatch(r"[0-9]{3}\n", digits.stdout), digits.stdout
+    assert "finish_reason: FINISH_REASON_CONSTRAINT" in digits.stderr
+    bad = run_cli(node, smol, "--regex", "(unclosed", "hello")
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("INVALID_ARGUMENT: constraint.regex: "), bad.stderr
 
 
 def test_cli_ctrl_c_cancels_the_stream(node, smol):

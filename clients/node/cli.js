@@ -7,14 +7,19 @@
  *
  * Tokens are printed as they arrive. Ctrl-C (SIGINT) cancels the stream on the server and exits
  * 130; --cancel-after N cancels it after N generated tokens and exits 0, as a completed stream does.
- * Every GenerateRequest field has a flag (REQUEST_FLAGS), typed by generate.proto.
+ * Every GenerateRequest field has a flag (REQUEST_FLAGS), typed by generate.proto; its constraint
+ * has one flag per kind of Constraint (CONSTRAINT_FLAGS), at most one of them given.
  */
 
+const fs = require('node:fs');
 const { parseArgs } = require('node:util');
-const { Client, describe, isCancelled, loadBraid } = require('./index.js');
+const { Client, describe, isCancelled, loadBraid, enumValues } = require('./index.js');
+const { choice, grammar, jsonObject, jsonSchema, regex } = require('./index.js'); // a constraint of each kind
 
 const EXIT_USAGE = 2;
 const EXIT_INTERRUPTED = 130; // the shell's code for a process ended by SIGINT
+
+const kebab = (name) => name.replace(/[A-Z]/g, (letter) => `-${letter.toLowerCase()}`);
 
 // One flag per GenerateRequest field but the input (prompt is the argument; messages come of --chat
 // and --system), named as braid-client's: the field in kebab-case unless `flag` says otherwise.
@@ -48,6 +53,21 @@ const REQUEST_FLAGS = [
   { field: 'n', short: 'n', help: 'N samples of the prompt (1-16), printed one after another' },
 ];
 
+// GenerateRequest.constraint: a flag per kind of Constraint (its oneof), named as braid-client's, at
+// most one of them given; `build` makes the constraint of the flag's value (and --grammar-syntax's).
+const readText = (file) => fs.readFileSync(file, 'utf8');
+const CONSTRAINT_FLAGS = [
+  { kind: 'jsonSchema', metavar: 'FILE', help: 'the output is JSON valid against this schema file',
+    build: (file) => jsonSchema(readText(file)) },
+  { kind: 'jsonObject', help: 'the output is any JSON object', build: () => jsonObject() },
+  { kind: 'regex', metavar: 'PATTERN', help: 'the whole output matches this regular expression',
+    build: (pattern) => regex(pattern) },
+  { kind: 'choice', metavar: 'A,B,C', help: 'the output is exactly one of these comma-separated strings',
+    build: (text) => choice(text.split(',')) },
+  { kind: 'grammar', metavar: 'FILE', help: 'the output is a sentence of this grammar (--grammar-syntax)',
+    build: (file, syntax) => grammar(readText(file), syntax) },
+].map((spec) => ({ field: 'constraint', flag: kebab(spec.kind), ...spec }));
+
 const CLI_FLAGS = [
   ['--target HOST:PORT', 'the braid server (env BRAID_TARGET; default localhost:50051)'],
   ['--chat', 'send the prompt as one user message of a chat'],
@@ -61,8 +81,6 @@ function usageError(message) {
   process.stderr.write(`${message}\n\nusage: node cli.js [options] "prompt" (--help lists them)\n`);
   process.exit(EXIT_USAGE);
 }
-
-const kebab = (name) => name.replace(/[A-Z]/g, (letter) => `-${letter.toLowerCase()}`);
 
 function expected(what, text) {
   return new RangeError(`expected ${what}, not ${JSON.stringify(text)}`);
@@ -85,21 +103,21 @@ const SCALARS = {
   TYPE_BOOL: { metavar: '', parse: (present) => present },
 };
 
+/** An enum flag's value: 'batch' for PRIORITY_BATCH; the UNSPECIFIED value is the default, not a choice. */
+function enumType(braid, typeName) {
+  const values = enumValues(braid, typeName);
+  const metavar = Object.keys(values).join('|');
+  const parse = (text) => {
+    if (!Object.hasOwn(values, text)) throw expected(metavar, text);
+    return values[text];
+  };
+  return { metavar, parse };
+}
+
 /** How a GenerateRequest field's flag reads its value: { metavar, parse, repeated }. */
 function fieldType(braid, field) {
   const repeated = field.label === 'LABEL_REPEATED';
-  if (field.type === 'TYPE_ENUM') {
-    // Priority: 'batch' for PRIORITY_BATCH; PRIORITY_UNSPECIFIED is the default, not a choice.
-    const [unspecified, ...names] = braid[field.typeName].type.value.map((v) => v.name);
-    const prefix = unspecified.slice(0, -'UNSPECIFIED'.length);
-    const choices = names.map((name) => name.slice(prefix.length).toLowerCase());
-    const metavar = choices.join('|');
-    const parse = (text) => {
-      if (!choices.includes(text)) throw expected(metavar, text);
-      return names[choices.indexOf(text)];
-    };
-    return { metavar, parse, repeated };
-  }
+  if (field.type === 'TYPE_ENUM') return { ...enumType(braid, field.typeName), repeated };
   const entry = braid.GenerateRequest.type.nestedType.find((t) => t.name === field.typeName && t.options?.mapEntry);
   if (entry) {
     // A map: KEY=VALUE, repeatable; logit_bias's 42=-100.
@@ -116,8 +134,7 @@ function fieldType(braid, field) {
   return { ...SCALARS[field.type], repeated };
 }
 
-function requestFlags() {
-  const braid = loadBraid();
+function requestFlags(braid) {
   const fields = new Map(braid.GenerateRequest.type.field.map((f) => [f.name, f]));
   return REQUEST_FLAGS.map((spec) => {
     const field = fields.get(spec.field);
@@ -127,7 +144,16 @@ function requestFlags() {
   });
 }
 
-const FLAGS = requestFlags();
+function checkConstraintFlags(braid) {
+  const kinds = braid.Constraint.type.field.map((f) => f.name);
+  const unknown = CONSTRAINT_FLAGS.find(({ kind }) => !kinds.includes(kind));
+  if (unknown) throw new Error(`generate.proto's Constraint has no field ${unknown.kind}`);
+}
+
+const BRAID = loadBraid();
+const FLAGS = requestFlags(BRAID);
+const GRAMMAR_SYNTAX = enumType(BRAID, 'GrammarSyntax');
+checkConstraintFlags(BRAID);
 
 const OPTIONS = {
   target: { type: 'string', default: process.env.BRAID_TARGET || 'localhost:50051' },
@@ -136,26 +162,33 @@ const OPTIONS = {
   'cancel-after': { type: 'string' },
   stats: { type: 'boolean', default: false },
   help: { type: 'boolean', short: 'h', default: false },
+  'grammar-syntax': { type: 'string', default: 'lark' },
 };
 for (const { flag, alias, short, metavar, repeated } of FLAGS) {
   const option = { type: metavar ? 'string' : 'boolean', multiple: repeated, ...(short && { short }) };
   OPTIONS[flag] = option;
   if (alias) OPTIONS[alias] = option;
 }
+for (const { flag, metavar } of CONSTRAINT_FLAGS) OPTIONS[flag] = { type: metavar ? 'string' : 'boolean' };
 
 function usage() {
   const line = ([flag, help]) => `  ${flag.padEnd(30)} ${help}`;
-  const request = FLAGS.map(({ flag, short, metavar, help }) => [
+  const flagLine = ({ flag, short, metavar, help }) => [
     `${short ? `-${short}, ` : ''}--${flag}${metavar ? ` ${metavar}` : ''}`,
     help,
-  ]);
+  ];
+  const { metavar } = GRAMMAR_SYNTAX;
+  const syntax = { flag: 'grammar-syntax', metavar, help: "--grammar's dialect (default lark)" };
   return [
     'usage: node cli.js [options] "prompt"',
     '',
     ...CLI_FLAGS.map(line),
     '',
     "generation (GenerateRequest's fields; unset: the server's default):",
-    ...request.map(line),
+    ...FLAGS.map(flagLine).map(line),
+    '',
+    'output constraint (GenerateRequest.constraint; one of):',
+    ...[...CONSTRAINT_FLAGS, syntax].map(flagLine).map(line),
     '',
     'Ctrl-C cancels the generation on the server and exits 130.',
   ].join('\n');
@@ -182,6 +215,18 @@ function requestOf(values) {
   return request;
 }
 
+/** The constraint the flags in `values` ask for (at most one of CONSTRAINT_FLAGS), or undefined. */
+function constraintOf(values) {
+  const given = CONSTRAINT_FLAGS.filter(({ flag }) => values[flag] !== undefined);
+  if (given.length > 1) {
+    usageError(`${given.map(({ flag }) => `--${flag}`).join(', ')}: give one output constraint at most`);
+  }
+  const syntax = flagValue('grammar-syntax', GRAMMAR_SYNTAX.parse, values['grammar-syntax']);
+  if (given.length === 0) return undefined;
+  const [{ flag, build }] = given;
+  return flagValue(flag, (text) => build(text, syntax), values[flag]);
+}
+
 /** The command line to { target, cancelAfter, stats, request }; exits 2 on a bad flag. */
 function parse(argv) {
   let parsed;
@@ -201,12 +246,13 @@ function parse(argv) {
   const chat = values.chat || system.length > 0;
   const input = chat ? { messages: [...system, { role: 'user', content: prompt }] } : { prompt };
   const cancelAfter = values['cancel-after'];
+  const constraint = constraintOf(values);
   return {
     target: values.target,
     stats: values.stats,
     cancelAfter:
       cancelAfter === undefined ? undefined : flagValue('cancel-after', SCALARS.TYPE_UINT32.parse, cancelAfter),
-    request: { ...input, ...requestOf(values) },
+    request: { ...input, ...requestOf(values), ...(constraint && { constraint }) },
   };
 }
 
@@ -283,7 +329,7 @@ function run({ target, request, cancelAfter, stats }) {
   });
 
   const report = () => {
-    if (!many) process.stdout.write('\n'); // after the text streamed so far
+    if (!many && samples.length) process.stdout.write('\n'); // after the text streamed so far
     samples.forEach(({ text, tokens, promptTokens, final }, index) => {
       const label = many ? `[sample ${index}] ` : '';
       if (many) process.stdout.write(`--- sample ${index} ---\n${text}\n`);
@@ -294,27 +340,21 @@ function run({ target, request, cancelAfter, stats }) {
   };
 
   return new Promise((resolve) => {
-    const finish = (code) => {
+    let settled = false; // a failed call emits 'error', then 'end': it is reported once
+    const finish = (code, note) => {
+      if (settled) return;
+      settled = true;
+      report();
+      if (note) process.stderr.write(`${note}\n`);
       process.removeListener('SIGINT', onSigint);
       client.close(); // lets the process exit once the cancellation has gone out
       resolve(code);
     };
-    call.on('end', () => {
-      report();
-      finish(0);
-    });
+    call.on('end', () => finish(0));
     call.on('error', (error) => {
-      report();
-      if (isCancelled(error) && interrupted) {
-        process.stderr.write('[cancelled]\n');
-        finish(EXIT_INTERRUPTED);
-      } else if (isCancelled(error) && cancelledAfter) {
-        process.stderr.write(`[cancelled after ${generated} tokens]\n`);
-        finish(0);
-      } else {
-        process.stderr.write(`${describe(error)}\n`);
-        finish(1);
-      }
+      if (isCancelled(error) && interrupted) finish(EXIT_INTERRUPTED, '[cancelled]');
+      else if (isCancelled(error) && cancelledAfter) finish(0, `[cancelled after ${generated} tokens]`);
+      else finish(1, describe(error));
     });
   });
 }
@@ -325,4 +365,4 @@ if (require.main === module) {
   });
 }
 
-module.exports = { FLAGS, parse, run, usage };
+module.exports = { CONSTRAINT_FLAGS, FLAGS, parse, run, usage };

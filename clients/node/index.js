@@ -14,6 +14,8 @@
  * root's protos/.
  * Field names are camelCase (maxNewTokens, finishReason, tokenIds), enums are
  * their names ('FINISH_REASON_EOS'), and 64-bit integers are decimal strings.
+ * jsonSchema(), jsonObject(), regex(), choice() and grammar() make a request's
+ * constraint: { prompt, constraint: choice(['yes', 'no']) }.
  */
 
 const fs = require('node:fs');
@@ -39,6 +41,45 @@ const LOADER_OPTIONS = {
 function loadBraid(protoDir = PROTO_DIR) {
   const definition = protoLoader.loadSync(PROTO_FILE, { ...LOADER_OPTIONS, includeDirs: [protoDir] });
   return grpc.loadPackageDefinition(definition).braid.v1;
+}
+
+let bundled; // loadBraid() of PROTO_DIR, loaded on first use by the helpers below
+
+/** An enum's values but UNSPECIFIED by their short names: { lark: 'GRAMMAR_SYNTAX_LARK', gbnf: ... }. */
+function enumValues(braid, typeName) {
+  const [unspecified, ...names] = braid[typeName].type.value.map((v) => v.name);
+  const prefix = unspecified.slice(0, -'UNSPECIFIED'.length);
+  return Object.fromEntries(names.map((name) => [name.slice(prefix.length).toLowerCase(), name]));
+}
+
+// A request's constraint, one of these (generate.proto's Constraint): { prompt, constraint: regex('[0-9]+') }.
+
+/** A constraint: the output is one JSON value valid against this JSON Schema (an object or its text). */
+function jsonSchema(schema) {
+  return { jsonSchema: typeof schema === 'string' ? schema : JSON.stringify(schema) };
+}
+
+/** A constraint: the output is any one JSON object. */
+function jsonObject() {
+  return { jsonObject: true };
+}
+
+/** A constraint: the whole output matches this regular expression. */
+function regex(pattern) {
+  return { regex: pattern };
+}
+
+/** A constraint: the output is exactly one of these strings. */
+function choice(choices) {
+  return { choice: { choices: [...choices] } };
+}
+
+/** A constraint: the output is a sentence of this grammar, in syntax 'lark' or 'gbnf' (or its enum name). */
+function grammar(text, syntax = 'lark') {
+  const syntaxes = enumValues((bundled ??= loadBraid()), 'GrammarSyntax');
+  const name = syntaxes[syntax] ?? Object.values(syntaxes).find((value) => value === syntax);
+  if (!name) throw new RangeError(`expected ${Object.keys(syntaxes).join('|')}, not ${JSON.stringify(syntax)}`);
+  return { grammar: { syntax: name, text } };
 }
 
 // grpc.health.v1 without its .proto: HealthCheckRequest is {1: string service} and
@@ -108,7 +149,8 @@ class Client {
    *   stopTokenIds, ignoreEos, requestId, minNewTokens, priority, timeoutMs, cacheSalt,
    *   logprobs, topLogprobs (messages then carry logprobs, one per token id),
    *   truncateInputTokens, badWords, reportQueue (messages then carry queuePosition while
-   *   waiting), n.
+   *   waiting), n, constraint (jsonSchema(), jsonObject(), regex(), choice() or grammar(); a
+   *   completed match ends with FINISH_REASON_CONSTRAINT).
    * @param {object} [options]
    * @param {number} [options.timeoutMs] deadline of the call.
    * @returns {grpc.ClientReadableStream}
@@ -153,6 +195,16 @@ class Client {
     return this.unary('ServerStatus', {}, timeoutMs);
   }
 
+  /**
+   * Cancels the generations started with these request ids (by calls with this client's
+   * credentials); resolves to the ids that were running or queued. Each aborted stream still ends
+   * normally, its last message's finishReason FINISH_REASON_CANCELLED.
+   */
+  async abort(requestIds, { timeoutMs } = {}) {
+    const { aborted } = await this.unary('Abort', { requestIds: [...requestIds] }, timeoutMs);
+    return aborted;
+  }
+
   /** Resolves to the grpc.health.v1 status of `service` ('' is the whole server): 'SERVING', ... */
   health(service = '', { timeoutMs } = {}) {
     return new Promise((resolve, reject) => {
@@ -174,4 +226,7 @@ class Client {
   }
 }
 
-module.exports = { Client, describe, isCancelled, loadBraid, grpc, PROTO_DIR };
+module.exports = {
+  Client, describe, isCancelled, loadBraid, enumValues, grpc, PROTO_DIR,
+  jsonSchema, jsonObject, regex, choice, grammar,
+};

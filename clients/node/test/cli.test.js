@@ -5,19 +5,55 @@
 const assert = require('node:assert/strict');
 const { execFile } = require('node:child_process');
 const fs = require('node:fs');
+const os = require('node:os');
 const path = require('node:path');
 const { after, before, test } = require('node:test');
 const { grpc, loadBraid } = require('../index.js');
-const { FLAGS, parse, usage } = require('../cli.js');
+const { CONSTRAINT_FLAGS, FLAGS, parse, usage } = require('../cli.js');
 
 const braid = loadBraid();
 const INPUT = ['prompt', 'messages']; // the prompt argument, --chat and --system
 const fieldsOf = (type) => type.field.filter((field) => !INPUT.includes(field.name));
 
 test('every GenerateRequest field has a flag', () => {
-  const flagged = new Set(FLAGS.map((flag) => flag.field));
+  const flagged = new Set([...FLAGS, ...CONSTRAINT_FLAGS].map((flag) => flag.field)); // constraint: one of a group
   const missing = fieldsOf(braid.GenerateRequest.type).filter((field) => !flagged.has(field.name));
   assert.deepEqual(missing.map((field) => field.name), [], 'add them to REQUEST_FLAGS in cli.js');
+});
+
+test('every kind of Constraint has a flag', () => {
+  const kinds = CONSTRAINT_FLAGS.map((flag) => flag.kind);
+  const fields = braid.Constraint.type.field.map((field) => field.name);
+  assert.deepEqual(fields, kinds, 'add them to CONSTRAINT_FLAGS in cli.js');
+});
+
+// Files for --json-schema and --grammar.
+const files = fs.mkdtempSync(path.join(os.tmpdir(), 'braid-node-'));
+const SCHEMA = '{"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}';
+const GBNF = 'root ::= "yes" | "no"';
+fs.writeFileSync(path.join(files, 'schema.json'), SCHEMA);
+fs.writeFileSync(path.join(files, 'yes.gbnf'), GBNF);
+after(() => fs.rmSync(files, { recursive: true, force: true }));
+
+test('each constraint flag sets its kind of constraint, as the server decodes the request', () => {
+  const values = {
+    jsonSchema: [path.join(files, 'schema.json')], jsonObject: [], regex: ['[0-9]{3}'], choice: ['yes,no'],
+    grammar: [path.join(files, 'yes.gbnf'), '--grammar-syntax', 'gbnf'],
+  };
+  const { Stream } = braid.Generate.service;
+  const sent = CONSTRAINT_FLAGS.map(({ flag, kind }) => {
+    const request = parse([`--${flag}`, ...values[kind], 'hi']).request;
+    const { constraint } = Stream.requestDeserialize(Stream.requestSerialize(request));
+    assert.equal(constraint.kind, kind, flag);
+    return [kind, constraint[kind]];
+  });
+  assert.deepEqual(Object.fromEntries(sent), {
+    jsonSchema: SCHEMA, jsonObject: true, regex: '[0-9]{3}', choice: { choices: ['yes', 'no'] },
+    grammar: { syntax: 'GRAMMAR_SYNTAX_GBNF', text: GBNF },
+  });
+  const lark = parse(['--grammar', path.join(files, 'yes.gbnf'), 'hi']).request.constraint.grammar.syntax;
+  assert.equal(lark, 'GRAMMAR_SYNTAX_LARK'); // the default, as braid-client's
+  assert.equal(parse(['hi']).request.constraint, undefined); // none: the server's default
 });
 
 test('each flag sets its field, as the server decodes the request', () => {
@@ -52,7 +88,7 @@ test('flags read as braid-client reads them', () => {
 
 test('--help and the README list every flag', () => {
   const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
-  for (const { flag } of FLAGS) {
+  for (const { flag } of [...FLAGS, ...CONSTRAINT_FLAGS, { flag: 'grammar-syntax' }]) {
     assert.match(usage(), new RegExp(`--${flag}\\b`), flag);
     assert.match(readme, new RegExp(`^\\| .*\`--${flag}\\b`, 'm'), `--${flag} is missing from the README's flag table`);
   }
@@ -79,6 +115,10 @@ const REPLIES = [
   final(0, 'FINISH_REASON_STOP_SEQUENCE', { stopSequence: '.', tokenIds: [30], logprobs: [logprob(30, -0.5, 1)] }),
   final(1, 'FINISH_REASON_MAX_TOKENS', { text: '!', tokenIds: [17], logprobs: [logprob(17, -1, 2)] }),
 ];
+const CONSTRAINED = [ // what a constrained request gets back
+  { text: 'y', tokenIds: [88] },
+  final(0, 'FINISH_REASON_CONSTRAINT', { text: 'es', tokenIds: [274] }),
+];
 
 before(async () => {
   server = new grpc.Server();
@@ -89,7 +129,8 @@ before(async () => {
         call.emit('error', { code: grpc.status.INVALID_ARGUMENT, details: 'top_logprobs: 50 is more than 20' });
         return;
       }
-      for (const reply of REPLIES) call.write(reply);
+      const replies = call.request.constraint ? CONSTRAINED : REPLIES;
+      for (const reply of replies) call.write(reply);
       call.end();
     },
   });
@@ -134,7 +175,28 @@ test('an error prints its status name and exits 1; a bad flag value exits 2', as
   const failed = await cli('--top-logprobs', '50', 'fail');
   assert.equal(failed.code, 1);
   assert.equal(failed.stderr, 'INVALID_ARGUMENT: top_logprobs: 50 is more than 20\n');
+  assert.equal(failed.stdout, ''); // reported once, though grpc-js emits 'error' and then 'end'
   const bad = await cli('--logit-bias', 'forty-two', 'hi');
   assert.equal(bad.code, 2);
   assert.match(bad.stderr, /^--logit-bias: expected KEY=VALUE, not "forty-two"/);
+});
+
+test('--choice sends the choices and the stats show finish reason CONSTRAINT', async () => {
+  const { code, stdout, stderr } = await cli('--choice', 'yes,no', '--stats', 'Is it?');
+  assert.equal(code, 0, stderr);
+  assert.deepEqual(received.at(-1).constraint, { choice: { choices: ['yes', 'no'] }, kind: 'choice' });
+  assert.equal(stdout, 'yes\n');
+  assert.match(stderr, /^finish_reason: FINISH_REASON_CONSTRAINT {2}request_id: r1/m);
+});
+
+test('two constraint flags, a bad --grammar-syntax or a missing file exit 2, naming the flags', async () => {
+  const both = await cli('--regex', '[0-9]+', '--json-object', '--choice', 'a,b', 'hi');
+  assert.equal(both.code, 2);
+  assert.match(both.stderr, /^--json-object, --regex, --choice: give one output constraint at most\n/);
+  const syntax = await cli('--grammar', path.join(files, 'yes.gbnf'), '--grammar-syntax', 'ebnf', 'hi');
+  assert.equal(syntax.code, 2);
+  assert.match(syntax.stderr, /^--grammar-syntax: expected lark\|gbnf, not "ebnf"\n/);
+  const missing = await cli('--json-schema', path.join(files, 'none.json'), 'hi');
+  assert.equal(missing.code, 2);
+  assert.match(missing.stderr, /^--json-schema: ENOENT: no such file or directory/);
 });

@@ -4,7 +4,7 @@
 
 const assert = require('node:assert/strict');
 const { after, before, test } = require('node:test');
-const { Client, isCancelled, grpc } = require('../index.js');
+const { Client, choice, isCancelled, jsonSchema, grpc } = require('../index.js');
 
 const TARGET = process.env.BRAID_TARGET;
 let client;
@@ -74,6 +74,36 @@ test('cancel() ends the call with CANCELLED and frees the session on the server'
     return now.sessionsActive === 0 && counted && now;
   });
   assert.equal(status.sessionsQueued, 0);
+});
+
+test('abort() cancels a generation by its request id and resolves to the ids it cancelled', async () => {
+  const requestId = `node-abort-${process.pid}`;
+  const call = client.stream({ prompt: 'Count to a thousand:', maxNewTokens: 500, ignoreEos: true, requestId });
+  const messages = [];
+  const ended = new Promise((resolve, reject) => {
+    call.on('data', (message) => messages.push(message));
+    call.on('end', resolve);
+    call.on('error', reject);
+  });
+  await waitFor(() => messages.length > 0);
+  assert.deepEqual(await client.abort([requestId, 'no-such-request']), [requestId]);
+  await ended; // normally, with a last message
+  assert.equal(messages.at(-1).finishReason, 'FINISH_REASON_CANCELLED');
+  assert.deepEqual(await client.abort([requestId]), []); // ended: nothing to abort
+});
+
+test('constraints: a choice and a JSON schema end with FINISH_REASON_CONSTRAINT', async () => {
+  const answer = await client.generate({ prompt: 'Is the sky blue? Answer:', constraint: choice(['yes', 'no']) });
+  assert.ok(['yes', 'no'].includes(answer.text), answer.text);
+  assert.equal(answer.final.finishReason, 'FINISH_REASON_CONSTRAINT');
+  const schema = {
+    type: 'object', additionalProperties: false, required: ['age'],
+    properties: { age: { type: 'integer', minimum: 0, maximum: 120 } },
+  };
+  const constraint = jsonSchema(schema);
+  const person = await client.generate({ prompt: 'Alice is 30. As JSON:', maxNewTokens: 64, constraint });
+  assert.equal(person.final.finishReason, 'FINISH_REASON_CONSTRAINT', person.text);
+  assert.ok(Number.isInteger(JSON.parse(person.text).age), person.text);
 });
 
 test('a bad request is INVALID_ARGUMENT', async () => {
