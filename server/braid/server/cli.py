@@ -1,5 +1,10 @@
 """`braid serve` and `braid warmup`: flags built from the config dataclasses, each also read from
-BRAID_<NAME> in the environment."""
+BRAID_<NAME> in the environment.
+
+A start that cannot go on ends with one line on stderr and a non-zero exit, never a traceback: a
+bad flag or variable (exit 2, with the command's usage), or a model, device or port braid cannot
+use (exit 1). `--log-level debug` adds the traceback.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,18 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import typing
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from braid.server.config import EngineConfig, ServerConfig
+from braid.server import logs
+from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag
 
 ENV_PREFIX = "BRAID_"
+_LOGGER = logging.getLogger(__name__)
+_COMMANDS = {"serve": (ServerConfig, EngineConfig, LogConfig), "warmup": (EngineConfig, LogConfig)}
 
 
 def env_name(field_name: str) -> str:
@@ -21,19 +31,16 @@ def env_name(field_name: str) -> str:
 
 
 def _add_fields(parser: argparse.ArgumentParser, config_type: type) -> None:
+    """One flag per field. A flag left out is absent from the parsed namespace (SUPPRESS), so the
+    environment is read only after parsing: `--help` works whatever the environment holds."""
     hints = typing.get_type_hints(config_type)
     for f in dataclasses.fields(config_type):
-        kind = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        env = os.environ.get(env_name(f.name))
-        convert = _converter(kind)
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         shown = getattr(default, "value", default)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, type=convert,
-            default=convert(env) if env is not None else default,
-            help=f"{help_text} [env {env_name(f.name)}; default {shown}]", **meta)
+        parser.add_argument(flag(f.name), dest=f.name, type=_converter(hints[f.name]), default=argparse.SUPPRESS,
+                            help=f"{help_text} [env {env_name(f.name)}; default {shown}]", **meta)
 
 
 def _converter(kind):
@@ -44,41 +51,99 @@ def _converter(kind):
     return str
 
 
+def _version() -> str:
+    try:
+        return version("braid")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="braid", description="braid: LLM text generation over gRPC")
+    parser.add_argument("--version", action="version", version=f"braid {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start the gRPC server")
-    _add_fields(serve, ServerConfig)
-    _add_fields(serve, EngineConfig)
-    warmup = commands.add_parser("warmup", help="load (and convert, once) the model, then exit")
-    _add_fields(warmup, EngineConfig)
-    warmup.add_argument("--log-level", default=os.environ.get("BRAID_LOG_LEVEL", "info"))
+    helps = {"serve": "start the gRPC server", "warmup": "load (and convert, once) the model, then exit"}
+    for name, config_types in _COMMANDS.items():
+        # A short usage: an error's line is not lost under thirty flags (--help lists them).
+        command = commands.add_parser(name, help=helps[name], usage=f"braid {name} [--flag VALUE ...]")
+        command.set_defaults(command_parser=command)  # its errors print its usage, not braid's
+        for config_type in config_types:
+            _add_fields(command, config_type)
     return parser
 
 
-def _pick(config_type: type, args: argparse.Namespace):
-    names = {f.name for f in dataclasses.fields(config_type)}
-    return config_type(**{k: v for k, v in vars(args).items() if k in names})
+def _configs(command: argparse.ArgumentParser, args: argparse.Namespace, config_types) -> dict[type, object]:
+    """Each config from its flags, else their environment variables, else its defaults. A bad value
+    ends the start with the command's usage and one line naming the flag or the variable."""
+    given = vars(args)
+    from_env: dict[str, str] = {}
+    actions = {a.dest: a for a in command._actions}
+    for config_type in config_types:
+        for f in dataclasses.fields(config_type):
+            raw = os.environ.get(env_name(f.name))
+            if f.name not in given and raw is not None:
+                from_env[f.name] = raw
+                given[f.name] = _env_value(command, actions[f.name], raw)
+    try:
+        return {t: t(**{f.name: given[f.name] for f in dataclasses.fields(t) if f.name in given})
+                for t in config_types}
+    except SettingError as exc:
+        if exc.name in from_env:
+            command.error(f"{env_name(exc.name)}={from_env[exc.name]} ({flag(exc.name)}): {exc.problem}")
+        command.error(str(exc))
+    except ValueError as exc:
+        command.error(str(exc))
+
+
+def _env_value(command: argparse.ArgumentParser, action: argparse.Action, raw: str):
+    """An environment variable's value, converted and checked as its flag's would be."""
+    where = f"{env_name(action.dest)}={raw} ({action.option_strings[0]})"
+    try:
+        value = action.type(raw)
+    except ValueError:
+        command.error(f"{where}: invalid {getattr(action.type, '__name__', 'value')} value")
+    if action.choices is not None and value not in action.choices:
+        command.error(f"{where}: invalid choice (choose from {', '.join(map(str, action.choices))})")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configs = _configs(args.command_parser, args, _COMMANDS[args.command])
+    log_config: LogConfig = configs[LogConfig]
+    logs.setup(log_config.log_level, log_config.log_format)
     try:
-        engine_config = _pick(EngineConfig, args)
-        server_config = _pick(ServerConfig, args) if args.command == "serve" else None
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.command == "warmup":
+        return _run(args.command, configs)
+    except KeyboardInterrupt:
+        print("braid: interrupted while starting", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Exception as exc:
+        _LOGGER.debug("the start failed", exc_info=True)
+        print(f"braid: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _run(command: str, configs: dict[type, object]) -> int:
+    engine_config: EngineConfig = configs[EngineConfig]
+    if command == "warmup":
         from braid.server.model.loader import load
 
         load(engine_config.model, engine_config.cache_dir)
         return 0
     from braid.server.edge.server import serve
 
-    return serve(server_config, build_engine(engine_config))
+    return serve(configs[ServerConfig], lambda: build_engine(engine_config))
+
+
+def _one_line(exc: BaseException) -> str:
+    """A failure as one line: braid's own messages as they are, anything else with its type and a
+    pointer to the traceback."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if isinstance(exc, (SettingError, FileNotFoundError)) and lines:
+        return lines[0]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return f"{text} (--log-level debug shows the traceback)"
 
 
 def build_engine(config: EngineConfig, model=None):
@@ -90,9 +155,23 @@ def build_engine(config: EngineConfig, model=None):
     from braid.server.model.loader import load
     from braid.server.runner.model_runner import ModelRunner
 
+    _check_device(config.device)  # before the model loads: a missing device fails at once
     model = model or load(config.model, config.cache_dir)
     runner = ModelRunner.build(config, model)
     return Engine(config, runner, Tokenizer(model.hf_tokenizer, model.eos_token_ids), model.name, model.architecture)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    from braid.server.runner.model_runner import pick_device
+
+    try:
+        picked, _ = pick_device(device)
+    except ValueError as exc:
+        raise SettingError("device", device, str(exc).split(": ", 1)[-1]) from None
+    if picked.type == "cuda" and (picked.index or 0) >= torch.cuda.device_count():
+        raise SettingError("device", device, f"this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,23 @@ class Mode(enum.Enum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+class SettingError(ValueError):
+    """A setting braid cannot use, named by its flag: `--port 70000: must be in [0, 65535]`. cli.py
+    names the environment variable instead where the value came from there."""
+
+    def __init__(self, name: str, value: object, problem: str) -> None:
+        self.name, self.value, self.problem = name, value, problem
+        super().__init__(f"{flag(name)} {value}: {problem}")
+
+
+def flag(name: str) -> str:
+    """A setting's flag: max_batch_size -> --max-batch-size."""
+    return "--" + name.replace("_", "-")
 
 
 def _opt(help_text: str, **kw) -> dict:
@@ -81,7 +99,11 @@ class EngineConfig:
         "where converted models are kept"))
 
     def __post_init__(self) -> None:
-        self.mode = Mode(self.mode)
+        if not isinstance(self.mode, Mode):
+            _one_of(self, "mode", tuple(m.value for m in Mode))
+            self.mode = Mode(self.mode)
+        if not _DEVICE.fullmatch(self.device):
+            raise SettingError("device", self.device, "expected auto, cpu, cuda or cuda:N")
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "quantization", QUANTIZATIONS)
         _one_of(self, "kernels", ("auto", "torch"))
@@ -92,11 +114,8 @@ class EngineConfig:
         _positive(self, "max_batch_size", "max_sessions", "max_seq_len", "prefill_chunk", "max_queued")
         parse_memory(self.kv_cache_memory)
         if self.kv_page_size < 16 or self.kv_page_size % 16:
-            raise ValueError(f"--kv-page-size {self.kv_page_size}: expected a multiple of 16")
-        if self.threads < 0:
-            raise ValueError("--threads must be 0 or more")
-        if self.max_wait_ms < 0 or self.batch_max_wait_ms < 0:
-            raise ValueError("--max-wait-ms and --batch-max-wait-ms must be 0 or more")
+            raise SettingError("kv_page_size", self.kv_page_size, "expected a multiple of 16")
+        _not_negative(self, "threads", "max_wait_ms", "batch_max_wait_ms")
 
 
 @dataclass
@@ -107,7 +126,6 @@ class ServerConfig:
         "max_new_tokens of a request that leaves it at 0"))
     grace_period: float = field(default=10.0, **_opt(
         "seconds in-flight streams get to finish after SIGTERM"))
-    log_level: str = field(default="info", **_opt("debug, info, warning or error"))
     tls_cert: Path | None = field(default=None, **_opt("PEM certificate chain: serve TLS"))
     tls_key: Path | None = field(default=None, **_opt("PEM private key of --tls-cert"))
     tls_client_ca: Path | None = field(default=None, **_opt(
@@ -137,9 +155,22 @@ class ServerConfig:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535]")
-        if self.grace_period < 0:
-            raise ValueError("--grace-period must be 0 or more")
+                raise SettingError(name, getattr(self, name), "must be in [0, 65535]")
+        _not_negative(self, "grace_period")
+
+
+@dataclass
+class LogConfig:
+    """How braid logs, for `braid serve` and `braid warmup` alike."""
+
+    log_level: str = field(default="info", **_opt("debug, info, warning or error", choices=list(LOG_LEVELS)))
+    log_format: str = field(default="text", **_opt(
+        "text: one line per record; json: one JSON object per record, every field of a request's "
+        "line its own key", choices=list(LOG_FORMATS)))
+
+    def __post_init__(self) -> None:
+        _one_of(self, "log_level", LOG_LEVELS)
+        _one_of(self, "log_format", LOG_FORMATS)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -153,9 +184,9 @@ def parse_memory(text: str) -> tuple[float, bool]:
     try:
         value = float(number)
     except ValueError:
-        raise ValueError(f"--kv-cache-memory {text!r}: expected bytes with a unit or a fraction") from None
+        raise SettingError("kv_cache_memory", text, "expected bytes with a unit or a fraction") from None
     if unit not in _UNITS or value <= 0:
-        raise ValueError(f"--kv-cache-memory {text!r}: expected e.g. 4GiB, 512MB or 0.5")
+        raise SettingError("kv_cache_memory", text, "expected e.g. 4GiB, 512MB or 0.5")
     if not unit and value <= 1:
         return value, True
     return value * _UNITS[unit], False
@@ -165,13 +196,19 @@ def _one_of(config: object, name: str, choices: tuple[str, ...]) -> None:
     """Flags' choices are checked by argparse; this catches the same values given through the
     environment (BRAID_DTYPE) or in code."""
     if getattr(config, name) not in choices:
-        raise ValueError(f"--{name.replace('_', '-')} {getattr(config, name)!r}: expected one of {', '.join(choices)}")
+        raise SettingError(name, getattr(config, name), f"invalid choice (choose from {', '.join(choices)})")
 
 
 def _positive(config: object, *names: str) -> None:
     for name in names:
         if getattr(config, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+            raise SettingError(name, getattr(config, name), "must be positive")
+
+
+def _not_negative(config: object, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < 0:
+            raise SettingError(name, getattr(config, name), "must be 0 or more")
 
 
 def default_cache_dir() -> Path:

@@ -57,12 +57,21 @@ class BraidProcess:
             check = health_pb2_grpc.HealthStub(channel).Check
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"braid serve exited with {self.proc.returncode}")
+                    raise RuntimeError(f"braid serve exited with {self.proc.returncode}{self._last_words()}")
                 with contextlib.suppress(grpc.RpcError):
                     if check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 time.sleep(0.2)
         raise TimeoutError(f"braid serve not healthy after {timeout:.0f} s")
+
+    def _last_words(self) -> str:
+        """The last line it wrote (a failed start says why in one), where its output went to a file."""
+        name = getattr(self.log, "name", None)
+        if not isinstance(name, str):
+            return ""
+        self.log.flush()
+        lines = Path(name).read_text(errors="replace").strip().splitlines()
+        return f": {lines[-1]}" if lines else ""
 
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM (a graceful drain), then SIGKILL after `timeout` s; returns the exit code."""

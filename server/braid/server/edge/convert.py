@@ -122,7 +122,17 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         request_id=req.request_id or uuid.uuid4().hex,
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
-        cache_salt=req.cache_salt, n=req.n or 1, constraint=constraint_from_pb(req))
+        cache_salt=req.cache_salt, n=req.n or 1, constraint=constraint_from_pb(req),
+        resume_token_ids=_resume_token_ids(req, vocab_size))
+
+
+def _resume_token_ids(req: pb.GenerateRequest, vocab_size: int) -> tuple[int, ...]:
+    if req.resume_token_ids and req.n > 1:
+        raise InvalidArgument("resume_token_ids", "resume one sample at a time (n = 1)")
+    for i, t in enumerate(req.resume_token_ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"resume_token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
+    return tuple(req.resume_token_ids)
 
 
 def constraint_from_pb(req: pb.GenerateRequest) -> Constraint | None:

@@ -1,17 +1,27 @@
-"""Builds and runs the grpc.aio server: braid's service, health checking, reflection, shutdown."""
+"""Builds and runs the grpc.aio server: braid's service, health checking, reflection, shutdown.
+
+The port is bound before the model loads: a port in use fails the start at once, not after the
+load, and the model is loaded only where it can be served.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 import signal
+import socket
 import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.reflection import SERVICE_NAME as REFLECTION_SERVICE
 
-from braid.server.config import ServerConfig
+from braid.server.config import ServerConfig, SettingError
 from braid.server.edge.auth import ApiKeyInterceptor
 from braid.server.edge import reflection
 from braid.server.edge.errors import ErrorInterceptor
@@ -20,22 +30,35 @@ from braid.server.edge.telemetry import TelemetryInterceptor
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    from braid.server.engine.engine import Engine
+    from braid.server.telemetry.setup import Telemetry
+
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generate"].full_name
 _FINAL_MESSAGES_S = 2.0  # after the grace period, time for the final CANCELLED messages to go out
 
 
-def serve(server_config: ServerConfig, engine) -> int:
-    """Serves the engine until SIGTERM/SIGINT (exit 0) or until the model loop dies (exit 1).
+def serve(server_config: ServerConfig, build_engine: Callable[[], "Engine"]) -> int:
+    """Binds the port, builds the engine (loads the model), then serves it until SIGTERM/SIGINT
+    (exit 0) or until the model loop dies (exit 1). A start that fails raises.
 
     The model loop runs on the process's main thread and the asyncio gRPC edge on a thread of its
     own: torch's CPU kernels ran ~40% slower on a spawned thread than on the main one here
     (single-stream decode, 13 against 22 tok/s, same process, alternated).
     """
-    edge = _Edge(server_config, engine)
+    edge = _Edge(server_config)
+    signals = _Signals(edge)
     edge.start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: edge.request_stop())
+    try:
+        edge.bound.result()  # a port in use, a TLS file missing: raised here
+        engine = build_engine()
+        signals.engine = engine
+    except BaseException:
+        edge.abandon()
+        edge.join()
+        raise
+    edge.serve(engine)
     try:
         engine.run()  # returns once the edge has drained and stopped it
     except BaseException:
@@ -44,42 +67,108 @@ def serve(server_config: ServerConfig, engine) -> int:
     return edge.exit_code
 
 
-class _Edge(threading.Thread):
-    """The gRPC server's thread: its event loop, and a thread-safe way to ask it to stop."""
+class _Signals:
+    """SIGTERM and SIGINT. While the model loads, the first ends the start; once serving, it asks
+    the edge to drain. A second one exits at once, whatever is in flight.
 
-    def __init__(self, config: ServerConfig, engine) -> None:
-        super().__init__(name="braid-grpc")
-        self._config, self._engine = config, engine
+    Handlers run on the main thread, which is the model loop's: they take no lock the loop might
+    hold (the edge logs the drain, and the sessions in flight, from its own thread)."""
+
+    def __init__(self, edge: _Edge) -> None:
+        self._edge = edge
+        self.engine: Engine | None = None
+        self._received = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self._received:
+            _LOGGER.warning("%s received again: exiting now, without draining", name)
+            os._exit(128 + signum)
+        self._received = True
+        if self.engine is None:
+            _LOGGER.warning("%s received while starting: exiting", name)
+            raise SystemExit(128 + signum)
+        self._edge.request_stop(name)
+
+
+class _Edge(threading.Thread):
+    """The gRPC server's thread: binds the port, waits for the engine, serves it; and a
+    thread-safe way to ask it to stop."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        # A daemon: if the main thread dies while the model loads, the process still ends.
+        super().__init__(name="braid-grpc", daemon=True)
+        self._config = config
+        self.bound: concurrent.futures.Future[int] = concurrent.futures.Future()  # the port, or why not
+        self._engine: concurrent.futures.Future[Engine | None] = concurrent.futures.Future()  # None: abandoned
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
-        self._stop_requested = threading.Event()
+        self._stop_reason: str | None = None
         self.exit_code = 1
+
+    def serve(self, engine: Engine) -> None:
+        self._engine.set_result(engine)
+
+    def abandon(self) -> None:
+        """The start failed after the port was bound: close it and end."""
+        if not self._engine.done():
+            self._engine.set_result(None)
 
     def run(self) -> None:
         try:
             self.exit_code = asyncio.run(self._main())
-        except BaseException:
-            _LOGGER.exception("the gRPC server failed")
+        except BaseException as exc:
+            if self.bound.done():
+                _LOGGER.exception("the gRPC server failed")
+            else:
+                self.bound.set_exception(exc)
             self.exit_code = 1
         finally:
-            self._engine.stop()  # the main thread's model loop returns
+            engine = self._engine.result() if self._engine.done() else None
+            if engine is not None:
+                engine.stop()  # the main thread's model loop returns
 
     async def _main(self) -> int:
         self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
-        if self._stop_requested.is_set():
+        if self._stop_reason is not None:
             self._stop_event.set()
-        return await _serve(self._config, self._engine, self._stop_event)
+        listening = _bind(self._config)
+        self.bound.set_result(listening.port)
+        engine = await asyncio.wrap_future(self._engine)
+        if engine is None:
+            await listening.close()
+            return 1
+        return await _serve(self._config, listening, engine, self._stop_event, lambda: self._stop_reason)
 
-    def request_stop(self) -> None:
-        """Safe from a signal handler or any thread."""
-        self._stop_requested.set()
+    def request_stop(self, reason: str) -> None:
+        """Safe from a signal handler or any thread; reason: what asked (SIGTERM)."""
+        self._stop_reason = reason
         if self._loop is not None and self._stop_event is not None:
             self._loop.call_soon_threadsafe(self._stop_event.set)
 
 
-async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
+@dataclass
+class _Listening:
+    """A server bound to its port, not started: no service yet, nothing answered."""
+
+    server: grpc.aio.Server
+    port: int
+    telemetry: Telemetry | None
+
+    async def close(self) -> None:
+        await self.server.stop(0)
+        if self.telemetry is not None:
+            await asyncio.to_thread(self.telemetry.shutdown)
+
+
+def _bind(config: ServerConfig) -> _Listening:
+    """The server with its interceptors, bound to --port; the metrics port too when asked for."""
     telemetry_on = bool(config.metrics_port or config.otlp_endpoint)
-    interceptors = [TelemetryInterceptor()] if telemetry_on else []  # outermost: sees every status
+    interceptors = []
+    if telemetry_on:
+        interceptors.append(TelemetryInterceptor())  # outermost: sees every status
     if config.api_key:
         interceptors.append(ApiKeyInterceptor(config.api_key))
     server = grpc.aio.server(
@@ -87,6 +176,18 @@ async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
                  ("grpc.max_concurrent_streams", config.max_concurrent_streams),
                  ("grpc.so_reuseport", 0)])
+    port = _listen(server, config)
+    telemetry = None
+    if telemetry_on:
+        from braid.server.telemetry.setup import start_telemetry  # the SDK and exporters: only when asked for
+
+        telemetry = start_telemetry(config, port)
+    return _Listening(server, port, telemetry)
+
+
+async def _serve(config: ServerConfig, listening: _Listening, engine: Engine, stop: asyncio.Event,
+                 stop_reason: Callable[[], str | None]) -> int:
+    server, port = listening.server, listening.port
     servicer = GenerateServicer(engine, config)
     pb_grpc.add_GenerateServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -94,18 +195,14 @@ async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
     reflection.enable(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION_SERVICE),
         server)
-    address = f"{config.host}:{config.port}"
-    port = _listen(server, address, config)
-    telemetry = None
-    if telemetry_on:
-        from braid.server.telemetry.setup import start_telemetry  # the SDK and exporters: only when asked for
-
-        telemetry = start_telemetry(config, engine, port)
+    if listening.telemetry is not None:
+        listening.telemetry.observe(engine)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _LOGGER.info("braid serving %s (%s, %s mode, %s) on %s:%d", engine.info.model_name, engine.info.device,
                  engine.info.mode.value, engine.info.dtype, config.host, port)
+    _log_settings(config)
 
     exit_code = 0
     loop = asyncio.get_running_loop()
@@ -120,14 +217,36 @@ async def _serve(config: ServerConfig, engine, stop: asyncio.Event) -> int:
 
     watcher = asyncio.create_task(watch_engine())
     await stop.wait()
+    if exit_code == 0:
+        stats = engine.stats()
+        _LOGGER.info("%s received: draining, %d sessions in flight (%d running, %d queued) get %g s; a second "
+                     "signal exits at once", stop_reason() or "stop", stats.sessions_active + stats.sessions_queued,
+                     stats.sessions_active, stats.sessions_queued, config.grace_period)
     await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0)
     watcher.cancel()
     servicer.close()
     engine.stop()
-    if telemetry is not None:
-        await asyncio.to_thread(telemetry.shutdown)
+    if listening.telemetry is not None:
+        await asyncio.to_thread(listening.telemetry.shutdown)
     _LOGGER.info("braid stopped")
     return exit_code
+
+
+def _log_settings(config: ServerConfig) -> None:
+    """One line each for what an operator must know is on or off."""
+    metrics = (f"on, http://{config.metrics_host}:{config.metrics_port}/metrics (no API key guards it)"
+               if config.metrics_port else "off")
+    _LOGGER.info("metrics: %s", metrics)
+    _LOGGER.info("OTLP: %s", f"on, traces and metrics to {config.otlp_endpoint}" if config.otlp_endpoint else "off")
+    if config.tls_cert is None:
+        tls = "off, plaintext"
+    elif config.tls_client_ca is None:
+        tls = f"on, certificate {config.tls_cert}"
+    else:
+        tls = f"on, mutual: client certificates signed by {config.tls_client_ca} required"
+    _LOGGER.info("TLS: %s", tls)
+    _LOGGER.info("API key: %s", "on, every call but health checks needs it" if config.api_key
+                 else "off, every caller is served")
 
 
 async def _drain(server: grpc.aio.Server, health_servicer, engine, grace_period: float) -> None:
@@ -147,15 +266,46 @@ async def _drain(server: grpc.aio.Server, health_servicer, engine, grace_period:
     await server.stop(_FINAL_MESSAGES_S)
 
 
-def _listen(server: grpc.aio.Server, address: str, config: ServerConfig) -> int:
-    if config.tls_cert is None:
-        return server.add_insecure_port(address)
-    with open(config.tls_cert, "rb") as cert, open(config.tls_key, "rb") as key:
-        pair = (key.read(), cert.read())
-    client_ca = None
-    if config.tls_client_ca is not None:
-        with open(config.tls_client_ca, "rb") as ca:
-            client_ca = ca.read()
-    credentials = grpc.ssl_server_credentials([pair], root_certificates=client_ca,
-                                              require_client_auth=client_ca is not None)
-    return server.add_secure_port(address, credentials)
+def _listen(server: grpc.aio.Server, config: ServerConfig) -> int:
+    address = f"{config.host}:{config.port}"
+    # Tried plainly first: grpc's own failure is a line of C-core log on stderr, and no reason.
+    why_not = _bind_failure(config.host, config.port)
+    if why_not is None:
+        try:
+            if config.tls_cert is None:
+                return server.add_insecure_port(address)
+            return server.add_secure_port(address, _tls_credentials(config))
+        except RuntimeError:  # "Failed to bind"
+            why_not = "grpc could not bind it"
+    raise SettingError("port", config.port, f"cannot listen on {address}: {why_not}")
+
+
+def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    cert, key = _pem("tls_cert", config.tls_cert), _pem("tls_key", config.tls_key)
+    client_ca = None if config.tls_client_ca is None else _pem("tls_client_ca", config.tls_client_ca)
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def _pem(name: str, path: Path) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise SettingError(name, path, (exc.strerror or str(exc)).lower()) from None
+    if b"-----BEGIN" not in data:
+        raise SettingError(name, path, "not a PEM file")
+    return data
+
+
+def _bind_failure(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on, or None: bound once plainly, with the SO_REUSEADDR
+    grpc sets (a port whose old connections linger in TIME_WAIT is free)."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+    return None

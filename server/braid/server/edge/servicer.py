@@ -54,7 +54,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         entries = [(h, _credentials(context)) for h in handles]
         self._by_request_id.setdefault(req.request_id, []).extend(entries)
         try:
-            await context.send_initial_metadata((("braid-request-id", req.request_id),))
+            # the seed in the headers: a client can resume a broken stream (resume_token_ids) with it
+            await context.send_initial_metadata((("braid-request-id", req.request_id),
+                                                 ("braid-seed", str(handles[0].seed))))
             async for index, handle, batch in _merged(handles):
                 message = self._message(batch, handle)
                 if len(handles) > 1:

@@ -31,11 +31,11 @@ from braid.server.runner.rows import Sampling
 
 class Admission:
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int, books: Books,
-                 random_state: Callable[[Sampling], object], grammars: Grammars, enqueue: Callable[[Session], None],
+                 random_state: Callable[[Sampling, int], object], grammars: Grammars, enqueue: Callable[[Session], None],
                  abort: Callable[[int, FinishReason], None], wake: Callable[[], None],
                  is_open: Callable[[], str | None]) -> None:
-        """random_state: the runner's, for a session's Row.rng; is_open: None while sessions may be
-        admitted, else why not."""
+        """random_state: the runner's, for a session's Row.rng (advanced by a number of draws);
+        is_open: None while sessions may be admitted, else why not."""
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.books = books
@@ -83,7 +83,7 @@ class Admission:
         handle = SessionHandle(session_id, first.handle.request_id, params.seed, first.num_prompt, loop,
                                self._abort, self._wake)
         return dataclasses.replace(
-            first, id=session_id, params=params, sampling=sampling, rng=self._random_state(sampling), handle=handle,
+            first, id=session_id, params=params, sampling=sampling, rng=self._random_state(sampling, 0), handle=handle,
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, first.prompt_ids, params.stop,
                                                params.include_stop_sequence),
             parent=first, arrived=handle.arrived, token_ids=[], pages=[], page_keys=[], pending_ids=[],
@@ -100,6 +100,10 @@ class Admission:
     def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Session:
         prompt_ids, truncated = self._encode(request)
         params = self._fit(request, prompt_ids)
+        resumed = request.resume_token_ids
+        if len(resumed) >= params.max_new_tokens:
+            raise InvalidArgument("resume_token_ids", f"{len(resumed)} tokens leave none of max_new_tokens "
+                                                      f"({params.max_new_tokens}) to generate")
         sampling = Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                             min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
@@ -110,10 +114,10 @@ class Admission:
                                self._abort, self._wake)
         return Session(
             id=session_id, prompt_ids=prompt_ids, params=params, sampling=sampling,
-            rng=self._random_state(sampling), handle=handle,
+            rng=self._random_state(sampling, len(resumed)), handle=handle,
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop,
                                                params.include_stop_sequence),
-            deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
+            resumed=list(resumed), deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
             cache_salt=request.cache_salt, truncated_tokens=truncated,
             bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else (),
             prompt_scores=[] if params.prompt_logprobs else None,

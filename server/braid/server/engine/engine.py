@@ -267,6 +267,9 @@ class Engine:
                 self._sessions[msg.session.id] = msg.session
                 self._num_added += 1
                 self.scheduler.add(msg.session)
+                reason = self.output.replay(msg.session)
+                if reason is not None:  # the resumed tokens had ended it already
+                    self._finish(msg.session, reason)
             elif isinstance(msg, _Abort) and msg.session_id == ALL_SESSIONS:
                 for session in list(self._sessions.values()):
                     self._finish(session, msg.reason)

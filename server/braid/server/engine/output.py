@@ -32,6 +32,17 @@ class Output:
             self._delta(s, s.detokenizer.take())
         return reason
 
+    def replay(self, s: Session) -> FinishReason | None:
+        """Takes a resumed session's delivered tokens as generated, sending none of them: its
+        client has them and the text they released. Returns why they end it, if they do."""
+        for token in s.resumed:
+            s.token_ids.append(token)
+            reason = self._stop_reason(s, token)
+            if reason is not None:
+                return reason
+            s.detokenizer.take()  # released by the broken stream
+        return None
+
     def _stop_reason(self, s: Session, token: int) -> FinishReason | None:
         p, matcher = s.params, s.matcher
         if token in p.stop_token_ids:

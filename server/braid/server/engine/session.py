@@ -47,6 +47,7 @@ class Session:
     # sent with the first token; None when not asked for, or sent
     prompt_scores: list | None = None
     matcher: object = None  # its constraint's llguidance matcher (engine/grammars.py), or None
+    resumed: list[int] = field(default_factory=list)  # resume_token_ids, replayed when the model thread takes it
 
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens

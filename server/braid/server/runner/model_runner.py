@@ -92,9 +92,10 @@ class ModelRunner:
         return str(self.cache.dtype).removeprefix("torch.")
 
     @staticmethod
-    def random_state(sampling: Sampling) -> object:
-        """A sequence's random state for Row.rng, made once per sequence."""
-        return random_state(sampling)
+    def random_state(sampling: Sampling, skip: int = 0) -> object:
+        """A sequence's random state for Row.rng, made once per sequence; `skip` draws already
+        taken (a resumed stream's tokens: the sampler draws one number per token)."""
+        return random_state(sampling, skip)
 
     def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
         """One forward pass. Returns, per row, the sampled token (with its log probability where the

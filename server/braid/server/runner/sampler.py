@@ -10,9 +10,12 @@ import torch
 from braid.server.runner.rows import Row, Sampled, Sampling, TokenLogprob
 
 
-def random_state(sampling: Sampling) -> torch.Generator:
-    """A sequence's own generator, seeded once: what Row.rng carries."""
-    return torch.Generator().manual_seed(sampling.seed)
+def random_state(sampling: Sampling, skip: int = 0) -> torch.Generator:
+    """A sequence's own generator, seeded once: what Row.rng carries; advanced past `skip` draws."""
+    generator = torch.Generator().manual_seed(sampling.seed)
+    if skip:
+        torch.rand(skip, generator=generator)  # the same numbers as `skip` draws of one
+    return generator
 
 
 def sample(logits: torch.Tensor, rows: Sequence[Row],

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import start_http_server
 
-from braid.server.config import ServerConfig
+from braid.server.config import ServerConfig, SettingError
 from braid.server.telemetry.metrics import MetricsObserver, observe_engine
 
 if TYPE_CHECKING:
@@ -34,6 +34,11 @@ class Telemetry:
     meter_provider: MeterProvider
     tracer_provider: TracerProvider | None
 
+    def observe(self, engine: "Engine") -> None:
+        """The engine's figures into the instruments, once it is built (after the ports are bound)."""
+        observe_engine(engine.stats)
+        engine.observer = MetricsObserver()
+
     def shutdown(self) -> None:
         """Sends what is still buffered to the collector (blocking: call it off the event loop)."""
         if self.tracer_provider is not None:
@@ -41,15 +46,20 @@ class Telemetry:
         self.meter_provider.shutdown()
 
 
-def start_telemetry(config: ServerConfig, engine: "Engine", port: int) -> Telemetry:
-    """port: the gRPC port being served, which tells this replica apart from others on its host."""
+def start_telemetry(config: ServerConfig, port: int) -> Telemetry:
+    """port: the gRPC port being served, which tells this replica apart from others on its host.
+    The metrics endpoint is listening when this returns (a port in use fails the start)."""
     resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "braid"),
                                 SERVICE_INSTANCE_ID: f"{socket.gethostname()}:{port}"})
     readers = []
     tracer_provider = None
     if config.metrics_port:
         readers.append(PrometheusMetricReader())
-        start_http_server(config.metrics_port, addr=config.metrics_host.strip("[]"))
+        try:
+            start_http_server(config.metrics_port, addr=config.metrics_host.strip("[]"))
+        except OSError as exc:
+            raise SettingError("metrics_port", config.metrics_port, f"cannot listen on {config.metrics_host}:"
+                               f"{config.metrics_port}: {(exc.strerror or str(exc)).lower()}") from None
     if config.otlp_endpoint:
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=config.otlp_endpoint)))
         tracer_provider = TracerProvider(resource=resource)
@@ -57,6 +67,4 @@ def start_telemetry(config: ServerConfig, engine: "Engine", port: int) -> Teleme
         trace.set_tracer_provider(tracer_provider)
     meter_provider = MeterProvider(metric_readers=readers, resource=resource)
     metrics.set_meter_provider(meter_provider)
-    observe_engine(engine.stats)
-    engine.observer = MetricsObserver()
     return Telemetry(meter_provider, tracer_provider)

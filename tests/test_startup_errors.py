@@ -1,0 +1,114 @@
+"""A start that cannot go on says why in one line and exits non-zero: bad flags and environment
+variables (with `braid serve`'s usage), a model, device or port braid cannot use. Never a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from braid.server.process import BRAID
+from conftest import free_port
+
+
+def braid(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BRAID), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def assert_one_line(out: subprocess.CompletedProcess, *wanted: str) -> str:
+    """A start-up failure: exit 1, and one line on stderr holding every wanted piece."""
+    assert out.returncode == 1, out.stderr
+    assert len(lines(out.stderr)) == 1 and "Traceback" not in out.stderr, out.stderr
+    line = lines(out.stderr)[0]
+    assert line.startswith("braid: error: ") and all(w in line for w in wanted), line
+    return line
+
+
+def assert_usage_error(out: subprocess.CompletedProcess, *wanted: str) -> str:
+    """A bad flag or variable: exit 2, `braid serve`'s usage, then one line holding every wanted piece."""
+    assert out.returncode == 2, out.stderr
+    usage, line = lines(out.stderr)
+    assert usage.startswith("usage: braid serve"), out.stderr
+    assert line.startswith("braid serve: error: ") and all(w in line for w in wanted), line
+    return line
+
+
+@pytest.mark.parametrize("args, wanted", [
+    (["--port", "70000"], ["--port 70000", "[0, 65535]"]),
+    (["--kv-cache-memory", "4XB"], ["--kv-cache-memory 4XB"]),
+    (["--log-level", "verbose"], ["--log-level", "verbose"]),
+    (["--device", "gpu"], ["--device gpu", "cuda:N"]),
+    (["--mode", "fast"], ["--mode", "fast", "continuous"]),
+])
+def test_a_bad_flag_is_one_line_under_braid_serves_usage(args, wanted):
+    assert_usage_error(braid("serve", *args), *wanted)
+
+
+@pytest.mark.parametrize("variable, value, wanted", [
+    ("BRAID_MODE", "fast", "invalid choice"),
+    ("BRAID_PORT", "abc", "invalid int value"),
+    ("BRAID_PORT", "70000", "[0, 65535]"),
+    ("BRAID_LOG_FORMAT", "xml", "invalid choice"),
+])
+def test_a_bad_environment_variable_is_named(variable, value, wanted):
+    assert_usage_error(braid("serve", env={variable: value}), f"{variable}={value}", wanted)
+
+
+def test_help_works_whatever_the_environment_holds():
+    out = braid("serve", "--help", env={"BRAID_PORT": "abc", "BRAID_MODE": "fast"})
+    assert out.returncode == 0, out.stderr
+    assert "--port" in out.stdout and "BRAID_PORT" in out.stdout
+
+
+def test_version():
+    out = braid("--version")
+    assert out.returncode == 0 and out.stdout.startswith("braid ") and out.stdout.split()[1][0].isdigit(), out
+
+
+def test_a_model_path_that_does_not_exist(tmp_path):
+    assert_one_line(braid("serve", "--model", str(tmp_path / "nope")), f"--model {tmp_path / 'nope'}",
+                    "no such file or directory")
+
+
+def test_a_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert_one_line(braid("serve", "--model", str(tmp_path)), f"--model {tmp_path}", "not a model folder")
+
+
+def test_a_hub_id_the_hub_cannot_provide():
+    closed = f"http://127.0.0.1:{free_port()}"
+    out = braid("serve", "--model", "someorg/somemodel", env={"HF_ENDPOINT": closed, "HF_HOME": "/nonexistent-hf-home"})
+    assert_one_line(out, "--model someorg/somemodel", "hub cannot provide it", closed)
+
+
+def test_a_device_this_machine_does_not_have():
+    assert_one_line(braid("serve", "--device", "cuda:99"), "--device cuda:99")
+
+
+def test_a_tls_file_that_does_not_exist(tiny_dir, tmp_path):
+    missing = tmp_path / "cert.pem"
+    assert_one_line(braid("serve", "--model", str(tiny_dir), "--port", "0", "--tls-cert", str(missing),
+                          "--tls-key", str(missing)), f"--tls-cert {missing}", "no such file")
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, flag):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        ports = {"--port": str(free_port()), "--metrics-port": str(free_port()), flag: str(busy)}
+        started = time.monotonic()
+        out = braid("serve", "--model", str(tiny_dir), "--host", "127.0.0.1", "--threads", "1",
+                    *[item for pair in ports.items() for item in pair])
+        elapsed = time.monotonic() - started
+    assert_one_line(out, f"{flag} {busy}", f"127.0.0.1:{busy}", "address already in use")
+    assert elapsed < 10, f"{elapsed:.1f} s: the model was loaded first?"  # loading alone takes longer
