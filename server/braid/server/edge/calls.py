@@ -12,7 +12,8 @@ Around = Callable[[object, grpc.aio.ServicerContext], AsyncContextManager]
 def wrap_calls(handler: grpc.RpcMethodHandler, around: Around,
                request_deserializer=None) -> grpc.RpcMethodHandler:
     """The handler with each call (unary request: braid has no other) run inside
-    `async with around(request, context)`; optionally with another request deserializer."""
+    `async with around(request, context) as seen`; where `seen` is a function, it is given each
+    response of a stream. Optionally with another request deserializer."""
     kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
               response_serializer=handler.response_serializer)
     if handler.unary_unary:
@@ -27,8 +28,10 @@ def wrap_calls(handler: grpc.RpcMethodHandler, around: Around,
         inner_stream = handler.unary_stream
 
         async def unary_stream(request, context):
-            async with around(request, context):
+            async with around(request, context) as seen:
                 async for response in inner_stream(request, context):
+                    if seen is not None:
+                        seen(response)
                     yield response
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)

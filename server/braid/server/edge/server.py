@@ -25,6 +25,7 @@ from braid.server.config import ServerConfig, SettingError
 from braid.server.edge.auth import ApiKeyInterceptor
 from braid.server.edge import reflection
 from braid.server.edge.errors import ErrorInterceptor
+from braid.server.edge.request_log import RequestLogInterceptor
 from braid.server.edge.servicer import GenerateServicer
 from braid.server.edge.telemetry import TelemetryInterceptor
 from braid.v1 import generate_pb2 as pb
@@ -155,6 +156,7 @@ class _Listening:
 
     server: grpc.aio.Server
     port: int
+    request_log: RequestLogInterceptor | None
     telemetry: Telemetry | None
 
     async def close(self) -> None:
@@ -169,6 +171,9 @@ def _bind(config: ServerConfig) -> _Listening:
     interceptors = []
     if telemetry_on:
         interceptors.append(TelemetryInterceptor())  # outermost: sees every status
+    request_log = RequestLogInterceptor() if RequestLogInterceptor.wanted() else None
+    if request_log is not None:
+        interceptors.append(request_log)  # outside the API key: refused calls are logged too
     if config.api_key:
         interceptors.append(ApiKeyInterceptor(config.api_key))
     server = grpc.aio.server(
@@ -182,7 +187,7 @@ def _bind(config: ServerConfig) -> _Listening:
         from braid.server.telemetry.setup import start_telemetry  # the SDK and exporters: only when asked for
 
         telemetry = start_telemetry(config, port)
-    return _Listening(server, port, telemetry)
+    return _Listening(server, port, request_log, telemetry)
 
 
 async def _serve(config: ServerConfig, listening: _Listening, engine: Engine, stop: asyncio.Event,
@@ -197,6 +202,8 @@ async def _serve(config: ServerConfig, listening: _Listening, engine: Engine, st
         server)
     if listening.telemetry is not None:
         listening.telemetry.observe(engine)
+    if listening.request_log is not None:
+        listening.request_log.mode = engine.info.mode.value
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
