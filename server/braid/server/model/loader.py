@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -32,6 +33,9 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices, as the file has them
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# The steps of a first conversion, each weighed by the seconds it took for the embedded model (two
+# CPUs): most of it is gguf-py and transformers parsing the file's 49,152-token vocabulary again.
+CONVERSION_STEPS = {"tokenizer": 6, "weights": 16, "saving": 1, "quantized blocks": 21}
 
 
 @dataclass
@@ -96,28 +100,34 @@ def is_local(source: str) -> bool:
 
 def load(model: str | None, cache_dir: Path) -> LoadedModel:
     name, source, gguf = resolve(model, cache_dir)
+    started = time.perf_counter()
     if is_local(source):
         # Nothing at run time may reach the network: transformers must not ask the hub about a
         # local folder (huggingface_hub reads this when it is imported, so set it first).
         os.environ["HF_HUB_OFFLINE"] = "1"
     local_only = is_local(source) or _from_cache_only(source)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
+    from braid.server.model import progress
     from braid.server.model.weights import FLOAT_FORMATS
 
-    hf_logging.disable_progress_bar()
-    with _from_hub(model, local_only):
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-        # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
-        # matrix's format from it and the --dtype and --quantization flags.
-        hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, dtype="auto")
-    hf_model.eval()
-    formats = {n: FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for n, p in hf_model.named_parameters()}
-    blocks: dict[str, Blocks] = {}
-    if gguf is not None:
-        blocks, gguf_formats = _gguf_blocks(gguf, Path(source), hf_model)
-        formats.update(gguf_formats)
+    progress.quiet_libraries()
+    steps = {"tokenizer": 1, "weights": 2} | ({"quantized blocks": 1} if gguf is not None else {})
+    with progress.Steps(f"loading {name}", steps, bar=local_only) as bar, _from_hub(model, local_only):
+        with bar.step("tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+        with bar.step("weights"):
+            # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
+            # matrix's format from it and the --dtype and --quantization flags.
+            hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, dtype="auto")
+            hf_model.eval()
+        formats = {n: FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for n, p in hf_model.named_parameters()}
+        blocks: dict[str, Blocks] = {}
+        if gguf is not None:
+            with bar.step("quantized blocks"):
+                blocks, gguf_formats = _gguf_blocks(gguf, Path(source), hf_model)
+            formats.update(gguf_formats)
+    _LOGGER.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(hf_model=hf_model, hf_tokenizer=tokenizer, name=name,
                        architecture=(hf_model.config.architectures or [type(hf_model).__name__])[0],
                        eos_token_ids=_eos_ids(hf_model, tokenizer), blocks=blocks, formats=formats)
@@ -168,25 +178,16 @@ def _from_hub(model: str | None, local_only: bool) -> Iterator[None]:
 
 
 def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
-    """The GGUF file's block matrices and tensor types, read once (about 10 s for the embedded
-    model) and kept in its converted folder."""
+    """The GGUF file's block matrices and tensor types, kept in its converted folder (a folder
+    converted by a braid that ran other block formats gets them now, once)."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    from braid.server.model.weights import BLOCK_FORMATS, Blocks, read_gguf
+    from braid.server.model.weights import BLOCK_FORMATS, Blocks
 
     path = folder / BLOCKS_FILE
     if not _kept_for(path, BLOCK_FORMATS):
         _LOGGER.info("reading %s's quantized matrices once into %s", gguf.name, path)
-        blocks, formats = read_gguf(gguf, hf_model)
-        tensors = {f"{n}.{part}": t for n, b in blocks.items()
-                   for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None}
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
-        save_file(tensors, str(staging), metadata={
-            "formats": json.dumps(formats), "blocks": json.dumps({n: b.format for n, b in blocks.items()}),
-            "block_formats": json.dumps(BLOCK_FORMATS)})
-        os.replace(staging, path)  # atomic: a concurrent start never reads half a file
-        return blocks, formats
+        return _write_blocks(gguf, folder, hf_model)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         names = set(f.keys())
@@ -194,6 +195,25 @@ def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks],
                             f.get_tensor(f"{n}.q"))
                   for n, kind in json.loads(meta["blocks"]).items()}
     return blocks, json.loads(meta["formats"])
+
+
+def _write_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
+    """Reads the GGUF file's block matrices and tensor types (slow: gguf-py parses the whole file)
+    and keeps them in folder."""
+    from safetensors.torch import save_file
+
+    from braid.server.model.weights import BLOCK_FORMATS, read_gguf
+
+    blocks, formats = read_gguf(gguf, hf_model)
+    tensors = {f"{n}.{part}": t for n, b in blocks.items()
+               for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None}
+    path = folder / BLOCKS_FILE
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    save_file(tensors, str(staging), metadata={
+        "formats": json.dumps(formats), "blocks": json.dumps({n: b.format for n, b in blocks.items()}),
+        "block_formats": json.dumps(BLOCK_FORMATS)})
+    os.replace(staging, path)  # atomic: a concurrent start never reads half a file
+    return blocks, formats
 
 
 def _kept_for(path: Path, block_formats: tuple[str, ...]) -> bool:
@@ -225,25 +245,36 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
-    _LOGGER.info("converting %s once into %s (about 20 s)", gguf.name, target)
+    _LOGGER.info("converting %s once into %s", gguf.name, target)
+    started = time.perf_counter()
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
-    # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
-    hf_model.hf_quantizer = None
-    if hasattr(hf_model.config, "quantization_config"):
-        del hf_model.config.quantization_config
+    from braid.server.model import progress
+
+    progress.quiet_libraries()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        hf_model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        with progress.Steps(f"converting {gguf.name}", CONVERSION_STEPS) as bar, progress.gguf_bar_off():
+            with bar.step("tokenizer"):
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            with bar.step("weights"):
+                hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+                # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
+                hf_model.hf_quantizer = None
+                if hasattr(hf_model.config, "quantization_config"):
+                    del hf_model.config.quantization_config
+            with bar.step("saving"):
+                hf_model.save_pretrained(staging)
+                tokenizer.save_pretrained(staging)
+            with bar.step("quantized blocks"):
+                _write_blocks(gguf, staging, hf_model)
         os.replace(staging, target)  # atomic: a concurrent or interrupted start never sees half
     except OSError:
         if not (target / "config.json").is_file():
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _LOGGER.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
     return target
