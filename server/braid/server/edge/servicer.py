@@ -16,6 +16,7 @@ import grpc
 from braid.server.config import ServerConfig
 from braid.server.edge import convert
 from braid.server.edge.lanes import TokenizerLanes
+from braid.server.edge.orca import LoadReporter
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Delta, FinishReason, GenerationRequest, InvalidArgument, Queued
 from braid.server.telemetry import tracing
@@ -37,6 +38,11 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         # Running Stream calls by request_id, with the credentials they came with (for Abort). A
         # request_id is the caller's: two calls may share one.
         self._by_request_id: dict[str, list[tuple[SessionHandle, tuple]]] = {}
+        self._load = LoadReporter(engine.config.max_sessions)
+
+    def _trailers(self, context, *pairs: tuple[str, str]) -> None:
+        """Sets a call's trailers: these pairs and the replica's ORCA load report."""
+        context.set_trailing_metadata(pairs + (self._load.report(self._engine.stats()),))
 
     def close(self) -> None:
         """Drops the tokenizations still waiting for a thread (after the server has stopped)."""
@@ -45,6 +51,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         req = convert.request_from_pb(request, self._config.default_max_new_tokens,
                                       self._engine.info.vocab_size, context.time_remaining())
+        self._load.count_call()
         handles = await self._submit(req)
         # However the call ends (the client cancels, resets the stream or vanishes, at any await
         # below or none), its sessions go with it: this runs when the RPC terminates, even if this
@@ -69,8 +76,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                             yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids,
                                                       index=message.index)
                         await context.abort(failure, handle.finished.error or "the call's deadline passed")
-                    context.set_trailing_metadata(_timing_metadata(message.timings) + (
-                        ("braid-cached-tokens", str(message.usage.cached_tokens)),))
+                    self._trailers(context, *_timing_metadata(message.timings),
+                                   ("braid-cached-tokens", str(message.usage.cached_tokens)))
                 yield message
         except asyncio.CancelledError:
             # The client closed the stream (or its deadline passed): free the sessions now.
@@ -120,9 +127,11 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         text, messages = convert.tokenize_args_from_pb(request)
         ticket = self._engine.admission.admit(text, messages, for_session=False)
         ids, pieces = await self._tokenizers.run(ticket, self._engine.admission.tokenize, text, messages)
+        self._trailers(context)
         return pb.TokenizeResponse(token_ids=ids, pieces=pieces)
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
+        self._trailers(context)
         return convert.model_info_to_pb(self._engine.info)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -137,9 +146,11 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 handle.cancel(FinishReason.CANCELLED)
             if owned:
                 aborted.append(request_id)
+        self._trailers(context)
         return pb.AbortResponse(aborted=aborted)
 
     async def ServerStatus(self, request, context) -> pb.ServerStatusResponse:
+        self._trailers(context)
         return convert.stats_to_pb(self._engine.stats(), self._engine.info,
                                    time.monotonic() - self._engine.started_at)
 
