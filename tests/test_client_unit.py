@@ -357,6 +357,13 @@ def test_cli_sends_penalties_bias_and_include_stop_sequence(fake: FakeGenerate, 
         cli.main(["--target", target, "--logit-bias", "forty-two", "hello"])
 
 
+def test_cli_sends_resume_token_ids(fake: FakeGenerate, target: str) -> None:
+    argv = ["--target", target, "--seed", "3", "--resume-token-id", "5", "--resume-token-id", "6", "hello"]
+    assert cli.main(argv) == 0
+    assert fake.requests[-1] == pb.GenerateRequest(prompt="hello", seed=3, resume_token_ids=[5, 6])
+    assert list(build_request("hi", resume_token_ids=7).resume_token_ids) == [7]
+
+
 def test_cli_prints_each_sample(fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--target", target, "-n", "2", "--stats", "hello"]) == 0
     out, err = capsys.readouterr()

@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--report-queue", action="store_true", default=None,
                           help="show the queue position while waiting (to stderr)")
     sampling.add_argument("-n", type=int, metavar="N", help="N samples of the prompt (1-16), seeded seed + i")
+    sampling.add_argument("--resume-token-id", dest="resume_token_ids", type=int, action="append", metavar="ID",
+                          help="a token id a broken stream had delivered, to go on from (repeatable, in order; "
+                               "with that stream's --seed)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),

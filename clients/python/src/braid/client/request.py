@@ -23,7 +23,8 @@ class GenerateParams(TypedDict, total=False):
 
     One key per field but the input (prompt, messages); protos/braid/v1/generate.proto
     documents each. None, like leaving a key out, keeps the server's default. A single
-    string is accepted for stop and bad_words, and a single int for stop_token_ids.
+    string is accepted for stop and bad_words, and a single int for stop_token_ids and
+    resume_token_ids.
     """
 
     max_new_tokens: int | None
@@ -53,6 +54,7 @@ class GenerateParams(TypedDict, total=False):
     n: int | None
     prompt_logprobs: bool | None
     constraint: pb.Constraint | None  # json_schema(...), json_object(), regex(...), choice(...), grammar(...)
+    resume_token_ids: int | Sequence[int] | None  # the token ids a broken stream delivered, sent with its seed
 
 
 def json_schema(schema: Mapping[str, object] | str) -> pb.Constraint:
