@@ -6,7 +6,7 @@
 #   docker build -t braid:cuda --build-arg VARIANT=cuda .    # CUDA (needs the NVIDIA container toolkit to run)
 #
 # Two stages: `build` makes a virtual environment in /opt/venv (torch, the
-# stubs generated from protos/, braid-client, braid, the embedded model);
+# stubs generated from protos/, braid-llm-client, braid-llm-server, the embedded model);
 # the final stage copies only that venv onto a fresh slim base, then converts
 # the embedded model into the image's cache so that a container starts in
 # seconds instead of converting it on every first start.

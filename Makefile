@@ -20,7 +20,8 @@ $(PY):
 # Stubs are generated from the .proto by grpcio-tools, never edited by hand. mypy-protobuf's plugins
 # (protoc-gen-mypy, protoc-gen-mypy_grpc, found on PATH) write typed .pyi for the messages and the grpc
 # stubs, and py.typed says the package is typed. The descriptor set keeps the .proto's comments, so
-# server reflection (grpcurl describe) shows them.
+# server reflection (grpcurl describe) shows them. Building clients/python runs the same command
+# (its setup.py), so `pip install ./clients/python` needs no step before it.
 $(STUBS): $(PROTO) | $(PY)
 	$(PIP) install --quiet grpcio-tools mypy-protobuf
 	mkdir -p clients/python/src/braid/v1
@@ -34,8 +35,10 @@ protos: $(STUBS)
 # setup.py builds braid's C kernels (server/braid/server/runner/csrc/) into the package.
 KERNELS := setup.py $(wildcard server/braid/server/runner/csrc/*.[ch])
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml $(KERNELS) $(STUBS) | $(PY)
+$(STAMP): pyproject.toml clients/python/pyproject.toml clients/python/setup.py $(KERNELS) $(STUBS) | $(PY)
 	$(PIP) install --quiet $(TORCH)
+	# The two distributions were called braid and braid-client before issue 17: a .venv made then drops them.
+	$(PIP) uninstall --quiet --yes braid braid-client
 	$(PIP) install --quiet -e clients/python -e '.[test]'
 	# xds-protos (test extra: Envoy's schema) vendors an old copy of opentelemetry/proto over the
 	# real one; put opentelemetry-proto's own files back.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import io
 import json
 import subprocess
@@ -377,6 +378,13 @@ def test_cli_shows_the_prompt_logprobs(fake: FakeGenerate, target: str, capsys: 
     assert fake.requests[-1].prompt_logprobs
     out, err = capsys.readouterr()
     assert out == "Hello\n" and "prompt logprobs: 2 tokens, mean -2.000, lowest -3.000" in err
+
+
+def test_cli_prints_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"braid-client {importlib.metadata.version('braid-llm-client')}\n"
 
 
 def test_cli_has_a_flag_for_every_param() -> None:

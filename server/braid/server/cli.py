@@ -53,7 +53,7 @@ def _converter(kind):
 
 def _version() -> str:
     try:
-        return version("braid")
+        return version("braid-llm-server")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
 

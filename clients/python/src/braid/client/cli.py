@@ -7,6 +7,7 @@ import os
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 
 import grpc
@@ -20,6 +21,7 @@ from braid.client.request import PARAMS, Chat, choice, grammar, json_object, jso
 from braid.v1 import generate_pb2 as pb
 
 EXIT_CANCELLED = 130  # the shell's code for a process ended by SIGINT
+DISTRIBUTION = "braid-llm-client"  # the client's name on PyPI (braid.client's import name is another)
 
 
 def _bias(text: str) -> tuple[int, float]:
@@ -30,8 +32,16 @@ def _bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected TOKEN_ID=BIAS, e.g. 42=-100") from None
 
 
+def _version() -> str:
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="braid-client", description="Stream text from a braid server.")
+    parser.add_argument("--version", action="version", version=f"braid-client {_version()}")
     parser.add_argument("prompt", nargs="?", help="the prompt; '-' or absent (with piped stdin) reads stdin")
     parser.add_argument("--target", default=os.environ.get("BRAID_TARGET", "localhost:50051"),
                         help="host:port of the server (env BRAID_TARGET; default %(default)s)")
