@@ -58,8 +58,8 @@ def _samples(n: int) -> list[pb.GenerateResponse]:
 
 class FakeGenerate(generate_pb2_grpc.GenerateServicer):
     """Streams "Hel", "lo" and a final message, or with n > 1 the n samples of _samples; the prompt
-    "endless" streams until cancelled, "invalid" and "full" fail with rich status details. Records
-    what it was sent."""
+    "endless" streams until cancelled, "invalid" and "full" fail with rich status details,
+    "mismatched" with the details of another status than its own. Records what it was sent."""
 
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
@@ -79,6 +79,10 @@ class FakeGenerate(generate_pb2_grpc.GenerateServicer):
         if request.prompt == "full":
             detail = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=2))
             context.abort_with_status(_status(code_pb2.RESOURCE_EXHAUSTED, "server is full", detail))
+        if request.prompt == "mismatched":
+            other = _status(code_pb2.RESOURCE_EXHAUSTED, "server is full", error_details_pb2.RetryInfo())
+            context.set_trailing_metadata(other.trailing_metadata)
+            context.abort(grpc.StatusCode.INTERNAL, "something else")
         if request.prompt == "endless":
             context.add_callback(self._on_endless_end(context))
             while context.is_active():
@@ -323,6 +327,28 @@ def test_describe_shows_field_violations_and_retry_info(target: str) -> None:
     assert describe(full.value) == "RESOURCE_EXHAUSTED: server is full\n  retry after 2 s"
 
 
+def test_describe_reads_asyncio_errors_alike(target: str) -> None:
+    async def main() -> list[str]:
+        async with AsyncClient(target) as client:
+            descriptions = []
+            for prompt in ("invalid", "full"):
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await client.generate(prompt)
+                descriptions.append(describe(error.value))
+            return descriptions
+
+    assert asyncio.run(main()) == [
+        "INVALID_ARGUMENT: temperature: out of range\n  temperature: must be in [0, 100]",
+        "RESOURCE_EXHAUSTED: server is full\n  retry after 2 s",
+    ]
+
+
+def test_describe_leaves_out_details_of_another_status(target: str) -> None:
+    with Client(target) as client, pytest.raises(grpc.RpcError) as error:
+        client.generate("mismatched")
+    assert describe(error.value) == "INTERNAL: something else"
+
+
 def test_cli_streams_text_and_stats(
     fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -436,8 +462,7 @@ def test_cli_ctrl_c_cancels_and_exits_130(
     assert fake.endless_ended.wait(5) and fake.ended_while_active[-1] is False
 
 
-def test_client_imports_neither_torch_nor_the_health_stubs() -> None:
-    modules = "{'torch', 'transformers', 'grpc_health.v1.health_pb2'}"  # (grpc itself imports grpc_health)
-    code = f"import sys, braid.client.cli; print(sorted({modules} & set(sys.modules)))"
+def test_client_imports_no_torch() -> None:
+    code = "import sys, braid.client.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout == "[]\n"

@@ -9,20 +9,14 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
-from google.protobuf import wrappers_pb2
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typing_extensions import Unpack
 
 from braid.client.generation import AsyncGeneration, Completion, Generation
 from braid.client.request import Chat, GenerateParams, build_request, build_tokenize_request
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
-
-# grpc.health.v1 without its generated code: HealthCheckRequest is {1: string service} and
-# HealthCheckResponse is {1: enum status}, the same wire format as StringValue and Int32Value.
-_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-_HEALTH_CODECS = (wrappers_pb2.StringValue.SerializeToString, wrappers_pb2.Int32Value.FromString)
-_HEALTH_STATUS = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
 
 GenerationT = TypeVar("GenerationT", Generation, AsyncGeneration)
 Certificate = bytes | str | os.PathLike[str]
@@ -60,9 +54,10 @@ def _check_one_sample(params: GenerateParams) -> None:
         raise ValueError("generate() returns one Completion: for n > 1 samples, use stream() and completions()")
 
 
-def _health_status(response: wrappers_pb2.Int32Value) -> str:
-    status = response.value
-    return _HEALTH_STATUS[status] if 0 <= status < len(_HEALTH_STATUS) else str(status)
+def _health_status(response: health_pb2.HealthCheckResponse) -> str:
+    """The status's name ("SERVING", ...), or its number where this client does not know it."""
+    statuses = health_pb2.HealthCheckResponse.ServingStatus
+    return statuses.Name(response.status) if response.status in statuses.values() else str(response.status)
 
 
 class _BaseClient(abc.ABC, Generic[GenerationT]):
@@ -136,7 +131,7 @@ class Client(_BaseClient[Generation]):
     def _connect(self, target: str, credentials: Credentials | None, options: ChannelOptions | None) -> None:
         self._channel = _open_channel(grpc, target, credentials, options)
         self._stub = generate_pb2_grpc.GenerateStub(self._channel)
-        self._health = self._channel.unary_unary(_HEALTH_CHECK, *_HEALTH_CODECS)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _start(self, request: pb.GenerateRequest, timeout: float | None) -> Generation:
         return Generation(self._stub.Stream(request, timeout=timeout, metadata=self._metadata), request.n)
@@ -182,8 +177,8 @@ class Client(_BaseClient[Generation]):
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
-        request = wrappers_pb2.StringValue(value=service)
-        return _health_status(self._health(request, timeout=timeout, metadata=self._metadata))
+        request = health_pb2.HealthCheckRequest(service=service)
+        return _health_status(self._health.Check(request, timeout=timeout, metadata=self._metadata))
 
     def close(self) -> None:
         """Closes the channel, cancelling any call still running."""
@@ -209,7 +204,7 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
     def _connect(self, target: str, credentials: Credentials | None, options: ChannelOptions | None) -> None:
         self._channel = _open_channel(aio, target, credentials, options)
         self._stub = generate_pb2_grpc.GenerateStub(self._channel)  # a GenerateAsyncStub
-        self._health = self._channel.unary_unary(_HEALTH_CHECK, *_HEALTH_CODECS)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _start(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGeneration:
         return AsyncGeneration(self._stub.Stream(request, timeout=timeout, metadata=self._metadata), request.n)
@@ -255,8 +250,8 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
-        request = wrappers_pb2.StringValue(value=service)
-        return _health_status(await self._health(request, timeout=timeout, metadata=self._metadata))
+        request = health_pb2.HealthCheckRequest(service=service)
+        return _health_status(await self._health.Check(request, timeout=timeout, metadata=self._metadata))
 
     async def close(self) -> None:
         """Closes the channel, cancelling any call still running."""

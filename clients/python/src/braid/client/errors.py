@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import cast
-
 import grpc
 from google.protobuf.message import DecodeError
-
-from braid.client.generation import Metadata, metadata_value
-
-_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 
 def describe(error: grpc.RpcError) -> str:
@@ -27,23 +23,15 @@ def describe(error: grpc.RpcError) -> str:
 
 
 def _rich_details(error: grpc.RpcError) -> list[str]:
-    try:  # googleapis-common-protos is optional: without it, errors show their code and details only.
-        from google.rpc import error_details_pb2, status_pb2
-    except ImportError:  # pragma: no cover - exercised only where the package is missing
-        return []
-    if not hasattr(error, "trailing_metadata"):
-        return []
-    # (key, value) pairs from grpc and grpc.aio both, whatever types-grpcio says of RpcError's
-    metadata = cast(Metadata | None, error.trailing_metadata())
-    blob = metadata_value(metadata, _STATUS_DETAILS_KEY)
-    if not isinstance(blob, bytes):
+    # from_call reads a grpc.Call; an AioRpcError has the same code(), details() and trailing_metadata().
+    if not all(hasattr(error, method) for method in ("code", "details", "trailing_metadata")):
         return []
     try:
-        status = status_pb2.Status.FromString(blob)
-    except DecodeError:
+        status: status_pb2.Status | None = rpc_status.from_call(error)
+    except (DecodeError, ValueError):  # details that do not parse, or that contradict the call's status
         return []
     lines = []
-    for detail in status.details:
+    for detail in status.details if status else ():
         bad_request, retry = error_details_pb2.BadRequest(), error_details_pb2.RetryInfo()
         if detail.Unpack(bad_request):
             lines += [f"  {v.field}: {v.description}" for v in bad_request.field_violations]
