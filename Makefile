@@ -38,7 +38,7 @@ KERNELS := setup.py $(wildcard server/braid/server/runner/csrc/*.[ch])
 $(STAMP): pyproject.toml clients/python/pyproject.toml clients/python/setup.py $(KERNELS) $(STUBS) | $(PY)
 	$(PIP) install --quiet $(TORCH)
 	# The two distributions were called braid and braid-client before issue 17: a .venv made then drops them.
-	$(PIP) uninstall --quiet --yes braid braid-client
+	$(PIP) uninstall --quiet --quiet --yes braid braid-client
 	$(PIP) install --quiet -e clients/python -e '.[test]'
 	# xds-protos (test extra: Envoy's schema) vendors an old copy of opentelemetry/proto over the
 	# real one; put opentelemetry-proto's own files back.
