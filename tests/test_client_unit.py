@@ -466,3 +466,17 @@ def test_client_imports_no_torch() -> None:
     code = "import sys, braid.client.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout == "[]\n"
+
+
+def test_several_targets_become_one_balanced_channel_target() -> None:
+    from braid.client.client import DEFAULT_OPTIONS, SERVICE_CONFIG, channel_target
+
+    assert channel_target("example.com:50051") == "example.com:50051"
+    assert channel_target("dns:///braid.internal:50051") == "dns:///braid.internal:50051"
+    assert channel_target(["localhost:1", "10.0.0.2:2"]) == "ipv4:127.0.0.1:1,10.0.0.2:2"
+    assert channel_target(["[::1]:1", "[::2]:2"]) == "ipv6:[::1]:1,[::2]:2"
+    assert channel_target(["10.0.0.2:2"]) == "10.0.0.2:2"
+    assert SERVICE_CONFIG["loadBalancingConfig"] == [{"round_robin": {}}]
+    retry = SERVICE_CONFIG["methodConfig"][0]["retryPolicy"]
+    assert set(retry["retryableStatusCodes"]) == {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
+    assert dict(DEFAULT_OPTIONS)["grpc.enable_retries"] == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import threading
 import time
 
 import grpc
@@ -52,7 +53,8 @@ def test_invalid_utf8_is_invalid_argument_naming_the_field(servers):
 
 
 def test_past_the_queue_calls_are_refused_at_once_with_retry_info(small):
-    with small.client() as client:
+    # a channel without gRPC's retries (braid's client retries RESOURCE_EXHAUSTED by default)
+    with small.client(options=[("grpc.enable_retries", 0)]) as client:
         running = client.stream("hold", **LONG)
         next(iter(running))
         queued = client.stream("wait", max_new_tokens=2)
@@ -62,10 +64,25 @@ def test_past_the_queue_calls_are_refused_at_once_with_retry_info(small):
             list(client.stream("one too many", max_new_tokens=2))
         assert time.monotonic() - started < 2
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert _details(err.value, error_details_pb2.RetryInfo).retry_delay.ToMilliseconds() > 0
+        delay_ms = _details(err.value, error_details_pb2.RetryInfo).retry_delay.ToMilliseconds()
+        assert delay_ms > 0
+        assert ("grpc-retry-pushback-ms", str(delay_ms)) in err.value.trailing_metadata()  # the same, for gRPC
         running.cancel()
         assert list(queued)[-1].finish_reason == pb.FINISH_REASON_MAX_TOKENS
         _settled(client, sessions_active=0, sessions_queued=0)
+
+
+def test_the_default_client_retries_a_full_queue_after_the_delay_the_server_asks(small):
+    with small.client() as client:
+        running = client.stream("hold", **LONG)
+        next(iter(running))
+        queued = client.stream("wait", max_new_tokens=2)
+        _settled(client, sessions_queued=1)
+        # the call is refused (the queue is full), then the hold ends while it waits its pushback
+        threading.Timer(0.3, running.cancel).start()
+        completion = client.generate("one too many", max_new_tokens=2, ignore_eos=True)
+        assert completion.usage.generated_tokens == 2
+        assert list(queued)[-1].finish_reason == pb.FINISH_REASON_MAX_TOKENS
 
 
 def _order_of_service(server: Server, priorities: list[int]) -> list[int]:

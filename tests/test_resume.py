@@ -7,7 +7,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from conftest import MODES
+from braid.client import Client
+from braid.v1 import generate_pb2 as pb
+from conftest import MODES, SLOW, tiny_server
 
 PROMPT = "The lighthouse keeper wrote in his log"
 CASES = {
@@ -75,3 +77,32 @@ def test_resumed_tokens_that_already_end_it_end_it_at_once(servers, mode):
             pytest.fail("the seed should have produced an 'a'")
         rest = _stream(client, max_new_tokens=30, temperature=0.9, seed=5, stop=["a"], resume_token_ids=ids)
     assert [m.token_ids for m in rest] == [[]] and rest[-1].finish_reason == 3 and rest[-1].text == ""
+
+
+def test_the_client_resumes_on_another_replica_when_one_is_killed_mid_stream(tiny_dir):
+    """Replicas behind one client that balances over them. The replica serving a stream is killed
+    with SIGKILL after some messages; the caller's one iteration goes on, on another replica, and
+    ends with exactly the text of an unbroken run; greedy, then sampled (a third replica spare)."""
+    replicas = [tiny_server(tiny_dir, "--mode", "continuous", env=SLOW) for _ in range(3)]
+    try:
+        for sampling in ({}, {"temperature": 1.0, "top_k": 40}):
+            alive = [r for r in replicas if r.proc.poll() is None]
+            params = dict(max_new_tokens=150, ignore_eos=True, **sampling)
+            with Client([r.target for r in alive]) as client:
+                generation = client.stream(PROMPT, **params)
+                for i, _ in enumerate(generation):
+                    if i == 10:
+                        (serving,) = [r for r in alive if _status(r).sessions_active == 1]
+                        serving.proc.kill()
+                unbroken = client.generate(PROMPT, **params, seed=generation.final.seed)
+            assert generation.resumes == 1 and generation.final.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+            assert generation.token_ids == unbroken.token_ids and generation.text == unbroken.text
+            assert generation.final.usage.generated_tokens == 150
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+def _status(server) -> pb.ServerStatusResponse:
+    with server.client(resume=False) as client:
+        return client.server_status(timeout=10)

@@ -1,7 +1,8 @@
 """Errors become gRPC statuses in one place: an interceptor around every braid handler.
 
 INVALID_ARGUMENT carries google.rpc.BadRequest (the field and what is wrong with it),
-RESOURCE_EXHAUSTED carries google.rpc.RetryInfo, so generated clients in any language can read them.
+RESOURCE_EXHAUSTED carries google.rpc.RetryInfo (and grpc-retry-pushback-ms, the same delay for gRPC's
+retry policy), so generated clients in any language can read them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ def status_for(exc: Exception) -> grpc.Status:
     if isinstance(exc, Overloaded):
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(int(exc.retry_after_s * 1000))
-        return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), error_details_pb2.RetryInfo(retry_delay=delay))
+        status = _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), error_details_pb2.RetryInfo(retry_delay=delay))
+        # the same delay as gRPC's own retry policy reads it (server pushback), so a client with a
+        # retry policy for RESOURCE_EXHAUSTED waits as long as RetryInfo asks
+        pushback = (("grpc-retry-pushback-ms", str(delay.ToMilliseconds())),)
+        return status._replace(trailing_metadata=tuple(status.trailing_metadata) + pushback)  # a namedtuple
     if isinstance(exc, EngineUnavailable):
         return _status(code_pb2.UNAVAILABLE, str(exc))
     _LOGGER.exception("unexpected error in a handler")

@@ -97,8 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema file")
     constraint.add_argument("--json-object", action="store_true", help="the output is any JSON object")
     constraint.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression")
-    constraint.add_argument("--choice", metavar="A,B,C", help="the output is exactly one of these comma-separated strings")
-    constraint.add_argument("--grammar", metavar="FILE", help="the output is a sentence of this grammar (--grammar-syntax)")
+    constraint.add_argument("--choice", metavar="A,B,C",
+                            help="the output is exactly one of these comma-separated strings")
+    constraint.add_argument("--grammar", metavar="FILE",
+                            help="the output is a sentence of this grammar (--grammar-syntax)")
     parser.add_argument("--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="--grammar's dialect")
     parser.set_defaults(constraint=None)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import abc
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Callable, Generic, Protocol, TypeVar, cast
 
 import grpc
 from grpc import aio
@@ -23,6 +24,41 @@ Certificate = bytes | str | os.PathLike[str]
 ChannelOptions = Sequence[tuple[str, Any]]  # e.g. [("grpc.max_receive_message_length", -1)]
 Credentials = grpc.ChannelCredentials
 ChannelT_co = TypeVar("ChannelT_co", covariant=True)
+
+
+# gRPC's own load balancing and retries, through the channel's service config: each call (not
+# each connection) goes to the next ready address (round_robin), and a call that fails with
+# UNAVAILABLE, or RESOURCE_EXHAUSTED (after the server's grpc-retry-pushback-ms), before its first
+# response message is tried again; gRPC commits a stream at its first message, so nothing is
+# duplicated. A stream that breaks later is resumed by Generation (resume_token_ids).
+SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{
+        "name": [{"service": "braid.v1.Generate"}],
+        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s", "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]},
+    }],
+}
+DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
+    ("grpc.enable_retries", 1),
+    ("grpc.keepalive_time_ms", 30_000),  # notice a dead server or proxy within a minute on an idle stream
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
+
+
+def channel_target(target: str | Sequence[str]) -> str:
+    """One gRPC target for one address or several: "host:port", "dns:///name:port" (every address
+    the name resolves to), or a list of "ip:port" (joined as "ipv4:a:p,b:p", or "ipv6:")."""
+    if isinstance(target, str):
+        return target
+    addresses = [a.replace("localhost:", "127.0.0.1:", 1) if a.startswith("localhost:") else a for a in target]
+    if not addresses:
+        raise ValueError("target: no address")
+    if len(addresses) == 1:
+        return addresses[0]
+    scheme = "ipv6" if all(a.startswith("[") for a in addresses) else "ipv4"
+    return f"{scheme}:{','.join(addresses)}"
 
 
 def _read(certificate: Certificate | None) -> bytes | None:
@@ -49,6 +85,24 @@ def _open_channel(
     return api.secure_channel(target, credentials, options)
 
 
+CallT = TypeVar("CallT")
+
+
+def _restart(
+    request: pb.GenerateRequest, call: Callable[[pb.GenerateRequest], CallT]
+) -> Callable[[list[int], int], CallT]:
+    """How a broken stream of this request starts again from the tokens it delivered."""
+    def restart(delivered: list[int], seed: int) -> CallT:
+        resumed = pb.GenerateRequest()
+        resumed.CopyFrom(request)
+        resumed.seed = seed
+        del resumed.resume_token_ids[:]
+        resumed.resume_token_ids.extend(list(request.resume_token_ids) + delivered)
+        return call(resumed)
+
+    return restart
+
+
 def _check_one_sample(params: GenerateParams) -> None:
     if (params.get("n") or 1) > 1:
         raise ValueError("generate() returns one Completion: for n > 1 samples, use stream() and completions()")
@@ -65,7 +119,7 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
 
     def __init__(
         self,
-        target: str = "localhost:50051",
+        target: str | Sequence[str] = "localhost:50051",
         *,
         tls: bool = False,
         root_certificates: Certificate | None = None,
@@ -73,27 +127,38 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
         client_key: Certificate | None = None,
         api_key: str | None = None,
         options: ChannelOptions | None = None,
+        resume: bool = True,
     ) -> None:
         """Opens a channel to a braid server.
 
         Args:
-            target: host:port of the server.
+            target: host:port of the server; "dns:///name:port" to balance over every address
+                the name resolves to; or several "ip:port" addresses to balance over. Calls go
+                round robin over the ready ones, and are retried on UNAVAILABLE before their
+                first message.
             tls: use TLS. Implied by root_certificates and client_cert.
             root_certificates: PEM CA certificates (bytes or a path); default: the system's.
             client_cert, client_key: PEM certificate chain and key (bytes or paths) for mTLS.
             api_key: sent with every call as `authorization: Bearer <api_key>`.
-            options: gRPC channel options, e.g. [("grpc.max_receive_message_length", -1)].
+            options: gRPC channel options, e.g. [("grpc.max_receive_message_length", -1)],
+                added to (and overriding) DEFAULT_OPTIONS: the service config, keepalive.
+            resume: a stream of one sample that breaks mid-way (UNAVAILABLE: its server died,
+                its connection dropped) is resumed from the tokens it delivered, on whichever
+                server the channel reaches, so the caller sees one unbroken stream.
         """
         if (client_cert is None) != (client_key is None):
             raise ValueError("client_cert and client_key go together")
-        self.target = target
+        self.target = channel_target(target)
+        self.resume = resume
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         credentials = None
         if tls or root_certificates is not None or client_cert is not None:
             credentials = grpc.ssl_channel_credentials(
                 _read(root_certificates), _read(client_key), _read(client_cert)
             )
-        self._connect(target, credentials, options)
+        given = dict(options or ())
+        merged = [(k, v) for k, v in DEFAULT_OPTIONS if k not in given] + list(given.items())
+        self._connect(self.target, credentials, merged)
 
     @abc.abstractmethod
     def _connect(self, target: str, credentials: Credentials | None, options: ChannelOptions | None) -> None:
@@ -134,7 +199,10 @@ class Client(_BaseClient[Generation]):
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _start(self, request: pb.GenerateRequest, timeout: float | None) -> Generation:
-        return Generation(self._stub.Stream(request, timeout=timeout, metadata=self._metadata), request.n)
+        def call(req: pb.GenerateRequest) -> grpc.Call:
+            return cast(grpc.Call, self._stub.Stream(req, timeout=timeout, metadata=self._metadata))
+
+        return Generation(call(request), request.n, restart=_restart(request, call) if self.resume else None)
 
     def generate(
         self,
@@ -207,7 +275,10 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _start(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGeneration:
-        return AsyncGeneration(self._stub.Stream(request, timeout=timeout, metadata=self._metadata), request.n)
+        def call(req: pb.GenerateRequest) -> aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
+            return self._stub.Stream(req, timeout=timeout, metadata=self._metadata)
+
+        return AsyncGeneration(call(request), request.n, restart=_restart(request, call) if self.resume else None)
 
     async def generate(
         self,

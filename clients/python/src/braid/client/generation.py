@@ -6,7 +6,7 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, Callable, cast
 
 import grpc
 from grpc import aio
@@ -14,6 +14,16 @@ from grpc import aio
 from braid.v1 import generate_pb2 as pb
 
 REQUEST_ID_KEY = "braid-request-id"
+SEED_KEY = "braid-seed"
+# A stream that fails with these after it began is resumed (GenerateRequest.resume_token_ids): its
+# server or the connection to it went away. RST_STREAM: a proxy cut the stream when its replica died.
+MAX_RESUMES = 3
+
+
+def is_broken(error: grpc.RpcError) -> bool:
+    """Whether a failed stream broke (its server or connection went away) rather than failed."""
+    code, details = error.code(), error.details() or ""
+    return code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.INTERNAL and "RST_STREAM" in details)
 
 # A call's metadata: (key, value) pairs, as both grpc and grpc.aio give them.
 Metadata = Iterable[tuple[str, str | bytes]]
@@ -51,8 +61,14 @@ class _Stream:
     AsyncGeneration. A stream of n > 1 samples (GenerateRequest.n) interleaves them: every message
     carries its sample's index, and each sample ends with its own final message."""
 
-    def __init__(self, call: grpc.Call | aio.Call, n: int = 1) -> None:
+    def __init__(
+        self, call: grpc.Call | aio.Call, n: int = 1, restart: Callable[[list[int], int], Any] | None = None
+    ) -> None:
         self._call = call
+        # restart(delivered token ids, seed) -> a new call that resumes this one; None: never
+        self._restart = restart if n <= 1 else None
+        self._seed: int | None = None  # from the headers
+        self.resumes = 0  # times the stream was resumed
         self.n = max(n, 1)  # the samples in the stream (GenerateRequest.n; 0 is 1)
         self.final: pb.GenerateResponse | None = None  # the message that ended the stream
         self._texts: defaultdict[int, list[str]] = defaultdict(list)  # by sample index
@@ -112,6 +128,18 @@ class _Stream:
     def _record_headers(self, metadata: Metadata | None) -> None:
         request_id = metadata_value(metadata, REQUEST_ID_KEY)
         self._header_request_id = request_id if isinstance(request_id, str) else ""
+        seed = metadata_value(metadata, SEED_KEY)
+        if isinstance(seed, str) and seed.isdigit():
+            self._seed = int(seed)
+
+    def _resume_call(self, error: grpc.RpcError) -> Any:
+        """A call that resumes this broken stream, or None if it cannot be resumed (then the error
+        stands): not resumable, never started (gRPC's retry policy covers that), or resumed too often."""
+        if (self._restart is None or self._is_cancelled or self.final is not None or self._seed is None
+                or self.resumes >= MAX_RESUMES or not is_broken(error)):
+            return None
+        self.resumes += 1
+        return self._restart(list(self._token_ids[0]), self._seed)
 
 
 class Generation(_Stream):
@@ -123,8 +151,10 @@ class Generation(_Stream):
     `cancel()` cancels the call, which cancels the session on the server.
     """
 
-    def __init__(self, call: grpc.Call, n: int = 1) -> None:
-        super().__init__(call, n)
+    def __init__(
+        self, call: grpc.Call, n: int = 1, restart: Callable[[list[int], int], grpc.Call] | None = None
+    ) -> None:
+        super().__init__(call, n, restart)
         self._call: grpc.Call = call
         self._responses = cast(Iterator[pb.GenerateResponse], call)
 
@@ -134,12 +164,17 @@ class Generation(_Stream):
     def __next__(self) -> pb.GenerateResponse:
         if self._is_cancelled:
             raise StopIteration
-        try:
-            message = next(self._responses)
-        except grpc.RpcError as error:
-            if self._is_cancelled and error.code() == grpc.StatusCode.CANCELLED:  # cancel() from a thread
-                raise StopIteration from None
-            raise
+        while True:
+            try:
+                message = next(self._responses)
+                break
+            except grpc.RpcError as error:
+                if self._is_cancelled and error.code() == grpc.StatusCode.CANCELLED:  # cancel() from a thread
+                    raise StopIteration from None
+                resumed = self._resume_call(error)
+                if resumed is None:
+                    raise
+                self._call, self._responses = resumed, cast(Iterator[pb.GenerateResponse], resumed)
         if self._header_request_id is None:
             self._record_headers(self._call.initial_metadata())
         return self._record(message)
@@ -163,8 +198,10 @@ class AsyncGeneration(_Stream):
     running when the block is left, and `cancel()` cancels it at once.
     """
 
-    def __init__(self, call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse], n: int = 1) -> None:
-        super().__init__(call, n)
+    def __init__(self, call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse], n: int = 1,
+                 restart: Callable[[list[int], int], aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]]
+                 | None = None) -> None:
+        super().__init__(call, n, restart)
         self._call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] = call
 
     def __aiter__(self) -> AsyncGeneration:
@@ -173,12 +210,19 @@ class AsyncGeneration(_Stream):
     async def __anext__(self) -> pb.GenerateResponse:
         if self._is_cancelled:
             raise StopAsyncIteration
-        try:
-            message = await self._call.read()
-        except asyncio.CancelledError:
-            if self._is_cancelled and not _is_task_cancelling():  # cancel() from another task: just stop
-                raise StopAsyncIteration from None
-            raise
+        while True:
+            try:
+                message = await self._call.read()
+                break
+            except asyncio.CancelledError:
+                if self._is_cancelled and not _is_task_cancelling():  # cancel() from another task: just stop
+                    raise StopAsyncIteration from None
+                raise
+            except grpc.RpcError as error:
+                resumed = self._resume_call(error)
+                if resumed is None:
+                    raise
+                self._call = resumed
         if message is aio.EOF:
             raise StopAsyncIteration
         if self._header_request_id is None:

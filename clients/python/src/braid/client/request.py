@@ -79,7 +79,8 @@ def choice(choices: Iterable[str]) -> pb.Constraint:
 
 def grammar(text: str, syntax: str = "lark") -> pb.Constraint:
     """A constraint: the output is a sentence of this grammar, in syntax "lark" or "gbnf"."""
-    return pb.Constraint(grammar=pb.Grammar(text=text, syntax=pb.GrammarSyntax.Value(f"GRAMMAR_SYNTAX_{syntax.upper()}")))
+    syntax_value = pb.GrammarSyntax.Value(f"GRAMMAR_SYNTAX_{syntax.upper()}")
+    return pb.Constraint(grammar=pb.Grammar(text=text, syntax=syntax_value))
 
 
 def to_message(turn: MessageLike) -> pb.Message:
