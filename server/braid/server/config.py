@@ -95,6 +95,9 @@ class EngineConfig:
         "most sessions waiting to be admitted; past it new calls get RESOURCE_EXHAUSTED"))
     batch_max_wait_ms: float = field(default=5000.0, **_opt(
         "a batch-priority session that has waited this long is admitted before interactive ones"))
+    constraint_compile_timeout: float = field(default=5.0, **_opt(
+        "seconds a request's constraint (GenerateRequest.constraint) may take to compile; past it the "
+        "request gets INVALID_ARGUMENT"))
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(), **_opt(
         "where converted models are kept"))
 
@@ -116,6 +119,7 @@ class EngineConfig:
         if self.kv_page_size < 16 or self.kv_page_size % 16:
             raise SettingError("kv_page_size", self.kv_page_size, "expected a multiple of 16")
         _not_negative(self, "threads", "max_wait_ms", "batch_max_wait_ms")
+        _positive(self, "constraint_compile_timeout")
 
 
 @dataclass

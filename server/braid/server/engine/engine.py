@@ -89,7 +89,7 @@ class Engine:
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
         self.grammars = Grammars(tokenizer.hf_tokenizer, tokenizer.eos_token_ids, runner.vocab_size,
-                                 getattr(config, "constraint_compile_timeout_s", 5.0))
+                                 config.constraint_compile_timeout)
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
         threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()
         self.admission = Admission(tokenizer, self.max_seq_len, self.books, runner.random_state, self.grammars,
