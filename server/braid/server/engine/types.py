@@ -191,6 +191,7 @@ class ModelInfo:
     kernels: str
     kv_cache_dtype: str = "float32"
     prefix_caching: bool = True
+    runner: str = "braid"  # "braid": its own decoder; "transformers": the model's own forward
 
 
 @dataclass

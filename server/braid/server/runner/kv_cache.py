@@ -76,8 +76,9 @@ def fit_pages(config: EngineConfig, model_config, max_seq_len: int, device: torc
               dtype: torch.dtype) -> int:
     """KV-cache pages the --kv-cache-memory budget holds. At least one session of --max-seq-len
     tokens must fit, so a session admitted alone can always run to its end."""
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads  # GPT-2: none
     per_page = config.kv_page_size * KVCache.bytes_per_token(
-        model_config.num_hidden_layers, model_config.num_key_value_heads, head_dim(model_config), dtype)
+        model_config.num_hidden_layers, kv_heads, head_dim(model_config), dtype)
     amount, is_fraction = parse_memory(config.kv_cache_memory)
     budget = amount * free_memory(device) if is_fraction else amount
     pages = int(budget // per_page)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from braid.server.runner.families import Family
 from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, decode_attention
 from braid.server.runner.kv_cache import KVCache, head_dim
 from braid.server.runner.precision import Precision, fuse
@@ -60,14 +61,16 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear  # hidden -> 2 I: gate and up projections fused
     down: Linear  # I -> hidden
+    q_norm: torch.Tensor | None = None  # [D]: Family.qk_norm's weights
+    k_norm: torch.Tensor | None = None
 
 
 class LlamaDecoder:
-    """Llama, Mistral-style and Qwen2-style decoders (RMSNorm, RoPE, GQA, SwiGLU)."""
+    """Llama-style decoders (RMSNorm, RoPE, GQA, SwiGLU), each family's differences read from its
+    Family (runner/families.py): Llama, Mistral, Qwen2, Qwen3, Phi-3."""
 
-    SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-    def __init__(self, hf_model: torch.nn.Module, max_seq_len: int, ops: TorchOps, precision: Precision) -> None:
+    def __init__(self, hf_model: torch.nn.Module, max_seq_len: int, ops: TorchOps, precision: Precision,
+                 family: Family = Family()) -> None:
         cfg = hf_model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -82,6 +85,8 @@ class LlamaDecoder:
         # chosen once, by the caller.
         self.ops = ops
         self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0
+        # the whole decode step in one C call knows Llama's layer only
+        self.one_call_decode = self.fused_attention and not family.qk_norm
         self._step: DecodeStep | None = None  # built on the first decode-only pass, for its cache
         self._step_cache: KVCache | None = None
 
@@ -107,11 +112,13 @@ class LlamaDecoder:
             at, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             self.layers.append(LayerWeights(
                 input_norm=vector(f"model.layers.{i}.input_layernorm.weight"),
-                qkv=linear(at, "q_proj", "k_proj", "v_proj"),
+                qkv=linear(at, *family.qkv),
                 o=linear(at, "o_proj"),
                 post_norm=vector(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=linear(mlp, "gate_proj", "up_proj"),
+                gate_up=linear(mlp, *family.gate_up),
                 down=linear(mlp, "down_proj"),
+                q_norm=vector(f"{at}q_norm.weight") if family.qk_norm else None,
+                k_norm=vector(f"{at}k_norm.weight") if family.qk_norm else None,
             ))
         self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(
             t.nbytes for t in [self.final_norm, *(v for w in self.layers for v in (w.input_norm, w.post_norm))])
@@ -128,7 +135,7 @@ class LlamaDecoder:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the packed batch, writes its keys/values into the cache, returns [R, V] logits."""
-        if self.fused_attention and batch.decode is not None and not batch.prefills:
+        if self.one_call_decode and batch.decode is not None and not batch.prefills:
             return self._decode_only(batch, cache)
         n = batch.input_ids.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -136,6 +143,8 @@ class LlamaDecoder:
         x = self.embed.columns(batch.input_ids)  # [N, hidden], the residual stream
         for i, w in enumerate(self.layers):
             qkv = w.qkv(self._norm(x, w.input_norm))  # [N, (H + 2 KVH) D]
+            if w.q_norm is not None:
+                self._head_norms(qkv, w)
             self.ops.rope_(qkv, heads + kv_heads, d, batch.positions, cos, sin)
             q = qkv[:, :heads * d].view(n, heads, d)
             k = qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, d)
@@ -170,6 +179,13 @@ class LlamaDecoder:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, self.eps)
 
+    def _head_norms(self, qkv: torch.Tensor, w: LayerWeights) -> None:
+        """Family.qk_norm, in place: RMSNorm over each head of q and of k in qkv [N, (H + 2 KVH) D]."""
+        n, d, heads, kv_heads = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        for begin, count, weight in ((0, heads, w.q_norm), (heads, kv_heads, w.k_norm)):
+            part = qkv[:, begin * d:(begin + count) * d].view(n, count, d)
+            part.copy_(F.rms_norm(part, (d,), weight, self.eps))
+
     def _attention(self, layer: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """q, k, v: [N, heads, D] views of qkv [N, (H + 2 KVH) D], after RoPE. Keys and values are
@@ -191,8 +207,8 @@ class LlamaDecoder:
             rows = slice(c.offset, c.offset + c.length)
             end = c.start + c.length
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-            kc = _gather(k_cache, c.pages.unsqueeze(0), end, q.dtype)  # [1, KVH, T, D]
-            vc = _gather(v_cache, c.pages.unsqueeze(0), end, q.dtype)
+            kc = gather(k_cache, c.pages.unsqueeze(0), end, q.dtype)  # [1, KVH, T, D]
+            vc = gather(v_cache, c.pages.unsqueeze(0), end, q.dtype)
             if c.start == 0:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
             else:
@@ -209,14 +225,14 @@ class LlamaDecoder:
             # Grouped-query trick: the `group` query heads that share a KV head become `group` query
             # rows of that head, so no key or value is ever repeated.
             qd = q[rows].view(dec.count, self.num_kv_heads, group, d)
-            kd = _gather(k_cache, dec.tables, dec.kv_len, q.dtype)  # [B, KVH, T, D]
-            vd = _gather(v_cache, dec.tables, dec.kv_len, q.dtype)
+            kd = gather(k_cache, dec.tables, dec.kv_len, q.dtype)  # [B, KVH, T, D]
+            vd = gather(v_cache, dec.tables, dec.kv_len, q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [B, KVH, G, D]
             out[rows] = o.reshape(dec.count, -1)
         return out
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+def gather(cache: torch.Tensor, tables: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, KVH, length, D]: the first `length` positions of each sequence's pages (tables [B, pages]),
     copied out of the cache [pages, KVH, P, D] in `dtype` (torch's attention reads one contiguous
     run per head; braid's C kernel reads the pages in place)."""

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from typing import Sequence
 
 import torch
 from braid.server.config import EngineConfig
 from braid.server.model.loader import LoadedModel
+from braid.server.model.weights import FLOAT_FORMATS
+from braid.server.runner.families import attention_window, native_family
 from braid.server.runner.kernels import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
 from braid.server.runner.llama import (
@@ -27,6 +30,7 @@ from braid.server.runner.masks import Masks
 from braid.server.runner.precision import DTYPES, Precision
 from braid.server.runner.rows import Row, Sampled, Sampling
 from braid.server.runner.sampler import random_state, sample, score
+from braid.server.runner.transformers_decoder import TransformersDecoder
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -48,25 +52,36 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, device: torch.device, dtype: torch.dtype, num_pages: int,
                  max_seq_len: int, allow_kernels: bool = True, weight_dtype: str = "auto",
                  quantization: str = "auto", page_size: int = 16, kv_dtype: torch.dtype | None = None) -> None:
-        if model.architecture not in LlamaDecoder.SUPPORTED:
-            raise ValueError(f"--model: architecture {model.architecture} is not supported; braid runs "
-                             f"{', '.join(LlamaDecoder.SUPPORTED)}")
         self.device, self.dtype = device, dtype
         self.max_seq_len = max_seq_len
-        ops = pick_ops(device, dtype, allow_kernels)
-        precision = Precision(model, weight_dtype, quantization)
-        self.decoder = LlamaDecoder(model.hf_model, max_seq_len, ops, precision)
+        self.num_parameters = sum(p.numel() for p in model.hf_model.parameters())
+        family, why_not = native_family(model.hf_model)
+        if family is not None:
+            _LOGGER.info("model path: braid's native decoder (%s)", type(model.hf_model).__name__)
+            ops = pick_ops(device, dtype, allow_kernels)
+            precision = Precision(model, weight_dtype, quantization)
+            self.decoder: LlamaDecoder | TransformersDecoder = LlamaDecoder(model.hf_model, max_seq_len, ops,
+                                                                            precision, family)
+            # kernels: the C kernels' instruction set, or torch's ops
+            self.path, self.kernels, self.quantization = "braid", ops.isa or "torch", quantization
+            formats, ops_name = precision.formats, ops.name
+        else:
+            _LOGGER.info("model path: transformers (%s runs through its own forward: %s)",
+                         type(model.hf_model).__name__, why_not)
+            if quantization == "q8_0":
+                _LOGGER.warning("--quantization q8_0: the transformers path serves the weights as they are")
+            self.decoder = TransformersDecoder(model.hf_model, device, dtype)
+            self.path, self.kernels, self.quantization = "transformers", "torch", "none"
+            formats = Counter(FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for p in model.hf_model.parameters())
+            ops_name = "torch, in the model's own modules"
         self.cache = KVCache(self.decoder.num_layers, num_pages, self.decoder.num_kv_heads, page_size,
                              self.decoder.head_dim, kv_dtype or dtype, device)
         self.vocab_size = self.decoder.vocab_size
         self.masks = Masks(self.vocab_size)
-        self.num_parameters = sum(p.numel() for p in model.hf_model.parameters())
-        self.kernels = ops.isa or "torch"  # the C kernels' instruction set, or torch's ops
-        self.quantization = quantization
-        self.weight_formats = dict(precision.formats)  # tensors served in each format
+        self.weight_formats = dict(formats)  # tensors served in each format
         self.weight_bytes = self.decoder.weight_bytes
-        _LOGGER.info("kernels: %s; weights: %s, %.0f MB", ops.name,
-                     ", ".join(f"{n} {fmt}" for fmt, n in precision.formats.most_common()), self.weight_bytes / 1e6)
+        _LOGGER.info("kernels: %s; weights: %s, %.0f MB", ops_name,
+                     ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common()), self.weight_bytes / 1e6)
 
     @classmethod
     def build(cls, config: EngineConfig, model: LoadedModel) -> ModelRunner:
@@ -76,7 +91,8 @@ class ModelRunner:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
-        max_seq_len = min(config.max_seq_len, context)
+        window = attention_window(model.hf_model.config) if native_family(model.hf_model)[0] else None
+        max_seq_len = min(config.max_seq_len, context, window or context)
         kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # auto: the compute dtype
         num_pages = fit_pages(config, model.hf_model.config, max_seq_len, device, kv_dtype)
         return cls(model, device, dtype, num_pages, max_seq_len, allow_kernels=config.kernels == "auto",

@@ -1,0 +1,110 @@
+"""The fallback decoder: any causal LM transformers runs, through the model's own forward.
+
+braid has native decoders for a few families (runner/families.py); every other causal LM runs here,
+behind the same interface as LlamaDecoder, so the runner, the scheduler, sessions, streaming,
+sampling and constraints are the same for both. Keys and values still live in braid's paged KV
+cache: for each sequence of a pass, its cached positions are gathered from its pages into a
+transformers DynamicCache, the model runs the new tokens over it, and the new keys and values are
+written back into the pages. So a row needs nothing but its page table: prefix sharing, preemption
+and every scheduling mode work as with a native decoder. Slower (each sequence runs on its own, and
+its past is copied out of the pages every pass), but the model's own numbers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from braid.server.runner.kv_cache import KVCache
+from braid.server.runner.llama import ForwardBatch, gather
+
+
+@dataclass
+class _Sequence:
+    """One sequence's tokens [offset, offset + length) of a packed batch, from position `start`."""
+
+    offset: int
+    length: int
+    start: int
+    pages: torch.Tensor  # [pages] long: its page table, covering [0, start + length)
+
+
+class TransformersDecoder:
+    """A transformers causal LM over braid's paged KV cache. The model is moved to the device and
+    compute dtype once; its cache must be plain keys and values per layer (checked on a probe)."""
+
+    def __init__(self, hf_model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        from transformers import DynamicCache
+
+        self._new_cache = DynamicCache
+        self.model = hf_model.to(device=device, dtype=dtype).eval()
+        self.device, self.dtype = device, dtype
+        architecture = type(hf_model).__name__
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        with torch.no_grad():  # one token: the cache's shape and the logits' width
+            probe = self._new_cache()
+            logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                                past_key_values=probe, use_cache=True).logits
+        shapes = {tuple(getattr(layer, "keys", None).shape) if _is_plain(layer) else None for layer in probe.layers}
+        if None in shapes or len(shapes) != 1:
+            raise ValueError(f"--model: architecture {architecture} keeps a cache braid cannot page (not one key and "
+                             "value tensor of one shape per layer)")
+        (_, self.num_kv_heads, _, self.head_dim), = shapes
+        self.num_layers = len(probe.layers)
+        self.vocab_size = logits.shape[-1]
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Runs the packed batch one sequence at a time, writes its keys/values into the cache,
+        returns [R, V] float32 logits of batch.logit_rows."""
+        out = torch.empty(batch.logit_rows.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
+        for seq in self._sequences(batch):
+            in_seq = (batch.logit_rows >= seq.offset) & (batch.logit_rows < seq.offset + seq.length)
+            wanted = in_seq.nonzero().squeeze(1)  # [W]: rows of out this sequence's logits fill
+            logits = self._run(seq, batch, cache, batch.logit_rows[wanted] - seq.offset)
+            out[wanted] = logits
+        return out
+
+    def _run(self, seq: _Sequence, batch: ForwardBatch, cache: KVCache, keep: torch.Tensor) -> torch.Tensor:
+        """One sequence's new tokens through the model; [len(keep), V] logits at its tokens `keep`."""
+        past = self._new_cache()
+        if seq.start:
+            table = seq.pages.unsqueeze(0)
+            past = self._new_cache(ddp_cache_data=[
+                (gather(k, table, seq.start, self.dtype), gather(v, table, seq.start, self.dtype))
+                for k, v in zip(cache.k, cache.v)])  # [1, KVH, start, D] per layer
+        rows = slice(seq.offset, seq.offset + seq.length)
+        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        logits = self.model(input_ids=batch.input_ids[rows].unsqueeze(0),
+                            position_ids=batch.positions[rows].unsqueeze(0),
+                            past_key_values=past, use_cache=True, **kwargs).logits[0]
+        if not self._keeps_logits:
+            logits = logits[keep]
+        index = batch.kv_index[seq.offset * self.num_kv_heads:(seq.offset + seq.length) * self.num_kv_heads]
+        new = slice(seq.start, seq.start + seq.length)
+        for layer, k_cache, v_cache in zip(past.layers, cache.k, cache.v):  # [1, KVH, T, D] -> rows [L KVH, D]
+            for values, pages in ((layer.keys, k_cache), (layer.values, v_cache)):
+                rows_ = values[0, :, new].transpose(0, 1).reshape(-1, self.head_dim)
+                pages.view(-1, self.head_dim).index_copy_(0, index, rows_.to(pages.dtype))
+        return logits.float()
+
+    @staticmethod
+    def _sequences(batch: ForwardBatch) -> list[_Sequence]:
+        seqs = [_Sequence(c.offset, c.length, c.start, c.pages) for c in batch.prefills]
+        dec = batch.decode
+        if dec is not None:
+            first = batch.input_ids.shape[0] - dec.count
+            starts = batch.positions[first:].tolist()
+            seqs += [_Sequence(first + b, 1, starts[b], dec.tables[b]) for b in range(dec.count)]
+        return seqs
+
+
+def _is_plain(layer) -> bool:
+    """A cache layer holding all keys and values as [B, KVH, T, D] tensors (not a sliding window's
+    last few, nor a recurrent state)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return type(layer) is DynamicLayer and isinstance(getattr(layer, "keys", None), torch.Tensor)
