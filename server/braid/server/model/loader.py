@@ -114,6 +114,7 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
     progress.quiet_libraries()
     steps = {"tokenizer": 1, "weights": 2} | ({"quantized blocks": 1} if gguf is not None else {})
     with progress.Steps(f"loading {name}", steps, bar=local_only) as bar, _from_hub(model, local_only):
+        _check_architecture(name, source, local_only)
         with bar.step("tokenizer"):
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
         with bar.step("weights"):
@@ -131,6 +132,32 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
     return LoadedModel(hf_model=hf_model, hf_tokenizer=tokenizer, name=name,
                        architecture=(hf_model.config.architectures or [type(hf_model).__name__])[0],
                        eos_token_ids=_eos_ids(hf_model, tokenizer), blocks=blocks, formats=formats)
+
+
+def _check_architecture(name: str, source: str, local_only: bool) -> None:
+    """A config transformers knows, of a causal LM; else one line naming the architecture (where
+    transformers would say several about upgrading itself, or fail on the tokenizer first)."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=local_only)
+    except (ValueError, KeyError) as exc:
+        raise SettingError("model", name, f"transformers {transformers.__version__} cannot load architecture "
+                                          f"{_architecture_in(source)}: {_first_line(exc)}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise SettingError("model", name, f"architecture {(config.architectures or [config.model_type])[0]} is not a "
+                                          "causal language model transformers can load")
+
+
+def _architecture_in(source: str) -> str:
+    """The architecture a local folder's config.json names (or its model type), for a message."""
+    try:
+        config = json.loads((Path(source) / "config.json").read_text())
+        return str((config.get("architectures") or [config.get("model_type")])[0])
+    except (OSError, ValueError, IndexError, AttributeError):
+        return "(unknown)"
 
 
 def _from_cache_only(hub_id: str) -> bool:

@@ -1,0 +1,147 @@
+"""The models users bring: tiny random models of each architecture, saved to a folder and served by
+braid, generate transformers' greedy tokens. Qwen3 and Phi-3 run on braid's own decoder; GPT-2 has no
+native path and runs through transformers' forward, with braid's scheduler, streaming, cancellation
+and stop rules all the same. A folder transformers cannot load says so in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from braid.client import AsyncClient
+from braid.v1 import generate_pb2 as pb
+from conftest import Server, assert_greedy, wait_for
+from test_startup_errors import assert_one_line, braid
+
+PROMPTS = ["The sea is", "Once upon a time, in a land far away, there lived a", "1 2 3 4 5"]
+
+
+def _save(path: Path, model, smol_dir: Path) -> Path:
+    """The model, with the embedded model's tokenizer, saved where braid and transformers load it."""
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_dir / name, path / name)
+    return path
+
+
+def _tiny(kind: str):
+    """A tiny random causal LM of the architecture `kind`, seeded: 2 layers, hidden 64, the
+    embedded tokenizer's 49,152 tokens; weights large enough for peaked logits (few near-ties)."""
+    import torch
+    import transformers as t
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.3)
+    llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, **common)
+    if kind == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common))
+    if kind == "qwen3":  # head_dim stated, not hidden / heads, as Qwen3's own configs do
+        return t.Qwen3ForCausalLM(t.Qwen3Config(head_dim=32, tie_word_embeddings=True, **llama_like))
+    if kind == "phi3":
+        return t.Phi3ForCausalLM(t.Phi3Config(**llama_like))
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, smol_dir):
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = _save(tmp_path_factory.mktemp(kind), _tiny(kind), smol_dir)
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def served(folders):
+    """A server per (architecture, mode), started on first use and shared by the module."""
+    started: dict[tuple[str, str], Server] = {}
+
+    def get(kind: str, mode: str = "continuous") -> Server:
+        if (kind, mode) not in started:
+            started[kind, mode] = Server(["--model", str(folders(kind)), "--mode", mode, "--threads", "1",
+                                          "--max-batch-size", "8", "--max-wait-ms", "5"])
+        return started[kind, mode]
+
+    yield get
+    for server in started.values():
+        server.stop()
+
+
+async def _greedy_all(target: str, n: int = 12) -> list[tuple[list[int], list[int]]]:
+    """Every prompt at once (so continuous mode batches them): (prompt ids, generated ids) each."""
+    async with AsyncClient(target) as client:
+        async def one(prompt: str):
+            ids = list((await client.tokenize(prompt)).token_ids)
+            out = [t async for m in client.stream(prompt=prompt, max_new_tokens=n, ignore_eos=True)
+                   for t in m.token_ids]
+            return ids, out
+
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+
+@pytest.mark.parametrize("kind, mode, runner", [
+    ("gpt2", "continuous", "transformers"),
+    ("gpt2", "sequential", "transformers"),
+    ("qwen3", "continuous", "braid"),
+    ("phi3", "continuous", "braid"),
+])
+def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner):
+    server = served(kind, mode)
+    with server.client() as client:
+        assert client.model_info().runner == runner
+    for prompt_ids, generated in asyncio.run(_greedy_all(server.target)):
+        assert len(generated) == 12
+        assert_greedy(folders(kind), prompt_ids, generated)
+
+
+def test_the_fallback_matches_transformers_generate(served, folders):
+    """Beyond the near-tie rule: token for token what `generate` gives, on a prompt with no near-tie."""
+    import torch
+
+    from conftest import _reference_model
+
+    with served("gpt2").client() as client:
+        ids = list(client.tokenize(PROMPTS[0]).token_ids)
+        got = client.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True).token_ids
+    expected = _reference_model(folders("gpt2")).generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                                          min_new_tokens=12)[0, len(ids):].tolist()
+    assert list(got) == expected
+
+
+def test_the_fallback_stops_at_a_stop_string_and_is_cancelled(served):
+    with served("gpt2").client() as client:
+        full = client.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True)
+        stop = full.text[len(full.text) // 2:][:4]
+        assert stop.strip(), "need a visible stop string"
+        stopped = client.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, stop=[stop])
+        assert stopped.final.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+        assert stopped.text == full.text[:full.text.find(stop)]
+
+        before = client.server_status()
+        stream = client.stream("Count with me:", max_new_tokens=900, ignore_eos=True)
+        next(iter(stream))  # it is running on the transformers path
+        stream.cancel()
+
+        def cancelled():
+            s = client.server_status()
+            return s if s.sessions_active == 0 and s.sessions_finished.cancelled > before.sessions_finished.cancelled \
+                else None
+
+        status = wait_for(cancelled)
+        assert status.kv_pages_used == 0 and status.tokens_generated - before.tokens_generated < 900
+
+
+def test_an_architecture_transformers_cannot_load_is_one_line(tmp_path, smol_dir):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"],
+                                                      "model_type": "nosuch"}))
+    shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    assert_one_line(braid("serve", "--model", str(tmp_path), "--port", "0"), "NoSuchForCausalLM", "cannot load")
