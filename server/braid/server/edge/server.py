@@ -54,7 +54,7 @@ def serve(server_config: ServerConfig, build_engine: Callable[[], "Engine"]) -> 
     try:
         edge.bound.result()  # a port in use, a TLS file missing: raised here
         engine = build_engine()
-        signals.engine = engine
+        signals.started(engine)
     except BaseException:
         edge.abandon()
         edge.join()
@@ -77,18 +77,25 @@ class _Signals:
 
     def __init__(self, edge: _Edge) -> None:
         self._edge = edge
-        self.engine: Engine | None = None
-        self._received = False
+        self._engine: Engine | None = None
+        self._received: int | None = None  # the first signal's number
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
+    def started(self, engine: Engine) -> None:
+        """The model is loaded. A signal that came during the load ends the start here, had the
+        exception it raised been swallowed on the way (torch's tracing catches everything)."""
+        self._engine = engine
+        if self._received is not None:
+            raise SystemExit(128 + self._received)
+
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        if self._received:
+        if self._received is not None:
             _LOGGER.warning("%s received again: exiting now, without draining", name)
             os._exit(128 + signum)
-        self._received = True
-        if self.engine is None:
+        self._received = signum
+        if self._engine is None:
             _LOGGER.warning("%s received while starting: exiting", name)
             raise SystemExit(128 + signum)
         self._edge.request_stop(name)
