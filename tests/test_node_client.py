@@ -3,9 +3,10 @@
 The CLI streams a generation, cancels it after N tokens (the README's command), and cancels it on
 Ctrl-C; each time the server's ServerStatus shows the session gone and, when cancelled, counted as
 cancelled. It prints log probabilities, n samples, and errors by status name, and constrains the
-output to a choice or a regex. The library's own node:test suite (clients/node/test) runs against
-the same server, and `npm pack` yields a package that loads its .proto. node and npm must be on the
-PATH; `npm ci` installs clients/node/node_modules on first use.
+output to a choice or a regex. Over two replicas, a stream whose replica is killed mid-way is
+resumed on the other and prints an unbroken run's text. The library's own node:test suite
+(clients/node/test) runs against the same server, and `npm pack` yields a package that loads its
+.proto. node and npm must be on the PATH; `npm ci` installs clients/node/node_modules on first use.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from braid.client.client import DEFAULT_OPTIONS, SERVICE_CONFIG
+from conftest import SLOW, tiny_server
 
 NODE_DIR = Path(__file__).resolve().parents[1] / "clients" / "node"
 STREAM_TIMEOUT_S = 60
@@ -151,6 +155,58 @@ def test_cli_ctrl_c_cancels_the_stream(node, smol):
     assert proc.returncode == 130, stderr
     assert "[cancelled]" in stderr
     wait_for(lambda: cancelled_since(smol, before))
+
+
+def read_some(proc: subprocess.Popen, count: int) -> bytes:
+    """At least count bytes of proc's stdout, as they arrive."""
+    head = b""
+    while len(head) < count:
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, f"stdout ended after {head!r}"
+        head += chunk
+    return head
+
+
+def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny_dir):
+    """Two replicas behind the CLI's --target list. The replica serving a long greedy stream is
+    killed with SIGKILL after some text; the CLI goes on, on the other replica, and prints exactly
+    the text of an unbroken run."""
+    replicas = [tiny_server(tiny_dir, "--mode", "continuous", env=SLOW) for _ in range(2)]
+    args = ["--max-new-tokens", "300", "--ignore-eos", "--stats", "The lighthouse keeper wrote in his log"]
+    try:
+        proc = subprocess.Popen([node, "cli.js", "--target", ",".join(r.target for r in replicas), *args],
+                                cwd=NODE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            head = read_some(proc, 40)  # some messages in
+            (serving,) = [r for r in replicas if status(r).sessions_active == 1]
+            serving.proc.kill()
+            rest, stderr = proc.communicate(timeout=STREAM_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        (survivor,) = [r for r in replicas if r is not serving]
+        unbroken = subprocess.run(cli(node, survivor, *args), cwd=NODE_DIR, capture_output=True,
+                                  timeout=STREAM_TIMEOUT_S)  # bytes: the text as printed, "\r" and all
+    finally:
+        for r in replicas:
+            r.stop()
+    stderr = stderr.decode()
+    assert proc.returncode == 0, stderr
+    assert len(re.findall(r"^\[resumed after (UNAVAILABLE|INTERNAL): ", stderr, re.M)) == 1, stderr
+    assert "finish_reason: FINISH_REASON_MAX_TOKENS" in stderr and "300 generated tokens" in stderr, stderr
+    assert unbroken.returncode == 0, unbroken.stderr
+    assert head + rest == unbroken.stdout
+
+
+def test_the_service_config_is_the_python_clients(node):
+    """Both clients balance, retry and keep alive alike: the same service config and channel options."""
+    script = "const c = require('./index.js'); console.log(JSON.stringify(c.DEFAULT_CHANNEL_OPTIONS))"
+    result = subprocess.run([node, "-e", script], cwd=NODE_DIR, capture_output=True, text=True, check=True,
+                            timeout=60)
+    options = json.loads(result.stdout)
+    assert json.loads(options.pop("grpc.service_config")) == SERVICE_CONFIG
+    assert options == {k: v for k, v in DEFAULT_OPTIONS if k != "grpc.service_config"}
 
 
 def test_node_library_suite(node, smol):

@@ -5,6 +5,8 @@
  *
  *   node cli.js [--target host:port] [--max-new-tokens N] [--cancel-after N] "prompt"
  *
+ * --target may be given again, or list several ip:port addresses separated by commas: calls then go
+ * round robin over the replicas, and a stream whose replica dies is resumed on another.
  * Tokens are printed as they arrive. Ctrl-C (SIGINT) cancels the stream on the server and exits
  * 130; --cancel-after N cancels it after N generated tokens and exits 0, as a completed stream does.
  * Every GenerateRequest field has a flag (REQUEST_FLAGS), typed by generate.proto; its constraint
@@ -13,7 +15,7 @@
 
 const fs = require('node:fs');
 const { parseArgs } = require('node:util');
-const { Client, describe, isCancelled, loadBraid, enumValues } = require('./index.js');
+const { Client, channelTarget, describe, isCancelled, loadBraid, enumValues } = require('./index.js');
 const { choice, grammar, jsonObject, jsonSchema, regex } = require('./index.js'); // a constraint of each kind
 
 const EXIT_USAGE = 2;
@@ -51,6 +53,8 @@ const REQUEST_FLAGS = [
   { field: 'badWords', flag: 'bad-word', help: 'a word never to generate (repeatable)' },
   { field: 'reportQueue', help: 'print the queue position while waiting (to stderr)' },
   { field: 'n', short: 'n', help: 'N samples of the prompt (1-16), printed one after another' },
+  { field: 'resumeTokenIds', flag: 'resume-token-id', metavar: 'ID',
+    help: "a token id a broken stream had delivered, to go on from (repeatable, in order; with its --seed)" },
 ];
 
 // GenerateRequest.constraint: a flag per kind of Constraint (its oneof), named as braid-client's, at
@@ -69,7 +73,8 @@ const CONSTRAINT_FLAGS = [
 ].map((spec) => ({ field: 'constraint', flag: kebab(spec.kind), ...spec }));
 
 const CLI_FLAGS = [
-  ['--target HOST:PORT', 'the braid server (env BRAID_TARGET; default localhost:50051)'],
+  ['--target HOST:PORT', 'the braid server (env BRAID_TARGET; default localhost:50051); repeated, or'],
+  ['', 'IP:PORT,IP:PORT: replicas to balance over'],
   ['--chat', 'send the prompt as one user message of a chat'],
   ['--system TEXT', 'a system message first (implies --chat)'],
   ['--cancel-after N', 'cancel the stream after N generated tokens (exit 0)'],
@@ -156,7 +161,7 @@ const GRAMMAR_SYNTAX = enumType(BRAID, 'GrammarSyntax');
 checkConstraintFlags(BRAID);
 
 const OPTIONS = {
-  target: { type: 'string', default: process.env.BRAID_TARGET || 'localhost:50051' },
+  target: { type: 'string', multiple: true, default: [process.env.BRAID_TARGET || 'localhost:50051'] },
   chat: { type: 'boolean', default: false },
   system: { type: 'string' },
   'cancel-after': { type: 'string' },
@@ -227,6 +232,15 @@ function constraintOf(values) {
   return flagValue(flag, (text) => build(text, syntax), values[flag]);
 }
 
+// A target naming its resolver ('dns:///name:port', 'ipv4:a:p,b:p') is one target, commas and all.
+const RESOLVER_SCHEME = /^(dns|ipv4|ipv6|unix):/;
+
+/** --target's values (repeated, or comma-separated addresses) as one channel target. */
+function targetOf(values) {
+  const addresses = values.flatMap((value) => (RESOLVER_SCHEME.test(value) ? [value] : value.split(',')));
+  return flagValue('target', channelTarget, addresses.filter(Boolean));
+}
+
 /** The command line to { target, cancelAfter, stats, request }; exits 2 on a bad flag. */
 function parse(argv) {
   let parsed;
@@ -248,7 +262,7 @@ function parse(argv) {
   const cancelAfter = values['cancel-after'];
   const constraint = constraintOf(values);
   return {
-    target: values.target,
+    target: targetOf(values.target),
     stats: values.stats,
     cancelAfter:
       cancelAfter === undefined ? undefined : flagValue('cancel-after', SCALARS.TYPE_UINT32.parse, cancelAfter),
@@ -305,6 +319,7 @@ function run({ target, request, cancelAfter, stats }) {
   };
   process.once('SIGINT', onSigint);
 
+  call.on('resumed', (error) => process.stderr.write(`[resumed after ${describe(error)}]\n`));
   call.on('data', (message) => {
     if (message.queuePosition) process.stderr.write(`[queue position ${message.queuePosition}]\n`);
     const sample = (samples[message.index] ??= { text: '', tokens: [], promptTokens: [], final: null });

@@ -16,18 +16,73 @@
  * their names ('FINISH_REASON_EOS'), and 64-bit integers are decimal strings.
  * jsonSchema(), jsonObject(), regex(), choice() and grammar() make a request's
  * constraint: { prompt, constraint: choice(['yes', 'no']) }.
+ *
+ * Several replicas: new Client(['10.0.0.1:50051', '10.0.0.2:50051']) or
+ * new Client('dns:///braid.default.svc:50051') sends each call to the next ready one (round
+ * robin), retries a call refused before it began, and resumes a stream that broke mid-way
+ * (generation.js).
  */
 
 const fs = require('node:fs');
+const net = require('node:net');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
+const { Generation } = require('./generation.js');
 
 const PROTO_FILE = 'braid/v1/generate.proto';
 const PROTO_DIR = [path.join(__dirname, 'protos'), path.resolve(__dirname, '..', '..', 'protos')].find((dir) =>
   fs.existsSync(path.join(dir, PROTO_FILE)),
 );
 const HEALTH_STATUS = ['UNKNOWN', 'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN'];
+
+// gRPC's own load balancing and retries, through the channel's service config (as braid-client's
+// SERVICE_CONFIG): each call (not each connection) goes to the next ready address (round_robin),
+// and a call that fails with UNAVAILABLE, or RESOURCE_EXHAUSTED (after the server's
+// grpc-retry-pushback-ms), before its response headers is tried again; grpc-js commits a call at
+// its headers, so nothing is duplicated. A stream that breaks later is resumed by Generation.
+const SERVICE_CONFIG = {
+  loadBalancingConfig: [{ round_robin: {} }],
+  methodConfig: [{
+    name: [{ service: 'braid.v1.Generate' }],
+    retryPolicy: {
+      maxAttempts: 4, initialBackoff: '0.1s', maxBackoff: '2s', backoffMultiplier: 2,
+      retryableStatusCodes: ['UNAVAILABLE', 'RESOURCE_EXHAUSTED'],
+    },
+  }],
+};
+const DEFAULT_CHANNEL_OPTIONS = {
+  'grpc.service_config': JSON.stringify(SERVICE_CONFIG),
+  'grpc.enable_retries': 1,
+  'grpc.keepalive_time_ms': 30000, // notice a dead server or proxy within a minute on an idle stream
+  'grpc.keepalive_timeout_ms': 10000,
+};
+
+/** 'ipv4' for '10.0.0.1:50051', 'ipv6' for '[::1]:50051', null for anything else ('host:50051'). */
+function addressScheme(address) {
+  const [, v6, v4] = /^(?:\[([^\]]+)\]|([^:[\]]+)):\d+$/.exec(address) ?? [];
+  if (v6) return net.isIPv6(v6) ? 'ipv6' : null;
+  return v4 && net.isIPv4(v4) ? 'ipv4' : null;
+}
+
+/**
+ * One gRPC target for one address or several: 'host:port', 'dns:///name:port' (every address the
+ * name resolves to), or a list of 'ip:port' ('localhost:port' too), joined as 'ipv4:a:p,b:p' (or
+ * 'ipv6:[a]:p,[b]:p'). Throws a RangeError for a list that is empty, or not all IPv4 or all IPv6.
+ */
+function channelTarget(target) {
+  if (typeof target === 'string') return target;
+  const addresses = [...target].map((a) => (a.startsWith('localhost:') ? `127.0.0.1:${a.slice('localhost:'.length)}` : a));
+  if (addresses.length === 0) throw new RangeError('no address to connect to');
+  if (addresses.length === 1) return addresses[0];
+  const scheme = addressScheme(addresses[0]);
+  const odd = addresses.find((address) => !scheme || addressScheme(address) !== scheme);
+  if (odd) {
+    throw new RangeError(`${JSON.stringify(odd)} among several addresses: give each as ip:port, ` +
+      "all IPv4 or all IPv6 ([::1]:50051), or give one 'dns:///name:port'");
+  }
+  return `${scheme}:${addresses.join(',')}`;
+}
 
 const LOADER_OPTIONS = {
   keepCase: false, // maxNewTokens, not max_new_tokens
@@ -109,18 +164,27 @@ function describe(error) {
 
 class Client {
   /**
-   * Opens a channel to a braid server.
+   * Opens a channel to a braid server, or to several replicas.
    *
-   * @param {string} target host:port of the server.
+   * @param {string | string[]} target host:port of the server; 'dns:///name:port' to balance over
+   *   every address the name resolves to; or several 'ip:port' addresses to balance over (see
+   *   channelTarget). Calls go round robin over the ready ones, and are retried on UNAVAILABLE
+   *   before they begin.
    * @param {object} [options]
    * @param {grpc.ChannelCredentials} [options.credentials] default: plaintext.
    * @param {string} [options.apiKey] sent with every call as `authorization: Bearer <apiKey>`.
-   * @param {object} [options.channelOptions] grpc-js channel options.
+   * @param {object} [options.channelOptions] grpc-js channel options, added to (and overriding)
+   *   DEFAULT_CHANNEL_OPTIONS: the service config, keepalive.
+   * @param {boolean} [options.resume] default true: a stream of one sample that breaks mid-way
+   *   (its server died, its connection dropped) is resumed from the tokens it delivered, on
+   *   whichever server the channel reaches, so the caller reads one unbroken stream.
    */
-  constructor(target = 'localhost:50051', { credentials, apiKey, channelOptions } = {}) {
+  constructor(target = 'localhost:50051', { credentials, apiKey, channelOptions, resume = true } = {}) {
     const braid = loadBraid();
-    this.target = target;
-    this.stub = new braid.Generate(target, credentials ?? grpc.credentials.createInsecure(), channelOptions);
+    this.target = channelTarget(target);
+    this.resume = resume;
+    const options = { ...DEFAULT_CHANNEL_OPTIONS, ...channelOptions };
+    this.stub = new braid.Generate(this.target, credentials ?? grpc.credentials.createInsecure(), options);
     this.apiKey = apiKey;
   }
 
@@ -135,13 +199,14 @@ class Client {
   }
 
   /**
-   * Starts a generation and returns its call: a readable stream of GenerateResponse messages.
+   * Starts a generation and returns its Generation: a readable stream of GenerateResponse messages.
    *
    * Read it with `for await (const message of call)` or with events ('data', 'end', 'error',
-   * 'metadata', 'status'). The last message carries finishReason, usage, requestId, seed and
-   * timings; with n > 1 every message carries its sample's index and each sample ends with its
+   * 'metadata', 'status', 'resumed'). The last message carries finishReason, usage, requestId, seed
+   * and timings; with n > 1 every message carries its sample's index and each sample ends with its
    * own last message. `call.cancel()` cancels the session on the server; the call then ends
-   * with an error whose code is grpc.status.CANCELLED (see isCancelled).
+   * with an error whose code is grpc.status.CANCELLED (see isCancelled). A stream of one sample
+   * that breaks mid-way is resumed (the client's `resume`): `call.resumes` counts the times.
    *
    * @param {object} request GenerateRequest fields: prompt or messages ([{role, content}]),
    *   maxNewTokens, temperature, topP, topK, minP, repetitionPenalty, presencePenalty,
@@ -152,11 +217,12 @@ class Client {
    *   waiting), n, constraint (jsonSchema(), jsonObject(), regex(), choice() or grammar(); a
    *   completed match ends with FINISH_REASON_CONSTRAINT).
    * @param {object} [options]
-   * @param {number} [options.timeoutMs] deadline of the call.
-   * @returns {grpc.ClientReadableStream}
+   * @param {number} [options.timeoutMs] deadline of the call (of a resumed call too: one deadline).
+   * @returns {Generation}
    */
   stream(request, { timeoutMs } = {}) {
-    return this.stub.Stream(request, this.metadata(), Client.callOptions(timeoutMs));
+    const options = Client.callOptions(timeoutMs);
+    return new Generation((req) => this.stub.Stream(req, this.metadata(), options), request, { resume: this.resume });
   }
 
   /** Runs a generation to its end: resolves to { text, tokenIds, final }. */
@@ -227,6 +293,7 @@ class Client {
 }
 
 module.exports = {
-  Client, describe, isCancelled, loadBraid, enumValues, grpc, PROTO_DIR,
+  Client, Generation, describe, isCancelled, loadBraid, enumValues, grpc, PROTO_DIR,
+  channelTarget, SERVICE_CONFIG, DEFAULT_CHANNEL_OPTIONS,
   jsonSchema, jsonObject, regex, choice, grammar,
 };

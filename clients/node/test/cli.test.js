@@ -86,6 +86,15 @@ test('flags read as braid-client reads them', () => {
   assert.deepEqual(greedy, { prompt: 'x', temperature: 0.5, ignoreEos: true });
 });
 
+test('--target: repeated or comma-separated addresses are replicas; a resolver\'s target is one', () => {
+  const target = (...values) => parse([...values.flatMap((value) => ['--target', value]), 'hi']).target;
+  assert.equal(target('10.0.0.1:1,localhost:2', '10.0.0.3:3'), 'ipv4:10.0.0.1:1,127.0.0.1:2,10.0.0.3:3');
+  assert.equal(target('[::1]:1,[::1]:2'), 'ipv6:[::1]:1,[::1]:2');
+  assert.equal(target('dns:///braid.default.svc:50051'), 'dns:///braid.default.svc:50051');
+  assert.equal(target('ipv4:10.0.0.1:1,10.0.0.2:2'), 'ipv4:10.0.0.1:1,10.0.0.2:2');
+  assert.equal(target('braid:50051'), 'braid:50051');
+});
+
 test('--help and the README list every flag', () => {
   const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
   for (const { flag } of [...FLAGS, ...CONSTRAINT_FLAGS, { flag: 'grammar-syntax' }]) {
@@ -179,6 +188,9 @@ test('an error prints its status name and exits 1; a bad flag value exits 2', as
   const bad = await cli('--logit-bias', 'forty-two', 'hi');
   assert.equal(bad.code, 2);
   assert.match(bad.stderr, /^--logit-bias: expected KEY=VALUE, not "forty-two"/);
+  const hosts = await cli('--target', '10.0.0.1:1,braid:2', 'hi'); // a name among several: not for gRPC's ipv4:
+  assert.equal(hosts.code, 2);
+  assert.match(hosts.stderr, /^--target: "braid:2" among several addresses: give each as ip:port/);
 });
 
 test('--choice sends the choices and the stats show finish reason CONSTRAINT', async () => {

@@ -1,0 +1,121 @@
+'use strict';
+/**
+ * Generation: one Stream call as its caller sees it, a readable stream of GenerateResponse
+ * messages that outlives the replica serving it.
+ *
+ * A stream of one sample that breaks after it began (its server died, its connection dropped:
+ * UNAVAILABLE, or INTERNAL with RST_STREAM when a proxy cut it) is started again with the same
+ * request, the token ids it delivered as resume_token_ids and the seed of its first response
+ * headers (braid-seed); the server skips those tokens and goes on exactly as the broken stream
+ * would have, so the caller reads one unbroken stream. A call that fails before it began is
+ * gRPC's to retry (the channel's retry policy), not this.
+ */
+
+const { Readable } = require('node:stream');
+const grpc = require('@grpc/grpc-js');
+
+const SEED_KEY = 'braid-seed';
+const MAX_RESUMES = 3;
+
+/** Whether a failed stream broke (its server or connection went away) rather than failed. */
+function isBroken(error) {
+  const details = error.details ?? '';
+  return error.code === grpc.status.UNAVAILABLE || (error.code === grpc.status.INTERNAL && details.includes('RST_STREAM'));
+}
+
+/** The request that resumes a broken stream of `request`, which delivered these token ids. */
+function resumedRequest(request, deliveredTokenIds, seed) {
+  return { ...request, seed, resumeTokenIds: [...(request.resumeTokenIds ?? []), ...deliveredTokenIds] };
+}
+
+class Generation extends Readable {
+  #start; // request => a Stream call (grpc.ClientReadableStream)
+  #request;
+  #canResume;
+  #call; // the call now streaming
+  #isCallDone = false; // #call has ended, or failed
+  #seed = null; // from the first response headers
+  #tokenIds = []; // delivered so far (one sample)
+  #isCancelled = false;
+
+  /**
+   * Starts a Stream call of `request`; with `resume`, and one sample, a broken call is resumed.
+   * Events: 'data' (a GenerateResponse), 'end', 'error', 'metadata' (the first call's response
+   * headers), 'status' (the last call's), and 'resumed' (the error that broke the stream, once a
+   * call resuming it has started).
+   */
+  constructor(start, request, { resume = true } = {}) {
+    super({ objectMode: true });
+    this.#start = start;
+    this.#request = request;
+    this.#canResume = resume && !(request.n > 1);
+    this.resumes = 0; // times the stream was resumed
+    this.final = null; // the message that ended it (with n > 1: the last sample's)
+    this.#follow(start(request));
+  }
+
+  #follow(call) {
+    this.#call = call;
+    this.#isCallDone = false;
+    const isCurrent = () => call === this.#call;
+    call.on('metadata', (metadata) => {
+      if (this.resumes > 0 || !isCurrent()) return; // one stream: its first headers
+      const [seed] = metadata.get(SEED_KEY);
+      if (typeof seed === 'string' && /^\d+$/.test(seed)) this.#seed = seed;
+      this.emit('metadata', metadata);
+    });
+    call.on('data', (message) => {
+      if (!isCurrent() || this.destroyed) return;
+      if (this.#canResume) this.#tokenIds.push(...message.tokenIds);
+      if (message.finishReason !== 'FINISH_REASON_UNSPECIFIED') this.final = message;
+      if (!this.push(message)) call.pause(); // until _read() asks for more
+    });
+    call.on('end', () => {
+      if (!isCurrent() || this.#isCallDone) return; // a failed call also ends; its error is handled
+      this.#isCallDone = true;
+      this.push(null);
+    });
+    call.on('error', (error) => {
+      if (!isCurrent()) return;
+      this.#isCallDone = true;
+      if (!this.#isResumable(error)) {
+        this.destroy(error);
+        return;
+      }
+      this.resumes += 1;
+      this.#follow(this.#start(resumedRequest(this.#request, this.#tokenIds, this.#seed)));
+      this.emit('resumed', error);
+    });
+    call.on('status', (status) => {
+      if (isCurrent()) this.emit('status', status);
+    });
+  }
+
+  /** Whether this broken call can be resumed: not cancelled, begun (gRPC retries the rest), not ended. */
+  #isResumable(error) {
+    return this.#canResume && !this.#isCancelled && this.#seed !== null && this.final === null &&
+      this.resumes < MAX_RESUMES && isBroken(error);
+  }
+
+  _read() {
+    this.#call.resume();
+  }
+
+  _destroy(error, callback) {
+    if (!this.#isCallDone) this.cancel(); // left early (a break out of for await): the session goes too
+    callback(error);
+  }
+
+  /** Cancels the call, and so the session on the server; the stream then fails with CANCELLED. */
+  cancel() {
+    this.#isCancelled = true;
+    this.#call.cancel();
+  }
+
+  /** The address of the server now streaming. */
+  getPeer() {
+    return this.#call.getPeer();
+  }
+}
+
+module.exports = { Generation, isBroken, resumedRequest, MAX_RESUMES };
