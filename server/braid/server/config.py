@@ -148,6 +148,23 @@ class ServerConfig:
     otlp_endpoint: str | None = field(default=None, **_opt(
         "send traces and metrics over OTLP/gRPC to this collector, e.g. http://otel-collector:4317 "
         "(http:// plaintext, https:// TLS; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else off)"))
+    keepalive_time_ms: int = field(default=30_000, **_opt(
+        "ping a client connection after this long without hearing from it, to find peers that vanished "
+        "without closing it (their sessions are then cancelled); 0: gRPC's default, 2 hours"))
+    keepalive_timeout_ms: int = field(default=10_000, **_opt(
+        "close a connection whose keepalive ping is not answered within this long"))
+    keepalive_permit_without_calls: bool = field(default=True, **_opt(
+        "keepalive pings on connections with no call open: braid sends its own, and accepts a client's "
+        "(a proxy's) every --min-ping-interval-ms; false: at most one every 2 hours, as gRPC's default"))
+    min_ping_interval_ms: int = field(default=10_000, **_opt(
+        "shortest interval between a client's pings accepted while no data flows; a client pinging more "
+        "often is sent GOAWAY too_many_pings after 2 strikes (gRPC's default: 300000)"))
+    max_connection_age_ms: int = field(default=0, **_opt(
+        "send a client connection GOAWAY after this long (gRPC adds +-10%% jitter), so clients balancing over "
+        "DNS find new replicas; calls in flight go on; 0: never"))
+    max_connection_age_grace_ms: int = field(default=0, **_opt(
+        "after --max-connection-age-ms, how long calls in flight get before the connection is closed; "
+        "0: as long as they run"))
 
     def __post_init__(self) -> None:
         _positive(self, "default_max_new_tokens", "max_message_bytes", "max_concurrent_streams")
@@ -161,6 +178,9 @@ class ServerConfig:
             if not 0 <= getattr(self, name) < 65536:
                 raise SettingError(name, getattr(self, name), "must be in [0, 65535]")
         _not_negative(self, "grace_period")
+        _positive(self, "keepalive_timeout_ms")
+        _not_negative(self, "keepalive_time_ms", "min_ping_interval_ms", "max_connection_age_ms",
+                      "max_connection_age_grace_ms")
 
 
 @dataclass

@@ -187,7 +187,7 @@ def _bind(config: ServerConfig) -> _Listening:
         interceptors=[*interceptors, ErrorInterceptor()],
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
                  ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-                 ("grpc.so_reuseport", 0)])
+                 ("grpc.so_reuseport", 0), *_connection_options(config)])
     port = _listen(server, config)
     telemetry = None
     if telemetry_on:
@@ -195,6 +195,21 @@ def _bind(config: ServerConfig) -> _Listening:
 
         telemetry = start_telemetry(config, port)
     return _Listening(server, port, request_log, telemetry)
+
+
+def _connection_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Keepalive, the ping policy and the connection age: gRPC channel arguments from their flags (0 where it
+    means gRPC's default or no limit leaves the argument out)."""
+    options = [("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+               ("grpc.keepalive_permit_without_calls", int(config.keepalive_permit_without_calls)),
+               ("grpc.http2.min_ping_interval_without_data_ms", config.min_ping_interval_ms),
+               ("grpc.http2.max_pings_without_data", 0)]  # braid's keepalive pings go on over a silent stream
+    for name, value in (("grpc.keepalive_time_ms", config.keepalive_time_ms),
+                        ("grpc.max_connection_age_ms", config.max_connection_age_ms),
+                        ("grpc.max_connection_age_grace_ms", config.max_connection_age_grace_ms)):
+        if value:
+            options.append((name, value))
+    return options
 
 
 async def _serve(config: ServerConfig, listening: _Listening, engine: Engine, stop: asyncio.Event,
