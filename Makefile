@@ -53,6 +53,15 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/braid serve $(ARGS)
 
+# A cluster on this machine (docs/deployment.md): REPLICAS replicas of `braid serve` behind HAProxy on
+# localhost:50051, with Prometheus on :9090; deploy/install-tools.sh apt-gets both when missing.
+# ARGS go to every replica: make cluster REPLICAS=3 ARGS="--mode batched". Ctrl-C stops it.
+REPLICAS ?= 2
+.PHONY: cluster
+cluster: install
+	deploy/install-tools.sh haproxy prometheus
+	$(PY) deploy/cluster.py --replicas $(REPLICAS) -- $(ARGS)
+
 test: install
 	$(PY) -m pytest -q
 
