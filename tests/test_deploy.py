@@ -40,6 +40,8 @@ BRAID_ENV = {
     "BRAID_DEVICE", "BRAID_THREADS", "BRAID_MAX_BATCH_SIZE", "BRAID_METRICS_PORT",
     "BRAID_OTLP_ENDPOINT", "BRAID_GRACE_PERIOD", "BRAID_API_KEY",
     "BRAID_TLS_CERT", "BRAID_TLS_KEY", "BRAID_TLS_CLIENT_CA",
+    "BRAID_KEEPALIVE_TIME_MS", "BRAID_KEEPALIVE_TIMEOUT_MS", "BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS",
+    "BRAID_MIN_PING_INTERVAL_MS", "BRAID_MAX_CONNECTION_AGE_MS", "BRAID_MAX_CONNECTION_AGE_GRACE_MS",
 }  # fmt: skip
 MODES = {"sequential", "interleaved", "batched", "continuous"}
 DEVICES = {"auto", "cpu", "cuda"}
@@ -232,6 +234,37 @@ def test_envoy_never_cuts_a_long_stream_short() -> None:
     assert routes and all(seconds(route["route"]["timeout"]) == 0 for route in routes)
     # Silence, not length, ends a stream.
     assert seconds(hcm["stream_idle_timeout"]) >= 60
+
+
+def test_envoy_takes_a_draining_replica_out_as_haproxy_does() -> None:
+    """A replica that answers UNAVAILABLE (draining) is ejected at once, as deploy/haproxy.lua does in
+    the local cluster; checks every second, out after two failures, as deploy/haproxy.cfg."""
+    outlier = envoy_cluster("braid")["outlier_detection"]
+    assert outlier["consecutive_gateway_failure"] == 1 and outlier["enforcing_consecutive_gateway_failure"] == 100
+    (check,) = envoy_cluster("braid")["health_checks"]
+    haproxy = (ROOT / "deploy" / "haproxy.cfg").read_text()
+    assert re.search(rf"default-server check inter {seconds(check['interval']):g}s .*fall {check['unhealthy_threshold']}"
+                     rf" rise {check['healthy_threshold']}", haproxy)
+
+
+def test_braid_accepts_the_keepalive_pings_envoy_sends() -> None:
+    """Envoy pings its connections to the replicas, idle ones too: braid must accept pings that often
+    (--min-ping-interval-ms) and with no call open, or it answers GOAWAY too_many_pings."""
+    from braid.server.config import ServerConfig
+
+    env, defaults = compose_env(load("docker-compose.yml")["services"]["braid"]), ServerConfig()
+    min_interval_ms = float(env.get("BRAID_MIN_PING_INTERVAL_MS", defaults.min_ping_interval_ms))
+    permit = env.get("BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS", str(defaults.keepalive_permit_without_calls))
+    options = envoy_cluster("braid")["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]["http2_protocol_options"]
+    assert seconds(options["connection_keepalive"]["interval"]) * 1000 >= min_interval_ms
+    assert permit.lower() in {"1", "true", "yes", "on"}
+
+
+def test_kubernetes_replicas_cycle_connections_for_client_side_balancing() -> None:
+    """round_robin over braid-headless finds new pods only on new connections: a max connection age."""
+    env = k8s_env(braid_container())
+    assert int(env["BRAID_MAX_CONNECTION_AGE_MS"]["value"]) > 0
 
 
 def test_envoy_references_resolve_to_clusters_and_compose_services() -> None:
