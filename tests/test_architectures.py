@@ -1,5 +1,5 @@
 """The models users bring: tiny random models of each architecture, saved to a folder and served by
-braid, generate transformers' greedy tokens. Qwen3 and Phi-3 run on braid's own decoder; GPT-2 has no
+braid, generate transformers' greedy tokens. Qwen3, Phi-3 and Gemma 3 run on braid's own decoder; GPT-2 has no
 native path and runs through transformers' forward, with braid's scheduler, streaming, cancellation
 and stop rules all the same. A folder transformers cannot load says so in one line."""
 
@@ -45,6 +45,14 @@ def _tiny(kind: str):
         return t.Qwen3ForCausalLM(t.Qwen3Config(head_dim=32, tie_word_embeddings=True, **llama_like))
     if kind == "phi3":
         return t.Phi3ForCausalLM(t.Phi3Config(**llama_like))
+    if kind == "gemma3":  # local layers of a 4-token window between global ones; norms not at their zero init
+        model = t.Gemma3ForCausalLM(t.Gemma3TextConfig(head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                                                       **llama_like))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.5)
+        return model
     raise ValueError(kind)
 
 
@@ -93,6 +101,7 @@ async def _greedy_all(target: str, n: int = 12) -> list[tuple[list[int], list[in
     ("gpt2", "sequential", "transformers"),
     ("qwen3", "continuous", "braid"),
     ("phi3", "continuous", "braid"),
+    ("gemma3", "continuous", "braid"),
 ])
 def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner):
     server = served(kind, mode)

@@ -23,14 +23,34 @@ class Family:
     # RMSNorm over each head of q and of k, after the projection and before RoPE (Qwen3):
     # weights self_attn.q_norm and self_attn.k_norm, [head_dim] each
     qk_norm: bool = False
+    # Gemma: RMSNorm weights stored as w - 1 (served as 1 + w), embeddings scaled by sqrt(hidden),
+    # gelu(tanh) gating the MLP
+    norm_offset: bool = False
+    embed_scale: bool = False
+    activation: str = "silu"  # the config's hidden_act (or hidden_activation) this family runs
+    # Gemma 2/3: the attention's and the MLP's outputs are normalized before they join the residual
+    # stream (post_attention_layernorm, post_feedforward_layernorm; pre_feedforward_layernorm before the MLP)
+    sandwich_norms: bool = False
+    # Gemma 2/3: query_pre_attn_scalar's scale, soft-capped attention scores and logits, and the
+    # config's layer_types: sliding-window layers (with their own RoPE, Gemma 3) between global ones
+    gemma_attention: bool = False
+
+    @property
+    def is_llamas(self) -> bool:
+        """Whether a layer is Llama's (whatever the weights' names): what the one-call C decode step runs."""
+        return not (self.qk_norm or self.sandwich_norms or self.gemma_attention or self.activation != "silu")
 
 
+_GEMMA = dict(norm_offset=True, embed_scale=True, activation="gelu_pytorch_tanh", sandwich_norms=True,
+              gemma_attention=True)
 FAMILIES = {
     "LlamaForCausalLM": Family(),
     "MistralForCausalLM": Family(),
     "Qwen2ForCausalLM": Family(),
     "Qwen3ForCausalLM": Family(qk_norm=True),
     "Phi3ForCausalLM": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",)),
+    "Gemma2ForCausalLM": Family(**_GEMMA),
+    "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA),
 }
 
 # RoPE variants whose tables depend on the length of the sequence (transformers recomputes them as
@@ -46,8 +66,11 @@ def native_family(hf_model) -> tuple[Family | None, str]:
     if family is None:
         return None, f"braid has no native decoder for {architecture}"
     cfg = hf_model.config
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return None, f"its activation is {cfg.hidden_act} (braid's decoder runs silu)"
+    activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if activation != family.activation:
+        return None, f"its activation is {activation} (braid's {architecture} runs {family.activation})"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return None, "its attention is bidirectional"
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if any(kind in rope_type for kind in _LENGTH_DEPENDENT_ROPE):
@@ -58,10 +81,13 @@ def native_family(hf_model) -> tuple[Family | None, str]:
     return family, ""
 
 
-def attention_window(model_config) -> int | None:
-    """The sliding window of a config's attention, if any layer has one: a native decoder serves
-    at most this many tokens a session (each position then sees all before it, as in the model)."""
+def attention_window(family: Family, model_config) -> int | None:
+    """The sliding window of a config's attention, if any layer has one and the family's decoder
+    does not run it: the decoder then serves at most this many tokens a session (each position sees
+    all before it, as in the model)."""
     window = getattr(model_config, "sliding_window", None)
+    if family.gemma_attention:
+        return None
     layer_types = getattr(model_config, "layer_types", None)
     if not window or (layer_types is not None and "sliding_attention" not in layer_types):
         return None

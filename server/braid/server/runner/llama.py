@@ -11,6 +11,7 @@ over all decoding sequences.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,10 @@ class LayerWeights:
     down: Linear  # I -> hidden
     q_norm: torch.Tensor | None = None  # [D]: Family.qk_norm's weights
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Family.sandwich_norms: on the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # and on the MLP's
+    window: int | None = None  # a sliding-window layer's window (Family.gemma_attention)
+    rope: str = ""  # which RoPE tables the layer reads (Gemma 3: its layer type's)
 
 
 class LlamaDecoder:
@@ -84,9 +89,19 @@ class LlamaDecoder:
         # On a CPU with AVX-512 or AVX2, braid's own kernels run the decoder (runner/kernels.py):
         # chosen once, by the caller.
         self.ops = ops
-        self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0
+        # the C decode attention scales by D^-0.5, with no window and no soft-capping
+        self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0 and not family.gemma_attention
         # the whole decode step in one C call knows Llama's layer only
-        self.one_call_decode = self.fused_attention and not family.qk_norm
+        self.one_call_decode = self.fused_attention and family.is_llamas
+        self._act = self.ops.swiglu if family.activation == "silu" else _gelu_tanh_glu
+        self.embed_scale = cfg.hidden_size ** 0.5 if family.embed_scale else None
+        self.gemma_attention = family.gemma_attention
+        if family.gemma_attention:
+            self.scale = cfg.query_pre_attn_scalar ** -0.5
+            self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
+            self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        else:
+            self.scale, self.attn_softcap, self.final_softcap = self.head_dim ** -0.5, None, None
         self._step: DecodeStep | None = None  # built on the first decode-only pass, for its cache
         self._step_cache: KVCache | None = None
 
@@ -101,24 +116,37 @@ class LlamaDecoder:
         def vector(name: str) -> torch.Tensor:
             return precision.vector(name, dtype, device)
 
+        def norm(name: str) -> torch.Tensor:
+            """An RMSNorm's weight as it multiplies (Family.norm_offset: stored as w - 1)."""
+            return vector(name) + 1 if family.norm_offset else vector(name)
+
+        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
+
         inner = hf_model.model
         # The embedding is the LM head's matrix: one copy for both where they are tied, and a
         # lookup is `columns` of it.
         self.embed = linear("model.", "embed_tokens")
         self.lm_head = linear("", "lm_head") if "lm_head.weight" in precision.names else self.embed
-        self.final_norm = vector("model.norm.weight")
+        self.final_norm = norm("model.norm.weight")
         self.layers: list[LayerWeights] = []
+        per_type_rope = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
         for i in range(self.num_layers):
-            at, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            layer, sandwich = f"model.layers.{i}.", family.sandwich_norms
+            at, mlp = f"{layer}self_attn.", f"{layer}mlp."
+            sliding = family.gemma_attention and layer_types[i] == "sliding_attention"
             self.layers.append(LayerWeights(
-                input_norm=vector(f"model.layers.{i}.input_layernorm.weight"),
+                input_norm=norm(f"{layer}input_layernorm.weight"),
                 qkv=linear(at, *family.qkv),
                 o=linear(at, "o_proj"),
-                post_norm=vector(f"model.layers.{i}.post_attention_layernorm.weight"),
+                post_norm=norm(f"{layer}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight"),
                 gate_up=linear(mlp, *family.gate_up),
                 down=linear(mlp, "down_proj"),
-                q_norm=vector(f"{at}q_norm.weight") if family.qk_norm else None,
-                k_norm=vector(f"{at}k_norm.weight") if family.qk_norm else None,
+                q_norm=norm(f"{at}q_norm.weight") if family.qk_norm else None,
+                k_norm=norm(f"{at}k_norm.weight") if family.qk_norm else None,
+                attn_out_norm=norm(f"{layer}post_attention_layernorm.weight") if sandwich else None,
+                mlp_out_norm=norm(f"{layer}post_feedforward_layernorm.weight") if sandwich else None,
+                window=cfg.sliding_window if sliding else None,
+                rope=layer_types[i] if per_type_rope else "",
             ))
         self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(
             t.nbytes for t in [self.final_norm, *(v for w in self.layers for v in (w.input_norm, w.post_norm))])
@@ -126,11 +154,14 @@ class LlamaDecoder:
         # scaling variant: linear, dynamic, yarn, llama3).
         positions = torch.arange(max_seq_len).unsqueeze(0)
         probe = torch.zeros(1, dtype=torch.float32)
-        cos, sin = inner.rotary_emb(probe, positions)
-        self.cos = cos[0].to(device=device, dtype=dtype)  # [max_seq, D]
         half = self.head_dim // 2
-        # sin with rotate_half's sign folded in: rope(x) = x * cos + roll(x, half) * signed_sin
-        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype)
+        self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (cos, signed sin) by LayerWeights.rope
+        for kind in {w.rope for w in self.layers}:
+            cos, sin = inner.rotary_emb(probe, positions, *([kind] if kind else []))
+            # [max_seq, D]; sin with rotate_half's sign folded in: rope(x) = x * cos + roll(x, half) * signed_sin
+            self.rope[kind] = (cos[0].to(device=device, dtype=dtype),
+                               torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype))
+        self.cos, self.sin = self.rope[self.layers[0].rope]  # what the one-call decode step reads
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -139,27 +170,39 @@ class LlamaDecoder:
             return self._decode_only(batch, cache)
         n = batch.input_ids.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self.ops.rope_tables(self.cos, self.sin, batch.positions)
-        x = self.embed.columns(batch.input_ids)  # [N, hidden], the residual stream
+        tables = {kind: self.ops.rope_tables(cos, sin, batch.positions) for kind, (cos, sin) in self.rope.items()}
+        x = self._embed(batch.input_ids)  # [N, hidden], the residual stream
         for i, w in enumerate(self.layers):
             qkv = w.qkv(self._norm(x, w.input_norm))  # [N, (H + 2 KVH) D]
             if w.q_norm is not None:
                 self._head_norms(qkv, w)
-            self.ops.rope_(qkv, heads + kv_heads, d, batch.positions, cos, sin)
+            self.ops.rope_(qkv, heads + kv_heads, d, batch.positions, *tables[w.rope])
             q = qkv[:, :heads * d].view(n, heads, d)
             k = qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
             attn = self._attention(i, qkv, q, k, v, batch, cache)  # [N, H * D]
-            w.o.add_into(x, attn)  # x += attn @ o
-            w.down.add_into(x, self.ops.swiglu(w.gate_up(self._norm(x, w.post_norm))))
+            if w.attn_out_norm is None:
+                w.o.add_into(x, attn)  # x += attn @ o
+            else:
+                x += self._norm(w.o(attn), w.attn_out_norm)
+            act = self._act(w.gate_up(self._norm(x, w.post_norm)))
+            if w.mlp_out_norm is None:
+                w.down.add_into(x, act)
+            else:
+                x += self._norm(w.down(act), w.mlp_out_norm)
         return self._logits(x, batch.logit_rows)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed.columns(ids)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
     def _logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[R, V] float32 next-token logits of the packed rows `rows` of the residual stream x.
         R may be 0: a pass made only of prompt chunks that do not reach their prompt's end."""
         if rows.numel() == 0:
             return x.new_empty(0, self.vocab_size, dtype=torch.float32)
-        return self.lm_head(self._norm(x[rows], self.final_norm)).float()
+        logits = self.lm_head(self._norm(x[rows], self.final_norm)).float()
+        return logits if self.final_softcap is None else _softcap(logits, self.final_softcap)
 
     def _decode_only(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """A pass of decode rows only (the steady state): every layer in one C call."""
@@ -167,7 +210,7 @@ class LlamaDecoder:
             self._step = DecodeStep(self.layers, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
                                     self.cos, self.sin, cache.k, cache.v)
             self._step_cache = cache
-        x = self.embed.columns(batch.input_ids).contiguous()  # [B, hidden]
+        x = self._embed(batch.input_ids).contiguous()  # [B, hidden]
         self._step(x, batch.positions, batch.decode.tables)
         return self._logits(x, batch.logit_rows)
 
@@ -185,6 +228,17 @@ class LlamaDecoder:
         for begin, count, weight in ((0, heads, w.q_norm), (heads, kv_heads, w.k_norm)):
             part = qkv[:, begin * d:(begin + count) * d].view(n, count, d)
             part.copy_(F.rms_norm(part, (d,), weight, self.eps))
+
+    def _gemma_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention with the config's scale and soft-capped scores (Family.gemma_attention), as
+        transformers' eager attention. q: [B, H, L, D]; k, v: [B, KVH, T, D]; mask: [..., L, T] bool."""
+        if q.shape[1] != k.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        if self.attn_softcap is not None:
+            scores = _softcap(scores, self.attn_softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
     def _attention(self, layer: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -209,7 +263,9 @@ class LlamaDecoder:
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
             kc = gather(k_cache, c.pages.unsqueeze(0), end, q.dtype)  # [1, KVH, T, D]
             vc = gather(v_cache, c.pages.unsqueeze(0), end, q.dtype)
-            if c.start == 0:
+            if self.gemma_attention:
+                o = self._gemma_attend(qc, kc, vc, _chunk_mask(c.start, c.length, q.device, self.layers[layer].window))
+            elif c.start == 0:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
             else:
                 mask = _chunk_mask(c.start, c.length, q.device)
@@ -227,9 +283,23 @@ class LlamaDecoder:
             qd = q[rows].view(dec.count, self.num_kv_heads, group, d)
             kd = gather(k_cache, dec.tables, dec.kv_len, q.dtype)  # [B, KVH, T, D]
             vd = gather(v_cache, dec.tables, dec.kv_len, q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [B, KVH, G, D]
+            if self.gemma_attention:
+                o = self._gemma_attend(qd, kd, vd, _decode_mask(batch.positions[rows], dec.kv_len,
+                                                                self.layers[layer].window))
+            else:
+                o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [B, KVH, G, D]
             out[rows] = o.reshape(dec.count, -1)
         return out
+
+
+def _gelu_tanh_glu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [N, 2 I], gate then up. Returns gelu_tanh(gate) * up, [N, I] (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
 
 
 def gather(cache: torch.Tensor, tables: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -242,8 +312,18 @@ def gather(cache: torch.Tensor, tables: torch.Tensor, length: int, dtype: torch.
     return pages.transpose(1, 2).reshape(b, kv_heads, -1, d)[:, :, :length].to(dtype)
 
 
-def _chunk_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
-    """[L, start + L] bool: query i (at position start + i) sees keys at positions <= start + i."""
-    keys = torch.arange(start + length, device=device)
-    queries = torch.arange(start, start + length, device=device)
-    return keys.unsqueeze(0) <= queries.unsqueeze(1)
+def _chunk_mask(start: int, length: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[L, start + L] bool: query i (at position start + i) sees keys at positions <= start + i
+    (and, in a sliding window, > start + i - window)."""
+    keys = torch.arange(start + length, device=device).unsqueeze(0)
+    queries = torch.arange(start, start + length, device=device).unsqueeze(1)
+    return (keys <= queries) & (keys > queries - window) if window else keys <= queries
+
+
+def _decode_mask(positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """[B, 1, 1, T] bool: decode row b (its new token at positions[b]) sees keys at positions
+    <= positions[b] (and, in a sliding window, > positions[b] - window)."""
+    keys = torch.arange(kv_len, device=positions.device).unsqueeze(0)
+    at = positions.unsqueeze(1)
+    seen = (keys <= at) & (keys > at - window) if window else keys <= at
+    return seen.view(positions.shape[0], 1, 1, kv_len)

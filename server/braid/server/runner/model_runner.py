@@ -91,7 +91,8 @@ class ModelRunner:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
-        window = attention_window(model.hf_model.config) if native_family(model.hf_model)[0] else None
+        family, _ = native_family(model.hf_model)
+        window = attention_window(family, model.hf_model.config) if family else None
         max_seq_len = min(config.max_seq_len, context, window or context)
         kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # auto: the compute dtype
         num_pages = fit_pages(config, model.hf_model.config, max_seq_len, device, kv_dtype)
