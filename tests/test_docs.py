@@ -1,0 +1,52 @@
+"""The docs stay true: figures quoted from the benchmarks are the benchmarks', versions agree, and the
+README's `braid-client` commands run as written against a real server."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+BENCHMARKS = (REPO / "docs" / "benchmarks.md").read_text()
+README = (REPO / "README.md").read_text()
+BIN = Path(sys.executable).parent
+
+
+def test_load_readme_quotes_only_figures_from_the_benchmarks():
+    figures = re.findall(r"(\d[\d,]*(?:\.\d+)?) (?:tok/s|tokens/s|ms)\b", (REPO / "load" / "README.md").read_text())
+    for figure in figures:
+        assert re.search(rf"(?<![\d.,]){re.escape(figure)}(?![\d])", BENCHMARKS), \
+            f"load/README.md quotes {figure}, which docs/benchmarks.md does not have"
+
+
+def test_the_readme_pins_the_torch_of_the_makefile_and_the_dockerfile():
+    makefile = re.search(r"^TORCH\s*\?=\s*torch==(\S+)", (REPO / "Makefile").read_text(), re.M)[1]
+    dockerfile = re.search(r"^ARG TORCH_VERSION=(\S+)", (REPO / "Dockerfile").read_text(), re.M)[1]
+    assert makefile == dockerfile
+    assert re.findall(r"torch==([\w.+]+)", README) and set(re.findall(r"torch==([\w.+]+)", README)) == {makefile}
+
+
+def readme_client_commands() -> list[list[str]]:
+    """Each `.venv/bin/braid-client ...` line of the README, its comment dropped; a line of
+    alternatives (`--info | --status`) is one command per alternative."""
+    commands = []
+    for line in re.findall(r"^\s+\.venv/bin/braid-client (.+)$", README, re.M):
+        line = re.sub(r"\s+#.*$", "", line)
+        for alternative in re.split(r" \| ", line) if " | " in line else [line]:
+            commands.append([str(BIN / "braid-client"), *shlex.split(alternative)])
+    return commands
+
+
+def test_the_readme_client_commands_run_against_a_server(smol):
+    commands = readme_client_commands()
+    assert len(commands) >= 5, "the README's braid-client examples were not found"
+    env = {**os.environ, "BRAID_TARGET": smol.target}
+    for command in commands:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, f"{shlex.join(command[1:])}: {result.stderr[-2000:]}"
+        assert result.stdout.strip(), f"{shlex.join(command[1:])} printed nothing"
