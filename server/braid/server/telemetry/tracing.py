@@ -1,4 +1,5 @@
-"""A Stream session's life on its call's span (the edge's TelemetryInterceptor makes the span).
+"""A Stream session's life on its call's span: opentelemetry-instrumentation-grpc's, which the edge's
+TelemetryInterceptor installs and makes current for the handler.
 
 Until setup.py sets a tracer provider (only with an OTLP endpoint) the tracer hands out
 non-recording spans, and these hooks return at once.
