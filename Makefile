@@ -5,8 +5,9 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.braid-installed
 PROTO  := protos/braid/v1/generate.proto
 STUBS  := clients/python/src/braid/v1/generate_pb2.py
-# The CPU wheel of torch 2.13.0 is what this machine has; a plain `torch`
-# would pull several GB of CUDA packages. Override on a GPU machine if needed.
+# torch first, as TORCH names it: from PyPI a plain Linux `torch` pulls several GB of CUDA
+# packages, so on a machine without a GPU the CPU wheel is the one to take, e.g.
+# TORCH="--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" (as the Dockerfile does).
 TORCH  ?= torch==2.13.0
 
 .PHONY: all install protos serve test bench bench-formats bench-prefix clean
