@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -30,28 +29,14 @@ from braid.server.model.loader import default_cache_dir, resolve
 from braid.server.process import BraidProcess
 
 import workloads
+from features import tokens_per_second  # 64 new tokens per stream, ignore_eos, a fresh cache_salt each
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_constraints import SCHEMAS  # noqa: E402  (the schemas the tests validate against)
 
-NEW_TOKENS = 64
 LONG_STRING = {"type": "object", "additionalProperties": False, "required": ["title", "story"],
                "properties": {"title": {"type": "string", "maxLength": 40},
                               "story": {"type": "string", "minLength": 400, "maxLength": 800}}}
-
-
-async def tokens_per_second(client: AsyncClient, requests: list[workloads.Request], **extra) -> float:
-    async def one(request: workloads.Request) -> int:
-        count = 0
-        async for message in client.stream(request.prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                                           cache_salt=uuid.uuid4().hex, **extra):
-            count += len(message.token_ids)
-        assert count == NEW_TOKENS, count
-        return count
-
-    start = time.perf_counter()
-    counts = await asyncio.gather(*(one(r) for r in requests))
-    return sum(counts) / (time.perf_counter() - start)
 
 
 def compile_times(tokenizer) -> dict[str, tuple[float, float]]:
