@@ -22,9 +22,8 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
-from braid.client.client import DEFAULT_OPTIONS
+from braid.client import Client
 from braid.v1 import generate_pb2 as pb
-from braid.v1 import generate_pb2_grpc as pb_grpc
 from cluster import START_TIMEOUT_S, default_run_dir, proxy_states, wait_until
 
 COMPLETE = pb.FINISH_REASON_MAX_TOKENS
@@ -38,6 +37,7 @@ class Load:
     def __init__(self, target: str, clients: int, max_new_tokens: int) -> None:
         self.completed: Counter[str] = Counter()
         self.failures: list[str] = []
+        self.resumed = 0  # streams cut mid-way and resumed by the client
         self._stop = threading.Event()
         self._request = pb.GenerateRequest(prompt="The sea is", max_new_tokens=max_new_tokens, ignore_eos=True)
         self._threads = [threading.Thread(target=self._client, args=(target,), daemon=True) for _ in range(clients)]
@@ -45,13 +45,16 @@ class Load:
             thread.start()
 
     def _client(self, target: str) -> None:
-        # braid-client's options: its retry policy sends a call refused before its first message (a
-        # draining replica's UNAVAILABLE, before HAProxy has taken it out) again, through the proxy.
-        with grpc.insecure_channel(target, options=DEFAULT_OPTIONS) as channel:
-            stub = pb_grpc.GenerateStub(channel)
+        # braid's client, as a user runs it: its retry policy sends a call refused before its first
+        # message (a draining replica's UNAVAILABLE, before HAProxy has taken it out) again, and a
+        # stream the proxy cuts mid-way is resumed on another replica (resume_token_ids).
+        with Client(target) as client:
             while not self._stop.is_set():
                 try:
-                    messages = list(stub.Stream(self._request, timeout=60))
+                    generation = client.stream(self._request.prompt, max_new_tokens=self._request.max_new_tokens,
+                                               ignore_eos=True, timeout=60)
+                    messages = list(generation)
+                    self.resumed += generation.resumes
                 except grpc.RpcError as exc:
                     self.failures.append(f"{exc.code().name}: {exc.details()}")
                     continue
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(max(0.0, args.duration - (time.monotonic() - began)))
     finally:
         load.stop()
-    print(f"{load.completed['ok']} calls completed in {time.monotonic() - began:.0f} s, {len(load.failures)} failed")
+    print(f"{load.completed['ok']} calls completed in {time.monotonic() - began:.0f} s ({load.resumed} resumed), "
+          f"{len(load.failures)} failed")
     for failure, count in Counter(load.failures).most_common():
         print(f"  {count} x {failure}")
     return 1 if load.failures else 0

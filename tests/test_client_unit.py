@@ -480,3 +480,25 @@ def test_several_targets_become_one_balanced_channel_target() -> None:
     retry = SERVICE_CONFIG["methodConfig"][0]["retryPolicy"]
     assert set(retry["retryableStatusCodes"]) == {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
     assert dict(DEFAULT_OPTIONS)["grpc.enable_retries"] == 1
+
+
+def test_a_stream_cut_by_the_network_or_a_proxy_counts_as_broken_and_a_server_error_does_not() -> None:
+    """The rolling-restart test saw HAProxy end a stream with END_STREAM and no status (grpc:
+    UNKNOWN "Stream removed"): the client resumes that, as it resumes UNAVAILABLE and RST_STREAM."""
+    from braid.client.generation import is_broken
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code: grpc.StatusCode, details: str) -> None:
+            self._code, self._details = code, details
+
+        def code(self) -> grpc.StatusCode:
+            return self._code
+
+        def details(self) -> str:
+            return self._details
+
+    assert is_broken(Failed(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+    assert is_broken(Failed(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"))
+    assert is_broken(Failed(grpc.StatusCode.UNKNOWN, "Stream removed (Data frame with END_STREAM flag received)"))
+    assert not is_broken(Failed(grpc.StatusCode.INTERNAL, "forward pass failed: boom"))
+    assert not is_broken(Failed(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set prompt or messages"))

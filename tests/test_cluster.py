@@ -162,7 +162,7 @@ def test_a_rolling_restart_under_load_fails_no_call(cluster):
         time.sleep(2)
     finally:
         load.stop()
-    print(f"rolling restart: {load.completed['ok']} calls in {time.monotonic() - began:.0f} s")
+    print(f"rolling restart: {load.completed['ok']} calls ({load.resumed} resumed) in {time.monotonic() - began:.0f} s")
     assert load.failures == []
     assert load.completed["ok"] > 50
     # The restarted replicas take calls again.

@@ -16,14 +16,17 @@ from braid.v1 import generate_pb2 as pb
 REQUEST_ID_KEY = "braid-request-id"
 SEED_KEY = "braid-seed"
 # A stream that fails with these after it began is resumed (GenerateRequest.resume_token_ids): its
-# server or the connection to it went away. RST_STREAM: a proxy cut the stream when its replica died.
+# server or the connection to it went away. RST_STREAM, or "Stream removed" (an END_STREAM with no
+# status): a proxy cut the stream when its replica died or drained.
 MAX_RESUMES = 3
 
 
 def is_broken(error: grpc.RpcError) -> bool:
     """Whether a failed stream broke (its server or connection went away) rather than failed."""
     code, details = error.code(), error.details() or ""
-    return code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.INTERNAL and "RST_STREAM" in details)
+    cut = code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
+        "RST_STREAM" in details or "Stream removed" in details)
+    return code == grpc.StatusCode.UNAVAILABLE or cut
 
 # A call's metadata: (key, value) pairs, as both grpc and grpc.aio give them.
 Metadata = Iterable[tuple[str, str | bytes]]
