@@ -4,7 +4,8 @@
  * messages that outlives the replica serving it.
  *
  * A stream of one sample that breaks after it began (its server died, its connection dropped:
- * UNAVAILABLE, or INTERNAL with RST_STREAM when a proxy cut it) is started again with the same
+ * UNAVAILABLE; INTERNAL with RST_STREAM, or UNKNOWN "No status information received", when a
+ * proxy cut it or ended it with no status) is started again with the same
  * request, the token ids it delivered as resume_token_ids and the seed of its first response
  * headers (braid-seed); the server skips those tokens and goes on exactly as the broken stream
  * would have, so the caller reads one unbroken stream. A call that fails before it began is
@@ -17,10 +18,17 @@ const grpc = require('@grpc/grpc-js');
 const SEED_KEY = 'braid-seed';
 const MAX_RESUMES = 3;
 
-/** Whether a failed stream broke (its server or connection went away) rather than failed. */
+/**
+ * Whether a failed stream broke (its server or connection went away) rather than failed. A proxy
+ * whose replica died or drained can reset the stream (grpc-js: INTERNAL "Received RST_STREAM ...",
+ * also for an END_STREAM with no trailers) or end it with trailers but no grpc-status (UNKNOWN
+ * "No status information received"; HAProxy did so in braid's rolling-restart test).
+ */
 function isBroken(error) {
   const details = error.details ?? '';
-  return error.code === grpc.status.UNAVAILABLE || (error.code === grpc.status.INTERNAL && details.includes('RST_STREAM'));
+  const cut = (error.code === grpc.status.INTERNAL && details.includes('RST_STREAM')) ||
+    (error.code === grpc.status.UNKNOWN && details.includes('No status information received'));
+  return error.code === grpc.status.UNAVAILABLE || cut;
 }
 
 /** The request that resumes a broken stream of `request`, which delivered these token ids. */

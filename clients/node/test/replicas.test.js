@@ -7,7 +7,7 @@ const assert = require('node:assert/strict');
 const { test } = require('node:test');
 const { Client, DEFAULT_CHANNEL_OPTIONS, SERVICE_CONFIG, channelTarget, grpc, isCancelled, loadBraid } =
   require('../index.js');
-const { MAX_RESUMES } = require('../generation.js');
+const { MAX_RESUMES, isBroken } = require('../generation.js');
 
 const braid = loadBraid();
 const SEED = '42';
@@ -104,6 +104,17 @@ test('the service config: round robin, and retries of UNAVAILABLE and RESOURCE_E
   assert.deepEqual(name, [{ service: braid.Generate.service.Stream.path.split('/')[1] }]); // braid.v1.Generate
   assert.deepEqual(retryPolicy.retryableStatusCodes, ['UNAVAILABLE', 'RESOURCE_EXHAUSTED']);
   assert.equal(retryPolicy.maxAttempts, 4);
+});
+
+test('isBroken: a dropped connection, a reset stream and a stream ended with no status, not a failure', () => {
+  assert.ok(isBroken(UNAVAILABLE));
+  assert.ok(isBroken(RST_STREAM));
+  assert.ok(isBroken({ code: grpc.status.INTERNAL,
+    details: 'Received RST_STREAM with code 0 (Call ended without gRPC status)' }));
+  assert.ok(isBroken({ code: grpc.status.UNKNOWN, details: 'No status information received' }));
+  assert.ok(!isBroken({ code: grpc.status.INTERNAL, details: 'forward pass failed: boom' }));
+  assert.ok(!isBroken({ code: grpc.status.UNKNOWN, details: 'Unexpected error in handler' }));
+  assert.ok(!isBroken({ code: grpc.status.INVALID_ARGUMENT, details: 'prompt: set prompt or messages' }));
 });
 
 test('calls go round robin over the replicas', async (t) => {
