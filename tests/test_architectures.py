@@ -1,5 +1,5 @@
 """The models users bring: tiny random models of each architecture, saved to a folder and served by
-braid, generate transformers' greedy tokens. Qwen3, Phi-3 and Gemma 3 run on braid's own decoder; GPT-2 has no
+braid, generate transformers' greedy tokens. Qwen3, Phi-3, Gemma 2 and Gemma 3 run on braid's own decoder; GPT-2 has no
 native path and runs through transformers' forward, with braid's scheduler, streaming, cancellation
 and stop rules all the same. A folder transformers cannot load says so in one line."""
 
@@ -29,31 +29,40 @@ def _save(path: Path, model, smol_dir: Path) -> Path:
     return path
 
 
-def _tiny(kind: str):
-    """A tiny random causal LM of the architecture `kind`, seeded: 2 layers, hidden 64, the
-    embedded tokenizer's 49,152 tokens; weights large enough for peaked logits (few near-ties)."""
+COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.3)
+LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024)
+# local layers of a 4-token window between global ones
+GEMMA = dict(LLAMA_LIKE, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)
+# kind -> transformers' model class, its config class, the config
+KINDS = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024)),
+    # head_dim stated, not hidden / heads, as Qwen3's own configs do
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(LLAMA_LIKE, head_dim=32, tie_word_embeddings=True)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", LLAMA_LIKE),
+    # soft-capped attention scores and logits, caps low enough to bend them
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(GEMMA, attn_logit_softcapping=20.0,
+                                                         final_logit_softcapping=10.0)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA),
+}
+
+
+def _tiny(kind: str, vocab_size: int = 49152, **config):
+    """A tiny random causal LM of the architecture `kind`, seeded: 2 layers, hidden 64, by default
+    the embedded tokenizer's 49,152 tokens (`config` overrides any setting); weights large enough
+    for peaked logits (few near-ties), Gemma's norms away from their zero init."""
     import torch
     import transformers as t
 
     torch.manual_seed(0)
-    common = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.3)
-    llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=1024, **common)
-    if kind == "gpt2":
-        return t.GPT2LMHeadModel(t.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common))
-    if kind == "qwen3":  # head_dim stated, not hidden / heads, as Qwen3's own configs do
-        return t.Qwen3ForCausalLM(t.Qwen3Config(head_dim=32, tie_word_embeddings=True, **llama_like))
-    if kind == "phi3":
-        return t.Phi3ForCausalLM(t.Phi3Config(**llama_like))
-    if kind == "gemma3":  # local layers of a 4-token window between global ones; norms not at their zero init
-        model = t.Gemma3ForCausalLM(t.Gemma3TextConfig(head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
-                                                       **llama_like))
+    model_class, config_class, settings = KINDS[kind]
+    model = getattr(t, model_class)(getattr(t, config_class)(**COMMON, **(settings | config), vocab_size=vocab_size))
+    if kind.startswith("gemma"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0, 0.5)
-        return model
-    raise ValueError(kind)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +110,7 @@ async def _greedy_all(target: str, n: int = 12) -> list[tuple[list[int], list[in
     ("gpt2", "sequential", "transformers"),
     ("qwen3", "continuous", "braid"),
     ("phi3", "continuous", "braid"),
+    ("gemma2", "continuous", "braid"),
     ("gemma3", "continuous", "braid"),
 ])
 def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner):
