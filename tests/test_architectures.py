@@ -1,13 +1,16 @@
-"""The models users bring: tiny random models of each architecture, saved to a folder and served by
-braid, generate transformers' greedy tokens. Qwen3, Phi-3, Gemma 2 and Gemma 3 run on braid's own decoder; GPT-2 has no
-native path and runs through transformers' forward, with braid's scheduler, streaming, cancellation
-and stop rules all the same. A folder transformers cannot load says so in one line."""
+"""The models users bring: tiny random models of each architecture, saved to a folder or written as a
+GGUF file (tests/gguf_files.py) and served by braid, generate transformers' greedy tokens. Qwen3,
+Phi-3, Gemma 2 and Gemma 3 run on braid's own decoder, a GGUF file's matrices in their own block
+formats; GPT-2 has no native path and runs through transformers' forward, with braid's scheduler,
+streaming, cancellation and stop rules all the same. A folder transformers cannot load says so in
+one line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,14 @@ import pytest
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
 from conftest import Server, assert_greedy, wait_for
+from gguf_files import GEMMA_SPECIALS, PHI3_SPECIALS, embedded_bpe, sentencepiece, write_gguf
 from test_startup_errors import assert_one_line, braid
 
 PROMPTS = ["The sea is", "Once upon a time, in a land far away, there lived a", "1 2 3 4 5"]
+GGUF_PROMPTS = ["The sea is calm and the land", "1 2 3 4 5 6"]  # 7 to 11 tokens each
+# A GGUF file's config where it is not the folder's: transformers reads no head_dim from a Qwen3
+# file and takes its default, 128 (every released Qwen3's)
+GGUF_CONFIG = {"qwen3": dict(head_dim=128)}
 
 
 def _save(path: Path, model, smol_dir: Path) -> Path:
@@ -30,8 +38,8 @@ def _save(path: Path, model, smol_dir: Path) -> Path:
 
 
 COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.3)
-LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=1024)
+LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024)
 # local layers of a 4-token window between global ones
 GEMMA = dict(LLAMA_LIKE, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)
 # kind -> transformers' model class, its config class, the config
@@ -65,6 +73,15 @@ def _tiny(kind: str, vocab_size: int = 49152, **config):
     return model
 
 
+def _gguf(path: Path, kind: str, **config) -> Path:
+    """The tiny model of `kind` as a GGUF file at path, with a vocabulary of the kind its models
+    have: sentencepiece for Gemma and Phi-3 (small, of the prompts' words), else the embedded
+    model's byte-level BPE (cut to 512 tokens)."""
+    specials = {"gemma2": GEMMA_SPECIALS, "gemma3": GEMMA_SPECIALS, "phi3": PHI3_SPECIALS}.get(kind)
+    vocab = sentencepiece(" ".join(GGUF_PROMPTS), specials) if specials else embedded_bpe(512)
+    return write_gguf(_tiny(kind, len(vocab.tokens), **config), path, vocab)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, smol_dir):
     made: dict[str, Path] = {}
@@ -77,6 +94,10 @@ def folders(tmp_path_factory, smol_dir):
     return get
 
 
+def _serve(model: Path, *flags: str) -> Server:
+    return Server(["--model", str(model), "--threads", "1", "--max-batch-size", "8", "--max-wait-ms", "5", *flags])
+
+
 @pytest.fixture(scope="module")
 def served(folders):
     """A server per (architecture, mode), started on first use and shared by the module."""
@@ -84,8 +105,7 @@ def served(folders):
 
     def get(kind: str, mode: str = "continuous") -> Server:
         if (kind, mode) not in started:
-            started[kind, mode] = Server(["--model", str(folders(kind)), "--mode", mode, "--threads", "1",
-                                          "--max-batch-size", "8", "--max-wait-ms", "5"])
+            started[kind, mode] = _serve(folders(kind), "--mode", mode)
         return started[kind, mode]
 
     yield get
@@ -93,7 +113,7 @@ def served(folders):
         server.stop()
 
 
-async def _greedy_all(target: str, n: int = 12) -> list[tuple[list[int], list[int]]]:
+async def _greedy_all(target: str, prompts: list[str] = PROMPTS, n: int = 12) -> list[tuple[list[int], list[int]]]:
     """Every prompt at once (so continuous mode batches them): (prompt ids, generated ids) each."""
     async with AsyncClient(target) as client:
         async def one(prompt: str):
@@ -102,7 +122,7 @@ async def _greedy_all(target: str, n: int = 12) -> list[tuple[list[int], list[in
                    for t in m.token_ids]
             return ids, out
 
-        return await asyncio.gather(*(one(p) for p in PROMPTS))
+        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 @pytest.mark.parametrize("kind, mode, runner", [
@@ -120,6 +140,66 @@ def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner)
     for prompt_ids, generated in asyncio.run(_greedy_all(server.target)):
         assert len(generated) == 12
         assert_greedy(folders(kind), prompt_ids, generated)
+
+
+@pytest.mark.parametrize("kind, runner", [
+    ("qwen3", "braid"),
+    ("phi3", "braid"),
+    ("gemma2", "braid"),
+    ("gemma3", "braid"),
+    ("gpt2", "transformers"),
+])
+def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, kind, runner):
+    """A GGUF file as llama.cpp's converter writes it: braid's decoder serves its matrices in their
+    own block formats, and greedy tokens are those of transformers loading the same file."""
+    path = _gguf(tmp_path / f"{kind}.gguf", kind, **GGUF_CONFIG.get(kind, {}))
+    server = _serve(path, "--cache-dir", str(tmp_path))  # stopped here: the module keeps many others
+    try:
+        with server.client() as client:
+            info = client.model_info()
+        greedy = asyncio.run(_greedy_all(server.target, GGUF_PROMPTS))
+    finally:
+        server.stop()
+    assert info.runner == runner
+    if runner == "braid":  # each matrix in its block format, each norm and bias in f32
+        assert dict(info.weight_formats) == _formats_in(path)
+    else:
+        assert set(info.weight_formats) == {"f32"}  # dequantized, as transformers loads them
+    reference, tokenizer = _gguf_reference(path)
+    for prompt, (prompt_ids, generated) in zip(GGUF_PROMPTS, greedy):
+        assert prompt_ids == tokenizer(prompt).input_ids
+        assert len(generated) == 12
+        _assert_greedy_on(reference, prompt_ids, generated)
+
+
+def _formats_in(path: Path) -> dict[str, int]:
+    """The GGUF file's tensors counted by type, as braid names them."""
+    from gguf import GGUFReader
+
+    from braid.server.model.weights import gguf_type_name
+
+    return dict(Counter(gguf_type_name(t.tensor_type) for t in GGUFReader(str(path)).tensors))
+
+
+def _gguf_reference(path: Path):
+    """transformers' model and tokenizer of the GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+
+
+def _assert_greedy_on(model, prompt_ids: list[int], generated: list[int]) -> None:
+    """conftest.assert_greedy's near-tie rule, against a model transformers has loaded (from a GGUF file)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + generated[:-1]])).logits[0, len(prompt_ids) - 1:]
+    for step, token in enumerate(generated):
+        best = logits[step].max()
+        assert (best - logits[step][token]).item() <= 1e-4 * max(1.0, best.abs().item()), (
+            f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}")
 
 
 def test_the_fallback_matches_transformers_generate(served, folders):

@@ -134,7 +134,8 @@ def gguf_type_name(tensor_type) -> str:
 def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
     """The block matrices of a GGUF file, keyed by the Hugging Face parameter name transformers
     gives them, and every tensor's GGUF type by the same name. Rows come in transformers' order:
-    the permutation its tensor processor applies (Llama's q and k) is applied to the blocks too.
+    the permutation its tensor processor applies (Llama's q and k) is applied to the blocks too; a
+    matrix it does more to (transposes, stores under another name: GPT-2's) keeps no blocks.
     Slow (gguf-py parses the whole vocabulary): the loader does it once per file and keeps the result."""
     from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -156,10 +157,10 @@ def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
         if kind not in BLOCK_FORMATS:
             continue
         b = unpack_gguf(kind, tensor.data)
-        # The processor's row order, found by running it on the row numbers.
-        rows = np.arange(b.shape[0])
-        order = np.asarray(processor.process(weights=rows.reshape(-1, 1), name=tensor.name).weights).reshape(-1)
-        if not np.array_equal(order, rows):
+        order = _row_order(processor, tensor.name, b.shape[0])
+        if order is None:
+            continue  # served as transformers loaded it
+        if not np.array_equal(order, np.arange(b.shape[0])):
             b = b.rows(torch.from_numpy(order.copy()))
         expected = params[hf_name].detach()
         if b.shape != tuple(expected.shape) or not torch.equal(b.dequantize(), expected.float()):
@@ -169,6 +170,19 @@ def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
     if "lm_head.weight" not in types and "model.embed_tokens.weight" in types:
         types["lm_head.weight"] = types["model.embed_tokens.weight"]  # a tied head
     return blocks, types
+
+
+def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
+    """The order transformers' tensor processor puts the rows of a matrix [rows, in] in, found by
+    running it on the row numbers; None where it does more than reorder them (GPT-2's Conv1D
+    matrices, which it transposes; GPT-2's output.weight, which it stores as lm_head itself)."""
+    numbers = np.arange(rows).reshape(-1, 1)
+    processed = processor.process(weights=numbers, name=name, parsed_parameters={"tensors": {}},
+                                  tensor_key_mapping={})
+    order = np.asarray(processed.weights)
+    if processed.name != name or order.shape != numbers.shape:
+        return None
+    return order.reshape(-1)
 
 
 def _gguf_names(name_map, state_dict) -> dict[str, str]:

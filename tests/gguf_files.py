@@ -1,0 +1,179 @@
+"""Tiny GGUF files of the architectures users bring, written as llama.cpp's convert_hf_to_gguf.py
+writes a Hugging Face model: its metadata keys, tensor names and transforms for each architecture
+(Gemma's norms stored + 1, GPT-2's Conv1D matrices transposed, a tied head left out), 2-D matrices
+in GGUF's block formats (quantized by gguf-py) and every other tensor in f32.
+
+    write_gguf(model, tmp / "qwen3.gguf", embedded_bpe(512))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+
+# transformers' class -> GGUF's general.architecture
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+                 "Gemma3ForCausalLM": "gemma3", "GPT2LMHeadModel": "gpt2"}
+# the block format of each layer's matrices, alternating; the embedding and the head are Q8_0
+LAYER_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+# GPT-2's Conv1D weights are [in, out]: llama.cpp transposes them to [out, in]
+_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+# sentencepiece token types (llama.cpp's SentencePieceTokenTypes)
+NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
+# a sentencepiece vocabulary's special tokens, by role, in their ids' order: Gemma's, and Phi-3's
+# (Llama 2's, and a pad token: a Phi-3 file with none gets Phi3Config's, id 32000)
+GEMMA_SPECIALS = {"pad": "<pad>", "eos": "<eos>", "bos": "<bos>", "unk": "<unk>"}
+PHI3_SPECIALS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<|endoftext|>"}
+
+
+@dataclass
+class Vocab:
+    """A tokenizer as a GGUF file's tokenizer.ggml.* metadata holds it."""
+
+    model: str  # "gpt2" (byte-level BPE) or "llama" (sentencepiece)
+    pre: str
+    tokens: list[str]
+    token_types: list[int]
+    bos: int
+    eos: int
+    unk: int | None = None
+    pad: int | None = None
+    merges: list[str] = field(default_factory=list)
+    scores: list[float] | None = None
+    add_bos: bool = False
+
+
+def embedded_bpe(size: int) -> Vocab:
+    """The embedded model's byte-level BPE tokenizer, as its GGUF file holds it, cut to its first
+    `size` tokens and the merges among them (so a model's embedding stays small)."""
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    from braid.server.model.loader import embedded_gguf
+
+    meta, _ = read_gguf_metadata(str(embedded_gguf()), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    tokens = meta["tokenizer.ggml.tokens"][:size]
+    kept = set(tokens)
+    merges = [m for m in meta["tokenizer.ggml.merges"] if set(m.split(" ")) | {m.replace(" ", "")} <= kept]
+    key = lambda name: meta[f"tokenizer.ggml.{name}"]  # noqa: E731
+    return Vocab("gpt2", key("pre"), tokens, key("token_type")[:size], key("bos_token_id"), key("eos_token_id"),
+                 key("unknown_token_id"), key("padding_token_id"), merges)
+
+
+def sentencepiece(text: str, specials: dict[str, str]) -> Vocab:
+    """A sentencepiece vocabulary as llama.cpp writes one (tokenizer.ggml.model "llama"): the special
+    tokens (role -> token: GEMMA_SPECIALS, PHI3_SPECIALS), the 256 byte tokens, then every character
+    of `text` and every prefix of its words, with and without the leading '▁' (so each word of
+    `text` is one token, merged from its characters)."""
+    pieces = dict.fromkeys(sorted(set(text.replace(" ", "▁"))))
+    for word in text.split():
+        for spelled in (word, "▁" + word):
+            for end in range(1, len(spelled) + 1):
+                pieces[spelled[:end]] = None
+    tokens = [*specials.values(), *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [UNKNOWN if role == "unk" else CONTROL for role in specials] + [BYTE] * 256 + [NORMAL] * len(pieces)
+    ids = {role: i for i, role in enumerate(specials)}
+    return Vocab("llama", "default", tokens, types, ids["bos"], ids["eos"], ids.get("unk"), ids.get("pad"),
+                 scores=[0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))], add_bos=True)
+
+
+def write_gguf(model, path: Path, vocab: Vocab) -> Path:
+    """Writes `model` (a transformers causal LM of ARCHITECTURES) with `vocab`'s tokenizer as a
+    GGUF file at path."""
+    arch = ARCHITECTURES[type(model).__name__]
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(path.stem)
+    for key, value in _hparams(arch, model.config).items():
+        getattr(writer, f"add_{key}")(value)
+    _write_vocab(writer, vocab)
+    for name, value in _tensors(arch, model):
+        if value.ndim == 2:
+            kind = _block_format(name)
+            writer.add_tensor(name, quants.quantize(value, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _hparams(arch: str, cfg) -> dict[str, object]:
+    """GGUFWriter.add_<key> -> value: the model metadata llama.cpp's converter writes for arch
+    (its TextModel's, or the architecture's own set_gguf_parameters)."""
+    if arch == "gpt2":
+        return dict(block_count=cfg.n_layer, context_length=cfg.n_positions, embedding_length=cfg.n_embd,
+                    feed_forward_length=cfg.n_inner or 4 * cfg.n_embd, head_count=cfg.n_head,
+                    layer_norm_eps=cfg.layer_norm_epsilon)
+    hparams: dict[str, object] = dict(
+        context_length=cfg.max_position_embeddings, embedding_length=cfg.hidden_size,
+        block_count=cfg.num_hidden_layers, feed_forward_length=cfg.intermediate_size,
+        head_count=cfg.num_attention_heads, head_count_kv=cfg.num_key_value_heads, layer_norm_rms_eps=cfg.rms_norm_eps)
+    if arch != "gemma2":  # Gemma 2's converter writes no RoPE base (llama.cpp's default is its 10,000)
+        rope = cfg.rope_parameters
+        hparams["rope_freq_base"] = rope.get("full_attention", rope)["rope_theta"]
+    if arch == "phi3":
+        return hparams | dict(rope_scaling_orig_ctx_len=cfg.original_max_position_embeddings,
+                              rope_dimension_count=cfg.hidden_size // cfg.num_attention_heads,
+                              sliding_window=cfg.sliding_window or 0)
+    hparams |= dict(key_length=cfg.head_dim, value_length=cfg.head_dim)
+    if arch.startswith("gemma"):
+        hparams["sliding_window"] = cfg.sliding_window
+        if cfg.final_logit_softcapping:
+            hparams["final_logit_softcapping"] = cfg.final_logit_softcapping
+    if arch == "gemma2":
+        hparams["attn_logit_softcapping"] = cfg.attn_logit_softcapping
+    return hparams
+
+
+def _write_vocab(writer: GGUFWriter, vocab: Vocab) -> None:
+    """The tokenizer.ggml.* keys llama.cpp writes (_set_vocab_gpt2, _set_vocab_sentencepiece)."""
+    writer.add_tokenizer_model(vocab.model)
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    writer.add_token_types(vocab.token_types)
+    if vocab.merges:
+        writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos)
+    writer.add_eos_token_id(vocab.eos)
+    if vocab.unk is not None:
+        writer.add_unk_token_id(vocab.unk)
+    if vocab.pad is not None:
+        writer.add_pad_token_id(vocab.pad)
+    writer.add_add_bos_token(vocab.add_bos)
+    writer.add_add_space_prefix(False)
+
+
+def _tensors(arch: str, model) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, fp32 values) of each tensor, transformed as llama.cpp's converter does: Gemma's
+    RMSNorm weights stored as the factor they multiply by (w + 1), GPT-2's Conv1D matrices as
+    [out, in] and its tied head written as output.weight, any other tied head left out."""
+    names = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch),
+                                model.config.num_hidden_layers)
+    tied = model.config.tie_word_embeddings
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        value = tensor.detach().float().numpy()
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            value = value + 1
+        if arch == "gpt2" and hf_name.endswith(_CONV1D):
+            value = value.T
+        base, _, suffix = hf_name.rpartition(".")
+        name = f"{names.get_name(base)}.{suffix}"
+        yield name, np.ascontiguousarray(value)
+        if arch == "gpt2" and name == "token_embd.weight":
+            yield "output.weight", value
+
+
+def _block_format(name: str) -> GGMLQuantizationType:
+    """Q8_0 for the embedding and the head; each layer's matrices in LAYER_FORMATS, alternating."""
+    if name.startswith("blk."):
+        return LAYER_FORMATS[int(name.split(".")[1]) % len(LAYER_FORMATS)]
+    return GGMLQuantizationType.Q8_0
