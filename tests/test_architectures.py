@@ -2,8 +2,8 @@
 GGUF file (tests/gguf_files.py) and served by braid, generate transformers' greedy tokens. Qwen3,
 Phi-3, Gemma 2 and Gemma 3 run on braid's own decoder, a GGUF file's matrices in their own block
 formats; GPT-2 has no native path and runs through transformers' forward, with braid's scheduler,
-streaming, cancellation and stop rules all the same. A folder transformers cannot load says so in
-one line."""
+streaming, cancellation and stop rules all the same. A folder or a GGUF file transformers cannot
+load says so in one line."""
 
 from __future__ import annotations
 
@@ -244,3 +244,10 @@ def test_an_architecture_transformers_cannot_load_is_one_line(tmp_path, smol_dir
                                                       "model_type": "nosuch"}))
     shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     assert_one_line(braid("serve", "--model", str(tmp_path), "--port", "0"), "NoSuchForCausalLM", "cannot load")
+
+
+def test_a_gguf_file_transformers_cannot_load_is_one_line(tmp_path):
+    """A Qwen3 file whose heads are not 128 wide: transformers reads no head size from the file."""
+    path = _gguf(tmp_path / "qwen3.gguf", "qwen3")  # the folder's head_dim, 32
+    out = braid("serve", "--model", str(path), "--port", "0", "--cache-dir", str(tmp_path), "--log-level", "warning")
+    assert_one_line(out, "Qwen3ForCausalLM", "cannot load", "[32] in the file, [128] in the model")

@@ -275,7 +275,7 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
     _LOGGER.info("converting %s once into %s", gguf.name, target)
     started = time.perf_counter()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from braid.server.model import progress
 
@@ -287,11 +287,7 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
             with bar.step("tokenizer"):
                 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             with bar.step("weights"):
-                hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
-                # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
-                hf_model.hf_quantizer = None
-                if hasattr(hf_model.config, "quantization_config"):
-                    del hf_model.config.quantization_config
+                hf_model = _from_gguf(gguf)
             with bar.step("saving"):
                 hf_model.save_pretrained(staging)
                 tokenizer.save_pretrained(staging)
@@ -305,3 +301,36 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     _LOGGER.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
     return target
+
+
+def _from_gguf(gguf: Path):
+    """transformers' model of a GGUF file, dequantized to fp32. A file whose tensors do not have the
+    shapes of the config transformers reads from its metadata (transformers ignores some keys:
+    a Qwen3 file's head size) fails in one line, where transformers would log a table of them."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    report = logging.getLogger("transformers.modeling_utils")  # where transformers logs its table of tensors
+    held: list[logging.LogRecord] = []
+    hold = held.append  # as a filter: keeps each record, and drops it for now (append returns None)
+    report.addFilter(hold)
+    info = None
+    try:
+        hf_model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32",
+                                                              ignore_mismatched_sizes=True, output_loading_info=True)
+    finally:
+        report.removeFilter(hold)
+        if info is None or not info["mismatched_keys"]:
+            for record in held:  # logged as transformers logged them, unless one line below says it all
+                report.handle(record)
+    if info["mismatched_keys"]:
+        name, in_file, in_model = min(info["mismatched_keys"])
+        raise SettingError("model", str(gguf), f"transformers {transformers.__version__} cannot load this GGUF file "
+                                               f"of {type(hf_model).__name__}: tensor {name} is {list(in_file)} in the "
+                                               f"file, {list(in_model)} in the model transformers builds from its "
+                                               "metadata")
+    # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
+    hf_model.hf_quantizer = None
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    return hf_model
