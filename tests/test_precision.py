@@ -23,7 +23,7 @@ from braid.server.model.loader import LoadedModel, load
 from braid.server.runner.kernels import ISA_VARIABLE
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
-from conftest import REPO, Server, assert_greedy, tiny_server
+from conftest import REPO, Server, assert_greedy, compute_dtype, tiny_server
 
 BRAID = str(Path(sys.executable).parent / "braid")
 EMBEDDED_FORMATS = {"q4_1": 210, "q8_0": 1, "f32": 61}  # SmolLM2-135M-Instruct.Q4_1.gguf's tensors
@@ -40,12 +40,17 @@ def greedy(server, prompt: str, n: int = 24) -> tuple[list[int], list[int]]:
 def test_the_embedded_model_is_served_in_its_own_formats(smol, smol_dir):
     with smol.client() as client:
         info = client.model_info()
-    assert dict(info.weight_formats) == EMBEDDED_FORMATS
-    assert info.quantization == "auto" and info.dtype == "float32"
+    formats = dict(info.weight_formats)
+    if info.dtype == "bfloat16":  # CUDA: the 61 norms are held in the compute dtype
+        formats["f32"] = formats.pop("bf16")
+    assert formats == EMBEDDED_FORMATS
+    assert info.quantization == "auto" and info.dtype == compute_dtype()
     assert info.kernels in ("avx512", "avx2", "torch")
     # Q4_1 with a Q8_0 embedding: about 98 MB as the file has it, against 538 MB in fp32. Where
-    # torch's ops run (no AVX2), the weights are dequantized and take the fp32 bytes.
-    assert info.weight_bytes < 110e6 if info.kernels != "torch" else info.weight_bytes > 500e6
+    # torch's ops run (no AVX2, or CUDA), the weights are dequantized to the compute dtype and take
+    # its bytes (bf16: half).
+    dequantized = 500e6 if info.dtype == "float32" else 250e6
+    assert info.weight_bytes < 110e6 if info.kernels != "torch" else info.weight_bytes > dequantized
     for prompt in PROMPTS:
         assert_greedy(smol_dir, *greedy(smol, prompt))
 
@@ -64,7 +69,7 @@ def test_float32_and_none_is_the_plain_fp32_path(fp32_smol, smol_dir):
     assert dict(info.weight_formats) == {"f32": 272}
     assert info.quantization == "none" and info.weight_bytes > 500e6
     for prompt in PROMPTS:
-        assert_greedy(smol_dir, *greedy(fp32_smol, prompt))
+        assert_greedy(smol_dir, *greedy(fp32_smol, prompt), dtype=info.dtype)  # fp32 on CUDA too
 
 
 def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tiny_dir):

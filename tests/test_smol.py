@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from braid.v1 import generate_pb2 as pb
+from conftest import DEVICE, compute_dtype
 
 CLIENT = str(Path(sys.executable).parent / "braid-client")
 
@@ -20,7 +21,7 @@ def test_greedy_chat_knows_the_capital_of_france(smol):
     assert info.model_name == "SmolLM2-135M-Instruct"
     assert info.architecture == "LlamaForCausalLM"
     assert info.vocab_size == 49152 and info.context_length >= 2048
-    assert info.dtype == "float32" and info.device == "cpu"
+    assert info.dtype == compute_dtype() and info.device == DEVICE
     assert info.mode == pb.SCHEDULING_MODE_CONTINUOUS and info.has_chat_template
 
 
