@@ -66,6 +66,21 @@ cluster: install
 test: install
 	$(PY) -m pytest -q
 
+# On a machine with a CUDA GPU (issue 18): the parity and mode-equivalence tests with their servers on
+# CUDA (bf16), then benchmarks/gpu_check.py, the CUDA targets on a random model of Llama-3.2-1B's shape,
+# written to docs/benchmarks.md; GPU_CHECK_ARGS go to it, e.g. "--bandwidth-gbs 1555" for a GPU its table
+# lacks. Both parts run; the target fails if either does. Elsewhere it stops at once, saying why.
+GPU_TESTS := tests/test_modes.py tests/test_smol.py tests/unit/test_torch_bf16.py \
+	tests/test_architectures.py::test_greedy_tokens_are_transformers_own \
+	tests/test_precision.py::test_the_embedded_model_is_served_in_its_own_formats \
+	tests/test_precision.py::test_float32_and_none_is_the_plain_fp32_path
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check: install
+	@$(PY) benchmarks/gpu_check.py --check-device
+	$(PY) -m pytest -q --device cuda $(GPU_TESTS); tests=$$?; \
+		$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS) && exit $$tests
+
 # The benchmark of issue 3 (docs/benchmarks.md): e.g. make bench BENCH_ARGS="--quick".
 # It builds llama.cpp into ~/.cache/braid/llama.cpp on first use (about 5 min on 2 cores).
 BENCH_ARGS  ?=

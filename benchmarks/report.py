@@ -24,8 +24,10 @@ FORMATS_NOTES_HEADING = "## Weight formats: quality, memory and where the time g
 PREFIX_HEADING = "## Prefix sharing and paged KV cache (issue 13)"  # benchmarks/prefix.py's section
 PREFIX_NOTES_HEADING = "## Paged KV cache: what paging costs, and what is left (issue 13, by hand)"
 FEATURES_HEADING = "## Generation features: what they cost (issue 14, by hand)"
+GPU_CHECK_HEADING = "## CUDA targets (issue 18, make gpu-check)"  # benchmarks/gpu_check.py's section
 # sections of docs/benchmarks.md that bench.py keeps as they are
-OTHER_SECTIONS = (FORMATS_HEADING, FORMATS_NOTES_HEADING, PREFIX_HEADING, PREFIX_NOTES_HEADING, FEATURES_HEADING)
+OTHER_SECTIONS = (FORMATS_HEADING, FORMATS_NOTES_HEADING, PREFIX_HEADING, PREFIX_NOTES_HEADING, FEATURES_HEADING,
+                  GPU_CHECK_HEADING)
 
 
 def braid(mode: str) -> str:
