@@ -12,14 +12,20 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 class Tokenizer:
-    """Thread-safe, and no thread waits for another: each thread that encodes or decodes gets its
-    own copy of the tokenizer. A Rust tokenizer shared across threads raises "Already borrowed" if
-    one call reconfigures it during another, and one lock around a shared one made the model
-    thread's per-token decode wait behind a worker's second-long encode of a 1 MiB prompt, which
-    stalled every stream. Copies cost a few MB each, for the handful of threads that tokenize."""
+    """Thread-safe, and no thread waits for another. Where the model has a fast (Rust) tokenizer,
+    every thread encodes and decodes through it directly: its encode and decode only read it, and
+    run side by side. transformers' own encode reconfigures it first (truncation, padding), and a
+    Rust tokenizer reconfigured during another thread's call raises "Already borrowed"; so braid
+    never calls that on it. (One lock around it made the model thread's per-token decode wait behind
+    a worker's second-long encode of a 1 MiB prompt, which stalled every stream.) A model with only
+    a Python tokenizer gets a copy per thread that tokenizes; so did every model before, and each
+    copy took 0.3 s or more, made by a request's first use of a thread.
+
+    The chat template is rendered by transformers' tokenizer, shared: rendering reads it only."""
 
     def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int]) -> None:
         self._original = hf_tokenizer
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._copy_lock = threading.Lock()
         self._local = threading.local()
         self.eos_token_ids = tuple(eos_token_ids)
@@ -32,15 +38,17 @@ class Tokenizer:
         return self._original
 
     def _own(self):
-        """This thread's tokenizer: (the transformers wrapper, its Rust backend or None)."""
+        """This thread's copy of a Python tokenizer (one with no Rust backend)."""
         own = getattr(self._local, "tok", None)
         if own is None:
             with self._copy_lock:
-                tok = copy.deepcopy(self._original)
-            # The Rust tokenizer itself, where there is one: decoding through it skips the Python
-            # wrapper, which matters at one decode per token per session.
-            own = self._local.tok = (tok, getattr(tok, "backend_tokenizer", None))
+                own = self._local.tok = copy.deepcopy(self._original)
         return own
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(self._own().encode(text, add_special_tokens=add_special_tokens))
 
     def min_tokens(self, text_bytes: int) -> int:
         """A lower bound on the token count of a text of this many UTF-8 bytes, so a prompt far past
@@ -50,8 +58,7 @@ class Tokenizer:
         return text_bytes // (2 * self.max_token_bytes)
 
     def encode_prompt(self, text: str) -> list[int]:
-        tok, _ = self._own()
-        return list(tok.encode(text, add_special_tokens=True))
+        return self._encode(text, add_special_tokens=True)
 
     def encode_chat(self, messages: Sequence[Message], field_name: str = "messages") -> list[int]:
         if not self.has_chat_template:
@@ -61,33 +68,30 @@ class Tokenizer:
                 raise InvalidArgument(f"{field_name}[{i}].role",
                                       f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}")
         chat = [{"role": m.role, "content": m.content} for m in messages]
-        tok, _ = self._own()
         try:
-            text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            text = self._original.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja templates raise their own errors for chats they reject
             raise InvalidArgument(field_name, f"the chat template rejected it: {exc}") from exc
-        return list(tok.encode(text, add_special_tokens=False))  # the template wrote its special tokens
+        return self._encode(text, add_special_tokens=False)  # the template wrote its special tokens
 
     def encode_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """Each word's token sequences as it appears in text: alone, and after a space."""
-        tok, _ = self._own()
-        sequences = {tuple(tok.encode(text, add_special_tokens=False)) for w in words for text in (w, " " + w)}
+        sequences = {tuple(self._encode(text, add_special_tokens=False)) for w in words for text in (w, " " + w)}
         return tuple(sorted(s for s in sequences if s))
 
     def encode(self, prompt: str | None, messages: Sequence[Message]) -> list[int]:
         return self.encode_chat(messages) if messages else self.encode_prompt(prompt or "")
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        tok, backend = self._own()
-        if backend is not None:
-            return backend.decode(list(token_ids), skip_special_tokens=False)
-        return tok.decode(token_ids, skip_special_tokens=False)
+        if self._backend is not None:
+            return self._backend.decode(list(token_ids), skip_special_tokens=False)
+        return self._own().decode(token_ids, skip_special_tokens=False)
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's own text, in one call to the Rust tokenizer where there is one."""
-        tok, backend = self._own()
-        if backend is not None:
-            return backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
+        if self._backend is not None:
+            return self._backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
+        tok = self._own()
         return [tok.decode([t], skip_special_tokens=False) for t in token_ids]
 
 
