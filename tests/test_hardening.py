@@ -4,6 +4,7 @@ what happened, and stays up."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import signal
 import threading
@@ -15,7 +16,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
-from conftest import LONG, SLOW, Server, tiny_server, wait_for
+from conftest import LONG, SLOW, Server, start_together, tiny_server, wait_for
 
 def _details(err: grpc.RpcError, kind):
     raw = dict(err.trailing_metadata())["grpc-status-details-bin"]
@@ -112,17 +113,15 @@ def _order_of_service(server: Server, priorities: list[int]) -> list[int]:
 
 def test_interactive_goes_before_batch_and_batch_is_not_starved(tiny_dir):
     b, i = pb.PRIORITY_BATCH, pb.PRIORITY_INTERACTIVE
-    patient = tiny_server(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "60000",
-                    env=SLOW)
+    patient, aging = start_together(*[
+        functools.partial(tiny_server, tiny_dir, "--mode", "sequential", "--max-sessions", "1",
+                          "--batch-max-wait-ms", wait, env=SLOW) for wait in ("60000", "100")])
     try:
         assert _order_of_service(patient, [b, b, i])[0] == 2
-    finally:
-        patient.stop()
-    # Once a batch session has waited --batch-max-wait-ms, it goes before newer interactive ones.
-    aging = tiny_server(tiny_dir, "--mode", "sequential", "--max-sessions", "1", "--batch-max-wait-ms", "100", env=SLOW)
-    try:
+        # Once a batch session has waited --batch-max-wait-ms, it goes before newer interactive ones.
         assert _order_of_service(aging, [b, i, i])[0] == 0
     finally:
+        patient.stop()
         aging.stop()
 
 
@@ -132,8 +131,27 @@ def test_grpc_deadline_stops_generation_and_frees_the_session(slow):
         with pytest.raises(grpc.RpcError) as err:
             list(client.stream("slow", timeout=0.5, **LONG))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # (on a loaded machine the session may not even be submitted yet: wait for its count)
+        wait_for(lambda: client.server_status().sessions_finished.deadline == before + 1)
         _settled(client, sessions_active=0, sessions_queued=0)
-        assert client.server_status().sessions_finished.deadline == before + 1
+
+
+def test_a_deadline_that_passes_while_the_prompt_is_tokenized_is_counted_as_a_deadline(tiny_dir):
+    """A call whose deadline passes while its prompt is still being tokenized (each tokenization here
+    takes 1 s longer): its session, once it exists, ends as a deadline, not a cancel, and frees all."""
+    server = tiny_server(tiny_dir, env={"BRAID_INJECT_FAULT": "tokenize:1000"})
+    try:
+        with server.client() as client:
+            before = client.server_status().sessions_finished
+            with pytest.raises(grpc.RpcError) as err:
+                list(client.stream("slow", timeout=0.3, **LONG))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            status = _settled(client, sessions_active=0, sessions_queued=0, sessions_submitted=1)
+            assert wait_for(lambda: client.server_status().sessions_finished.deadline == before.deadline + 1)
+            assert client.server_status().sessions_finished.cancelled == before.cancelled
+            assert status.kv_pages_used == 0
+    finally:
+        server.stop()
 
 
 def test_timeout_ms_ends_the_stream_with_a_deadline_final_message(slow):

@@ -101,8 +101,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            # Cancelled while the prompt was being tokenized: cancel the session once it exists.
-            future.add_done_callback(lambda f: f.exception() is None and [h.cancel() for h in f.result()])
+            # Cancelled while the prompt was being tokenized: cancel the session once it exists, as
+            # a deadline if that is why.
+            future.add_done_callback(lambda f: f.exception() is None
+                                     and [h.cancel(_cancel_reason(req)) for h in f.result()])
             raise
 
     @staticmethod

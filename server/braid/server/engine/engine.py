@@ -92,12 +92,13 @@ class Engine:
                                  config.constraint_compile_timeout)
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
         threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()
+        self.faults = FaultInjector.from_env()
         self.admission = Admission(tokenizer, self.max_seq_len, self.books, runner.random_state, self.grammars,
                                    enqueue=lambda s: self._inbox.put(_Add(s)), abort=self._abort,
-                                   wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because)
+                                   wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because,
+                                   faults=self.faults)
         self._accepting = True
         self._loop_ended = False
-        self.faults = FaultInjector.from_env()
         self.started_at = time.monotonic()
 
     # ---- any thread -------------------------------------------------------------------------

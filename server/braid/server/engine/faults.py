@@ -3,8 +3,9 @@
 `pass:<id>` raises inside the forward pass of any batch that feeds token <id> (only that pass's
 sessions must fail); `thread:<id>` kills the model thread itself (the server must turn NOT_SERVING and
 exit non-zero); `delay:<ms>` makes every forward pass take <ms> longer, a slow model, so a test's
-stream outlasts its deadline or grace period however fast the machine. Unset, it costs one attribute
-check per pass.
+stream outlasts its deadline or grace period however fast the machine; `tokenize:<ms>` makes every
+request's tokenization take <ms> longer, so a call can end while its prompt is being tokenized.
+Unset, it costs one attribute check per pass.
 """
 
 from __future__ import annotations
@@ -37,17 +38,22 @@ class FaultInjector:
         if not spec:
             return cls()
         where, _, value = spec.partition(":")
-        if where == "delay":
+        if where in ("delay", "tokenize"):
             return cls(where, delay_s=float(value) / 1000)
         if where not in ("pass", "thread"):
-            raise ValueError(f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id> or delay:<ms>")
+            raise ValueError(f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms> or "
+                             "tokenize:<ms>")
         return cls(where, int(value))
 
     def _hit(self, work: Sequence) -> bool:
         return any(self.token_id in w.session.token_ids[w.session.num_cached:] for w in work)
 
+    def before_tokenize(self) -> None:
+        if self.where == "tokenize":
+            time.sleep(self.delay_s)
+
     def before_pass(self, work: Sequence) -> None:
-        if self.delay_s:
+        if self.where == "delay":
             time.sleep(self.delay_s)
         if self.where == "thread" and self._hit(work):
             raise InjectedThreadDeath(f"injected by {ENV}")
