@@ -7,11 +7,13 @@ pytest's --device (default cpu; make gpu-check runs the parity and mode tests wi
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import pytest
@@ -131,9 +133,23 @@ def tiny_server(tiny_dir: Path, *args: str, env: dict[str, str] | None = None,
     return Server(["--model", str(tiny_dir), "--threads", "1", *args], env=env, log_path=log_path)
 
 
-@pytest.fixture(scope="module")
+def start_together(*starts: Callable[[], Server]) -> list[Server]:
+    """Servers started two at a time (a start is mostly one core importing torch), in order; if one
+    fails to start, the others are stopped and its error raised."""
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="start-server") as pool:
+        futures = [pool.submit(start) for start in starts]
+        concurrent.futures.wait(futures)
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(futures):
+        for server in started:
+            server.stop()
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return started
+
+
+@pytest.fixture(scope="session")
 def slow(tiny_dir):
-    """A continuous-mode tiny server whose passes each take 3 ms longer (SLOW), for the module."""
+    """A continuous-mode tiny server whose passes each take 3 ms longer (SLOW), shared by the session."""
     server = tiny_server(tiny_dir, "--mode", "continuous", env=SLOW)
     yield server
     server.stop()

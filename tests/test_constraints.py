@@ -44,7 +44,7 @@ SCHEMAS = {
                        # as far as it goes, but never complete)
                        "price": {"type": "number", "minimum": 0.5, "maximum": 999.99}}},
 }
-RUNS = 20  # of each schema, greedy and again sampled
+RUNS = 10  # of each schema greedy, and 10 more sampled: 20 runs of each
 MAX_NEW_TOKENS = 400  # a string of 12 emoji is some 40 tokens
 
 

@@ -11,6 +11,7 @@ resumed on the other and prints an unbroken run's text. The library's own node:t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from braid.client.client import DEFAULT_OPTIONS, SERVICE_CONFIG
-from conftest import SLOW, tiny_server
+from conftest import SLOW, start_together, tiny_server
 
 NODE_DIR = Path(__file__).resolve().parents[1] / "clients" / "node"
 STREAM_TIMEOUT_S = 60
@@ -171,7 +172,7 @@ def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny
     """Two replicas behind the CLI's --target list. The replica serving a long greedy stream is
     killed with SIGKILL after some text; the CLI goes on, on the other replica, and prints exactly
     the text of an unbroken run."""
-    replicas = [tiny_server(tiny_dir, "--mode", "continuous", env=SLOW) for _ in range(2)]
+    replicas = start_together(*[functools.partial(tiny_server, tiny_dir, "--mode", "continuous", env=SLOW)] * 2)
     args = ["--max-new-tokens", "300", "--ignore-eos", "--stats", "The lighthouse keeper wrote in his log"]
     try:
         proc = subprocess.Popen([node, "cli.js", "--target", ",".join(r.target for r in replicas), *args],

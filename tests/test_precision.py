@@ -9,6 +9,7 @@ as those of `--dtype float32 --quantization none` do.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
@@ -23,7 +24,7 @@ from braid.server.model.loader import LoadedModel, load
 from braid.server.runner.kernels import ISA_VARIABLE
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
-from conftest import REPO, Server, assert_greedy, compute_dtype, tiny_server
+from conftest import REPO, Server, assert_greedy, compute_dtype, start_together, tiny_server
 
 BRAID = str(Path(sys.executable).parent / "braid")
 EMBEDDED_FORMATS = {"q4_1": 210, "q8_0": 1, "f32": 61}  # SmolLM2-135M-Instruct.Q4_1.gguf's tensors
@@ -204,9 +205,10 @@ def test_every_mode_serves_q8_0_weights_and_a_row_ignores_its_batch(tiny_dir):
 
     prompts = ["The sea is", "Tell me a story about a fox", "1, 2, 3, 4,"]
     tokens: dict[str, list[list[int]]] = {}
-    for mode in MODES:
-        server = tiny_server(tiny_dir, "--quantization", "q8_0", "--mode", mode, "--max-wait-ms", "5")
-        try:
+    started = start_together(*[functools.partial(tiny_server, tiny_dir, "--quantization", "q8_0", "--mode", mode,
+                                                 "--max-wait-ms", "5") for mode in MODES])
+    try:
+        for mode, server in zip(MODES, started):
             with server.client() as client:
                 info = client.model_info()
             assert dict(info.weight_formats) == {"q8_0": 15, "f32": 5}
@@ -220,7 +222,8 @@ def test_every_mode_serves_q8_0_weights_and_a_row_ignores_its_batch(tiny_dir):
 
             with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
                 tokens[mode] = list(pool.map(run, prompts))
-        finally:
+    finally:
+        for server in started:
             server.stop()
     for mode in MODES:
         assert tokens[mode] == tokens["sequential"], mode

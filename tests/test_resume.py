@@ -4,12 +4,14 @@ token and character for character, greedy and sampled, with stop strings and pen
 
 from __future__ import annotations
 
+import functools
+
 import grpc
 import pytest
 
 from braid.client import Client
 from braid.v1 import generate_pb2 as pb
-from conftest import MODES, SLOW, tiny_server
+from conftest import MODES, SLOW, start_together, tiny_server
 
 PROMPT = "The lighthouse keeper wrote in his log"
 CASES = {
@@ -83,7 +85,7 @@ def test_the_client_resumes_on_another_replica_when_one_is_killed_mid_stream(tin
     """Replicas behind one client that balances over them. The replica serving a stream is killed
     with SIGKILL after some messages; the caller's one iteration goes on, on another replica, and
     ends with exactly the text of an unbroken run; greedy, then sampled (a third replica spare)."""
-    replicas = [tiny_server(tiny_dir, "--mode", "continuous", env=SLOW) for _ in range(3)]
+    replicas = start_together(*[functools.partial(tiny_server, tiny_dir, "--mode", "continuous", env=SLOW)] * 3)
     try:
         for sampling in ({}, {"temperature": 1.0, "top_k": 40}):
             alive = [r for r in replicas if r.proc.poll() is None]
