@@ -55,9 +55,9 @@ def test_sessions_with_a_common_prefix_share_its_full_pages():
     second = Seq(SYSTEM + [7, 8])
     assert pages.admit(second)
     assert second.num_cached == 32 and second.pages[:2] == first.pages[:2] and second.pages[2] != first.pages[2]
-    assert [pages.pages[p].refs for p in first.pages] == [2, 2, 1]
+    assert [pages.refs(p) for p in first.pages] == [2, 2, 1]
     pages.release(first)  # a cancel: only its own references go
-    assert [pages.pages[p].refs for p in second.pages] == [1, 1, 1]
+    assert [pages.refs(p) for p in second.pages] == [1, 1, 1]
     pages.check([second])
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -37,28 +36,25 @@ class Holder(Protocol):
     reads_prefix_cache: bool  # False: every position computed, even those cached
 
 
-@dataclass
-class Page:
-    id: int
-    refs: int = 0  # sessions holding it
-    key: bytes | None = None  # set once the page is full and named
-
-
 class Pages:
     def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True) -> None:
         self.page_size = page_size
         self.prefix_caching = prefix_caching
-        self.pages = [Page(i) for i in range(num_pages)]
+        # Per page: the sessions holding it, and its key once it is full and named. Arrays, not an
+        # object per page: a small model's cache can have a million pages, and making that many
+        # objects took seconds of every start.
+        self._refs = array("l", [0]) * num_pages
+        self._key_of: dict[int, bytes] = {}
         # Free pages without a key, as a stack: the page freed last is reused first, so the memory
         # in use stays the memory already touched (the OS commits the cache as it is written).
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = array("l", range(num_pages - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()  # free pages with a key, least recent first
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0  # cached pages taken back for other use
 
     @property
     def num_pages(self) -> int:
-        return len(self.pages)
+        return len(self._refs)
 
     @property
     def num_available(self) -> int:
@@ -75,6 +71,10 @@ class Pages:
         """Pages no session holds that keep a prefix for the next session that starts with it."""
         return len(self._cached)
 
+    def refs(self, page: int) -> int:
+        """The sessions holding this page."""
+        return self._refs[page]
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -88,14 +88,14 @@ class Pages:
         The last token is always computed (its logits are needed), so a prompt that is cached
         whole still computes its last page."""
         hits = self._match(s)
-        taken = sum(self.pages[p].refs == 0 for p in hits)  # cached pages the hits take out of the available
+        taken = sum(self._refs[p] == 0 for p in hits)  # cached pages the hits take out of the available
         new = self.pages_for(len(s.token_ids)) - len(hits)
         if new + taken + reserve > self.num_available:
             return False
         for p in hits:
-            if self.pages[p].refs == 0:
+            if self._refs[p] == 0:
                 del self._cached[p]
-            self.pages[p].refs += 1
+            self._refs[p] += 1
         s.pages = hits + [self._take() for _ in range(new)]
         s.num_cached = len(hits) * self.page_size
         return True
@@ -120,21 +120,20 @@ class Pages:
             return
         keys = self._keys(s, full)
         for i in range(first, full):
-            page = self.pages[s.pages[i]]
-            if page.key is None and keys[i] not in self._by_key:
-                page.key = keys[i]
-                self._by_key[page.key] = page.id
+            p = s.pages[i]
+            if p not in self._key_of and keys[i] not in self._by_key:
+                self._key_of[p] = keys[i]
+                self._by_key[keys[i]] = p
 
     def release(self, s: Holder) -> None:
         """Drops the session's references. Its named pages stay cached, the last ones nearest to
         eviction (they are the least likely to be shared); the rest are free."""
         for p in reversed(s.pages):
-            page = self.pages[p]
-            page.refs -= 1
-            assert page.refs >= 0, f"page {p} released more often than taken"
-            if page.refs == 0 and page.key is not None:
+            self._refs[p] -= 1
+            assert self._refs[p] >= 0, f"page {p} released more often than taken"
+            if self._refs[p] == 0 and p in self._key_of:
                 self._cached[p] = None
-            elif page.refs == 0:
+            elif self._refs[p] == 0:
                 self._free.append(p)
         s.pages = []
 
@@ -146,13 +145,14 @@ class Pages:
         for s in holders:
             for p in s.pages:
                 refs[p] += 1
-        assert refs == [p.refs for p in self.pages], "reference counts differ from the page tables"
-        held = {p.id for p in self.pages if p.refs}
+        assert refs == self._refs.tolist(), "reference counts differ from the page tables"
+        held = {p for p, count in enumerate(self._refs) if count}
         assert not held & set(self._cached) and not held & set(self._free), "a held page is also free"
         assert len(held) + len(self._cached) + len(self._free) == self.num_pages, "a page is lost or counted twice"
-        assert all(self.pages[p].key is not None for p in self._cached)
-        assert all(self.pages[p].key is None for p in self._free)
-        assert all(self.pages[p].key == k for k, p in self._by_key.items())
+        assert all(p in self._key_of for p in self._cached)
+        assert all(p not in self._key_of for p in self._free)
+        assert all(self._key_of.get(p) == k for k, p in self._by_key.items())
+        assert len(self._key_of) == len(self._by_key)
 
     # ---- inside -----------------------------------------------------------------------------
 
@@ -185,10 +185,9 @@ class Pages:
             p = self._free.pop()
         else:
             p, _ = self._cached.popitem(last=False)
-            del self._by_key[self.pages[p].key]
-            self.pages[p].key = None
+            del self._by_key[self._key_of.pop(p)]
             self.num_evictions += 1
-        self.pages[p].refs = 1
+        self._refs[p] = 1
         return p
 
 
