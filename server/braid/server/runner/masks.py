@@ -12,7 +12,8 @@ import concurrent.futures
 from typing import Sequence
 
 import llguidance
-import llguidance.torch as llt
+import llguidance.numpy as lln
+import numpy as np
 import torch
 
 
@@ -29,12 +30,14 @@ class Masks:
             return None
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        bitmask = llt.allocate_token_bitmask(len(matchers), self.vocab_size)
+        # (llguidance's numpy helpers, not its torch ones: importing those runs torch.compile, which
+        # took a third of every start)
+        bitmask = lln.allocate_token_bitmask(len(matchers), self.vocab_size)
         return self._thread.submit(self._fill, list(matchers), bitmask)
 
-    def _fill(self, matchers: list, bitmask: torch.Tensor) -> torch.Tensor:
-        llt.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
-        return bitmask
+    def _fill(self, matchers: list, bitmask: np.ndarray) -> torch.Tensor:
+        lln.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        return torch.from_numpy(bitmask)
 
     def allowed(self, filling: concurrent.futures.Future) -> torch.Tensor:
         """[C, V] bool: the tokens each constrained row may pick (bit i % 32 of word i // 32 of
