@@ -80,9 +80,9 @@ def sentencepiece(text: str, specials: dict[str, str]) -> Vocab:
                  scores=[0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))], add_bos=True)
 
 
-def write_gguf(model, path: Path, vocab: Vocab) -> Path:
+def write_gguf(model, path: Path, vocab: Vocab, leave_out: tuple[str, ...] = ()) -> Path:
     """Writes `model` (a transformers causal LM of ARCHITECTURES) with `vocab`'s tokenizer as a
-    GGUF file at path."""
+    GGUF file at path; without the tensors named in leave_out (a broken file)."""
     arch = ARCHITECTURES[type(model).__name__]
     writer = GGUFWriter(str(path), arch)
     writer.add_name(path.stem)
@@ -90,6 +90,8 @@ def write_gguf(model, path: Path, vocab: Vocab) -> Path:
         getattr(writer, f"add_{key}")(value)
     _write_vocab(writer, vocab)
     for name, value in _tensors(arch, model):
+        if name in leave_out:
+            continue
         if value.ndim == 2:
             kind = _block_format(name)
             writer.add_tensor(name, quants.quantize(value, kind), raw_dtype=kind)

@@ -246,6 +246,16 @@ def test_an_architecture_transformers_cannot_load_is_one_line(tmp_path, smol_dir
     assert_one_line(braid("serve", "--model", str(tmp_path), "--port", "0"), "NoSuchForCausalLM", "cannot load")
 
 
+def test_a_gguf_file_missing_a_tensor_is_one_line(tmp_path):
+    """transformers loads such a file with that tensor left at its random initial values, and only
+    logs a warning: braid refuses to serve it."""
+    vocab = embedded_bpe(512)
+    model = _tiny("qwen3", len(vocab.tokens), head_dim=128)
+    path = write_gguf(model, tmp_path / "qwen3.gguf", vocab, leave_out=("blk.1.ffn_down.weight",))
+    out = braid("serve", "--model", str(path), "--port", "0", "--cache-dir", str(tmp_path), "--log-level", "warning")
+    assert_one_line(out, "Qwen3ForCausalLM", "model.layers.1.mlp.down_proj.weight", "not in the file")
+
+
 def test_a_gguf_file_transformers_cannot_load_is_one_line(tmp_path):
     """A Qwen3 file whose heads are not 128 wide: transformers reads no head size from the file."""
     path = _gguf(tmp_path / "qwen3.gguf", "qwen3")  # the folder's head_dim, 32

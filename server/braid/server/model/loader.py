@@ -320,7 +320,7 @@ def _from_gguf(gguf: Path):
                                                               ignore_mismatched_sizes=True, output_loading_info=True)
     finally:
         report.removeFilter(hold)
-        if info is None or not info["mismatched_keys"]:
+        if info is None or not (info["mismatched_keys"] or info["missing_keys"]):
             for record in held:  # logged as transformers logged them, unless one line below says it all
                 report.handle(record)
     if info["mismatched_keys"]:
@@ -329,6 +329,10 @@ def _from_gguf(gguf: Path):
                                                f"of {type(hf_model).__name__}: tensor {name} is {list(in_file)} in the "
                                                f"file, {list(in_model)} in the model transformers builds from its "
                                                "metadata")
+    if info["missing_keys"]:  # transformers would leave them at their random initial values
+        raise SettingError("model", str(gguf), f"this GGUF file of {type(hf_model).__name__} is incomplete: "
+                                               f"{min(info['missing_keys'])} is not in the file "
+                                               f"({len(info['missing_keys'])} tensor(s) missing)")
     # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
     hf_model.hf_quantizer = None
     if hasattr(hf_model.config, "quantization_config"):
