@@ -83,6 +83,22 @@ def test_a_folder_that_is_not_a_model(tmp_path):
     assert_one_line(braid("serve", "--model", str(tmp_path)), f"--model {tmp_path}", "not a model folder")
 
 
+def test_a_checkpoint_missing_a_tensor(tiny_dir, tmp_path):
+    """transformers loads it with the tensor at its random initial values, and a warning; braid
+    refuses it in one line naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_dir, folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert_one_line(braid("serve", "--model", str(folder), "--port", "0"), "incomplete",
+                    "model.layers.1.mlp.down_proj.weight is not in the file")
+
+
 def test_a_hub_id_the_hub_cannot_provide():
     closed = f"http://127.0.0.1:{free_port()}"
     out = braid("serve", "--model", "someorg/somemodel", env={"HF_ENDPOINT": closed, "HF_HOME": "/nonexistent-hf-home"})

@@ -106,7 +106,7 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
         # local folder (huggingface_hub reads this when it is imported, so set it first).
         os.environ["HF_HUB_OFFLINE"] = "1"
     local_only = is_local(source) or _from_cache_only(source)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from braid.server.model import progress
     from braid.server.model.weights import FLOAT_FORMATS
@@ -120,7 +120,8 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
         with bar.step("weights"):
             # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
             # matrix's format from it and the --dtype and --quantization flags.
-            hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, dtype="auto")
+            hf_model = _complete_model(name if model is None else model, "checkpoint", source,
+                                       local_files_only=local_only, dtype="auto")
             hf_model.eval()
         formats = {n: FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for n, p in hf_model.named_parameters()}
         blocks: dict[str, Blocks] = {}
@@ -304,9 +305,21 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
 
 
 def _from_gguf(gguf: Path):
-    """transformers' model of a GGUF file, dequantized to fp32. A file whose tensors do not have the
-    shapes of the config transformers reads from its metadata (transformers ignores some keys:
-    a Qwen3 file's head size) fails in one line, where transformers would log a table of them."""
+    """transformers' model of a GGUF file, dequantized to fp32 (checked as _complete_model checks)."""
+    hf_model = _complete_model(str(gguf), "GGUF file", gguf.parent, gguf_file=gguf.name, dtype="float32")
+    # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
+    hf_model.hf_quantizer = None
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    return hf_model
+
+
+def _complete_model(name: str, what: str, source, **kwargs):
+    """AutoModelForCausalLM.from_pretrained(source, **kwargs), refused in one line where a tensor is
+    missing (transformers would leave it at its random initial values, with a warning) or has
+    another shape than the config says (transformers would log a table of them; a GGUF file's
+    config is what transformers reads from its metadata, and it ignores some keys: a Qwen3 file's
+    head size). what: "GGUF file" or "checkpoint", for the message."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -316,25 +329,21 @@ def _from_gguf(gguf: Path):
     report.addFilter(hold)
     info = None
     try:
-        hf_model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32",
-                                                              ignore_mismatched_sizes=True, output_loading_info=True)
+        hf_model, info = AutoModelForCausalLM.from_pretrained(source, ignore_mismatched_sizes=True,
+                                                              output_loading_info=True, **kwargs)
     finally:
         report.removeFilter(hold)
         if info is None or not (info["mismatched_keys"] or info["missing_keys"]):
             for record in held:  # logged as transformers logged them, unless one line below says it all
                 report.handle(record)
+    architecture = type(hf_model).__name__
     if info["mismatched_keys"]:
-        name, in_file, in_model = min(info["mismatched_keys"])
-        raise SettingError("model", str(gguf), f"transformers {transformers.__version__} cannot load this GGUF file "
-                                               f"of {type(hf_model).__name__}: tensor {name} is {list(in_file)} in the "
-                                               f"file, {list(in_model)} in the model transformers builds from its "
-                                               "metadata")
-    if info["missing_keys"]:  # transformers would leave them at their random initial values
-        raise SettingError("model", str(gguf), f"this GGUF file of {type(hf_model).__name__} is incomplete: "
-                                               f"{min(info['missing_keys'])} is not in the file "
-                                               f"({len(info['missing_keys'])} tensor(s) missing)")
-    # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
-    hf_model.hf_quantizer = None
-    if hasattr(hf_model.config, "quantization_config"):
-        del hf_model.config.quantization_config
+        tensor, in_file, in_model = min(info["mismatched_keys"])
+        raise SettingError("model", name, f"transformers {transformers.__version__} cannot load this {what} of "
+                                          f"{architecture}: tensor {tensor} is {list(in_file)} in the file, "
+                                          f"{list(in_model)} in the model transformers builds from its config")
+    if info["missing_keys"]:
+        raise SettingError("model", name, f"this {what} of {architecture} is incomplete: "
+                                          f"{min(info['missing_keys'])} is not in the file "
+                                          f"({len(info['missing_keys'])} tensor(s) missing)")
     return hf_model
