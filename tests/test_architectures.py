@@ -128,6 +128,8 @@ async def _greedy_all(target: str, prompts: list[str] = PROMPTS, n: int = 12) ->
 @pytest.mark.parametrize("kind, mode, runner", [
     ("gpt2", "continuous", "transformers"),
     ("gpt2", "sequential", "transformers"),
+    ("gpt2", "interleaved", "transformers"),
+    ("gpt2", "batched", "transformers"),
     ("qwen3", "continuous", "braid"),
     ("phi3", "continuous", "braid"),
     ("gemma2", "continuous", "braid"),
