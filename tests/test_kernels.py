@@ -192,21 +192,35 @@ def test_rope_matches_torch(isa):
     assert not torch.equal(qkv[:, :heads * d], original[:, :heads * d])
 
 
+def test_geglu_matches_torch(isa):
+    """Gemma's MLP activation, gelu with the tanh approximation: its tanh, from exp, to torch's."""
+    torch.manual_seed(6)
+    gate_up = torch.cat([torch.linspace(-12, 12, 4 * 83).view(4, 83), torch.randn(4, 83)], dim=1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(isa.geglu(gate_up), F.gelu(gate, approximate="tanh") * up, rtol=1e-6, atol=1e-6)
+
+
+# (scale, soft-cap, window): Llama's, Gemma 2's capped scores, a sliding window (which starts within a
+# page for some rows and covers a whole short row for another), and both
+ATTENTION = [(32 ** -0.5, None, None), (0.3, 2.0, None), (32 ** -0.5, None, 5), (0.2, 1.5, 18)]
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype):
+@pytest.mark.parametrize("scale, softcap, window", ATTENTION, ids=["llama", "softcap", "window", "both"])
+def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype, scale, softcap, window):
     """Pages of 16 positions, each sequence's scattered and out of order; two sequences share their
     first page (a common prefix). A bf16 or f16 cache is written rounded as torch rounds, and read
-    back widened."""
+    back widened. Scores are scaled, soft-capped and windowed as transformers' eager attention does."""
     torch.manual_seed(5)
     heads, kv_heads, d, num_pages, page = 6, 2, 32, 12, 16
     k_cache = torch.randn(num_pages, kv_heads, page, d).to(kv_dtype)
     v_cache = torch.randn(num_pages, kv_heads, page, d).to(kv_dtype)
     tables = torch.tensor([[7, 2, 0], [7, 11, 0], [5, 9, 3]])  # rows padded with page 0
     positions = torch.tensor([20, 16, 39])  # lengths 21, 17, 40
-    qkv = torch.randn(3, (heads + 2 * kv_heads) * d)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d) * 2  # scores large enough for the cap to bend them
     out = torch.empty(3, heads * d)
     before_k = k_cache.clone()
-    kernels.decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out)
+    kernels.decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, scale, softcap, window)
     for b, pos in enumerate(positions.tolist()):
         q = qkv[b, :heads * d].view(heads, 1, d)
         k_new = qkv[b, heads * d:(heads + kv_heads) * d].view(kv_heads, d)
@@ -215,10 +229,14 @@ def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype):
         assert torch.equal(k_cache[where[0], :, where[1]], k_new.to(kv_dtype))
         assert torch.equal(v_cache[where[0], :, where[1]], v_new.to(kv_dtype))
         pages = tables[b, :pos // page + 1]
-        keys = k_cache[pages].transpose(0, 1).reshape(kv_heads, -1, d)[:, :pos + 1].float()
-        values = v_cache[pages].transpose(0, 1).reshape(kv_heads, -1, d)[:, :pos + 1].float()
-        expected = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                                  enable_gqa=True)[0]
+        keys, values = (c[pages].transpose(0, 1).reshape(kv_heads, -1, d)[:, :pos + 1].float()
+                        .repeat_interleave(heads // kv_heads, dim=0) for c in (k_cache, v_cache))
+        scores = q @ keys.transpose(1, 2) * scale  # [H, 1, T]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if window:
+            scores[..., :max(0, pos + 1 - window)] = float("-inf")
+        expected = scores.softmax(dim=-1) @ values
         torch.testing.assert_close(out[b].view(heads, d), expected[:, 0], rtol=1e-5, atol=1e-5)
     untouched = torch.ones(num_pages, dtype=torch.bool)
     untouched[[2, 11, 3]] = False  # the pages the new tokens went to

@@ -82,7 +82,7 @@ def test_gemma_runs_natively_as_transformers_does(make, kernels):
             p.normal_(0, 0.5 if "norm" in name else 0.15)
     runner = ModelRunner(LoadedModel(hf_model=model, hf_tokenizer=None, name="tiny",
                                      architecture=type(model).__name__, eos_token_ids=(2,)),
-                         torch.device("cpu"), torch.float32, num_pages=16, max_seq_len=64, page_size=8,
+                         torch.device("cpu"), torch.float32, num_pages=16, max_seq_len=64, page_size=16,
                          allow_kernels=kernels)
     assert runner.path == "braid"
     ids = [(7 * i) % 500 + 3 for i in range(40)]

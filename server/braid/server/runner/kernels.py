@@ -1,7 +1,7 @@
 """The decoder's building blocks: braid's own kernels on the CPU, torch's elsewhere.
 
-On a CPU with AVX-512 or AVX2 + FMA, the linear layers, RMSNorm, SwiGLU, RoPE and the decode steps'
-attention run in braid's C kernels (csrc/): each weight matrix is packed once into 32-column panels
+On a CPU with AVX-512 or AVX2 + FMA, the linear layers, RMSNorm, SwiGLU and GeGLU, RoPE and the decode
+steps' attention run in braid's C kernels (csrc/): each weight matrix is packed once into 32-column panels
 in its own format (fp32, bf16, f16, or GGUF's Q8_0/Q4_0/Q4_1 blocks), streamed from memory once per
 call whatever the number of rows, and widened to fp32 in registers. Each small op is one call
 instead of several torch ops (csrc/kernels.h says why). Elsewhere (CUDA, an older CPU, a build
@@ -24,6 +24,7 @@ _LOGGER = logging.getLogger(__name__)
 PANEL = 32  # columns per packed panel
 QBLOCK = 32  # rows of k per block of a panel
 LAYER_FIELDS = 13  # entries per layer in DecodeStep's table, in the C enum's order
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gating activations the C kernels run, in their enum's order
 KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim]
 # The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
 # of each block of 32 rows).
@@ -39,10 +40,11 @@ except ImportError:  # built without a C compiler: torch's kernels do the work
     _cpu_kernels = None
 if _cpu_kernels is not None and (
         (_cpu_kernels.PANEL, _cpu_kernels.QBLOCK, _cpu_kernels.LAYER_FIELDS, getattr(_cpu_kernels, "KV_LAYOUT", 1),
-         _cpu_kernels.FORMATS) != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, tuple(FORMATS.values()))):
+         _cpu_kernels.FORMATS, getattr(_cpu_kernels, "ACTIVATIONS", None))
+        != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, tuple(FORMATS.values()), ACTIVATIONS)):
     # A stale build of the extension: its memory layout is not this module's. Never run it.
     _LOGGER.error("braid's C kernels were built for another layout than this code's (panels, blocks, table "
-                  "fields, KV cache or formats): rebuild them (make install); running torch's kernels")
+                  "fields, KV cache, formats or activations): rebuild them (make install); running torch's kernels")
     _cpu_kernels = None
 
 
@@ -99,7 +101,8 @@ def _self_check() -> bool:
     gate_up = torch.randn(5, 96, generator=generator)
     gate, up = gate_up.chunk(2, dim=-1)
     return (torch.allclose(ops.rms_norm(x, norm, 1e-5), F.rms_norm(x, (96,), norm, 1e-5), atol=1e-5)
-            and torch.allclose(ops.swiglu(gate_up), F.silu(gate) * up, atol=1e-5))
+            and torch.allclose(ops.swiglu(gate_up), F.silu(gate) * up, atol=1e-5)
+            and torch.allclose(ops.geglu(gate_up), F.gelu(gate, approximate="tanh") * up, atol=1e-5))
 
 
 def format_of(weight: Weight) -> str:
@@ -232,6 +235,15 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [N, 2 I], gate then up. Returns gelu_tanh(gate) * up, [N, I] (Gemma's MLP)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def activation(self, name: str):
+        """The gated activation a family's MLP runs (Family.activation), as a function of gate_up."""
+        return {"silu": self.swiglu, "gelu_pytorch_tanh": self.geglu}[name]
+
     def rope_tables(self, cos: torch.Tensor, signed_sin: torch.Tensor,
                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What `rope_` takes for a pass: the pass's rows of the tables, [N, D], looked up once per
@@ -269,11 +281,10 @@ class CpuKernelOps(TorchOps):
         return out
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate_up = _rows(gate_up)
-        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = gate_up.new_empty(rows, width)
-        _cpu_kernels.silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr(), out.stride(0))
-        return out
+        return _gated(_cpu_kernels.silu_mul, gate_up)
+
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return _gated(_cpu_kernels.gelu_tanh_mul, gate_up)
 
     def rope_tables(self, cos: torch.Tensor, signed_sin: torch.Tensor,
                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,6 +296,15 @@ class CpuKernelOps(TorchOps):
         assert qkv.stride(-1) == 1 and positions.dtype == torch.long and positions.is_contiguous()
         _cpu_kernels.rope(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, head_dim, positions.data_ptr(),
                           cos.data_ptr(), signed_sin.data_ptr())
+
+
+def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up by a C kernel (silu_mul, gelu_tanh_mul); gate_up: [N, 2 I], gate then up."""
+    gate_up = _rows(gate_up)
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
+    kernel(gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr(), out.stride(0))
+    return out
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = True) -> TorchOps:
@@ -303,11 +323,13 @@ def _kv_format(cache: torch.Tensor) -> int:
 
 
 def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     tables: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+                     tables: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, scale: float,
+                     softcap: float | None = None, window: int | None = None) -> None:
     """The C kernel for the decode rows of a pass. qkv: [B, (H + 2 KVH) D], one row per sequence,
     after RoPE. Writes each sequence's new key and value at positions[b], through its page table
     tables[b] ([B, pages] long), into the paged cache [pages, KVH, P, D], and its attention over
-    positions [0, positions[b]] into out [B, H D]."""
+    positions [0, positions[b]] (the last `window` of them in a sliding window) into out [B, H D]:
+    scores q.k * scale, soft-capped to softcap * tanh(score / softcap) if softcap."""
     b = qkv.shape[0]
     _, kv_heads, page_size, d = k_cache.shape
     assert qkv.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -316,8 +338,8 @@ def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cac
     k, v = q + heads * d * qkv.element_size(), q + (heads + kv_heads) * d * qkv.element_size()
     _cpu_kernels.decode_attention(q, k, v, qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                   _kv_format(k_cache), tables.data_ptr(), tables.shape[1],
-                                  positions.data_ptr(), b, heads, kv_heads, d, page_size, d ** -0.5,
-                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+                                  positions.data_ptr(), b, heads, kv_heads, d, page_size, scale, softcap or 0.0,
+                                  window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads())
 
 
 class DecodeStep:

@@ -89,11 +89,11 @@ class LlamaDecoder:
         # On a CPU with AVX-512 or AVX2, braid's own kernels run the decoder (runner/kernels.py):
         # chosen once, by the caller.
         self.ops = ops
-        # the C decode attention scales by D^-0.5, with no window and no soft-capping
-        self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0 and not family.gemma_attention
+        # the C decode attention, with the config's scale, soft-capping and sliding windows
+        self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0
         # the whole decode step in one C call knows Llama's layer only
         self.one_call_decode = self.fused_attention and family.is_llamas
-        self._act = self.ops.swiglu if family.activation == "silu" else _gelu_tanh_glu
+        self._act = self.ops.activation(family.activation)
         self.embed_scale = cfg.hidden_size ** 0.5 if family.embed_scale else None
         self.gemma_attention = family.gemma_attention
         if family.gemma_attention:
@@ -274,7 +274,7 @@ class LlamaDecoder:
         if fused:
             rows = slice(n - dec.count, n)
             decode_attention(qkv[rows], self.num_heads, k_cache, v_cache, dec.tables, batch.positions[rows],
-                             out[rows])
+                             out[rows], self.scale, self.attn_softcap, self.layers[layer].window)
         elif dec is not None:
             rows = slice(n - dec.count, n)
             group = self.num_heads // self.num_kv_heads
@@ -290,12 +290,6 @@ class LlamaDecoder:
                 o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [B, KVH, G, D]
             out[rows] = o.reshape(dec.count, -1)
         return out
-
-
-def _gelu_tanh_glu(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [N, 2 I], gate then up. Returns gelu_tanh(gate) * up, [N, I] (Gemma's MLP)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

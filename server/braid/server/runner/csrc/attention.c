@@ -34,23 +34,25 @@ static inline void kv_store(void *cache, int kv_fmt, long index, const float *x,
 }
 
 /* One (sequence, KV head) task of decode_attention: writes the new key and value at position L - 1
- * and attends the head's G query heads over positions [0, L). Inlined once per kv_fmt, so the
+ * and attends the head's G query heads over positions [lo, L). Inlined once per kv_fmt, so the
  * format is a constant in the loops. Position t is row t % P of page table[t / P]; the loops walk
- * a page at a time, so no position is divided. */
+ * a page at a time from lo's page, so no position is divided. scores: G (L - lo) floats. */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *k_new, const float *v_new,
                                                          void *k_cache, void *v_cache, const int kv_fmt,
-                                                         const int64_t *table, long L, long h, long G, long KVH,
-                                                         long D, long P, float scale, float *scores, float *out) {
-    const long chunks = D / VEC, page_stride = KVH * P * D, head = h * P * D;
+                                                         const int64_t *table, long lo, long L, long h, long G,
+                                                         long KVH, long D, long P, float scale, float softcap,
+                                                         float *scores, float *out) {
+    const long chunks = D / VEC, page_stride = KVH * P * D, head = h * P * D, n_seen = L - lo;
 #define PAGE(t) (table[(t) / P] * page_stride + head) /* element index of position t's page, this head */
     kv_store(k_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, k_new, D);
     kv_store(v_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, v_new, D);
+    const long first_page = lo / P;
     for (long g = 0; g < G; g++) {
         const float *qg = q + g * D;
-        float *sc = scores + g * L, top = -INFINITY;
-        for (long t0 = 0, page = 0; t0 < L; t0 += P, page++) {
+        float *sc = scores + g * n_seen, top = -INFINITY; /* sc[t - lo]: position t's score */
+        for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
             const long base = table[page] * page_stride + head, n = L - t0 < P ? L - t0 : P;
-            long i = 0;
+            long i = t0 < lo ? lo - t0 : 0;
             for (; i + VEC <= n; i += VEC) { /* VEC keys at a time, their sums in one transpose */
                 vf dots[VEC];
                 for (int r = 0; r < VEC; r++) {
@@ -59,20 +61,25 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
                         dots[r] = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + (i + r) * D + VEC * j),
                                          dots[r]);
                 }
-                vstore(sc + t0 + i, vmul(vhsum(dots), vset1(scale)));
+                vstore(sc + t0 + i - lo, vmul(vhsum(dots), vset1(scale)));
             }
             for (; i < n; i++) {
                 vf dot = vzero();
                 for (long j = 0; j < chunks; j++)
                     dot = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + i * D + VEC * j), dot);
-                sc[t0 + i] = vsum(dot) * scale;
+                sc[t0 + i - lo] = vsum(dot) * scale;
             }
         }
-        for (long t = 0; t < L; t++) top = sc[t] > top ? sc[t] : top;
+        if (softcap > 0.0f) /* Gemma 2: softcap * tanh(score / softcap), as transformers computes it */
+            for (long t = 0; t < n_seen; t += VEC) {
+                const vmask k = vmask_n(n_seen - t);
+                vstorem(k, sc + t, vmul(vtanh(vdiv(vloadm(k, sc + t), vset1(softcap))), vset1(softcap)));
+            }
+        for (long t = 0; t < n_seen; t++) top = sc[t] > top ? sc[t] : top;
         vf total = vzero();
         const vf topv = vset1(top);
-        for (long t = 0; t < L; t += VEC) {
-            const vmask k = vmask_n(L - t);
+        for (long t = 0; t < n_seen; t += VEC) {
+            const vmask k = vmask_n(n_seen - t);
             /* masked-off lanes load 0, whose exp is not 0: zeroed before they are summed */
             const vf e = vmaskz(k, vexp(vsub(vloadm(k, sc + t), topv)));
             vstorem(k, sc + t, e);
@@ -82,10 +89,10 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         float *o = out + g * D;
         for (long j = 0; j < chunks; j++) {
             vf acc = vzero();
-            for (long t0 = 0, page = 0; t0 < L; t0 += P, page++) {
+            for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
                 const long base = table[page] * page_stride + head + VEC * j, n = L - t0 < P ? L - t0 : P;
-                for (long i = 0; i < n; i++)
-                    acc = vfmadd(vset1(sc[t0 + i]), kv_load(v_cache, kv_fmt, base + i * D), acc);
+                for (long i = t0 < lo ? lo - t0 : 0; i < n; i++)
+                    acc = vfmadd(vset1(sc[t0 + i - lo]), kv_load(v_cache, kv_fmt, base + i * D), acc);
             }
             vstore(o + VEC * j, vmul(acc, inv));
         }
@@ -96,27 +103,30 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
 /* Attention for the decode rows of a pass: each of B sequences has one new token, at position
  * positions[b], with page table tables[b * table_stride ...]. Its key and value (rows of k_new /
  * v_new, KVH heads of D) are written into the cache, and its H query heads (rows of q) attend over
- * positions [0, positions[b]]. Grouped-query: the H / KVH query heads of a KV head share one pass
- * over its keys and values. out: B rows (stride ldo) of H x D. One task per (sequence, KV head); a
- * sequence's result does not depend on the others in the pass, nor on which pages it holds.
- * D and P are multiples of 16. */
+ * positions [0, positions[b]], or in a sliding window (window > 0) over the last `window` of those
+ * (positions before it are not read at all). Scores are the dot products times scale; with
+ * softcap > 0, then softcap * tanh(score / softcap) (Gemma 2). Grouped-query: the H / KVH query
+ * heads of a KV head share one pass over its keys and values. out: B rows (stride ldo) of H x D.
+ * One task per (sequence, KV head); a sequence's result does not depend on the others in the
+ * pass, nor on which pages it holds. D and P are multiples of 16. */
 static void decode_attention(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
                              void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
                              const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
-                             float *out, long ldo, int threads) {
+                             float softcap, long window, float *out, long ldo, int threads) {
     const long G = H / KVH;
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && B * KVH > 1)
     for (long task = 0; task < B * KVH; task++) {
         const long b = task / KVH, h = task % KVH, L = positions[b] + 1;
+        const long lo = window > 0 && L > window ? L - window : 0;
         const int64_t *table = tables + b * table_stride;
         const float *qb = q + b * ldq + h * G * D, *kb = k_new + b * ldq + h * D, *vb = v_new + b * ldq + h * D;
-        float *ob = out + b * ldo + h * G * D, *scores = malloc(sizeof(float) * G * L);
+        float *ob = out + b * ldo + h * G * D, *scores = malloc(sizeof(float) * G * (L - lo));
         if (kv_fmt == F_BF16)
-            attend(qb, kb, vb, k_cache, v_cache, F_BF16, table, L, h, G, KVH, D, P, scale, scores, ob);
+            attend(qb, kb, vb, k_cache, v_cache, F_BF16, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
         else if (kv_fmt == F_F16)
-            attend(qb, kb, vb, k_cache, v_cache, F_F16, table, L, h, G, KVH, D, P, scale, scores, ob);
+            attend(qb, kb, vb, k_cache, v_cache, F_F16, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
         else
-            attend(qb, kb, vb, k_cache, v_cache, F_F32, table, L, h, G, KVH, D, P, scale, scores, ob);
+            attend(qb, kb, vb, k_cache, v_cache, F_F32, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
         free(scores);
     }
 }

@@ -96,6 +96,13 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+static PyObject *py_gelu_tanh_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg_t a[6];
+    if (parse(args, nargs, "plllpl", a) || selected()) return NULL;
+    K->gelu_tanh_mul(a[0].p, a[1].l, a[2].l, a[3].l, a[4].p, a[5].l);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     arg_t a[8];
     if (parse(args, nargs, "pllllppp", a) || selected()) return NULL;
@@ -120,13 +127,14 @@ static int check_paging(long H, long KVH, long D, long P, long kv_fmt, const cha
 }
 
 static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    arg_t a[19];
-    if (parse(args, nargs, "ppplpplplplllllfpll", a) || selected()) return NULL;
+    arg_t a[21];
+    if (parse(args, nargs, "ppplpplplplllllfflpll", a) || selected()) return NULL;
     const long H = a[11].l, KVH = a[12].l, D = a[13].l, P = a[14].l;
     if (check_paging(H, KVH, D, P, a[6].l, "decode_attention")) return NULL;
     Py_BEGIN_ALLOW_THREADS
     K->decode_attention(a[0].p, a[1].p, a[2].p, a[3].l, a[4].p, a[5].p, (int)a[6].l, a[7].p, a[8].l, a[9].p,
-                        a[10].l, H, KVH, D, P, (float)a[15].f, a[16].p, a[17].l, (int)a[18].l);
+                        a[10].l, H, KVH, D, P, (float)a[15].f, (float)a[16].f, a[17].l, a[18].p, a[19].l,
+                        (int)a[20].l);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -193,11 +201,13 @@ static PyMethodDef METHODS[] = {
      "rms_norm(x, ldx, weight, out, ldo, M, D, eps)"},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL,
      "silu_mul(gate_up, ld, M, I, out, ldo): out = silu(gate) * up"},
+    {"gelu_tanh_mul", (PyCFunction)(void (*)(void))py_gelu_tanh_mul, METH_FASTCALL,
+     "gelu_tanh_mul(gate_up, ld, M, I, out, ldo): out = gelu_tanh(gate) * up"},
     {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL,
      "rope(x, ld, N, heads, D, positions, cos, signed_sin): rotary embedding in place"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL,
      "decode_attention(q, k_new, v_new, ldq, k_cache, v_cache, kv_fmt, tables, table_stride, positions, "
-     "B, H, KVH, D, page_size, scale, out, ldo, threads)"},
+     "B, H, KVH, D, page_size, scale, softcap, window, out, ldo, threads)"},
     {"decode_step", (PyCFunction)(void (*)(void))py_decode_step, METH_FASTCALL,
      "decode_step(B, hidden, H, KVH, D, I, layers, page_size, kv_fmt, eps, table, positions, tables, "
      "table_stride, cos, sin, "
@@ -211,6 +221,17 @@ static PyMethodDef METHODS[] = {
 static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_cpu_kernels",
                                     "braid's CPU kernels (AVX-512, AVX2) for the decoder", -1, METHODS};
 
+/* A tuple of n C strings. */
+static PyObject *names(const char *const *strings, int n) {
+    PyObject *tuple = PyTuple_New(n);
+    for (int i = 0; tuple && i < n; i++) {
+        PyObject *name = PyUnicode_FromString(strings[i]);
+        if (!name) Py_CLEAR(tuple);
+        else PyTuple_SET_ITEM(tuple, i, name);
+    }
+    return tuple;
+}
+
 /* The Python side checks these against its own when it imports the module (runner/kernels.py). */
 PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     PyObject *m = PyModule_Create(&MODULE);
@@ -218,12 +239,17 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     PyObject *layout = PyTuple_New(F_FORMATS); /* (row bytes, head bytes) per format */
     for (int f = 0; layout && f < F_FORMATS; f++)
         PyTuple_SET_ITEM(layout, f, Py_BuildValue("(ll)", ROW_BYTES[f], HEAD_BYTES[f]));
-    if (!layout || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 || PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 ||
-        PyModule_AddIntConstant(m, "LAYER_FIELDS", T_FIELDS) < 0 ||
-        PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 || PyModule_AddObject(m, "FORMATS", layout) < 0) {
+    PyObject *activations = names(ACTIVATION_NAMES, A_ACTIVATIONS);
+    if (!layout || !activations || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 ||
+        PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 || PyModule_AddIntConstant(m, "LAYER_FIELDS", T_FIELDS) < 0 ||
+        PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 || PyModule_AddObjectRef(m, "FORMATS", layout) < 0 ||
+        PyModule_AddObjectRef(m, "ACTIVATIONS", activations) < 0) {
         Py_XDECREF(layout);
+        Py_XDECREF(activations);
         Py_DECREF(m);
         return NULL;
     }
+    Py_DECREF(layout);
+    Py_DECREF(activations);
     return m;
 }

@@ -12,7 +12,7 @@ static int decode_step(const step_t *s) {
         rope(s->qkv, width, B, s->H + s->KVH, s->D, s->positions, s->cos_t, s->sin_t);
         decode_attention(s->qkv, s->qkv + qd, s->qkv + qd + kvd, width, P(T_K_CACHE), P(T_V_CACHE), s->kv_fmt,
                          s->tables, s->table_stride, s->positions, B, s->H, s->KVH, s->D, s->page_size,
-                         1.0f / sqrtf((float)s->D), s->attn, qd, s->threads);
+                         1.0f / sqrtf((float)s->D), 0.0f, 0, s->attn, qd, s->threads);
         if (gemm(s->attn, qd, P(T_O), F(T_O_FMT), s->x, hd, B, qd, hd, 1, NULL, s->threads)) return -1;
         rms_norm(s->x, hd, P(T_POST_NORM), s->h, hd, B, hd, s->eps);
         if (gemm(s->h, hd, P(T_GATE_UP), F(T_GATE_UP_FMT), s->gate_up, 2 * s->I, B, hd, 2 * s->I, 0, NULL,

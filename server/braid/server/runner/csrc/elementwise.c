@@ -1,4 +1,5 @@
-/* Row-wise kernels: RMSNorm, SwiGLU, rotary embedding. Compiled once per instruction set. */
+/* Row-wise kernels: RMSNorm, the MLP's gated activations, rotary embedding. Compiled once per
+ * instruction set. */
 
 /* out[M, D] = x / sqrt(mean(x^2) + eps) * weight, row by row (rows of stride ldx and ldo). */
 static void rms_norm(const float *x, long ldx, const float *weight, float *out, long ldo, long M, long D,
@@ -21,19 +22,35 @@ static void rms_norm(const float *x, long ldx, const float *weight, float *out, 
     }
 }
 
-/* out[M, I] = silu(gate) * up, where each row of gu (stride ldg) is [gate (I) | up (I)]. */
-static void silu_mul(const float *gu, long ldg, long M, long I, float *out, long ldo) {
-    const vf one = vset1(1.0f);
+/* silu(g) = g / (1 + exp(-g)) */
+INLINE vf vsilu(vf g) { return vdiv(g, vadd(vset1(1.0f), vexp(vsub(vzero(), g)))); }
+
+/* gelu(g) with the tanh approximation, as torch's: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) */
+INLINE vf vgelu_tanh(vf g) {
+    const vf inner = vmul(vset1(0.7978845608028654f), vadd(g, vmul(vset1(0.044715f), vmul(vmul(g, g), g))));
+    return vmul(vmul(vset1(0.5f), g), vadd(vset1(1.0f), vtanh(inner)));
+}
+
+/* out[M, I] = act(gate) * up, where each row of gu (stride ldg) is [gate (I) | up (I)]. Inlined
+ * once per activation. */
+INLINE void gated(const int activation, const float *gu, long ldg, long M, long I, float *out, long ldo) {
     for (long m = 0; m < M; m++) {
         const float *g = gu + m * ldg, *u = g + I;
         float *o = out + m * ldo;
         for (long i = 0; i < I; i += VEC) {
             const vmask k = vmask_n(I - i);
             const vf gv = vloadm(k, g + i);
-            const vf silu = vdiv(gv, vadd(one, vexp(vsub(vzero(), gv))));
-            vstorem(k, o + i, vmul(silu, vloadm(k, u + i)));
+            vstorem(k, o + i, vmul(activation == A_SILU ? vsilu(gv) : vgelu_tanh(gv), vloadm(k, u + i)));
         }
     }
+}
+
+static void silu_mul(const float *gu, long ldg, long M, long I, float *out, long ldo) {
+    gated(A_SILU, gu, ldg, M, I, out, ldo);
+}
+
+static void gelu_tanh_mul(const float *gu, long ldg, long M, long I, float *out, long ldo) {
+    gated(A_GELU_TANH, gu, ldg, M, I, out, ldo);
 }
 
 /* Rotary embedding in place on the first `heads` heads (of D floats) of each of N rows (stride ld):

@@ -69,6 +69,11 @@ enum {
     T_DOWN, T_DOWN_FMT, T_K_CACHE, T_V_CACHE, T_FIELDS
 };
 
+/* The MLP's gating activation: act(gate) * up. Exported as ACTIVATIONS, in this order, by the
+ * names transformers' configs give them. */
+enum { A_SILU, A_GELU_TANH, A_ACTIVATIONS };
+static const char *const ACTIVATION_NAMES[A_ACTIVATIONS] = {[A_SILU] = "silu", [A_GELU_TANH] = "gelu_pytorch_tanh"};
+
 typedef struct {
     long B, hidden, H, KVH, D, I, layers, page_size, table_stride;
     int kv_fmt; /* the KV cache's format: F_F32, F_BF16 or F_F16 (attention.c) */
@@ -91,12 +96,13 @@ typedef struct {
     void (*columns)(const void *w, int fmt, long K, long N, const int64_t *ids, long count, float *out, long ldo);
     void (*rms_norm)(const float *x, long ldx, const float *weight, float *out, long ldo, long M, long D, float eps);
     void (*silu_mul)(const float *gu, long ldg, long M, long I, float *out, long ldo);
+    void (*gelu_tanh_mul)(const float *gu, long ldg, long M, long I, float *out, long ldo);
     void (*rope)(float *x, long ld, long N, long heads, long D, const int64_t *positions, const float *cos_t,
                  const float *sin_t);
     void (*decode_attention)(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
                              void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
                              const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
-                             float *out, long ldo, int threads);
+                             float softcap, long window, float *out, long ldo, int threads);
     int (*decode_step)(const step_t *s); /* -1: out of memory */
 } kernels_t;
 

@@ -33,6 +33,12 @@ static inline vmask vmask_n(long n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__
 #define vloadm(m, p) _mm512_maskz_loadu_ps(m, p)
 #define vstorem(m, p, v) _mm512_mask_storeu_ps(p, m, v)
 #define vmaskz(m, v) _mm512_maskz_mov_ps(m, v) /* v in the mask's lanes, 0 elsewhere */
+#define vabs _mm512_abs_ps
+/* |magnitude| with the sign of `sign` (magnitude >= 0) */
+#define vwithsign(magnitude, sign) _mm512_castsi512_ps(_mm512_or_epi32(_mm512_castps_si512(magnitude), \
+    _mm512_and_epi32(_mm512_castps_si512(sign), _mm512_set1_epi32((int)0x80000000u))))
+/* lanes of a less than b from x, the others from y */
+#define vselect_lt(a, b, x, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x)
 /* 16 int8 / fp16 / bf16 values widened to fp32 (exact) */
 static inline vf vcvt_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline vf vcvt_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -96,6 +102,9 @@ static inline vmask vmask_n(long n) {
 #define vloadm(m, p) _mm256_maskload_ps(p, m)
 #define vstorem(m, p, v) _mm256_maskstore_ps(p, m, v)
 #define vmaskz(m, v) _mm256_and_ps(_mm256_castsi256_ps(m), v)
+#define vabs(v) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)
+#define vwithsign(magnitude, sign) _mm256_or_ps(magnitude, _mm256_and_ps(sign, _mm256_set1_ps(-0.0f)))
+#define vselect_lt(a, b, x, y) _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ))
 static inline vf vcvt_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline vf vcvt_f16(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline vf vcvt_bf16(const void *p) {
@@ -141,6 +150,21 @@ static inline vf vexp(vf x) {
     p = vfmadd(p, r, vset1(5.0000001201e-1f));
     p = vfmadd(p, vmul(r, r), vadd(r, vset1(1.0f)));
     return vscale2(p, n);
+}
+
+/* tanh(x), after Cephes' tanhf: x + x^3 P(x^2) where |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1)
+ * with x's sign (exp's clamp keeps it finite: +-1 for large |x|). About 2 ulp. */
+static inline vf vtanh(vf x) {
+    const vf a = vabs(x), one = vset1(1.0f);
+    const vf far = vsub(one, vdiv(vset1(2.0f), vadd(vexp(vadd(a, a)), one)));
+    const vf z = vmul(x, x);
+    vf p = vset1(-5.70498872745e-3f);
+    p = vfmadd(p, z, vset1(2.06390887954e-2f));
+    p = vfmadd(p, z, vset1(-5.37397155531e-2f));
+    p = vfmadd(p, z, vset1(1.33314422036e-1f));
+    p = vfmadd(p, z, vset1(-3.33332819422e-1f));
+    const vf near = vfmadd(vmul(p, z), x, x);
+    return vselect_lt(a, vset1(0.625f), near, vwithsign(far, x));
 }
 
 #endif
