@@ -35,11 +35,6 @@ class Family:
     # config's layer_types: sliding-window layers (with their own RoPE, Gemma 3) between global ones
     gemma_attention: bool = False
 
-    @property
-    def is_llamas(self) -> bool:
-        """Whether a layer is Llama's (whatever the weights' names): what the one-call C decode step runs."""
-        return not (self.qk_norm or self.sandwich_norms or self.gemma_attention or self.activation != "silu")
-
 
 _GEMMA = dict(norm_offset=True, embed_scale=True, activation="gelu_pytorch_tanh", sandwich_norms=True,
               gemma_attention=True)

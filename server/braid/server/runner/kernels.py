@@ -23,7 +23,10 @@ _LOGGER = logging.getLogger(__name__)
 
 PANEL = 32  # columns per packed panel
 QBLOCK = 32  # rows of k per block of a panel
-LAYER_FIELDS = 13  # entries per layer in DecodeStep's table, in the C enum's order
+# A layer's row of DecodeStep's table, in the C enum's order (csrc/kernels.h says what each holds)
+LAYER_FIELDS = ("input_norm", "qkv", "qkv_format", "qkv_bias", "o", "o_format", "post_norm", "gate_up",
+                "gate_up_format", "down", "down_format", "k_cache", "v_cache", "q_norm", "k_norm", "attn_out_norm",
+                "mlp_out_norm", "window", "cos", "sin")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gating activations the C kernels run, in their enum's order
 KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim]
 # The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
@@ -344,25 +347,35 @@ def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cac
 
 class DecodeStep:
     """Every layer of a decode-only pass in one call (_cpu_kernels.decode_step): no Python and no
-    GIL between the layers' kernels. Holds the table of each layer's weight and cache pointers."""
+    GIL between the layers' kernels. Holds the table of each layer's weight and cache pointers, and
+    its own settings (LAYER_FIELDS); a field a layer does not have is 0."""
 
-    def __init__(self, layers, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: list[torch.Tensor],
-                 v_cache: list[torch.Tensor]) -> None:
+    def __init__(self, layers, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], num_heads: int,
+                 num_kv_heads: int, head_dim: int, eps: float, scale: float, softcap: float | None,
+                 activation: str, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
+        """layers: the decoder's LayerWeights; rope: (cos, signed sin) tables [max_seq, D] by
+        LayerWeights.rope; scale, softcap: the attention's (softcap None: none)."""
         def ptr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
 
-        self.table = torch.tensor([[ptr(w.input_norm), ptr(w.qkv.weight), w.qkv.code, ptr(w.qkv.bias), ptr(w.o.weight),
-                                    w.o.code, ptr(w.post_norm), ptr(w.gate_up.weight), w.gate_up.code,
-                                    ptr(w.down.weight), w.down.code, ptr(k), ptr(v)]
-                                   for w, k, v in zip(layers, k_cache, v_cache)], dtype=torch.long)
-        assert self.table.shape[1] == LAYER_FIELDS
-        self._keep = (layers, k_cache, v_cache, cos, signed_sin)  # the memory the table points into
+        def row(w, k: torch.Tensor, v: torch.Tensor) -> list[int]:
+            cos, sin = rope[w.rope]
+            fields = dict(input_norm=ptr(w.input_norm), qkv=ptr(w.qkv.weight), qkv_format=w.qkv.code,
+                          qkv_bias=ptr(w.qkv.bias), o=ptr(w.o.weight), o_format=w.o.code, post_norm=ptr(w.post_norm),
+                          gate_up=ptr(w.gate_up.weight), gate_up_format=w.gate_up.code, down=ptr(w.down.weight),
+                          down_format=w.down.code, k_cache=ptr(k), v_cache=ptr(v), q_norm=ptr(w.q_norm),
+                          k_norm=ptr(w.k_norm), attn_out_norm=ptr(w.attn_out_norm), mlp_out_norm=ptr(w.mlp_out_norm),
+                          window=w.window or 0, cos=ptr(cos), sin=ptr(sin))
+            return [fields[name] for name in LAYER_FIELDS]
+
+        self.table = torch.tensor([row(w, k, v) for w, k, v in zip(layers, k_cache, v_cache)], dtype=torch.long)
+        self._keep = (layers, k_cache, v_cache, rope)  # the memory the table points into
         self.hidden = layers[0].qkv.in_features
         self.intermediate = layers[0].down.in_features
         self.shape = (num_heads, num_kv_heads, head_dim, self.intermediate, len(layers), k_cache[0].shape[2],
                       _kv_format(k_cache[0]))
-        self.eps, self.cos, self.sin = eps, cos, signed_sin
+        self.activation = ACTIVATIONS.index(activation)
+        self.eps, self.scale, self.softcap = eps, scale, softcap or 0.0
         self._scratch: list[torch.Tensor] = []
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> None:
@@ -375,10 +388,10 @@ class DecodeStep:
             widths = (self.hidden, (heads + 2 * kv_heads) * d, heads * d, 2 * inter, inter)
             self._scratch = [x.new_empty(b, w) for w in widths]
         h, qkv, attn, gate_up, act = self._scratch
-        _cpu_kernels.decode_step(b, self.hidden, *self.shape, self.eps, self.table.data_ptr(),
-                                 positions.data_ptr(), tables.data_ptr(), tables.shape[1], self.cos.data_ptr(),
-                                 self.sin.data_ptr(), x.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
-                                 gate_up.data_ptr(), act.data_ptr(), torch.get_num_threads())
+        _cpu_kernels.decode_step(b, self.hidden, *self.shape, self.activation, self.eps, self.scale, self.softcap,
+                                 self.table.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                 x.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
+                                 act.data_ptr(), torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

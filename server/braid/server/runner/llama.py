@@ -72,7 +72,7 @@ class LayerWeights:
 
 class LlamaDecoder:
     """Llama-style decoders (RMSNorm, RoPE, GQA, SwiGLU), each family's differences read from its
-    Family (runner/families.py): Llama, Mistral, Qwen2, Qwen3, Phi-3."""
+    Family (runner/families.py): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3."""
 
     def __init__(self, hf_model: torch.nn.Module, max_seq_len: int, ops: TorchOps, precision: Precision,
                  family: Family = Family()) -> None:
@@ -89,10 +89,11 @@ class LlamaDecoder:
         # On a CPU with AVX-512 or AVX2, braid's own kernels run the decoder (runner/kernels.py):
         # chosen once, by the caller.
         self.ops = ops
-        # the C decode attention, with the config's scale, soft-capping and sliding windows
+        # the C decode attention (with the config's scale, soft-capping and sliding windows), and the
+        # whole decode step in one C call, every family's layer read from its LayerWeights
         self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0
-        # the whole decode step in one C call knows Llama's layer only
-        self.one_call_decode = self.fused_attention and family.is_llamas
+        self.one_call_decode = self.fused_attention
+        self.activation = family.activation
         self._act = self.ops.activation(family.activation)
         self.embed_scale = cfg.hidden_size ** 0.5 if family.embed_scale else None
         self.gemma_attention = family.gemma_attention
@@ -161,7 +162,6 @@ class LlamaDecoder:
             # [max_seq, D]; sin with rotate_half's sign folded in: rope(x) = x * cos + roll(x, half) * signed_sin
             self.rope[kind] = (cos[0].to(device=device, dtype=dtype),
                                torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype))
-        self.cos, self.sin = self.rope[self.layers[0].rope]  # what the one-call decode step reads
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -207,8 +207,8 @@ class LlamaDecoder:
     def _decode_only(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """A pass of decode rows only (the steady state): every layer in one C call."""
         if self._step is None or self._step_cache is not cache:
-            self._step = DecodeStep(self.layers, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
-                                    self.cos, self.sin, cache.k, cache.v)
+            self._step = DecodeStep(self.layers, self.rope, self.num_heads, self.num_kv_heads, self.head_dim,
+                                    self.eps, self.scale, self.attn_softcap, self.activation, cache.k, cache.v)
             self._step_cache = cache
         x = self._embed(batch.input_ids).contiguous()  # [B, hidden]
         self._step(x, batch.positions, batch.decode.tables)
@@ -226,8 +226,8 @@ class LlamaDecoder:
         """Family.qk_norm, in place: RMSNorm over each head of q and of k in qkv [N, (H + 2 KVH) D]."""
         n, d, heads, kv_heads = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         for begin, count, weight in ((0, heads, w.q_norm), (heads, kv_heads, w.k_norm)):
-            part = qkv[:, begin * d:(begin + count) * d].view(n, count, d)
-            part.copy_(F.rms_norm(part, (d,), weight, self.eps))
+            part = qkv[:, begin * d:(begin + count) * d]
+            part.copy_(self._norm(part.reshape(n * count, d), weight).view(n, count * d))
 
     def _gemma_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention with the config's scale and soft-capped scores (Family.gemma_attention), as

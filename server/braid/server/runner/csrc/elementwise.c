@@ -1,9 +1,11 @@
 /* Row-wise kernels: RMSNorm, the MLP's gated activations, rotary embedding. Compiled once per
  * instruction set. */
 
-/* out[M, D] = x / sqrt(mean(x^2) + eps) * weight, row by row (rows of stride ldx and ldo). */
-static void rms_norm(const float *x, long ldx, const float *weight, float *out, long ldo, long M, long D,
-                     float eps) {
+/* out[M, D] = x / sqrt(mean(x^2) + eps) * weight, row by row (rows of stride ldx and ldo); with
+ * accumulate, out += that instead (a sandwich norm's output joining the residual stream: the same
+ * bits as the norm, then the add). out may be x. */
+static void rms_norm_to(const float *x, long ldx, const float *weight, float *out, long ldo, long M, long D,
+                        float eps, int accumulate) {
     for (long m = 0; m < M; m++) {
         const float *xr = x + m * ldx;
         float *o = out + m * ldo;
@@ -17,9 +19,17 @@ static void rms_norm(const float *x, long ldx, const float *weight, float *out, 
         for (; d < D; d++) sum += xr[d] * xr[d];
         const float inv = 1.0f / sqrtf(sum / (float)D + eps);
         const vf s = vset1(inv);
-        for (d = 0; d + VEC <= D; d += VEC) vstore(o + d, vmul(vmul(vload(xr + d), s), vload(weight + d)));
-        for (; d < D; d++) o[d] = xr[d] * inv * weight[d];
+        for (d = 0; d + VEC <= D; d += VEC) {
+            const vf r = vmul(vmul(vload(xr + d), s), vload(weight + d));
+            vstore(o + d, accumulate ? vadd(vload(o + d), r) : r);
+        }
+        for (; d < D; d++) o[d] = accumulate ? o[d] + xr[d] * inv * weight[d] : xr[d] * inv * weight[d];
     }
+}
+
+static void rms_norm(const float *x, long ldx, const float *weight, float *out, long ldo, long M, long D,
+                     float eps) {
+    rms_norm_to(x, ldx, weight, out, ldo, M, D, eps, 0);
 }
 
 /* silu(g) = g / (1 + exp(-g)) */

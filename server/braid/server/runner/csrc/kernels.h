@@ -62,11 +62,26 @@ static inline long panel_bytes(int fmt, long K) {
 /* A whole decode step through every layer, for passes where each sequence feeds one token: the
  * same kernels in the decoder's order, with no Python between them (one call and no GIL for the
  * step). x [B, hidden] holds the tokens' embeddings and leaves holding the last layer's residual
- * stream; the caller applies the final norm and the LM head. Each layer's row of `table` holds
- * pointers (a weight followed by its format) in this order: */
+ * stream; the caller applies the final norm and the LM head. Each layer's row of `table` holds, in
+ * this order (the names are exported as LAYER_FIELDS and checked by runner/kernels.py), pointers (a
+ * weight followed by its format) and the layer's own settings. Fields a family does not have are 0,
+ * and cost nothing:
+ * - Q_NORM, K_NORM: RMSNorm weights [D] over each head of q and of k before RoPE (Qwen3, Gemma 3);
+ * - ATTN_OUT_NORM, MLP_OUT_NORM: RMSNorm weights [hidden] on the attention's and the MLP's outputs
+ *   before they join the residual stream (Gemma's sandwich norms);
+ * - WINDOW: a sliding-window layer's window (a token sees the WINDOW positions up to its own);
+ * - COS, SIN: the layer's RoPE tables [max_seq, D] (Gemma 3's local layers have their own). */
 enum {
     T_INPUT_NORM, T_QKV, T_QKV_FMT, T_QKV_BIAS, T_O, T_O_FMT, T_POST_NORM, T_GATE_UP, T_GATE_UP_FMT,
-    T_DOWN, T_DOWN_FMT, T_K_CACHE, T_V_CACHE, T_FIELDS
+    T_DOWN, T_DOWN_FMT, T_K_CACHE, T_V_CACHE, T_Q_NORM, T_K_NORM, T_ATTN_OUT_NORM, T_MLP_OUT_NORM, T_WINDOW,
+    T_COS, T_SIN, T_FIELDS
+};
+static const char *const LAYER_FIELD_NAMES[T_FIELDS] = {
+    [T_INPUT_NORM] = "input_norm", [T_QKV] = "qkv", [T_QKV_FMT] = "qkv_format", [T_QKV_BIAS] = "qkv_bias",
+    [T_O] = "o", [T_O_FMT] = "o_format", [T_POST_NORM] = "post_norm", [T_GATE_UP] = "gate_up",
+    [T_GATE_UP_FMT] = "gate_up_format", [T_DOWN] = "down", [T_DOWN_FMT] = "down_format", [T_K_CACHE] = "k_cache",
+    [T_V_CACHE] = "v_cache", [T_Q_NORM] = "q_norm", [T_K_NORM] = "k_norm", [T_ATTN_OUT_NORM] = "attn_out_norm",
+    [T_MLP_OUT_NORM] = "mlp_out_norm", [T_WINDOW] = "window", [T_COS] = "cos", [T_SIN] = "sin",
 };
 
 /* The MLP's gating activation: act(gate) * up. Exported as ACTIVATIONS, in this order, by the
@@ -77,9 +92,9 @@ static const char *const ACTIVATION_NAMES[A_ACTIVATIONS] = {[A_SILU] = "silu", [
 typedef struct {
     long B, hidden, H, KVH, D, I, layers, page_size, table_stride;
     int kv_fmt; /* the KV cache's format: F_F32, F_BF16 or F_F16 (attention.c) */
-    float eps;
+    int activation; /* A_SILU or A_GELU_TANH */
+    float eps, scale, softcap; /* attention: scores * scale, then softcap * tanh(scores / softcap) if softcap > 0 */
     const int64_t *table, *positions, *tables; /* tables: B page tables of table_stride entries */
-    const float *cos_t, *sin_t;
     float *x, *h, *qkv, *attn, *gate_up, *act; /* scratch: [B, hidden], [B, (H + 2 KVH) D], [B, H D], [B, 2 I], [B, I] */
     int threads;
 } step_t;

@@ -1,0 +1,131 @@
+"""The one-call decode step (runner/kernels.py DecodeStep, csrc/decode_step.c) on tiny random Qwen3,
+Gemma 2 and Gemma 3 models, in process: rows of different lengths decode together, past the sliding
+window, and every pass's logits are the per-op path's (each op its own call, the same kernels) bit for
+bit, and those of the per-op path with torch's attention to float rounding. With any one of the
+layers' fields or the model's settings dropped from the step, they are not."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers as t
+
+from braid.server.model.loader import LoadedModel
+from braid.server.runner import kernels, llama
+from braid.server.runner.kernels import LAYER_FIELDS, DecodeStep
+from braid.server.runner.model_runner import ModelRunner
+from braid.server.runner.rows import Row, Sampling
+
+pytestmark = pytest.mark.skipif(kernels.kernels_isa() is None, reason="braid's C kernels do not run on this CPU")
+
+SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+# query_pre_attn_scalar is not head_dim, so Gemma's scale is not the default one
+GEMMA = dict(SHAPE, sliding_window=8, query_pre_attn_scalar=24)
+MODELS = {
+    "qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(**SHAPE)),
+    "gemma2": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**GEMMA, attn_logit_softcapping=2.0,
+                                                         final_logit_softcapping=5.0)),
+    "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(**GEMMA, rope_local_base_freq=100.0,
+                                                             layer_types=["sliding_attention", "full_attention"] * 2)),
+}
+PROMPTS = [[(7 * i + 3 * b) % 500 + 3 for i in range(n)] for b, n in enumerate((3, 17, 30))]  # B = 3
+STEPS = 12  # the shortest row passes the window of 8 on its way
+PAGES = 4  # a row's pages of 16 positions: at most 64 of them
+TOKENS = torch.randint(3, 500, (STEPS, len(PROMPTS)), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@functools.cache
+def _model(kind: str):
+    torch.manual_seed(0)
+    model = MODELS[kind]().eval()
+    with torch.no_grad():  # norms away from their init, so that dropping one shows
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.15)
+    return model
+
+
+def _runner(model) -> ModelRunner:
+    loaded = LoadedModel(hf_model=model, hf_tokenizer=None, name="tiny", architecture=type(model).__name__,
+                         eos_token_ids=(2,))
+    return ModelRunner(loaded, torch.device("cpu"), torch.float32, num_pages=PAGES * len(PROMPTS), max_seq_len=64)
+
+
+def _decode(runner: ModelRunner) -> torch.Tensor:
+    """Prefills each prompt into its own pages, then decodes the rows together, fed TOKENS: the
+    logits of every decode pass, [STEPS, B, V]."""
+    sampling = Sampling()
+    pages = [list(range(b * PAGES, (b + 1) * PAGES)) for b in range(len(PROMPTS))]
+    for prompt, table in zip(PROMPTS, pages):
+        runner.run([Row(pages=table, start=0, token_ids=prompt, sample=False, sampling=sampling, rng=None,
+                        is_prompt=True)])
+    logits = []
+    for step, tokens in enumerate(TOKENS):
+        rows = [Row(pages=table, start=len(prompt) + step, token_ids=[token], sample=True, sampling=sampling, rng=None)
+                for prompt, table, token in zip(PROMPTS, pages, tokens)]
+        batch, _, _ = runner._build(rows)
+        logits.append(runner.decoder.forward(batch, runner.cache))
+    return torch.stack(logits)
+
+
+def _per_op(kind: str, torch_attention: bool) -> torch.Tensor:
+    runner = _runner(_model(kind))
+    runner.decoder.one_call_decode = False
+    runner.decoder.fused_attention = not torch_attention
+    return _decode(runner)
+
+
+@functools.cache
+def _reference(kind: str) -> torch.Tensor:
+    """The per-op path's logits, with torch's attention over the gathered pages."""
+    return _per_op(kind, torch_attention=True)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_the_step_gives_the_per_op_paths_logits(kind):
+    runner = _runner(_model(kind))
+    assert runner.decoder.one_call_decode
+    logits = _decode(runner)
+    assert runner.decoder._step is not None  # the decode passes ran in one call
+    assert torch.equal(logits, _per_op(kind, torch_attention=False))  # the same kernels, op by op
+    torch.testing.assert_close(logits, _reference(kind), rtol=1e-4, atol=1e-4)
+
+
+def _clear(field: str):
+    def clear(step: DecodeStep) -> None:
+        step.table[:, LAYER_FIELDS.index(field)] = 0
+    return clear
+
+
+def _global_rope(step: DecodeStep) -> None:
+    """Every layer reads the global layers' RoPE tables (layer 1's)."""
+    for field in ("cos", "sin"):
+        column = LAYER_FIELDS.index(field)
+        step.table[:, column] = step.table[1, column]
+
+
+BREAKS = {
+    "q_norm": _clear("q_norm"), "k_norm": _clear("k_norm"), "attn_out_norm": _clear("attn_out_norm"),
+    "mlp_out_norm": _clear("mlp_out_norm"), "window": _clear("window"), "rope": _global_rope,
+    "scale": lambda step: setattr(step, "scale", SHAPE["head_dim"] ** -0.5),
+    "softcap": lambda step: setattr(step, "softcap", 0.0),
+    "activation": lambda step: setattr(step, "activation", kernels.ACTIVATIONS.index("silu")),
+}
+USES = {"qwen3": ["q_norm", "k_norm"],
+        "gemma2": ["attn_out_norm", "mlp_out_norm", "window", "scale", "softcap", "activation"],
+        "gemma3": ["q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "window", "rope", "scale", "activation"]}
+
+
+@pytest.mark.parametrize("kind, field", [(kind, field) for kind, fields in USES.items() for field in fields])
+def test_a_step_that_drops_a_field_is_caught(monkeypatch, kind, field):
+    """What test_the_step_gives_the_per_op_paths_logits would see of a step that ignored the field."""
+    def broken(*args, **kwargs) -> DecodeStep:
+        step = DecodeStep(*args, **kwargs)
+        BREAKS[field](step)
+        return step
+
+    monkeypatch.setattr(llama, "DecodeStep", broken)
+    logits = _decode(_runner(_model(kind)))
+    assert not torch.allclose(logits, _reference(kind), rtol=1e-4, atol=1e-4)
