@@ -8,6 +8,7 @@ bytes of weights each one reads per decode step.
   vocabulary 49152 instead of 128256 (no 128k tokenizer can be had offline) and no llama3 rope
   scaling: ~1.07 B parameters. Saved in bf16; GGUFs in BF16 (converted), Q8_0 and Q4_0 with a Q8_0
   embedding (llama-quantize from the BF16 one).
+- Small random models of Qwen3's and Gemma 3's structure, in bf16 (ab.py --model qwen3, gemma3).
 """
 
 from __future__ import annotations
@@ -54,16 +55,40 @@ def bf16_folder(fp32_folder: Path, out: Path) -> Path:
 def llama_1b_folder(tokenizer_folder: Path, out: Path = BENCH_DIR / LLAMA_1B_NAME) -> Path:
     """A random Llama-3.2-1B-shaped model in bf16 (seed SEED), with the tokenizer of
     `tokenizer_folder`; made once (about a minute, 2 GB)."""
+    return _random_folder("Llama", LLAMA_1B_SHAPE, tokenizer_folder, out)
+
+
+# Small models of Qwen3's and Gemma 3's structure (per-head q/k norms; Gemma's sandwich norms, GeGLU,
+# scaled embeddings, sliding-window layers five to one global, each kind with its own RoPE), random
+# weights and SmolLM2's vocabulary, what ab.py measures those families' decode steps on (about 150 M
+# parameters, 300 MB in bf16 each).
+SMALL_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                   intermediate_size=3072, max_position_embeddings=4096, tie_word_embeddings=True, vocab_size=49152,
+                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
+SMALL_MODELS = {"qwen3": ("Qwen3", dict(SMALL_SHAPE, head_dim=128)),
+                "gemma3": ("Gemma3Text", dict(SMALL_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512))}
+
+
+def small_folder(kind: str, tokenizer_folder: Path) -> Path:
+    """The random small model `kind` (a key of SMALL_MODELS) in bf16; made once."""
+    architecture, shape = SMALL_MODELS[kind]
+    return _random_folder(architecture, shape, tokenizer_folder, BENCH_DIR / f"{kind}-small-random")
+
+
+def _random_folder(architecture: str, shape: dict, tokenizer_folder: Path, out: Path) -> Path:
+    """transformers' <architecture>ForCausalLM of `shape`, random weights (seed SEED) in bf16, with
+    the tokenizer of `tokenizer_folder`; made once."""
     if (out / "config.json").is_file():
         return out
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(**LLAMA_1B_SHAPE)
-    config.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = getattr(transformers, f"{architecture}Config")(**shape)
+    model_class = getattr(transformers, f"{architecture.removesuffix('Text')}ForCausalLM")
+    config.architectures = [model_class.__name__]
+    model = model_class(config).to(torch.bfloat16)
+    model.generation_config = transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     _save(model, tokenizer_folder, out)
     return out
 
