@@ -256,16 +256,14 @@ async def run_all(args) -> Results:
 
 
 def write_docs(results: Results, output: Path) -> None:
-    """Writes the page anew, keeping the sections other benchmarks own (report.OTHER_SECTIONS)."""
+    """Writes the page anew, keeping every section it does not write (other benchmarks' and those
+    written by hand: a fixed list of them lost each new one)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     plot_path = output.with_suffix(".png")
     has_plot = report.plot(results, plot_path)
     text = report.markdown(results, plot_path.name if has_plot else None)
     old = output.read_text() if output.is_file() else ""
-    for heading in report.OTHER_SECTIONS:
-        if kept := report.section(old, heading):
-            text = report.with_section(text, heading, kept)
-    output.write_text(text)
+    output.write_text(report.with_others_kept(text, old))
     log(f"wrote {output}" + (f" and {plot_path}" if has_plot else ""))
 
 

@@ -25,9 +25,6 @@ PREFIX_HEADING = "## Prefix sharing and paged KV cache (issue 13)"  # benchmarks
 PREFIX_NOTES_HEADING = "## Paged KV cache: what paging costs, and what is left (issue 13, by hand)"
 FEATURES_HEADING = "## Generation features: what they cost (issue 14, by hand)"
 GPU_CHECK_HEADING = "## CUDA targets (issue 18, make gpu-check)"  # benchmarks/gpu_check.py's section
-# sections of docs/benchmarks.md that bench.py keeps as they are
-OTHER_SECTIONS = (FORMATS_HEADING, FORMATS_NOTES_HEADING, PREFIX_HEADING, PREFIX_NOTES_HEADING, FEATURES_HEADING,
-                  GPU_CHECK_HEADING)
 
 
 def braid(mode: str) -> str:
@@ -39,6 +36,20 @@ def section(text: str, heading: str) -> str:
     lines = text.splitlines()
     start, end = _section_span(lines, heading)
     return "\n".join(lines[start:end]).rstrip("\n") + "\n" if start is not None else ""
+
+
+def headings(text: str) -> list[str]:
+    """The page's `## ` headings, in order."""
+    return [line.rstrip() for line in text.splitlines() if line.startswith("## ")]
+
+
+def with_others_kept(new: str, old: str) -> str:
+    """`new` (a page bench.py wrote) with every section of `old` it does not write itself kept as
+    it was: those other benchmarks write, and those written by hand."""
+    for heading in headings(old):
+        if heading not in headings(new):
+            new = with_section(new, heading, section(old, heading))
+    return new
 
 
 def with_section(text: str, heading: str, body: str) -> str:

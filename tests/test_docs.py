@@ -54,3 +54,18 @@ def test_the_readme_client_commands_run_against_a_server(smol):
     for command, result in zip(commands, results):
         assert result.returncode == 0, f"{shlex.join(command[1:])}: {result.stderr[-2000:]}"
         assert result.stdout.strip(), f"{shlex.join(command[1:])} printed nothing"
+
+
+def test_a_new_benchmark_run_keeps_every_section_it_does_not_write(monkeypatch):
+    """bench.py rewrites docs/benchmarks.md; a fixed list of the sections to keep lost each new one
+    (issue 15's and 18's, written by hand)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import report
+
+    written = "# braid benchmarks\n\n## How to reproduce\nthis run\n\n## Results\nthis run's tables\n"
+    page = report.with_others_kept(written, BENCHMARKS)
+    assert report.section(page, "## Results") == "## Results\nthis run's tables\n"
+    assert [h for h in report.headings(BENCHMARKS) if h not in report.headings(page)] == []
+    for heading in report.headings(BENCHMARKS):
+        if heading not in ("## How to reproduce", "## Results"):
+            assert report.section(page, heading) == report.section(BENCHMARKS, heading), heading
