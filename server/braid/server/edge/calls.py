@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncContextManager, Callable
 
 import grpc
@@ -28,11 +29,15 @@ def wrap_calls(handler: grpc.RpcMethodHandler, around: Around,
         inner_stream = handler.unary_stream
 
         async def unary_stream(request, context):
-            async with around(request, context) as seen:
-                async for response in inner_stream(request, context):
-                    if seen is not None:
-                        seen(response)
-                    yield response
+            # Closed as soon as this generator is: grpc, cancelled while it awaits its own send, leaves
+            # the handler's generators suspended, and without this each layer would be closed only
+            # when the garbage collector reaches it, outer before inner. `around` ends first.
+            async with contextlib.aclosing(inner_stream(request, context)) as responses:
+                async with around(request, context) as seen:
+                    async for response in responses:
+                        if seen is not None:
+                            seen(response)
+                        yield response
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
     return handler

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 
 import grpc
@@ -28,14 +29,51 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         self._tracing = aio_server_interceptor(filter_=service_prefix("braid."))
 
     async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method.removeprefix("/")
+
         async def observed(details):
             handler = await continuation(details)
-            if handler is None or not details.method.startswith("/braid."):
+            if handler is None or not _braid(details.method):
                 return handler
-            method = details.method.removeprefix("/")
             return wrap_calls(handler, lambda request, context: _observe(method, context))
 
-        return await self._tracing.intercept_service(observed, handler_call_details)
+        handler = await self._tracing.intercept_service(observed, handler_call_details)
+        if handler is None or not _braid(handler_call_details.method):
+            return handler
+        return wrap_calls(handler, lambda request, context: _outside_span(context))
+
+
+def _braid(method: str) -> bool:
+    return method.startswith("/braid.")
+
+
+class _Call:
+    """One call as the two layers around the library's span share it: the span, once _observe runs
+    inside it, and the status code it has put on it (None until then)."""
+
+    def __init__(self) -> None:
+        self.span: trace.Span | None = None
+        self.code: grpc.StatusCode | None = None
+
+
+_CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("braid_call")
+
+
+@contextlib.asynccontextmanager
+async def _outside_span(context: grpc.aio.ServicerContext):
+    """Around the library's span. A stream the client closes while grpc waits in its own send is
+    cancelled there, outside every handler layer; the library's layer is then closed without
+    closing the one inside it (_observe), so the span would end with no status code. This layer is
+    closed first, and puts the code on while the span is still open."""
+    call = _Call()
+    _CALL.set(call)  # the task's context, which _observe, run by the same task, reads
+    try:
+        yield
+    except (asyncio.CancelledError, GeneratorExit):
+        if call.code is None and call.span is not None and call.span.is_recording():
+            call.code = _cancelled(context)
+            call.span.set_attribute(RPC_STATUS_CODE, call.code.name)
+        raise
 
 
 @contextlib.asynccontextmanager
@@ -43,11 +81,11 @@ async def _observe(method: str, context: grpc.aio.ServicerContext):
     """Inside the library's span: the call's status code on it, as the handler ends (before the
     span does), and the call's duration once grpc says the call is done."""
     started = time.perf_counter()
-    span = trace.get_current_span()
-    ended: grpc.StatusCode | None = None  # how the handler ended; None while it runs, or if grpc dropped it
+    call = _CALL.get(None) or _Call()
+    call.span = span = trace.get_current_span()
 
-    def done(call: grpc.aio.ServicerContext) -> None:
-        record_call(method, (call.code() or ended or _cancelled(call)).name, time.perf_counter() - started)
+    def done(context: grpc.aio.ServicerContext) -> None:
+        record_call(method, (context.code() or call.code or _cancelled(context)).name, time.perf_counter() - started)
 
     context.add_done_callback(done)
     code = grpc.StatusCode.UNKNOWN  # an exception grpc answers as UNKNOWN
@@ -61,8 +99,9 @@ async def _observe(method: str, context: grpc.aio.ServicerContext):
         code = _cancelled(context)
         raise
     finally:
-        ended = code
-        span.set_attribute(RPC_STATUS_CODE, code.name)
+        if call.code is None and span.is_recording():
+            call.code = code
+            span.set_attribute(RPC_STATUS_CODE, code.name)
 
 
 def _cancelled(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
