@@ -155,6 +155,14 @@ def slow(tiny_dir):
     server.stop()
 
 
+# Channel options for a client that stops reading: a 1 KiB receive window per stream that never
+# grows (no BDP probing), and a connection of its own. With grpc's defaults the window can take a
+# whole stream of small messages without the client reading any of it, so the server never has a
+# backlog; with this one its writes wait at once and the session is paused.
+SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0),
+                ("grpc.use_local_subchannel_pool", 1)]
+
+
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
     """Polls until predicate() returns something truthy, which it returns; fails after timeout."""
     deadline = time.monotonic() + timeout

@@ -39,7 +39,7 @@ import pytest
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
-from conftest import MODES, REPO, Server, assert_greedy, tiny_model, wait_for
+from conftest import MODES, REPO, SMALL_WINDOW, Server, assert_greedy, tiny_model, wait_for
 
 sys.path.insert(0, str(REPO / "load"))
 from flood import flood  # noqa: E402  (load/ is not a package)
@@ -513,13 +513,6 @@ def test_flood_of_big_texts_beside_a_small_call(servers, mode, record_property):
 
 
 # ---- 6. a client that never reads ----------------------------------------------------------------
-
-# A client connection with a small HTTP/2 receive window (1 KiB per stream, no BDP growth). With
-# grpc's defaults the window takes a whole 4,095-token stream (about 4,000 small messages) without
-# the client reading any of it, so the server never has a backlog to pause for.
-SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0),
-                ("grpc.use_local_subchannel_pool", 1)]
-
 
 async def unread_stream(target: str, options, max_new_tokens: int, while_unread) -> list[pb.GenerateResponse]:
     """Opens a stream on a channel of its own and does not read it; runs while_unread() (in a

@@ -3,12 +3,10 @@ transformers' log-softmax for the same prefix, aligned however the server merges
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
-from conftest import MODES, _reference_logits
+from conftest import MODES, SMALL_WINDOW, _reference_logits, wait_for
 
 
 def _collect(generation) -> tuple[list, list[int], list]:
@@ -41,12 +39,14 @@ def test_logprobs_are_transformers_log_softmax(servers, tiny_dir, mode, sampling
 
 
 def test_logprobs_stay_aligned_when_a_slow_reader_gets_merged_messages(servers):
-    """A client that reads late gets several tokens in one message: each still has its entry. With
-    20 top logprobs a message is some 300 bytes, so 900 of them fill the connection's flow-control
-    window and the server's writes wait, merging what arrives meanwhile."""
-    with servers("continuous").client() as client:
+    """A client that reads late gets several tokens in one message: each still has its entry. Its
+    channel's receive window is 1 KiB and never grows, so the server's writes wait at once and the
+    session is paused; what it generated meanwhile is merged. (A fixed sleep with grpc's default
+    window did not always build a backlog: the window can take the whole stream.)"""
+    server = servers("continuous")
+    with server.client(options=SMALL_WINDOW) as client, server.client() as watcher:
         generation = client.stream("Once upon a time", max_new_tokens=900, ignore_eos=True, top_logprobs=20)
-        time.sleep(2.0)  # the server generates meanwhile; what waits is merged into fewer messages
+        wait_for(lambda: watcher.server_status(timeout=10).sessions_paused == 1, timeout=60)
         messages, ids, logprobs = _collect(generation)
     assert len(ids) == 900 and len(logprobs) == 900
     assert any(len(m.token_ids) > 1 for m in messages)

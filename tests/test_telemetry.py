@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from braid.server.config import ServerConfig
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
-from conftest import Server, free_port, wait_for
+from conftest import SMALL_WINDOW, Server, free_port, wait_for
 
 PROMPT = "The quick brown fox"
 SPAN = "/braid.v1.Generate/Stream"  # as opentelemetry-instrumentation-grpc names it
@@ -178,12 +178,6 @@ def test_a_stream_the_client_closes_ends_its_span_as_cancelled(server, collector
         call.cancel()
     span = wait_for(lambda: collector.span(trace_id, SPAN))
     assert _attributes(span.attributes)["rpc.response.status_code"] == "CANCELLED"
-
-
-# A channel with a 1 KiB receive window that never grows: a client that stops reading fills it at
-# once, and the server's handler then waits in grpc's send (outside braid's own generator).
-SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0),
-                ("grpc.use_local_subchannel_pool", 1)]
 
 
 def test_a_stream_closed_while_its_send_waits_ends_its_span_as_cancelled(server, collector):
