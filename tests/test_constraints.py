@@ -58,10 +58,12 @@ async def _generate(client: AsyncClient, prompt: str, **params) -> tuple[str, pb
 
 async def _constrained_beside_unconstrained(target: str, calls: list[tuple[str, dict]]) -> list:
     """Runs the calls 16 at a time while two unconstrained streams run through the same batches
-    (cancelled once the calls are done, unless they have ended well already)."""
+    (cancelled once the calls are done, unless they have ended well already). The calls are made
+    once both streams have their first token: in sequential mode, where the second waits for the
+    first to end, calls made sooner could go before it, and it would be cancelled unstarted."""
     async with AsyncClient(target) as client:
         gate = asyncio.Semaphore(16)
-        free_tokens = [0, 0]
+        started = [asyncio.Event(), asyncio.Event()]
 
         async def one(prompt, params):
             async with gate:
@@ -70,10 +72,18 @@ async def _constrained_beside_unconstrained(target: str, calls: list[tuple[str, 
         async def unconstrained(i):
             async with client.stream("Tell me a story.", max_new_tokens=1000, ignore_eos=True) as generation:
                 async for message in generation:
-                    free_tokens[i] += len(message.token_ids)
+                    if message.token_ids:
+                        started[i].set()
             assert generation.completion().finish_reason == "MAX_TOKENS"
 
         free = [asyncio.create_task(unconstrained(i)) for i in range(2)]
+        for task, first_token in zip(free, started):
+            waiting = asyncio.create_task(first_token.wait())
+            await asyncio.wait([task, waiting], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            if task.done():
+                task.result()  # raises what went wrong
+            assert first_token.is_set(), "an unconstrained stream got no token"
         results = await asyncio.gather(*(one(prompt, params) for prompt, params in calls))
         for task in free:
             if task.done():
@@ -81,7 +91,6 @@ async def _constrained_beside_unconstrained(target: str, calls: list[tuple[str, 
             else:
                 task.cancel()
         await asyncio.gather(*free, return_exceptions=True)
-    assert all(count > 0 for count in free_tokens)
     return results
 
 
