@@ -99,9 +99,10 @@ async def _observe(method: str, context: grpc.aio.ServicerContext):
         code = _cancelled(context)
         raise
     finally:
-        if call.code is None and span.is_recording():
+        if call.code is None:  # else _outside_span has put CANCELLED on the span already
             call.code = code
-            span.set_attribute(RPC_STATUS_CODE, code.name)
+            if span.is_recording():  # not once the span has ended, nor where spans are not recorded
+                span.set_attribute(RPC_STATUS_CODE, code.name)
 
 
 def _cancelled(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
