@@ -16,7 +16,8 @@ from google.rpc import error_details_pb2, status_pb2
 
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
-from conftest import LONG, SLOW, Server, start_together, tiny_server, wait_for
+from braid.v1 import generate_pb2_grpc as pb_grpc
+from conftest import LONG, SLOW, SMALL_WINDOW, Server, start_together, tiny_server, wait_for
 
 def _details(err: grpc.RpcError, kind):
     raw = dict(err.trailing_metadata())["grpc-status-details-bin"]
@@ -126,14 +127,35 @@ def test_interactive_goes_before_batch_and_batch_is_not_starved(tiny_dir):
 
 
 def test_grpc_deadline_stops_generation_and_frees_the_session(slow):
+    # A call whose deadline passes before grpc hands it to braid never becomes a session: the
+    # deadline (2 s) leaves a loaded machine time to start it. LONG takes over 2.7 s here (SLOW).
     with slow.client() as client:
         before = client.server_status().sessions_finished.deadline
+        messages = []
         with pytest.raises(grpc.RpcError) as err:
-            list(client.stream("slow", timeout=0.5, **LONG))
+            messages.extend(client.stream("slow", timeout=2.0, **LONG))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        # (on a loaded machine the session may not even be submitted yet: wait for its count)
+        assert messages, "the deadline passed before the stream's first message"
+        # (the session may end a moment after the client's deadline: wait for its count)
         wait_for(lambda: client.server_status().sessions_finished.deadline == before + 1)
         _settled(client, sessions_active=0, sessions_queued=0)
+
+
+def test_a_deadline_that_passes_while_the_send_waits_is_counted_as_a_deadline(servers):
+    """A client that stops reading, so grpc's send waits, until its deadline passes: grpc then
+    cancels the handler inside its own send, not braid's generator. The session still ends as a
+    deadline, not a cancel, and frees everything."""
+    server = servers("continuous")
+    with server.client() as client:
+        before = client.server_status().sessions_finished
+        with grpc.insecure_channel(server.target, options=SMALL_WINDOW) as channel:
+            call = pb_grpc.GenerateStub(channel).Stream(
+                pb.GenerateRequest(prompt="slow", **LONG), timeout=8)
+            call.initial_metadata()
+            wait_for(lambda: client.server_status(timeout=10).sessions_paused == 1, timeout=7)
+            assert call.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # (waits for the deadline)
+        after = _settled(client, sessions_active=0, sessions_queued=0).sessions_finished
+    assert (after.deadline - before.deadline, after.cancelled - before.cancelled) == (1, 0)
 
 
 def test_a_deadline_that_passes_while_the_prompt_is_tokenized_is_counted_as_a_deadline(tiny_dir):
@@ -144,7 +166,7 @@ def test_a_deadline_that_passes_while_the_prompt_is_tokenized_is_counted_as_a_de
         with server.client() as client:
             before = client.server_status().sessions_finished
             with pytest.raises(grpc.RpcError) as err:
-                list(client.stream("slow", timeout=0.3, **LONG))
+                list(client.stream("slow", timeout=0.9, **LONG))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             status = _settled(client, sessions_active=0, sessions_queued=0, sessions_submitted=1)
             assert wait_for(lambda: client.server_status().sessions_finished.deadline == before.deadline + 1)
