@@ -62,6 +62,9 @@ GEMMA = dict(LLAMA_LIKE, head_dim=16, sliding_window=4, query_pre_attn_scalar=16
 # kind -> transformers' model class, its config class, the config
 KINDS = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024)),
+    # the issue's other example for the fallback: learned positions offset by 2, ReLU, no RoPE
+    "opt": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                               word_embed_proj_dim=64, max_position_embeddings=1024)),
     # head_dim stated, not hidden / heads, as Qwen3's own configs do
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(LLAMA_LIKE, head_dim=32, tie_word_embeddings=True)),
     "phi3": ("Phi3ForCausalLM", "Phi3Config", LLAMA_LIKE),
@@ -159,6 +162,7 @@ async def _greedy_all(target: str, prompts: list[str] = PROMPTS, n: int = 12, lo
     ("gpt2", "sequential", "transformers"),
     ("gpt2", "interleaved", "transformers"),
     ("gpt2", "batched", "transformers"),
+    ("opt", "continuous", "transformers"),
     ("qwen3", "continuous", "braid"),
     ("phi3", "continuous", "braid"),
     ("gemma2", "continuous", "braid"),
