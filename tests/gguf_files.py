@@ -8,6 +8,7 @@ in GGUF's block formats (quantized by gguf-py) and every other tensor in f32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -16,7 +17,7 @@ import numpy as np
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, RopeScalingType, get_tensor_name_map, quants
 
 # transformers' class -> GGUF's general.architecture
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                  "Gemma3ForCausalLM": "gemma3", "GPT2LMHeadModel": "gpt2"}
 # the block format of each layer's matrices, alternating; the embedding and the head are Q8_0
 LAYER_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
@@ -173,6 +174,9 @@ def _tensors(arch: str, model) -> Iterator[tuple[str, np.ndarray]]:
             value = value + 1
         if arch == "gpt2" and hf_name.endswith(_CONV1D):
             value = value.T
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):  # LlamaModel.permute
+            heads = model.config.num_attention_heads if "q_proj" in hf_name else model.config.num_key_value_heads
+            value = value.reshape(heads, 2, value.shape[0] // heads // 2, value.shape[1]).swapaxes(1, 2).reshape(value.shape)
         base, _, suffix = hf_name.rpartition(".")
         name = f"{names.get_name(base)}.{suffix}"
         yield name, np.ascontiguousarray(value)
@@ -181,12 +185,24 @@ def _tensors(arch: str, model) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def _extra_tensors(cfg) -> Iterator[tuple[str, np.ndarray]]:
-    """LongRoPE's per-frequency factors, which llama.cpp's converter writes as two tensors
-    (Phi3MiniModel.generate_extra_tensors; the attention factor it also writes is the default)."""
+    """The RoPE factors llama.cpp's converter writes as tensors: LongRoPE's two lists
+    (Phi3MiniModel.generate_extra_tensors; the attention factor it also writes is the default), and
+    Llama 3's scaling as a divisor per frequency (LlamaModel.generate_extra_tensors)."""
     rope = getattr(cfg, "rope_parameters", None) or {}
     if rope.get("rope_type") == "longrope":
         for which in ("long", "short"):
             yield f"rope_factors_{which}.weight", np.array(rope[f"{which}_factor"], dtype=np.float32)
+    if rope.get("rope_type") == "llama3":
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+        factor, old = rope["factor"], rope["original_max_position_embeddings"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        divisors = []
+        for wavelen in 2 * math.pi / freqs:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1.0 if wavelen < old / high else factor if wavelen > old / low
+                            else 1 / ((1 - smooth) / factor + smooth))
+        yield "rope_freqs.weight", np.array(divisors, dtype=np.float32)
 
 
 def _block_format(name: str) -> GGMLQuantizationType:

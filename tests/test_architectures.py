@@ -37,6 +37,11 @@ GGUF_CASES = {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}), "braid"),
     "qwen3-yarn": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                   "original_max_position_embeddings": 256}), "braid"),
+    # Llama 3.1 and up: its RoPE scaling as a tensor of divisors (Llama 3.2's parameters; 8,192
+    # positions scaled, so that the tiny model's few frequencies fall in every band)
+    "llama-3-rope": ("llama", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), "braid"),
     # Phi-4-mini's kind: LongRoPE (length-dependent: transformers runs it) over 3/4 of each head
     "phi3-longrope": ("phi3", dict(original_max_position_embeddings=256, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -61,6 +66,7 @@ LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 GEMMA = dict(LLAMA_LIKE, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)
 # kind -> transformers' model class, its config class, the config
 KINDS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", LLAMA_LIKE),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024)),
     # the issue's other example for the fallback: learned positions offset by 2, ReLU, no RoPE
     "opt": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
@@ -206,12 +212,13 @@ def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, ca
 
 
 def _formats_in(path: Path) -> dict[str, int]:
-    """The GGUF file's tensors counted by type, as braid names them."""
+    """The GGUF file's weights counted by type, as braid names them (not RoPE's factors: no weights)."""
     from gguf import GGUFReader
 
     from braid.server.model.weights import gguf_type_name
 
-    return dict(Counter(gguf_type_name(t.tensor_type) for t in GGUFReader(str(path)).tensors))
+    return dict(Counter(gguf_type_name(t.tensor_type) for t in GGUFReader(str(path)).tensors
+                        if not t.name.startswith("rope_")))
 
 
 def _gguf_reference(path: Path, config):
@@ -301,6 +308,29 @@ def test_a_gemma_2_files_soft_caps_and_attention_scale_are_read_from_it(tmp_path
     gguf_config.restore(path, config)
     assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (20.0, 10.0)
     assert config.query_pre_attn_scalar == scalar
+
+
+def test_rope_divisors_that_are_not_llama_3s_scaling_are_not_taken_for_it():
+    from braid.server.model.gguf_config import _llama3_parameters
+
+    divisors = list(_divisors_of_llama_3_2(head_dim=64))
+    assert _llama3_parameters(divisors, 500000.0, 64) == dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                              original_max_position_embeddings=8192)
+    assert _llama3_parameters([d * 1.01 for d in divisors], 500000.0, 64) is None
+    assert _llama3_parameters(divisors[:-1], 500000.0, 64) is None
+
+
+def _divisors_of_llama_3_2(head_dim: int):
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3.2's RoPE (gguf_files)."""
+    from transformers import LlamaConfig
+
+    from gguf_files import _extra_tensors
+
+    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    (name, divisors), = _extra_tensors(config)
+    return divisors.tolist()
 
 
 def test_a_gguf_file_missing_a_tensor_is_one_line(tmp_path):

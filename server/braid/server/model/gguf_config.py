@@ -10,7 +10,9 @@ model that computes other tokens than the one llama.cpp runs from the same file:
 - Gemma 2 and 3: the soft-caps the file states (transformers' defaults happen to be Gemma 2's), and
   the attention's scale, which no key holds: llama.cpp takes the head size, or for the 27B models
   hidden size / heads (transformers' default, 256, is right only where the head size is 256);
-- Phi-3: the sliding window; Llama-family and Qwen files: YaRN or linear RoPE scaling.
+- Llama 3.1 and up: its RoPE scaling, which the converter writes as a tensor of per-frequency
+  divisors (rope_freqs);
+- Phi-3: the sliding window; any file: YaRN or linear RoPE scaling.
 
 braid reads these itself, with gguf-py, as llama.cpp's loader reads them (llama-model.cpp), and sets
 them on the config before transformers builds the model. This is written by hand because it is the
@@ -19,7 +21,11 @@ gap between the two libraries; it goes once transformers maps these keys itself.
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
+
+_LOGGER = logging.getLogger(__name__)
 
 # llama.cpp's LLM_TYPE_27B for these architectures (by their layer count): the attention's scale is
 # then 1/sqrt(hidden_size / heads), else 1/sqrt(head_dim) (transformers' query_pre_attn_scalar)
@@ -55,12 +61,12 @@ def restore(path: Path, config) -> list[str]:
             config.query_pre_attn_scalar = scalar
             done.append(f"query_pre_attn_scalar {scalar}" + (" (27B)" if is_27b else " (the head size)"))
     factors = {t.name: [float(x) for x in t.data] for t in reader.tensors
-               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
-    done += _restore_rope(config, key, factors)
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")}
+    done += _restore_rope(path, config, key, factors)
     return done
 
 
-def _restore_rope(config, key, factors: dict[str, list[float]]) -> list[str]:
+def _restore_rope(path: Path, config, key, factors: dict[str, list[float]]) -> list[str]:
     rope = getattr(config, "rope_parameters", None)
     if not isinstance(rope, dict):  # a model without RoPE (GPT-2)
         return []
@@ -82,6 +88,13 @@ def _restore_rope(config, key, factors: dict[str, list[float]]) -> list[str]:
             config.original_max_position_embeddings = int(original)
             target["original_max_position_embeddings"] = int(original)
         done.append("LongRoPE factors")
+    elif "rope_freqs.weight" in factors and "full_attention" not in rope:  # Llama 3.1 and up
+        llama3 = _llama3_parameters(factors["rope_freqs.weight"], target.get("rope_theta", 10000.0), head_dim)
+        if llama3 is None:
+            _LOGGER.warning("%s: its rope_freqs tensor is not Llama 3's RoPE scaling; served without it", path.name)
+        else:
+            target.update(rope_type="llama3", **llama3)
+            done.append(f"Llama 3 RoPE scaling x{llama3['factor']:g}")
     elif kind in ("linear", "yarn") and key("rope.scaling.factor"):
         target.update(rope_type=kind, factor=float(key("rope.scaling.factor")))
         if kind == "yarn":
@@ -94,3 +107,25 @@ def _restore_rope(config, key, factors: dict[str, list[float]]) -> list[str]:
         done.append(f"{kind} RoPE scaling x{target['factor']:g}")
     return done
 
+
+
+def _llama3_parameters(factors: list[float], theta: float, head_dim: int) -> dict[str, float] | None:
+    """Llama 3's RoPE scaling parameters from the per-frequency divisors llama.cpp's converter
+    writes in their stead (LlamaModel.generate_extra_tensors), or None where they are not those of
+    the low/high frequency factors 1 and 4 over 8,192 positions: every Llama 3.x's, and the
+    converter's defaults. The largest divisor is the scaling factor."""
+    params = dict(factor=max(factors), low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    low_wavelen = params["original_max_position_embeddings"] / params["low_freq_factor"]
+    high_wavelen = params["original_max_position_embeddings"] / params["high_freq_factor"]
+    expected = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            expected.append(1.0)
+        elif wavelen > low_wavelen:
+            expected.append(params["factor"])
+        else:
+            smooth = (params["original_max_position_embeddings"] / wavelen - 1.0) / (4.0 - 1.0)
+            expected.append(1 / ((1 - smooth) / params["factor"] + smooth))
+    same = len(expected) == len(factors) and all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(expected, factors))
+    return params if same else None
