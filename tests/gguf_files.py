@@ -21,6 +21,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Phi3
                  "Gemma3ForCausalLM": "gemma3", "GPT2LMHeadModel": "gpt2"}
 # the block format of each layer's matrices, alternating; the embedding and the head are Q8_0
 LAYER_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+K_QUANTS = {"q6_k": 210, "q4_k": 144}  # bytes per super-block of 256 weights
 # GPT-2's Conv1D weights are [in, out]: llama.cpp transposes them to [out, in]
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 # sentencepiece token types (llama.cpp's SentencePieceTokenTypes)
@@ -81,9 +82,11 @@ def sentencepiece(text: str, specials: dict[str, str]) -> Vocab:
                  scores=[0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))], add_bos=True)
 
 
-def write_gguf(model, path: Path, vocab: Vocab, leave_out: tuple[str, ...] = ()) -> Path:
+def write_gguf(model, path: Path, vocab: Vocab, leave_out: tuple[str, ...] = (),
+               layer_formats: tuple[GGMLQuantizationType, ...] = LAYER_FORMATS) -> Path:
     """Writes `model` (a transformers causal LM of ARCHITECTURES) with `vocab`'s tokenizer as a
-    GGUF file at path; without the tensors named in leave_out (a broken file)."""
+    GGUF file at path, each layer's matrices in layer_formats (alternating); without the tensors
+    named in leave_out (a broken file)."""
     arch = ARCHITECTURES[type(model).__name__]
     writer = GGUFWriter(str(path), arch)
     writer.add_name(path.stem)
@@ -94,8 +97,11 @@ def write_gguf(model, path: Path, vocab: Vocab, leave_out: tuple[str, ...] = ())
         if name in leave_out:
             continue
         if value.ndim == 2:
-            kind = _block_format(name)
-            writer.add_tensor(name, quants.quantize(value, kind), raw_dtype=kind)
+            kind = _block_format(name, layer_formats)
+            fmt = kind.name.lower()
+            # random K-quant blocks in the matrix's place: gguf-py cannot quantize to them
+            raw = k_quant_bytes(fmt, *value.shape, seed=len(name)) if fmt in K_QUANTS else quants.quantize(value, kind)
+            writer.add_tensor(name, raw, raw_dtype=kind)
         else:
             writer.add_tensor(name, value)
     writer.write_header_to_file()
@@ -205,8 +211,24 @@ def _extra_tensors(cfg) -> Iterator[tuple[str, np.ndarray]]:
         yield "rope_freqs.weight", np.array(divisors, dtype=np.float32)
 
 
-def _block_format(name: str) -> GGMLQuantizationType:
-    """Q8_0 for the embedding and the head; each layer's matrices in LAYER_FORMATS, alternating."""
+def _block_format(name: str, layer_formats: tuple[GGMLQuantizationType, ...]) -> GGMLQuantizationType:
+    """Q8_0 for the embedding and the head; each layer's matrices in layer_formats, alternating."""
     if name.startswith("blk."):
-        return LAYER_FORMATS[int(name.split(".")[1]) % len(LAYER_FORMATS)]
+        return layer_formats[int(name.split(".")[1]) % len(layer_formats)]
     return GGMLQuantizationType.Q8_0
+
+
+def k_quant_bytes(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """A random [n, k] matrix in Q6_K or Q4_K, as a GGUF file holds it (gguf-py cannot quantize
+    to them): random bits, with small normal fp16 super-block scales."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, K_QUANTS[fmt]), dtype=np.uint8)
+
+    def f16(scale: float) -> np.ndarray:
+        return (rng.random((n, k // 256)) * scale + scale / 10).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+
+    if fmt == "q6_k":
+        raw[..., 208:210] = f16(0.01)  # d, after ql, qh and the 16 int8 scales
+    else:
+        raw[..., 0:2], raw[..., 2:4] = f16(0.01), f16(0.005)  # d and dmin, ahead of the scales
+    return raw.reshape(n, -1)

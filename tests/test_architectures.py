@@ -18,7 +18,8 @@ import pytest
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
 from conftest import Server, assert_greedy, wait_for
-from gguf_files import GEMMA_SPECIALS, PHI3_SPECIALS, embedded_bpe, sentencepiece, write_gguf
+from gguf import GGMLQuantizationType
+from gguf_files import GEMMA_SPECIALS, LAYER_FORMATS, PHI3_SPECIALS, embedded_bpe, sentencepiece, write_gguf
 from test_startup_errors import assert_one_line, braid
 
 PROMPTS = ["The sea is", "Once upon a time, in a land far away, there lived a", "1 2 3 4 5"]
@@ -26,6 +27,9 @@ GGUF_PROMPTS = ["The sea is calm and the land", "1 2 3 4 5 6"]  # 7 to 11 tokens
 # A GGUF file's config where it is not the folder's: transformers reads no head_dim from a Qwen3
 # file and takes its default, 128 (every released Qwen3's)
 GGUF_CONFIG = {"qwen3": dict(head_dim=128)}
+# A model whose matrices can be K-quants (super-blocks of 256 inputs); gguf_files writes random blocks
+K_QUANT_MODEL = dict(hidden_size=256, intermediate_size=512,
+                     layer_formats=(GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K))
 # Settings stored in a GGUF file where transformers does not read them (model/gguf_config.py):
 # case -> (kind, its config beyond GGUF_CONFIG, the runner that serves it). Gemma 2's soft-caps
 # (KINDS: 20 and 10) are among them too; transformers' defaults are 50 and 30.
@@ -42,6 +46,10 @@ GGUF_CASES = {
     "llama-3-rope": ("llama", dict(rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), "braid"),
+    # Q4_K and Q6_K layers in each new family, served in their own format
+    "qwen3-k-quants": ("qwen3", K_QUANT_MODEL, "braid"),
+    "phi3-k-quants": ("phi3", K_QUANT_MODEL, "braid"),
+    "gemma3-k-quants": ("gemma3", dict(K_QUANT_MODEL, head_dim=64, query_pre_attn_scalar=64), "braid"),
     # Phi-4-mini's kind: LongRoPE (length-dependent: transformers runs it) over 3/4 of each head
     "phi3-longrope": ("phi3", dict(original_max_position_embeddings=256, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -189,8 +197,10 @@ def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, ca
     own block formats, and greedy tokens are those of transformers running the same file's weights
     with the config the file was written from (all of it: also what transformers' GGUF loader drops)."""
     kind, config, runner = GGUF_CASES.get(case, (case, {}, "transformers" if case == "gpt2" else "braid"))
-    model, vocab = _tiny_for_gguf(kind, **GGUF_CONFIG.get(kind, {}), **config)
-    path = write_gguf(model, tmp_path / f"{kind}.gguf", vocab)
+    config = dict(config)
+    formats = config.pop("layer_formats", LAYER_FORMATS)
+    model, vocab = _tiny_for_gguf(kind, **GGUF_CONFIG.get(kind, {}) | config)
+    path = write_gguf(model, tmp_path / f"{kind}.gguf", vocab, layer_formats=formats)
     server = _serve(path, "--cache-dir", str(tmp_path))  # stopped here: the module keeps many others
     try:
         with server.client() as client:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from braid.server.model.weights import unpack_gguf
+from gguf_files import K_QUANTS, k_quant_bytes
 from braid.server.runner import kernels
 from braid.server.runner.kernels import CpuKernelOps, PackedLinear, TorchOps, pick_ops
 
@@ -28,7 +29,6 @@ needs_kernels = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-51
 QUANTIZED = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
              "q4_1": GGMLQuantizationType.Q4_1, "q6_k": GGMLQuantizationType.Q6_K,
              "q4_k": GGMLQuantizationType.Q4_K}
-K_QUANTS = {"q6_k": 210, "q4_k": 144}  # bytes per super-block of 256 weights
 FLOATS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 # (in, out): the SmolLM2 shapes, the tiny test model's, and odd sizes that leave a partial panel.
@@ -61,22 +61,6 @@ def matrix(fmt: str, shape: tuple[int, int], seed: int):
         return weight, weight.float()
     raw = k_quant_bytes(fmt, n, k, seed) if fmt in K_QUANTS else quants.quantize(values.numpy(), QUANTIZED[fmt])
     return unpack_gguf(fmt, raw), torch.from_numpy(np.asarray(quants.dequantize(raw, QUANTIZED[fmt])))
-
-
-def k_quant_bytes(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """A random [n, k] matrix in Q6_K or Q4_K, as a GGUF file holds it (gguf-py cannot quantize
-    to them): random bits, with small normal fp16 super-block scales."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // 256, K_QUANTS[fmt]), dtype=np.uint8)
-
-    def f16(scale: float) -> np.ndarray:
-        return (rng.random((n, k // 256)) * scale + scale / 10).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
-
-    if fmt == "q6_k":
-        raw[..., 208:210] = f16(0.01)  # d, after ql, qh and the 16 int8 scales
-    else:
-        raw[..., 0:2], raw[..., 2:4] = f16(0.01), f16(0.005)  # d and dmin, ahead of the scales
-    return raw.reshape(n, -1)
 
 
 def test_the_extension_is_built_and_matches_this_code():
