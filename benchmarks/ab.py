@@ -5,7 +5,8 @@ slowdown" checks, and for what a change gains. By default the targets workload (
     .venv/bin/python benchmarks/ab.py --before 82e61da [--starts 4] [--mode continuous]
 
 --model picks other models (each its own series of restarts): `embedded`, a folder, or `qwen3` /
-`gemma3`, small random models of those families' structure (format_models.py, made once);
+`gemma3` / `opt`, small random models of those families' structure (format_models.py, made once;
+OPT's runs through the transformers fallback);
 --streams the numbers of requests sent at once (the first N of the 16 prompts), e.g.
 
     .venv/bin/python benchmarks/ab.py --before 82e61da --model embedded qwen3 gemma3 --streams 1 8

@@ -8,7 +8,8 @@ bytes of weights each one reads per decode step.
   vocabulary 49152 instead of 128256 (no 128k tokenizer can be had offline) and no llama3 rope
   scaling: ~1.07 B parameters. Saved in bf16; GGUFs in BF16 (converted), Q8_0 and Q4_0 with a Q8_0
   embedding (llama-quantize from the BF16 one).
-- Small random models of Qwen3's and Gemma 3's structure, in bf16 (ab.py --model qwen3, gemma3).
+- Small random models of Qwen3's and Gemma 3's structure, in bf16 (ab.py --model qwen3, gemma3), and
+  one of OPT's, which runs through the transformers fallback (ab.py --model opt).
 """
 
 from __future__ import annotations
@@ -66,7 +67,11 @@ SMALL_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16
                    intermediate_size=3072, max_position_embeddings=4096, tie_word_embeddings=True, vocab_size=49152,
                    bos_token_id=1, eos_token_id=2, pad_token_id=2)
 SMALL_MODELS = {"qwen3": ("Qwen3", dict(SMALL_SHAPE, head_dim=128)),
-                "gemma3": ("Gemma3Text", dict(SMALL_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512))}
+                "gemma3": ("Gemma3Text", dict(SMALL_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
+                # the same size through the transformers fallback (braid has no OPT decoder)
+                "opt": ("OPT", dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, ffn_dim=3072,
+                                    word_embed_proj_dim=1024, max_position_embeddings=4096, vocab_size=49152,
+                                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2))}
 
 
 def small_folder(kind: str, tokenizer_folder: Path) -> Path:

@@ -17,7 +17,7 @@ import pytest
 
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
-from conftest import Server, assert_greedy, wait_for
+from conftest import Server, _reference_logits, assert_greedy, wait_for
 from gguf import GGMLQuantizationType
 from gguf_files import GEMMA_SPECIALS, LAYER_FORMATS, PHI3_SPECIALS, embedded_bpe, sentencepiece, write_gguf
 from test_startup_errors import assert_one_line, braid
@@ -183,12 +183,20 @@ async def _greedy_all(target: str, prompts: list[str] = PROMPTS, n: int = 12, lo
     ("gemma3", "continuous", "braid"),
 ])
 def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner):
+    """Greedy tokens and their logprobs, three prompts of different lengths at once (on the
+    fallback, their decode rows run as one padded batch where the mode batches them)."""
+    import torch
+
     server = served(kind, mode)
     with server.client() as client:
         assert client.model_info().runner == runner
-    for prompt_ids, generated in asyncio.run(_greedy_all(server.target)):
+    logprobs: list[list[float]] = []
+    for (prompt_ids, generated), chosen in zip(asyncio.run(_greedy_all(server.target, logprobs=logprobs)), logprobs):
         assert len(generated) == 12
         assert_greedy(folders(kind), prompt_ids, generated)
+        logits = _reference_logits(folders(kind), tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1:]
+        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
+        assert chosen == pytest.approx(expected.tolist(), abs=1e-3)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "phi3", "gemma2", "gemma3", "gpt2", *GGUF_CASES])

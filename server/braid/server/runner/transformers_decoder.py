@@ -6,8 +6,9 @@ sampling and constraints are the same for both. Keys and values still live in br
 cache: for each sequence of a pass, its cached positions are gathered from its pages into a
 transformers DynamicCache, the model runs the new tokens over it, and the new keys and values are
 written back into the pages. So a row needs nothing but its page table: prefix sharing, preemption
-and every scheduling mode work as with a native decoder. Slower (each sequence runs on its own, and
-its past is copied out of the pages every pass), but the model's own numbers.
+and every scheduling mode work as with a native decoder. Prompt chunks run one at a time; the decode
+rows of a pass run together, padded as transformers' batched generation pads. Slower (the past is
+copied out of the pages every pass), but the model's own numbers.
 """
 
 from __future__ import annotations
@@ -58,15 +59,45 @@ class TransformersDecoder:
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Runs the packed batch one sequence at a time, writes its keys/values into the cache,
-        returns [R, V] float32 logits of batch.logit_rows."""
+        """Runs each prompt chunk on its own and the decode rows together, writes their keys/values
+        into the cache, returns [R, V] float32 logits of batch.logit_rows."""
         out = torch.empty(batch.logit_rows.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
         for seq in self._sequences(batch):
             in_seq = (batch.logit_rows >= seq.offset) & (batch.logit_rows < seq.offset + seq.length)
             wanted = in_seq.nonzero().squeeze(1)  # [W]: rows of out this sequence's logits fill
             logits = self._run(seq, batch, cache, batch.logit_rows[wanted] - seq.offset)
             out[wanted] = logits
+        if batch.decode is not None and batch.decode.count > 1:
+            first = batch.input_ids.shape[0] - batch.decode.count
+            wanted = (batch.logit_rows >= first).nonzero().squeeze(1)
+            out[wanted] = self._run_decodes(batch, cache)[batch.logit_rows[wanted] - first]
         return out
+
+    def _run_decodes(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """The decode rows' new tokens through the model in one pass; [B, V] logits. Each row's past
+        is read from its pages into a [B, KVH, T, D] cache where a shorter row's tail is padding that
+        the attention mask hides (as transformers' own batched generation pads), so its new key
+        lands at T for every row; the row's own position (position_ids) is its length."""
+        dec = batch.decode
+        first = batch.input_ids.shape[0] - dec.count
+        starts = batch.positions[first:]  # [B]: each row's cached length, its new token's position
+        longest = int(starts.max())
+        past = self._new_cache()
+        if longest:
+            past = self._new_cache(ddp_cache_data=[
+                (gather(k, dec.tables, longest, self.dtype), gather(v, dec.tables, longest, self.dtype))
+                for k, v in zip(cache.k, cache.v)])
+        keys = torch.arange(longest + 1, device=self.device)
+        mask = ((keys.unsqueeze(0) < starts.unsqueeze(1)) | (keys == longest)).long()  # [B, T + 1]
+        kwargs = {"logits_to_keep": 1} if self._keeps_logits else {}
+        logits = self.model(input_ids=batch.input_ids[first:].unsqueeze(1), position_ids=starts.unsqueeze(1),
+                            attention_mask=mask, past_key_values=past, use_cache=True, **kwargs).logits[:, -1]
+        index = batch.kv_index[first * self.num_kv_heads:]
+        for layer, k_cache, v_cache in zip(past.layers, cache.k, cache.v):  # [B, KVH, T + 1, D] -> rows [B KVH, D]
+            for values, pages in ((layer.keys, k_cache), (layer.values, v_cache)):
+                rows = values[:, :, longest].reshape(-1, self.head_dim)
+                pages.view(-1, self.head_dim).index_copy_(0, index, rows.to(pages.dtype))
+        return logits.float()
 
     def _run(self, seq: _Sequence, batch: ForwardBatch, cache: KVCache, keep: torch.Tensor) -> torch.Tensor:
         """One sequence's new tokens through the model; [len(keep), V] logits at its tokens `keep`."""
@@ -93,12 +124,13 @@ class TransformersDecoder:
 
     @staticmethod
     def _sequences(batch: ForwardBatch) -> list[_Sequence]:
+        """The prompt chunks, each run on its own, and a decode row that is alone (it needs no
+        padding nor mask)."""
         seqs = [_Sequence(c.offset, c.length, c.start, c.pages) for c in batch.prefills]
         dec = batch.decode
-        if dec is not None:
-            first = batch.input_ids.shape[0] - dec.count
-            starts = batch.positions[first:].tolist()
-            seqs += [_Sequence(first + b, 1, starts[b], dec.tables[b]) for b in range(dec.count)]
+        if dec is not None and dec.count == 1:
+            first = batch.input_ids.shape[0] - 1
+            seqs.append(_Sequence(first, 1, int(batch.positions[first]), dec.tables[0]))
         return seqs
 
 
