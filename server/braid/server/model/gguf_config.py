@@ -114,18 +114,17 @@ def _llama3_parameters(factors: list[float], theta: float, head_dim: int) -> dic
     writes in their stead (LlamaModel.generate_extra_tensors), or None where they are not those of
     the low/high frequency factors 1 and 4 over 8,192 positions: every Llama 3.x's, and the
     converter's defaults. The largest divisor is the scaling factor."""
-    params = dict(factor=max(factors), low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-    low_wavelen = params["original_max_position_embeddings"] / params["low_freq_factor"]
-    high_wavelen = params["original_max_position_embeddings"] / params["high_freq_factor"]
+    factor, low, high, old = max(factors), 1.0, 4.0, 8192
     expected = []
     for i in range(0, head_dim, 2):
         wavelen = 2 * math.pi * theta ** (i / head_dim)
-        if wavelen < high_wavelen:
+        if wavelen < old / high:
             expected.append(1.0)
-        elif wavelen > low_wavelen:
-            expected.append(params["factor"])
+        elif wavelen > old / low:
+            expected.append(factor)
         else:
-            smooth = (params["original_max_position_embeddings"] / wavelen - 1.0) / (4.0 - 1.0)
-            expected.append(1 / ((1 - smooth) / params["factor"] + smooth))
+            smooth = (old / wavelen - low) / (high - low)
+            expected.append(1 / ((1 - smooth) / factor + smooth))
     same = len(expected) == len(factors) and all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(expected, factors))
-    return params if same else None
+    return dict(factor=factor, low_freq_factor=low, high_freq_factor=high,
+                original_max_position_embeddings=old) if same else None

@@ -92,11 +92,9 @@ class TransformersDecoder:
         kwargs = {"logits_to_keep": 1} if self._keeps_logits else {}
         logits = self.model(input_ids=batch.input_ids[first:].unsqueeze(1), position_ids=starts.unsqueeze(1),
                             attention_mask=mask, past_key_values=past, use_cache=True, **kwargs).logits[:, -1]
-        index = batch.kv_index[first * self.num_kv_heads:]
-        for layer, k_cache, v_cache in zip(past.layers, cache.k, cache.v):  # [B, KVH, T + 1, D] -> rows [B KVH, D]
-            for values, pages in ((layer.keys, k_cache), (layer.values, v_cache)):
-                rows = values[:, :, longest].reshape(-1, self.head_dim)
-                pages.view(-1, self.head_dim).index_copy_(0, index, rows.to(pages.dtype))
+        # [B, KVH, T + 1, D] -> the new rows [B KVH, D]
+        self._store(past, cache, batch.kv_index[first * self.num_kv_heads:],
+                    lambda values: values[:, :, longest].reshape(-1, self.head_dim))
         return logits.float()
 
     def _run(self, seq: _Sequence, batch: ForwardBatch, cache: KVCache, keep: torch.Tensor) -> torch.Tensor:
@@ -116,11 +114,17 @@ class TransformersDecoder:
             logits = logits[keep]
         index = batch.kv_index[seq.offset * self.num_kv_heads:(seq.offset + seq.length) * self.num_kv_heads]
         new = slice(seq.start, seq.start + seq.length)
-        for layer, k_cache, v_cache in zip(past.layers, cache.k, cache.v):  # [1, KVH, T, D] -> rows [L KVH, D]
-            for values, pages in ((layer.keys, k_cache), (layer.values, v_cache)):
-                rows_ = values[0, :, new].transpose(0, 1).reshape(-1, self.head_dim)
-                pages.view(-1, self.head_dim).index_copy_(0, index, rows_.to(pages.dtype))
+        # [1, KVH, T, D] -> the new rows [L KVH, D]
+        self._store(past, cache, index, lambda values: values[0, :, new].transpose(0, 1).reshape(-1, self.head_dim))
         return logits.float()
+
+    @staticmethod
+    def _store(past, cache: KVCache, index: torch.Tensor, new_rows) -> None:
+        """Writes each layer's new keys and values (new_rows: a layer's tensor -> [N, D]) into the
+        pages, at index (the cache viewed as [-1, D])."""
+        for layer, k_cache, v_cache in zip(past.layers, cache.k, cache.v):
+            for values, pages in ((layer.keys, k_cache), (layer.values, v_cache)):
+                pages.view(-1, pages.shape[-1]).index_copy_(0, index, new_rows(values).to(pages.dtype))
 
     @staticmethod
     def _sequences(batch: ForwardBatch) -> list[_Sequence]:
