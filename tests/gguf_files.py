@@ -17,8 +17,8 @@ import numpy as np
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, RopeScalingType, get_tensor_name_map, quants
 
 # transformers' class -> GGUF's general.architecture
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                 "Gemma3ForCausalLM": "gemma3", "GPT2LMHeadModel": "gpt2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "GPT2LMHeadModel": "gpt2"}
 # the block format of each layer's matrices, alternating; the embedding and the head are Q8_0
 LAYER_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 K_QUANTS = {"q6_k": 210, "q4_k": 144}  # bytes per super-block of 256 weights
