@@ -57,3 +57,45 @@ def test_mistyped_and_unknown_keywords_are_errors(mypy: Mypy) -> None:
     assert errors.keys() == expected.keys(), result.stdout
     for number, start in expected.items():
         assert errors[number].startswith(start), (number, errors[number])
+
+
+TYPED_ERRORS = '''
+from __future__ import annotations
+
+import grpc
+from typing_extensions import assert_type
+
+from braid.client import (BadRequestError, BraidError, Client, OverloadedError, UnavailableError,
+                          from_rpc_error)
+
+
+def run(client: Client) -> float | None:
+    try:
+        completion = client.generate("Hi", max_new_tokens=4)
+        assert_type(completion.finish_reason, str)
+        with client.stream("Hi") as generation:
+            for _ in generation:
+                pass
+        assert_type(generation.finish_reason, str | None)
+    except BadRequestError as error:
+        assert_type(error.field, str | None)
+        assert_type(error.description, str)
+        assert_type(error.violations, list[tuple[str, str]])
+    except OverloadedError as error:
+        return error.retry_after
+    except UnavailableError as error:
+        assert_type(error.code(), grpc.StatusCode)
+        assert_type(error.details(), str | None)
+        print(dict(error.trailing_metadata()), error.status)
+    except grpc.RpcError as error:
+        assert_type(from_rpc_error(error), BraidError)
+    return None
+'''
+
+
+def test_typed_errors_pass_mypy_strict(mypy: Mypy, tmp_path: Path) -> None:
+    """A user's code catching the client's errors by kind and reading what each one carries."""
+    example = tmp_path / "typed_errors.py"
+    example.write_text(TYPED_ERRORS)
+    result = mypy(str(example))
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -6,6 +6,8 @@ import asyncio
 import importlib.metadata
 import io
 import json
+import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -20,7 +22,10 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from braid.client import AsyncClient, AsyncGeneration, Client, GenerateParams, cli, describe
+from braid.client import (AsyncClient, AsyncGeneration, BadRequestError, BraidError, CallCancelledError, Client,
+                          DeadlineExceededError, GenerateParams, InternalError, NotFoundError, OverloadedError,
+                          PermissionDeniedError, UnauthenticatedError, UnavailableError, cli, describe)
+from braid.client.generation import finish_reason_name
 from braid.client.request import PARAMS, build_request, build_tokenize_request
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
@@ -59,7 +64,9 @@ def _samples(n: int) -> list[pb.GenerateResponse]:
 class FakeGenerate(generate_pb2_grpc.GenerateServicer):
     """Streams "Hel", "lo" and a final message, or with n > 1 the n samples of _samples; the prompt
     "endless" streams until cancelled, "invalid" and "full" fail with rich status details,
-    "mismatched" with the details of another status than its own. Records what it was sent."""
+    "mismatched" with the details of another status than its own, "fail CODE" with that status
+    code, "fail mid-stream" with INTERNAL after "Hel". Every call with the API key "deny" fails
+    UNAUTHENTICATED. Records what it was sent."""
 
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
@@ -71,7 +78,14 @@ class FakeGenerate(generate_pb2_grpc.GenerateServicer):
     def Stream(self, request: pb.GenerateRequest, context: Context) -> Iterator[pb.GenerateResponse]:
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
+        _check_api_key(context)
         context.send_initial_metadata((("braid-request-id", REQUEST_ID),))
+        if request.prompt == "fail mid-stream":
+            yield pb.GenerateResponse(text="Hel", token_ids=[1])
+            context.abort(grpc.StatusCode.INTERNAL, "forward pass failed")
+        if request.prompt.startswith("fail "):
+            code = grpc.StatusCode[request.prompt.removeprefix("fail ")]
+            context.abort(code, f"failed with {code.name}\nsee the log")
         if request.prompt == "invalid":
             violation = {"field": "temperature", "description": "must be in [0, 100]"}
             detail = error_details_pb2.BadRequest(field_violations=[violation])
@@ -105,14 +119,30 @@ class FakeGenerate(generate_pb2_grpc.GenerateServicer):
         return callback
 
     def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
+        _check_api_key(context)
+        if request.text == "invalid":
+            violations = [{"field": "text", "description": "too long"}, {"field": "messages", "description": "x"}]
+            detail = error_details_pb2.BadRequest(field_violations=violations)
+            context.abort_with_status(_status(code_pb2.INVALID_ARGUMENT, "text: too long", detail))
         text = request.text or "".join(m.content for m in request.messages)
         return pb.TokenizeResponse(token_ids=[ord(c) for c in text], pieces=list(text))
 
     def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
+        _check_api_key(context)
         return pb.ModelInfoResponse(model_name="fake", context_length=64, mode=pb.SCHEDULING_MODE_CONTINUOUS)
 
     def ServerStatus(self, request: pb.ServerStatusRequest, context: Context) -> pb.ServerStatusResponse:
+        _check_api_key(context)
         return pb.ServerStatusResponse(sessions_active=1, tokens_generated=5)
+
+    def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
+        _check_api_key(context)
+        return pb.AbortResponse(aborted=[i for i in request.request_ids if i.startswith("running")])
+
+
+def _check_api_key(context: Context) -> None:
+    if dict(context.invocation_metadata()).get("authorization") == "Bearer deny":
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong API key")
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +379,175 @@ def test_describe_leaves_out_details_of_another_status(target: str) -> None:
     assert describe(error.value) == "INTERNAL: something else"
 
 
+TYPED = [
+    ("INVALID_ARGUMENT", BadRequestError), ("RESOURCE_EXHAUSTED", OverloadedError), ("UNAVAILABLE", UnavailableError),
+    ("DEADLINE_EXCEEDED", DeadlineExceededError), ("CANCELLED", CallCancelledError), ("NOT_FOUND", NotFoundError),
+    ("PERMISSION_DENIED", PermissionDeniedError), ("UNAUTHENTICATED", UnauthenticatedError),
+    ("INTERNAL", InternalError), ("UNIMPLEMENTED", BraidError), ("UNKNOWN", BraidError),
+]
+
+
+@pytest.mark.parametrize(("code", "kind"), TYPED)
+def test_a_failed_stream_raises_the_error_of_its_status(target: str, code: str, kind: type[BraidError]) -> None:
+    with Client(target) as client, pytest.raises(BraidError) as error:
+        client.generate(f"fail {code}")
+    assert type(error.value) is kind
+    assert isinstance(error.value, grpc.RpcError) and isinstance(error.value, grpc.aio.AioRpcError)  # as before
+    assert error.value.code() == grpc.StatusCode[code]
+    assert error.value.details() == f"failed with {code}\nsee the log"
+    words = code.lower().replace("_", " ")
+    assert str(error.value) == f"{words}: failed with {code} see the log"  # one line
+    assert isinstance(error.value.__cause__, grpc.RpcError) and error.value.status is None
+
+
+@pytest.mark.parametrize(("code", "kind"), TYPED[:3])
+def test_asyncio_streams_raise_the_error_of_their_status(target: str, code: str, kind: type[BraidError]) -> None:
+    async def main() -> BraidError:
+        async with AsyncClient(target) as client:
+            with pytest.raises(BraidError) as error:
+                await client.generate(f"fail {code}")
+            return error.value
+
+    error = asyncio.run(main())
+    assert type(error) is kind and isinstance(error, grpc.aio.AioRpcError)  # `except AioRpcError` still catches it
+    assert error.code() == grpc.StatusCode[code] and error.details() == f"failed with {code}\nsee the log"
+
+
+def test_a_bad_request_names_its_field(target: str) -> None:
+    with Client(target) as client:
+        with pytest.raises(BadRequestError) as stream:
+            client.generate("invalid")
+        with pytest.raises(BadRequestError) as tokenize:
+            client.tokenize("invalid")
+    assert (stream.value.field, stream.value.description) == ("temperature", "must be in [0, 100]")
+    assert str(stream.value) == "invalid argument: temperature: out of range"
+    assert tokenize.value.violations == [("text", "too long"), ("messages", "x")]
+    assert tokenize.value.field == "text" and tokenize.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    trailers = dict(stream.value.trailing_metadata())  # the raw details are still there
+    assert isinstance(stream.value.trailing_metadata(), tuple)  # as grpc's error had them: `(key, value) in` works
+    assert status_pb2.Status.FromString(trailers["grpc-status-details-bin"]).code == code_pb2.INVALID_ARGUMENT
+    assert describe(stream.value) == "INVALID_ARGUMENT: temperature: out of range\n  temperature: must be in [0, 100]"
+    no_details = BadRequestError(grpc.StatusCode.INVALID_ARGUMENT, details="prompt: is empty")
+    assert (no_details.field, no_details.description, no_details.violations) == (None, "prompt: is empty", [])
+
+
+def test_an_overloaded_server_says_when_to_retry(target: str) -> None:
+    with Client(target) as client, pytest.raises(OverloadedError) as error:
+        client.generate("full")
+    assert error.value.retry_after == 2.0
+    assert str(error.value) == "resource exhausted: server is full (retry after 2 s)"
+    pushback = grpc.aio.Metadata(("grpc-retry-pushback-ms", "1500"))  # no RetryInfo: gRPC's pushback trailer
+    assert OverloadedError(grpc.StatusCode.RESOURCE_EXHAUSTED, None, pushback).retry_after == 1.5
+    assert OverloadedError(grpc.StatusCode.RESOURCE_EXHAUSTED).retry_after is None
+
+
+def test_details_of_another_status_are_left_out(target: str) -> None:
+    with Client(target) as client, pytest.raises(InternalError) as error:
+        client.generate("mismatched")
+    assert error.value.status is None and str(error.value) == "internal: something else"
+
+
+def test_a_stream_that_fails_mid_way_raises_its_error_after_the_messages_it_sent(target: str) -> None:
+    with Client(target) as client, client.stream("fail mid-stream") as generation:
+        with pytest.raises(InternalError, match="^internal: forward pass failed$"):
+            for _ in generation:
+                pass
+    assert generation.text == "Hel" and generation.finish_reason is None
+
+    async def main() -> str:
+        async with AsyncClient(target) as client, client.stream("fail mid-stream") as generation:
+            with pytest.raises(InternalError):
+                async for _ in generation:
+                    pass
+        return generation.text
+
+    assert asyncio.run(main()) == "Hel"
+
+
+def test_a_deadline_or_a_closed_channel_raises_its_error(fake: FakeGenerate, target: str) -> None:
+    with Client(target) as client, pytest.raises(DeadlineExceededError):
+        client.generate("endless", timeout=0.2)
+    client = Client(target)
+    generation = client.stream("endless")
+    next(generation)
+    client.close()  # not the generation's own cancel(): that ends iteration quietly
+    with pytest.raises(CallCancelledError):
+        list(generation)
+
+
+def test_every_method_raises_typed_errors(target: str) -> None:
+    with Client(target, api_key="deny") as client:
+        calls: list[Callable[[], object]] = [
+            lambda: client.generate("hello"), lambda: client.tokenize("ab"), client.model_info,
+            client.server_status, lambda: client.abort(["running-1"]),
+        ]
+        for call in calls:
+            with pytest.raises(UnauthenticatedError, match="^unauthenticated: wrong API key$"):
+                call()
+    with Client(target) as client, pytest.raises(NotFoundError):
+        client.health("no.such.Service")
+
+    async def main() -> int:
+        raised = 0
+        async with AsyncClient(target, api_key="deny") as client:
+            for call in (client.generate("hello"), client.tokenize("ab"), client.model_info(), client.server_status(),
+                         client.abort(["running-1"])):
+                with pytest.raises(UnauthenticatedError):
+                    await call
+                raised += 1
+        async with AsyncClient(target) as client:
+            with pytest.raises(NotFoundError):
+                await client.health("no.such.Service")
+            assert await client.abort(["running-1", "done-2"]) == ["running-1"]
+        return raised + 1
+
+    assert asyncio.run(main()) == 6
+
+
+def test_typed_errors_pickle_as_themselves(target: str) -> None:
+    with Client(target) as client, pytest.raises(BadRequestError) as error:
+        client.generate("invalid")
+    copy = pickle.loads(pickle.dumps(error.value))
+    assert type(copy) is BadRequestError and copy.field == "temperature" and str(copy) == str(error.value)
+
+
+def test_the_finish_reason_is_a_name(target: str) -> None:
+    with Client(target) as client, client.stream("hello") as generation:
+        assert generation.finish_reason is None
+        list(generation)
+    assert generation.finish_reason == "MAX_TOKENS" == generation.completion().finish_reason
+    assert finish_reason_name(pb.FINISH_REASON_EOS) == "EOS" and finish_reason_name(99) == "99"  # unknown: its number
+
+    async def main() -> str | None:
+        async with AsyncClient(target) as client, client.stream("hello", n=2) as generation:
+            async for _ in generation:
+                pass
+        return generation.finish_reason
+
+    assert asyncio.run(main()) == "EOS"  # the message that ended the stream: sample 0's
+
+
+def test_cli_prints_a_failed_call_as_one_line_and_exits_1(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--target", target, "invalid"]) == 1
+    assert capsys.readouterr() == ("", "braid-client: invalid argument: temperature: out of range\n")
+    assert cli.main(["--target", target, "fail mid-stream"]) == 1
+    assert capsys.readouterr() == ("Hel\n", "braid-client: internal: forward pass failed\n")  # after the text's line
+    assert cli.main(["--target", target, "--api-key", "deny", "--status"]) == 1
+    assert capsys.readouterr().err == "braid-client: unauthenticated: wrong API key\n"
+
+
+def test_cli_stats_start_on_a_line_of_their_own(target: str) -> None:
+    """stdout and stderr into one pipe, as `braid-client --stats ... 2>&1 | less` has them: stdout
+    buffered (as it is unless PYTHONUNBUFFERED is set), stderr not."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    for args in (["--stats"], ["--stats", "-n", "2"]):
+        result = subprocess.run([sys.executable, "-m", "braid.client.cli", "--target", target, *args, "hello"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60, check=True,
+                                env=env)
+        first = "Hello\nfinish_reason: MAX_TOKENS" if "-n" not in args else "--- sample 0 ---\ns0!\n[sample 0] finish"
+        assert result.stdout.startswith(first), result.stdout
+
+
 def test_cli_streams_text_and_stats(
     fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -441,9 +640,7 @@ def test_cli_json_actions(target: str, capsys: pytest.CaptureFixture[str]) -> No
     assert capsys.readouterr().out == "SERVING\n"
 
 
-def test_cli_error_exits_1_with_description(target: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["--target", target, "invalid"]) == 1
-    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+def test_cli_bad_arguments_exit_2(target: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--target", target, "--info", "--status"])
     assert exit_info.value.code == 2

@@ -4,10 +4,15 @@
 
     with Client("localhost:50051") as client:
         print(client.generate("The capital of France is", max_new_tokens=8).text)
+
+A failed call raises a BraidError, by its status: BadRequestError (with the field at fault),
+OverloadedError (with retry_after), UnavailableError, DeadlineExceededError, ...
 """
 
 from braid.client.client import AsyncClient, Client
-from braid.client.errors import describe
+from braid.client.errors import (BadRequestError, BraidError, CallCancelledError, DeadlineExceededError, InternalError,
+                                 NotFoundError, OverloadedError, PermissionDeniedError, UnauthenticatedError,
+                                 UnavailableError, describe, from_rpc_error)
 from braid.client.generation import AsyncGeneration, Completion, Generation
 from braid.client.request import (GenerateParams, build_request, build_tokenize_request, choice, grammar, json_object,
                                   json_schema, regex)
@@ -15,14 +20,25 @@ from braid.client.request import (GenerateParams, build_request, build_tokenize_
 __all__ = [
     "AsyncClient",
     "AsyncGeneration",
+    "BadRequestError",
+    "BraidError",
+    "CallCancelledError",
     "Client",
     "Completion",
+    "DeadlineExceededError",
     "GenerateParams",
     "Generation",
+    "InternalError",
+    "NotFoundError",
+    "OverloadedError",
+    "PermissionDeniedError",
+    "UnauthenticatedError",
+    "UnavailableError",
     "build_request",
     "build_tokenize_request",
     "choice",
     "describe",
+    "from_rpc_error",
     "grammar",
     "json_object",
     "json_schema",

@@ -15,12 +15,14 @@ from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
 from braid.client.client import Client
-from braid.client.errors import describe
+from braid.client.errors import BraidError, from_rpc_error
 from braid.client.generation import finish_reason_name
 from braid.client.request import PARAMS, Chat, choice, grammar, json_object, json_schema, regex
 from braid.v1 import generate_pb2 as pb
 
+EXIT_FAILED = 1  # a call failed
 EXIT_CANCELLED = 130  # the shell's code for a process ended by SIGINT
+PROG = "braid-client"
 DISTRIBUTION = "braid-llm-client"  # the client's name on PyPI (braid.client's import name is another)
 
 
@@ -40,7 +42,7 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="braid-client", description="Stream text from a braid server.")
+    parser = argparse.ArgumentParser(prog=PROG, description="Stream text from a braid server.")
     parser.add_argument("--version", action="version", version=f"braid-client {_version()}")
     parser.add_argument("prompt", nargs="?", help="the prompt; '-' or absent (with piped stdin) reads stdin")
     parser.add_argument("--target", default=os.environ.get("BRAID_TARGET", "localhost:50051"),
@@ -151,7 +153,14 @@ def _logprobs_line(logprobs: list[float]) -> str:
             f"lowest {min(logprobs):.3f}")
 
 
+def _end_line() -> None:
+    """Ends the streamed text's line and sends it out, before anything goes to stderr."""
+    print()
+    sys.stdout.flush()
+
+
 def _print_stats(final: pb.GenerateResponse, logprobs: list[float], label: str) -> None:
+    sys.stdout.flush()  # the text first, where stdout and stderr are one pipe
     if logprobs:
         print(f"{label}{_logprobs_line(logprobs)}", file=sys.stderr)
     usage, timings = final.usage, final.timings
@@ -189,16 +198,21 @@ def _generate(client: Client, args: argparse.Namespace, prompt: str | None, mess
     logprobs: defaultdict[int, list[float]] = defaultdict(list)  # by sample index
     prompt_logprobs: list[float] = []
     with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:
-        for message in generation:
-            if generation.n == 1:  # n > 1: each sample is printed whole once all have ended
-                sys.stdout.write(message.text)
-                sys.stdout.flush()
-            logprobs[message.index] += [lp.logprob for lp in message.logprobs]
-            prompt_logprobs += [lp.logprob for lp in message.prompt_logprobs]
-            if message.queue_position:
-                print(f"[queue position {message.queue_position}]", file=sys.stderr)
+        try:
+            for message in generation:
+                if generation.n == 1:  # n > 1: each sample is printed whole once all have ended
+                    sys.stdout.write(message.text)
+                    sys.stdout.flush()
+                logprobs[message.index] += [lp.logprob for lp in message.logprobs]
+                prompt_logprobs += [lp.logprob for lp in message.prompt_logprobs]
+                if message.queue_position:
+                    print(f"[queue position {message.queue_position}]", file=sys.stderr)
+        except BraidError:
+            if generation.n == 1 and generation.text:
+                _end_line()  # the error goes on a line of its own
+            raise
     if generation.n == 1:
-        print()
+        _end_line()
     if args.stats and prompt_logprobs:
         print(f"prompt {_logprobs_line(prompt_logprobs)}", file=sys.stderr)
     for completion in generation.completions() if generation.final is not None else ():
@@ -244,9 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\n[cancelled]", file=sys.stderr)
         return EXIT_CANCELLED
-    except grpc.RpcError as error:
-        print(describe(error), file=sys.stderr)
-        return 1
+    except grpc.RpcError as error:  # a BraidError: "braid-client: invalid argument: temperature: ..."
+        print(f"{PROG}: {from_rpc_error(error)}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

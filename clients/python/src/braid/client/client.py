@@ -14,6 +14,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typing_extensions import Unpack
 
+from braid.client.errors import raising_braid_errors
 from braid.client.generation import AsyncGeneration, Completion, Generation
 from braid.client.request import Chat, GenerateParams, build_request, build_tokenize_request
 from braid.v1 import generate_pb2 as pb
@@ -227,26 +228,31 @@ class Client(_BaseClient[Generation]):
     ) -> pb.TokenizeResponse:
         """Returns the tokens the model would see for a text or a chat."""
         request = build_tokenize_request(text, messages=messages)
-        return self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+        with raising_braid_errors():
+            return self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfoResponse:
         """Describes the served model and its scheduling."""
-        return self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
+        with raising_braid_errors():
+            return self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
 
     def server_status(self, *, timeout: float | None = None) -> pb.ServerStatusResponse:
         """Returns the engine's live counts."""
-        return self._stub.ServerStatus(pb.ServerStatusRequest(), timeout=timeout, metadata=self._metadata)
+        with raising_braid_errors():
+            return self._stub.ServerStatus(pb.ServerStatusRequest(), timeout=timeout, metadata=self._metadata)
 
     def abort(self, request_ids: Sequence[str], *, timeout: float | None = None) -> list[str]:
         """Cancels the generations started with these request ids (by calls with this client's
         credentials); returns the ids that were running or queued."""
         request = pb.AbortRequest(request_ids=list(request_ids))
-        return list((self._stub.Abort(request, timeout=timeout, metadata=self._metadata)).aborted)
+        with raising_braid_errors():
+            return list(self._stub.Abort(request, timeout=timeout, metadata=self._metadata).aborted)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
         request = health_pb2.HealthCheckRequest(service=service)
-        return _health_status(self._health.Check(request, timeout=timeout, metadata=self._metadata))
+        with raising_braid_errors():
+            return _health_status(self._health.Check(request, timeout=timeout, metadata=self._metadata))
 
     def close(self) -> None:
         """Closes the channel, cancelling any call still running."""
@@ -303,26 +309,31 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
     ) -> pb.TokenizeResponse:
         """Returns the tokens the model would see for a text or a chat."""
         request = build_tokenize_request(text, messages=messages)
-        return await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+        with raising_braid_errors():
+            return await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfoResponse:
         """Describes the served model and its scheduling."""
-        return await self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
+        with raising_braid_errors():
+            return await self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
 
     async def server_status(self, *, timeout: float | None = None) -> pb.ServerStatusResponse:
         """Returns the engine's live counts."""
-        return await self._stub.ServerStatus(pb.ServerStatusRequest(), timeout=timeout, metadata=self._metadata)
+        with raising_braid_errors():
+            return await self._stub.ServerStatus(pb.ServerStatusRequest(), timeout=timeout, metadata=self._metadata)
 
     async def abort(self, request_ids: Sequence[str], *, timeout: float | None = None) -> list[str]:
         """Cancels the generations started with these request ids (by calls with this client's
         credentials); returns the ids that were running or queued."""
         request = pb.AbortRequest(request_ids=list(request_ids))
-        return list((await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)).aborted)
+        with raising_braid_errors():
+            return list((await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)).aborted)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
         request = health_pb2.HealthCheckRequest(service=service)
-        return _health_status(await self._health.Check(request, timeout=timeout, metadata=self._metadata))
+        with raising_braid_errors():
+            return _health_status(await self._health.Check(request, timeout=timeout, metadata=self._metadata))
 
     async def close(self) -> None:
         """Closes the channel, cancelling any call still running."""

@@ -11,6 +11,7 @@ from typing import Any, Callable, cast
 import grpc
 from grpc import aio
 
+from braid.client.errors import from_rpc_error
 from braid.v1 import generate_pb2 as pb
 
 REQUEST_ID_KEY = "braid-request-id"
@@ -38,13 +39,16 @@ class Completion:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # the FinishReason name without its prefix, e.g. "MAX_TOKENS"
+    finish_reason: str  # the FinishReason's name without its prefix, e.g. "MAX_TOKENS" (finish_reason_name)
     usage: pb.Usage
     final: pb.GenerateResponse
 
 
 def finish_reason_name(value: pb.FinishReason.ValueType) -> str:
-    """Returns a FinishReason's name without the FINISH_REASON_ prefix, e.g. "EOS"."""
+    """Returns a FinishReason's name without the FINISH_REASON_ prefix, e.g. "EOS" (its number for
+    one this client's braid.v1 does not know)."""
+    if value not in pb.FinishReason.values():
+        return str(value)
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_")
 
 
@@ -89,6 +93,12 @@ class _Stream:
     def token_ids(self) -> list[int]:
         """The generated token ids received so far (of sample 0: the only one unless n > 1)."""
         return self._token_ids[0]
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The name of the finish reason that ended the stream ("MAX_TOKENS", "EOS", ...; see
+        finish_reason_name), or None before its final message."""
+        return finish_reason_name(self.final.finish_reason) if self.final is not None else None
 
     @property
     def request_id(self) -> str | None:
@@ -149,9 +159,10 @@ class Generation(_Stream):
     """A running Stream call: an iterator over its GenerateResponse messages.
 
     After iteration, `final` holds the last message (finish_reason, usage, timings,
-    seed, request_id), `text` the whole text and `completion()` all of it; with n > 1,
-    `completions()` has each sample's. Leaving a `with` block early, `close()` or
-    `cancel()` cancels the call, which cancels the session on the server.
+    seed, request_id), `finish_reason` its finish reason's name, `text` the whole text and
+    `completion()` all of it; with n > 1, `completions()` has each sample's. Leaving a `with`
+    block early, `close()` or `cancel()` cancels the call, which cancels the session on the
+    server. A call that fails raises a BraidError (braid.client.errors), mid-stream too.
     """
 
     def __init__(
@@ -176,7 +187,7 @@ class Generation(_Stream):
                     raise StopIteration from None
                 resumed = self._resume_call(error)
                 if resumed is None:
-                    raise
+                    raise from_rpc_error(error) from error
                 self._call, self._responses = resumed, cast(Iterator[pb.GenerateResponse], resumed)
         if self._header_request_id is None:
             self._record_headers(self._call.initial_metadata())
@@ -224,7 +235,7 @@ class AsyncGeneration(_Stream):
             except grpc.RpcError as error:
                 resumed = self._resume_call(error)
                 if resumed is None:
-                    raise
+                    raise from_rpc_error(error) from error
                 self._call = resumed
         if message is aio.EOF:
             raise StopAsyncIteration
