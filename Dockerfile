@@ -33,7 +33,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
       *)    echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; \
     esac
 
-# A C compiler for braid's AVX-512 kernels (setup.py); the runtime stage does not need it.
+# A C compiler for braid's kernels (setup.py, in the build context for this: .dockerignore); the
+# runtime stage does not need it.
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
@@ -73,6 +74,13 @@ RUN groupadd --system --gid 10001 braid \
         --shell /usr/sbin/nologin braid \
  && install -d -o braid -g braid /var/cache/braid
 
+# libgomp1: the OpenMP runtime braid's kernels link (libgomp.so.1). torch's CPU wheel carries its
+# own copy, which the kernels share once torch is loaded; the system's makes the image not depend
+# on how a torch wheel packs its libraries.
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends libgomp1 \
+ && rm -rf /var/lib/apt/lists/*
+
 COPY --from=build /opt/venv /opt/venv
 
 # HF_HUB_OFFLINE: the default model is embedded in the image, so nothing
@@ -87,6 +95,10 @@ ENV PATH=/opt/venv/bin:$PATH \
 
 USER 10001:10001
 WORKDIR /home/braid
+
+# braid's C kernels must load here, or the image is not built: without them braid would serve on
+# torch's slower ops, saying so only in one start-up line (`kernels: torch`).
+RUN python -c "import torch, braid.server.runner._cpu_kernels"
 
 # Convert the embedded model once, now, as the user that will read it.
 RUN braid warmup

@@ -7,6 +7,8 @@ image's HEALTHCHECK command against an in-process health server,
 deploy/envoy.yaml against Envoy's v3 API protos (xds-protos), and the structure
 and cross-references of the Envoy, collector, Prometheus and Kubernetes files
 parsed with PyYAML. Envoy itself (`envoy --mode validate`) is not run here.
+Nor is `docker build`: the image's wheel is built by pip from a copy of exactly
+the files .dockerignore lets into the build context, read as Docker reads it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import os
 import pkgutil
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -412,14 +416,188 @@ def test_dockerfile_generates_stubs_with_the_makefile_command() -> None:
     assert sorted(docker_args) == sorted(make_args)
 
 
-def test_dockerignore_keeps_the_venv_and_generated_stubs_out_of_the_build() -> None:
-    rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
-    rules = [rule for rule in rules if rule and not rule.startswith("#")]
-    assert rules[0] == "*", "an allowlist: everything is ignored unless named"
-    assert not any(rule.startswith("!.venv") for rule in rules)
-    assert "clients/python/src/braid/v1/" in rules
-    for needed in ("pyproject.toml", "server/", "clients/python/", "protos/"):
-        assert f"!{needed}" in rules
+def test_dockerignore_is_an_allowlist() -> None:
+    patterns = dockerignore_patterns((ROOT / ".dockerignore").read_text())
+    assert patterns[0] == "*", "an allowlist: everything is ignored unless named"
+    assert not any(pattern.startswith("!.venv") for pattern in patterns)
+
+
+# --- the image's build context ----------------------------------------------------
+# What `COPY . .` puts in the image: the files .dockerignore lets through, read as Docker reads it
+# (moby/patternmatcher and its ignorefile reader; the build-context walk of docker's archive
+# package and BuildKit's fsutil). No Docker engine runs here, so the image's wheel is built from a
+# copy of exactly those files, as its Dockerfile builds it.
+
+
+def dockerignore_patterns(text: str) -> list[str]:
+    """.dockerignore's lines as Docker reads them: `#` comments and blank lines dropped, each
+    pattern trimmed and path-cleaned, a leading `/` dropped, `!` kept in front of an exception."""
+    patterns = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        pattern = line.strip()
+        exception = pattern.startswith("!")
+        pattern = pattern[1:].strip() if exception else pattern
+        pattern = os.path.normpath(pattern)
+        pattern = pattern[1:] if len(pattern) > 1 and pattern.startswith("/") else pattern
+        patterns.append("!" * exception + pattern)
+    return patterns
+
+
+def _pattern_test(pattern: str):
+    """A predicate on a slash-separated path for one pattern, compiled as moby/patternmatcher does:
+    an exact name, a prefix (`dir/**`), a suffix (`**/name`) or a regular expression, where `*` and
+    `?` never cross a `/` and `**/` stands for any number of folders, none included."""
+    kind, regex, i = "exact", "", 0
+    while i < len(pattern):
+        at_start, char = i == 0, pattern[i]
+        i += 1
+        if char == "*" and pattern[i:i + 1] == "*":
+            i += 1 + (pattern[i + 1:i + 2] == "/")
+            if i < len(pattern):
+                kind, regex = "regex", regex + "(.*/)?"
+            elif kind == "exact":
+                kind = "prefix"
+            else:
+                kind, regex = "regex", regex + ".*"
+            kind = "suffix" if at_start else kind
+        elif char in "*?":
+            kind, regex = "regex", regex + ("[^/]*" if char == "*" else "[^/]")
+        elif char == "\\" and i < len(pattern):
+            kind, regex, i = "regex", regex + re.escape(pattern[i]), i + 1
+        elif char in "[]":
+            kind, regex = "regex", regex + char
+        else:  # as moby: only the characters a path pattern gives no meaning are escaped
+            regex += "\\" + char if char in ".+()|{}$" else char
+    if kind == "exact":
+        return lambda path: path == pattern
+    if kind == "prefix":
+        return lambda path: path.startswith(pattern[:-2])
+    if kind == "suffix":
+        suffix = pattern[2:]
+        return lambda path: path.endswith(suffix) or (suffix.startswith("/") and path == suffix[1:])
+    compiled = re.compile(regex)
+    return lambda path: compiled.fullmatch(path) is not None
+
+
+def dockerignore_excludes(patterns: list[str], path: str) -> bool:
+    """Whether Docker leaves `path` (slash-separated, from the context's root) out of the build
+    context: the last pattern that matches the path, or any folder above it, decides."""
+    folders = path.split("/")[:-1]
+    excluded = False
+    for pattern in patterns:
+        exception = pattern.startswith("!")
+        if exception != excluded:  # an exclusion only matters for a path not yet excluded, and back
+            continue
+        test = _pattern_test(pattern.removeprefix("!"))
+        if test(path) or any(test("/".join(folders[:n])) for n in range(1, len(folders) + 1)):
+            excluded = not exception
+    return excluded
+
+
+def docker_context(root: Path) -> list[str]:
+    """The files of `root` that `docker build root` sends (and `COPY . .` copies), as paths from
+    root. An excluded folder is walked only where an exception could bring back a file under it:
+    an exception that starts with the folder's path, or any exception with a wildcard (BuildKit)."""
+    patterns = dockerignore_patterns((root / ".dockerignore").read_text())
+    exceptions = [p[1:] for p in patterns if p.startswith("!")]
+    literal_exceptions = not any(set(p) & set("*?[\\") for p in exceptions)
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        relative = Path(folder).relative_to(root).as_posix()
+        prefix = "" if relative == "." else relative + "/"
+        subfolders[:] = sorted(
+            name for name in subfolders
+            if not dockerignore_excludes(patterns, prefix + name)
+            or not literal_exceptions
+            or any((p + "/").startswith(prefix + name + "/") for p in exceptions)
+        )
+        files += [prefix + name for name in sorted(names) if not dockerignore_excludes(patterns, prefix + name)]
+    return files
+
+
+# Cases from moby/patternmatcher's own tests (TestMatches, MatchesOrParentMatches): pattern(s), path,
+# whether Docker excludes the path.
+DOCKERIGNORE_CASES = [
+    (["**"], "dir/file", True), (["dir/**"], "dir/dir2/file", True), (["**/dir"], "dir/file", True),
+    (["**/dir2/*"], "dir/dir2/file", True), (["**file"], "dir/file", True), (["**/file*.txt"], "dir/dir/file.txt", True),
+    (["**/**/*.txt2"], "dir/dir/file.txt", False), (["a**/*.txt"], "a/dir/dir/file.txt", True),
+    (["a/*.txt"], "a/dir/file.txt", False), (["a[b-d]e"], "ace", True), (["a[b-d]e"], "aae", False),
+    ([".*"], "foo", False), (["abc.def"], "abcZdef", False), (["abc?def"], "abcZdef", True),
+    (["**/foo/bar"], "foo/bar", True), (["abc/**"], "abc", False), (["**/.foo"], "bar.foo", False),
+    (["a(b)c/def"], "a(b)c/def", True), (["a[^b-d]e"], "aze", True), (["dist/*.whl"], "dist/proxy.py-2.4.0rc3.dev36+g08acad9-py3-none-any.whl", True),
+    (["a\\*b"], "a*b", True), (["docs", "!docs/README.md"], "docs/README.md", False),
+    (["docs/*", "!docs/README.md"], "docs/README.md", False), (["*.go", "!fileutils.go"], "fileutils.go", False),
+    (["**", "!util/docker/web"], "util/docker/web/foo", False),
+    (["**", "!util/docker/web", "util/docker/web/foo"], "util/docker/web/foo", True),
+    (["*", "!server/", "**/__pycache__/"], "server/braid/__pycache__/x.pyc", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("lines", "path", "excluded"), DOCKERIGNORE_CASES)
+def test_dockerignore_rules_are_read_as_docker_reads_them(lines: list[str], path: str, excluded: bool) -> None:
+    assert dockerignore_excludes(dockerignore_patterns("\n".join(lines)), path) is excluded
+
+
+def test_the_build_context_holds_what_the_image_is_built_from_and_nothing_built_here() -> None:
+    patterns = dockerignore_patterns((ROOT / ".dockerignore").read_text())
+    for exception in (p[1:] for p in patterns if p.startswith("!")):
+        assert (ROOT / exception).exists(), f".dockerignore lets in {exception}, which does not exist"
+    context = docker_context(ROOT)
+    for needed in ("pyproject.toml", "setup.py", "README.md", "protos/braid/v1/generate.proto",
+                   "clients/python/setup.py", "server/braid/server/cli.py"):
+        assert needed in context, f"the image's build context lacks {needed}"
+    csrc = ROOT / "server" / "braid" / "server" / "runner" / "csrc"
+    assert {p.relative_to(ROOT).as_posix() for p in csrc.glob("*.[ch]")} <= set(context)
+    assert not [name for name in context if name.startswith((".venv/", "clients/python/src/braid/v1/"))]
+    assert not [name for name in context if name.endswith((".so", ".pyc"))], "compiled on this machine"
+
+
+@pytest.fixture(scope="module")
+def image_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """braid-llm-server's wheel as the image's `pip install .` builds it (in an isolated build
+    environment, with the compiler the build stage installs), from a copy of the build context."""
+    context = tmp_path_factory.mktemp("context")
+    for name in docker_context(ROOT):
+        (context / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, context / name)
+    dist = tmp_path_factory.mktemp("dist")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dist), str(context)],
+                           capture_output=True, text=True, timeout=900, check=False)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = dist.glob("braid_llm_server-*.whl")
+    return wheel
+
+
+def test_the_image_wheel_carries_braids_kernels(image_wheel: Path) -> None:
+    abi_tag, platform_tag = image_wheel.stem.split("-")[-2:]
+    assert platform_tag != "any" and abi_tag != "none", f"{image_wheel.name}: a pure-Python wheel, no kernels"
+    with zipfile.ZipFile(image_wheel) as archive:
+        (kernels,) = [n for n in archive.namelist() if re.fullmatch(r"braid/server/runner/_cpu_kernels\..*\.so", n)]
+        library = archive.extract(kernels, image_wheel.parent / "unpacked")
+    # The library loads beside torch (which loads the libgomp it links) and runs on this CPU.
+    script = ("import importlib.machinery as m, importlib.util as u, sys, torch; "
+              "name = 'braid.server.runner._cpu_kernels'; loader = m.ExtensionFileLoader(name, sys.argv[1]); "
+              "module = u.module_from_spec(u.spec_from_file_location(name, sys.argv[1], loader=loader)); "
+              "loader.exec_module(module); print(' '.join(module.isas()))")
+    loaded = subprocess.run([sys.executable, "-c", script, library], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert loaded.returncode == 0, loaded.stderr
+    assert re.match(r"(avx512|avx2)", loaded.stdout), loaded.stdout
+
+
+def test_the_image_runs_only_where_the_kernels_load() -> None:
+    instructions = dockerfile_instructions()
+    keywords = [keyword for keyword, _ in instructions]
+    final_stage = instructions[len(keywords) - 1 - keywords[::-1].index("FROM"):]
+    runs = [args for keyword, args in final_stage if keyword == "RUN"]
+    # The OpenMP runtime the kernels link, and a build that fails where they do not load.
+    assert any("apt-get install" in run and "libgomp1" in run.split() for run in runs)
+    check = 'python -c "import torch, braid.server.runner._cpu_kernels"'
+    assert check in runs and runs.index(check) < runs.index("braid warmup")
+    env = " ".join(args for keyword, args in final_stage[:final_stage.index(("RUN", check))] if keyword == "ENV")
+    assert "PATH=/opt/venv/bin:$PATH" in env, "the check runs the venv's python"
 
 
 @pytest.fixture
