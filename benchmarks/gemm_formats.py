@@ -2,9 +2,10 @@
 per second, at 1 row (one decoding session), 16 rows (a decode batch) and 256 rows (a prefill
 chunk), on SmolLM2's and Llama-3.2-1B's layer shapes. Where a step's time goes, by format.
 
-    .venv/bin/python benchmarks/gemm_formats.py [--isa avx2] [--repeats 5]
+    .venv/bin/python benchmarks/gemm_formats.py [--isa avx2] [--repeats 5] [--activations float32,int8]
 
-BRAID_KERNELS_ISA (or --isa) picks the instruction-set build; medians of --repeats runs.
+BRAID_KERNELS_ISA (or --isa) picks the instruction-set build; medians of --repeats runs. A quantized
+format is timed with each of --activations (float32 rows, or int8 rows and integer dot products).
 """
 
 from __future__ import annotations
@@ -52,25 +53,33 @@ def _once(layer, x) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--isa", help="avx512 or avx2 (default: BRAID_KERNELS_ISA, else the best)")
+    parser.add_argument("--isa", help="avx512_vnni, avx512, avx2_vnni or avx2 (default: BRAID_KERNELS_ISA, else "
+                                      "the best)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", default="1,16,256")
+    parser.add_argument("--activations", default="float32,int8")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated labels of SHAPES")
+    parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
     if args.isa:
         os.environ[kernels.ISA_VARIABLE] = args.isa
-    ops = kernels.pick_ops(torch.device("cpu"), torch.float32)
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"kernels: {ops.name}, {torch.get_num_threads()} threads; medians of {args.repeats}\n")
-    print("| shape | format | MB | " + " | ".join(f"{m} rows: us, GB/s" for m in rows) + " |")
-    print("| --- | --- | ---: | " + " | ".join("---:" for _ in rows) + " |")
-    for label, (k, n) in SHAPES.items():
-        for fmt in FORMATS:
-            layer = ops.linear(matrix(fmt, k, n), None)
-            cells = []
-            for m in rows:
-                s = seconds_per_call(layer, torch.randn(m, k), args.repeats)
-                cells.append(f"{s * 1e6:.0f}, {layer.nbytes / s / 1e9:.1f}")
-            print(f"| {label} | {fmt} | {layer.nbytes / 1e6:.1f} | " + " | ".join(cells) + " |", flush=True)
+    print(f"kernels: {kernels.pick_ops(torch.device('cpu'), torch.float32).name}, {torch.get_num_threads()} "
+          f"threads; medians of {args.repeats}\n")
+    print("| shape | format | activations | MB | " + " | ".join(f"{m} rows: us, GB/s" for m in rows) + " |")
+    print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in rows) + " |")
+    for label in args.shapes.split(","):
+        k, n = SHAPES[label]
+        for fmt in args.formats.split(","):
+            weight = matrix(fmt, k, n)
+            for activations in args.activations.split(",") if fmt.startswith("q") else ["float32"]:
+                layer = kernels.pick_ops(torch.device("cpu"), torch.float32, activations=activations).linear(weight, None)
+                cells = []
+                for m in rows:
+                    s = seconds_per_call(layer, torch.randn(m, k), args.repeats)
+                    cells.append(f"{s * 1e6:.0f}, {layer.nbytes / s / 1e9:.1f}")
+                print(f"| {label} | {fmt} | {activations} | {layer.nbytes / 1e6:.1f} | " + " | ".join(cells) + " |",
+                      flush=True)
 
 
 if __name__ == "__main__":

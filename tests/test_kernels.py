@@ -6,6 +6,9 @@ They must give torch's answer to rounding, and give a row the same bits whatever
 the call: that is what lets a seeded or greedy request come out the same in any batch. A float
 format must give, bit for bit, the fp32 kernel's answer on its values; a quantized one, torch's
 answer (to rounding) on the weights gguf-py dequantizes, and an embedding lookup those weights exactly.
+With int8 activations (--activations int8), a quantized format gives torch's answer to rounding on
+x quantized per row and block of 32 as the kernels quantize it, so within that quantization's error
+of the fp32 answer, and the same bits in every build.
 """
 
 from __future__ import annotations
@@ -136,6 +139,75 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch(isa, fmt):
         assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), row
     # and in a batch of another size, where the rows split into tiles differently
     assert torch.equal(layer(x[5:22]), together[5:22])
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8 path sees it, in float64: per row and block of 32, d = max|x| / 127 and
+    q = round(x / d), as llama.cpp's quantize_row_q8_0."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q.double() * (amax / 127).double()).view_as(x)
+
+
+@pytest.mark.parametrize("fmt", [*QUANTIZED])
+def test_int8_activations_in_every_quantized_format(isa, fmt):
+    """--activations int8 at 1, 3, 16 and 128 rows, with bias and accumulating: torch's answer on the
+    quantized rows to fp32 rounding (the integer sums are exact); and within the quantization's error
+    of the fp32 answer: each x moves by at most half a step, max|x of its block| / 254, so an output
+    by at most sum_k |W[n, k]| * max|x| / 254 (the tolerance is twice that)."""
+    int8 = CpuKernelOps(isa.isa, activations="int8")
+    for i, shape in enumerate(K_SHAPES if fmt in K_QUANTS else BLOCK_SHAPES):
+        weight, reference = matrix(fmt, shape, seed=i)
+        k, n = shape
+        bias = torch.randn(n)
+        layer, plain = int8.linear(weight, bias), int8.linear(weight, None)
+        assert layer.int8 and layer.format == fmt
+        for m in ROWS:
+            x = torch.randn(m, k)
+            out = layer(x)
+            exact = quantized_rows(x) @ reference.double().t() + bias.double()
+            scale = x.abs().amax(1, keepdim=True).double() * reference.abs().sum(1).double()  # [m, n]
+            assert ((out.double() - exact).abs() <= 1e-5 * scale + 1e-5).all(), (shape, m)
+            assert ((out.double() - (x.double() @ reference.double().t() + bias.double())).abs()
+                    <= scale / 127 + 1e-5).all(), (shape, m)
+            y = torch.randn(m, n)
+            expected = y.double() + quantized_rows(x) @ reference.double().t()
+            assert plain.add_into(y, x) is y
+            assert ((y.double() - expected).abs() <= 1e-5 * scale + 1e-4).all(), (shape, m)
+
+
+@pytest.mark.parametrize("fmt", [*QUANTIZED])
+def test_int8_activations_give_a_row_the_same_bits_alone_in_a_batch_and_in_every_build(isa, fmt):
+    weight, _ = matrix(fmt, (512, 100), seed=1)
+    x = torch.randn(70, 512)
+    outs = {}
+    for build in ISAS:  # every build the CPU runs computes the same integer sums and folds
+        kernels._cpu_kernels.select_isa(build)
+        layer = CpuKernelOps(build, activations="int8").linear(weight, torch.randn(100, generator=torch.Generator()
+                                                                                    .manual_seed(3)))
+        outs[build] = together = layer(x)
+        for row in (0, 1, 12, 13, 69):
+            assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), (build, row)
+        for rows in ((5, 22), (0, 3), (10, 26)):
+            assert torch.equal(layer(x[rows[0]:rows[1]]), together[rows[0]:rows[1]]), (build, rows)
+    kernels._cpu_kernels.select_isa(isa.isa)
+    assert all(torch.equal(out, outs[ISAS[0]]) for out in outs.values()), list(outs)
+
+
+@pytest.mark.parametrize("fmt", [*QUANTIZED])
+def test_an_embedding_lookup_reads_an_int8_packed_head_exactly(isa, fmt):
+    weight, reference = matrix(fmt, (256, 101), seed=7)
+    ids = torch.tensor([0, 100, 31, 32, 33, 64, 5, 5])
+    assert torch.equal(CpuKernelOps(isa.isa, activations="int8").linear(weight, None).columns(ids), reference[ids])
+
+
+def test_only_a_quantized_format_has_an_int8_path(isa):
+    layer = CpuKernelOps(isa.isa, activations="int8").linear(torch.randn(40, 64), None)
+    assert not layer.int8 and layer.code == kernels.FORMAT_CODES["f32"]
+    with pytest.raises(ValueError, match="int8"):
+        kernels._cpu_kernels.gemm(0, 64, layer.weight.data_ptr(), layer.code | kernels.INT8, 0, 40, 1, 64, 40, 0,
+                                  None, 1)
 
 
 def test_a_quantized_matrix_needs_whole_blocks(isa):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from braid.server.model.loader import LoadedModel, load
+from braid.server.model.loader import LoadedModel, default_cache_dir, load
 from braid.server.runner.kernels import ISA_VARIABLE
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
@@ -46,7 +46,7 @@ def test_the_embedded_model_is_served_in_its_own_formats(smol, smol_dir):
         formats["f32"] = formats.pop("bf16")
     assert formats == EMBEDDED_FORMATS
     assert info.quantization == "auto" and info.dtype == compute_dtype()
-    assert info.kernels in ("avx512", "avx2", "torch")
+    assert info.kernels in ("avx512_vnni", "avx512", "avx2_vnni", "avx2", "torch")
     # Q4_1 with a Q8_0 embedding: about 98 MB as the file has it, against 538 MB in fp32. Where
     # torch's ops run (no AVX2, or CUDA), the weights are dequantized to the compute dtype and take
     # its bytes (bf16: half).
@@ -153,6 +153,26 @@ def test_q8_0_costs_at_most_one_percent_of_perplexity(smol_fp32, dtype, record_p
     print(f"\n{dtype}: perplexity {plain:.4f}, with q8_0 {quantized:.4f} ({quantized / plain - 1:+.2%})")
     assert 5 < plain < 100  # the model reads English: a broken forward pass would be in the thousands
     assert quantized <= plain * 1.01
+
+
+def test_int8_activations_cost_at_most_one_percent_of_perplexity(record_property):
+    """The embedded model in its own formats (Q4_1, with a Q8_0 head), its quantized matrices
+    multiplied by int8 rows (--activations int8) against float32 rows, on the same fixed text.
+    docs/benchmarks.md quotes the figures."""
+    model = load(None, default_cache_dir())
+    ids = model.hf_tokenizer(TEXT)["input_ids"]
+
+    def perplexity(activations: str) -> float:
+        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048,
+                             activations=activations)
+        assert runner.activations == (activations if runner.kernels != "torch" else "float32")
+        return runner.perplexity(ids)
+
+    plain, int8 = perplexity("float32"), perplexity("int8")
+    record_property("perplexity", f"float32 rows: {plain:.4f}, int8 rows: {int8:.4f}")
+    print(f"\nperplexity with float32 rows {plain:.4f}, with int8 rows {int8:.4f} ({int8 / plain - 1:+.2%})")
+    assert 5 < plain < 100
+    assert int8 <= plain * 1.01
 
 
 def _bf16_copy(hf_model):

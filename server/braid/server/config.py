@@ -25,6 +25,7 @@ class Mode(enum.Enum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0")
+ACTIVATIONS = ("auto", "int8", "float32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -65,6 +66,11 @@ class EngineConfig:
         "auto: every matrix in its own format (a GGUF's Q8_0/Q4_0/Q4_1 blocks, a checkpoint's dtype); none: "
         "dequantized to --dtype (--dtype float32 --quantization none is plain fp32); q8_0: float matrices "
         "quantized to Q8_0 blocks at load", choices=list(QUANTIZATIONS)))
+    activations: str = field(default="float32", **_opt(
+        "what a quantized matrix (Q8_0, Q4_0, Q4_1, Q6_K, Q4_K) multiplies on the CPU: int8 (each row quantized "
+        "to 8 bits per block of 32, as llama.cpp does, and integer dot products: faster, a row's result still "
+        "independent of its batch), float32 (fp32 rows: transformers-level agreement) or auto (the fastest)",
+        choices=list(ACTIVATIONS)))
     threads: int = field(default=0, **_opt("torch CPU threads (0: torch's default, one per core)"))
     kernels: str = field(default="auto", **_opt(
         "auto: braid's own kernels on a CPU with AVX-512 or AVX2 (BRAID_KERNELS_ISA=avx2 forces the AVX2 "
@@ -109,6 +115,7 @@ class EngineConfig:
             raise SettingError("device", self.device, "expected auto, cpu, cuda or cuda:N")
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "quantization", QUANTIZATIONS)
+        _one_of(self, "activations", ACTIVATIONS)
         _one_of(self, "kernels", ("auto", "torch"))
         _one_of(self, "kv_cache_dtype", DTYPES)
         _one_of(self, "prefix_caching", ("on", "off"))

@@ -77,7 +77,7 @@ class Engine:
             has_chat_template=tokenizer.has_chat_template, parameters=runner.num_parameters,
             weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
             quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
-            prefix_caching=self.pages.prefix_caching, runner=runner.path)
+            prefix_caching=self.pages.prefix_caching, runner=runner.path, activations=runner.activations)
         self.observer: EngineObserver = NoObserver()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[int, Session] = {}  # model thread only

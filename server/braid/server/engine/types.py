@@ -192,6 +192,7 @@ class ModelInfo:
     kv_cache_dtype: str = "float32"
     prefix_caching: bool = True
     runner: str = "braid"  # "braid": its own decoder; "transformers": the model's own forward
+    activations: str = "float32"  # what quantized weights multiply: "int8" or "float32" rows
 
 
 @dataclass

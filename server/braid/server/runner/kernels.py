@@ -2,8 +2,10 @@
 
 On a CPU with AVX-512 or AVX2 + FMA, the linear layers, RMSNorm, SwiGLU and GeGLU, RoPE and the decode
 steps' attention run in braid's C kernels (csrc/): each weight matrix is packed once into 32-column panels
-in its own format (fp32, bf16, f16, or GGUF's Q8_0/Q4_0/Q4_1 blocks), streamed from memory once per
-call whatever the number of rows, and widened to fp32 in registers. Each small op is one call
+in its own format (fp32, bf16, f16, or GGUF's Q8_0/Q4_0/Q4_1/Q6_K/Q4_K blocks), streamed from memory once
+per call whatever the number of rows, and widened to fp32 in registers; or, with --activations int8, a
+quantized matrix multiplies each row of x quantized to int8 per block of 32 with the CPU's integer dot
+products (csrc/int8.c). Each small op is one call
 instead of several torch ops (csrc/kernels.h says why). Elsewhere (CUDA, an older CPU, a build
 without a C compiler, or --kernels torch) the same functions run torch's ops on weights dequantized
 to the compute dtype.
@@ -34,7 +36,8 @@ KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, pa
 FORMATS = {"f32": (128, 0), "bf16": (64, 0), "f16": (64, 0), "q8_0": (32, 64), "q4_0": (16, 64), "q4_1": (16, 128),
            "q6_k": (32, 256), "q4_k": (16, 256)}
 FORMAT_CODES = {name: code for code, name in enumerate(FORMATS)}
-ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512 or avx2: run that build of the kernels, not the best one
+ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512_vnni, avx512, avx2_vnni or avx2: that build, not the best one
+ACTIVATIONS_CHOICES = ("auto", "int8", "float32")  # --activations (EngineConfig)
 
 
 try:
@@ -49,18 +52,22 @@ if _cpu_kernels is not None and (
     _LOGGER.error("braid's C kernels were built for another layout than this code's (panels, blocks, table "
                   "fields, KV cache, formats or activations): rebuild them (make install); running torch's kernels")
     _cpu_kernels = None
+# The format flag of the int8 path (csrc/kernels.h: F_INT8); None in a build without it.
+INT8 = getattr(_cpu_kernels, "INT8", None)
 
 
 def kernels_isa() -> str | None:
     """The instruction set braid's kernels run in on this CPU: BRAID_KERNELS_ISA's if set, else
-    the best the CPU has ('avx512', 'avx2'); None where they do not run. Selects it in the module."""
+    the best the CPU has ('avx512_vnni', 'avx512', 'avx2_vnni', 'avx2'); None where they do not run.
+    Selects it in the module."""
     if _cpu_kernels is None:
         return None
     wanted = os.environ.get(ISA_VARIABLE, "").strip().lower()
     supported = _cpu_kernels.isas()
     if wanted and wanted not in supported:
         raise ValueError(f"{ISA_VARIABLE}={wanted}: this CPU runs braid's kernels in "
-                         f"{', '.join(supported) or 'no instruction set'} (built: avx512, avx2)")
+                         f"{', '.join(supported) or 'no instruction set'} (built: avx512_vnni, avx512, avx2_vnni, "
+                         "avx2)")
     for isa in [wanted] if wanted else supported:
         _cpu_kernels.select_isa(isa)
         if _passes_self_check(isa):
@@ -100,12 +107,37 @@ def _self_check() -> bool:
                 and torch.equal(layer(x[:1]), layer(x)[:1])
                 and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])):
             return False
+    for weight in _random_blocks(70, 96, generator) if INT8 is not None else ():
+        # the int8 path: within the activations' quantization error (half a step of 127 per block)
+        reference = dense(weight, torch.float32, torch.device("cpu"))
+        layer = PackedLinear(weight, None, int8=True)
+        error = (layer(x) - x @ reference.t()).abs().max() / (x.abs().max() * reference.abs().sum(1).max())
+        if not (error < 1 / 127 and torch.equal(layer(x[1:2]), layer(x)[1:2])
+                and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])):
+            return False
     norm = torch.rand(96, generator=generator)
     gate_up = torch.randn(5, 96, generator=generator)
     gate, up = gate_up.chunk(2, dim=-1)
     return (torch.allclose(ops.rms_norm(x, norm, 1e-5), F.rms_norm(x, (96,), norm, 1e-5), atol=1e-5)
             and torch.allclose(ops.swiglu(gate_up), F.silu(gate) * up, atol=1e-5)
             and torch.allclose(ops.geglu(gate_up), F.gelu(gate, approximate="tanh") * up, atol=1e-5))
+
+
+def _random_blocks(out: int, k: int, generator: torch.Generator) -> list[Blocks]:
+    """A matrix [out, k] in each GGUF block format, of random quants and scales (not a real matrix's
+    quantization: what the kernels compute from them is the same either way)."""
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=generator) * 0.1
+
+    def quants(low: int, high: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(low, high, (out, k // QBLOCK, QBLOCK), generator=generator).to(dtype)
+
+    blocks = k // QBLOCK
+    return [Blocks("q8_0", rand(out, blocks).half(), None, quants(-127, 128, torch.int8)),
+            Blocks("q4_0", rand(out, blocks).half(), None, quants(0, 16, torch.uint8)),
+            Blocks("q4_1", rand(out, blocks).half(), rand(out, blocks).half() - 0.05, quants(0, 16, torch.uint8)),
+            Blocks("q6_k", rand(out, 2 * blocks), None, quants(-32, 32, torch.int8)),
+            Blocks("q4_k", rand(out, blocks), rand(out, blocks), quants(0, 16, torch.uint8))]
 
 
 def format_of(weight: Weight) -> str:
@@ -145,11 +177,14 @@ class PackedLinear(Linear):
     in, 32] for a float dtype; for GGUF blocks, per panel and block of 32 rows, the 32 columns'
     scales (and mins) then the 32 rows of quants, as bytes."""
 
-    def __init__(self, weight: Weight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: Weight, bias: torch.Tensor | None, int8: bool = False) -> None:
+        """int8: quantize x to int8 per row and block for integer dot products (GGUF blocks only;
+        their quants packed for it, csrc/kernels.h's F_INT8)."""
         self.out_features, self.in_features = weight.shape
         self.format = format_of(weight)
-        self.code = FORMAT_CODES[self.format]
-        self.weight = _pack_blocks(weight) if isinstance(weight, Blocks) else _pack_dense(weight)
+        self.int8 = int8 and isinstance(weight, Blocks) and INT8 is not None
+        self.code = FORMAT_CODES[self.format] | (INT8 if self.int8 else 0)
+        self.weight = _pack_blocks(weight, self.int8) if isinstance(weight, Blocks) else _pack_dense(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.nbytes = self.weight.nbytes
 
@@ -191,10 +226,12 @@ def _pack_dense(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-def _pack_blocks(b: Blocks) -> torch.Tensor:
+def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
     """GGUF blocks -> panels [ceil(out / 32), in / 32, block bytes] uint8: per block of 32 rows, the
     32 columns' scales (then mins; Q6_K: the scales of rows 0-15, then of rows 16-31), then 32 rows
-    of 32 quants (4-bit ones: column j in the low nibble of byte j, column j + 16 in its high one)."""
+    of 32 quants (4-bit ones: column j in the low nibble of byte j, column j + 16 in its high one).
+    interleaved (the int8 path's layout): the rows in 8 groups of 4, each column's 4 quants of a
+    group in 4 consecutive bytes (4-bit ones: columns j and j + 16 in the low and high nibbles)."""
     n, blocks = b.q.shape[:2]
     panels = -(-n // PANEL)
 
@@ -207,7 +244,11 @@ def _pack_blocks(b: Blocks) -> torch.Tensor:
     else:
         parts = [by_panel(b.d)] + ([] if b.m is None else [by_panel(b.m)])
     q = by_panel(b.q).transpose(2, 3)  # [panels, blocks, 32 rows, 32 columns]
-    if b.format in ("q4_0", "q4_1", "q4_k"):
+    if interleaved:  # [panels, blocks, 8 groups, 32 columns, 4 rows]
+        q = q.reshape(panels, blocks, QBLOCK // 4, 4, PANEL).transpose(3, 4)
+        if b.format in ("q4_0", "q4_1", "q4_k"):
+            q = q[..., :PANEL // 2, :] | (q[..., PANEL // 2:, :] << 4)
+    elif b.format in ("q4_0", "q4_1", "q4_k"):
         q = q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)
     parts.append(q)
     return torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)
@@ -220,6 +261,7 @@ class TorchOps:
 
     name = "torch"
     isa: str | None = None
+    activations = "float32"  # what a quantized matrix multiplies: float32 rows, or int8 (CpuKernelOps)
     fused_decode = False  # DecodeStep and decode_attention need the C kernels
 
     def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
@@ -265,16 +307,18 @@ class TorchOps:
 
 class CpuKernelOps(TorchOps):
     """The same ops in braid's C kernels, on a CPU with AVX-512 or AVX2, activations in fp32: one C
-    call each instead of half a dozen torch ops, weights packed into panels in their own format."""
+    call each instead of half a dozen torch ops, weights packed into panels in their own format.
+    activations "int8": a quantized matrix multiplies rows quantized to int8 per block (csrc/int8.c)."""
 
     fused_decode = True
 
-    def __init__(self, isa: str) -> None:
+    def __init__(self, isa: str, activations: str = "float32") -> None:
         super().__init__(torch.float32, torch.device("cpu"))
-        self.isa, self.name = isa, f"braid's {isa} kernels"
+        assert activations in ("int8", "float32")
+        self.isa, self.name, self.activations = isa, f"braid's {isa} kernels", activations
 
     def linear(self, weight: Weight, bias: torch.Tensor | None) -> Linear:
-        return PackedLinear(weight, bias)
+        return PackedLinear(weight, bias, int8=self.activations == "int8")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = _rows(x)
@@ -310,11 +354,23 @@ def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = True) -> TorchOps:
+def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = True,
+             activations: str = "float32") -> TorchOps:
     """braid's C kernels where they run (and are allowed: --kernels auto), torch's elsewhere.
-    dtype: the compute dtype torch's ops run in (the C kernels' is fp32)."""
+    dtype: the compute dtype torch's ops run in (the C kernels' is fp32). activations
+    (--activations): auto and int8 run quantized matrices on int8 rows where the C kernels have
+    that path; float32, and torch's ops, on fp32 rows."""
+    assert activations in ACTIVATIONS_CHOICES
     isa = kernels_isa() if allow_kernels and device.type == "cpu" else None
-    return CpuKernelOps(isa) if isa is not None and dtype == torch.float32 else TorchOps(dtype, device)
+    if isa is None or dtype != torch.float32:
+        if activations == "int8":
+            _LOGGER.warning("--activations int8: only braid's C kernels have an int8 path; running float32")
+        return TorchOps(dtype, device)
+    int8 = activations in AUTO_INT8 and INT8 is not None
+    return CpuKernelOps(isa, "int8" if int8 else "float32")
+
+
+AUTO_INT8 = ("int8",)  # the --activations values that run int8 (auto joins once its tests pass)
 
 
 KV_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # a KV cache's dtypes, in C

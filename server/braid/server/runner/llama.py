@@ -149,6 +149,8 @@ class LlamaDecoder:
                 window=cfg.sliding_window if sliding else None,
                 rope=layer_types[i] if per_type_rope else "",
             ))
+        # what the quantized matrices multiply: int8 rows (--activations int8) or float32 ones
+        self.activations = "int8" if any(getattr(w, "int8", False) for w in self._matrices()) else "float32"
         self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(
             t.nbytes for t in [self.final_norm, *(v for w in self.layers for v in (w.input_norm, w.post_norm))])
         # RoPE tables for every position, from transformers' own rotary module (it knows every

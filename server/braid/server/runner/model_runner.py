@@ -51,19 +51,21 @@ def pick_device(device: str, dtype: str = "auto") -> tuple[torch.device, torch.d
 class ModelRunner:
     def __init__(self, model: LoadedModel, device: torch.device, dtype: torch.dtype, num_pages: int,
                  max_seq_len: int, allow_kernels: bool = True, weight_dtype: str = "auto",
-                 quantization: str = "auto", page_size: int = 16, kv_dtype: torch.dtype | None = None) -> None:
+                 quantization: str = "auto", page_size: int = 16, kv_dtype: torch.dtype | None = None,
+                 activations: str = "float32") -> None:
         self.device, self.dtype = device, dtype
         self.max_seq_len = max_seq_len
         self.num_parameters = sum(p.numel() for p in model.hf_model.parameters())
         family, why_not = native_family(model.hf_model)
         if family is not None:
             _LOGGER.info("model path: braid's native decoder (%s)", type(model.hf_model).__name__)
-            ops = pick_ops(device, dtype, allow_kernels)
+            ops = pick_ops(device, dtype, allow_kernels, activations)
             precision = Precision(model, weight_dtype, quantization)
             self.decoder: LlamaDecoder | TransformersDecoder = LlamaDecoder(model.hf_model, max_seq_len, ops,
                                                                             precision, family)
             # kernels: the C kernels' instruction set, or torch's ops
             self.path, self.kernels, self.quantization = "braid", ops.isa or "torch", quantization
+            self.activations = self.decoder.activations
             formats, ops_name = precision.formats, ops.name
         else:
             _LOGGER.info("model path: transformers (%s runs through its own forward: %s)",
@@ -72,6 +74,7 @@ class ModelRunner:
                 _LOGGER.warning("--quantization q8_0: the transformers path serves the weights as they are")
             self.decoder = TransformersDecoder(model.hf_model, device, dtype)
             self.path, self.kernels, self.quantization = "transformers", "torch", "none"
+            self.activations = "float32"
             formats = Counter(FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for p in model.hf_model.parameters())
             ops_name = "torch, in the model's own modules"
         self.cache = KVCache(self.decoder.num_layers, num_pages, self.decoder.num_kv_heads, page_size,
@@ -85,8 +88,8 @@ class ModelRunner:
 
     @classmethod
     def build(cls, config: EngineConfig, model: LoadedModel) -> ModelRunner:
-        """The runner --device, --dtype, --quantization, --threads, --kernels, --max-seq-len,
-        --kv-cache-memory, --kv-page-size and --kv-cache-dtype ask for."""
+        """The runner --device, --dtype, --quantization, --activations, --threads, --kernels,
+        --max-seq-len, --kv-cache-memory, --kv-page-size and --kv-cache-dtype ask for."""
         device, dtype = pick_device(config.device, config.dtype)
         if config.threads > 0:
             torch.set_num_threads(config.threads)
@@ -98,7 +101,7 @@ class ModelRunner:
         num_pages = fit_pages(config, model.hf_model.config, max_seq_len, device, kv_dtype)
         return cls(model, device, dtype, num_pages, max_seq_len, allow_kernels=config.kernels == "auto",
                    weight_dtype=config.dtype, quantization=config.quantization, page_size=config.kv_page_size,
-                   kv_dtype=kv_dtype)
+                   kv_dtype=kv_dtype, activations=config.activations)
 
     @property
     def dtype_name(self) -> str:

@@ -5,7 +5,8 @@
 
 #include "kernels.h"
 
-static const kernels_t *const ISAS[] = {&AVX512_KERNELS, &AVX2_KERNELS}; /* best first */
+static const kernels_t *const ISAS[] = {&AVX512_VNNI_KERNELS, &AVX512_KERNELS, &AVX2_VNNI_KERNELS,
+                                        &AVX2_KERNELS}; /* best first */
 static const kernels_t *K = NULL; /* the selected build; NULL until select_isa */
 
 static int selected(void) {
@@ -39,6 +40,12 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, const char *format, ar
 }
 
 static int check_format(long fmt, long K, const char *who) {
+    if (fmt & F_INT8 && (fmt & ~F_INT8) < F_Q8_0) {
+        PyErr_Format(PyExc_ValueError, "%s: only a quantized format has an int8 path, not format %ld", who,
+                     fmt & ~F_INT8);
+        return -1;
+    }
+    fmt &= ~F_INT8;
     if (fmt < 0 || fmt >= F_FORMATS) {
         PyErr_Format(PyExc_ValueError, "%s: unknown weight format %ld", who, fmt);
         return -1;
@@ -187,7 +194,8 @@ static PyObject *py_select_isa(PyObject *self, PyObject *arg) {
         K = ISAS[i];
         Py_RETURN_NONE;
     }
-    PyErr_Format(PyExc_ValueError, "no kernels for instruction set %R (built: avx512, avx2)", arg);
+    PyErr_Format(PyExc_ValueError, "no kernels for instruction set %R (built: avx512_vnni, avx512, avx2_vnni, avx2)",
+                 arg);
     return NULL;
 }
 
@@ -244,7 +252,7 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
         PyTuple_SET_ITEM(layout, f, Py_BuildValue("(ll)", ROW_BYTES[f], HEAD_BYTES[f]));
     PyObject *fields = names(LAYER_FIELD_NAMES, T_FIELDS), *activations = names(ACTIVATION_NAMES, A_ACTIVATIONS);
     if (!layout || !fields || !activations || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 ||
-        PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 || PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 ||
+        PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 || PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 || PyModule_AddIntConstant(m, "INT8", F_INT8) < 0 ||
         PyModule_AddObjectRef(m, "FORMATS", layout) < 0 || PyModule_AddObjectRef(m, "LAYER_FIELDS", fields) < 0 ||
         PyModule_AddObjectRef(m, "ACTIVATIONS", activations) < 0) {
         Py_XDECREF(layout);

@@ -173,6 +173,7 @@ static float *fp32_panel(int fmt, const uint8_t *panel, long K) {
  * Returns 0, or -1 if a panel buffer could not be allocated. */
 static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                 int accumulate, const float *bias, int threads) {
+    if (fmt & F_INT8) return gemm_int8(x, ldx, w, fmt & ~F_INT8, y, ldy, M, K, N, accumulate, bias, threads);
     const long panels = (N + PANEL - 1) / PANEL, bytes = panel_bytes(fmt, K);
     /* Few rows: short k-blocks keep the weight stream even. Many rows (a prefill): long ones, so
      * the partial sums go through L1 less often (~10% faster at 128+ rows); same sums either way. */

@@ -1,9 +1,11 @@
 /* braid's kernels built for AVX2 + FMA + F16C: 8-float vectors, for the many CPUs without AVX-512
- * (see kernels.h and simd.h). */
+ * (see kernels.h and simd.h); integer dot products by vpmaddubsw + vpmaddwd. */
 #pragma GCC target("avx2,fma,f16c")
 #define VEC 8
+#define VNNI 0
 #include "simd.h"
 #include "weights.c"
+#include "int8.c"
 #include "gemm.c"
 #include "elementwise.c"
 #include "attention.c"

@@ -1,8 +1,11 @@
-/* braid's kernels built for AVX-512: 16-float vectors (see kernels.h and simd.h). */
-#pragma GCC target("avx512f,avx2,fma,f16c")
+/* braid's kernels built for AVX-512 (with BW, for the int8 path's byte operations): 16-float
+ * vectors, integer dot products by vpmaddubsw + vpmaddwd (see kernels.h and simd.h). */
+#pragma GCC target("avx512f,avx512bw,avx2,fma,f16c")
 #define VEC 16
+#define VNNI 0
 #include "simd.h"
 #include "weights.c"
+#include "int8.c"
 #include "gemm.c"
 #include "elementwise.c"
 #include "attention.c"
@@ -10,7 +13,8 @@
 
 static int supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
 }
 
 const kernels_t AVX512_KERNELS = {"avx512", supported, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul, rope,

@@ -21,9 +21,10 @@
  * fixed, so a row's result does not depend on how many other rows share the call: the same token
  * gives the same logits whatever else is in the batch.
  *
- * The same source is compiled twice, for AVX-512 (16-float vectors) and for AVX2 + FMA (8-float
- * vectors): isa_avx512.c and isa_avx2.c each include it under their own target (simd.h). The
- * Python side picks the best the CPU runs (select_isa), or the one BRAID_KERNELS_ISA names.
+ * The same source is compiled four times, for AVX-512 (16-float vectors) and for AVX2 + FMA (8-float
+ * vectors), each with and without the integer dot product (AVX-512 VNNI, AVX-VNNI) the int8 path
+ * uses: isa_avx512*.c and isa_avx2*.c each include it under their own target (simd.h). The Python
+ * side picks the best the CPU runs (select_isa), or the one BRAID_KERNELS_ISA names.
  *
  * The functions take raw pointers (from torch's data_ptr()) and release the GIL while they run;
  * threads come from the OpenMP runtime torch itself loaded, so nothing oversubscribes the cores.
@@ -52,6 +53,14 @@
 enum { F_F32, F_BF16, F_F16, F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K, F_Q4_K, F_FORMATS };
 static const long ROW_BYTES[F_FORMATS] = {128, 64, 64, 32, 16, 16, 32, 16};
 static const long HEAD_BYTES[F_FORMATS] = {0, 0, 0, 64, 64, 128, 256, 256};
+
+/* A quantized format's code with F_INT8 set (kernels.py sets it for --activations int8): each row
+ * of x is quantized to int8 per block of 32 and multiplied with integer dot products (int8.c), and
+ * the weight's blocks are packed for them: a block's 32 rows of quants come in 8 groups of 4 rows,
+ * and a group holds each column's 4 quants in 4 consecutive bytes (Q8_0, Q6_K: column j at byte
+ * 4j of the group's 128; Q4: column j < 16 in the low nibbles of bytes 4j..4j+3 of its 64, column
+ * j + 16 in their high nibbles), the order vpdpbusd and vpmaddubsw read. Same bytes per block. */
+#define F_INT8 0x100
 
 static inline long block_bytes(int fmt) { return HEAD_BYTES[fmt] + QBLOCK * ROW_BYTES[fmt]; }
 /* Bytes of one packed panel of K rows. A quantized format needs K to be a multiple of QBLOCK. */
@@ -121,6 +130,6 @@ typedef struct {
     int (*decode_step)(const step_t *s); /* -1: out of memory */
 } kernels_t;
 
-extern const kernels_t AVX512_KERNELS, AVX2_KERNELS;
+extern const kernels_t AVX512_VNNI_KERNELS, AVX512_KERNELS, AVX2_VNNI_KERNELS, AVX2_KERNELS;
 
 #endif

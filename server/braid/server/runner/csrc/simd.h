@@ -1,6 +1,7 @@
 /*
  * The vector operations the kernels are written in, for one instruction set: VEC = 16 (AVX-512) or
- * 8 (AVX2 + FMA + F16C), set by the isa_*.c file that includes this under its target pragma.
+ * 8 (AVX2 + FMA + F16C), set by the isa_*.c file that includes this under its target pragma, and
+ * VNNI = 1 where the build has the integer dot product (AVX-512 VNNI, AVX-VNNI), else 0.
  *
  * Written by hand, not taken from a SIMD library: the kernels need a dozen operations, and each
  * maps to one or two intrinsics here; a library would add a C++ dependency for that.
@@ -75,6 +76,48 @@ static inline vf vhsum(const vf v[16]) {
                          _mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+
+/* Integer vectors for the int8 path (int8.c): VEC 32-bit lanes, each 4 bytes of 4 rows of k. The
+ * AVX-512 builds need AVX-512BW for byte operations. */
+typedef __m512i vi;
+#define viload(p) _mm512_loadu_si512((const void *)(p))
+#define vizero _mm512_setzero_si512
+#define viset1(v) _mm512_set1_epi32(v)
+#define viadd _mm512_add_epi32
+#define visub _mm512_sub_epi32
+#define vicvt _mm512_cvtepi32_ps
+#define vilo4(v) _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
+#define vihi4(v) _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))
+#define viadd8(v, c) _mm512_add_epi8(v, _mm512_set1_epi8(c))
+/* 4 signed bytes broadcast to every lane */
+static inline vi vibcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+/* acc + the sums of 4 products of unsigned bytes w by signed bytes x, per lane (w <= 127, or w <= 255 with VNNI) */
+#if VNNI
+static inline vi vidot_u8(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#else
+static inline vi vidot_u8(vi acc, vi w, vi x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
+#endif
+/* The same for signed bytes w: with VNNI w + 128 (the caller subtracts 128 sum(x), S8_BIAS),
+ * else |w| times x with w's sign, as llama.cpp does (no 16-bit sum can saturate). */
+#if VNNI
+#define S8_BIAS 128
+static inline vi viprep_s8(vi w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
+static inline vi vidot_s8(vi acc, vi prepared, vi w, vi x) { (void)w; return _mm512_dpbusd_epi32(acc, prepared, x); }
+#else
+#define S8_BIAS 0
+static inline vi viprep_s8(vi w) { return _mm512_abs_epi8(w); }
+static inline vi vidot_s8(vi acc, vi prepared, vi w, vi x) {
+    return vidot_u8(acc, prepared, _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x));
+}
+#endif
+/* fp32 lanes rounded to nearest even, stored as saturated int8 (the lanes are in [-127, 127]) */
+static inline vi vround_i32(vf v) { return _mm512_cvtps_epi32(v); }
+static inline void vistore_i8(int8_t *p, vi v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(v)); }
+#define vihsum _mm512_reduce_add_epi32
+#define vhmax _mm512_reduce_max_ps
+
 #elif VEC == 8
 typedef __m256 vf;
 typedef __m256i vmask;
@@ -133,6 +176,51 @@ static inline vf vhsum(const vf v[8]) {
     const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
+
+/* Integer vectors for the int8 path (int8.c), as for AVX-512 above. */
+typedef __m256i vi;
+#define viload(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vizero _mm256_setzero_si256
+#define viset1(v) _mm256_set1_epi32(v)
+#define viadd _mm256_add_epi32
+#define visub _mm256_sub_epi32
+#define vicvt _mm256_cvtepi32_ps
+#define vilo4(v) _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
+#define vihi4(v) _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))
+#define viadd8(v, c) _mm256_add_epi8(v, _mm256_set1_epi8(c))
+static inline vi vibcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+#if VNNI
+static inline vi vidot_u8(vi acc, vi w, vi x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#else
+static inline vi vidot_u8(vi acc, vi w, vi x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+#endif
+#if VNNI
+#define S8_BIAS 128
+static inline vi viprep_s8(vi w) { return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)); }
+static inline vi vidot_s8(vi acc, vi prepared, vi w, vi x) { (void)w; return _mm256_dpbusd_avx_epi32(acc, prepared, x); }
+#else
+#define S8_BIAS 0
+static inline vi viprep_s8(vi w) { return _mm256_abs_epi8(w); }
+static inline vi vidot_s8(vi acc, vi prepared, vi w, vi x) { return vidot_u8(acc, prepared, _mm256_sign_epi8(x, w)); }
+#endif
+static inline vi vround_i32(vf v) { return _mm256_cvtps_epi32(v); }
+static inline void vistore_i8(int8_t *p, vi v) {
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w, w));
+}
+static inline int vihsum(vi v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+static inline float vhmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
 #else
 #error "VEC must be 8 or 16"
 #endif

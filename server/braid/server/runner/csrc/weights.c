@@ -167,11 +167,17 @@ static void widen_panel(int fmt, const uint8_t *panel, long K, float *out) {
 /* Weight (row r, column c) of a packed panel, dequantized as GGUF's reference does it (d * q, then
  * + m, each rounded; -ffp-contract=off keeps the compiler from fusing them). */
 static float weight_at(int fmt, const uint8_t *panel, long r, long c) {
+    const int interleaved = fmt & F_INT8;
+    fmt &= ~F_INT8;
     const uint8_t *blk = panel + r / QBLOCK * block_bytes(fmt);
     const uint8_t *row = blk + HEAD_BYTES[fmt] + r % QBLOCK * ROW_BYTES[fmt];
+    /* the byte of a quant: column c of the row (a 4-bit column c >= 16 in the high nibble of c - 16) */
+    const long column = ROW_BYTES[fmt] == 16 ? c % 16 : c;
+    const uint8_t *byte = interleaved ? blk + HEAD_BYTES[fmt] + r % QBLOCK / 4 * 4 * ROW_BYTES[fmt] + 4 * column + r % 4
+                                      : row + column;
     const uint16_t *scales = (const uint16_t *)blk;
     const float *wide = (const float *)blk; /* the K-quants' fp32 scales */
-    const float nibble = (float)(c < 16 ? row[c] & 0x0F : row[c - 16] >> 4);
+    const float nibble = (float)(c < 16 ? *byte & 0x0F : *byte >> 4);
     switch (fmt) {
     case F_F32: return ((const float *)row)[c];
     case F_BF16: {
@@ -181,10 +187,10 @@ static float weight_at(int fmt, const uint8_t *panel, long r, long c) {
         return v;
     }
     case F_F16: return _cvtsh_ss(((const uint16_t *)row)[c]);
-    case F_Q8_0: return (float)((const int8_t *)row)[c] * _cvtsh_ss(scales[c]);
+    case F_Q8_0: return (float)(int8_t)*byte * _cvtsh_ss(scales[c]);
     case F_Q4_0: return _cvtsh_ss(scales[c]) * (nibble - 8.0f);
     case F_Q4_1: return _cvtsh_ss(scales[c]) * nibble + _cvtsh_ss(scales[PANEL + c]);
-    case F_Q6_K: return wide[(r % QBLOCK >= QBLOCK / 2 ? PANEL : 0) + c] * (float)((const int8_t *)row)[c];
+    case F_Q6_K: return wide[(r % QBLOCK >= QBLOCK / 2 ? PANEL : 0) + c] * (float)(int8_t)*byte;
     default: return wide[c] * nibble - wide[PANEL + c];
     }
 }
@@ -192,7 +198,7 @@ static float weight_at(int fmt, const uint8_t *panel, long r, long c) {
 /* out[i, :] = column ids[i] of W [K, N]: a lookup in an embedding packed as the LM head. */
 static void columns(const void *w, int fmt, long K, long N, const int64_t *ids, long count, float *out, long ldo) {
     (void)N;
-    const long bytes = panel_bytes(fmt, K);
+    const long bytes = panel_bytes(fmt & ~F_INT8, K);
     for (long i = 0; i < count; i++) {
         const uint8_t *panel = (const uint8_t *)w + ids[i] / PANEL * bytes;
         for (long r = 0; r < K; r++) out[i * ldo + r] = weight_at(fmt, panel, r, ids[i] % PANEL);

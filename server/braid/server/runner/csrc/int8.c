@@ -1,0 +1,198 @@
+/* The int8 path of a quantized matmul (a format code with F_INT8; kernels.h): each row of x is
+ * quantized to 8 bits per block of 32, as llama.cpp's Q8 activations, and multiplied with the CPU's
+ * integer dot products. Compiled once per instruction set.
+ *
+ * A row's block b of 32 values becomes d = max|x| / 127 (fp32), q = round(x / d) in [-127, 127]
+ * and the sum of its q. The dot product of a block with a column of weight quants is exact in
+ * int32; it is folded into the column's fp32 total with both scales, as llama.cpp's
+ * ggml_vec_dot_q4_1_q8_1 does: y += (d_w d) * sum(q_w q) (+ m_w d sum(q) for a min). A row's
+ * quantization and every sum depend on that row alone, and the order is fixed, so a row gets the
+ * same bits alone and in any batch, and in every build (the integer sums are exact everywhere and
+ * the folds are elementwise). */
+
+/* The rows of x quantized: q [M][K] (row stride K), and per row and block its scale d and sum of q. */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *sum;
+    long K, blocks;
+} qrows_t;
+
+static void free_qrows(qrows_t *r) {
+    free(r->q);
+    free(r->d);
+    free(r->sum);
+}
+
+/* Quantizes x [M, K] (row stride ldx; K a multiple of 32) into r. Returns -1 without memory. */
+static int quantize_rows(const float *x, long ldx, long M, long K, qrows_t *r) {
+    r->K = K, r->blocks = K / QBLOCK;
+    r->q = malloc((size_t)(M * K));
+    r->d = malloc(sizeof(float) * M * r->blocks);
+    r->sum = malloc(sizeof(int32_t) * M * r->blocks);
+    if (!r->q || !r->d || !r->sum) {
+        free_qrows(r);
+        return -1;
+    }
+    for (long m = 0; m < M; m++)
+        for (long b = 0; b < r->blocks; b++) {
+            const float *xb = x + m * ldx + b * QBLOCK;
+            vf v[NV], amax = vzero();
+            for (int j = 0; j < NV; j++) amax = vmax(amax, vabs(v[j] = vload(xb + VEC * j)));
+            const float max = vhmax(amax), inv = max > 0.0f ? 127.0f / max : 0.0f;
+            vi sum = vizero();
+            for (int j = 0; j < NV; j++) {
+                const vi q = vround_i32(vmul(v[j], vset1(inv)));
+                vistore_i8(r->q + m * K + b * QBLOCK + VEC * j, q);
+                sum = viadd(sum, q);
+            }
+            r->d[m * r->blocks + b] = max / 127.0f;
+            r->sum[m * r->blocks + b] = vihsum(sum);
+        }
+    return 0;
+}
+
+/* Per 4-row group of an interleaved block, the bytes of its quants; per build, the columns a tile
+ * covers in one pass (32 with AVX-512; 16 with AVX2, whose 16 registers hold no more). */
+#define GROUP_BYTES(fmt) (4 * ROW_BYTES[fmt])
+#define PASS_COLUMNS (2 * VEC)
+#define MAX_ITILE (VEC == 16 ? 6 : 2)
+
+/* The weight quants of 4-row group g of a block, for the columns [c0, c0 + 2 VEC), as unsigned bytes
+ * (Q4_0, Q4_1, Q4_K: 0..15; Q6_K: q - 32 + 32) or, for Q8_0, as they are (w) and prepared (u). */
+INLINE void group_quants(const int fmt, const uint8_t *quants, int g, long c0, vi w[2], vi u[2]) {
+    for (int j = 0; j < 2; j++) {
+        const long c = c0 + VEC * j;
+        if (fmt == F_Q8_0) {
+            w[j] = viload(quants + g * 128 + 4 * c);
+            u[j] = viprep_s8(w[j]);
+        } else if (fmt == F_Q6_K) {
+            u[j] = viadd8(viload(quants + g * 128 + 4 * c), 32);
+        } else {
+            const vi v = viload(quants + g * 64 + 4 * (c % 16));
+            u[j] = c < 16 ? vilo4(v) : vihi4(v);
+        }
+    }
+}
+
+/* What a block's integer sums s (one scale group: the block, or a Q6_K half) add to the totals a,
+ * for columns [c0, c0 + 2 VEC) of row m: (d_w d) (s - bias sum(q)) (+ m_w d sum(q)). */
+INLINE void int8_fold(const int fmt, const uint8_t *blk, int half, long c0, const vi s[2], float d, int32_t qsum,
+                      vf a[2]) {
+    const int bias = fmt == F_Q8_0 ? S8_BIAS : fmt == F_Q4_0 ? 8 : fmt == F_Q6_K ? 32 : 0;
+    const vf dx = vset1(d), mx = vset1(d * (float)qsum);
+    for (int j = 0; j < 2; j++) {
+        const long c = c0 + VEC * j;
+        const vf sf = vicvt(bias ? visub(s[j], viset1(bias * qsum)) : s[j]);
+        switch (fmt) {
+        case F_Q8_0:
+        case F_Q4_0:
+            a[j] = vfmadd(vmul(vcvt_f16(blk + 2 * c), dx), sf, a[j]);
+            break;
+        case F_Q4_1:
+            a[j] = vfmadd(vmul(vcvt_f16(blk + 2 * c), dx), sf, a[j]);
+            a[j] = vfmadd(vcvt_f16(blk + 2 * PANEL + 2 * c), mx, a[j]);
+            break;
+        case F_Q6_K:
+            a[j] = vfmadd(vmul(vload((const float *)blk + half * PANEL + c), dx), sf, a[j]);
+            break;
+        case F_Q4_K:
+            a[j] = vfmadd(vmul(vload((const float *)blk + c), dx), sf, a[j]);
+            a[j] = vfnmadd(vload((const float *)blk + PANEL + c), mx, a[j]);
+            break;
+        }
+    }
+}
+
+/* One tile: MR rows of x (quantized, from row r of q) times columns [c0, c0 + 2 VEC) of an
+ * interleaved panel, every block, stored into y (+ bias, or added to y). */
+INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, const uint8_t *panel, long c0,
+                      float *y, long ldy, int accumulate, const float *bias, long width) {
+    const long bytes = block_bytes(fmt);
+    vf a[MAX_ITILE][2];
+    for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = vzero();
+    for (long b = 0; b < q->blocks; b++) {
+        const uint8_t *blk = panel + b * bytes, *quants = blk + HEAD_BYTES[fmt];
+        const int8_t *xq = q->q + r * q->K + b * QBLOCK;
+        vi s[MAX_ITILE][2];
+        for (int half = 0; half < (fmt == F_Q6_K ? 2 : 1); half++) {
+            for (int m = 0; m < MR; m++) s[m][0] = s[m][1] = vizero();
+            const int g0 = fmt == F_Q6_K ? 4 * half : 0, g1 = fmt == F_Q6_K ? g0 + 4 : 8;
+            for (int g = g0; g < g1; g++) {
+                vi w[2], u[2];
+                group_quants(fmt, quants, g, c0, w, u);
+                for (int m = 0; m < MR; m++) {
+                    const vi xb = vibcast4(xq + m * q->K + 4 * g);
+                    for (int j = 0; j < 2; j++)
+                        s[m][j] = fmt == F_Q8_0 ? vidot_s8(s[m][j], u[j], w[j], xb) : vidot_u8(s[m][j], u[j], xb);
+                }
+            }
+            for (int m = 0; m < MR; m++) {
+                const long at = (r + m) * q->blocks + b;
+                int32_t sum = q->sum[at];
+                if (fmt == F_Q6_K) { /* the half block's sum of q */
+                    sum = 0;
+                    for (int k = 16 * half; k < 16 * half + 16; k++) sum += xq[m * q->K + k];
+                }
+                int8_fold(fmt, blk, half, c0, s[m], q->d[at], sum, a[m]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int j = 0; j < 2; j++) {
+            const long c = c0 + VEC * j;
+            const vmask mask = vmask_n(width - c);
+            vf v = bias ? vadd(a[m][j], vloadm(mask, bias + c)) : a[m][j];
+            if (accumulate) v = vadd(v, vloadm(mask, y + m * ldy + c));
+            vstorem(mask, y + m * ldy + c, v);
+        }
+}
+
+/* The tiles compiled per format and per number of rows. */
+#define ITILE_ROWS(F, MR) \
+    case MR: itile_fmt(F, MR, q, r, panel, c0, y, ldy, accumulate, bias, width); break;
+#if VEC == 16
+#define ITILE_WIDE(F) ITILE_ROWS(F, 3) ITILE_ROWS(F, 4) ITILE_ROWS(F, 5) ITILE_ROWS(F, 6)
+#else
+#define ITILE_WIDE(F)
+#endif
+#define ITILE_FMT(F) switch (rows) { ITILE_ROWS(F, 1) ITILE_ROWS(F, 2) ITILE_WIDE(F) }
+
+static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *panel, long c0, float *y, long ldy,
+                  int accumulate, const float *bias, long width) {
+    switch (fmt) {
+    case F_Q8_0: ITILE_FMT(F_Q8_0); break;
+    case F_Q4_0: ITILE_FMT(F_Q4_0); break;
+    case F_Q4_1: ITILE_FMT(F_Q4_1); break;
+    case F_Q6_K: ITILE_FMT(F_Q6_K); break;
+    case F_Q4_K: ITILE_FMT(F_Q4_K); break;
+    }
+}
+
+/* y[M, N] (+)= x @ W + bias for W packed interleaved in a quantized format (fmt without F_INT8):
+ * the rows quantized once, then each thread walks its panels, all rows in tiles of up to MAX_ITILE
+ * (split evenly: 16 rows are 6 + 5 + 5), the panel read from memory by the first tile and from
+ * cache by the rest. Returns -1 without memory. */
+static int gemm_int8(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
+                     int accumulate, const float *bias, int threads) {
+    qrows_t q;
+    if (quantize_rows(x, ldx, M, K, &q)) return -1;
+    const long panels = (N + PANEL - 1) / PANEL, bytes = panel_bytes(fmt, K);
+    const long tiles = (M + MAX_ITILE - 1) / MAX_ITILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (long p = 0; p < panels; p++) {
+        const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
+        const uint8_t *panel = (const uint8_t *)w + p * bytes;
+        for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS) {
+            long row = 0;
+            for (long t = 0; t < tiles; t++) {
+                const long rows = (M - row + (tiles - t) - 1) / (tiles - t);
+                itile(fmt, (int)rows, &q, row, panel, c0, y + row * ldy + col, ldy, accumulate,
+                      bias ? bias + col : NULL, width);
+                row += rows;
+            }
+        }
+    }
+    free_qrows(&q);
+    return 0;
+}

@@ -1,0 +1,21 @@
+/* braid's kernels built for AVX-512 with VNNI: the AVX-512 build, its integer dot products one
+ * vpdpbusd each (see kernels.h and simd.h). */
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")
+#define VEC 16
+#define VNNI 1
+#include "simd.h"
+#include "weights.c"
+#include "int8.c"
+#include "gemm.c"
+#include "elementwise.c"
+#include "attention.c"
+#include "decode_step.c"
+
+static int supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+const kernels_t AVX512_VNNI_KERNELS = {"avx512_vnni", supported, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul,
+                                       rope, decode_attention, decode_step};
