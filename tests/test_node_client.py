@@ -2,11 +2,12 @@
 
 The CLI streams a generation, cancels it after N tokens (the README's command), and cancels it on
 Ctrl-C; each time the server's ServerStatus shows the session gone and, when cancelled, counted as
-cancelled. It prints log probabilities, n samples, and errors by status name, and constrains the
-output to a choice or a regex. Over two replicas, a stream whose replica is killed mid-way is
-resumed on the other and prints an unbroken run's text. The library's own node:test suite
-(clients/node/test) runs against the same server, and `npm pack` yields a package that loads its
-.proto. node and npm must be on the PATH; `npm ci` installs clients/node/node_modules on first use.
+cancelled. It prints log probabilities, n samples, finish reasons by name and errors in one line as
+braid-client does, and constrains the output to a choice or a regex. Over two replicas, a stream
+whose replica is killed mid-way is resumed on the other and prints an unbroken run's text. The
+library's own node:test suite (clients/node/test) runs against the same server, and `npm pack`
+yields a package that loads its .proto. node and npm must be on the PATH; `npm ci` installs
+clients/node/node_modules on first use.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
+from braid.client import BadRequestError
 from braid.client.client import DEFAULT_OPTIONS, SERVICE_CONFIG
 from conftest import SLOW, start_together, tiny_server
 
@@ -84,8 +87,8 @@ def test_cli_streams_a_generation(node, smol):
     result = run_cli(node, smol, "--max-new-tokens", "4", "--stats", "The capital of France is")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
-    assert "finish_reason: FINISH_REASON_" in result.stderr
-    assert "4 generated tokens" in result.stderr or "FINISH_REASON_EOS" in result.stderr
+    assert re.search(r"^finish_reason: (MAX_TOKENS|EOS) ", result.stderr, re.M), result.stderr  # by name
+    assert "4 generated tokens" in result.stderr or "finish_reason: EOS" in result.stderr
 
 
 def test_cli_cancel_after_n_tokens_as_the_readme_shows(node, smol):
@@ -115,30 +118,40 @@ def test_cli_prints_n_samples_by_index(node, smol):
     assert result.returncode == 0, result.stderr
     assert re.fullmatch(r"--- sample 0 ---\n.+\n--- sample 1 ---\n.+\n", result.stdout, re.S), result.stdout
     for index in (0, 1):  # each sample's own final message, seeded seed + index
-        assert f"[sample {index}] finish_reason: FINISH_REASON_MAX_TOKENS" in result.stderr
+        assert f"[sample {index}] finish_reason: MAX_TOKENS" in result.stderr
         assert f"seed: {1 + index}" in result.stderr
     assert result.stderr.count("4 generated tokens") == 2
 
 
-def test_cli_names_the_status_of_a_bad_request(node, smol):
+def test_a_bad_request_fails_alike_in_both_clients(node, smol):
+    """The server's INVALID_ARGUMENT and its google.rpc.BadRequest: a BadRequestError naming the
+    field in Python (Node's library: test/client.test.js), one line from each command line."""
+    with smol.client() as client, pytest.raises(BadRequestError) as error:
+        client.generate("hello", top_logprobs=50)
+    assert (error.value.field, error.value.description) == ("top_logprobs", "50 is more than 20")
+    line = "invalid argument: top_logprobs: 50 is more than 20\n"
+    assert str(error.value) + "\n" == line
     result = run_cli(node, smol, "--top-logprobs", "50", "hello")
-    assert result.returncode == 1
-    assert result.stderr.startswith("INVALID_ARGUMENT: "), result.stderr
-    assert "top_logprobs" in result.stderr
+    assert (result.returncode, result.stderr) == (1, f"braid-node: {line}")
+    braid_client = Path(sys.executable).parent / "braid-client"
+    python = subprocess.run([braid_client, "--target", smol.target, "--top-logprobs", "50", "hello"],
+                            capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
+    assert (python.returncode, python.stderr) == (1, f"braid-client: {line}")
 
 
 def test_cli_constrains_the_output(node, smol):
     chosen = run_readme_command(node, smol, "--choice")  # --choice yes,no --stats
     assert chosen.returncode == 0, chosen.stderr
     assert chosen.stdout in ("yes\n", "no\n"), chosen.stdout
-    assert "finish_reason: FINISH_REASON_CONSTRAINT" in chosen.stderr
+    assert "finish_reason: CONSTRAINT" in chosen.stderr
     digits = run_cli(node, smol, "--regex", "[0-9]{3}", "--stats", "My lucky number is")
     assert digits.returncode == 0, digits.stderr
     assert re.fullmatch(r"[0-9]{3}\n", digits.stdout), digits.stdout
-    assert "finish_reason: FINISH_REASON_CONSTRAINT" in digits.stderr
+    assert "finish_reason: CONSTRAINT" in digits.stderr
     bad = run_cli(node, smol, "--regex", "(unclosed", "hello")
     assert bad.returncode == 1
-    assert bad.stderr.startswith("INVALID_ARGUMENT: constraint.regex: "), bad.stderr
+    assert bad.stderr.startswith("braid-node: invalid argument: constraint.regex: "), bad.stderr
+    assert bad.stderr.count("\n") == 1, bad.stderr  # one line
 
 
 def test_cli_ctrl_c_cancels_the_stream(node, smol):
@@ -195,7 +208,7 @@ def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny
     stderr = stderr.decode()
     assert proc.returncode == 0, stderr
     assert len(re.findall(r"^\[resumed after (UNAVAILABLE|INTERNAL): ", stderr, re.M)) == 1, stderr
-    assert "finish_reason: FINISH_REASON_MAX_TOKENS" in stderr and "300 generated tokens" in stderr, stderr
+    assert "finish_reason: MAX_TOKENS" in stderr and "300 generated tokens" in stderr, stderr
     assert unbroken.returncode == 0, unbroken.stderr
     assert head + rest == unbroken.stdout
 

@@ -15,9 +15,12 @@
 
 const fs = require('node:fs');
 const { parseArgs } = require('node:util');
-const { Client, channelTarget, describe, isCancelled, loadBraid, enumValues } = require('./index.js');
+const { Client, channelTarget, describe, finishReasonName, fromServiceError, isCancelled, loadBraid, enumValues } =
+  require('./index.js');
 const { choice, grammar, jsonObject, jsonSchema, regex } = require('./index.js'); // a constraint of each kind
 
+const PROG = 'braid-node';
+const EXIT_FAILED = 1; // a call failed
 const EXIT_USAGE = 2;
 const EXIT_INTERRUPTED = 130; // the shell's code for a process ended by SIGINT
 
@@ -293,7 +296,7 @@ function printStats(final, label) {
   const ms = (x) => `${x.toFixed(1)} ms`;
   const stopped = final.stopSequence ? ` (stop sequence ${JSON.stringify(final.stopSequence)})` : '';
   process.stderr.write(
-    `${label}finish_reason: ${final.finishReason}${stopped}  request_id: ${final.requestId}  seed: ${final.seed}\n` +
+    `${label}finish_reason: ${finishReasonName(final.finishReason)}${stopped}  request_id: ${final.requestId}  seed: ${final.seed}\n` +
       `${label}usage: ${usage.promptTokens} prompt tokens (${usage.cachedTokens} from the cache, ` +
       `${usage.truncatedTokens} cut), ${usage.generatedTokens} generated tokens\n` +
       `${label}timings: queue ${ms(timings.queueMs)}, first token ${ms(timings.timeToFirstTokenMs)}, ` +
@@ -369,7 +372,7 @@ function run({ target, request, cancelAfter, stats }) {
     call.on('error', (error) => {
       if (isCancelled(error) && interrupted) finish(EXIT_INTERRUPTED, '[cancelled]');
       else if (isCancelled(error) && cancelledAfter) finish(0, `[cancelled after ${generated} tokens]`);
-      else finish(1, describe(error));
+      else finish(EXIT_FAILED, `${PROG}: ${fromServiceError(error).message}`); // 'braid-node: invalid argument: ...'
     });
   });
 }

@@ -14,9 +14,21 @@
 
 const { Readable } = require('node:stream');
 const grpc = require('@grpc/grpc-js');
+const { fromServiceError } = require('./errors.js');
 
 const SEED_KEY = 'braid-seed';
 const MAX_RESUMES = 3;
+const FINISH_REASON_PREFIX = 'FINISH_REASON_';
+
+/**
+ * A finish reason's name, as both braid clients show it: the FinishReason value without its
+ * prefix ('MAX_TOKENS' for 'FINISH_REASON_MAX_TOKENS'); null for none (UNSPECIFIED, or no message).
+ */
+function finishReasonName(finishReason) {
+  if (finishReason === undefined || finishReason === null || finishReason === 'FINISH_REASON_UNSPECIFIED') return null;
+  const name = String(finishReason);
+  return name.startsWith(FINISH_REASON_PREFIX) ? name.slice(FINISH_REASON_PREFIX.length) : name;
+}
 
 /**
  * Whether a failed stream broke (its server or connection went away) rather than failed. A proxy
@@ -62,6 +74,11 @@ class Generation extends Readable {
     this.#follow(start(request));
   }
 
+  /** The name of the finish reason that ended the stream ('MAX_TOKENS', 'EOS', ...), or null before it. */
+  get finishReason() {
+    return finishReasonName(this.final?.finishReason);
+  }
+
   #follow(call) {
     this.#call = call;
     this.#isCallDone = false;
@@ -87,12 +104,12 @@ class Generation extends Readable {
       if (!isCurrent()) return;
       this.#isCallDone = true;
       if (!this.#isResumable(error)) {
-        this.destroy(error);
+        this.destroy(fromServiceError(error)); // a BraidError by its status (errors.js)
         return;
       }
       this.resumes += 1;
       this.#follow(this.#start(resumedRequest(this.#request, this.#tokenIds, this.#seed)));
-      this.emit('resumed', error);
+      this.emit('resumed', fromServiceError(error));
     });
     call.on('status', (status) => {
       if (isCurrent()) this.emit('status', status);
@@ -114,7 +131,8 @@ class Generation extends Readable {
     callback(error);
   }
 
-  /** Cancels the call, and so the session on the server; the stream then fails with CANCELLED. */
+  /** Cancels the call, and so the session on the server; the stream then fails with CANCELLED
+   * (a CallCancelledError; see isCancelled). */
   cancel() {
     this.#isCancelled = true;
     this.#call.cancel();
@@ -126,4 +144,4 @@ class Generation extends Readable {
   }
 }
 
-module.exports = { Generation, isBroken, resumedRequest, MAX_RESUMES };
+module.exports = { Generation, finishReasonName, isBroken, resumedRequest, MAX_RESUMES };

@@ -13,7 +13,9 @@
  * ships its own copy (`npm pack` copies it in); in the repository it is read from the
  * root's protos/.
  * Field names are camelCase (maxNewTokens, finishReason, tokenIds), enums are
- * their names ('FINISH_REASON_EOS'), and 64-bit integers are decimal strings.
+ * their names ('FINISH_REASON_EOS'), and 64-bit integers are decimal strings. A failed call
+ * fails with a BraidError by its status (errors.js: BadRequestError with the field at fault,
+ * OverloadedError with retryAfter, ...).
  * jsonSchema(), jsonObject(), regex(), choice() and grammar() make a request's
  * constraint: { prompt, constraint: choice(['yes', 'no']) }.
  *
@@ -28,7 +30,10 @@ const net = require('node:net');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
-const { Generation } = require('./generation.js');
+const { Generation, finishReasonName } = require('./generation.js');
+const errors = require('./errors.js');
+
+const { fromServiceError } = errors;
 
 const PROTO_FILE = 'braid/v1/generate.proto';
 const PROTO_DIR = [path.join(__dirname, 'protos'), path.resolve(__dirname, '..', '..', 'protos')].find((dir) =>
@@ -225,7 +230,10 @@ class Client {
     return new Generation((req) => this.stub.Stream(req, this.metadata(), options), request, { resume: this.resume });
   }
 
-  /** Runs a generation to its end: resolves to { text, tokenIds, final }. */
+  /**
+   * Runs a generation to its end: resolves to { text, tokenIds, finishReason, final }, finishReason
+   * the name of final's ('MAX_TOKENS', 'EOS', ...).
+   */
   async generate(request, options) {
     let text = '';
     const tokenIds = [];
@@ -235,13 +243,13 @@ class Client {
       tokenIds.push(...message.tokenIds);
       if (message.finishReason !== 'FINISH_REASON_UNSPECIFIED') final = message;
     }
-    return { text, tokenIds, final };
+    return { text, tokenIds, finishReason: finishReasonName(final?.finishReason), final };
   }
 
   unary(method, request, timeoutMs) {
     return new Promise((resolve, reject) => {
       this.stub[method](request, this.metadata(), Client.callOptions(timeoutMs), (error, response) =>
-        error ? reject(error) : resolve(response),
+        error ? reject(fromServiceError(error)) : resolve(response),
       );
     });
   }
@@ -281,7 +289,7 @@ class Client {
         service,
         this.metadata(),
         Client.callOptions(timeoutMs),
-        (error, status) => (error ? reject(error) : resolve(status)),
+        (error, status) => (error ? reject(fromServiceError(error)) : resolve(status)),
       );
     });
   }
@@ -293,7 +301,8 @@ class Client {
 }
 
 module.exports = {
-  Client, Generation, describe, isCancelled, loadBraid, enumValues, grpc, PROTO_DIR,
+  Client, Generation, describe, isCancelled, finishReasonName, loadBraid, enumValues, grpc, PROTO_DIR,
   channelTarget, SERVICE_CONFIG, DEFAULT_CHANNEL_OPTIONS,
   jsonSchema, jsonObject, regex, choice, grammar,
+  ...errors, // BraidError, BadRequestError, OverloadedError, ..., fromServiceError
 };

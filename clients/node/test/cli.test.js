@@ -174,16 +174,16 @@ test('samples, logprobs, queue position and stats as the CLI prints them', async
   assert.ok(lines.includes('[sample 1] logprobs: 2 tokens, mean -2.250, lowest -3.500'), stderr);
   assert.match(stderr, /^ +7042 " Paris" +-0\.250 +rank 1 +top: 7042 -0\.250, 260 -4\.000$/m);
   assert.match(stderr, /^ +9 " Lyon" +-3\.500 +rank 4 +top: 9 -3\.500, 260 -4\.000$/m);
-  const stopped = '[sample 0] finish_reason: FINISH_REASON_STOP_SEQUENCE (stop sequence ".")  request_id: r1  seed: 7';
+  const stopped = '[sample 0] finish_reason: STOP_SEQUENCE (stop sequence ".")  request_id: r1  seed: 7';
   assert.ok(lines.includes(stopped), stderr);
   assert.ok(lines.includes('[sample 0] usage: 5 prompt tokens (3 from the cache, 1 cut), 2 generated tokens'), stderr);
-  assert.ok(lines.includes('[sample 1] finish_reason: FINISH_REASON_MAX_TOKENS  request_id: r1  seed: 8'), stderr);
+  assert.ok(lines.includes('[sample 1] finish_reason: MAX_TOKENS  request_id: r1  seed: 8'), stderr);
 });
 
-test('an error prints its status name and exits 1; a bad flag value exits 2', async () => {
+test('an error prints one line, its status in words, and exits 1; a bad flag value exits 2', async () => {
   const failed = await cli('--top-logprobs', '50', 'fail');
   assert.equal(failed.code, 1);
-  assert.equal(failed.stderr, 'INVALID_ARGUMENT: top_logprobs: 50 is more than 20\n');
+  assert.equal(failed.stderr, 'braid-node: invalid argument: top_logprobs: 50 is more than 20\n');
   assert.equal(failed.stdout, ''); // reported once, though grpc-js emits 'error' and then 'end'
   const bad = await cli('--logit-bias', 'forty-two', 'hi');
   assert.equal(bad.code, 2);
@@ -198,7 +198,17 @@ test('--choice sends the choices and the stats show finish reason CONSTRAINT', a
   assert.equal(code, 0, stderr);
   assert.deepEqual(received.at(-1).constraint, { choice: { choices: ['yes', 'no'] }, kind: 'choice' });
   assert.equal(stdout, 'yes\n');
-  assert.match(stderr, /^finish_reason: FINISH_REASON_CONSTRAINT {2}request_id: r1/m);
+  assert.match(stderr, /^finish_reason: CONSTRAINT {2}request_id: r1/m);
+});
+
+test('--stats start on a line of their own after the text, stdout and stderr into one pipe', async () => {
+  const { code, stdout, err: stderr } = await new Promise((resolve) => {
+    const command = `"${process.execPath}" "${path.join(__dirname, '..', 'cli.js')}" --target ${target} ` +
+      '--choice yes,no --stats hi 2>&1';
+    execFile('/bin/sh', ['-c', command], (error, out, err) => resolve({ code: error?.code ?? 0, stdout: out, err }));
+  });
+  assert.equal(code, 0, stderr);
+  assert.match(stdout, /^yes\nfinish_reason: CONSTRAINT {2}request_id: r1/);
 });
 
 test('two constraint flags, a bad --grammar-syntax or a missing file exit 2, naming the flags', async () => {

@@ -4,7 +4,7 @@
 
 const assert = require('node:assert/strict');
 const { after, before, test } = require('node:test');
-const { Client, choice, isCancelled, jsonSchema, grpc } = require('../index.js');
+const { BadRequestError, Client, choice, isCancelled, jsonSchema, grpc } = require('../index.js');
 
 const TARGET = process.env.BRAID_TARGET;
 let client;
@@ -96,6 +96,7 @@ test('constraints: a choice and a JSON schema end with FINISH_REASON_CONSTRAINT'
   const answer = await client.generate({ prompt: 'Is the sky blue? Answer:', constraint: choice(['yes', 'no']) });
   assert.ok(['yes', 'no'].includes(answer.text), answer.text);
   assert.equal(answer.final.finishReason, 'FINISH_REASON_CONSTRAINT');
+  assert.equal(answer.finishReason, 'CONSTRAINT'); // the name, as both clients show it
   const schema = {
     type: 'object', additionalProperties: false, required: ['age'],
     properties: { age: { type: 'integer', minimum: 0, maximum: 120 } },
@@ -106,10 +107,16 @@ test('constraints: a choice and a JSON schema end with FINISH_REASON_CONSTRAINT'
   assert.ok(Number.isInteger(JSON.parse(person.text).age), person.text);
 });
 
-test('a bad request is INVALID_ARGUMENT', async () => {
+test('a bad request is INVALID_ARGUMENT: a BadRequestError naming the field of the server\'s BadRequest', async () => {
   await assert.rejects(client.generate({ maxNewTokens: 2 }), (error) => {
     assert.equal(error.code, grpc.status.INVALID_ARGUMENT);
     assert.match(error.details, /prompt/);
+    assert.ok(error instanceof BadRequestError, String(error));
+    assert.equal(error.field, 'prompt');
+    assert.equal(error.details, `${error.field}: ${error.description}`); // braid's details: "field: description"
+    assert.equal(error.message, `invalid argument: ${error.details}`);
     return true;
   });
+  const tooMany = client.generate({ prompt: 'hi', topLogprobs: 50 });
+  await assert.rejects(tooMany, { name: 'BadRequestError', field: 'top_logprobs' });
 });
