@@ -13,7 +13,9 @@ call still succeeds.
 3. a rapid-reset storm: raw HTTP/2 streams (h2) opened and reset at once or soon after;
 4. client processes SIGKILLed in the middle of long streams;
 5. a flood of big prompts and big Tokenize calls beside one small call (load/flood.py);
-6. a client that stops reading: its session is paused, costs nothing, and resumes when it reads.
+6. a client that stops reading: its session is paused, costs nothing, and resumes when it reads;
+7. constraints past the compiler's limits, slow compiles beside small calls, resume_token_ids a
+   constraint forbids, and more calls on one connection than a default client used to get through.
 
 The model is a tiny random Llama with an 8,192-token position table, so a 4,000-token prompt fits
 the server's default --max-seq-len 4096.
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import json
 import random
 import select
 import signal
@@ -425,11 +429,27 @@ def storm(target: str, rng: random.Random, waves: int, per_wave: int) -> dict[st
     return counts
 
 
+@contextlib.contextmanager
+def busy_cores(n: int):
+    """n processes that spin on the CPU while the block runs: a loaded machine, on purpose."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_rapid_reset_storm(servers, mode, record_property):
+    # On a loaded machine one of 116 reset streams once ran on to its 500 tokens: its session was
+    # made after the call had ended, and nothing cancelled it. The storm runs beside two spinning
+    # processes, so the server's threads are slow and preempted at odd moments.
     server = servers(mode)
     before = status(server)
-    counts = storm(server.target, random.Random(2000 + MODES.index(mode)), waves=10, per_wave=30)
+    with busy_cores(2):
+        counts = storm(server.target, random.Random(2000 + MODES.index(mode)), waves=10, per_wave=30)
     record_property("storm", counts)
     after = assert_books_balance(server)
     d = delta(before, after)
@@ -575,3 +595,125 @@ def test_with_grpcs_default_window_an_unread_stream_is_paused_or_absorbed(server
     assert final.finish_reason == pb.FINISH_REASON_MAX_TOKENS
     assert final.usage.generated_tokens == sum(len(m.token_ids) for m in messages) == max_new_tokens
     assert_books_balance(server)
+
+
+# ---- 7. constraints, compiles and one connection's many calls -------------------------------------
+
+def constrained(constraint: pb.Constraint, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="Answer in JSON:", max_new_tokens=kw.pop("max_new_tokens", 8),
+                              constraint=constraint, **kw)
+
+
+def stream_error(server: Server, request: pb.GenerateRequest) -> grpc.RpcError:
+    """The status a raw stub's Stream call ends with (it must end with one)."""
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate_pb2_grpc.GenerateStub(channel).Stream(request, timeout=60))
+    return err.value
+
+
+def assert_field_named(err: grpc.RpcError, code: grpc.StatusCode, field: str) -> None:
+    """The status names the field in its message and in its google.rpc.BadRequest, and all it sends
+    is a few KB: a default client refuses trailers past 8 KB (RESOURCE_EXHAUSTED, retryable)."""
+    from grpc_status import rpc_status
+    from google.rpc import error_details_pb2
+
+    assert err.code() == code, (err.code(), err.details()[:300])
+    assert err.details().startswith(f"{field}: "), err.details()[:300]
+    trailers = sum(len(k) + len(v) for k, v in err.trailing_metadata() or ())
+    assert len(err.details()) <= 1000 and trailers <= 4096, (len(err.details()), trailers)
+    bad = error_details_pb2.BadRequest()
+    rpc_status.from_call(err).details[0].Unpack(bad)
+    assert bad.field_violations[0].field == field
+
+
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + "}}" * 1000
+WIDE_SCHEMA = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}})
+# The wide object one level down, required: the matcher first runs past its limits some tokens in.
+NESTED_WIDE = json.dumps({"type": "object", "properties": {"outer": json.loads(WIDE_SCHEMA)}, "required": ["outer"]})
+
+
+@pytest.mark.parametrize("schema", [DEEP_SCHEMA, WIDE_SCHEMA, NESTED_WIDE], ids=["1000-deep", "500-wide", "nested-wide"])
+def test_a_constraint_past_the_matchers_limits_is_invalid_argument_naming_it(servers, schema):
+    # 1,000 levels got INTERNAL (a RecursionError); 500 optional properties compiled, then failed the
+    # session after its first token with INTERNAL and a 13-64 KB parser dump, which a default client
+    # saw as RESOURCE_EXHAUSTED "received metadata size exceeds limit", counted as a server error.
+    server = servers("continuous")
+    before = status(server)
+    err = stream_error(server, constrained(pb.Constraint(json_schema=schema), max_new_tokens=64))
+    assert_field_named(err, grpc.StatusCode.INVALID_ARGUMENT, "constraint.json_schema")
+    d = delta(before, assert_books_balance(server))
+    assert d["error"] == 0 and d["submitted"] == d["invalid_request"], d  # refused first, or ended as the request's fault
+
+
+def test_resume_token_ids_the_constraint_forbids_are_invalid_argument(servers):
+    # They got INTERNAL "the call's deadline passed" at once, with no deadline involved.
+    server = servers("continuous")
+    comma = server.client().tokenize(",").token_ids[0]
+    err = stream_error(server, constrained(pb.Constraint(regex="[0-9]+"), resume_token_ids=[comma]))
+    assert_field_named(err, grpc.StatusCode.INVALID_ARGUMENT, "resume_token_ids")
+    assert_books_balance(server)
+
+
+@pytest.fixture(scope="module")
+def slow_compiles(long_dir, tmp_path_factory):
+    """A server whose constraints each take 8 s longer to compile, and that queues many calls."""
+    log_path = tmp_path_factory.mktemp("slow-compiles") / "server.log"
+    server = Server(["--model", str(long_dir), "--threads", "1", "--max-queued", "512", "--max-batch-size", "16"],
+                    env={"BRAID_INJECT_FAULT": "compile:8000"}, log_path=log_path)
+    server.log_path = log_path
+    yield server
+    server.stop()
+
+
+def test_compiles_do_not_hold_up_unconstrained_calls(slow_compiles):
+    # Sessions were made on the tokenizer threads, which waited on the compile: while 24 big regexes
+    # compiled, a 2-token call waited up to 4.7 s. Here four calls' compiles take 8 s each, two at a
+    # time; once two are compiling, the small call is made, tokenized and answered while none of
+    # the four has become a session yet.
+    server = slow_compiles
+    before = status(server)
+    regexes = [f"(yes|no){i}" for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool, server.client() as client:
+        pending = [pool.submit(client.generate, "Answer:", max_new_tokens=4, constraint=pb.Constraint(regex=r),
+                               timeout=120) for r in regexes]
+        wait_for(lambda: server.log_path.read_text().count("a compile held") == 2, timeout=60)
+        small = client.generate("hi", max_new_tokens=2, ignore_eos=True, timeout=120)
+        assert small.usage.generated_tokens == 2
+        assert status(server).sessions_submitted == before.sessions_submitted + 1, "the small call waited"
+        assert all(f.result().usage.generated_tokens >= 1 for f in pending)
+    assert delta(before, assert_books_balance(server))["submitted"] == 5
+
+
+def test_more_calls_than_the_default_streams_limit_once_got_through_on_one_channel(slow_compiles):
+    # With --max-concurrent-streams 100, a grpcio aio channel's 150 concurrent Streams got 37
+    # UNAVAILABLE (RST_STREAM REFUSED_STREAM) and 100 Streams beside 100 Aborts lost 19 Aborts:
+    # gRPC's clients do not reliably queue calls past the server's limit.
+    server = slow_compiles
+    before = status(server)
+
+    async def run() -> list[str]:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = generate_pb2_grpc.GenerateStub(channel)
+
+            async def stream(i: int) -> str:
+                request = pb.GenerateRequest(prompt=f"call {i}", max_new_tokens=16, ignore_eos=True,
+                                             request_id=f"many-{i}")
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    return f"stream {[m async for m in stub.Stream(request, timeout=120)][-1].finish_reason}"
+                return "stream failed"
+
+            async def abort(i: int) -> str:
+                try:
+                    await stub.Abort(pb.AbortRequest(request_ids=[f"many-{i}"]), timeout=120)
+                    return "abort OK"
+                except grpc.aio.AioRpcError as exc:
+                    return f"abort {exc.code().name}"
+
+            return await asyncio.gather(*[stream(i) for i in range(150)], *[abort(i) for i in range(150)])
+
+    outcomes = asyncio.run(run())
+    assert outcomes.count("abort OK") == 150, sorted(set(outcomes))
+    assert sum(o.startswith("stream") and o != "stream failed" for o in outcomes) == 150, sorted(set(outcomes))
+    assert_books_balance(server, timeout=60)
+    assert delta(before, status(server))["submitted"] >= 150

@@ -104,6 +104,9 @@ class EngineConfig:
     constraint_compile_timeout: float = field(default=5.0, **_opt(
         "seconds a request's constraint (GenerateRequest.constraint) may take to compile; past it the "
         "request gets INVALID_ARGUMENT"))
+    constraint_cache_memory: str = field(default="256MiB", **_opt(
+        "memory the compiled constraints kept for reuse may hold, as bytes with a unit (an entry holds from "
+        "tens of KB to tens of MB); past it the least recently used are dropped"))
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(), **_opt(
         "where converted models are kept"))
 
@@ -127,6 +130,8 @@ class EngineConfig:
             raise SettingError("kv_page_size", self.kv_page_size, "expected a multiple of 16")
         _not_negative(self, "threads", "max_wait_ms", "batch_max_wait_ms")
         _positive(self, "constraint_compile_timeout")
+        if parse_memory(self.constraint_cache_memory, "constraint_cache_memory")[1]:
+            raise SettingError("constraint_cache_memory", self.constraint_cache_memory, "expected bytes with a unit")
 
 
 @dataclass
@@ -145,9 +150,11 @@ class ServerConfig:
         "require `authorization: Bearer <key>` metadata on every braid call (health stays open)"))
     max_message_bytes: int = field(default=4 * 1024 * 1024, **_opt(
         "largest request message accepted"))
-    max_concurrent_streams: int = field(default=100, **_opt(
-        "most calls one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); "
-        "a client queues the rest"))
+    max_concurrent_streams: int = field(default=1024, **_opt(
+        "most calls one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS). "
+        "Calls past it are refused with UNAVAILABLE (RST_STREAM REFUSED_STREAM: never started, safe to retry; "
+        "gRPC's clients do not reliably queue them). The work itself is bounded by --max-sessions and "
+        "--max-queued, whose excess gets RESOURCE_EXHAUSTED"))
     metrics_port: int = field(default=0, **_opt(
         "serve Prometheus metrics on http://<metrics-host>:<port>/metrics (0: off); they need no API key"))
     metrics_host: str | None = field(default=None, **_opt(
@@ -207,17 +214,18 @@ class LogConfig:
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_memory(text: str) -> tuple[float, bool]:
-    """'4GiB' -> (4 * 2**30, False); '0.5' -> (0.5, True): a fraction of free memory."""
+def parse_memory(text: str, name: str = "kv_cache_memory") -> tuple[float, bool]:
+    """'4GiB' -> (4 * 2**30, False); '0.5' -> (0.5, True): a fraction of free memory. name: the
+    setting it is, for errors."""
     raw = text.strip().lower()
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = raw[len(number):].strip()
     try:
         value = float(number)
     except ValueError:
-        raise SettingError("kv_cache_memory", text, "expected bytes with a unit or a fraction") from None
+        raise SettingError(name, text, "expected bytes with a unit or a fraction") from None
     if unit not in _UNITS or value <= 0:
-        raise SettingError("kv_cache_memory", text, "expected e.g. 4GiB, 512MB or 0.5")
+        raise SettingError(name, text, "expected e.g. 4GiB, 512MB or 0.5")
     if not unit and value <= 1:
         return value, True
     return value * _UNITS[unit], False

@@ -240,7 +240,7 @@ def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.Serv
             max_tokens=f[FinishReason.MAX_TOKENS], eos=f[FinishReason.EOS],
             stop_sequence=f[FinishReason.STOP_SEQUENCE], stop_token=f[FinishReason.STOP_TOKEN],
             cancelled=f[FinishReason.CANCELLED], deadline=f[FinishReason.DEADLINE], error=f[FinishReason.ERROR],
-            constraint=f[FinishReason.CONSTRAINT]),
+            constraint=f[FinishReason.CONSTRAINT], invalid_request=f[FinishReason.INVALID_REQUEST]),
         forward_passes=stats.forward_passes, uptime_seconds=uptime_s,
         mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name),
         sessions_submitted=stats.sessions_submitted, sessions_paused=stats.sessions_paused,

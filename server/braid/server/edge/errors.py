@@ -20,9 +20,24 @@ from braid.server.edge.wire import invalid_utf8_field
 from braid.server.engine.types import EngineUnavailable, InvalidArgument, Overloaded
 
 _LOGGER = logging.getLogger(__name__)
+# The most characters of a status message (and of a field's description) braid sends: a default
+# gRPC client takes at most 8 KB of trailers, and past that it sees RESOURCE_EXHAUSTED "received
+# metadata size exceeds limit" instead of braid's status; the message goes there twice (grpc-message
+# and, in the details, grpc-status-details-bin).
+MAX_MESSAGE_CHARS = 1000
+
+
+def capped(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 1] + "…"
+
+
+def status(code: grpc.StatusCode, message: str) -> grpc.Status:
+    """A plain status: a code and its message (capped)."""
+    return _status(code.value[0], message)
 
 
 def _status(code: int, message: str, *details) -> grpc.Status:
+    message = capped(message)
     packed = []
     for d in details:
         any_msg = any_pb2.Any()
@@ -33,7 +48,7 @@ def _status(code: int, message: str, *details) -> grpc.Status:
 
 def status_for(exc: Exception) -> grpc.Status:
     if isinstance(exc, InvalidArgument):
-        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
+        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=capped(exc.description))
         return _status(code_pb2.INVALID_ARGUMENT, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(exc, Overloaded):
         delay = duration_pb2.Duration()

@@ -15,10 +15,11 @@ import grpc
 
 from braid.server.config import ServerConfig
 from braid.server.edge import convert
+from braid.server.edge.errors import abort_with, status, status_for
 from braid.server.edge.lanes import TokenizerLanes
 from braid.server.edge.orca import LoadReporter
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Delta, FinishReason, GenerationRequest, InvalidArgument, Queued
+from braid.server.engine.types import Delta, Finished, FinishReason, GenerationRequest, InvalidArgument, Queued
 from braid.server.telemetry import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
@@ -52,11 +53,12 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         req = convert.request_from_pb(request, self._config.default_max_new_tokens,
                                       self._engine.info.vocab_size, context.time_remaining())
         self._load.count_call()
-        handles = await self._submit(req)
         # However the call ends (the client cancels, resets the stream or vanishes, at any await
-        # below or none), its sessions go with it: this runs when the RPC terminates, even if this
-        # generator is never resumed. A no-op once a session has finished.
-        context.add_done_callback(lambda _: [h.cancel(_cancel_reason(req)) for h in handles])
+        # below or none, before its sessions exist or after), its sessions go with it: the
+        # callback runs when the RPC terminates, even if this generator is never resumed.
+        call = _CallSessions(req)
+        context.add_done_callback(call.end)
+        handles = await self._submit(req, call)
         tracing.on_session(handles[0], self._engine.info.mode)
         entries = [(h, _credentials(context)) for h in handles]
         self._by_request_id.setdefault(req.request_id, []).extend(entries)
@@ -70,42 +72,42 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                     message.index = index
                 if handle.finished is not None:
                     tracing.on_finished(handle)
-                    failure = _failure_status(handle.finished.reason, context)
+                    failure = _failure_status(handle.finished, context)
                     if failure is not None:
                         if message.text or message.token_ids:
                             yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids,
                                                       index=message.index)
-                        await context.abort(failure, handle.finished.error or "the call's deadline passed")
+                        await abort_with(context, failure)
                     self._trailers(context, *_timing_metadata(message.timings),
                                    ("braid-cached-tokens", str(message.usage.cached_tokens)))
                 yield message
         except asyncio.CancelledError:
             # The client closed the stream (or its deadline passed): free the sessions now.
-            for h in handles:
-                h.cancel(_cancel_reason(req))
+            call.end()
             raise
         finally:
+            call.end()  # a no-op for the sessions that finished; covers a generator closed early
             calls = self._by_request_id.get(req.request_id, [])
-            for h, entry in zip(handles, entries):
-                h.cancel()  # a no-op once finished; covers a generator closed early
+            for entry in entries:
                 if entry in calls:
                     calls.remove(entry)
             if not calls:
                 self._by_request_id.pop(req.request_id, None)
 
-    async def _submit(self, req: GenerationRequest) -> list[SessionHandle]:
-        # The place in the queue is taken here, before the call waits for a tokenizer thread.
-        ticket = self._engine.admission.admit(req.prompt, req.messages,
-                                              truncated=req.params.truncate_input_tokens > 0)
-        future = self._tokenizers.run(ticket, self._engine.admission.submit, req, asyncio.get_running_loop())
+    async def _submit(self, req: GenerationRequest, call: _CallSessions) -> list[SessionHandle]:
+        admission = self._engine.admission
+        # The place in the queue is taken here, before the call waits for a compile or a tokenizer thread.
+        ticket = admission.admit(req.prompt, req.messages, truncated=req.params.truncate_input_tokens > 0)
         try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # Cancelled while the prompt was being tokenized: cancel the session once it exists, as
-            # a deadline if that is why.
-            future.add_done_callback(lambda f: f.exception() is None
-                                     and [h.cancel(_cancel_reason(req)) for h in f.result()])
+            matcher = await self._tokenizers.compile(admission.compile, req) if req.constraint else None
+        except BaseException:
+            ticket.release()
             raise
+        future = self._tokenizers.run(ticket, admission.submit, req, asyncio.get_running_loop(), matcher)
+        # The call learns of its sessions on the event loop as soon as they exist, whether or not
+        # this coroutine is still there to take them (cancelled while the prompt was tokenized).
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or call.adopt(f.result()))
+        return await asyncio.shield(future)
 
     @staticmethod
     def _message(batch, handle: SessionHandle) -> pb.GenerateResponse:
@@ -206,14 +208,45 @@ def _cancel_reason(req: GenerationRequest) -> FinishReason:
     return FinishReason.DEADLINE if deadline_passed else FinishReason.CANCELLED
 
 
-def _failure_status(reason: FinishReason, context) -> grpc.StatusCode | None:
-    """An engine error ends the call with INTERNAL; a passed gRPC deadline with DEADLINE_EXCEEDED.
-    Every other end, the request's own timeout_ms included, is a normal final message."""
-    if reason is FinishReason.ERROR:
-        return grpc.StatusCode.INTERNAL
+class _CallSessions:
+    """A Stream call's sessions, cancelled with the call however and whenever it ends. Made before
+    any session can exist, and told of each on the event loop, as `end` is: so whichever comes
+    first, the call's end or its sessions, every session is cancelled, with no window between the
+    two (under load a reset stream once left its session running to max_new_tokens)."""
+
+    def __init__(self, req: GenerationRequest) -> None:
+        self._req = req
+        self._handles: list[SessionHandle] = []
+        self._ended = False
+
+    def adopt(self, handles: list[SessionHandle]) -> None:
+        self._handles.extend(handles)
+        if self._ended:
+            self._cancel()
+
+    def end(self, *_) -> None:
+        """The call is over (any arguments: grpc's done callback passes the context)."""
+        self._ended = True
+        self._cancel()
+
+    def _cancel(self) -> None:
+        reason = _cancel_reason(self._req)
+        for h in self._handles:
+            h.cancel(reason)  # a no-op once finished
+
+
+def _failure_status(finished: Finished, context) -> grpc.Status | None:
+    """How a session that failed ends its call: an engine error with INTERNAL, a request found
+    impossible while it ran with INVALID_ARGUMENT naming the field, a passed gRPC deadline with
+    DEADLINE_EXCEEDED; each with its own message. Every other end, the request's own timeout_ms
+    included, is a normal final message."""
+    if finished.reason is FinishReason.ERROR:
+        return status(grpc.StatusCode.INTERNAL, finished.error or "the engine failed")
+    if finished.reason is FinishReason.INVALID_REQUEST:
+        return status_for(InvalidArgument(finished.error_field or "request", finished.error or "cannot be carried out"))
     remaining = context.time_remaining()
-    if reason is FinishReason.DEADLINE and remaining is not None and remaining <= 0.05:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if finished.reason is FinishReason.DEADLINE and remaining is not None and remaining <= 0.05:
+        return status(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
     return None
 
 

@@ -1,7 +1,9 @@
-"""Admission: a call's place in the queue, its prompt tokenized and checked, its session made.
+"""Admission: a call's place in the queue, its constraint compiled, its prompt tokenized and
+checked, its session made.
 
-Runs on the event loop (`admit`, cheap) and on tokenizer threads (`submit`, `tokenize`); hands
-sessions to the model thread through the `enqueue` callable it is given.
+Runs on the event loop (`admit`, cheap), on the constraint lane (`compile`: a compile can take
+seconds, so it never holds up the tokenizer threads) and on tokenizer threads (`submit`,
+`tokenize`); hands sessions to the model thread through the `enqueue` callable it is given.
 """
 
 from __future__ import annotations
@@ -62,12 +64,26 @@ class Admission:
                                       f"is at least {at_least} tokens; the context length is {self.max_seq_len}")
         return Ticket(self.books, size)
 
-    def submit(self, ticket: Ticket, request: GenerationRequest,
-               loop: asyncio.AbstractEventLoop) -> list[SessionHandle]:
+    def compile(self, request: GenerationRequest) -> object:
+        """The request's constraint compiled into a matcher for its first session (None without
+        one). Raises InvalidArgument naming the field. Blocking: call it off the event loop, and
+        off the tokenizer threads."""
+        if request.constraint is None:
+            return None
+        self._faults.before_compile()
+        matcher = self.grammars.matcher(request.constraint)
+        _check_resumed(request, matcher, self.tokenizer.eos_token_ids)
+        return matcher
+
+    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+               matcher: object = None) -> list[SessionHandle]:
         """Tokenizes, checks and queues the request's `n` sessions (sample i seeded seed + i); gives
-        the ticket back whatever happens. Blocking (tokenization): call it off the event loop."""
+        the ticket back whatever happens. matcher: compile(request)'s, for a request with a
+        constraint. Blocking (tokenization): call it off the event loop."""
+        if (matcher is None) != (request.constraint is None):
+            raise ValueError("a request with a constraint is submitted with its compiled matcher")
         try:
-            first = self._session(request, loop)
+            first = self._session(request, loop, matcher)
             sessions = [first] + [self._fork(first, i, loop) for i in range(1, request.n)]
             ticket.release(submitted=len(sessions))  # counted before the model thread can finish them
         finally:
@@ -99,7 +115,7 @@ class Admission:
         finally:
             ticket.release()
 
-    def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Session:
+    def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, matcher: object) -> Session:
         prompt_ids, truncated = self._encode(request)
         params = self._fit(request, prompt_ids)
         resumed = request.resume_token_ids
@@ -123,7 +139,7 @@ class Admission:
             cache_salt=request.cache_salt, truncated_tokens=truncated,
             bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else (),
             prompt_scores=[] if params.prompt_logprobs else None,
-            matcher=self.grammars.matcher(request.constraint) if request.constraint else None)
+            matcher=matcher, constraint_field=request.constraint.field if request.constraint else "")
 
     def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""
@@ -174,3 +190,17 @@ class Admission:
                                                     f"that fit after a {n}-token prompt "
                                                     f"(context length {self.max_seq_len})")
         return params
+
+
+def _check_resumed(request: GenerationRequest, matcher, eos_token_ids: Sequence[int]) -> None:
+    """resume_token_ids must be output the constraint allows: walked in a copy of the matcher as
+    the model thread will replay them (a stop token or a completing end-of-sequence ends them)."""
+    if not request.resume_token_ids:
+        return
+    walk = matcher.deep_copy()
+    for i, token in enumerate(request.resume_token_ids):
+        if token in request.params.stop_token_ids or (token in eos_token_ids and walk.is_accepting()):
+            return
+        if not walk.consume_token(token):
+            raise InvalidArgument("resume_token_ids", f"token {i} ({token}) is not output the request's constraint "
+                                                      "allows after the ones before it")

@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from braid.server.config import EngineConfig
+from braid.server.config import EngineConfig, parse_memory
 from braid.server.engine.admission import Admission
 from braid.server.engine.books import Books
 from braid.server.engine.faults import FaultInjector
-from braid.server.engine.grammars import Grammars
+from braid.server.engine.grammars import Grammars, short
 from braid.server.engine.observer import EngineObserver, NoObserver
 from braid.server.engine.output import Output
 from braid.server.engine.pages import Pages
@@ -89,7 +89,8 @@ class Engine:
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
         self.grammars = Grammars(tokenizer.hf_tokenizer, tokenizer.eos_token_ids, runner.vocab_size,
-                                 config.constraint_compile_timeout)
+                                 config.constraint_compile_timeout,
+                                 int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]))
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
         threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()
         self.faults = FaultInjector.from_env()
@@ -270,7 +271,10 @@ class Engine:
                 self.scheduler.add(msg.session)
                 reason = self.output.replay(msg.session)
                 if reason is not None:  # the resumed tokens had ended it already
-                    self._finish(msg.session, reason)
+                    if reason is FinishReason.INVALID_REQUEST:  # admission checks them first: a backstop
+                        self._finish(msg.session, reason, constraint_failure(msg.session), "resume_token_ids")
+                    else:
+                        self._finish(msg.session, reason)
             elif isinstance(msg, _Abort) and msg.session_id == ALL_SESSIONS:
                 for session in list(self._sessions.values()):
                     self._finish(session, msg.reason)
@@ -317,16 +321,22 @@ class Engine:
             if s.first_token is None:
                 s.first_token = now
             reason = self.output.add_token(s, sampled.token, sampled.logprob)
-            if reason is FinishReason.ERROR:  # only a constraint's matcher refuses a token
-                self._finish(s, reason, f"constraint: {s.matcher.get_error() or 'token not allowed'}")
+            if reason is FinishReason.INVALID_REQUEST:  # only a constraint's matcher refuses a token
+                self._finish(s, reason, constraint_failure(s), s.constraint_field)
             elif reason is not None:
                 self._finish(s, reason)
 
-    def _finish(self, s: Session, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, s: Session, reason: FinishReason, error: str | None = None, field: str | None = None) -> None:
+        """Ends a session; error: why (ERROR, INVALID_REQUEST), field: the request field at fault."""
         if s.status is SessionStatus.FINISHED:
             return
         self.scheduler.remove(s)
         self._sessions.pop(s.id, None)
         self._num_finished += 1
-        self.observer.on_finish(self.output.finish(s, reason, error))
+        self.observer.on_finish(self.output.finish(s, reason, error, field))
         self.books.finish(reason, active=len(self.scheduler.running), cache=self._cache_stats())
+
+
+def constraint_failure(s: Session) -> str:
+    """Why a session's constraint refused a token, short enough for a gRPC status."""
+    return "goes past the constraint engine's limits: " + short(s.matcher.get_error() or "a token was refused")

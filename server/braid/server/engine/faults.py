@@ -4,18 +4,21 @@
 sessions must fail); `thread:<id>` kills the model thread itself (the server must turn NOT_SERVING and
 exit non-zero); `delay:<ms>` makes every forward pass take <ms> longer, a slow model, so a test's
 stream outlasts its deadline or grace period however fast the machine; `tokenize:<ms>` makes every
-request's tokenization take <ms> longer, so a call can end while its prompt is being tokenized.
+request's tokenization take <ms> longer, so a call can end while its prompt is being tokenized;
+`compile:<ms>` makes every request's constraint take <ms> longer to compile (a slow compile).
 Unset, it costs one attribute check per pass.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 ENV = "BRAID_INJECT_FAULT"
+_LOGGER = logging.getLogger(__name__)
 
 
 class InjectedFault(RuntimeError):
@@ -38,11 +41,11 @@ class FaultInjector:
         if not spec:
             return cls()
         where, _, value = spec.partition(":")
-        if where in ("delay", "tokenize"):
+        if where in ("delay", "tokenize", "compile"):
             return cls(where, delay_s=float(value) / 1000)
         if where not in ("pass", "thread"):
-            raise ValueError(f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms> or "
-                             "tokenize:<ms>")
+            raise ValueError(f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms>, "
+                             "tokenize:<ms> or compile:<ms>")
         return cls(where, int(value))
 
     def _hit(self, work: Sequence) -> bool:
@@ -50,6 +53,11 @@ class FaultInjector:
 
     def before_tokenize(self) -> None:
         if self.where == "tokenize":
+            time.sleep(self.delay_s)
+
+    def before_compile(self) -> None:
+        if self.where == "compile":
+            _LOGGER.info("%s: a compile held for %g s", ENV, self.delay_s)  # a test can see it started
             time.sleep(self.delay_s)
 
     def before_pass(self, work: Sequence) -> None:

@@ -50,8 +50,8 @@ class Output:
         if matcher is not None:  # the constraint decides where the output may end, and advances
             if token in self.eos_token_ids and matcher.is_accepting():
                 return FinishReason.CONSTRAINT
-            if not matcher.consume_token(token):
-                return FinishReason.ERROR
+            if not matcher.consume_token(token):  # past llguidance's limits: the request's fault
+                return FinishReason.INVALID_REQUEST
         elif token in self.eos_token_ids and not p.ignore_eos:
             return FinishReason.EOS
         s.detokenizer.add(token)
@@ -63,13 +63,15 @@ class Output:
             return FinishReason.MAX_TOKENS
         return None
 
-    def finish(self, s: Session, reason: FinishReason, error: str | None) -> Finished:
+    def finish(self, s: Session, reason: FinishReason, error: str | None,
+               error_field: str | None = None) -> Finished:
         """The session's last events. Whatever the reason, the text so far goes out: the tail held
         back in case it began a stop string, and tokens not yet delivered (a deadline ends the
         stream "with the text so far")."""
         self._delta(s, s.detokenizer.take(final=True))
         finished = Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
-                            timings=_timings(s), error=error, cached_tokens=s.cached_tokens or 0,
+                            timings=_timings(s), error=error, error_field=error_field,
+                            cached_tokens=s.cached_tokens or 0,
                             stop_sequence=s.detokenizer.stop_sequence, truncated_tokens=s.truncated_tokens)
         self._outbox.append((s.handle, finished))
         return finished

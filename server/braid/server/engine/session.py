@@ -47,6 +47,7 @@ class Session:
     # sent with the first token; None when not asked for, or sent
     prompt_scores: list | None = None
     matcher: object = None  # its constraint's llguidance matcher (engine/grammars.py), or None
+    constraint_field: str = ""  # the request field its constraint came in (constraint.regex, ...)
     resumed: list[int] = field(default_factory=list)  # resume_token_ids, replayed when the model thread takes it
 
     def banned_by_bad_words(self) -> list[int]:

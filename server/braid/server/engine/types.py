@@ -25,6 +25,7 @@ class FinishReason(enum.Enum):
     DEADLINE = 6
     ERROR = 7
     CONSTRAINT = 8  # the output completely matches its constraint
+    INVALID_REQUEST = 9  # the request proved impossible once it ran (Finished.error_field names the field)
 
 
 class InvalidArgument(ValueError):
@@ -145,6 +146,7 @@ class Finished:
     generated_tokens: int
     timings: Timings
     error: str | None = None
+    error_field: str | None = None  # INVALID_REQUEST: the request field at fault
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     stop_sequence: str = ""  # the stop string that ended it (reason STOP_SEQUENCE)
     truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
