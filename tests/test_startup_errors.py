@@ -128,3 +128,18 @@ def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, flag):
         elapsed = time.monotonic() - started
     assert_one_line(out, f"{flag} {busy}", f"127.0.0.1:{busy}", "address already in use")
     assert elapsed < 10, f"{elapsed:.1f} s: the model was loaded first?"  # loading alone takes longer
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "yes please", ""])
+def test_a_boolean_that_is_not_one_is_refused_naming_it(value):
+    # BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS=ture was read as false, silently.
+    out = braid("serve", env={"BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS": value}, timeout=60)
+    assert_usage_error(out, f"BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS={value}", "--keepalive-permit-without-calls",
+                       "invalid boolean value")
+    out = braid("serve", "--keepalive-permit-without-calls", value or "''", timeout=60)
+    assert_usage_error(out, "--keepalive-permit-without-calls", "invalid boolean value")
+
+
+@pytest.mark.parametrize("value", ["0.5", "lots"])
+def test_a_constraint_cache_size_that_is_not_bytes_is_refused(value):
+    assert_usage_error(braid("serve", "--constraint-cache-memory", value, timeout=60), "--constraint-cache-memory")

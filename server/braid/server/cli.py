@@ -47,8 +47,20 @@ def _converter(kind):
     if kind in (int, float, Path):
         return kind
     if kind is bool:
-        return lambda v: str(v).lower() in ("1", "true", "yes", "on")
+        return boolean
     return str
+
+
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def boolean(text: str) -> bool:
+    """true/false, 1/0, yes/no, on/off (any case); anything else is an error naming the flag or
+    variable, never a silent false (BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS=ture was read as false)."""
+    try:
+        return _BOOLEANS[str(text).strip().lower()]
+    except KeyError:
+        raise ValueError(text) from None
 
 
 def _version() -> str:
