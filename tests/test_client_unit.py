@@ -8,12 +8,15 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -699,3 +702,77 @@ def test_a_stream_cut_by_the_network_or_a_proxy_counts_as_broken_and_a_server_er
     assert is_broken(Failed(grpc.StatusCode.UNKNOWN, "Stream removed (Data frame with END_STREAM flag received)"))
     assert not is_broken(Failed(grpc.StatusCode.INTERNAL, "forward pass failed: boom"))
     assert not is_broken(Failed(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set prompt or messages"))
+
+
+STORY = [11, 12, 13, 14, 15, 16]  # the token ids of the one generation the fake replica knows
+CUTS = [  # how its first calls break, as HAProxy ends a stream whose replica died
+    (grpc.StatusCode.UNKNOWN, "Stream removed (Data frame with END_STREAM flag received)"),
+    (grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"),
+]
+
+
+class Story(generate_pb2_grpc.GenerateServicer):
+    """Serves STORY as braid does, from the request's resume_token_ids on, its seed in the headers;
+    the first len(CUTS) calls break two messages in."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+
+    def Stream(self, request: pb.GenerateRequest, context: Context) -> Iterator[pb.GenerateResponse]:
+        self.requests.append(request)
+        context.send_initial_metadata((("braid-seed", "42"),))
+        rest = STORY[len(request.resume_token_ids):]
+        for i, token in enumerate(rest):
+            if i == 2 and len(self.requests) <= len(CUTS):
+                context.abort(*CUTS[len(self.requests) - 1])
+            reason = pb.FINISH_REASON_MAX_TOKENS if i == len(rest) - 1 else pb.FINISH_REASON_UNSPECIFIED
+            yield pb.GenerateResponse(text=f"t{token} ", token_ids=[token], seed=42, finish_reason=reason)
+
+
+@pytest.fixture
+def story() -> Iterator[tuple[Story, str]]:
+    servicer = Story()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def _raw_client_section() -> str:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
+    return docs[docs.index("### A raw gRPC client"):docs.index("**Load reports.**")]
+
+
+def test_the_deployment_docs_retry_policy_for_raw_clients_is_the_clients_own() -> None:
+    from braid.client.client import SERVICE_CONFIG
+
+    (config,) = re.findall(r"```json\n(.*?)```", _raw_client_section(), re.S)
+    assert json.loads(config) == SERVICE_CONFIG
+
+
+def test_a_raw_stub_sees_a_proxys_cut_and_the_deployment_docs_recipe_resumes_it(story: tuple[Story, str]) -> None:
+    """docs/deployment.md's raw-client recipe, run as written: a plain stub fails with the status a
+    proxy gives a stream whose replica died; the recipe, and braid's Client, read one unbroken story."""
+    servicer, target = story
+    section = _raw_client_section()
+    (recipe,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    namespace: dict[str, object] = {}
+    exec(compile(textwrap.dedent(recipe), "docs/deployment.md", "exec"), namespace)
+    with grpc.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        with pytest.raises(grpc.RpcError) as raw:
+            list(stub.Stream(pb.GenerateRequest(prompt="hi", resume_token_ids=[11])))
+        assert (raw.value.code(), raw.value.details()) == CUTS[0]
+        servicer.requests.clear()
+        stream = namespace["stream"]
+        assert callable(stream)
+        messages = list(stream(stub, pb.GenerateRequest(prompt="hi", resume_token_ids=[11])))
+    assert [t for m in messages for t in m.token_ids] == STORY[1:]
+    assert [(list(r.resume_token_ids), r.seed) for r in servicer.requests] == [
+        ([11], 0), ([11, 12, 13], 42), ([11, 12, 13, 14, 15], 42),  # each after the request's own
+    ]
+    servicer.requests.clear()
+    with Client(target) as client, client.stream("hi") as generation:
+        assert [t for m in generation for t in m.token_ids] == STORY and generation.resumes == 2
