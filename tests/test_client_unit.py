@@ -27,8 +27,8 @@ from grpc_status import rpc_status
 
 from braid.client import (AsyncClient, AsyncGeneration, BadRequestError, BraidError, CallCancelledError, Client,
                           DeadlineExceededError, GenerateParams, InternalError, NotFoundError, OverloadedError,
-                          PermissionDeniedError, UnauthenticatedError, UnavailableError, cli, describe)
-from braid.client.generation import finish_reason_name
+                          PermissionDeniedError, UnauthenticatedError, UnavailableError, cli, describe,
+                          finish_reason_name)
 from braid.client.request import PARAMS, build_request, build_tokenize_request
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc

@@ -13,7 +13,7 @@ from braid.client.client import AsyncClient, Client
 from braid.client.errors import (BadRequestError, BraidError, CallCancelledError, DeadlineExceededError, InternalError,
                                  NotFoundError, OverloadedError, PermissionDeniedError, UnauthenticatedError,
                                  UnavailableError, describe, from_rpc_error)
-from braid.client.generation import AsyncGeneration, Completion, Generation
+from braid.client.generation import AsyncGeneration, Completion, Generation, finish_reason_name
 from braid.client.request import (GenerateParams, build_request, build_tokenize_request, choice, grammar, json_object,
                                   json_schema, regex)
 
@@ -38,6 +38,7 @@ __all__ = [
     "build_tokenize_request",
     "choice",
     "describe",
+    "finish_reason_name",
     "from_rpc_error",
     "grammar",
     "json_object",
