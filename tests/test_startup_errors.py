@@ -99,6 +99,56 @@ def test_a_checkpoint_missing_a_tensor(tiny_dir, tmp_path):
                     "model.layers.1.mlp.down_proj.weight is not in the file")
 
 
+def _spoil(folder, how: str) -> None:
+    """Damages a copy of the tiny model as a hostile or broken download would."""
+    import json
+    import struct
+
+    if how == "tokenizer not UTF-8":
+        (folder / "tokenizer.json").write_bytes(b'\xff\xfe{"version"')
+    elif how == "config field of the wrong type":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
+    else:  # the weights: a tensor's shape past its bytes, or the file cut in half
+        path = folder / "model.safetensors"
+        data = path.read_bytes()
+        if how == "weights truncated":
+            path.write_bytes(data[:len(data) // 2])
+            return
+        size = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + size])
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["shape"][0] *= 2
+        raw = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + size:])
+
+
+@pytest.mark.parametrize("how, file", [("tokenizer not UTF-8", "tokenizer.json"),
+                                       ("config field of the wrong type", "config.json"),
+                                       ("weights shape past their bytes", "model.safetensors"),
+                                       ("weights truncated", "model.safetensors")])
+def test_a_damaged_model_file_is_named_in_the_one_line(tiny_dir, tmp_path, how, file):
+    # These said a bare "UnicodeDecodeError: ..." or "SafetensorError: ...", naming no file.
+    import shutil
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(tiny_dir, folder)
+    _spoil(folder, how)
+    assert_one_line(braid("serve", "--model", str(folder), "--port", "0"), f"--model {folder}: cannot read", file)
+
+
+def test_a_truncated_gguf_file_is_named_in_the_one_line(tmp_path):
+    # It said "ValueError: cannot reshape array of size 1214336 into shape (49152,612)".
+    from braid.server.model.loader import embedded_gguf
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(embedded_gguf().read_bytes()[:3_000_000])
+    out = braid("serve", "--model", str(cut), "--port", "0", "--cache-dir", str(tmp_path / "cache"))
+    # the log says the conversion began; the failure is the one line after it
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines(out.stderr)[-1].startswith(f"braid: error: --model {cut}: cannot read cut.gguf: "), out.stderr
+
+
 def test_a_hub_id_the_hub_cannot_provide():
     closed = f"http://127.0.0.1:{free_port()}"
     out = braid("serve", "--model", "someorg/somemodel", env={"HF_ENDPOINT": closed, "HF_HOME": "/nonexistent-hf-home"})

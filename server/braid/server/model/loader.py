@@ -36,6 +36,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 CONVERSION_VERSION = 2
 BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices, as the file has them
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # The steps of a first conversion, each weighed by the seconds it took for the embedded model (two
 # CPUs): most of it is gguf-py and transformers parsing the file's 49,152-token vocabulary again.
 CONVERSION_STEPS = {"tokenizer": 6, "weights": 16, "saving": 1, "quantized blocks": 21}
@@ -116,15 +117,16 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
 
     progress.quiet_libraries()
     steps = {"tokenizer": 1, "weights": 2} | ({"quantized blocks": 1} if gguf is not None else {})
+    shown = name if model is None else model
     with progress.Steps(f"loading {name}", steps, bar=local_only) as bar, _from_hub(model, local_only):
-        _check_architecture(name, source, local_only)
-        with bar.step("tokenizer"):
+        with _reading(shown, source, ("config.json",)):
+            _check_architecture(name, source, local_only)
+        with bar.step("tokenizer"), _reading(shown, source, TOKENIZER_FILES):
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-        with bar.step("weights"):
+        with bar.step("weights"), _reading(shown, source, WEIGHT_FILES):
             # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
             # matrix's format from it and the --dtype and --quantization flags.
-            hf_model = _complete_model(name if model is None else model, "checkpoint", source,
-                                       local_files_only=local_only, dtype="auto")
+            hf_model = _complete_model(shown, "checkpoint", source, local_files_only=local_only, dtype="auto")
             hf_model.eval()
         formats = {n: FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for n, p in hf_model.named_parameters()}
         blocks: dict[str, Blocks] = {}
@@ -192,6 +194,25 @@ def _from_cache_only(hub_id: str) -> bool:
 
 def _first_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+@contextlib.contextmanager
+def _reading(name: str, source: str, files: tuple[str, ...]) -> Iterator[None]:
+    """A file that is not what it claims to be (bytes that are not UTF-8, a tensor shorter than
+    its shape, a truncated GGUF) fails the start in one line naming the model, the files being
+    read and what the reader said, instead of a bare `UnicodeDecodeError` or `cannot reshape`."""
+    try:
+        yield
+    except SettingError:
+        raise
+    except Exception as exc:
+        folder = Path(source)
+        present = [f for f in files if (folder / f).exists()] if folder.is_dir() else []
+        shards = sorted(p.name for p in folder.glob("*.safetensors")) if "model.safetensors" in files and \
+            folder.is_dir() else []
+        what = ", ".join(dict.fromkeys(present + shards)) or ", ".join(files)
+        reason = " ".join(line.strip() for line in str(exc).splitlines()[:3] if line.strip())[:300]
+        raise SettingError("model", name, f"cannot read {what}: {type(exc).__name__}: {reason}") from exc
 
 
 @contextlib.contextmanager
@@ -288,7 +309,8 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        with progress.Steps(f"converting {gguf.name}", CONVERSION_STEPS) as bar, progress.gguf_bar_off():
+        with progress.Steps(f"converting {gguf.name}", CONVERSION_STEPS) as bar, progress.gguf_bar_off(), \
+                _reading(str(gguf), str(gguf.parent), (gguf.name,)):
             with bar.step("tokenizer"):
                 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             with bar.step("weights"):
