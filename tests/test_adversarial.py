@@ -629,8 +629,20 @@ def assert_field_named(err: grpc.RpcError, code: grpc.StatusCode, field: str) ->
 
 DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + "}}" * 1000
 WIDE_SCHEMA = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}})
-# The wide object one level down, required: the matcher first runs past its limits some tokens in.
-NESTED_WIDE = json.dumps({"type": "object", "properties": {"outer": json.loads(WIDE_SCHEMA)}, "required": ["outer"]})
+
+
+def _required_in(schema: str, *names: str) -> str:
+    """schema as the value of required properties nested `names` deep."""
+    value = json.loads(schema)
+    for name in reversed(names):
+        value = {"type": "object", "properties": {name: value}, "required": [name]}
+    return json.dumps(value)
+
+
+# The wide object one level down: the matcher first runs past its limits six tokens in.
+NESTED_WIDE = _required_in(WIDE_SCHEMA, "outer")
+# After 40 letters: past what the compile-time probe walks, so the stream starts first.
+LETTERS_THEN_WIDE = "start: /[a-z]{40}/ obj\nobj: %json " + WIDE_SCHEMA
 
 
 @pytest.mark.parametrize("schema", [DEEP_SCHEMA, WIDE_SCHEMA, NESTED_WIDE], ids=["1000-deep", "500-wide", "nested-wide"])
@@ -644,6 +656,24 @@ def test_a_constraint_past_the_matchers_limits_is_invalid_argument_naming_it(ser
     assert_field_named(err, grpc.StatusCode.INVALID_ARGUMENT, "constraint.json_schema")
     d = delta(before, assert_books_balance(server))
     assert d["error"] == 0 and d["submitted"] == d["invalid_request"], d  # refused first, or ended as the request's fault
+
+
+def test_a_constraint_that_goes_past_the_limits_mid_stream_ends_it_with_invalid_argument(servers):
+    server = servers("continuous")
+    before = status(server)
+    received = []
+    with grpc.insecure_channel(server.target) as channel:
+        call = generate_pb2_grpc.GenerateStub(channel).Stream(
+            constrained(pb.Constraint(grammar=pb.Grammar(syntax=pb.GRAMMAR_SYNTAX_LARK, text=LETTERS_THEN_WIDE)),
+                        max_new_tokens=64), timeout=60)
+        with pytest.raises(grpc.RpcError) as err:
+            for message in call:
+                received.append(message.text)
+    assert received, "refused before the stream: this test is for the failure mid-stream"
+    assert_field_named(err.value, grpc.StatusCode.INVALID_ARGUMENT, "constraint.grammar.text")
+    assert "limits" in err.value.details()
+    d = delta(before, assert_books_balance(server))
+    assert d["submitted"] == d["invalid_request"] == 1 and d["error"] == 0, d
 
 
 def test_resume_token_ids_the_constraint_forbids_are_invalid_argument(servers):
