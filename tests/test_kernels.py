@@ -202,6 +202,15 @@ def test_an_embedding_lookup_reads_an_int8_packed_head_exactly(isa, fmt):
     assert torch.equal(CpuKernelOps(isa.isa, activations="int8").linear(weight, None).columns(ids), reference[ids])
 
 
+def test_activations_auto_runs_int8_where_the_kernels_run():
+    """--activations: auto and int8 run the int8 path in braid's kernels; float32, and torch's ops
+    (which have no int8 path), run float32 rows."""
+    assert pick_ops(CPU, torch.float32, activations="auto").activations == ("int8" if ISAS else "float32")
+    assert pick_ops(CPU, torch.float32, activations="int8").activations == ("int8" if ISAS else "float32")
+    assert pick_ops(CPU, torch.float32, activations="float32").activations == "float32"
+    assert pick_ops(CPU, torch.float32, allow_kernels=False, activations="int8").activations == "float32"
+
+
 def test_only_a_quantized_format_has_an_int8_path(isa):
     layer = CpuKernelOps(isa.isa, activations="int8").linear(torch.randn(40, 64), None)
     assert not layer.int8 and layer.code == kernels.FORMAT_CODES["f32"]

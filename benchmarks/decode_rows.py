@@ -1,0 +1,66 @@
+"""One decode pass of the embedded model in process, at 16 rows and at 1, for each --activations
+and plain fp32 weights: the median and the best of --passes, without gRPC or the engine, so that
+a shared machine's noise shows less than in an end-to-end run.
+
+    .venv/bin/python benchmarks/decode_rows.py [--rows 16 1] [--passes 40] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from braid.server.model.loader import default_cache_dir, load
+from braid.server.runner.model_runner import ModelRunner
+from braid.server.runner.rows import Row, Sampling
+
+SIDES = {"int8": dict(activations="int8"), "float32": dict(activations="float32"),
+         "fp32": dict(activations="float32", quantization="none")}
+PAGES = 8  # pages of 16 per row: room for a 40-token prompt and the passes
+
+
+def pass_times(runner: ModelRunner, rows: int, passes: int) -> list[float]:
+    sampling = Sampling()
+    tables = [list(range(b * PAGES, (b + 1) * PAGES)) for b in range(rows)]
+    for b, table in enumerate(tables):
+        runner.run([Row(pages=table, start=0, token_ids=[(13 * i + b) % 1000 + 5 for i in range(40)], sample=False,
+                        sampling=sampling, rng=None, is_prompt=True)])
+    times = []
+    for step in range(passes):
+        batch, _, _ = runner._build([Row(pages=table, start=40 + step, token_ids=[100 + step], sample=True,
+                                         sampling=sampling, rng=None) for table in tables])
+        start = time.perf_counter()
+        runner.decoder.forward(batch, runner.cache)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", type=int, default=[16, 1])
+    parser.add_argument("--passes", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load(None, default_cache_dir())
+    print(f"{args.threads} threads; ms per decode pass, median (best) of {args.passes}")
+    print("| rows | " + " | ".join(SIDES) + " | float32 / int8 | fp32 / int8 |")
+    print("|---:|" + "---:|" * (len(SIDES) + 2))
+    for rows in args.rows:
+        median = {}
+        cells = []
+        for side, flags in SIDES.items():
+            runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=PAGES * max(args.rows),
+                                 max_seq_len=2048, **flags)
+            times = pass_times(runner, rows, args.passes)
+            median[side] = statistics.median(times)
+            cells.append(f"{median[side] * 1e3:.1f} ({min(times) * 1e3:.1f})")
+        print(f"| {rows} | " + " | ".join(cells) + f" | {median['float32'] / median['int8']:.2f} | "
+              f"{median['fp32'] / median['int8']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
