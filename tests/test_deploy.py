@@ -567,7 +567,15 @@ def image_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            capture_output=True, text=True, timeout=900, check=False)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = dist.glob("braid_llm_server-*.whl")
+    (dist / "build.log").write_text(built.stdout + built.stderr)
     return wheel
+
+
+def test_the_image_wheel_builds_without_a_warning(image_wheel: Path) -> None:
+    log = (image_wheel.parent / "build.log").read_text()
+    # The build backend's warnings (setuptools' deprecations), not the C compiler's.
+    warnings = [line.strip() for line in log.splitlines() if re.search(r"\w+Warning\b|deprecated", line)]
+    assert not warnings, "\n".join(warnings)
 
 
 def test_the_image_wheel_carries_braids_kernels(image_wheel: Path) -> None:
