@@ -172,7 +172,22 @@ def build_engine(config: EngineConfig, model=None):
     _check_device(config.device)  # before the model loads: a missing device fails at once
     model = model or load(config.model, config.cache_dir)
     runner = ModelRunner.build(config, model)
-    return Engine(config, runner, Tokenizer(model.hf_tokenizer, model.eos_token_ids), model.name, model.architecture)
+    tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
+    return Engine(config, runner, tokenizer, describe(config, runner, tokenizer, model.name, model.architecture))
+
+
+def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str):
+    """What ModelInfo reports: the model, the runner that runs it, and the settings in force."""
+    from braid.server.engine.types import ModelInfo
+
+    return ModelInfo(
+        model_name=model_name, architecture=architecture, context_length=runner.max_seq_len,
+        vocab_size=runner.vocab_size, dtype=runner.dtype_name, device=str(runner.device), mode=config.mode,
+        max_batch_size=min(config.max_batch_size, config.max_sessions), eos_token_ids=tokenizer.eos_token_ids,
+        has_chat_template=tokenizer.has_chat_template, parameters=runner.num_parameters,
+        weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
+        quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
+        prefix_caching=config.prefix_caching == "on", runner=runner.path, activations=runner.activations)
 
 
 def _check_device(device: str) -> None:

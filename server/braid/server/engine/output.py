@@ -13,7 +13,8 @@ from braid.server.engine.types import Delta, Event, Finished, FinishReason, Queu
 
 
 class Output:
-    """Model thread only, but for `flush`'s hand-over to the event loops."""
+    """Model thread only. Its events are taken once a step (`take`) and handed to the sessions'
+    event loops by `deliver`."""
 
     def __init__(self, eos_token_ids: Sequence[int], max_seq_len: int) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -95,22 +96,25 @@ class Output:
         s.handle.note_emitted(len(s.pending_ids))
         s.pending_ids, s.pending_logprobs = [], []
 
-    def flush(self) -> None:
-        """Hands this step's events to the event loops: one wake-up per loop per step."""
-        if not self._outbox:
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[SessionHandle, Event]]] = {}
-        for handle, event in self._outbox:
-            by_loop.setdefault(handle.loop, []).append((handle, event))
-        self._outbox = []
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+    def take(self) -> list[tuple[SessionHandle, Event]]:
+        """The events made since the last take, in order."""
+        events, self._outbox = self._outbox, []
+        return events
 
 
-def _deliver(items: list[tuple[SessionHandle, Event]]) -> None:
+def deliver(events: list[tuple[SessionHandle, Event]]) -> None:
+    """Hands a step's events to their sessions' event loops: one wake-up per loop per step."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[SessionHandle, Event]]] = {}
+    for handle, event in events:
+        by_loop.setdefault(handle.loop, []).append((handle, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_push, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _push(items: list[tuple[SessionHandle, Event]]) -> None:
     for handle, event in items:
         handle.push(event)
 

@@ -127,6 +127,14 @@ class ModelRunner:
     def kv_dtype_name(self) -> str:
         return str(self.cache.dtype).removeprefix("torch.")
 
+    @property
+    def num_pages(self) -> int:
+        return self.cache.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
     @staticmethod
     def random_state(sampling: Sampling, skip: int = 0) -> object:
         """A sequence's random state for Row.rng, made once per sequence; `skip` draws already

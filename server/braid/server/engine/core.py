@@ -1,0 +1,229 @@
+"""The engine's core: synchronous and deterministic. Sessions go in (`add`, `abort`), one `step`
+runs one forward pass, and the events it made come out:
+
+    work = scheduler.schedule(now)          # who runs, with how many tokens
+    tokens = runner.run(rows(work))         # one forward pass
+    self._postprocess(work, tokens)         # stop rules, text, events
+
+It owns the scheduler, the KV cache's pages, the output and the books' model-thread side. It has
+no thread, no inbox and no event loop: engine/engine.py runs it on the model thread, and the tests
+run it with a scripted runner (tests/unit/engine_fakes.py), a step at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from braid.server.config import EngineConfig
+from braid.server.engine.books import Books
+from braid.server.engine.faults import FaultInjector
+from braid.server.engine.grammars import short
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.observer import EngineObserver, NoObserver
+from braid.server.engine.output import Output
+from braid.server.engine.pages import Pages
+from braid.server.engine.ports import Runner
+from braid.server.engine.scheduler import Scheduler, Work
+from braid.server.engine.session import Session, SessionStatus
+from braid.server.engine.types import Event, FinishReason
+from braid.server.runner.rows import Row, Sampled
+
+_LOGGER = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.5  # the longest an idle loop blocks (on the main thread, that is when signals run)
+
+
+@dataclass
+class Step:
+    """What one step did: whether it ran a forward pass, and the events it made, in order."""
+
+    ran: bool
+    events: list[tuple[SessionHandle, Event]] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books,
+                 faults: FaultInjector = FaultInjector()) -> None:
+        self.runner = runner
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_seq_len = runner.max_seq_len
+        self.pages = Pages(runner.num_pages, runner.page_size, config.prefix_caching == "on")
+        self.scheduler = Scheduler(config, self.pages)
+        self.output = Output(self.eos_token_ids, self.max_seq_len)
+        self.books = books
+        self.faults = faults
+        self.observer: EngineObserver = NoObserver()
+        self.sessions: dict[int, Session] = {}
+        self._num_added = 0  # sessions added
+        self._num_finished = 0  # and of those, finished
+        self._num_preemptions = 0
+        self._books_off: tuple[int, int, int] | None = None
+
+    # ---- sessions in --------------------------------------------------------------------------
+
+    def add(self, session: Session) -> None:
+        """Queues a session (a resumed one replays its delivered tokens first, and may end there)."""
+        self.sessions[session.id] = session
+        self._num_added += 1
+        self.scheduler.add(session)
+        reason = self.output.replay(session)
+        if reason is FinishReason.INVALID_REQUEST:  # admission checks them first: a backstop
+            self._finish(session, reason, constraint_failure(session), "resume_token_ids")
+        elif reason is not None:  # the resumed tokens had ended it already
+            self._finish(session, reason)
+
+    def abort(self, session_id: int, reason: FinishReason) -> None:
+        """Ends a session with `reason` before the next pass; a no-op for one that has ended."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            self._finish(session, reason)
+
+    def abort_all(self, reason: FinishReason, error: str | None = None) -> None:
+        """Ends every session with `reason` (and `error`)."""
+        for session in list(self.sessions.values()):
+            self._finish(session, reason, error)
+
+    def take_events(self) -> list[tuple[SessionHandle, Event]]:
+        """The events made outside a step (by add and abort), in order."""
+        return self.output.take()
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self, now: float | None = None) -> Step:
+        """Expires deadlines, pauses sessions whose clients do not read, schedules, runs at most one
+        forward pass and takes its tokens; then checks the books."""
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        paused = self._pause_backlogged()
+        work = self.scheduler.schedule(now)  # sessions it admits start unpaused
+        self._report_queue(now)
+        self._num_preemptions += len(self.scheduler.take_preempted())
+        self.books.set_running(len(self.scheduler.running), paused, self._cache_stats())
+        if work:
+            self._forward(work, now)
+        self.check_books()
+        return Step(ran=bool(work), events=self.output.take())
+
+    def idle_wait(self, now: float) -> float:
+        """How long the loop may wait for news when nothing can run: until a batch should start, the
+        next deadline passes, or at most IDLE_WAIT_S."""
+        waits = [IDLE_WAIT_S]
+        hint = self.scheduler.wait_hint(now)
+        if hint is not None:
+            waits.append(hint)
+        waits += [s.deadline - now for s in self.sessions.values() if s.deadline is not None]
+        return max(0.0, min(waits))
+
+    def _expire(self, now: float) -> None:
+        for session in list(self.sessions.values()):
+            if session.deadline is not None and now >= session.deadline:
+                self._finish(session, FinishReason.DEADLINE)
+
+    def _pause_backlogged(self) -> int:
+        """A session whose client has not taken MAX_UNSENT_TOKENS of its output sits out the passes
+        (keeping its slot) until the client reads: a client that never reads costs no compute.
+        Returns how many are paused."""
+        for s in self.scheduler.running:
+            s.paused = s.handle.is_backlogged()
+        return sum(s.paused for s in self.scheduler.running)
+
+    def _report_queue(self, now: float) -> None:
+        """Queue positions for the waiting sessions that asked (interactive ones first, as admitted)."""
+        for position, s in enumerate(self.scheduler.waiting_in_order(), start=1):
+            if s.params.report_queue:
+                self.output.queued(s, position, now)
+
+    def _cache_stats(self) -> dict[str, int]:
+        pages = self.pages
+        return dict(prompt_tokens_cached=self.scheduler.num_cached_tokens, preemptions=self._num_preemptions,
+                    kv_evictions=pages.num_evictions, kv_pages_total=pages.num_pages, kv_pages_used=pages.num_used,
+                    kv_pages_cached=pages.num_cached, kv_page_tokens=pages.page_size)
+
+    def _forward(self, work: list[Work], now: float) -> None:
+        for w in work:
+            if w.session.started is None:
+                w.session.started = now
+        self.faults.before_pass(work)
+        try:
+            self.faults.inside_pass(work)
+            tokens = self.runner.run([self._row(w) for w in work])
+        except Exception as exc:  # a failed pass ends only the sessions that were in it
+            _LOGGER.exception("forward pass failed")
+            for w in work:
+                self._finish(w.session, FinishReason.ERROR, f"forward pass failed: {exc}")
+        else:
+            self._postprocess(work, tokens)
+
+    def _row(self, w: Work) -> Row:
+        s, p = w.session, w.session.params
+        start = s.num_cached
+        end = start + w.num_tokens
+        banned: tuple[int, ...] = ()
+        if s.num_generated < p.min_new_tokens and s.matcher is None:  # a constraint says where it may end
+            banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
+        if s.bad_words and end == len(s.token_ids):
+            banned += tuple(s.banned_by_bad_words())
+        sample = end == len(s.token_ids)
+        return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=sample,
+                   sampling=s.sampling, rng=s.rng, history=s.token_ids, num_prompt=s.num_prompt, banned=banned,
+                   is_prompt=s.is_prefilling, targets=s.prompt_targets(start, end),
+                   matcher=s.matcher if sample else None)
+
+    def _postprocess(self, work: list[Work], tokens: list[Sampled | None]) -> None:
+        now = time.monotonic()
+        num_tokens = sum(w.num_tokens for w in work)
+        self.books.count_pass(sum(w.num_tokens for w in work if w.session.is_prefilling),
+                              sum(t is not None for t in tokens))
+        self.observer.on_pass(len(work), num_tokens)
+        for w, sampled in zip(work, tokens):
+            s = w.session
+            if sampled is not None and sampled.targets and s.prompt_scores is not None:
+                del s.prompt_scores[s.num_cached:]  # scored again after a preemption
+                s.prompt_scores.extend(sampled.targets)
+            self.scheduler.computed(s, w.num_tokens)
+            if sampled is None or sampled.token is None:
+                continue
+            if s.first_token is None:
+                s.first_token = now
+            reason = self.output.add_token(s, sampled.token, sampled.logprob)
+            if reason is FinishReason.INVALID_REQUEST:  # only a constraint's matcher refuses a token
+                self._finish(s, reason, constraint_failure(s), s.constraint_field)
+            elif reason is not None:
+                self._finish(s, reason)
+
+    def _finish(self, s: Session, reason: FinishReason, error: str | None = None, field: str | None = None) -> None:
+        """Ends a session; error: why (ERROR, INVALID_REQUEST), field: the request field at fault."""
+        if s.status is SessionStatus.FINISHED:
+            return
+        self.scheduler.remove(s)
+        self.sessions.pop(s.id, None)
+        self._num_finished += 1
+        self.observer.on_finish(self.output.finish(s, reason, error, field))
+        self.books.finish(reason, active=len(self.scheduler.running), cache=self._cache_stats())
+
+    # ---- the books ---------------------------------------------------------------------------
+
+    def books_balance(self) -> tuple[int, int, int]:
+        """(0, 0, 0) while every session added is waiting, running or finished, exactly one of them,
+        and no KV-cache page is held with none running; else how far off each is."""
+        held, waiting, running = len(self.sessions), self.scheduler.num_waiting, len(self.scheduler.running)
+        pages_held = 0 if running else self.pages.num_used
+        return held - waiting - running, self._num_added - held - self._num_finished, pages_held
+
+    def check_books(self) -> None:
+        """Cheap (a few lengths), so it runs after every step; a violation is a bug in braid, logged
+        loudly (once per distinct imbalance)."""
+        balance = self.books_balance()
+        if balance != (0, 0, 0) and balance != self._books_off:
+            held, waiting, running = len(self.sessions), self.scheduler.num_waiting, len(self.scheduler.running)
+            _LOGGER.error("BOOKS DO NOT BALANCE: %d sessions held, %d waiting + %d running; %d added, %d finished; "
+                          "%d KV-cache pages held with no session running", held, waiting, running,
+                          self._num_added, self._num_finished, balance[2])
+        self._books_off = balance if balance != (0, 0, 0) else None
+
+
+def constraint_failure(s: Session) -> str:
+    """Why a session's constraint refused a token, short enough for a gRPC status."""
+    return "goes past the constraint engine's limits: " + short(s.matcher.get_error() or "a token was refused")

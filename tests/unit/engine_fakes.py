@@ -1,0 +1,139 @@
+"""Fakes that drive the engine core in process, in milliseconds, as vLLM's tests/v1/core/utils.py
+drives its scheduler: a scripted runner behind the engine's Runner port, a tokenizer whose text is
+its token ids, and `Harness`, which makes sessions through the real admission and steps the core.
+
+Text is token ids: "5 6 7" tokenizes to [5, 6, 7], and token 9 decodes to " 9".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Sequence
+
+from braid.server.config import EngineConfig
+from braid.server.engine.admission import Admission
+from braid.server.engine.books import Books
+from braid.server.engine.core import EngineCore
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.types import Delta, Event, Finished, GenerationRequest, Message, SamplingParams
+from braid.server.runner.rows import Row, Sampled, Sampling
+
+EOS = 2
+
+
+class ScriptedRunner:
+    """The Runner port, scripted: every row that samples gets `next_token(row)` (default: its last
+    token + 1, skipping EOS). Records each pass's rows in `passes`."""
+
+    def __init__(self, num_pages: int = 256, page_size: int = 16, max_seq_len: int = 512, vocab_size: int = 1000,
+                 next_token: Callable[[Row], int] | None = None) -> None:
+        self.num_pages, self.page_size, self.max_seq_len, self.vocab_size = num_pages, page_size, max_seq_len, vocab_size
+        self.next_token = next_token or _count_up
+        self.passes: list[list[Row]] = []
+
+    def random_state(self, sampling: Sampling, skip: int = 0) -> object:
+        return None
+
+    def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
+        self.passes.append(list(rows))
+        return [Sampled(self.next_token(row)) if row.sample else None for row in rows]
+
+
+def _count_up(row: Row) -> int:
+    token = (row.token_ids[-1] + 1) % 1000
+    return token + 1 if token == EOS else token
+
+
+class NumberTokenizer:
+    """Text is token ids separated by spaces; engine/tokenizer.py's interface."""
+
+    eos_token_ids = (EOS,)
+    has_chat_template = False
+    hf_tokenizer = None
+
+    def min_tokens(self, text_bytes: int) -> int:
+        return 0
+
+    def encode(self, prompt: str | None, messages: Sequence[Message]) -> list[int]:
+        return [int(t) for t in (prompt or " ".join(m.content for m in messages)).split()]
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        return self.encode(None, messages)
+
+    def encode_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self.encode(w, ())) for w in words)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(f" {t}" for t in token_ids)
+
+    def pieces(self, token_ids: Sequence[int]) -> list[str]:
+        return [self.decode([t]) for t in token_ids]
+
+
+class Harness:
+    """An EngineCore over a ScriptedRunner, with sessions made by the real Admission."""
+
+    def __init__(self, runner: ScriptedRunner | None = None, **config) -> None:
+        self.runner = runner or ScriptedRunner()
+        self.config = EngineConfig(**{"max_wait_ms": 0, **config})
+        self.books = Books(self.config.max_queued)
+        self.core = EngineCore(self.config, self.runner, NumberTokenizer.eos_token_ids, self.books)
+        self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
+        self.admission = Admission(NumberTokenizer(), self.runner.max_seq_len, self.books, self.runner.random_state,
+                                   grammars=None, enqueue=self.core.add, abort=self.core.abort, wake=lambda: None,
+                                   is_open=lambda: None)
+        self.events: dict[int, list[Event]] = {}
+        self.now = time.monotonic()  # the core's clock, advanced by step(): sessions arrive on the real one
+
+    def close(self) -> None:
+        self.loop.close()
+
+    def submit(self, prompt: str, n: int = 1, resume: Sequence[int] = (), deadline: float | None = None,
+               **params) -> list[SessionHandle]:
+        """A request queued as the edge queues it (its sessions added to the core)."""
+        request = GenerationRequest(prompt=prompt, messages=(), params=SamplingParams(**params),
+                                    request_id=f"r{len(self.events)}", n=n, resume_token_ids=tuple(resume),
+                                    deadline=deadline)
+        handles = self.admission.submit(self.admission.admit(prompt, ()), request, self.loop)
+        for h in handles:
+            self.events.setdefault(h.session_id, [])
+        self._collect(self.core.take_events())
+        return handles
+
+    def step(self, dt: float = 0.001) -> bool:
+        """One step, `dt` seconds after the last; its events sorted by session. True if it ran a pass."""
+        self.now += dt
+        step = self.core.step(self.now)
+        self._collect(step.events)
+        assert self.core.books_balance() == (0, 0, 0), self.core.books_balance()
+        return step.ran
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Steps until no session is left; returns how many steps ran a pass."""
+        passes = 0
+        for _ in range(max_steps):
+            if not self.core.sessions:
+                return passes
+            passes += self.step()
+        raise AssertionError(f"sessions left after {max_steps} steps: {list(self.core.sessions)}")
+
+    def abort(self, handle: SessionHandle, reason) -> None:
+        self.core.abort(handle.session_id, reason)
+        self._collect(self.core.take_events())
+
+    def _collect(self, events: list[tuple[SessionHandle, Event]]) -> None:
+        for handle, event in events:
+            self.events.setdefault(handle.session_id, []).append(event)
+
+    def tokens(self, handle: SessionHandle) -> list[int]:
+        return [t for e in self.events[handle.session_id] if isinstance(e, Delta) for t in e.token_ids]
+
+    def text(self, handle: SessionHandle) -> str:
+        return "".join(e.text for e in self.events[handle.session_id] if isinstance(e, Delta))
+
+    def finished(self, handle: SessionHandle) -> Finished | None:
+        ends = [e for e in self.events[handle.session_id] if isinstance(e, Finished)]
+        assert len(ends) <= 1, ends
+        return ends[0] if ends else None
+

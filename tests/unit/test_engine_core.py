@@ -1,0 +1,160 @@
+"""The engine core (engine/core.py) stepped in process with a scripted runner: every mode's
+schedule, stop rules, cancellation, deadlines, n, resume, preemption and the books, in
+milliseconds and with no model, no thread and no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from braid.server.engine.types import FinishReason
+from engine_fakes import EOS, Harness, ScriptedRunner
+
+MODES = ("sequential", "interleaved", "batched", "continuous")
+
+
+@pytest.fixture
+def harness():
+    made = []
+
+    def make(**kw) -> Harness:
+        made.append(Harness(**kw))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_gives_each_session_its_own_tokens_and_balances_the_books(harness, mode):
+    h = harness(mode=mode, max_batch_size=4)
+    handles = [h.submit(f"{10 * i} {10 * i + 1}", max_new_tokens=5)[0] for i in range(1, 4)]
+    h.run()
+    for i, handle in enumerate(handles, start=1):
+        start = 10 * i + 2
+        assert h.tokens(handle) == list(range(start, start + 5))
+        assert h.finished(handle).reason is FinishReason.MAX_TOKENS
+    stats = h.books.snapshot()
+    assert stats.finished[FinishReason.MAX_TOKENS] == 3 and stats.sessions_active == 0 and stats.sessions_queued == 0
+    assert h.core.pages.num_used == 0
+
+
+@pytest.mark.parametrize("mode, most_per_pass", [("sequential", 1), ("interleaved", 1), ("batched", 3),
+                                                 ("continuous", 3)])
+def test_what_each_mode_puts_in_a_pass(harness, mode, most_per_pass):
+    h = harness(mode=mode, max_batch_size=4)
+    for i in range(3):
+        h.submit(f"{100 + i}", max_new_tokens=4)
+    h.run()
+    sizes = [len(rows) for rows in h.runner.passes]
+    assert max(sizes) == most_per_pass, sizes
+    if mode == "sequential":  # one session holds the model until it finishes
+        owners = [rows[0].token_ids[0] if rows[0].is_prompt else None for rows in h.runner.passes]
+        assert [o for o in owners if o is not None] == [100, 101, 102]
+    if mode == "interleaved":  # round robin: no session runs twice in a row while others wait
+        firsts = [rows[0].history[0] for rows in h.runner.passes]
+        assert all(a != b for a, b in zip(firsts[:6], firsts[1:7])), firsts
+
+
+def test_eos_a_stop_token_and_a_stop_string_end_a_session(harness):
+    h = harness()
+    to_eos = h.submit("0", max_new_tokens=10)[0]  # 0 -> 1 -> 3 (EOS skipped by the script)
+    h.runner.next_token = lambda row: EOS if row.token_ids[-1] == 1 else row.token_ids[-1] + 1
+    stop_token = h.submit("50", max_new_tokens=10, stop_token_ids=(53,))[0]
+    stop_string = h.submit("70", max_new_tokens=10, stop=(" 73",))[0]
+    h.run()
+    assert h.finished(to_eos).reason is FinishReason.EOS and h.tokens(to_eos) == [1, EOS]
+    assert h.finished(stop_token).reason is FinishReason.STOP_TOKEN and h.tokens(stop_token) == [51, 52, 53]
+    assert h.finished(stop_string).reason is FinishReason.STOP_SEQUENCE
+    assert h.text(stop_string) == " 71 72"  # the stop string itself is never sent
+
+
+def test_ignore_eos_and_min_new_tokens_ban_the_end(harness):
+    h = harness()
+    h.runner.next_token = lambda row: EOS if EOS not in row.banned else 7
+    banned = h.submit("5", max_new_tokens=4, min_new_tokens=2)[0]
+    h.run()
+    assert h.tokens(banned) == [7, 7, EOS] and h.finished(banned).reason is FinishReason.EOS
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_abort_at_any_step_ends_the_session_and_frees_its_pages(harness, mode):
+    h = harness(mode=mode, max_batch_size=4)
+    keep, drop = h.submit("1", max_new_tokens=20)[0], h.submit("3", max_new_tokens=20)[0]
+    for _ in range(4):
+        h.step()
+    h.abort(drop, FinishReason.CANCELLED)
+    h.run()
+    assert h.finished(drop).reason is FinishReason.CANCELLED and len(h.tokens(drop)) < 20
+    assert h.finished(keep).reason is FinishReason.MAX_TOKENS and len(h.tokens(keep)) == 20
+    h.abort(drop, FinishReason.CANCELLED)  # again, once finished: nothing
+    assert h.books.snapshot().finished[FinishReason.CANCELLED] == 1 and h.core.pages.num_used == 0
+
+
+def test_a_deadline_ends_a_session_with_the_text_so_far(harness):
+    h = harness()
+    handle = h.submit("1", max_new_tokens=100, deadline=h.now + 0.0035)[0]
+    h.run()
+    assert h.finished(handle).reason is FinishReason.DEADLINE and 0 < len(h.tokens(handle)) < 100
+
+
+def test_n_samples_share_the_prompt_and_each_ends_on_its_own(harness):
+    h = harness(mode="continuous")
+    samples = h.submit(" ".join(str(t) for t in range(100, 120)), n=3, max_new_tokens=3)  # 20 tokens
+    h.run()
+    assert [h.tokens(s) for s in samples] == [[120, 121, 122]] * 3
+    assert [h.finished(s).reason for s in samples] == [FinishReason.MAX_TOKENS] * 3
+    prompt_rows = [r for rows in h.runner.passes for r in rows if r.is_prompt]
+    # sample 0 computes the prompt; the others find its full page (16 tokens) in the prefix cache
+    assert sum(len(r.token_ids) for r in prompt_rows) == 20 + 2 * 4
+
+
+def test_a_resumed_session_replays_its_delivered_tokens_without_sending_them(harness):
+    h = harness()
+    handle = h.submit("20", max_new_tokens=5, resume=(21, 22))[0]
+    h.run()
+    assert h.tokens(handle) == [23, 24, 25] and h.finished(handle).generated_tokens == 5
+
+
+def test_resumed_tokens_that_already_ended_it_finish_it_at_once(harness):
+    h = harness()
+    handle = h.submit("20", max_new_tokens=5, resume=(21, EOS))[0]
+    assert h.finished(handle).reason is FinishReason.EOS and h.tokens(handle) == []
+    assert not h.runner.passes
+
+
+def test_out_of_pages_a_session_is_preempted_and_recomputed_not_failed(harness):
+    # 6 pages of 16 tokens; two sessions of 40 tokens each need 3 pages apiece, plus room to grow
+    h = harness(runner=ScriptedRunner(num_pages=6, page_size=16), mode="continuous", prefix_caching="off")
+    a = h.submit(" ".join(str(100 + i) for i in range(30)), max_new_tokens=30)[0]
+    b = h.submit(" ".join(str(300 + i) for i in range(30)), max_new_tokens=30)[0]
+    h.run()
+    assert h.finished(a).reason is h.finished(b).reason is FinishReason.MAX_TOKENS
+    assert h.tokens(a) == list(range(130, 160)) and h.tokens(b) == list(range(330, 360))
+    assert h.books.snapshot().preemptions >= 1 and h.core.pages.num_used == 0
+
+
+def test_a_failed_pass_ends_only_its_own_sessions(harness):
+    h = harness(mode="sequential")
+
+    def fail_on_token_7(row):
+        if 7 in row.token_ids:
+            raise RuntimeError("boom")
+        return row.token_ids[-1] + 1
+
+    h.runner.next_token = fail_on_token_7
+    failing, fine = h.submit("5", max_new_tokens=5)[0], h.submit("40", max_new_tokens=3)[0]
+    h.run()
+    assert h.finished(failing).reason is FinishReason.ERROR and "boom" in h.finished(failing).error
+    assert h.finished(fine).reason is FinishReason.MAX_TOKENS
+
+
+def test_queue_positions_are_reported_to_waiting_sessions_that_asked(harness):
+    from braid.server.engine.types import Queued
+
+    h = harness(mode="sequential")
+    h.submit("1", max_new_tokens=3)
+    waiting = h.submit("5", max_new_tokens=3, report_queue=True)[0]
+    h.run()
+    positions = [e.position for e in h.events[waiting.session_id] if isinstance(e, Queued)]
+    assert positions[:1] == [1] and h.finished(waiting).reason is FinishReason.MAX_TOKENS
