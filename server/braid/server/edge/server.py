@@ -33,7 +33,8 @@ from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from braid.server.engine.engine import Engine
+    from braid.server.engine.client import EngineClient
+    from braid.server.engine.engine import Engine  # serve() runs its model loop; the rest sees EngineClient
     from braid.server.telemetry.setup import Telemetry
 
 _LOGGER = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ def _connection_options(config: ServerConfig) -> list[tuple[str, int]]:
     return options
 
 
-async def _serve(config: ServerConfig, listening: _Listening, engine: Engine, stop: asyncio.Event,
+async def _serve(config: ServerConfig, listening: _Listening, engine: EngineClient, stop: asyncio.Event,
                  stop_reason: Callable[[], str | None]) -> int:
     server, port = listening.server, listening.port
     servicer = GenerateServicer(engine, config)
@@ -283,7 +284,7 @@ def _log_settings(config: ServerConfig) -> None:
                  else "off, every caller is served")
 
 
-async def _drain(server: grpc.aio.Server, health_servicer, engine, grace_period: float) -> None:
+async def _drain(server: grpc.aio.Server, health_servicer, engine: EngineClient, grace_period: float) -> None:
     """Health turns NOT_SERVING at once and new calls get UNAVAILABLE; in-flight streams get the
     grace period to finish (the engine says when it is idle), then the rest end with a final
     CANCELLED message."""
@@ -292,7 +293,7 @@ async def _drain(server: grpc.aio.Server, health_servicer, engine, grace_period:
     try:
         await asyncio.wait_for(engine.when_idle(asyncio.get_running_loop()), grace_period)
     except asyncio.TimeoutError:
-        if not engine.books.is_idle:  # (it may have gone idle just as the grace period ran out)
+        if not engine.is_idle:  # (it may have gone idle just as the grace period ran out)
             stats = engine.stats()
             _LOGGER.info("grace period over: cancelling %d active and %d queued sessions", stats.sessions_active,
                          stats.sessions_queued)

@@ -24,22 +24,23 @@ from braid.server.telemetry import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:  # the edge never imports torch: it reaches the engine only through this object
-    from braid.server.engine.engine import Engine
+if TYPE_CHECKING:
+    from braid.server.engine.client import EngineClient
 
 _CLOCK_SLACK_S = 0.1
 MAX_ABORT_IDS = 256
 
 
 class GenerateServicer(pb_grpc.GenerateServicer):
-    def __init__(self, engine: "Engine", config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+        """engine: the only way in (engine/client.py)."""
         self._engine = engine
         self._config = config
         self._tokenizers = TokenizerLanes()
         # Running Stream calls by request_id, with the credentials they came with (for Abort). A
         # request_id is the caller's: two calls may share one.
         self._by_request_id: dict[str, list[tuple[SessionHandle, tuple]]] = {}
-        self._load = LoadReporter(engine.config.max_sessions)
+        self._load = LoadReporter(engine.max_sessions)
 
     def _trailers(self, context, *pairs: tuple[str, str]) -> None:
         """Sets a call's trailers: these pairs and the replica's ORCA load report."""
@@ -95,15 +96,15 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 self._by_request_id.pop(req.request_id, None)
 
     async def _submit(self, req: GenerationRequest, call: _CallSessions) -> list[SessionHandle]:
-        admission = self._engine.admission
+        engine = self._engine
         # The place in the queue is taken here, before the call waits for a compile or a tokenizer thread.
-        ticket = admission.admit(req.prompt, req.messages, truncated=req.params.truncate_input_tokens > 0)
+        ticket = engine.admit(req.prompt, req.messages, truncated=req.params.truncate_input_tokens > 0)
         try:
-            matcher = await self._tokenizers.compile(admission.compile, req) if req.constraint else None
+            matcher = await self._tokenizers.compile(engine.compile, req) if req.constraint else None
         except BaseException:
             ticket.release()
             raise
-        future = self._tokenizers.run(ticket, admission.submit, req, asyncio.get_running_loop(), matcher)
+        future = self._tokenizers.run(ticket, engine.submit, req, asyncio.get_running_loop(), matcher)
         # The call learns of its sessions on the event loop as soon as they exist, whether or not
         # this coroutine is still there to take them (cancelled while the prompt was tokenized).
         future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or call.adopt(f.result()))
@@ -129,8 +130,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         text, messages = convert.tokenize_args_from_pb(request)
-        ticket = self._engine.admission.admit(text, messages, for_session=False)
-        ids, pieces = await self._tokenizers.run(ticket, self._engine.admission.tokenize, text, messages)
+        ticket = self._engine.admit(text, messages, for_session=False)
+        ids, pieces = await self._tokenizers.run(ticket, self._engine.tokenize, text, messages)
         self._trailers(context)
         return pb.TokenizeResponse(token_ids=ids, pieces=pieces)
 

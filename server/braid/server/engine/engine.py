@@ -18,19 +18,20 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from braid.server.config import EngineConfig, parse_memory
 from braid.server.engine.admission import Admission
-from braid.server.engine.books import Books
+from braid.server.engine.books import Books, Ticket
 from braid.server.engine.core import EngineCore
 from braid.server.engine.faults import FaultInjector
 from braid.server.engine.grammars import Grammars
+from braid.server.engine.handle import SessionHandle
 from braid.server.engine.observer import EngineObserver
 from braid.server.engine.output import deliver
 from braid.server.engine.ports import Runner
 from braid.server.engine.tokenizer import Tokenizer
-from braid.server.engine.types import EngineStats, FinishReason, ModelInfo
+from braid.server.engine.types import EngineStats, FinishReason, GenerationRequest, Message, ModelInfo
 
 _LOGGER = logging.getLogger(__name__)
 ALL_SESSIONS = -1
@@ -131,6 +132,30 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self.books.snapshot()
+
+    # ---- the EngineClient port (engine/client.py): what front ends call ------------------------
+
+    @property
+    def max_sessions(self) -> int:
+        return self.config.max_sessions
+
+    @property
+    def is_idle(self) -> bool:
+        return self.books.is_idle
+
+    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True,
+              truncated: bool = False) -> Ticket:
+        return self.admission.admit(prompt, messages, for_session, truncated)
+
+    def compile(self, request: GenerationRequest) -> object:
+        return self.admission.compile(request)
+
+    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+               matcher: object = None) -> list[SessionHandle]:
+        return self.admission.submit(ticket, request, loop, matcher)
+
+    def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
+        return self.admission.tokenize(ticket, prompt, messages)
 
     def _abort(self, session_id: int, reason: FinishReason) -> None:
         self._inbox.put(_Abort(session_id, reason))

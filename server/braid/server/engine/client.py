@@ -1,0 +1,59 @@
+"""The port every front end uses to reach the engine: calls admitted, constraints compiled,
+prompts tokenized and queued as sessions, statistics, and the futures a drain waits on. The gRPC
+servicer depends on this and nothing else of the engine's; so will the next front end. Engine
+(engine/engine.py) implements it; the servicer's tests use a fake one."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol, Sequence
+
+from braid.server.engine.books import Ticket
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.types import EngineStats, GenerationRequest, Message, ModelInfo
+
+
+class EngineClient(Protocol):
+    info: ModelInfo
+    started_at: float  # time.monotonic() when the engine was made
+
+    @property
+    def max_sessions(self) -> int:
+        """Most sessions running at once (--max-sessions), for load reports."""
+
+    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True,
+              truncated: bool = False) -> Ticket:
+        """A call's place in the queue, taken the moment it arrives (cheap: on the event loop).
+        Raises Overloaded, EngineUnavailable, or InvalidArgument for a prompt too big to fit."""
+
+    def compile(self, request: GenerationRequest) -> object:
+        """The request's constraint compiled (None without one). Blocking: off the event loop."""
+
+    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+               matcher: object = None) -> list[SessionHandle]:
+        """Tokenizes and queues the request's sessions, their events delivered on `loop`; gives the
+        ticket back. Blocking: off the event loop."""
+
+    def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
+        """A Tokenize call's token ids and pieces; gives the ticket back. Blocking: off the event loop."""
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing queued, running or being tokenized."""
+
+    def stop_accepting(self) -> None:
+        """New calls get UNAVAILABLE from now on (a drain has begun)."""
+
+    def cancel_all(self) -> None:
+        """Ends every session with a final CANCELLED message."""
+
+    def stop(self) -> None:
+        """Ends the model loop."""
+
+    def when_idle(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Resolves once nothing is queued, running or being tokenized (or the loop has ended)."""
+
+    def when_stopped(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Resolves once the model loop has ended."""

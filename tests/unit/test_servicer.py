@@ -1,0 +1,172 @@
+"""The gRPC servicer (edge/servicer.py) on an in-process grpc.aio server over a fake engine client
+(engine/client.py's port): protobuf in, statuses and messages out, with no model and no process.
+What a real server adds (signals, TLS, HTTP/2 abuse) is tested end to end elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from braid.server.config import ServerConfig
+from braid.server.edge.errors import ErrorInterceptor
+from braid.server.edge.servicer import GenerateServicer
+from braid.server.engine.books import Books, Ticket
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.types import Delta, FinishReason, Finished, ModelInfo, Mode, Timings
+from braid.v1 import generate_pb2 as pb
+from braid.v1 import generate_pb2_grpc as pb_grpc
+
+INFO = ModelInfo(model_name="fake", architecture="Fake", context_length=64, vocab_size=100, dtype="float32",
+                 device="cpu", mode=Mode.CONTINUOUS, max_batch_size=4, eos_token_ids=(2,), has_chat_template=False,
+                 parameters=1, weight_formats={"f32": 1}, weight_bytes=4, quantization="auto", kernels="torch")
+
+
+class FakeEngine:
+    """The EngineClient port, scripted: every session streams `tokens` (token t as text " t") and
+    ends with `finish` (and `error`, `error_field`); aborted sessions end CANCELLED."""
+
+    def __init__(self, max_queued: int = 8) -> None:
+        self.info, self.started_at, self.max_sessions = INFO, time.monotonic(), 4
+        self.books = Books(max_queued)
+        self.tokens = [5, 6, 7]
+        self.finish, self.error, self.error_field = FinishReason.MAX_TOKENS, None, None
+        self.hold = False  # sessions wait (for Abort) instead of streaming
+        self.handles: dict[int, SessionHandle] = {}
+
+    def admit(self, prompt, messages, for_session=True, truncated=False) -> Ticket:
+        return Ticket(self.books, len(prompt or ""))
+
+    def compile(self, request):
+        return None
+
+    def submit(self, ticket, request, loop, matcher=None):
+        ticket.release(submitted=request.n)
+        handles = []
+        for _ in range(request.n):
+            handle = SessionHandle(len(self.handles) + 1, request.request_id, 7, 3, loop, self._abort, lambda: None)
+            self.handles[handle.session_id] = handle
+            handles.append(handle)
+            if not self.hold:
+                for t in self.tokens:
+                    loop.call_soon_threadsafe(handle.push, Delta(f" {t}", [t]))
+                self._end(handle, self.finish, self.error, self.error_field)
+        return handles
+
+    def _end(self, handle, reason, error=None, field=None) -> None:
+        done = Finished(reason=reason, prompt_tokens=3, generated_tokens=len(self.tokens),
+                        timings=Timings(1.0, 2.0, 3.0, 4.0), error=error, error_field=field)
+        self.books.finish(reason, active=0)
+        handle.loop.call_soon_threadsafe(handle.push, done)
+
+    def _abort(self, session_id, reason) -> None:
+        self._end(self.handles[session_id], reason)
+
+    def tokenize(self, ticket, prompt, messages):
+        ticket.release()
+        return [1, 2], ["a", "b"]
+
+    def stats(self):
+        return self.books.snapshot()
+
+    @property
+    def is_idle(self) -> bool:
+        return self.books.is_idle
+
+
+@pytest.fixture
+def call():
+    """call(engine, method, request, **kw): runs one call against a fresh in-process server."""
+
+    def run(engine: FakeEngine, method: str, request, **kw):
+        async def go():
+            server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+            pb_grpc.add_GenerateServicer_to_server(GenerateServicer(engine, ServerConfig()), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = pb_grpc.GenerateStub(channel)
+                    if method == "Stream":
+                        rpc = stub.Stream(request, **kw)
+                        return [m async for m in rpc], await rpc.trailing_metadata()
+                    if method == "StreamAndAbort":
+                        rpc = stub.Stream(request, **kw)
+                        await rpc.initial_metadata()
+                        aborted = await stub.Abort(pb.AbortRequest(request_ids=[request.request_id]))
+                        return [m async for m in rpc], aborted
+                    return await getattr(stub, method)(request, **kw)
+            finally:
+                await server.stop(0)
+
+        return asyncio.run(go())
+
+    return run
+
+
+def test_a_stream_sends_its_tokens_then_one_final_message_and_trailers(call):
+    messages, trailers = call(FakeEngine(), "Stream", pb.GenerateRequest(prompt="hi", max_new_tokens=3))
+    assert "".join(m.text for m in messages) == " 5 6 7"
+    assert [t for m in messages for t in m.token_ids] == [5, 6, 7]
+    final = messages[-1]
+    assert final.finish_reason == pb.FINISH_REASON_MAX_TOKENS and final.usage.generated_tokens == 3
+    assert final.seed == 7 and final.request_id
+    keys = dict(trailers)
+    # (the ORCA report, endpoint-load-metrics-bin, is taken by gRPC's own client: tests/test_orca.py reads it)
+    assert keys["braid-cached-tokens"] == "0" and keys["braid-total-ms"] == "3.000", sorted(keys)
+
+
+@pytest.mark.parametrize("field, request_kw", [("temperature", dict(temperature=-1.0)),
+                                               ("prompt", dict()),
+                                               ("n", dict(n=99))])
+def test_a_bad_field_is_invalid_argument_naming_it(call, field, request_kw):
+    request = pb.GenerateRequest(**({"prompt": "hi"} if field != "prompt" else {}), **request_kw)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        call(FakeEngine(), "Stream", request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field)
+
+
+def test_a_full_queue_is_resource_exhausted_with_a_retry_delay(call):
+    engine = FakeEngine(max_queued=1)
+    engine.books.reserve()  # the one place is taken
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        call(engine, "Stream", pb.GenerateRequest(prompt="hi"))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    info = error_details_pb2.RetryInfo()
+    rpc_status.from_call(err.value).details[0].Unpack(info)
+    assert info.retry_delay.ToMilliseconds() > 0
+
+
+def test_an_engine_error_is_internal_with_its_own_message(call):
+    engine = FakeEngine()
+    engine.finish, engine.error = FinishReason.ERROR, "forward pass failed: boom"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        call(engine, "Stream", pb.GenerateRequest(prompt="hi"))
+    assert err.value.code() == grpc.StatusCode.INTERNAL and err.value.details() == "forward pass failed: boom"
+
+
+def test_a_request_found_invalid_mid_stream_is_invalid_argument_naming_the_field(call):
+    engine = FakeEngine()
+    engine.finish, engine.error, engine.error_field = FinishReason.INVALID_REQUEST, "x" * 50_000, "constraint.regex"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        call(engine, "Stream", pb.GenerateRequest(prompt="hi"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("constraint.regex: ") and len(err.value.details()) <= 1000
+
+
+def test_abort_ends_the_callers_stream_with_a_final_cancelled_message(call):
+    engine = FakeEngine()
+    engine.hold = True
+    messages, aborted = call(engine, "StreamAndAbort", pb.GenerateRequest(prompt="hi", request_id="job-1"))
+    assert list(aborted.aborted) == ["job-1"]
+    assert messages[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+
+
+def test_tokenize_and_model_info_answer_from_the_engine(call):
+    engine = FakeEngine()
+    assert list(call(engine, "Tokenize", pb.TokenizeRequest(text="ab")).pieces) == ["a", "b"]
+    assert call(engine, "ModelInfo", pb.ModelInfoRequest()).model_name == "fake"
