@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from braid.server import logs
-from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag
+from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag, parse_memory
 
 ENV_PREFIX = "BRAID_"
 _LOGGER = logging.getLogger(__name__)
@@ -165,15 +165,22 @@ def build_engine(config: EngineConfig, model=None):
     if model is None:  # the first line a start logs: the imports and the load take seconds
         _LOGGER.info("loading %s", config.model or "the embedded model")
     from braid.server.engine.engine import Engine
+    from braid.server.engine.grammars import Grammars
     from braid.server.engine.tokenizer import Tokenizer
+    from braid.server.faults import Faults
     from braid.server.model.loader import load
     from braid.server.runner.model_runner import ModelRunner
 
     _check_device(config.device)  # before the model loads: a missing device fails at once
     model = model or load(config.model, config.cache_dir)
+    faults = Faults.from_env()  # the tests' fault injection, wrapped around the ports (braid/server/faults.py)
     runner = ModelRunner.build(config, model)
     tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
-    return Engine(config, runner, tokenizer, describe(config, runner, tokenizer, model.name, model.architecture))
+    grammars = Grammars(tokenizer.hf_tokenizer, tokenizer.eos_token_ids, runner.vocab_size,
+                        config.constraint_compile_timeout,
+                        int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]))
+    info = describe(config, runner, tokenizer, model.name, model.architecture)
+    return Engine(config, faults.runner(runner), faults.tokenizer(tokenizer), info, faults.grammars(grammars))
 
 
 def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str):

@@ -15,7 +15,6 @@ from typing import Callable, Sequence
 
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.detokenizer import IncrementalDetokenizer
-from braid.server.engine.faults import FaultInjector
 from braid.server.engine.grammars import Grammars
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
@@ -36,7 +35,7 @@ class Admission:
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int, books: Books,
                  random_state: Callable[[Sampling, int], object], grammars: Grammars, enqueue: Callable[[Session], None],
                  abort: Callable[[int, FinishReason], None], wake: Callable[[], None],
-                 is_open: Callable[[], str | None], faults: FaultInjector = FaultInjector()) -> None:
+                 is_open: Callable[[], str | None]) -> None:
         """random_state: the runner's, for a session's Row.rng (advanced by a number of draws);
         is_open: None while sessions may be admitted, else why not."""
         self.tokenizer = tokenizer
@@ -45,7 +44,6 @@ class Admission:
         self._random_state = random_state
         self.grammars = grammars
         self._enqueue, self._abort, self._wake, self._is_open = enqueue, abort, wake, is_open
-        self._faults = faults
         self._ids = itertools.count(1)
 
     def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True,
@@ -70,7 +68,6 @@ class Admission:
         off the tokenizer threads."""
         if request.constraint is None:
             return None
-        self._faults.before_compile()
         matcher = self.grammars.matcher(request.constraint)
         _check_resumed(request, matcher, self.tokenizer.eos_token_ids)
         return matcher
@@ -143,7 +140,6 @@ class Admission:
 
     def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""
-        self._faults.before_tokenize()
         ids = self.tokenizer.encode(request.prompt, request.messages)
         keep = request.params.truncate_input_tokens
         if not keep or len(ids) <= keep:

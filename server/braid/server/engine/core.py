@@ -19,7 +19,6 @@ from typing import Sequence
 
 from braid.server.config import EngineConfig
 from braid.server.engine.books import Books
-from braid.server.engine.faults import FaultInjector
 from braid.server.engine.grammars import short
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.observer import EngineObserver, NoObserver
@@ -44,8 +43,7 @@ class Step:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books,
-                 faults: FaultInjector = FaultInjector()) -> None:
+    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books) -> None:
         self.runner = runner
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_seq_len = runner.max_seq_len
@@ -53,7 +51,6 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.pages)
         self.output = Output(self.eos_token_ids, self.max_seq_len)
         self.books = books
-        self.faults = faults
         self.observer: EngineObserver = NoObserver()
         self.sessions: dict[int, Session] = {}
         self._num_added = 0  # sessions added
@@ -145,9 +142,7 @@ class EngineCore:
         for w in work:
             if w.session.started is None:
                 w.session.started = now
-        self.faults.before_pass(work)
         try:
-            self.faults.inside_pass(work)
             tokens = self.runner.run([self._row(w) for w in work])
         except Exception as exc:  # a failed pass ends only the sessions that were in it
             _LOGGER.exception("forward pass failed")

@@ -20,11 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from braid.server.config import EngineConfig, parse_memory
+from braid.server.config import EngineConfig
 from braid.server.engine.admission import Admission
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.core import EngineCore
-from braid.server.engine.faults import FaultInjector
 from braid.server.engine.grammars import Grammars
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.observer import EngineObserver
@@ -60,8 +59,9 @@ class Engine:
     """The model loop around an EngineCore, and what other threads call: admission, stats, waiters."""
 
     def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Tokenizer, info: ModelInfo,
-                 faults: FaultInjector | None = None) -> None:
-        """info: what ModelInfo reports (the composition root describes the model and runner)."""
+                 grammars: Grammars) -> None:
+        """info: what ModelInfo reports, and grammars: the constraint compiler (the composition root
+        makes both)."""
         self.config = config
         self.tokenizer = tokenizer
         self.info = info
@@ -70,17 +70,13 @@ class Engine:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable[[], bool]]] = []
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
-        self.faults = FaultInjector.from_env() if faults is None else faults
-        self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books, self.faults)
-        self.grammars = Grammars(tokenizer.hf_tokenizer, tokenizer.eos_token_ids, runner.vocab_size,
-                                 config.constraint_compile_timeout,
-                                 int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]))
+        self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books)
+        self.grammars = grammars
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
         threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()
         self.admission = Admission(tokenizer, self.max_seq_len, self.books, runner.random_state, self.grammars,
                                    enqueue=lambda s: self._inbox.put(_Add(s)), abort=self._abort,
-                                   wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because,
-                                   faults=self.faults)
+                                   wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because)
         self._accepting = True
         self._loop_ended = False
         self.started_at = time.monotonic()
