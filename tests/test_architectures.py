@@ -1,7 +1,7 @@
 """The models users bring: tiny random models of each architecture, saved to a folder or written as a
 GGUF file (tests/gguf_files.py) and served by braid, generate transformers' greedy tokens. Qwen3,
 Phi-3, Gemma 2 and Gemma 3 run on braid's own decoder, a GGUF file's matrices in their own block
-formats; GPT-2 has no native path and runs through transformers' forward, with braid's scheduler,
+formats (multiplying float32 rows, --activations float32, for transformers' rule); GPT-2 has no native path and runs through transformers' forward, with braid's scheduler,
 streaming, cancellation and stop rules all the same. A folder or a GGUF file transformers cannot
 load says so in one line."""
 
@@ -209,7 +209,8 @@ def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, ca
     formats = config.pop("layer_formats", LAYER_FORMATS)
     model, vocab = _tiny_for_gguf(kind, **GGUF_CONFIG.get(kind, {}) | config)
     path = write_gguf(model, tmp_path / f"{kind}.gguf", vocab, layer_formats=formats)
-    server = _serve(path, "--cache-dir", str(tmp_path))  # stopped here: the module keeps many others
+    # float32 rows: transformers' rule (by default a quantized matrix multiplies int8 rows)
+    server = _serve(path, "--cache-dir", str(tmp_path), "--activations", "float32")  # stopped here
     try:
         with server.client() as client:
             info = client.model_info()
@@ -217,7 +218,7 @@ def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, ca
         greedy = asyncio.run(_greedy_all(server.target, GGUF_PROMPTS, logprobs=logprobs))
     finally:
         server.stop()
-    assert info.runner == runner
+    assert info.runner == runner and info.activations == "float32"
     if runner == "braid":  # each matrix in its block format, each norm and bias in f32
         assert dict(info.weight_formats) == _formats_in(path)
     else:

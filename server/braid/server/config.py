@@ -66,10 +66,11 @@ class EngineConfig:
         "auto: every matrix in its own format (a GGUF's Q8_0/Q4_0/Q4_1 blocks, a checkpoint's dtype); none: "
         "dequantized to --dtype (--dtype float32 --quantization none is plain fp32); q8_0: float matrices "
         "quantized to Q8_0 blocks at load", choices=list(QUANTIZATIONS)))
-    activations: str = field(default="float32", **_opt(
+    activations: str = field(default="auto", **_opt(
         "what a quantized matrix (Q8_0, Q4_0, Q4_1, Q6_K, Q4_K) multiplies on the CPU: int8 (each row quantized "
         "to 8 bits per block of 32, as llama.cpp does, and integer dot products: faster, a row's result still "
-        "independent of its batch), float32 (fp32 rows: transformers-level agreement) or auto (the fastest)",
+        "independent of its batch), float32 (fp32 rows: transformers-level agreement) or auto (the fastest "
+        "braid's kernels have: int8 for a quantized matrix, float32 rows elsewhere)",
         choices=list(ACTIVATIONS)))
     threads: int = field(default=0, **_opt("torch CPU threads (0: torch's default, one per core)"))
     kernels: str = field(default="auto", **_opt(
