@@ -13,7 +13,7 @@ STUBS  := clients/python/src/braid/v1/generate_pb2.py
 # TORCH="--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" (as the Dockerfile does).
 TORCH  ?= torch==2.13.0
 
-.PHONY: all install install-test protos serve test bench bench-formats bench-prefix clean
+.PHONY: all install install-test protos serve test test-unit bench bench-formats bench-prefix clean
 
 all: install
 
@@ -89,6 +89,11 @@ cluster: install
 TEST_WORKERS ?= 2
 test: install-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The fast tier: torch-free, in-process tests (marked unit; tests/unit/conftest.py imports nothing
+# else): the engine core with a scripted runner, the servicer over a fake engine client. Seconds.
+test-unit: install-test
+	$(PY) -m pytest -q -m unit tests/unit
 
 # On a machine with a CUDA GPU (issue 18): the parity and mode-equivalence tests with their servers on
 # CUDA (bf16), then benchmarks/gpu_check.py, the CUDA targets on a random model of Llama-3.2-1B's shape,

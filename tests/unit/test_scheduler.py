@@ -11,6 +11,8 @@ from braid.server.engine.scheduler import Scheduler
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.types import Mode, SamplingParams
 
+pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
+
 
 def _session(i: int, prompt_len: int = 4, arrived: float = 0.0) -> Session:
     return Session(id=i, prompt_ids=list(range(1, prompt_len + 1)), params=SamplingParams(), handle=None,

@@ -21,6 +21,8 @@ from braid.server.engine.types import Delta, FinishReason, Finished, ModelInfo, 
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
+
 INFO = ModelInfo(model_name="fake", architecture="Fake", context_length=64, vocab_size=100, dtype="float32",
                  device="cpu", mode=Mode.CONTINUOUS, max_batch_size=4, eos_token_ids=(2,), has_chat_template=False,
                  parameters=1, weight_formats={"f32": 1}, weight_bytes=4, quantization="auto", kernels="torch")
