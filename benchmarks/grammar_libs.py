@@ -746,10 +746,10 @@ def table(results: dict) -> str:
     lines += ["", ("| library | batch of 16 (rows) | batch call: step median / p90 / max us | per mask us | "
                    "one by one: step median / p90 / max us | per mask us |"), "|---|---|---:|---:|---:|---:|"]
     for lib, r in results.items():
-        p, l = r["batch16_par"], r["batch16_loop"]
+        p, one = r["batch16_par"], r["batch16_loop"]
         lines.append(f"| {lib} | {p['rows']} | {us(p['step_median'])} / {us(p['step_p90'])} / {us(p['step_max'])} | "
-                     f"{us(p['per_mask'])} | {us(l['step_median'])} / {us(l['step_p90'])} / {us(l['step_max'])} | "
-                     f"{us(l['per_mask'])} |")
+                     f"{us(p['per_mask'])} | {us(one['step_median'])} / {us(one['step_p90'])} / {us(one['step_max'])} | "
+                     f"{us(one['per_mask'])} |")
     lines += [""] + [f"- slowest warm step, {lib} {case}: {r[case]['slowest_warm_step']}"
                      for lib, r in results.items() for case in CASES if "unsupported" not in r[case]]
     return "\n".join(lines)

@@ -55,8 +55,8 @@ def braid_commit() -> str:
 def _cpu_model() -> str:
     """The model name and the vector extensions that matter for fp32 matmuls."""
     info = Path("/proc/cpuinfo").read_text().splitlines()
-    name = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), platform.processor())
-    flags = set(next((l.split(":", 1)[1].split() for l in info if l.startswith("flags")), []))
+    name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
+    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
     extensions = [label for flag, label in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("amx_tile", "AMX"))
                   if flag in flags]
     return f"{name or 'unknown'} ({', '.join(extensions)})" if extensions else name or "unknown"
@@ -66,7 +66,7 @@ def vector_isa() -> str:
     """The vector extensions the CPU kernels care about, those it has and those it lacks:
     "AVX2, FMA, F16C; no AVX-512, no AMX"."""
     info = Path("/proc/cpuinfo").read_text().splitlines()
-    flags = set(next((l.split(":", 1)[1].split() for l in info if l.startswith("flags")), []))
+    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
     wanted = (("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("avx512f", "AVX-512"),
               ("avx512_bf16", "AVX-512 BF16"), ("avx512_vnni", "AVX-512 VNNI"), ("amx_tile", "AMX"))
     present = [label for flag, label in wanted if flag in flags]

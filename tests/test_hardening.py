@@ -227,7 +227,7 @@ def test_a_thousand_random_cancellations_leak_nothing(servers):
     with server.client() as client:
         before = client.server_status().sessions_finished.cancelled
         assert asyncio.run(run()) == [20] * 8
-        status = _settled(client, sessions_active=0, sessions_queued=0)
+        _settled(client, sessions_active=0, sessions_queued=0)
         wait_for(lambda: client.server_status().sessions_finished.cancelled == before + 1000)
 
 
