@@ -30,6 +30,7 @@ from braid.client import (AsyncClient, AsyncGeneration, BadRequestError, BraidEr
                           PermissionDeniedError, UnauthenticatedError, UnavailableError, cli, describe,
                           finish_reason_name)
 from braid.client.request import PARAMS, build_request, build_tokenize_request
+from braid.client.routing import ROUTE_KEY_HEADER, route_key
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
 
@@ -272,6 +273,42 @@ def test_api_key_is_sent_as_bearer_metadata(fake: FakeGenerate, target: str) -> 
     with Client(target, api_key="sekret") as client:
         client.generate("hello")
     assert fake.metadata[-1]["authorization"] == "Bearer sekret"
+
+
+# The same vectors as clients/node/test/routing.test.js: both clients compute the same key.
+ROUTE_KEY_VECTORS = [
+    (dict(prompt="The sea is"), "4d5efeb7493816fd"),
+    (dict(prompt="The sea is", cache_salt="tenant-a"), "6e1419c97a310cb1"),
+    (dict(prompt="é" * 600 + " and more"), "d6552e76fec2954d"),  # cut at 1,024 bytes, mid-character
+    (dict(messages=[("system", "You are terse."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Again")]),
+     "c27234034c1a4c49"),
+    (dict(messages=[("user", "日本語 🌊")]), "9311b7a87686bfd7"),
+    (dict(prompt=""), "6e340b9cffb37a98"),
+]
+
+
+@pytest.mark.parametrize(("request_kw", "key"), ROUTE_KEY_VECTORS)
+def test_the_route_key_is_the_node_clients(request_kw: dict, key: str) -> None:
+    assert route_key(build_request(**request_kw)) == key
+
+
+def test_a_conversation_keeps_its_route_key_and_a_salt_changes_it() -> None:
+    first = [("system", "S"), ("user", "Q1")]
+    later = [*first, ("assistant", "A1"), ("user", "Q2")]
+    assert route_key(build_request(messages=first)) == route_key(build_request(messages=later))
+    assert route_key(build_request(messages=first)) != route_key(build_request(messages=first, cache_salt="x"))
+    long = "x" * 2000
+    assert route_key(build_request(prompt=long + "a")) == route_key(build_request(prompt=long + "b"))
+
+
+def test_stream_calls_carry_the_route_key_given_or_their_own(fake: FakeGenerate, target: str) -> None:
+    with Client(target) as client:
+        client.generate("hello")
+        client.generate("hello", route_key="conversation-7")
+    with Client(target, route_keys=False) as client:
+        client.generate("hello")
+    keys = [m.get(ROUTE_KEY_HEADER) for m in fake.metadata[-3:]]
+    assert keys == [route_key(build_request("hello")), "conversation-7", None]
 
 
 def test_unary_methods(target: str) -> None:

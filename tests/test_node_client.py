@@ -223,6 +223,27 @@ def test_the_service_config_is_the_python_clients(node):
     assert options == {k: v for k, v in DEFAULT_OPTIONS if k != "grpc.service_config"}
 
 
+def test_both_clients_compute_the_same_route_key(node):
+    """docs/deployment.md's routing key, computed by each client for the same requests: prompts and
+    chats, salted or not, short and past the 1,024 bytes that count, in several scripts."""
+    from braid.client.request import build_request
+    from braid.client.routing import route_key
+
+    chat = [{"role": "system", "content": "Réponds en une ligne. " * 60}, {"role": "user", "content": "Où? 🌊"},
+            {"role": "assistant", "content": "Ici."}, {"role": "user", "content": "Et là?"}]
+    requests = [{"prompt": "The capital of France is"}, {"prompt": "数" * 500, "cacheSalt": "tenant-b"},
+                {"messages": chat}, {"messages": chat[:2], "cacheSalt": "s"}, {"messages": [{"role": "user",
+                                                                                        "content": ""}]}]
+    script = ("const { routeKey } = require('./index.js');"
+              "process.stdout.write(JSON.stringify(JSON.parse(process.argv[1]).map(routeKey)));")
+    out = subprocess.run([node, "-e", script, json.dumps(requests)], cwd=NODE_DIR, capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    python = [route_key(build_request(r.get("prompt"), messages=[(m["role"], m["content"]) for m in r["messages"]]
+                                      if "messages" in r else None, cache_salt=r.get("cacheSalt")))
+              for r in requests]
+    assert json.loads(out) == python
+
+
 def test_node_library_suite(node, smol):
     npm = shutil.which("npm")
     result = subprocess.run([npm, "test"], cwd=NODE_DIR, env={**os.environ, "BRAID_TARGET": smol.target},

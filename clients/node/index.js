@@ -31,6 +31,7 @@ const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const { Generation, finishReasonName } = require('./generation.js');
+const { ROUTE_KEY_HEADER, routeKey } = require('./routing.js');
 const errors = require('./errors.js');
 
 const { fromServiceError } = errors;
@@ -183,11 +184,15 @@ class Client {
    * @param {boolean} [options.resume] default true: a stream of one sample that breaks mid-way
    *   (its server died, its connection dropped) is resumed from the tokens it delivered, on
    *   whichever server the channel reaches, so the caller reads one unbroken stream.
+   * @param {boolean} [options.routeKeys] default true: every Stream call carries a
+   *   `braid-route-key` header (routing.js), so a proxy that hashes it sends calls that start
+   *   alike to the replica whose prefix cache holds their start.
    */
-  constructor(target = 'localhost:50051', { credentials, apiKey, channelOptions, resume = true } = {}) {
+  constructor(target = 'localhost:50051', { credentials, apiKey, channelOptions, resume = true, routeKeys = true } = {}) {
     const braid = loadBraid();
     this.target = channelTarget(target);
     this.resume = resume;
+    this.routeKeys = routeKeys;
     const options = { ...DEFAULT_CHANNEL_OPTIONS, ...channelOptions };
     this.stub = new braid.Generate(this.target, credentials ?? grpc.credentials.createInsecure(), options);
     this.apiKey = apiKey;
@@ -223,11 +228,17 @@ class Client {
    *   completed match ends with FINISH_REASON_CONSTRAINT).
    * @param {object} [options]
    * @param {number} [options.timeoutMs] deadline of the call (of a resumed call too: one deadline).
+   * @param {string} [options.routeKey] the `braid-route-key` header, e.g. a conversation id;
+   *   default: routeKey(request), the same for calls that start alike (none if routeKeys is false).
    * @returns {Generation}
    */
-  stream(request, { timeoutMs } = {}) {
+  stream(request, { timeoutMs, routeKey: key } = {}) {
     const options = Client.callOptions(timeoutMs);
-    return new Generation((req) => this.stub.Stream(req, this.metadata(), options), request, { resume: this.resume });
+    const metadata = this.metadata();
+    key = key ?? (this.routeKeys ? routeKey(request) : undefined);
+    if (key) metadata.set(ROUTE_KEY_HEADER, key);
+    // a resumed call carries the same key: it goes where the proxy now sends that key
+    return new Generation((req) => this.stub.Stream(req, metadata.clone(), options), request, { resume: this.resume });
   }
 
   /**
@@ -302,7 +313,7 @@ class Client {
 
 module.exports = {
   Client, Generation, describe, isCancelled, finishReasonName, loadBraid, enumValues, grpc, PROTO_DIR,
-  channelTarget, SERVICE_CONFIG, DEFAULT_CHANNEL_OPTIONS,
+  channelTarget, SERVICE_CONFIG, DEFAULT_CHANNEL_OPTIONS, routeKey, ROUTE_KEY_HEADER,
   jsonSchema, jsonObject, regex, choice, grammar,
   ...errors, // BraidError, BadRequestError, OverloadedError, ..., fromServiceError
 };

@@ -16,6 +16,7 @@ from braid.client.errors import (BadRequestError, BraidError, CallCancelledError
 from braid.client.generation import AsyncGeneration, Completion, Generation, finish_reason_name
 from braid.client.request import (GenerateParams, build_request, build_tokenize_request, choice, grammar, json_object,
                                   json_schema, regex)
+from braid.client.routing import ROUTE_KEY_HEADER, route_key
 
 __all__ = [
     "AsyncClient",
@@ -32,6 +33,7 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "PermissionDeniedError",
+    "ROUTE_KEY_HEADER",
     "UnauthenticatedError",
     "UnavailableError",
     "build_request",
@@ -44,4 +46,5 @@ __all__ = [
     "json_object",
     "json_schema",
     "regex",
+    "route_key",
 ]

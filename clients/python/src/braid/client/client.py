@@ -17,6 +17,7 @@ from typing_extensions import Unpack
 from braid.client.errors import raising_braid_errors
 from braid.client.generation import AsyncGeneration, Completion, Generation
 from braid.client.request import Chat, GenerateParams, build_request, build_tokenize_request
+from braid.client.routing import ROUTE_KEY_HEADER, route_key
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
 
@@ -25,6 +26,7 @@ Certificate = bytes | str | os.PathLike[str]
 ChannelOptions = Sequence[tuple[str, Any]]  # e.g. [("grpc.max_receive_message_length", -1)]
 Credentials = grpc.ChannelCredentials
 ChannelT_co = TypeVar("ChannelT_co", covariant=True)
+Metadata = tuple[tuple[str, str], ...]
 
 
 # gRPC's own load balancing and retries, through the channel's service config: each call (not
@@ -129,6 +131,7 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
         api_key: str | None = None,
         options: ChannelOptions | None = None,
         resume: bool = True,
+        route_keys: bool = True,
     ) -> None:
         """Opens a channel to a braid server.
 
@@ -146,11 +149,15 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
             resume: a stream of one sample that breaks mid-way (UNAVAILABLE: its server died,
                 its connection dropped) is resumed from the tokens it delivered, on whichever
                 server the channel reaches, so the caller sees one unbroken stream.
+            route_keys: every Stream call carries a `braid-route-key` header (braid.client.routing),
+                the same for calls that start alike, so a proxy that hashes it (HAProxy, Envoy)
+                sends them to the replica whose prefix cache holds their start.
         """
         if (client_cert is None) != (client_key is None):
             raise ValueError("client_cert and client_key go together")
         self.target = channel_target(target)
         self.resume = resume
+        self.route_keys = route_keys
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         credentials = None
         if tls or root_certificates is not None or client_cert is not None:
@@ -166,8 +173,13 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
         """Opens the channel (secure where credentials are given) and its stubs."""
 
     @abc.abstractmethod
-    def _start(self, request: pb.GenerateRequest, timeout: float | None) -> GenerationT:
-        """Starts a Stream call."""
+    def _start(self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata) -> GenerationT:
+        """Starts a Stream call with this metadata (its resumes too)."""
+
+    def _stream_metadata(self, request: pb.GenerateRequest, key: str | None) -> Metadata:
+        """The call's metadata: the API key's, and the routing key (given, or the request's own)."""
+        key = key if key is not None else route_key(request) if self.route_keys else None
+        return self._metadata + (((ROUTE_KEY_HEADER, key),) if key else ())
 
     def stream(
         self,
@@ -175,14 +187,19 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
         *,
         messages: Chat | None = None,
         timeout: float | None = None,
+        route_key: str | None = None,
         **params: Unpack[GenerateParams],
     ) -> GenerationT:
         """Starts a generation from a prompt or a chat; params are GenerateRequest fields.
 
+        route_key: the `braid-route-key` header, e.g. a conversation id; default: the request's
+        own (braid.client.routing.route_key), unless the client's route_keys is False.
+
         Raises ValueError unless exactly one of prompt and messages is given, and TypeError
         for a param that is not a GenerateRequest field.
         """
-        return self._start(build_request(prompt, messages=messages, **params), timeout)
+        request = build_request(prompt, messages=messages, **params)
+        return self._start(request, timeout, self._stream_metadata(request, route_key))
 
 
 class Client(_BaseClient[Generation]):
@@ -199,9 +216,9 @@ class Client(_BaseClient[Generation]):
         self._stub = generate_pb2_grpc.GenerateStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def _start(self, request: pb.GenerateRequest, timeout: float | None) -> Generation:
+    def _start(self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata) -> Generation:
         def call(req: pb.GenerateRequest) -> grpc.Call:
-            return cast(grpc.Call, self._stub.Stream(req, timeout=timeout, metadata=self._metadata))
+            return cast(grpc.Call, self._stub.Stream(req, timeout=timeout, metadata=metadata))
 
         return Generation(call(request), request.n, restart=_restart(request, call) if self.resume else None)
 
@@ -211,6 +228,7 @@ class Client(_BaseClient[Generation]):
         *,
         messages: Chat | None = None,
         timeout: float | None = None,
+        route_key: str | None = None,
         **params: Unpack[GenerateParams],
     ) -> Completion:
         """Runs a generation of one sample to its end and returns its Completion.
@@ -218,7 +236,7 @@ class Client(_BaseClient[Generation]):
         Raises ValueError for n > 1: stream() and its completions() have every sample.
         """
         _check_one_sample(params)
-        with self.stream(prompt, messages=messages, timeout=timeout, **params) as generation:
+        with self.stream(prompt, messages=messages, timeout=timeout, route_key=route_key, **params) as generation:
             for _ in generation:
                 pass
         return generation.completion()
@@ -280,9 +298,9 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         self._stub = generate_pb2_grpc.GenerateStub(self._channel)  # a GenerateAsyncStub
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def _start(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGeneration:
+    def _start(self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata) -> AsyncGeneration:
         def call(req: pb.GenerateRequest) -> aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
-            return self._stub.Stream(req, timeout=timeout, metadata=self._metadata)
+            return self._stub.Stream(req, timeout=timeout, metadata=metadata)
 
         return AsyncGeneration(call(request), request.n, restart=_restart(request, call) if self.resume else None)
 
@@ -292,6 +310,7 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         *,
         messages: Chat | None = None,
         timeout: float | None = None,
+        route_key: str | None = None,
         **params: Unpack[GenerateParams],
     ) -> Completion:
         """Runs a generation of one sample to its end and returns its Completion.
@@ -299,7 +318,8 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         Raises ValueError for n > 1: stream() and its completions() have every sample.
         """
         _check_one_sample(params)
-        async with self.stream(prompt, messages=messages, timeout=timeout, **params) as generation:
+        async with self.stream(prompt, messages=messages, timeout=timeout, route_key=route_key,
+                               **params) as generation:
             async for _ in generation:
                 pass
         return generation.completion()
