@@ -143,6 +143,10 @@ class ServerConfig:
         "max_new_tokens of a request that leaves it at 0"))
     grace_period: float = field(default=10.0, **_opt(
         "seconds in-flight streams get to finish after SIGTERM"))
+    handover_grace: float = field(default=0.0, **_opt(
+        "seconds in-flight streams get after SIGTERM before those still running are handed over: ended "
+        "UNAVAILABLE, for braid's clients to resume on another replica from the tokens they have (0: none; "
+        "they get --grace-period, then end with a final CANCELLED message)"))
     tls_cert: Path | None = field(default=None, **_opt("PEM certificate chain: serve TLS"))
     tls_key: Path | None = field(default=None, **_opt("PEM private key of --tls-cert"))
     tls_client_ca: Path | None = field(default=None, **_opt(
@@ -192,7 +196,7 @@ class ServerConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise SettingError(name, getattr(self, name), "must be in [0, 65535]")
-        _not_negative(self, "grace_period")
+        _not_negative(self, "grace_period", "handover_grace")
         _positive(self, "keepalive_timeout_ms")
         _not_negative(self, "keepalive_time_ms", "min_ping_interval_ms", "max_connection_age_ms",
                       "max_connection_age_grace_ms")

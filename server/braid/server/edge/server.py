@@ -257,7 +257,8 @@ async def _serve(config: ServerConfig, listening: _Listening, engine: EngineClie
         _LOGGER.info("%s received: draining, %d sessions in flight (%d running, %d queued) get %g s; a second "
                      "signal exits at once", stop_reason() or "stop", stats.sessions_active + stats.sessions_queued,
                      stats.sessions_active, stats.sessions_queued, config.grace_period)
-    await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0)
+    await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0,
+                 handover_grace=config.handover_grace if exit_code == 0 else 0.0)
     watcher.cancel()
     servicer.close()
     engine.stop()
@@ -284,19 +285,29 @@ def _log_settings(config: ServerConfig) -> None:
                  else "off, every caller is served")
 
 
-async def _drain(server: grpc.aio.Server, health_servicer, engine: EngineClient, grace_period: float) -> None:
+async def _drain(server: grpc.aio.Server, health_servicer, engine: EngineClient, grace_period: float,
+                 handover_grace: float = 0.0) -> None:
     """Health turns NOT_SERVING at once and new calls get UNAVAILABLE; in-flight streams get the
     grace period to finish (the engine says when it is idle), then the rest end with a final
-    CANCELLED message."""
+    CANCELLED message. With a hand-over grace (--handover-grace), the streams
+    still running after it end UNAVAILABLE instead: braid's clients resume them on another replica
+    from the tokens they have (resume_token_ids), so a drain takes about that grace, whatever the
+    generations' lengths."""
     await health_servicer.enter_graceful_shutdown()
     engine.stop_accepting()
+    wait = min(grace_period, handover_grace) if handover_grace else grace_period
     try:
-        await asyncio.wait_for(engine.when_idle(asyncio.get_running_loop()), grace_period)
+        await asyncio.wait_for(engine.when_idle(asyncio.get_running_loop()), wait)
     except asyncio.TimeoutError:
         if not engine.is_idle:  # (it may have gone idle just as the grace period ran out)
             stats = engine.stats()
-            _LOGGER.info("grace period over: cancelling %d active and %d queued sessions", stats.sessions_active,
-                         stats.sessions_queued)
+            if handover_grace:
+                _LOGGER.info("hand-over grace over: the calls of %d active and %d queued sessions end UNAVAILABLE, "
+                             "to be resumed on another replica", stats.sessions_active, stats.sessions_queued)
+                await server.stop(0)  # every call ends now, its sessions with it (their done callbacks)
+            else:
+                _LOGGER.info("grace period over: cancelling %d active and %d queued sessions",
+                             stats.sessions_active, stats.sessions_queued)
             engine.cancel_all()
     await server.stop(_FINAL_MESSAGES_S)
 
