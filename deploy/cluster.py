@@ -6,7 +6,8 @@
     .venv/bin/python deploy/roll.py               # another terminal: a rolling restart under load
 
 Replica N (from 1) serves gRPC on --first-port + N - 1 and its metrics on --first-metrics-port + N - 1.
-HAProxy (deploy/haproxy.cfg) balances each call over the replicas that pass its gRPC health check;
+HAProxy (deploy/haproxy.cfg) balances each call over the replicas that pass its gRPC health check
+(by its braid-route-key header where it has one: consistent hashing with bounded load);
 its status page and /metrics are on --stats-port. Prometheus, with a variant of deploy/prometheus.yml
 that scrapes every replica and HAProxy, is on --prometheus-port (0: not run).
 
@@ -178,10 +179,17 @@ class Cluster:
                 "BRAID_CLUSTER_STATS_PORT": str(self.stats_port)}
 
     def _haproxy_config(self) -> Path:
-        """deploy/haproxy.cfg with one server line per replica appended to its backend."""
-        servers = "".join(f"    server {r.name} {self.host}:{r.port}\n" for r in self.replicas)
+        """deploy/haproxy.cfg with one server line per replica under each backend's `# servers:`
+        line: checked in backend braid, tracking those in backend braid-affinity."""
+        lines = []
+        for line in (DEPLOY / "haproxy.cfg").read_text().splitlines(keepends=True):
+            lines.append(line)
+            if line.strip().startswith("# servers:"):
+                track = " track braid/{name}" if "track" in line else ""
+                lines += [f"    server {r.name} {self.host}:{r.port}{track.format(name=r.name)}\n"
+                          for r in self.replicas]
         path = self.run_dir / "haproxy.cfg"
-        path.write_text((DEPLOY / "haproxy.cfg").read_text() + servers)
+        path.write_text("".join(lines))
         return path
 
     def proxy_states(self) -> dict[str, str]:
