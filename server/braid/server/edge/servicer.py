@@ -18,8 +18,9 @@ from braid.server.edge import convert
 from braid.server.edge.errors import abort_with, status, status_for
 from braid.server.edge.lanes import TokenizerLanes
 from braid.server.edge.orca import LoadReporter
+from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Delta, Finished, FinishReason, GenerationRequest, InvalidArgument, Queued
+from braid.server.engine.types import Delta, Finished, FinishReason, InvalidArgument, Queued
 from braid.server.telemetry import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
@@ -27,7 +28,6 @@ from braid.v1 import generate_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
 
-_CLOCK_SLACK_S = 0.1
 MAX_ABORT_IDS = 256
 
 
@@ -57,9 +57,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         # However the call ends (the client cancels, resets the stream or vanishes, at any await
         # below or none, before its sessions exist or after), its sessions go with it: the
         # callback runs when the RPC terminates, even if this generator is never resumed.
-        call = _CallSessions(req)
+        call = CallSessions(req)
         context.add_done_callback(call.end)
-        handles = await self._submit(req, call)
+        handles = await submit(self._engine, self._tokenizers, req, call)
         tracing.on_session(handles[0], self._engine.info.mode)
         entries = [(h, _credentials(context)) for h in handles]
         self._by_request_id.setdefault(req.request_id, []).extend(entries)
@@ -67,7 +67,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             # the seed in the headers: a client can resume a broken stream (resume_token_ids) with it
             await context.send_initial_metadata((("braid-request-id", req.request_id),
                                                  ("braid-seed", str(handles[0].seed))))
-            async for index, handle, batch in _merged(handles):
+            async for index, handle, batch in merged(handles):
                 message = self._message(batch, handle)
                 if len(handles) > 1:
                     message.index = index
@@ -94,21 +94,6 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                     calls.remove(entry)
             if not calls:
                 self._by_request_id.pop(req.request_id, None)
-
-    async def _submit(self, req: GenerationRequest, call: _CallSessions) -> list[SessionHandle]:
-        engine = self._engine
-        # The place in the queue is taken here, before the call waits for a compile or a tokenizer thread.
-        ticket = engine.admit(req.prompt, req.messages, truncated=req.params.truncate_input_tokens > 0)
-        try:
-            matcher = await self._tokenizers.compile(engine.compile, req) if req.constraint else None
-        except BaseException:
-            ticket.release()
-            raise
-        future = self._tokenizers.run(ticket, engine.submit, req, asyncio.get_running_loop(), matcher)
-        # The call learns of its sessions on the event loop as soon as they exist, whether or not
-        # this coroutine is still there to take them (cancelled while the prompt was tokenized).
-        future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or call.adopt(f.result()))
-        return await asyncio.shield(future)
 
     @staticmethod
     def _message(batch, handle: SessionHandle) -> pb.GenerateResponse:
@@ -160,39 +145,6 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                                    time.monotonic() - self._engine.started_at)
 
 
-async def _merged(handles: list[SessionHandle]):
-    """(index, handle, batch) from every handle's batches, as they come. Each handle's next batch
-    is taken only once the caller has written its last (its generator resumes after the yield), so
-    a slow client holds every sample back, as it holds one."""
-    if len(handles) == 1:
-        async for batch in handles[0].batches():
-            yield 0, handles[0], batch
-        return
-    ready: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, handle: SessionHandle) -> None:
-        async for batch in handle.batches():
-            written = asyncio.Event()
-            await ready.put((index, handle, batch, written))
-            await written.wait()
-        await ready.put(None)
-
-    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-    try:
-        running = len(tasks)
-        while running:
-            item = await ready.get()
-            if item is None:
-                running -= 1
-                continue
-            index, handle, batch, written = item
-            yield index, handle, batch
-            written.set()
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
 def _credentials(context) -> tuple:
     """Who a call is, for Abort: its `authorization` metadata (a hash of it, never the key) and its
     TLS client certificate's identity, each empty where absent."""
@@ -200,40 +152,6 @@ def _credentials(context) -> tuple:
     peer = context.auth_context() or {}
     identity = tuple(peer.get("x509_subject_alternative_name", ())) + tuple(peer.get("x509_common_name", ()))
     return hashlib.sha256(repr(auth).encode()).hexdigest(), identity
-
-
-def _cancel_reason(req: GenerationRequest) -> FinishReason:
-    """A call that ends before its session: DEADLINE once its deadline has passed, else CANCELLED.
-    (the cancellation can arrive a hair before our own clock reaches the deadline)"""
-    deadline_passed = req.deadline is not None and time.monotonic() >= req.deadline - _CLOCK_SLACK_S
-    return FinishReason.DEADLINE if deadline_passed else FinishReason.CANCELLED
-
-
-class _CallSessions:
-    """A Stream call's sessions, cancelled with the call however and whenever it ends. Made before
-    any session can exist, and told of each on the event loop, as `end` is: so whichever comes
-    first, the call's end or its sessions, every session is cancelled, with no window between the
-    two (under load a reset stream once left its session running to max_new_tokens)."""
-
-    def __init__(self, req: GenerationRequest) -> None:
-        self._req = req
-        self._handles: list[SessionHandle] = []
-        self._ended = False
-
-    def adopt(self, handles: list[SessionHandle]) -> None:
-        self._handles.extend(handles)
-        if self._ended:
-            self._cancel()
-
-    def end(self, *_) -> None:
-        """The call is over (any arguments: grpc's done callback passes the context)."""
-        self._ended = True
-        self._cancel()
-
-    def _cancel(self) -> None:
-        reason = _cancel_reason(self._req)
-        for h in self._handles:
-            h.cancel(reason)  # a no-op once finished
 
 
 def _failure_status(finished: Finished, context) -> grpc.Status | None:
