@@ -95,9 +95,9 @@ class _SlowTokenizer(_Wrapped):
         super().__init__(tokenizer)
         self._delay_s = delay_s
 
-    def encode(self, prompt, messages):
+    def encode(self, prompt, messages, tools=""):
         time.sleep(self._delay_s)
-        return self._inner.encode(prompt, messages)
+        return self._inner.encode(prompt, messages, tools)
 
 
 class _SlowGrammars(_Wrapped):

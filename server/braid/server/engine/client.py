@@ -37,6 +37,10 @@ class EngineClient(Protocol):
     def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
         """A Tokenize call's token ids and pieces; gives the ticket back. Blocking: off the event loop."""
 
+    def pieces(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own text (for logprobs over HTTP, which name tokens by text). Thread-safe;
+        off the event loop, as a Python tokenizer's first use on a thread copies it."""
+
     def stats(self) -> EngineStats: ...
 
     @property

@@ -153,6 +153,9 @@ class Engine:
     def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
         return self.admission.tokenize(ticket, prompt, messages)
 
+    def pieces(self, token_ids: Sequence[int]) -> list[str]:
+        return self.admission.tokenizer.pieces(token_ids)
+
     def _abort(self, session_id: int, reason: FinishReason) -> None:
         self._inbox.put(_Abort(session_id, reason))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import threading
 from typing import Sequence
 
@@ -60,16 +61,17 @@ class Tokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return self._encode(text, add_special_tokens=True)
 
-    def encode_chat(self, messages: Sequence[Message], field_name: str = "messages") -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], field_name: str = "messages", tools: str = "") -> list[int]:
         if not self.has_chat_template:
             raise InvalidArgument(field_name, "this model has no chat template; send a prompt instead")
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
                 raise InvalidArgument(f"{field_name}[{i}].role",
                                       f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}")
-        chat = [{"role": m.role, "content": m.content} for m in messages]
+        chat = [_turn(m) for m in messages]
         try:
-            text = self._original.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            text = self._original.apply_chat_template(chat, tools=json.loads(tools) if tools else None,
+                                                      add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja templates raise their own errors for chats they reject
             raise InvalidArgument(field_name, f"the chat template rejected it: {exc}") from exc
         return self._encode(text, add_special_tokens=False)  # the template wrote its special tokens
@@ -79,8 +81,8 @@ class Tokenizer:
         sequences = {tuple(self._encode(text, add_special_tokens=False)) for w in words for text in (w, " " + w)}
         return tuple(sorted(s for s in sequences if s))
 
-    def encode(self, prompt: str | None, messages: Sequence[Message]) -> list[int]:
-        return self.encode_chat(messages) if messages else self.encode_prompt(prompt or "")
+    def encode(self, prompt: str | None, messages: Sequence[Message], tools: str = "") -> list[int]:
+        return self.encode_chat(messages, tools=tools) if messages else self.encode_prompt(prompt or "")
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._backend is not None:
@@ -93,6 +95,25 @@ class Tokenizer:
             return self._backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
         tok = self._own()
         return [tok.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def _turn(m: Message) -> dict:
+    """A message as chat templates read it: tool calls with their arguments parsed, as
+    transformers' templates (Qwen's, Llama 3's) expect them."""
+    turn: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        turn["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _parsed(c["function"]["arguments"])}}
+                              for c in json.loads(m.tool_calls)]
+    if m.tool_call_id:
+        turn["tool_call_id"] = m.tool_call_id
+    return turn
+
+
+def _parsed(arguments: str) -> object:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _longest_token_bytes(hf_tokenizer) -> int:

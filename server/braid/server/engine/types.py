@@ -94,6 +94,10 @@ class Constraint:
 class Message:
     role: str
     content: str
+    # OpenAI's tool turns, for the chat template: an assistant's calls (a JSON list of
+    # {"id", "type": "function", "function": {"name", "arguments"}}), a tool result's call id
+    tool_calls: str = ""
+    tool_call_id: str = ""
 
 
 def text_bytes(prompt: str | None, messages: Sequence[Message]) -> int:
@@ -115,6 +119,7 @@ class GenerationRequest:
     n: int = 1  # samples of the prompt, sample i seeded seed + i
     constraint: Constraint | None = None
     resume_token_ids: tuple[int, ...] = ()  # tokens a broken stream delivered: computed, not sent again
+    tools: str = ""  # a JSON list of OpenAI tool definitions the chat template renders ("": none)
 
 
 @dataclass
