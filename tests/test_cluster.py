@@ -74,6 +74,14 @@ def request(max_new_tokens: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt="The sea is", max_new_tokens=max_new_tokens, ignore_eos=True)
 
 
+def prometheus_query(cluster: Cluster, promql: str) -> list[dict]:
+    url = f"{cluster.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        answer = json.load(response)
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
 def test_the_haproxy_health_check_is_a_grpc_health_call_a_replica_answers(cluster):
     """deploy/haproxy.cfg's raw HTTP/2 frames, sent to a replica as HAProxy sends them, get back a
     HealthCheckResponse SERVING: the frame HAProxy's expect rules look for."""
@@ -120,11 +128,7 @@ def test_prometheus_scrapes_each_replicas_generated_tokens(cluster):
     assert all(books.values()), books
 
     def query(promql: str) -> list[dict]:
-        url = f"{cluster.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        with urllib.request.urlopen(url, timeout=5) as response:
-            answer = json.load(response)
-        assert answer["status"] == "success", answer
-        return answer["data"]["result"]
+        return prometheus_query(cluster, promql)
 
     def scraped_tokens() -> dict[str, float]:
         result = query('braid_tokens_total{job="braid", braid_token_type="generated"}')
@@ -178,6 +182,19 @@ def test_calls_with_a_route_key_find_their_prefix_cached(cluster, record_propert
           f"tokens cached with the routing key, {without_key:.0%} without")
     assert with_key >= 0.8
     assert without_key < with_key
+    # Each replica's own ratio: in its ServerStatus, and in Prometheus with its replica label.
+    books = {r.name: status(cluster, r) for r in cluster.replicas}
+    ratios = {name: s.prefix_hit_ratio for name, s in books.items()}
+    assert all(ratio == pytest.approx(s.prompt_tokens_cached / (s.prompt_tokens_cached + s.prompt_tokens_computed))
+               for ratio, s in zip(ratios.values(), books.values()))
+    print(f"prefix hit ratio per replica: {', '.join(f'{name} {ratio:.2f}' for name, ratio in ratios.items())}")
+
+    def scraped() -> dict[str, float]:
+        result = prometheus_query(cluster, 'braid_prefix_cache_hit_ratio{job="braid"}')
+        return {series["metric"]["replica"]: float(series["value"][1]) for series in result}
+
+    wait_for(lambda: scraped().keys() == ratios.keys()
+             and all(v == pytest.approx(ratios[k], abs=1e-6) for k, v in scraped().items()), timeout=30)
 
 
 def test_a_hot_prefix_spills_over_to_other_replicas(cluster):

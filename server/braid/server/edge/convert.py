@@ -246,4 +246,5 @@ def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.Serv
         sessions_submitted=stats.sessions_submitted, sessions_paused=stats.sessions_paused,
         prompt_tokens_cached=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens,
         preemptions=stats.preemptions, kv_evictions=stats.kv_evictions, kv_pages_total=stats.kv_pages_total,
-        kv_pages_used=stats.kv_pages_used, kv_pages_cached=stats.kv_pages_cached, kv_page_tokens=stats.kv_page_tokens)
+        kv_pages_used=stats.kv_pages_used, kv_pages_cached=stats.kv_pages_cached, kv_page_tokens=stats.kv_page_tokens,
+        prefix_hit_ratio=stats.prompt_tokens_cached / max(1, stats.prompt_tokens_cached + stats.prompt_tokens))

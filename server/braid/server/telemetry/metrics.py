@@ -113,6 +113,15 @@ def observe_engine(stats: Callable[[], EngineStats]) -> None:
     _meter.create_observable_counter("braid.tokens", [tokens], unit="{token}",
                                      description="Prompt tokens computed (prompt), prompt tokens found in the prefix "
                                                  "cache (prompt_cached), and tokens generated")
+    def hit_ratio(options: CallbackOptions):
+        stats_now = stats()
+        looked_up = stats_now.prompt_tokens_cached + stats_now.prompt_tokens
+        return [Observation(stats_now.prompt_tokens_cached / looked_up if looked_up else 0.0)]
+
+    _meter.create_observable_gauge(
+        "braid.prefix_cache.hit_ratio", [hit_ratio], unit="1",
+        description="Share of prompt tokens found in the prefix cache since start (ServerStatus.prefix_hit_ratio); "
+                    "per replica, high where a proxy routes calls by their braid-route-key")
     _meter.create_observable_gauge(
         "braid.kv_cache.usage", [pages], unit="{page}",
         description="KV-cache pages held by running sessions (used), and held by none but keeping a prefix (cached)")
