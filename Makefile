@@ -71,8 +71,10 @@ install: $(STAMP)
 
 install-test: $(TEST_STAMP)
 
+# OpenAI's HTTP API beside gRPC (README: OpenAI-compatible HTTP API)
+HTTP_PORT ?= 8000
 serve: install
-	$(VENV)/bin/braid serve $(ARGS)
+	$(VENV)/bin/braid serve --http-port $(HTTP_PORT) $(ARGS)
 
 # A cluster on this machine (docs/deployment.md): REPLICAS replicas of `braid serve` behind HAProxy on
 # localhost:50051, with Prometheus on :9090; deploy/install-tools.sh apt-gets both when missing.

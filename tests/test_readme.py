@@ -48,11 +48,11 @@ def test_make_serve_installs_what_serving_needs_and_make_test_adds_the_test_extr
     serve, test = make_commands("serve", tmp_path), make_commands("test", tmp_path)
     assert not [line for line in serve if "[test]" in line], "make serve installs the test extra"
     assert [line for line in test if "pip install" in line and "[test]" in line]
-    assert set(serve) - set(test) == {f"{tmp_path}/bin/braid serve "}  # make test: the same set-up, and more
+    assert set(serve) - set(test) == {f"{tmp_path}/bin/braid serve --http-port 8000 "}  # make test: the same set-up, and more
 
 
 def test_make_echoes_no_comment_and_no_set_up_command(tmp_path):
-    assert make_echoes("serve", tmp_path) == [f"{tmp_path}/bin/braid serve "]
+    assert make_echoes("serve", tmp_path) == [f"{tmp_path}/bin/braid serve --http-port 8000 "]
     assert make_echoes("test", tmp_path) == [f"{tmp_path}/bin/python -m pytest -q -n 2 --dist loadfile"]
 
 

@@ -43,6 +43,8 @@ def assert_usage_error(out: subprocess.CompletedProcess, *wanted: str) -> str:
 
 @pytest.mark.parametrize("args, wanted", [
     (["--port", "70000"], ["--port 70000", "[0, 65535]"]),
+    (["--http-port", "70000"], ["--http-port 70000", "[0, 65535]"]),
+    (["--chat-template", "/no/such.jinja"], ["--chat-template /no/such.jinja", "no such file"]),
     (["--kv-cache-memory", "4XB"], ["--kv-cache-memory 4XB"]),
     (["--log-level", "verbose"], ["--log-level", "verbose"]),
     (["--device", "gpu"], ["--device gpu", "cuda:N"]),
@@ -165,13 +167,14 @@ def test_a_tls_file_that_does_not_exist(tiny_dir, tmp_path):
                           "--tls-key", str(missing)), f"--tls-cert {missing}", "no such file")
 
 
-@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--http-port"])
 def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, flag):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         busy = holder.getsockname()[1]
-        ports = {"--port": str(free_port()), "--metrics-port": str(free_port()), flag: str(busy)}
+        ports = {"--port": str(free_port()), "--metrics-port": str(free_port()), "--http-port": str(free_port()),
+                 flag: str(busy)}
         started = time.monotonic()
         out = braid("serve", "--model", str(tiny_dir), "--host", "127.0.0.1", "--threads", "1",
                     *[item for pair in ports.items() for item in pair])

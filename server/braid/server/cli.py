@@ -145,7 +145,17 @@ def _run(command: str, configs: dict[type, object]) -> int:
         return 0
     from braid.server.edge.server import serve
 
-    return serve(configs[ServerConfig], lambda: build_engine(engine_config))
+    server_config: ServerConfig = configs[ServerConfig]
+    return serve(server_config, lambda: build_engine(engine_config), _front_ends(server_config))
+
+
+def _front_ends(config: ServerConfig) -> list:
+    """The front ends served beside gRPC, on its event loop: OpenAI's HTTP API with --http-port."""
+    if not config.http_port:
+        return []
+    from braid.server.http.server import HttpFrontEnd
+
+    return [HttpFrontEnd(config)]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -175,6 +185,8 @@ def build_engine(config: EngineConfig, model=None):
     model = model or load(config.model, config.cache_dir)
     faults = Faults.from_env()  # the tests' fault injection, wrapped around the ports (braid/server/faults.py)
     runner = ModelRunner.build(config, model)
+    if config.chat_template is not None:
+        model.hf_tokenizer.chat_template = Path(config.chat_template).read_text()
     tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
     grammars = Grammars(tokenizer.hf_tokenizer, tokenizer.eos_token_ids, runner.vocab_size,
                         config.constraint_compile_timeout,

@@ -110,6 +110,8 @@ class EngineConfig:
         "tens of KB to tens of MB); past it the least recently used are dropped"))
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(), **_opt(
         "where converted models are kept"))
+    chat_template: Path | None = field(default=None, **_opt(
+        "a Jinja chat template file that replaces the model's own (for chats, tools included)"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -124,6 +126,8 @@ class EngineConfig:
         _one_of(self, "kv_cache_dtype", DTYPES)
         _one_of(self, "prefix_caching", ("on", "off"))
         self.cache_dir = Path(self.cache_dir).expanduser()
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise SettingError("chat_template", self.chat_template, "no such file")
         self.max_sessions = self.max_sessions or self.max_batch_size
         _positive(self, "max_batch_size", "max_sessions", "max_seq_len", "prefill_chunk", "max_queued")
         parse_memory(self.kv_cache_memory)
@@ -160,6 +164,9 @@ class ServerConfig:
         "Calls past it are refused with UNAVAILABLE (RST_STREAM REFUSED_STREAM: never started, safe to retry; "
         "gRPC's clients do not reliably queue them). The work itself is bounded by --max-sessions and "
         "--max-queued, whose excess gets RESOURCE_EXHAUSTED"))
+    http_port: int = field(default=0, **_opt(
+        "also serve OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on this "
+        "port, on --host, from the same engine (0: off); --api-key guards it too"))
     metrics_port: int = field(default=0, **_opt(
         "serve Prometheus metrics on http://<metrics-host>:<port>/metrics (0: off); they need no API key"))
     metrics_host: str | None = field(default=None, **_opt(
@@ -193,7 +200,7 @@ class ServerConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise SettingError(name, getattr(self, name), "must be in [0, 65535]")
         _not_negative(self, "grace_period", "handover_grace")

@@ -16,7 +16,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,15 +42,36 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generate"].full_name
 _FINAL_MESSAGES_S = 2.0  # after the grace period, time for the final CANCELLED messages to go out
 
 
-def serve(server_config: ServerConfig, build_engine: Callable[[], "Engine"]) -> int:
-    """Binds the port, builds the engine (loads the model), then serves it until SIGTERM/SIGINT
-    (exit 0) or until the model loop dies (exit 1). A start that fails raises.
+class FrontEnd(Protocol):
+    """Another server of the same engine on the gRPC server's event loop (the HTTP API,
+    braid/server/http/server.py): bound with it, started with it, drained with it."""
+
+    def bind(self) -> None:
+        """Binds its port (before the model loads); raises SettingError if it cannot."""
+
+    async def start(self, engine: EngineClient) -> None: ...
+
+    def begin_drain(self) -> None:
+        """New calls are refused from now on; calls in flight go on."""
+
+    async def stop(self) -> None:
+        """After the engine has drained: stops serving."""
+
+    def close(self) -> None:
+        """Closes its port (a start that failed)."""
+
+
+def serve(server_config: ServerConfig, build_engine: Callable[[], "Engine"],
+          front_ends: Sequence[FrontEnd] = ()) -> int:
+    """Binds the ports, builds the engine (loads the model), then serves it until SIGTERM/SIGINT
+    (exit 0) or until the model loop dies (exit 1). A start that fails raises. front_ends are
+    served beside gRPC, on its loop.
 
     The model loop runs on the process's main thread and the asyncio gRPC edge on a thread of its
     own: torch's CPU kernels ran ~40% slower on a spawned thread than on the main one here
     (single-stream decode, 13 against 22 tok/s, same process, alternated).
     """
-    edge = _Edge(server_config)
+    edge = _Edge(server_config, front_ends)
     signals = _Signals(edge)
     edge.start()
     try:
@@ -107,10 +128,11 @@ class _Edge(threading.Thread):
     """The gRPC server's thread: binds the port, waits for the engine, serves it; and a
     thread-safe way to ask it to stop."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, front_ends: Sequence[FrontEnd] = ()) -> None:
         # A daemon: if the main thread dies while the model loads, the process still ends.
         super().__init__(name="braid-grpc", daemon=True)
         self._config = config
+        self._front_ends = front_ends
         self.bound: concurrent.futures.Future[int] = concurrent.futures.Future()  # the port, or why not
         self._engine: concurrent.futures.Future[Engine | None] = concurrent.futures.Future()  # None: abandoned
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -145,6 +167,13 @@ class _Edge(threading.Thread):
         if self._stop_reason is not None:
             self._stop_event.set()
         listening = _bind(self._config)
+        try:
+            for front_end in self._front_ends:
+                front_end.bind()
+        except BaseException:
+            await listening.close()
+            raise
+        listening.front_ends = self._front_ends
         self.bound.set_result(listening.port)
         engine = await asyncio.wrap_future(self._engine)
         if engine is None:
@@ -167,9 +196,12 @@ class _Listening:
     port: int
     request_log: RequestLogInterceptor | None
     telemetry: Telemetry | None
+    front_ends: Sequence[FrontEnd] = ()
 
     async def close(self) -> None:
         await self.server.stop(0)
+        for front_end in self.front_ends:
+            front_end.close()
         if self.telemetry is not None:
             await asyncio.to_thread(self.telemetry.shutdown)
 
@@ -233,6 +265,8 @@ async def _serve(config: ServerConfig, listening: _Listening, engine: EngineClie
     # calls wait, and the exit does not spend seconds collecting it (as vLLM and SGLang do).
     gc.freeze()
     await server.start()
+    for front_end in listening.front_ends:  # before health says SERVING: then every port answers
+        await front_end.start(engine)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _LOGGER.info("braid serving %s (%s, %s mode, %s) on %s:%d", engine.info.model_name, engine.info.device,
@@ -258,6 +292,7 @@ async def _serve(config: ServerConfig, listening: _Listening, engine: EngineClie
                      "signal exits at once", stop_reason() or "stop", stats.sessions_active + stats.sessions_queued,
                      stats.sessions_active, stats.sessions_queued, config.grace_period)
     await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0,
+                 listening.front_ends,
                  handover_grace=config.handover_grace if exit_code == 0 else 0.0)
     watcher.cancel()
     servicer.close()
@@ -286,13 +321,15 @@ def _log_settings(config: ServerConfig) -> None:
 
 
 async def _drain(server: grpc.aio.Server, health_servicer, engine: EngineClient, grace_period: float,
-                 handover_grace: float = 0.0) -> None:
-    """Health turns NOT_SERVING at once and new calls get UNAVAILABLE; in-flight streams get the
-    grace period to finish (the engine says when it is idle), then the rest end with a final
-    CANCELLED message. With a hand-over grace (--handover-grace), the streams
+                 front_ends: Sequence[FrontEnd] = (), handover_grace: float = 0.0) -> None:
+    """Health turns NOT_SERVING at once and new calls get UNAVAILABLE (503 over HTTP); in-flight
+    streams get the grace period to finish (the engine says when it is idle), then the rest end
+    with a final CANCELLED message. With a hand-over grace (--handover-grace), the streams
     still running after it end UNAVAILABLE instead: braid's clients resume them on another replica
     from the tokens they have (resume_token_ids), so a drain takes about that grace, whatever the
     generations' lengths."""
+    for front_end in front_ends:
+        front_end.begin_drain()
     await health_servicer.enter_graceful_shutdown()
     engine.stop_accepting()
     wait = min(grace_period, handover_grace) if handover_grace else grace_period
@@ -309,7 +346,7 @@ async def _drain(server: grpc.aio.Server, health_servicer, engine: EngineClient,
                 _LOGGER.info("grace period over: cancelling %d active and %d queued sessions",
                              stats.sessions_active, stats.sessions_queued)
             engine.cancel_all()
-    await server.stop(_FINAL_MESSAGES_S)
+    await asyncio.gather(server.stop(_FINAL_MESSAGES_S), *(front_end.stop() for front_end in front_ends))
 
 
 def _listen(server: grpc.aio.Server, config: ServerConfig) -> int:

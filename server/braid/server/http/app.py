@@ -1,0 +1,421 @@
+"""OpenAI's HTTP API on braid's engine (Starlette): /v1/chat/completions and /v1/completions,
+streamed as server-sent events or not, /v1/models and /health.
+
+Like the gRPC servicer, it reaches the engine only through EngineClient, runs on the edge's event
+loop and never blocks it: admission, compiling and tokenizing go through the same lanes and the
+same `submit` (edge/sessions.py). A call's sessions are cancelled however it ends: a client that
+disconnects mid-stream or while waiting for a whole response ends them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+
+import anyio
+import pydantic
+from opentelemetry import propagate, trace
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from braid.server.config import ServerConfig
+from braid.server.edge.errors import capped
+from braid.server.edge.lanes import TokenizerLanes
+from braid.server.edge.sessions import CallSessions, merged, submit
+from braid.server.engine.types import (Delta, EngineUnavailable, Finished, FinishReason, InvalidArgument,
+                                       Overloaded)
+from braid.server.http import choices
+from braid.server.http.protocol import ChatRequest, CompletionRequest
+from braid.server.http.requests import Plan, chat_plan, completion_plan, openai_error
+from braid.server.logs import FIELDS, key_values
+from braid.server.telemetry import tracing
+from braid.server.telemetry.metrics import record_call
+
+if TYPE_CHECKING:
+    from braid.server.engine.client import EngineClient
+    from braid.server.engine.handle import SessionHandle
+
+_LOGGER = logging.getLogger(__name__)
+_TRACER = trace.get_tracer("braid.server.http")
+_OPEN_PATHS = ("/health",)
+MAX_BODY_BYTES_FALLBACK = 4 << 20
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message, self.param, self.headers = status, kind, message, param, headers
+
+    @classmethod
+    def of(cls, exc: Exception) -> ApiError:
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, InvalidArgument):
+            return cls(400, "invalid_request_error", str(exc), exc.field)
+        if isinstance(exc, Overloaded):
+            return cls(429, "rate_limit_error", str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+        if isinstance(exc, EngineUnavailable):
+            return cls(503, "service_unavailable", str(exc))
+        _LOGGER.exception("unexpected error in an HTTP handler")
+        return cls(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
+
+    def body(self) -> dict:
+        return {"error": {"message": capped(self.message), "type": self.kind, "param": self.param, "code": None}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
+
+
+class OpenAIApi:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+        self._engine = engine
+        self._config = config
+        self._lanes = TokenizerLanes()
+        self._api_key = config.api_key.encode() if config.api_key else None
+        self.draining = False
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self._observed(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._observed(self.completions), methods=["POST"]),
+            Route("/v1/models", self._observed(self.models), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ], exception_handlers={404: _not_found, 405: _not_allowed})
+
+    def close(self) -> None:
+        self._lanes.shutdown()
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request, record: _Record) -> Response:
+        info = self._engine.info
+        return JSONResponse({"object": "list", "data": [
+            {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "braid",
+             "max_model_len": info.context_length}]})
+
+    async def chat(self, request: Request, record: _Record) -> Response:
+        body = await _parse(request, ChatRequest)
+        record.user = body.user
+        plan = chat_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size)
+        return await self._generate(request, plan, record, body.stream, chat=True)
+
+    async def completions(self, request: Request, record: _Record) -> Response:
+        body = await _parse(request, CompletionRequest)
+        record.user = body.user
+        plan = completion_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size)
+        return await self._generate(request, plan, record, body.stream, chat=False)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, plan: Plan, record: _Record, stream: bool, chat: bool) -> Response:
+        if self.draining:
+            raise EngineUnavailable("the server is draining; retry on another replica")
+        req = plan.request
+        record.request_id = req.request_id
+        call = CallSessions(req)
+        try:
+            handles = await _unless_disconnected(request, submit(self._engine, self._lanes, req, call))
+        except BaseException:
+            call.end()
+            raise
+        tracing.on_session(handles[0], self._engine.info.mode)
+        head = {"id": req.request_id, "created": int(time.time()), "model": self._engine.info.model_name}
+        events = _Events(self._engine, plan, handles, head, chat, record)
+        if stream:
+            record.streamed = True
+            return _EventStream(_sse(events, call), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return JSONResponse(await _unless_disconnected(request, events.whole()))
+        finally:
+            call.end()
+
+    # ---- around every call: the API key, errors, the log line, the span and the metric ---------
+
+    def _observed(self, route: Callable[[Request, _Record], Awaitable[Response]]):
+        async def handle(request: Request) -> Response:
+            record = _Record(request)
+            context = propagate.extract(request.headers)
+            with _TRACER.start_as_current_span(f"{request.method} {request.url.path}", context=context,
+                                               kind=trace.SpanKind.SERVER) as span:
+                try:
+                    self._authorize(request)
+                    response = await route(request, record)
+                except Exception as exc:
+                    error = ApiError.of(exc)
+                    record.status, record.error = error.status, error
+                    span.set_attribute("http.response.status_code", error.status)
+                    record.done()
+                    return error.response()
+                span.set_attribute("http.response.status_code", response.status_code)
+                record.status = response.status_code
+                if not record.streamed:
+                    record.done()
+                return response
+
+        return handle
+
+    def _authorize(self, request: Request) -> None:
+        """With --api-key: exactly one `Authorization: Bearer <key>`, as over gRPC (edge/auth.py)."""
+        if self._api_key is None:
+            return
+        given = request.headers.getlist("authorization")
+        scheme, _, key = given[0].partition(" ") if len(given) == 1 else ("", "", "")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(" ").encode(), self._api_key):
+            raise ApiError(401, "authentication_error", "missing or wrong `Authorization: Bearer <api key>` header")
+
+
+class _Events:
+    """A request's output as OpenAI's chunks (`chunks`) or as one whole response (`whole`)."""
+
+    def __init__(self, engine: EngineClient, plan: Plan, handles: list[SessionHandle], head: dict, chat: bool,
+                 record: _Record) -> None:
+        self._engine, self._plan, self._handles, self._chat, self._record = engine, plan, handles, chat, record
+        self._head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        self._choices = [choices.ChatChoice(plan) for _ in handles]
+        self._offsets = [0] * len(handles)
+        self.finals: list[Finished] = []
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        if self._chat:
+            for i in range(len(self._handles)):
+                yield self._chunk(i, {"role": "assistant", "content": ""})
+        async for index, handle, batch in merged(self._handles):
+            deltas = [e for e in batch if isinstance(e, Delta)]
+            text = "".join(d.text for d in deltas)
+            logprobs = await self._logprobs(index, deltas) if self._plan.logprobs and deltas else None
+            if self._chat:
+                delta = self._choices[index].feed(text)
+                if delta is not None or logprobs is not None:
+                    yield self._chunk(index, delta or {}, logprobs=logprobs)
+            elif text or logprobs is not None:
+                yield self._chunk(index, text, logprobs=logprobs)
+            if handle.finished is not None:
+                _raise_failure(handle.finished)
+                self._record.finished(handle.finished)
+                tracing.on_finished(handle)
+                self.finals.append(handle.finished)
+                last = self._choices[index].end() if self._chat else None
+                has_calls = bool(self._choices[index].calls)
+                if last is not None:
+                    yield self._chunk(index, last)
+                reason = choices.finish_reason(handle.finished, has_calls)
+                yield self._chunk(index, {} if self._chat else "", finish_reason=reason)
+        if self._plan.include_usage:
+            yield {**self._head, "choices": [], "usage": choices.usage(self.finals)}
+
+    def _chunk(self, index: int, delta: dict | str, logprobs: dict | None = None,
+               finish_reason: str | None = None) -> dict:
+        choice = {"index": index, "delta": delta} if self._chat else {"index": index, "text": delta}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
+        chunk = {**self._head, "choices": [choice]}
+        if self._plan.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def whole(self) -> dict:
+        """The response that is not streamed: every chunk gathered into one choice per sample."""
+        texts = [""] * len(self._handles)
+        logprobs: list[list] = [[] for _ in self._handles]
+        reasons = [""] * len(self._handles)
+        async for chunk in self.chunks():
+            for choice in chunk["choices"]:
+                i = choice["index"]
+                if choice["logprobs"] is not None:
+                    logprobs[i].append(choice["logprobs"])
+                if not self._chat:
+                    texts[i] += choice["text"]
+                reasons[i] = choice["finish_reason"] or reasons[i]
+        out = []
+        for i in range(len(self._handles)):
+            lp = _joined(logprobs[i]) if self._plan.logprobs else None
+            if self._chat:
+                out.append({"index": i, "message": self._choices[i].message(), "logprobs": lp,
+                            "finish_reason": reasons[i]})
+            else:
+                out.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": reasons[i]})
+        head = {**self._head, "object": "chat.completion" if self._chat else "text_completion"}
+        return {**head, "choices": out, "usage": choices.usage(self.finals)}
+
+    async def _logprobs(self, index: int, deltas: list[Delta]) -> dict:
+        ids, lps = choices.token_logprobs(deltas)
+        wanted = choices.logprob_ids(ids, lps)
+        # a tokenizer's first use on a thread may copy it: off the event loop
+        texts = await asyncio.get_running_loop().run_in_executor(None, self._engine.pieces, wanted)
+        piece = dict(zip(wanted, texts))
+        if self._chat:
+            return choices.chat_logprobs(ids, lps, piece)
+        out = choices.completion_logprobs(ids, lps, piece, self._offsets[index])
+        self._offsets[index] += sum(len(piece[t]) for t in ids)
+        return out
+
+
+def _joined(parts: list[dict]) -> dict | None:
+    if not parts:
+        return None
+    if "content" in parts[0]:
+        return {"content": [c for p in parts for c in p["content"]]}
+    return {key: [v for p in parts for v in p[key]] for key in parts[0]}
+
+
+def _raise_failure(finished: Finished) -> None:
+    """A session that failed ends its call with an error, as over gRPC (servicer._failure_status)."""
+    if finished.reason is FinishReason.ERROR:
+        raise ApiError(500, "internal_error", finished.error or "the engine failed")
+    if finished.reason is FinishReason.INVALID_REQUEST:
+        raise openai_error(InvalidArgument(finished.error_field or "request", finished.error or "cannot be carried out"))
+
+
+async def _sse(events: _Events, call: CallSessions) -> AsyncIterator[bytes]:
+    """Server-sent events: a chunk per batch of tokens, `data: [DONE]` at the end. An error after
+    the stream has begun is sent as a last event in OpenAI's error shape."""
+    record = events._record
+    try:
+        async for chunk in events.chunks():
+            yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    except asyncio.CancelledError:  # the client went away: its sessions end now
+        call.end()
+        record.status = 499
+        raise
+    except Exception as exc:
+        error = ApiError.of(exc)
+        record.status, record.error = error.status, error
+        yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+    finally:
+        call.end()
+        record.done()
+
+
+class _EventStream(StreamingResponse):
+    """A streamed response that ends the moment its client disconnects: it listens for the
+    disconnect while it streams, whatever ASGI version the server speaks, and closes its body
+    (so the call's sessions are cancelled) however it ends."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """Awaits work, cancelled if the client disconnects first (a response not streamed)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        raise asyncio.CancelledError()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _parse(request: Request, model: type[pydantic.BaseModel]):
+    try:
+        data = json.loads(await request.body())
+    except ValueError as exc:
+        raise InvalidArgument("body", f"is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidArgument(_param(first["loc"]), first["msg"]) from None
+
+
+def _param(loc: tuple) -> str:
+    """pydantic's location of an error as OpenAI names a parameter: messages[0].role."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[str]", "list[ContentPart]", "function-after", "NamedToolChoice") \
+                or "literal" in str(part) or "[" in str(part):
+            continue  # the branch of a union pydantic tried, not a field
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "body"
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return ApiError(404, "not_found_error", f"no route {request.url.path}").response()
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return ApiError(405, "invalid_request_error", f"{request.method} is not allowed on {request.url.path}").response()
+
+
+class _Record:
+    """One HTTP call's request log line (as edge/request_log.py writes gRPC's) and its metric."""
+
+    def __init__(self, request: Request) -> None:
+        self.started = time.perf_counter()
+        client = request.client
+        self.route = f"{request.method} {request.url.path}"
+        self.peer = f"{client.host}:{client.port}" if client else ""
+        self.request_id = ""
+        self.user: str | None = None
+        self.status = 0
+        self.error: ApiError | None = None
+        self.streamed = False
+        self._finals: list[Finished] = []
+        self._logged = False
+
+    def finished(self, finished: Finished) -> None:
+        self._finals.append(finished)
+
+    def done(self) -> None:
+        if self._logged:
+            return
+        self._logged = True
+        seconds = time.perf_counter() - self.started
+        record_call("http " + self.route, str(self.status), seconds)
+        if not self.request_id or not _LOGGER.isEnabledFor(logging.INFO):
+            return
+        line: dict[str, object] = {"request_id": self.request_id, "peer": self.peer, "route": self.route,
+                                   "status": self.status}
+        if self.user:
+            line["user"] = self.user
+        finals = self._finals
+        if finals:
+            line |= {"finish": ",".join(sorted({f.reason.name.lower() for f in finals})),
+                     "prompt_tokens": finals[0].prompt_tokens, "cached_tokens": sum(f.cached_tokens for f in finals),
+                     "generated_tokens": sum(f.generated_tokens for f in finals),
+                     "queue_ms": min(f.timings.queue_ms for f in finals),
+                     "ttft_ms": min(f.timings.time_to_first_token_ms for f in finals),
+                     "tok_s": sum(f.timings.tokens_per_second for f in finals)}
+        line["total_ms"] = seconds * 1000
+        _LOGGER.info("HTTP %s", key_values(line), extra={FIELDS: line})

@@ -1,0 +1,115 @@
+"""One choice (one of a request's n samples) as OpenAI sends it: its text read as content or as
+tool calls, its finish reason, its logprobs, and its usage."""
+
+from __future__ import annotations
+
+from braid.server.engine.types import Delta, Finished, FinishReason
+from braid.server.http import tools
+from braid.server.http.requests import Plan
+
+_LENGTH = {FinishReason.MAX_TOKENS}
+
+
+def finish_reason(finished: Finished, has_calls: bool) -> str:
+    """OpenAI's name for how a choice ended: `length` where max_tokens cut it, `tool_calls` where it
+    holds calls, else `stop` (an end of sequence, a stop string or token, a completed constraint,
+    a cancel)."""
+    if finished.reason in _LENGTH:
+        return "length"
+    return "tool_calls" if has_calls else "stop"
+
+
+def usage(finals: list[Finished]) -> dict:
+    """The usage of a request's choices: the prompt counted once, the completions summed."""
+    prompt = finals[0].prompt_tokens if finals else 0
+    completion = sum(f.generated_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens if finals else 0}}
+
+
+class ChatChoice:
+    """A chat choice's deltas as its tokens arrive (`feed`), and what is left at its end (`end`).
+    Content is sent as it comes; where tool calls may be in it (`auto`), the text that might begin
+    a call is held back until the choice ends and is parsed."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+        self.text = ""
+        self._sent = 0  # characters of text sent as content (auto) or as arguments (a named call)
+        self.calls: list[tools.ToolCall] = []
+        self._call_id = tools.new_call_id()
+
+    def feed(self, text: str) -> dict | None:
+        self.text += text
+        if self._plan.tools is None:
+            return {"content": text} if text else None
+        if self._plan.tools == "forced" and self._plan.function is not None:
+            # a named call: its arguments stream as they come, OpenAI's way
+            head = {} if self._sent else {"id": self._call_id, "type": "function"}
+            function = {"arguments": text} if self._sent else {"name": self._plan.function, "arguments": text}
+            self._sent += len(text)
+            return {"tool_calls": [{"index": 0, **head, "function": function}]}
+        if self._plan.tools == "auto":
+            held = tools.held_from(self.text)
+            if held > self._sent:
+                content, self._sent = self.text[self._sent:held], held
+                return {"content": content}
+        return None
+
+    def end(self) -> dict | None:
+        """The last delta: tool calls found in the whole text, or the content held back."""
+        plan = self._plan
+        if plan.tools == "forced":
+            self.calls = tools.forced_calls(self.text, plan.function)
+            if plan.function is not None:
+                if self.calls:
+                    self.calls = [tools.ToolCall(plan.function, self.calls[0].arguments, self._call_id)]
+                return None if self._sent or not self.calls else {"tool_calls": [self.calls[0].to_openai(0)]}
+            return {"tool_calls": [c.to_openai(i) for i, c in enumerate(self.calls)]} if self.calls else None
+        if plan.tools == "auto":
+            _, self.calls = tools.parse_tool_calls(self.text)
+            if self.calls:
+                return {"tool_calls": [c.to_openai(i) for i, c in enumerate(self.calls)]}
+            rest, self._sent = self.text[self._sent:], len(self.text)
+            return {"content": rest} if rest else None
+        return None
+
+    def message(self) -> dict:
+        """The whole choice's message (a response that is not streamed), after `end`."""
+        if self.calls:
+            content, _ = tools.parse_tool_calls(self.text) if self._plan.tools == "auto" else ("", [])
+            return {"role": "assistant", "content": content or None,
+                    "tool_calls": [c.to_openai() for c in self.calls]}
+        return {"role": "assistant", "content": self.text}
+
+
+def token_logprobs(deltas: list[Delta]) -> tuple[list[int], list]:
+    """The tokens of these deltas and their runner.rows.TokenLogprob, in order."""
+    ids, lps = [], []
+    for d in deltas:
+        ids.extend(d.token_ids)
+        lps.extend(d.logprobs)
+    return ids, lps
+
+
+def logprob_ids(ids: list[int], lps: list) -> list[int]:
+    """Every token id whose text the logprobs name: the chosen ones and their alternatives."""
+    return list(dict.fromkeys([*ids, *(t for lp in lps for t, _ in lp.top)]))
+
+
+def chat_logprobs(ids: list[int], lps: list, piece: dict[int, str]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = piece[token_id]
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
+                        for t, lp in zip(ids, lps)]}
+
+
+def completion_logprobs(ids: list[int], lps: list, piece: dict[int, str], offset: int) -> dict:
+    offsets, at = [], offset
+    for t in ids:
+        offsets.append(at)
+        at += len(piece[t])
+    return {"tokens": [piece[t] for t in ids], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{piece[a]: v for a, v in lp.top} for lp in lps], "text_offset": offsets}

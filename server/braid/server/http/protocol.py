@@ -1,0 +1,122 @@
+"""OpenAI's request bodies, as braid reads them (pydantic): the fields of OpenAI's API that braid
+serves, and braid's own extras beside them (top_k, min_p, ...), as vLLM accepts them. Fields braid
+does not know are ignored, as OpenAI's clients send some of their own; a field braid cannot honour
+(echo, suffix, best_of > 1, non-text content) is refused naming it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Function(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class JsonSchema(_Body):
+    name: str = ""
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class _Generation(_Body):
+    """What chat and completions share: OpenAI's sampling fields, then braid's extras."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # braid's extras (vLLM's names where it has them)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    cache_salt: str = ""
+    priority: Literal["interactive", "batch"] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    response_format: ResponseFormat | None = None  # braid's extra: JSON output for completions too

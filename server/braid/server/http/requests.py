@@ -1,0 +1,210 @@
+"""OpenAI's requests to braid's GenerationRequest. Each is written as the GenerateRequest the .proto
+defines and checked by the edge's own conversion (edge/convert.py), so a field means the same over
+HTTP as over gRPC and is checked once; an error is renamed to the OpenAI parameter it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass
+
+from braid.server.edge import convert
+from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Message
+from braid.server.http import tools as tool_calls
+from braid.server.http.protocol import ChatRequest, CompletionRequest, ResponseFormat
+from braid.v1 import generate_pb2 as pb
+
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default where a request leaves it out (braid's gRPC default: 0, greedy)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked request and how its output is read back: `tools` is how tool calls are found
+    (None: plain content; "auto": parsed from free output; "forced": the output is the call, of
+    `function` or, with None, of any tool)."""
+
+    request: GenerationRequest
+    tools: str | None = None
+    function: str | None = None
+    include_usage: bool = False
+    logprobs: bool = False
+
+
+def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int) -> Plan:
+    messages = tuple(_message(i, m) for i, m in enumerate(body.messages))
+    if not messages:
+        raise InvalidArgument("messages", "must not be empty")
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidArgument("top_logprobs", "needs logprobs: true")
+    max_tokens = _one_of_max(body)
+    req = _generate_request(body, max_tokens, default_max_new_tokens, vocab_size, is_chat=True,
+                            messages=[pb.Message(role=m.role, content=m.content) for m in messages],
+                            logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
+    mode, function = _tool_mode(body)
+    constraint = _format_constraint(body.response_format)
+    if mode == "forced":
+        if constraint is not None:
+            raise InvalidArgument("tool_choice", "a forced tool call and response_format cannot go together")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        schema = tool_calls.forced_schema(tools, function, parallel=body.parallel_tool_calls is not False)
+        constraint = Constraint("json_schema", json.dumps(schema), "tools")
+    tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools and mode else ""
+    req = dataclasses.replace(req, messages=messages, constraint=constraint, tools=tools_json)
+    return Plan(req, mode, function, _include_usage(body), body.logprobs)
+
+
+def completion_plan(body: CompletionRequest, default_max_new_tokens: int, vocab_size: int) -> Plan:
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise InvalidArgument("prompt", f"{len(prompt)} prompts; braid takes one per request (use n for samples)")
+        prompt = prompt[0]
+    if body.echo:
+        raise InvalidArgument("echo", "is not supported")
+    if body.suffix:
+        raise InvalidArgument("suffix", "is not supported")
+    if body.best_of not in (None, 1, body.n):
+        raise InvalidArgument("best_of", "is not supported; use n")
+    if body.logprobs is not None and body.logprobs < 0:
+        raise InvalidArgument("logprobs", f"{body.logprobs} is negative")
+    req = _generate_request(body, body.max_tokens, default_max_new_tokens, vocab_size, is_chat=False,
+                            prompt=prompt, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+    req = dataclasses.replace(req, constraint=_format_constraint(body.response_format))
+    return Plan(req, include_usage=_include_usage(body), logprobs=body.logprobs is not None)
+
+
+def _one_of_max(body: ChatRequest) -> int | None:
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise InvalidArgument("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
+def _include_usage(body) -> bool:
+    if body.stream_options is not None and not body.stream:
+        raise InvalidArgument("stream_options", "is only for stream: true")
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _generate_request(body, max_tokens: int | None, default_max_new_tokens: int, vocab_size: int, is_chat: bool,
+                      **fields) -> GenerationRequest:
+    """The body as a GenerateRequest, checked by convert.request_from_pb; its errors renamed."""
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidArgument(_max_name(body, is_chat), f"{max_tokens} is less than 1")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+    message = pb.GenerateRequest(
+        max_new_tokens=max_tokens or 0, min_new_tokens=body.min_tokens,
+        temperature=OPENAI_TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0, logit_bias=_logit_bias(body.logit_bias),
+        n=_samples(body.n), stop=stop, include_stop_sequence=body.include_stop_str_in_output,
+        stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, cache_salt=body.cache_salt,
+        priority=pb.PRIORITY_BATCH if body.priority == "batch" else pb.PRIORITY_UNSPECIFIED,
+        request_id=("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex, **fields)
+    if body.seed is not None:
+        if body.seed < 0:
+            raise InvalidArgument("seed", f"{body.seed} is negative")
+        message.seed = body.seed
+    if body.top_p == 0.0:  # OpenAI's top_p is in (0, 1]; braid's 0 means 'unset'
+        raise InvalidArgument("top_p", "0.0 is outside (0.0, 1.0]")
+    try:
+        return convert.request_from_pb(message, default_max_new_tokens, vocab_size, None)
+    except InvalidArgument as exc:
+        raise openai_error(exc, _max_name(body, is_chat), is_chat) from None
+    except ValueError as exc:  # protobuf's range checks (an int past 64 bits)
+        raise InvalidArgument("request", str(exc)) from None
+
+
+def _max_name(body, is_chat: bool) -> str:
+    return "max_completion_tokens" if is_chat and body.max_completion_tokens is not None else "max_tokens"
+
+
+# braid's field names -> OpenAI's, where they differ
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+            "include_stop_sequence": "include_stop_str_in_output"}
+
+
+def openai_error(exc: InvalidArgument, max_name: str = "max_tokens", is_chat: bool = True) -> InvalidArgument:
+    """An InvalidArgument about a GenerateRequest field, renamed to the OpenAI parameter."""
+    head, dot, rest = exc.field.partition(".")
+    if head == "max_new_tokens":
+        name = max_name
+    elif head == "top_logprobs" and not is_chat:
+        name = "logprobs"
+    elif head == "constraint":
+        name = "response_format"
+    elif head == "prompt" and is_chat:
+        name = "messages"
+    else:
+        name = _RENAMES.get(head, head) + dot + rest
+    return InvalidArgument(name, exc.description)
+
+
+def _samples(n: int | None) -> int:
+    if n is not None and n < 1:
+        raise InvalidArgument("n", f"{n} is less than 1")
+    return n or 1
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidArgument(f"logit_bias[{key}]", f"{key!r} is not a token id") from None
+    return out
+
+
+def _message(i: int, m) -> Message:
+    field = f"messages[{i}]"
+    if isinstance(m.content, list):
+        texts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise InvalidArgument(f"{field}.content[{j}].type", f"{part.type!r}: braid takes text parts only")
+            texts.append(part.text)
+        content = "".join(texts)
+    else:
+        content = m.content or ""
+    calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
+    if m.role == "tool" and not m.tool_call_id:
+        raise InvalidArgument(f"{field}.tool_call_id", "is required in a tool message")
+    return Message(role=m.role, content=content, tool_calls=calls, tool_call_id=m.tool_call_id or "")
+
+
+def _tool_mode(body: ChatRequest) -> tuple[str | None, str | None]:
+    """How tool calls are read back (Plan.tools) and the forced function's name."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise InvalidArgument("tool_choice", "needs tools")
+        return None, None
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise InvalidArgument("tools", "two tools have the same name")
+    if choice is None or choice == "auto":
+        return "auto", None
+    if choice == "none":
+        return None, None
+    if choice == "required":
+        return "forced", None
+    if choice.function.name not in names:
+        raise InvalidArgument("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools")
+    return "forced", choice.function.name
+
+
+def _format_constraint(fmt: ResponseFormat | None) -> Constraint | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint("json_object", "", "response_format")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidArgument("response_format.json_schema.schema", "is required for type json_schema")
+    text = json.dumps(fmt.json_schema.schema_)
+    if len(text.encode()) > convert.MAX_CONSTRAINT_BYTES:
+        raise InvalidArgument("response_format.json_schema.schema",
+                              f"is {len(text.encode())} bytes; at most {convert.MAX_CONSTRAINT_BYTES}")
+    # braid holds every schema strictly, strict: true or not: its output always validates
+    return Constraint("json_schema", text, "response_format.json_schema.schema")
