@@ -42,7 +42,7 @@ GPU_OVERRIDE = ROOT / "deploy" / "compose.gpu.yaml"
 BRAID_ENV = {
     "BRAID_HOST", "BRAID_PORT", "BRAID_MODEL", "BRAID_CACHE_DIR", "BRAID_MODE",
     "BRAID_DEVICE", "BRAID_THREADS", "BRAID_MAX_BATCH_SIZE", "BRAID_METRICS_PORT",
-    "BRAID_OTLP_ENDPOINT", "BRAID_GRACE_PERIOD", "BRAID_API_KEY",
+    "BRAID_OTLP_ENDPOINT", "BRAID_GRACE_PERIOD", "BRAID_HANDOVER_GRACE", "BRAID_API_KEY",
     "BRAID_TLS_CERT", "BRAID_TLS_KEY", "BRAID_TLS_CLIENT_CA",
     "BRAID_KEEPALIVE_TIME_MS", "BRAID_KEEPALIVE_TIMEOUT_MS", "BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS",
     "BRAID_MIN_PING_INTERVAL_MS", "BRAID_MAX_CONNECTION_AGE_MS", "BRAID_MAX_CONNECTION_AGE_GRACE_MS",
@@ -197,9 +197,8 @@ def type_urls(node: object) -> set[str]:
     return set()
 
 
-def test_envoy_config_matches_envoys_api_schema() -> None:
-    """Field names and types against Envoy's v3 API (xds-protos), typed_config included."""
-    config = load("deploy/envoy.yaml")
+def envoy_bootstrap(config: dict):
+    """The config as Envoy's Bootstrap message (xds-protos): raises on an unknown field or a wrong type."""
     # An `@type` resolves only once its proto module is imported: import every
     # *_pb2 module of the package each type lives in.
     for url in type_urls(config):
@@ -209,8 +208,71 @@ def test_envoy_config_matches_envoys_api_schema() -> None:
                 importlib.import_module(f"{package.__name__}.{module.name}")
     from envoy.config.bootstrap.v3 import bootstrap_pb2
 
-    bootstrap = json_format.ParseDict(config, bootstrap_pb2.Bootstrap())  # raises on an unknown field
-    assert {cluster.name for cluster in bootstrap.static_resources.clusters} == {"braid", "otel_collector"}
+    return json_format.ParseDict(config, bootstrap_pb2.Bootstrap())
+
+
+def test_envoy_config_matches_envoys_api_schema() -> None:
+    """Field names and types against Envoy's v3 API (xds-protos), typed_config included: compose's
+    Envoy and the Kubernetes one (deploy/kubernetes-envoy.yaml)."""
+    bootstrap = envoy_bootstrap(load("deploy/envoy.yaml"))
+    assert {cluster.name for cluster in bootstrap.static_resources.clusters} == {
+        "braid", "braid_affinity", "otel_collector"}
+    bootstrap = envoy_bootstrap(kubernetes_envoy_config())
+    assert {cluster.name for cluster in bootstrap.static_resources.clusters} == {"braid", "braid_affinity"}
+
+
+def kubernetes_envoy_config() -> dict:
+    (config_map,) = [d for d in load_all("deploy/kubernetes-envoy.yaml") if d["kind"] == "ConfigMap"]
+    return yaml.safe_load(config_map["data"]["envoy.yaml"])
+
+
+def test_envoy_routes_calls_by_their_route_key_with_bounded_load() -> None:
+    """Issue 31: a call with braid's routing key goes to the replica its key hashes to (a ring hash
+    with bounded load, over the same replicas, checks and ejection as the braid cluster); a call
+    without one to the least-loaded replica, as before. HAProxy does the same (deploy/haproxy.cfg)."""
+    from braid.client.routing import ROUTE_KEY_HEADER
+
+    keyed, plain = [route for host in envoy_http_connection_manager()["route_config"]["virtual_hosts"]
+                    for route in host["routes"]]
+    assert keyed["match"]["headers"] == [{"name": ROUTE_KEY_HEADER, "present_match": True}]
+    assert keyed["route"]["hash_policy"] == [{"header": {"header_name": ROUTE_KEY_HEADER}}]
+    assert keyed["route"]["retry_policy"] == plain["route"]["retry_policy"]
+    assert "headers" not in plain["match"] and "hash_policy" not in plain["route"]
+    braid, affinity = envoy_cluster(plain["route"]["cluster"]), envoy_cluster(keyed["route"]["cluster"])
+    assert braid["lb_policy"] == "LEAST_REQUEST" and affinity["lb_policy"] in {"RING_HASH", "MAGLEV"}
+    assert affinity["common_lb_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
+    for key in ("type", "health_checks", "outlier_detection", "typed_extension_protocol_options", "circuit_breakers"):
+        assert affinity[key] == braid[key], key
+    assert cluster_addresses(affinity) == cluster_addresses(braid)
+    haproxy = (ROOT / "deploy" / "haproxy.cfg").read_text()
+    assert f"balance hdr({ROUTE_KEY_HEADER})" in haproxy and "hash-balance-factor 125" in haproxy
+
+
+def test_the_kubernetes_envoy_is_composes_on_the_headless_service() -> None:
+    """deploy/kubernetes-envoy.yaml holds deploy/envoy.yaml, its hosts those of the braid-headless
+    Service (one per ready pod) and without tracing (no collector in the manifests)."""
+    compose = load("deploy/envoy.yaml")
+    (listener,) = compose["static_resources"]["listeners"]
+    del listener["filter_chains"][0]["filters"][0]["typed_config"]["tracing"]
+    clusters = [c for c in compose["static_resources"]["clusters"] if c["name"] != "otel_collector"]
+    for cluster in clusters:
+        for endpoints in cluster["load_assignment"]["endpoints"]:
+            for endpoint in endpoints["lb_endpoints"]:
+                endpoint["endpoint"]["address"]["socket_address"]["address"] = "braid-headless"
+    compose["static_resources"]["clusters"] = clusters
+    assert kubernetes_envoy_config() == compose
+    services = {s["metadata"]["name"]: s for s in k8s_objects()["Service"]}
+    assert services["braid-headless"]["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.parametrize("manifest", ["deploy/kubernetes.yaml", "deploy/kubernetes-envoy.yaml"])
+def test_kubernetes_manifests_validate_against_the_kubernetes_schemas(manifest: str) -> None:
+    """Every object against the Kubernetes API's own schemas (kubernetes-validate, strict: no field
+    Kubernetes does not know), offline: no cluster is needed, as `kubectl --dry-run` would need one."""
+    import kubernetes_validate
+
+    for doc in load_all(manifest):
+        kubernetes_validate.validate(doc, "1.32", strict=True)
 
 
 def test_envoy_balances_each_grpc_call_across_every_replica() -> None:
