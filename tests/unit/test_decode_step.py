@@ -115,6 +115,23 @@ def test_with_int8_activations_the_step_gives_the_per_op_paths_logits(kind):
     assert difference.max() < 0.12 * float_rows.abs().max()
 
 
+@pytest.mark.parametrize("weights", [{}, dict(quantization="q8_0", activations="int8"),
+                                     dict(quantization="q8_0", activations="float32")])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_the_step_gives_the_same_bits_on_any_number_of_threads(kind, weights):
+    """The step runs in one parallel region, the matmuls' panels and the attention's tasks shared
+    out among the threads: a row's logits do not depend on how many there are (3: an uneven split)."""
+    before = torch.get_num_threads()
+    try:
+        logits = {}
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            logits[threads] = _decode(_runner(_model(kind), **weights))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(logits[1], logits[3])
+
+
 def _clear(field: str):
     def clear(step: DecodeStep) -> None:
         step.table[:, LAYER_FIELDS.index(field)] = 0

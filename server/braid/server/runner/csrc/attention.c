@@ -108,25 +108,33 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
  * softcap > 0, then softcap * tanh(score / softcap) (Gemma 2). Grouped-query: the H / KVH query
  * heads of a KV head share one pass over its keys and values. out: B rows (stride ldo) of H x D.
  * One task per (sequence, KV head); a sequence's result does not depend on the others in the
- * pass, nor on which pages it holds. D and P are multiples of 16. */
+ * pass, nor on which pages it holds. D and P are multiples of 16. attention_task: the task of sequence
+ * task / KVH and KV head task % KVH. */
+static void attention_task(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
+                           void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
+                           const int64_t *positions, long H, long KVH, long D, long P, float scale, float softcap,
+                           long window, float *out, long ldo, long task) {
+    const long G = H / KVH, b = task / KVH, h = task % KVH, L = positions[b] + 1;
+    const long lo = window > 0 && L > window ? L - window : 0;
+    const int64_t *table = tables + b * table_stride;
+    const float *qb = q + b * ldq + h * G * D, *kb = k_new + b * ldq + h * D, *vb = v_new + b * ldq + h * D;
+    float *ob = out + b * ldo + h * G * D, *scores = malloc(sizeof(float) * G * (L - lo));
+    if (kv_fmt == F_BF16)
+        attend(qb, kb, vb, k_cache, v_cache, F_BF16, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+    else if (kv_fmt == F_F16)
+        attend(qb, kb, vb, k_cache, v_cache, F_F16, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+    else
+        attend(qb, kb, vb, k_cache, v_cache, F_F32, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+    free(scores);
+}
+
+/* Every task of the pass, the threads sharing them out as they finish. */
 static void decode_attention(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
                              void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
                              const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
                              float softcap, long window, float *out, long ldo, int threads) {
-    const long G = H / KVH;
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && B * KVH > 1)
-    for (long task = 0; task < B * KVH; task++) {
-        const long b = task / KVH, h = task % KVH, L = positions[b] + 1;
-        const long lo = window > 0 && L > window ? L - window : 0;
-        const int64_t *table = tables + b * table_stride;
-        const float *qb = q + b * ldq + h * G * D, *kb = k_new + b * ldq + h * D, *vb = v_new + b * ldq + h * D;
-        float *ob = out + b * ldo + h * G * D, *scores = malloc(sizeof(float) * G * (L - lo));
-        if (kv_fmt == F_BF16)
-            attend(qb, kb, vb, k_cache, v_cache, F_BF16, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
-        else if (kv_fmt == F_F16)
-            attend(qb, kb, vb, k_cache, v_cache, F_F16, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
-        else
-            attend(qb, kb, vb, k_cache, v_cache, F_F32, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
-        free(scores);
-    }
+    for (long task = 0; task < B * KVH; task++)
+        attention_task(q, k_new, v_new, ldq, k_cache, v_cache, kv_fmt, tables, table_stride, positions, H, KVH, D,
+                       P, scale, softcap, window, out, ldo, task);
 }

@@ -166,76 +166,79 @@ static float *fp32_panel(int fmt, const uint8_t *panel, long K) {
     return panel_buffer;
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W + bias, or y += ... when accumulate.
- * W is packed in fmt: panel p holds columns [32p, 32p + 32), zero-padded. One row streams the panel
- * through registers. More rows widen it once into L2 (or use it as it is, in fp32) and walk it in
- * k-blocks small enough for L1, every k-block used by all rows before the next is read.
+/* Panel p of gemm below: columns [32p, 32p + 32) of y, for every row. sums: block_sums' (or NULL).
  * Returns 0, or -1 if a panel buffer could not be allocated. */
-static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
-                int accumulate, const float *bias, int threads) {
-    if (fmt & F_INT8) return gemm_int8(x, ldx, w, fmt & ~F_INT8, y, ldy, M, K, N, accumulate, bias, threads);
-    const long panels = (N + PANEL - 1) / PANEL, bytes = panel_bytes(fmt, K);
+static int gemm_panel(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
+                      int accumulate, const float *bias, const float *sums, long p) {
     /* Few rows: short k-blocks keep the weight stream even. Many rows (a prefill): long ones, so
      * the partial sums go through L1 less often (~10% faster at 128+ rows); same sums either way. */
     const long kblock = M > 16 ? 256 : KBLOCK;
+    float acc[CHUNK_ROWS * PANEL] __attribute__((aligned(64)));
+    const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
+    const uint8_t *panel = (const uint8_t *)w + p * panel_bytes(fmt, K);
+    const float *b = bias ? bias + col : NULL;
+    if (M == 1) {
+        vf a[NV];
+        for (int j = 0; j < NV; j++) a[j] = vzero();
+        gemv_panel(fmt, x, sums, panel, K, a);
+        store_row(a, y + col, accumulate, b, width);
+        return 0;
+    }
+    const float *fw = fp32_panel(fmt, panel, K);
+    if (!fw) return -1;
+    /* A long prefill goes in chunks of rows; the panel stays in L2 for the chunks after the
+     * first, so it is read from memory once. */
+    for (long r0 = 0; r0 < M && HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) { /* a quantized panel */
+        const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
+        const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
+        for (long k0 = 0; k0 < K; k0 += kblock) {
+            const long k1 = k0 + kblock < K ? k0 + kblock : K;
+            long row = 0;
+            for (long t = 0; t < tiles; t++) {
+                const long rows = (rows_in_chunk - row + (tiles - t) - 1) / (tiles - t);
+                const long r = r0 + row;
+                QTILES[rows](x + r * ldx, ldx, fw, k0, k1, panel, fmt, acc + row * PANEL, y + r * ldy + col, ldy,
+                             k0 == 0, k1 == K, accumulate, b, width, sums ? sums + r * (K / QBLOCK) : NULL,
+                             K / QBLOCK);
+                row += rows;
+            }
+        }
+    }
+    for (long r0 = 0; r0 < M && !HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) {
+        const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
+        const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
+        for (long k0 = 0; k0 < K; k0 += kblock) {
+            const long k1 = k0 + kblock < K ? k0 + kblock : K;
+            const int last = k1 == K;
+            const float *ahead = r0 == 0 && fmt == F_F32 ? fw + PREFETCH : NULL;
+            /* rows split evenly over the tiles: 16 rows are two tiles of 8, not 12 + 4 */
+            long row = 0;
+            for (long t = 0; t < tiles; t++) {
+                const long rows = (rows_in_chunk - row + (tiles - t) - 1) / (tiles - t);
+                const long r = r0 + row;
+                TILES[rows](x + r * ldx, ldx, fw, k0, k1, acc + row * PANEL, t == 0 ? ahead : NULL,
+                            y + r * ldy + col, ldy, last, accumulate, b, width);
+                row += rows;
+            }
+        }
+    }
+    return 0;
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W + bias, or y += ... when accumulate.
+ * W is packed in fmt: panel p holds columns [32p, 32p + 32), zero-padded. One row streams the panel
+ * through registers. More rows widen it once into L2 (or use it as it is, in fp32) and walk it in
+ * k-blocks small enough for L1, every k-block used by all rows before the next is read. The
+ * threads share out the panels. Returns 0, or -1 if a panel buffer could not be allocated. */
+static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
+                int accumulate, const float *bias, int threads) {
+    if (fmt & F_INT8) return gemm_int8(x, ldx, w, fmt & ~F_INT8, y, ldy, M, K, N, accumulate, bias, threads);
+    const long panels = (N + PANEL - 1) / PANEL;
     float *sums = block_sums(fmt, x, ldx, M, K);
     if (NEEDS_SUMS(fmt) && !sums) return -1;
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1) reduction(| : failed)
-    for (long p = 0; p < panels; p++) {
-        float acc[CHUNK_ROWS * PANEL] __attribute__((aligned(64)));
-        const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
-        const uint8_t *panel = (const uint8_t *)w + p * bytes;
-        const float *b = bias ? bias + col : NULL;
-        if (M == 1) {
-            vf a[NV];
-            for (int j = 0; j < NV; j++) a[j] = vzero();
-            gemv_panel(fmt, x, sums, panel, K, a);
-            store_row(a, y + col, accumulate, b, width);
-            continue;
-        }
-        const float *fw = fp32_panel(fmt, panel, K);
-        if (!fw) {
-            failed = 1;
-            continue;
-        }
-        /* A long prefill goes in chunks of rows; the panel stays in L2 for the chunks after the
-         * first, so it is read from memory once. */
-        for (long r0 = 0; r0 < M && HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) { /* a quantized panel */
-            const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
-            const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
-            for (long k0 = 0; k0 < K; k0 += kblock) {
-                const long k1 = k0 + kblock < K ? k0 + kblock : K;
-                long row = 0;
-                for (long t = 0; t < tiles; t++) {
-                    const long rows = (rows_in_chunk - row + (tiles - t) - 1) / (tiles - t);
-                    const long r = r0 + row;
-                    QTILES[rows](x + r * ldx, ldx, fw, k0, k1, panel, fmt, acc + row * PANEL, y + r * ldy + col,
-                                 ldy, k0 == 0, k1 == K, accumulate, b, width,
-                                 sums ? sums + r * (K / QBLOCK) : NULL, K / QBLOCK);
-                    row += rows;
-                }
-            }
-        }
-        for (long r0 = 0; r0 < M && !HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) {
-            const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
-            const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
-            for (long k0 = 0; k0 < K; k0 += kblock) {
-                const long k1 = k0 + kblock < K ? k0 + kblock : K;
-                const int last = k1 == K;
-                const float *ahead = r0 == 0 && fmt == F_F32 ? fw + PREFETCH : NULL;
-                /* rows split evenly over the tiles: 16 rows are two tiles of 8, not 12 + 4 */
-                long row = 0;
-                for (long t = 0; t < tiles; t++) {
-                    const long rows = (rows_in_chunk - row + (tiles - t) - 1) / (tiles - t);
-                    const long r = r0 + row;
-                    TILES[rows](x + r * ldx, ldx, fw, k0, k1, acc + row * PANEL, t == 0 ? ahead : NULL,
-                                y + r * ldy + col, ldy, last, accumulate, b, width);
-                    row += rows;
-                }
-            }
-        }
-    }
+    for (long p = 0; p < panels; p++) failed |= gemm_panel(x, ldx, w, fmt, y, ldy, M, K, N, accumulate, bias, sums, p);
     free(sums);
     return failed ? -1 : 0;
 }

@@ -24,16 +24,20 @@ static void free_qrows(qrows_t *r) {
     free(r->sum);
 }
 
-/* Quantizes x [M, K] (row stride ldx; K a multiple of 32) into r. Returns -1 without memory. */
-static int quantize_rows(const float *x, long ldx, long M, long K, qrows_t *r) {
-    r->K = K, r->blocks = K / QBLOCK;
+/* Room in r for M rows of up to K values. Returns -1 without memory (r then holds nothing). */
+static int alloc_qrows(long M, long K, qrows_t *r) {
     r->q = malloc((size_t)(M * K));
-    r->d = malloc(sizeof(float) * M * r->blocks);
-    r->sum = malloc(sizeof(int32_t) * M * r->blocks);
-    if (!r->q || !r->d || !r->sum) {
-        free_qrows(r);
-        return -1;
-    }
+    r->d = malloc(sizeof(float) * M * (K / QBLOCK));
+    r->sum = malloc(sizeof(int32_t) * M * (K / QBLOCK));
+    if (r->q && r->d && r->sum) return 0;
+    free_qrows(r);
+    r->q = NULL, r->d = NULL, r->sum = NULL;
+    return -1;
+}
+
+/* Quantizes x [M, K] (row stride ldx; K a multiple of 32) into r, which has room for it. */
+static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t *r) {
+    r->K = K, r->blocks = K / QBLOCK;
     for (long m = 0; m < M; m++)
         for (long b = 0; b < r->blocks; b++) {
             const float *xb = x + m * ldx + b * QBLOCK;
@@ -49,7 +53,6 @@ static int quantize_rows(const float *x, long ldx, long M, long K, qrows_t *r) {
             r->d[m * r->blocks + b] = max / 127.0f;
             r->sum[m * r->blocks + b] = vihsum(sum);
         }
-    return 0;
 }
 
 /* Per 4-row group of an interleaved block, the bytes of its quants; per build, the columns a tile
@@ -169,30 +172,35 @@ static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *pa
     }
 }
 
+/* Panel p of gemm_int8 below: columns [32p, 32p + 32) of y, for every row of q, in tiles of up to
+ * MAX_ITILE rows (split evenly: 16 rows are 6 + 5 + 5), the panel read from memory by the first tile
+ * and from cache by the rest. */
+static void int8_panel(const qrows_t *q, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
+                       int accumulate, const float *bias, long p) {
+    const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
+    const long tiles = (M + MAX_ITILE - 1) / MAX_ITILE;
+    const uint8_t *panel = (const uint8_t *)w + p * panel_bytes(fmt, K);
+    for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS) {
+        long row = 0;
+        for (long t = 0; t < tiles; t++) {
+            const long rows = (M - row + (tiles - t) - 1) / (tiles - t);
+            itile(fmt, (int)rows, q, row, panel, c0, y + row * ldy + col, ldy, accumulate, bias ? bias + col : NULL,
+                  width);
+            row += rows;
+        }
+    }
+}
+
 /* y[M, N] (+)= x @ W + bias for W packed interleaved in a quantized format (fmt without F_INT8):
- * the rows quantized once, then each thread walks its panels, all rows in tiles of up to MAX_ITILE
- * (split evenly: 16 rows are 6 + 5 + 5), the panel read from memory by the first tile and from
- * cache by the rest. Returns -1 without memory. */
+ * the rows quantized once, then the threads share out the panels. Returns -1 without memory. */
 static int gemm_int8(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                      int accumulate, const float *bias, int threads) {
     qrows_t q;
-    if (quantize_rows(x, ldx, M, K, &q)) return -1;
-    const long panels = (N + PANEL - 1) / PANEL, bytes = panel_bytes(fmt, K);
-    const long tiles = (M + MAX_ITILE - 1) / MAX_ITILE;
+    if (alloc_qrows(M, K, &q)) return -1;
+    quantize_rows_into(x, ldx, M, K, &q);
+    const long panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (long p = 0; p < panels; p++) {
-        const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
-        const uint8_t *panel = (const uint8_t *)w + p * bytes;
-        for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS) {
-            long row = 0;
-            for (long t = 0; t < tiles; t++) {
-                const long rows = (M - row + (tiles - t) - 1) / (tiles - t);
-                itile(fmt, (int)rows, &q, row, panel, c0, y + row * ldy + col, ldy, accumulate,
-                      bias ? bias + col : NULL, width);
-                row += rows;
-            }
-        }
-    }
+    for (long p = 0; p < panels; p++) int8_panel(&q, w, fmt, y, ldy, M, K, N, accumulate, bias, p);
     free_qrows(&q);
     return 0;
 }

@@ -35,16 +35,20 @@ INLINE void quant_row(const int fmt, const uint8_t *blk, long k, vf w[NV]) {
 
 /* sums[m * K / 32 + b] = the sum of x[m, 32 b .. 32 b + 31], added in order: computed once per
  * matmul, for both the one-row and the many-row paths. NULL if the format needs none (or no memory). */
-static float *block_sums(int fmt, const float *x, long ldx, long M, long K) {
-    if (!NEEDS_SUMS(fmt)) return NULL;
+static void block_sums_into(const float *x, long ldx, long M, long K, float *sums) {
     const long blocks = K / QBLOCK;
-    float *sums = malloc(sizeof(float) * M * blocks);
-    for (long m = 0; sums && m < M; m++)
+    for (long m = 0; m < M; m++)
         for (long b = 0; b < blocks; b++) {
             float sum = 0.0f;
             for (long k = 0; k < QBLOCK; k++) sum += x[m * ldx + b * QBLOCK + k];
             sums[m * blocks + b] = sum;
         }
+}
+
+static float *block_sums(int fmt, const float *x, long ldx, long M, long K) {
+    if (!NEEDS_SUMS(fmt)) return NULL;
+    float *sums = malloc(sizeof(float) * M * (K / QBLOCK));
+    if (sums) block_sums_into(x, ldx, M, K, sums);
     return sums;
 }
 
