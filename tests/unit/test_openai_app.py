@@ -1,0 +1,75 @@
+"""The HTTP front end in process (Starlette's TestClient) over the servicer's fake engine client:
+status codes and OpenAI's error shape for what the engine says, the API key, draining."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+from test_servicer import FakeEngine
+
+from braid.server.config import ServerConfig
+from braid.server.engine.types import FinishReason
+from braid.server.http.app import OpenAIApi
+
+pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def serve(engine: FakeEngine, **config) -> tuple[OpenAIApi, TestClient]:
+    api = OpenAIApi(engine, ServerConfig(**config))
+    return api, TestClient(api.app)
+
+
+def test_a_chat_streams_its_tokens_then_done():
+    _, http = serve(FakeEngine())
+    with http.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True, "n": 2}) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert response.headers["content-type"].startswith("text/event-stream") and events[-1] == "data: [DONE]"
+    whole = http.post("/v1/chat/completions", json=CHAT).json()
+    assert whole["choices"][0]["message"]["content"] == " 5 6 7" and whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_a_full_queue_is_429_with_retry_after():
+    engine = FakeEngine(max_queued=1)
+    engine.books.reserve()  # the one place is taken
+    _, http = serve(engine)
+    response = http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 429 and int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_draining_server_is_503_and_says_so_on_health():
+    api, http = serve(FakeEngine())
+    assert http.get("/health").status_code == 200
+    api.draining = True
+    assert http.get("/health").status_code == 503
+    assert http.post("/v1/chat/completions", json=CHAT).status_code == 503
+
+
+def test_an_engine_error_is_500_and_a_request_found_invalid_is_400_naming_the_param():
+    engine = FakeEngine()
+    engine.finish, engine.error = FinishReason.ERROR, "forward pass failed: boom"
+    _, http = serve(engine)
+    response = http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 500 and response.json()["error"]["message"] == "forward pass failed: boom"
+    engine.finish, engine.error, engine.error_field = FinishReason.INVALID_REQUEST, "x" * 5000, "constraint.regex"
+    error = http.post("/v1/chat/completions", json=CHAT).json()["error"]
+    assert error["param"] == "response_format" and len(error["message"]) <= 1000
+
+
+def test_the_api_key_is_one_bearer_header_and_health_stays_open():
+    _, http = serve(FakeEngine(), api_key="k")
+    assert http.get("/health").status_code == 200
+    assert http.get("/v1/models").status_code == 401
+    assert http.get("/v1/models", headers={"Authorization": "bearer k"}).status_code == 200
+    assert http.get("/v1/models", headers={"Authorization": "Bearer x"}).json()["error"]["type"] == \
+        "authentication_error"
+
+
+def test_unknown_routes_and_methods_answer_in_openais_shape():
+    _, http = serve(FakeEngine())
+    assert http.get("/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert http.get("/v1/chat/completions").status_code == 405
