@@ -99,8 +99,7 @@ class Cluster:
                 self.wait_serving(replica)
             self._haproxy = self._run([binary("haproxy"), "-f", str(self._haproxy_config())], "haproxy.log",
                                       env={**os.environ, **self._haproxy_env()})
-            wait_until(lambda: all(s == "UP" for s in self.proxy_states().values()), 30, "HAProxy has every replica UP",
-                       self._haproxy)
+            wait_until(self._all_up, 30, "HAProxy has every replica UP", self._haproxy)
             if self.prometheus_port:
                 self._prometheus = self._run(
                     [binary("prometheus"), f"--config.file={self._prometheus_config()}",
@@ -194,6 +193,11 @@ class Cluster:
 
     def proxy_states(self) -> dict[str, str]:
         return proxy_states(self.socket_path)
+
+    def _all_up(self) -> bool:
+        """Every replica UP in HAProxy (not merely no replica down: HAProxy still starting answers nothing)."""
+        states = self.proxy_states()
+        return len(states) == len(self.replicas) and all(state == "UP" for state in states.values())
 
     # --- Prometheus ----------------------------------------------------------------------------
 
