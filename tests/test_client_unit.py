@@ -311,6 +311,56 @@ def test_stream_calls_carry_the_route_key_given_or_their_own(fake: FakeGenerate,
     assert keys == [route_key(build_request("hello")), "conversation-7", None]
 
 
+RING_HASH_CHECK = """
+import json, sys
+from concurrent import futures
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from braid.client.client import RING_HASH_SERVICE_CONFIG
+seen = []
+class Health(health.HealthServicer):
+    def __init__(self, n): super().__init__(); self.n = n
+    def Check(self, request, context):
+        seen.append((dict(context.invocation_metadata())["braid-route-key"], self.n))
+        return health_pb2.HealthCheckResponse(status=1)
+ports = []
+for n in range(3):
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(Health(n), server)
+    ports.append(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+channel = grpc.insecure_channel("ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports),
+                                options=[("grpc.service_config", json.dumps(RING_HASH_SERVICE_CONFIG))])
+check = health_pb2_grpc.HealthStub(channel).Check
+try:
+    for i in range(60):  # the first round connects the replicas (a key whose replica is not ready yet goes on)
+        check(health_pb2.HealthCheckRequest(), metadata=(("braid-route-key", f"key-{i % 12}"),), timeout=10)
+except grpc.RpcError as error:
+    print(json.dumps({"error": f"{error.code().name}: {error.details()}"}))
+    sys.exit()
+later = {}
+for key, n in seen[24:]:
+    later.setdefault(key, set()).add(n)
+print(json.dumps({"replicas_per_key": sorted({len(v) for v in later.values()}), "used": len({n for _, n in seen})}))
+"""
+
+
+@pytest.mark.parametrize("opt_in", [True, False])
+def test_grpcio_ring_hash_routes_by_the_route_key_only_when_opted_in(opt_in: bool) -> None:
+    """What docs/deployment.md says of the client's own balancing: grpcio's ring hash keeps each key on
+    one replica with GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY=true, and fails every call without."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"}
+    if opt_in:
+        env["GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"] = "true"
+    out = subprocess.run([sys.executable, "-c", RING_HASH_CHECK], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    result = json.loads(out)
+    if opt_in:
+        assert result == {"replicas_per_key": [1], "used": 3}, result
+    else:
+        assert result == {"error": "INTERNAL: hash attribute not present"}, result
+
+
 def test_unary_methods(target: str) -> None:
     with Client(target) as client:
         assert list(client.tokenize("ab").pieces) == ["a", "b"]

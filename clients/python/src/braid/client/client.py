@@ -42,6 +42,16 @@ SERVICE_CONFIG = {
                         "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]},
     }],
 }
+# Prefix-affinity routing on the client, over several replicas (docs/deployment.md): gRPC's ring
+# hash picks each call's replica by its braid-route-key header. grpcio (1.85 checked) reads the
+# header only with GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY=true in the environment before
+# it loads; without it every call fails INTERNAL "hash attribute not present", so it is not the
+# default: pass options=[("grpc.service_config", json.dumps(RING_HASH_SERVICE_CONFIG))] to opt in.
+# It has no bounded load (a hot key stays on one replica), and grpc-js has no ring hash outside xDS.
+RING_HASH_SERVICE_CONFIG = {
+    **SERVICE_CONFIG,
+    "loadBalancingConfig": [{"ring_hash_experimental": {"requestHashHeader": "braid-route-key"}}],
+}
 DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
     ("grpc.enable_retries", 1),
