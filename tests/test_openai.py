@@ -160,6 +160,16 @@ def test_closing_the_sdks_stream_cancels_the_session(server, client):
         assert grpc_client.server_status().sessions_active == 0
 
 
+def test_a_client_that_hangs_up_on_a_whole_response_cancels_its_session(server):
+    with server.client() as grpc_client:
+        before = grpc_client.server_status().sessions_finished.cancelled
+        body = {"model": "tiny", "messages": HI, "max_tokens": 900, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):  # SLOW: the 900 tokens take 2.7 s at least
+            httpx.post(server.http + "/v1/chat/completions", json=body, timeout=0.5,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        wait_for(lambda: grpc_client.server_status().sessions_finished.cancelled == before + 1)
+
+
 BAD = [  # (body beside model and messages, the param OpenAI's error names): one per parameter family
     (dict(temperature=-1), "temperature"), (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"),
     (dict(n=99), "n"), (dict(stop=["x"] * 17), "stop"), (dict(seed="x"), "seed"),

@@ -137,7 +137,11 @@ class OpenAIApi:
         events = _Events(self._engine, plan, handles, head, chat, record)
         if stream:
             record.streamed = True
-            return _EventStream(_sse(events, call), media_type="text/event-stream",
+            def closed() -> None:
+                call.end()
+                record.done()
+
+            return _EventStream(_sse(events, call), on_close=closed, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             return JSONResponse(await _unless_disconnected(request, events.whole()))
@@ -303,8 +307,13 @@ async def _sse(events: _Events, call: CallSessions) -> AsyncIterator[bytes]:
 
 class _EventStream(StreamingResponse):
     """A streamed response that ends the moment its client disconnects: it listens for the
-    disconnect while it streams, whatever ASGI version the server speaks, and closes its body
-    (so the call's sessions are cancelled) however it ends."""
+    disconnect while it streams, whatever ASGI version the server speaks, and closes its body and
+    calls `on_close` (which cancels the call's sessions) however it ends, a body never started
+    included."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kw) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -320,6 +329,7 @@ class _EventStream(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
+            self._on_close()
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
@@ -333,7 +343,7 @@ async def _unless_disconnected(request: Request, work: Awaitable):
         watch.cancel()
     if not task.done():
         task.cancel()
-        raise asyncio.CancelledError()
+        raise ApiError(499, "client_closed_request", "the client disconnected")  # (no one reads it)
     return task.result()
 
 
