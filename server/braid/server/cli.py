@@ -18,7 +18,7 @@ import typing
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from braid.server import logs
+from braid.server import logs, resources
 from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag, parse_memory
 
 ENV_PREFIX = "BRAID_"
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = _configs(args.command_parser, args, _COMMANDS[args.command])
     log_config: LogConfig = configs[LogConfig]
     logs.setup(log_config.log_level, log_config.log_format)
+    resources.bound_spinning()  # before torch loads libgomp, which reads it once
     try:
         return _run(args.command, configs)
     except KeyboardInterrupt:
@@ -206,7 +207,8 @@ def describe(config: EngineConfig, runner, tokenizer, model_name: str, architect
         has_chat_template=tokenizer.has_chat_template, parameters=runner.num_parameters,
         weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
         quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
-        prefix_caching=config.prefix_caching == "on", runner=runner.path, activations=runner.activations)
+        prefix_caching=config.prefix_caching == "on", runner=runner.path, activations=runner.activations,
+        threads=runner.threads)
 
 
 def _check_device(device: str) -> None:

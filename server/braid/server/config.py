@@ -72,7 +72,10 @@ class EngineConfig:
         "independent of its batch), float32 (fp32 rows: transformers-level agreement) or auto (the fastest "
         "braid's kernels have: int8 for a quantized matrix, float32 rows elsewhere)",
         choices=list(ACTIVATIONS)))
-    threads: int = field(default=0, **_opt("torch CPU threads (0: torch's default, one per core)"))
+    threads: int = field(default=0, **_opt(
+        "CPU threads of torch's and braid's kernels (0: the CPUs this process may use, its affinity mask cut by "
+        "its cgroup's CPU quota, rounded down; decode passes then use fewer while other processes keep the "
+        "cores busy, where that is faster)"))
     kernels: str = field(default="auto", **_opt(
         "auto: braid's own kernels on a CPU with AVX-512 or AVX2 (BRAID_KERNELS_ISA=avx2 forces the AVX2 "
         "build), else torch's; torch: torch's always", choices=["auto", "torch"]))

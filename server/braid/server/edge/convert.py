@@ -228,7 +228,8 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         eos_token_ids=info.eos_token_ids, has_chat_template=info.has_chat_template,
         parameters=info.parameters, weight_formats=info.weight_formats, weight_bytes=info.weight_bytes,
         quantization=info.quantization, kernels=info.kernels, kv_cache_dtype=info.kv_cache_dtype,
-        prefix_caching=info.prefix_caching, runner=info.runner, activations=info.activations)
+        prefix_caching=info.prefix_caching, runner=info.runner, activations=info.activations,
+        threads=info.threads)
 
 
 def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.ServerStatusResponse:

@@ -200,6 +200,7 @@ class ModelInfo:
     prefix_caching: bool = True
     runner: str = "braid"  # "braid": its own decoder; "transformers": the model's own forward
     activations: str = "float32"  # what quantized weights multiply: "int8" or "float32" rows
+    threads: int = 0  # the CPU pools' threads (affinity, cgroup quota or --threads)
 
 
 @dataclass

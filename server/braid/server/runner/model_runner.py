@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import time
 from collections import Counter
 from typing import Iterator, Sequence
 
 import torch
+from braid.server import resources
 from braid.server.config import EngineConfig
 from braid.server.model.loader import LoadedModel
 from braid.server.model.weights import FLOAT_FORMATS
@@ -31,6 +34,7 @@ from braid.server.runner.masks import Masks
 from braid.server.runner.precision import DTYPES, Precision
 from braid.server.runner.rows import Row, Sampled, Sampling
 from braid.server.runner.sampler import random_state, sample, score
+from braid.server.runner.threads import ThreadGovernor
 from braid.server.runner.transformers_decoder import TransformersDecoder
 
 _LOGGER = logging.getLogger(__name__)
@@ -63,6 +67,14 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _spin_setting() -> str:
+    """How long libgomp's idle threads spin before they sleep (cli.py bounds it before torch loads)."""
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        if name in os.environ:
+            return f"{name}={os.environ[name]}"
+    return "libgomp's default (GOMP_SPINCOUNT=300000)"
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, device: torch.device, dtype: torch.dtype, num_pages: int,
                  max_seq_len: int, allow_kernels: bool = True, weight_dtype: str = "auto",
@@ -70,6 +82,8 @@ class ModelRunner:
                  activations: str = "float32") -> None:
         self.device, self.dtype = device, dtype
         self.max_seq_len = max_seq_len
+        self.threads = torch.get_num_threads()  # the CPU pools' size (ModelInfo.threads)
+        self.governor: ThreadGovernor | None = None  # set by build: fewer threads while the cores are shared
         self.num_parameters = sum(p.numel() for p in model.hf_model.parameters())
         family, why_not = native_family(model.hf_model)
         if family is not None:
@@ -107,17 +121,22 @@ class ModelRunner:
         """The runner --device, --dtype, --quantization, --activations, --threads, --kernels,
         --max-seq-len, --kv-cache-memory, --kv-page-size and --kv-cache-dtype ask for."""
         device, dtype = pick_device(config.device, config.dtype)
-        if config.threads > 0:
-            torch.set_num_threads(config.threads)
+        threads = resources.threads(config.threads)
+        torch.set_num_threads(threads.count)
+        _LOGGER.info("threads: %d (%s); OpenMP waits: %s", threads.count, threads.reason, _spin_setting())
         context = getattr(model.hf_model.config, "max_position_embeddings", None) or 2048
         family, _ = native_family(model.hf_model)
         window = attention_window(family, model.hf_model.config) if family else None
         max_seq_len = min(config.max_seq_len, context, window or context)
         kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # auto: the compute dtype
         num_pages = fit_pages(config, model.hf_model.config, max_seq_len, device, kv_dtype)
-        return cls(model, device, dtype, num_pages, max_seq_len, allow_kernels=config.kernels == "auto",
-                   weight_dtype=config.dtype, quantization=config.quantization, page_size=config.kv_page_size,
-                   kv_dtype=kv_dtype, activations=config.activations)
+        runner = cls(model, device, dtype, num_pages, max_seq_len, allow_kernels=config.kernels == "auto",
+                     weight_dtype=config.dtype, quantization=config.quantization, page_size=config.kv_page_size,
+                     kv_dtype=kv_dtype, activations=config.activations)
+        # Only braid's kernels, whose results do not depend on the thread count; not under --threads.
+        if config.threads == 0 and threads.count > 1 and device.type == "cpu" and runner.kernels != "torch":
+            runner.governor = ThreadGovernor(threads.count)
+        return runner
 
     @property
     def dtype_name(self) -> str:
@@ -148,7 +167,7 @@ class ModelRunner:
         batch, sampled, scored = self._build(rows)
         constrained = [k for k, i in enumerate(sampled) if rows[i].matcher is not None]  # among `sampled`
         filling = self.masks.start([rows[sampled[k]].matcher for k in constrained])  # during the pass
-        logits = self.decoder.forward(batch, self.cache)  # [L, V], in batch.logit_rows order
+        logits = self._forward(batch)  # [L, V], in batch.logit_rows order
         out: list[Sampled | None] = [None] * len(rows)
         if scored:  # the targets' rows come first; the sampled rows' logits are the rest
             for i, (begin, end) in scored.items():
@@ -159,6 +178,25 @@ class ModelRunner:
         for i, token in zip(sampled, sample(logits, [rows[i] for i in sampled], allowed)):
             out[i] = token._replace(targets=out[i].targets) if out[i] else token
         return out
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The decoder's pass, on the thread count the governor picks; decode-only passes are what it
+        measures (runner/threads.py)."""
+        if self.governor is None:
+            return self.decoder.forward(batch, self.cache)
+        shape = len(batch.input_ids) if not batch.prefills else None  # decode rows
+        count = self.governor.pick(shape) if shape else self.governor.current
+        if count != torch.get_num_threads():
+            torch.set_num_threads(count)
+        start = time.perf_counter()
+        logits = self.decoder.forward(batch, self.cache)
+        if shape:
+            switches = self.governor.num_switches
+            self.governor.record(shape, count, time.perf_counter() - start)
+            if self.governor.num_switches != switches:
+                _LOGGER.debug("threads: %d of %d, the faster for decode passes now", self.governor.current,
+                              self.threads)
+        return logits
 
     @torch.no_grad()
     def perplexity(self, token_ids: Sequence[int], chunk: int = 512) -> float:

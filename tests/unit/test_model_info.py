@@ -1,0 +1,53 @@
+"""What ModelInfo says about the runner `braid serve` builds (cli.describe, then the edge's
+conversion), here its threads: the CPUs the process may use, or --threads."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from braid.server import resources
+from braid.server.cli import describe
+from braid.server.config import EngineConfig
+from braid.server.edge.convert import model_info_to_pb
+from braid.server.model.loader import LoadedModel
+from braid.server.runner.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="tiny",
+                       architecture="LlamaForCausalLM", eos_token_ids=(2,))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """build sets torch's threads for the whole process: put them back for the tests after."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def info(config: EngineConfig, model: LoadedModel):
+    runner = ModelRunner.build(config, model)
+    tokenizer = SimpleNamespace(eos_token_ids=(2,), has_chat_template=False)
+    return runner, model_info_to_pb(describe(config, runner, tokenizer, model.name, model.architecture))
+
+
+def test_model_info_reports_the_threads_the_process_may_use(tiny):
+    runner, pb = info(EngineConfig(device="cpu", kv_cache_memory="16MiB"), tiny)
+    assert pb.threads == resources.threads().count > 0
+    assert torch.get_num_threads() == pb.threads
+    # the governor watches only braid's kernels, with more than one thread to choose from
+    assert (runner.governor is not None) == (pb.threads > 1 and runner.kernels != "torch")
+
+
+def test_threads_flag_is_reported_and_fixes_the_count(tiny):
+    runner, pb = info(EngineConfig(device="cpu", kv_cache_memory="16MiB", threads=3), tiny)
+    assert pb.threads == 3 and runner.governor is None
