@@ -41,7 +41,7 @@ GPU_OVERRIDE = ROOT / "deploy" / "compose.gpu.yaml"
 # Every setting `braid serve` reads from the environment.
 BRAID_ENV = {
     "BRAID_HOST", "BRAID_PORT", "BRAID_MODEL", "BRAID_CACHE_DIR", "BRAID_MODE",
-    "BRAID_DEVICE", "BRAID_THREADS", "BRAID_MAX_BATCH_SIZE", "BRAID_METRICS_PORT",
+    "BRAID_DEVICE", "BRAID_THREADS", "BRAID_MAX_BATCH_SIZE", "BRAID_METRICS_PORT", "BRAID_KV_CACHE_MEMORY",
     "BRAID_OTLP_ENDPOINT", "BRAID_GRACE_PERIOD", "BRAID_HANDOVER_GRACE", "BRAID_API_KEY",
     "BRAID_TLS_CERT", "BRAID_TLS_KEY", "BRAID_TLS_CLIENT_CA",
     "BRAID_KEEPALIVE_TIME_MS", "BRAID_KEEPALIVE_TIMEOUT_MS", "BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS",
@@ -403,6 +403,33 @@ def test_kubernetes_runs_two_replicas_as_the_image_user() -> None:
     assert user.split(":")[0] == str(pod["securityContext"]["runAsUser"])
     resources = braid_container()["resources"]
     assert resources["requests"] and resources["limits"]
+
+
+def memory_bytes(text: str) -> int:
+    """A memory size as Kubernetes ('3Gi', '512Mi') or Docker ('3G', '3g', '512m': binary units) writes it."""
+    number, unit = re.fullmatch(r"(\d+)\s*([kmgKMG]?)i?[bB]?", str(text)).groups()
+    return int(number) * 1024 ** " kmg".index(unit.lower() or " ")
+
+
+def test_the_kv_cache_is_set_the_same_everywhere_and_fits_the_memory_limit() -> None:
+    """Issue 25: the default KV cache was half the host's free memory, whatever a pod's limit; the
+    prefix cache fills it in time. The files set it, with a memory limit it fits in twice over."""
+    from braid.server.config import parse_memory
+
+    compose = load("docker-compose.yml")["services"]["braid"]
+    container = braid_container()
+    kv = {compose_env(compose)["BRAID_KV_CACHE_MEMORY"], k8s_env(container)["BRAID_KV_CACHE_MEMORY"]["value"]}
+    limits = {memory_bytes(compose["deploy"]["resources"]["limits"]["memory"]),
+              memory_bytes(container["resources"]["limits"]["memory"])}
+    assert len(kv) == 1 and len(limits) == 1, (kv, limits)
+    kv_bytes, is_fraction = parse_memory(kv.pop())
+    assert not is_fraction and kv_bytes <= limits.pop() / 2
+
+
+def test_kubernetes_leaves_the_thread_count_to_braid() -> None:
+    """braid reads the CPU limit itself (rounded down, where resourceFieldRef rounds up), and only
+    without --threads does it drop to fewer threads while the node's cores are busy."""
+    assert "BRAID_THREADS" not in k8s_env(braid_container())
 
 
 def test_kubernetes_services_select_the_pods_and_one_is_headless() -> None:

@@ -1,4 +1,5 @@
-"""How many KV-cache pages fit in --kv-cache-memory."""
+"""How many KV-cache pages fit in --kv-cache-memory, and what auto and a fraction come to under a cgroup's
+memory limit (fake cgroup trees, as in test_resources.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from braid.server.config import EngineConfig
 from braid.server.runner.kv_cache import KVCache, fit_pages, head_dim
+from test_resources import GiB, MiB, Host
 
 CPU = torch.device("cpu")
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 (576 / 9).
@@ -44,3 +46,53 @@ def test_a_budget_too_small_for_one_session_is_a_clear_error():
 def test_a_page_size_not_a_multiple_of_16_is_refused(size):
     with pytest.raises(ValueError, match=f"--kv-page-size {size}: expected a multiple of 16"):
         EngineConfig(kv_page_size=size)
+
+
+# --- the budget: --kv-cache-memory auto (the default), and fractions, against the cgroup's limit -----------
+
+PER_PAGE = 16 * PER_TOKEN  # 720 KiB
+SESSION = 256 * PER_PAGE  # 4096 tokens: 180 MiB
+
+
+def test_the_default_is_auto() -> None:
+    assert EngineConfig().kv_cache_memory == "auto"
+
+
+def test_auto_holds_every_session_at_full_length_where_memory_allows(tmp_path) -> None:
+    host = Host(tmp_path, available_kb=64 * GiB // 1024)  # no cgroup limit, a big host
+    config = EngineConfig(max_sessions=4)
+    assert fit_pages(config, SMOL, 4096, CPU, torch.float32, host.proc) == 4 * 256
+    # not the host's memory: before, half of it (32 GiB, 46,603 pages)
+    assert fit_pages(EngineConfig(max_sessions=1), SMOL, 1024, CPU, torch.float32, host.proc) == 64
+
+
+def test_auto_is_capped_by_half_of_what_the_cgroup_limit_leaves(tmp_path) -> None:
+    host = Host(tmp_path, available_kb=64 * GiB // 1024)
+    group = host.v2("/kubepods/pod1/braid")
+    (group / "memory.max").write_text(str(2 * GiB))
+    (group / "memory.current").write_text(str(512 * MiB))
+    config = EngineConfig(max_sessions=32)  # 32 sessions of 4096 tokens: 5.6 GiB
+    assert fit_pages(config, SMOL, 4096, CPU, torch.float32, host.proc) == int(0.5 * 1.5 * GiB // PER_PAGE)
+
+
+def test_a_fraction_is_of_what_the_cgroup_limit_leaves(tmp_path) -> None:
+    host = Host(tmp_path, available_kb=64 * GiB // 1024)
+    (host.v1("memory", "/docker/x") / "memory.limit_in_bytes").write_text(str(GiB))
+    assert fit_pages(EngineConfig(kv_cache_memory="0.5"), SMOL, 512, CPU, torch.float32,
+                     host.proc) == int(0.5 * GiB // PER_PAGE)
+
+
+def test_a_limit_too_small_for_one_session_names_it(tmp_path) -> None:
+    host = Host(tmp_path, available_kb=64 * GiB // 1024)
+    (host.v2() / "memory.max").write_text(str(300 * MiB))
+    with pytest.raises(ValueError, match="--kv-cache-memory auto: one session of --max-seq-len 4096 tokens needs "
+                                         "180 MiB, and auto: 0.5 of 300 MiB, cgroup memory limit 300 MiB"):
+        fit_pages(EngineConfig(), SMOL, 4096, CPU, torch.float32, host.proc)
+
+
+def test_bytes_past_the_limit_are_warned_of(tmp_path, caplog) -> None:
+    host = Host(tmp_path, available_kb=64 * GiB // 1024)
+    (host.v2() / "memory.max").write_text(str(GiB))
+    assert fit_pages(EngineConfig(kv_cache_memory="2GiB"), SMOL, 4096, CPU, torch.float32,
+                     host.proc) == 2 * GiB // PER_PAGE
+    assert "more than the 1024 MiB this process may still take (cgroup memory limit" in caplog.text

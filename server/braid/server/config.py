@@ -83,10 +83,11 @@ class EngineConfig:
         "most sessions in one forward pass (batched mode: the batch size)"))
     max_sessions: int = field(default=0, **_opt(
         "most sessions running at once (0: --max-batch-size); more are queued"))
-    kv_cache_memory: str = field(default="0.5", **_opt(
-        "KV cache budget: bytes with a unit (4GiB, 512MB) or a fraction of the memory free at start "
-        "(0.5), cut into pages; a session holds pages for the tokens it has, and is admitted while "
-        "pages are free"))
+    kv_cache_memory: str = field(default="auto", **_opt(
+        "KV cache budget: bytes with a unit (4GiB, 512MB), a fraction (0.5) of the memory this process may "
+        "still take at start (what is left under its cgroup's memory limit, else the host's available "
+        "memory), or auto: room for --max-sessions sessions of --max-seq-len, at most half that memory. "
+        "Cut into pages; a session holds pages for the tokens it has, and is admitted while pages are free"))
     kv_page_size: int = field(default=16, **_opt(
         "tokens per KV-cache page, a multiple of 16: the unit of allocation and of prefix sharing"))
     kv_cache_dtype: str = field(default="auto", **_opt(
@@ -133,7 +134,8 @@ class EngineConfig:
             raise SettingError("chat_template", self.chat_template, "no such file")
         self.max_sessions = self.max_sessions or self.max_batch_size
         _positive(self, "max_batch_size", "max_sessions", "max_seq_len", "prefill_chunk", "max_queued")
-        parse_memory(self.kv_cache_memory)
+        if self.kv_cache_memory != "auto":
+            parse_memory(self.kv_cache_memory)
         if self.kv_page_size < 16 or self.kv_page_size % 16:
             raise SettingError("kv_page_size", self.kv_page_size, "expected a multiple of 16")
         _not_negative(self, "threads", "max_wait_ms", "batch_max_wait_ms")

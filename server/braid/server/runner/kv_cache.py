@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
+from pathlib import Path
 
 import torch
 
+from braid.server import resources
 from braid.server.config import EngineConfig, parse_memory
 
 _LOGGER = logging.getLogger(__name__)
@@ -53,18 +54,22 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def free_memory(device: torch.device) -> int:
-    """Bytes free for the cache now: the GPU's free memory, or the host's available memory."""
+# --kv-cache-memory auto (the default) sizes the cache for the model and --max-sessions, not the
+# machine: pages enough for every session to reach --max-seq-len, so no session is ever preempted for
+# want of them. The prefix cache keeps finished sessions' pages until they are needed, so whatever
+# the budget, it is in the end resident: it is capped at AUTO_FRACTION of the memory the process may
+# still take (what is left under its cgroup's limit, else the host's available memory), leaving the
+# rest for the constraint cache, activations, the tokenizer and gRPC's buffers, and for the memory
+# the first passes take (the kernels' packed weights are made after the budget is read).
+AUTO_FRACTION = 0.5
+
+
+def free_memory(device: torch.device, proc: Path = Path("/proc")) -> resources.Memory:
+    """Bytes the cache may take now, and where the figure comes from: the GPU's free memory, or what
+    the process may still take of the host's (its cgroup's limit counted)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return resources.Memory(torch.cuda.mem_get_info(device)[0], f"{device}'s free memory")
+    return resources.available_memory(proc)
 
 
 def head_dim(model_config) -> int:
@@ -73,20 +78,43 @@ def head_dim(model_config) -> int:
 
 
 def fit_pages(config: EngineConfig, model_config, max_seq_len: int, device: torch.device,
-              dtype: torch.dtype) -> int:
+              dtype: torch.dtype, proc: Path = Path("/proc")) -> int:
     """KV-cache pages the --kv-cache-memory budget holds. At least one session of --max-seq-len
     tokens must fit, so a session admitted alone can always run to its end."""
     kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads  # GPT-2: none
     per_page = config.kv_page_size * KVCache.bytes_per_token(
         model_config.num_hidden_layers, kv_heads, head_dim(model_config), dtype)
-    amount, is_fraction = parse_memory(config.kv_cache_memory)
-    budget = amount * free_memory(device) if is_fraction else amount
+    needed = -(-max_seq_len // config.kv_page_size)  # pages of one session of --max-seq-len
+    budget, why, available = _budget(config, needed * per_page, device, proc)
     pages = int(budget // per_page)
-    needed = -(-max_seq_len // config.kv_page_size)
     if pages < needed:
         raise ValueError(f"--kv-cache-memory {config.kv_cache_memory}: one session of --max-seq-len "
-                         f"{max_seq_len} tokens needs {needed * per_page / 2**20:.0f} MiB")
-    _LOGGER.info("KV cache: %d pages of %d tokens (%d tokens, %d sessions of --max-seq-len), %.0f MiB, %s",
+                         f"{max_seq_len} tokens needs {needed * per_page / 2**20:.0f} MiB, and {why} "
+                         f"gives {budget / 2**20:.0f} MiB")
+    _LOGGER.info("KV cache: %d pages of %d tokens (%d tokens, %d sessions of --max-seq-len), %.0f MiB, %s; %s",
                  pages, config.kv_page_size, pages * config.kv_page_size, pages // needed, pages * per_page / 2**20,
-                 str(dtype).removeprefix("torch."))
+                 str(dtype).removeprefix("torch."), why)
+    if available is not None and budget > available.available:
+        _LOGGER.warning("--kv-cache-memory %s is more than the %.0f MiB this process may still take (%s): as "
+                        "the prefix cache fills it, the process may be killed for want of memory",
+                        config.kv_cache_memory, available.available / 2**20, available.reason)
     return pages
+
+
+def _budget(config: EngineConfig, session_bytes: int, device: torch.device,
+            proc: Path) -> tuple[float, str, resources.Memory | None]:
+    """The cache's bytes, why, and the memory free (None where it was not needed for the budget and
+    is not worth checking: the GPU's)."""
+    if config.kv_cache_memory == "auto":
+        free = free_memory(device, proc)
+        wanted = config.max_sessions * session_bytes
+        if wanted <= AUTO_FRACTION * free.available:
+            return wanted, f"auto: --max-sessions {config.max_sessions} sessions of --max-seq-len", free
+        return (AUTO_FRACTION * free.available,
+                f"auto: {AUTO_FRACTION:g} of {free.available / 2**20:.0f} MiB, {free.reason} (--max-sessions "
+                f"{config.max_sessions} sessions of --max-seq-len would take {wanted / 2**20:.0f} MiB)", free)
+    amount, is_fraction = parse_memory(config.kv_cache_memory)
+    free = free_memory(device, proc) if is_fraction or device.type != "cuda" else None
+    if is_fraction:
+        return amount * free.available, f"{amount:g} of {free.available / 2**20:.0f} MiB, {free.reason}", free
+    return amount, "--kv-cache-memory", free
