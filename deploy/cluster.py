@@ -323,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     replicas = [Replica(f"replica-{n}", args.first_port + n - 1, args.first_metrics_port + n - 1)
                 for n in range(1, args.replicas + 1)]
     # The replicas share this machine: torch threads and KV-cache memory are split between them
-    # unless the flags (which win over these variables) or the environment say otherwise.
-    env = {"BRAID_THREADS": str(max(1, (os.cpu_count() or 1) // args.replicas)), "BRAID_KV_CACHE_MEMORY": "1GiB"}
+    # unless the flags (which win over these variables) or the environment say otherwise. A
+    # replica that drains hands its streams over after 5 s, as in compose and Kubernetes.
+    env = {"BRAID_THREADS": str(max(1, (os.cpu_count() or 1) // args.replicas)), "BRAID_KV_CACHE_MEMORY": "1GiB",
+           "BRAID_HANDOVER_GRACE": "5"}
     env = {name: value for name, value in env.items() if name not in os.environ}
     cluster = Cluster(replicas, run_dir, host=args.host, port=args.port, stats_port=args.stats_port,
                       prometheus_port=args.prometheus_port if find_binary("prometheus") else 0,

@@ -181,11 +181,14 @@ def read_some(proc: subprocess.Popen, count: int) -> bytes:
     return head
 
 
-def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny_dir):
+@pytest.mark.parametrize("stop", ["kill", "handover"])
+def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny_dir, stop):
     """Two replicas behind the CLI's --target list. The replica serving a long greedy stream is
-    killed with SIGKILL after some text; the CLI goes on, on the other replica, and prints exactly
-    the text of an unbroken run."""
-    replicas = start_together(*[functools.partial(tiny_server, tiny_dir, "--mode", "continuous", env=SLOW)] * 2)
+    killed with SIGKILL after some text, or drained with SIGTERM, which hands the stream over after
+    --handover-grace (it ends UNAVAILABLE); the CLI goes on, on the other replica, and prints
+    exactly the text of an unbroken run."""
+    replicas = start_together(*[functools.partial(tiny_server, tiny_dir, "--mode", "continuous",
+                                                  "--handover-grace", "0.3", env=SLOW)] * 2)
     args = ["--max-new-tokens", "300", "--ignore-eos", "--stats", "The lighthouse keeper wrote in his log"]
     try:
         proc = subprocess.Popen([node, "cli.js", "--target", ",".join(r.target for r in replicas), *args],
@@ -193,7 +196,7 @@ def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny
         try:
             head = read_some(proc, 40)  # some messages in
             (serving,) = [r for r in replicas if status(r).sessions_active == 1]
-            serving.proc.kill()
+            serving.proc.kill() if stop == "kill" else serving.proc.send_signal(signal.SIGTERM)
             rest, stderr = proc.communicate(timeout=STREAM_TIMEOUT_S)
         finally:
             if proc.poll() is None:
