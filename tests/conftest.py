@@ -11,6 +11,7 @@ import concurrent.futures
 import functools
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -39,6 +40,29 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     global DEVICE
     DEVICE = config.getoption("--device")
+
+
+# `make test-unit` (pytest -m unit): only the modules marked unit are even imported, and none of
+# them may bring torch in (the engine and the edge are torch-free; a unit test that needs torch
+# belongs to the full suite). (These hooks live here: a tests/unit/conftest.py would shadow this
+# module for the tests that import from it.)
+_UNIT_MARK = "pytestmark = pytest.mark.unit"
+
+
+def _unit_run(config) -> bool:
+    return config.getoption("markexpr", "") == "unit"
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    if _unit_run(config) and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return _UNIT_MARK not in collection_path.read_text()
+    return None
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _unit_run(session.config) and "torch" in sys.modules:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print("\nmake test-unit: a unit test imported torch (unit tests are torch-free)", file=sys.stderr)
 
 
 class Server(BraidProcess):

@@ -173,8 +173,6 @@ def build_engine(config: EngineConfig, model=None):
     """The composition root: loads --model (unless given it loaded), builds the runner the config
     asks for and the engine over it. Only here do the layers meet, so none has to import another's
     construction."""
-    if model is None:  # the first line a start logs: the imports and the load take seconds
-        _LOGGER.info("loading %s", config.model or "the embedded model")
     from braid.server.engine.engine import Engine
     from braid.server.engine.grammars import Grammars
     from braid.server.engine.tokenizer import Tokenizer
