@@ -40,9 +40,11 @@ SCHEMAS = {
         "type": "object", "additionalProperties": False, "required": ["age", "count", "price"],
         "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
                        "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 10},
-                       # (with a maximum of 1, this model writes "1.000..." until max_new_tokens: valid
-                       # as far as it goes, but never complete)
-                       "price": {"type": "number", "minimum": 0.5, "maximum": 999.99}}},
+                       # (a number with no bound on its digits never has to end: with a maximum of 1
+                       # this model wrote "1.000..." until max_new_tokens, and with int8 rows
+                       # "199.999..."; multipleOf bounds the fraction, as a price's schema would, and
+                       # 0.25 is exact in binary, so jsonschema's check of it is too)
+                       "price": {"type": "number", "minimum": 0.5, "maximum": 999.99, "multipleOf": 0.25}}},
 }
 RUNS = 10  # of each schema greedy, and 10 more sampled: 20 runs of each
 MAX_NEW_TOKENS = 400  # a string of 12 emoji is some 40 tokens
