@@ -236,7 +236,13 @@ def test_langchain_chat_openai_calls_it(server):
     assert "".join(chunk.content for chunk in chat.stream("Say hi.")) == reply.content
 
 
-def test_every_call_has_its_request_log_line(server):
-    lines = wait_for(lambda: [line for line in server.log_file.read_text().splitlines() if " HTTP request_id=" in line])
-    assert any("route=POST /v1/chat/completions" in line and "status=200" in line and "finish=" in line
-               for line in lines)
+def test_every_call_has_its_request_log_line(server, client):
+    client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=HI, temperature=-1)
+
+    def logged(*wanted: str) -> bool:
+        return any(all(w in line for w in wanted) for line in server.log_file.read_text().splitlines())
+
+    wait_for(lambda: logged(" HTTP request_id=chatcmpl-", "route=POST /v1/chat/completions", "status=200", "finish="))
+    assert logged(" HTTP request_id=", "status=400", "error=invalid_request_error param=temperature")

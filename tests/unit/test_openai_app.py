@@ -69,6 +69,12 @@ def test_the_api_key_is_one_bearer_header_and_health_stays_open():
         "authentication_error"
 
 
+def test_a_body_over_max_message_bytes_is_refused_unread():
+    _, http = serve(FakeEngine(), max_message_bytes=1000)
+    response = http.post("/v1/completions", json={"prompt": "x" * 2000})
+    assert response.status_code == 413 and response.json()["error"]["param"] == "body"
+
+
 def test_unknown_routes_and_methods_answer_in_openais_shape():
     _, http = serve(FakeEngine())
     assert http.get("/v1/nothing").json()["error"]["type"] == "not_found_error"

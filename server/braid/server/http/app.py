@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 _TRACER = trace.get_tracer("braid.server.http")
 _OPEN_PATHS = ("/health",)
-MAX_BODY_BYTES_FALLBACK = 4 << 20
 
 
 class ApiError(Exception):
@@ -108,13 +107,13 @@ class OpenAIApi:
              "max_model_len": info.context_length}]})
 
     async def chat(self, request: Request, record: _Record) -> Response:
-        body = await _parse(request, ChatRequest)
+        body = await _parse(request, ChatRequest, self._config.max_message_bytes)
         record.user = body.user
         plan = chat_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size)
         return await self._generate(request, plan, record, body.stream, chat=True)
 
     async def completions(self, request: Request, record: _Record) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, self._config.max_message_bytes)
         record.user = body.user
         plan = completion_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size)
         return await self._generate(request, plan, record, body.stream, chat=False)
@@ -352,9 +351,17 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _parse(request: Request, model: type[pydantic.BaseModel]):
+async def _parse(request: Request, model: type[pydantic.BaseModel], most_bytes: int):
+    """The body as `model`, read up to `most_bytes` (--max-message-bytes, as over gRPC)."""
+    body, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > most_bytes:
+            raise ApiError(413, "invalid_request_error", f"the body is over {most_bytes} bytes (--max-message-bytes)",
+                           "body")
+        body.append(chunk)
     try:
-        data = json.loads(await request.body())
+        data = json.loads(b"".join(body))
     except ValueError as exc:
         raise InvalidArgument("body", f"is not JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -413,10 +420,13 @@ class _Record:
         self._logged = True
         seconds = time.perf_counter() - self.started
         record_call("http " + self.route, str(self.status), seconds)
-        if not self.request_id or not _LOGGER.isEnabledFor(logging.INFO):
+        level = logging.INFO if self.route.startswith("POST") else logging.DEBUG  # generations, as gRPC's Stream
+        if not _LOGGER.isEnabledFor(level):
             return
-        line: dict[str, object] = {"request_id": self.request_id, "peer": self.peer, "route": self.route,
+        line: dict[str, object] = {"request_id": self.request_id or None, "peer": self.peer, "route": self.route,
                                    "status": self.status}
+        if self.error is not None:
+            line |= {"error": self.error.kind, "param": self.error.param}
         if self.user:
             line["user"] = self.user
         finals = self._finals
@@ -428,4 +438,4 @@ class _Record:
                      "ttft_ms": min(f.timings.time_to_first_token_ms for f in finals),
                      "tok_s": sum(f.timings.tokens_per_second for f in finals)}
         line["total_ms"] = seconds * 1000
-        _LOGGER.info("HTTP %s", key_values(line), extra={FIELDS: line})
+        _LOGGER.log(level, "HTTP %s", key_values(line), extra={FIELDS: line})

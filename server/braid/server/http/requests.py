@@ -49,6 +49,8 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int) -
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         schema = tool_calls.forced_schema(tools, function, parallel=body.parallel_tool_calls is not False)
         constraint = Constraint("json_schema", json.dumps(schema), "tools")
+        if len(constraint.text.encode()) > convert.MAX_CONSTRAINT_BYTES:
+            raise InvalidArgument("tools", f"the tools' schemas are over {convert.MAX_CONSTRAINT_BYTES} bytes")
     tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools and mode else ""
     req = dataclasses.replace(req, messages=messages, constraint=constraint, tools=tools_json)
     return Plan(req, mode, function, _include_usage(body), body.logprobs)
