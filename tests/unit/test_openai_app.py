@@ -79,3 +79,23 @@ def test_unknown_routes_and_methods_answer_in_openais_shape():
     _, http = serve(FakeEngine())
     assert http.get("/v1/nothing").json()["error"]["type"] == "not_found_error"
     assert http.get("/v1/chat/completions").status_code == 405
+
+
+def test_a_call_is_one_span_child_of_its_traceparent_that_lasts_the_whole_stream():
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)  # once per process; the app's tracer is a proxy that follows it
+    _, http = serve(FakeEngine())
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True},
+                     headers={"traceparent": parent}) as response:
+        assert list(response.iter_lines())
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/chat/completions"]
+    assert format(span.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+    assert span.attributes["http.response.status_code"] == 200 and span.attributes["braid.generated_tokens"] == 3

@@ -151,24 +151,24 @@ class OpenAIApi:
 
     def _observed(self, route: Callable[[Request, _Record], Awaitable[Response]]):
         async def handle(request: Request) -> Response:
-            record = _Record(request)
-            context = propagate.extract(request.headers)
-            with _TRACER.start_as_current_span(f"{request.method} {request.url.path}", context=context,
-                                               kind=trace.SpanKind.SERVER) as span:
+            # the span, a child of the caller's W3C trace context, lasts until the call's end: a
+            # stream's last event, not the handler's return
+            span = _TRACER.start_span(f"{request.method} {request.url.path}", kind=trace.SpanKind.SERVER,
+                                      context=propagate.extract(request.headers))
+            record = _Record(request, span)
+            with trace.use_span(span, end_on_exit=False):
                 try:
                     self._authorize(request)
                     response = await route(request, record)
                 except Exception as exc:
                     error = ApiError.of(exc)
                     record.status, record.error = error.status, error
-                    span.set_attribute("http.response.status_code", error.status)
                     record.done()
                     return error.response()
-                span.set_attribute("http.response.status_code", response.status_code)
-                record.status = response.status_code
-                if not record.streamed:
-                    record.done()
-                return response
+            record.status = response.status_code
+            if not record.streamed:
+                record.done()
+            return response
 
         return handle
 
@@ -210,7 +210,8 @@ class _Events:
             if handle.finished is not None:
                 _raise_failure(handle.finished)
                 self._record.finished(handle.finished)
-                tracing.on_finished(handle)
+                with trace.use_span(self._record.span, end_on_exit=False):
+                    tracing.on_finished(handle)
                 self.finals.append(handle.finished)
                 last = self._choices[index].end() if self._chat else None
                 has_calls = bool(self._choices[index].calls)
@@ -398,7 +399,8 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
 class _Record:
     """One HTTP call's request log line (as edge/request_log.py writes gRPC's) and its metric."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, span: trace.Span) -> None:
+        self.span = span
         self.started = time.perf_counter()
         client = request.client
         self.route = f"{request.method} {request.url.path}"
@@ -419,6 +421,8 @@ class _Record:
             return
         self._logged = True
         seconds = time.perf_counter() - self.started
+        self.span.set_attribute("http.response.status_code", self.status)
+        self.span.end()
         record_call("http " + self.route, str(self.status), seconds)
         level = logging.INFO if self.route.startswith("POST") else logging.DEBUG  # generations, as gRPC's Stream
         if not _LOGGER.isEnabledFor(level):
