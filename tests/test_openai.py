@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from conftest import SLOW, Server, free_port, wait_for
+from conftest import SLOW, Server, free_port, tiny_server, wait_for
 from braid.v1 import generate_pb2 as pb
 
 KEY = "sk-test-key"
@@ -246,3 +247,24 @@ def test_every_call_has_its_request_log_line(server, client):
 
     wait_for(lambda: logged(" HTTP request_id=chatcmpl-", "route=POST /v1/chat/completions", "status=200", "finish="))
     assert logged(" HTTP request_id=", "status=400", "error=invalid_request_error param=temperature")
+
+
+def test_sigterm_lets_an_http_stream_finish_while_new_calls_get_503(tiny_dir):
+    port = free_port()
+    server = tiny_server(tiny_dir, "--http-port", str(port), "--grace-period", "60", env=SLOW)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            body = {"model": "tiny", "prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as stream:
+                events = stream.iter_lines()
+                assert next(e for e in events if e.startswith("data: "))  # it runs (SLOW: 2.7 s at least)
+                server.proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: http.get("/health").status_code == 503)
+                refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+                rest = [e for e in events if e.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
