@@ -185,7 +185,7 @@ class ModelRunner:
         if self.governor is None:
             return self.decoder.forward(batch, self.cache)
         shape = len(batch.input_ids) if not batch.prefills else None  # decode rows
-        count = self.governor.pick(shape) if shape else self.governor.current
+        count = self.governor.pick(shape, time.monotonic()) if shape else self.governor.current
         if count != torch.get_num_threads():
             torch.set_num_threads(count)
         start = time.perf_counter()

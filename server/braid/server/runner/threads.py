@@ -3,13 +3,14 @@
 The kernels split each matmul's columns evenly over their threads (OpenMP, static) and meet at a
 barrier some 150 times a token, so a pass runs at the speed of its slowest thread. When another
 process takes one of the cores, the thread that shares it holds up all the others at every barrier:
-on 2 cores beside one busy process, 2 threads decoded 46 tokens/s where 1 thread decoded 200
-(docs/benchmarks.md, "Sharing the cores"). Neither the affinity mask nor a cgroup quota says that
+on 2 cores beside one busy process, 2 threads decoded 37 to 90 tokens/s where 1 thread decoded 200
+to 265 (docs/benchmarks.md, "Sharing the cores"). Neither the affinity mask nor a cgroup quota says that
 the cores are busy, so the governor measures it: now and then it runs a few decode passes on the
 next smaller (or larger) count and keeps whichever is faster by a clear margin. A trial that loses
-doubles the wait before the next one (up to 2,048 passes), so a quiet machine pays well under 1% for
-the watch; one far slower ends after its first pass. When the current count's own passes slow down
-(a neighbour starts), a trial of fewer threads comes at once.
+doubles the wait before the next one (up to 256 passes, about a second), so a quiet machine pays
+about 1% for the watch; one far slower ends after its first pass. When the current count's own
+passes slow down (a neighbour starts), a trial of fewer threads comes at once, and so does a trial
+when work resumes after a pause.
 
 The count changes the speed only: each column of a matmul, and each head of attention, is computed
 by one thread whatever their number, so a pass's tokens are the same on any count.
@@ -22,9 +23,13 @@ from collections import deque
 from collections.abc import Hashable
 
 TRIAL_PASSES = 8  # decode passes a trial runs on the other count
-EXPLORE_EVERY = 64  # passes between trials, at first, after a switch and after a change of speed
-MAX_BACKOFF = 32  # a trial that loses doubles the wait, up to this many times EXPLORE_EVERY
-MARGIN = 0.85  # a trial wins when its passes take at most this fraction of the current count's
+EXPLORE_EVERY = 64  # passes between trials, at first and after a switch
+MAX_BACKOFF = 4  # a trial that loses doubles the wait, up to this many times EXPLORE_EVERY
+IDLE_S = 1.0  # passes after a pause this long start with a trial: the neighbours may have changed
+# A trial wins when its passes take at most this fraction of the current count's: a clear margin to
+# drop threads, a small one to take them back (2 threads were only 1.26x faster than 1 here, and a
+# wrong move up is seen by the watch on slowdowns within a few passes).
+MARGIN_DOWN, MARGIN_UP = 0.85, 0.95
 GIVE_UP = 1.5  # a trial whose passes take this many times the current count's ends at once,
 GIVE_UP_AT_ONCE = 3.0  # after MIN_SAMPLES passes, or after its first at this many times
 CHANGE = 1.3  # the current count's passes this much slower than after the last trial: look again
@@ -49,9 +54,14 @@ class ThreadGovernor:
         self._wait = explore_every
         self._until_trial = explore_every
         self._downwards = True  # which neighbour the next trial tries, where there are two
+        self._last_pass = float("-inf")
 
-    def pick(self, shape: Hashable) -> int:
-        """The count the next pass runs on."""
+    def pick(self, shape: Hashable, now: float | None = None) -> int:
+        """The count the next pass runs on; `now` (seconds, monotonic) tells a pause."""
+        if now is not None:
+            if now - self._last_pass > IDLE_S:  # the next trial soon (the waits after it as they were)
+                self._until_trial = min(self._until_trial, MIN_SAMPLES + 1)
+            self._last_pass = now
         if self._trial is None and len(self.counts) > 1:
             self._until_trial -= 1
             if self._until_trial <= 0 and len(self._times.get((self.current, shape), ())) >= MIN_SAMPLES:
@@ -85,8 +95,7 @@ class ThreadGovernor:
         i = self.counts.index(self.current)
         if now > CHANGE * reference and i + 1 < len(self.counts):
             self._reference[shape] = now
-            self._next = self.counts[i + 1]
-            self._wait, self._until_trial = self.explore_every, 0
+            self._next, self._until_trial = self.counts[i + 1], 0
 
     def _neighbour(self) -> int:
         i = self.counts.index(self.current)
@@ -105,7 +114,8 @@ class ThreadGovernor:
     def _decide(self, ratios: list[float]) -> None:
         trial, self._trial = self._trial, None
         self._reference.clear()
-        if ratios and max(ratios) <= MARGIN:
+        margin = MARGIN_UP if trial > self.current else MARGIN_DOWN
+        if ratios and max(ratios) <= margin:
             self.current = trial
             self.num_switches += 1
             self._wait = self.explore_every
