@@ -281,6 +281,27 @@ def test_sigterm_drains_then_cancels_with_a_final_message_and_exits_zero(tiny_di
         server.stop()
 
 
+def test_a_hand_over_ends_a_stream_unavailable_with_its_trailer_after_every_token(tiny_dir):
+    # --handover-grace stopped the server with its calls in flight: they ended UNAVAILABLE
+    # "Cancelling all calls", with nothing to tell a client why, or that it may resume.
+    server = tiny_server(tiny_dir, "--handover-grace", "0.3", "--grace-period", "30", env=SLOW)
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            call = pb_grpc.GenerateStub(channel).Stream(pb.GenerateRequest(prompt="long", **LONG), timeout=60)
+            received = [next(call)]
+            server.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as err:
+                for message in call:
+                    received.append(message)
+        tokens = [t for m in received for t in m.token_ids]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert ("braid-handover", "resume") in tuple(err.value.trailing_metadata() or ())
+        assert 0 < len(tokens) < LONG["max_new_tokens"] and not any(m.finish_reason for m in received)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+
+
 def test_prompts_and_outputs_stay_out_of_the_logs(tiny_dir, tmp_path):
     log = tmp_path / "server.log"
     server = Server(["--model", str(tiny_dir), "--threads", "1"], log_path=log)

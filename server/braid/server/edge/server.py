@@ -293,7 +293,7 @@ async def _serve(config: ServerConfig, listening: _Listening, engine: EngineClie
                      stats.sessions_active, stats.sessions_queued, config.grace_period)
     await _drain(server, health_servicer, engine, config.grace_period if exit_code == 0 else 0.0,
                  listening.front_ends,
-                 handover_grace=config.handover_grace if exit_code == 0 else 0.0)
+                 handover_grace=config.handover_grace if exit_code == 0 else 0.0, servicer=servicer)
     watcher.cancel()
     servicer.close()
     engine.stop()
@@ -321,13 +321,14 @@ def _log_settings(config: ServerConfig) -> None:
 
 
 async def _drain(server: grpc.aio.Server, health_servicer, engine: EngineClient, grace_period: float,
-                 front_ends: Sequence[FrontEnd] = (), handover_grace: float = 0.0) -> None:
+                 front_ends: Sequence[FrontEnd] = (), handover_grace: float = 0.0,
+                 servicer: GenerateServicer | None = None) -> None:
     """Health turns NOT_SERVING at once and new calls get UNAVAILABLE (503 over HTTP); in-flight
     streams get the grace period to finish (the engine says when it is idle), then the rest end
-    with a final CANCELLED message. With a hand-over grace (--handover-grace), the streams
-    still running after it end UNAVAILABLE instead: braid's clients resume them on another replica
-    from the tokens they have (resume_token_ids), so a drain takes about that grace, whatever the
-    generations' lengths."""
+    with a final CANCELLED message. With a hand-over grace (--handover-grace), the gRPC streams
+    still running after it end UNAVAILABLE with the braid-handover trailer, after every token they
+    made: braid's clients resume them on another replica from the tokens they have
+    (resume_token_ids), so a drain takes about that grace, whatever the generations' lengths."""
     for front_end in front_ends:
         front_end.begin_drain()
     await health_servicer.enter_graceful_shutdown()
@@ -341,7 +342,8 @@ async def _drain(server: grpc.aio.Server, health_servicer, engine: EngineClient,
             if handover_grace:
                 _LOGGER.info("hand-over grace over: the calls of %d active and %d queued sessions end UNAVAILABLE, "
                              "to be resumed on another replica", stats.sessions_active, stats.sessions_queued)
-                await server.stop(0)  # every call ends now, its sessions with it (their done callbacks)
+                if servicer is not None:
+                    servicer.hand_over()  # the cancels below end their streams UNAVAILABLE, with the trailer
             else:
                 _LOGGER.info("grace period over: cancelling %d active and %d queued sessions",
                              stats.sessions_active, stats.sessions_queued)

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
 
 MAX_ABORT_IDS = 256
+# The trailer a stream handed over by a draining server ends with (status UNAVAILABLE): resume it
+# on another replica from the tokens it delivered (resume_token_ids, and the braid-seed header).
+HANDOVER_TRAILER = ("braid-handover", "resume")
 
 
 class GenerateServicer(pb_grpc.GenerateServicer):
@@ -41,10 +44,18 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         # request_id is the caller's: two calls may share one.
         self._by_request_id: dict[str, list[tuple[SessionHandle, tuple]]] = {}
         self._load = LoadReporter(engine.max_sessions)
+        self._handing_over = False  # set by a drain's hand-over: cancelled streams end UNAVAILABLE
 
     def _trailers(self, context, *pairs: tuple[str, str]) -> None:
         """Sets a call's trailers: these pairs and the replica's ORCA load report."""
         context.set_trailing_metadata(pairs + (self._load.report(self._engine.stats()),))
+
+    def hand_over(self) -> None:
+        """From now on a stream whose session is cancelled (the drain cancels them all next) ends
+        with UNAVAILABLE and the braid-handover trailer, after every token it made, instead of a
+        final CANCELLED message: braid's clients, and anyone who reads the trailer, resume it on
+        another replica."""
+        self._handing_over = True
 
     def close(self) -> None:
         """Drops the tokenizations still waiting for a thread (after the server has stopped)."""
@@ -73,7 +84,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                     message.index = index
                 if handle.finished is not None:
                     tracing.on_finished(handle)
-                    failure = _failure_status(handle.finished, context)
+                    failure = _failure_status(handle.finished, context, self._handing_over)
                     if failure is not None:
                         if message.text or message.token_ids:
                             yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids,
@@ -154,11 +165,16 @@ def _credentials(context) -> tuple:
     return hashlib.sha256(repr(auth).encode()).hexdigest(), identity
 
 
-def _failure_status(finished: Finished, context) -> grpc.Status | None:
+def _failure_status(finished: Finished, context, handing_over: bool = False) -> grpc.Status | None:
     """How a session that failed ends its call: an engine error with INTERNAL, a request found
     impossible while it ran with INVALID_ARGUMENT naming the field, a passed gRPC deadline with
-    DEADLINE_EXCEEDED; each with its own message. Every other end, the request's own timeout_ms
-    included, is a normal final message."""
+    DEADLINE_EXCEEDED, a session a draining server hands over with UNAVAILABLE and the
+    braid-handover trailer; each with its own message. Every other end, the request's own
+    timeout_ms included, is a normal final message."""
+    if finished.reason is FinishReason.CANCELLED and handing_over:
+        handed = status(grpc.StatusCode.UNAVAILABLE, "the server is draining: resume this stream on another "
+                                                     "replica from the tokens it delivered")
+        return handed._replace(trailing_metadata=tuple(handed.trailing_metadata) + (HANDOVER_TRAILER,))
     if finished.reason is FinishReason.ERROR:
         return status(grpc.StatusCode.INTERNAL, finished.error or "the engine failed")
     if finished.reason is FinishReason.INVALID_REQUEST:
