@@ -203,16 +203,22 @@ class EngineCore:
     def books_balance(self) -> tuple[int, int, int]:
         """(0, 0, 0) while every session added is waiting, running or finished, exactly one of them,
         and no KV-cache page is held with none running; else how far off each is."""
-        held, waiting, running = len(self.sessions), self.scheduler.num_waiting, len(self.scheduler.running)
+        return self._balance(*self._counts())
+
+    def _counts(self) -> tuple[int, int, int]:
+        """Sessions held, waiting and running."""
+        return len(self.sessions), self.scheduler.num_waiting, len(self.scheduler.running)
+
+    def _balance(self, held: int, waiting: int, running: int) -> tuple[int, int, int]:
         pages_held = 0 if running else self.pages.num_used
         return held - waiting - running, self._num_added - held - self._num_finished, pages_held
 
     def check_books(self) -> None:
         """Cheap (a few lengths), so it runs after every step; a violation is a bug in braid, logged
         loudly (once per distinct imbalance)."""
-        balance = self.books_balance()
+        held, waiting, running = self._counts()
+        balance = self._balance(held, waiting, running)
         if balance != (0, 0, 0) and balance != self._books_off:
-            held, waiting, running = len(self.sessions), self.scheduler.num_waiting, len(self.scheduler.running)
             _LOGGER.error("BOOKS DO NOT BALANCE: %d sessions held, %d waiting + %d running; %d added, %d finished; "
                           "%d KV-cache pages held with no session running", held, waiting, running,
                           self._num_added, self._num_finished, balance[2])

@@ -29,6 +29,7 @@ from braid.server.engine.handle import SessionHandle
 from braid.server.engine.observer import EngineObserver
 from braid.server.engine.output import deliver
 from braid.server.engine.ports import Runner
+from braid.server.engine.session import Session
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import EngineStats, FinishReason, GenerationRequest, Message, ModelInfo
 
@@ -38,7 +39,7 @@ ALL_SESSIONS = -1
 
 @dataclass
 class _Add:
-    session: object  # engine.session.Session
+    session: Session
 
 
 @dataclass
