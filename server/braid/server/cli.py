@@ -144,19 +144,10 @@ def _run(command: str, configs: dict[type, object]) -> int:
 
         load(engine_config.model, engine_config.cache_dir)
         return 0
-    from braid.server.edge.server import serve
+    from braid.server.app import serve
 
     server_config: ServerConfig = configs[ServerConfig]
-    return serve(server_config, lambda: build_engine(engine_config), _front_ends(server_config))
-
-
-def _front_ends(config: ServerConfig) -> list:
-    """The front ends served beside gRPC, on its event loop: OpenAI's HTTP API with --http-port."""
-    if not config.http_port:
-        return []
-    from braid.server.http.server import HttpFrontEnd
-
-    return [HttpFrontEnd(config)]
+    return serve(server_config, lambda: build_engine(engine_config))
 
 
 def _one_line(exc: BaseException) -> str:

@@ -21,7 +21,7 @@ from braid.server.edge.orca import LoadReporter
 from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Delta, Finished, FinishReason, InvalidArgument, Queued
-from braid.server.telemetry import tracing
+from braid.server.edge import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 

@@ -26,8 +26,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from braid.server.config import ServerConfig
+from braid.server.edge import tracing
 from braid.server.edge.errors import capped
 from braid.server.edge.lanes import TokenizerLanes
+from braid.server.edge.observer import CallObserver, NoCalls
 from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.types import (Delta, EngineUnavailable, Finished, FinishReason, InvalidArgument,
                                        Overloaded)
@@ -35,8 +37,6 @@ from braid.server.http import choices
 from braid.server.http.protocol import ChatRequest, CompletionRequest
 from braid.server.http.requests import Plan, chat_plan, completion_plan, openai_error
 from braid.server.logs import FIELDS, key_values
-from braid.server.telemetry import tracing
-from braid.server.telemetry.metrics import record_call
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
@@ -76,9 +76,10 @@ class ApiError(Exception):
 
 
 class OpenAIApi:
-    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, calls: CallObserver | None = None) -> None:
         self._engine = engine
         self._config = config
+        self._calls = calls or NoCalls()
         self._lanes = TokenizerLanes()
         self._api_key = config.api_key.encode() if config.api_key else None
         self.draining = False
@@ -155,7 +156,7 @@ class OpenAIApi:
             # stream's last event, not the handler's return
             span = _TRACER.start_span(f"{request.method} {request.url.path}", kind=trace.SpanKind.SERVER,
                                       context=propagate.extract(request.headers))
-            record = _Record(request, span)
+            record = _Record(request, span, self._calls)
             with trace.use_span(span, end_on_exit=False):
                 try:
                     self._authorize(request)
@@ -399,8 +400,9 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
 class _Record:
     """One HTTP call's request log line (as edge/request_log.py writes gRPC's) and its metric."""
 
-    def __init__(self, request: Request, span: trace.Span) -> None:
+    def __init__(self, request: Request, span: trace.Span, calls: CallObserver) -> None:
         self.span = span
+        self.calls = calls
         self.started = time.perf_counter()
         client = request.client
         self.route = f"{request.method} {request.url.path}"
@@ -423,7 +425,7 @@ class _Record:
         seconds = time.perf_counter() - self.started
         self.span.set_attribute("http.response.status_code", self.status)
         self.span.end()
-        record_call("http " + self.route, str(self.status), seconds)
+        self.calls.on_call("http " + self.route, str(self.status), seconds)
         level = logging.INFO if self.route.startswith("POST") else logging.DEBUG  # generations, as gRPC's Stream
         if not _LOGGER.isEnabledFor(level):
             return

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from braid.server.config import ServerConfig, SettingError
+from braid.server.edge.observer import CallObserver
 from braid.server.http.app import OpenAIApi
 
 if TYPE_CHECKING:
@@ -36,8 +37,12 @@ class _Server(uvicorn.Server):
 
 
 class HttpFrontEnd:
-    def __init__(self, config: ServerConfig) -> None:
+    """OpenAI's API on --http-port, a front end beside gRPC on its event loop: bound, started and
+    drained with it by the composition root (braid/server/app.py)."""
+
+    def __init__(self, config: ServerConfig, calls: CallObserver | None = None) -> None:
         self._config = config
+        self._calls = calls
         self._socket: socket.socket | None = None
         self._api: OpenAIApi | None = None
         self._server: _Server | None = None
@@ -67,7 +72,7 @@ class HttpFrontEnd:
     async def start(self, engine: EngineClient) -> None:
         """Serves OpenAI's API from the engine, on the running loop."""
         assert self._socket is not None
-        self._api = OpenAIApi(engine, self._config)
+        self._api = OpenAIApi(engine, self._config, self._calls)
         config = uvicorn.Config(self._api.app, lifespan="off", log_config=None, access_log=False,
                                 timeout_graceful_shutdown=_CLOSE_S, server_header=False)
         self._server = _Server(config)
@@ -79,7 +84,7 @@ class HttpFrontEnd:
         _LOGGER.info("OpenAI-compatible HTTP API on http://%s:%d/v1 (%s)", self._config.host, self.port,
                      "API key required" if self._config.api_key else "no API key")
 
-    def begin_drain(self) -> None:
+    async def begin_drain(self) -> None:
         """New generation calls get 503 and /health turns 503; calls in flight go on."""
         if self._api is not None:
             self._api.draining = True
@@ -91,8 +96,15 @@ class HttpFrontEnd:
             await self._task
         if self._api is not None:
             self._api.close()
-        self.close()
+        self._close_socket()
 
-    def close(self) -> None:
+    def hand_over(self) -> None:
+        """Nothing to hand over: an HTTP stream the engine cancels ends as OpenAI's streams do."""
+
+    async def close(self) -> None:
+        """A start that failed: closes the port."""
+        self._close_socket()
+
+    def _close_socket(self) -> None:
         if self._socket is not None:
             self._socket.close()

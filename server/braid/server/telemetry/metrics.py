@@ -133,3 +133,11 @@ def observe_engine(stats: Callable[[], EngineStats]) -> None:
     _meter.create_observable_counter(
         "braid.preemptions", [cache("preemptions")], unit="{session}",
         description="Running sessions whose KV-cache pages were taken back, to be recomputed when readmitted")
+
+
+class CallMetrics:
+    """The front ends' call observer (edge/observer.py): each call's duration by method and status."""
+
+    @staticmethod
+    def on_call(method: str, status_code: str, seconds: float) -> None:
+        record_call(method, status_code, seconds)

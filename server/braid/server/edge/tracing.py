@@ -1,9 +1,12 @@
-"""One SERVER span per braid call (opentelemetry-instrumentation-grpc's), and its duration by status
-code in the metrics.
+"""One SERVER span per braid call (opentelemetry-instrumentation-grpc's), its duration by status code
+to the call observer, and a session's life on its call's span.
 
 The library's interceptor makes the span, a child of the caller's W3C trace context (`traceparent`
-metadata), and makes it current for the handler; the servicer adds the session's life to it
-(telemetry/tracing.py). Installed only when telemetry is on.
+metadata), and makes it current for the handler; the front ends add the session's life to it
+(`on_session`, `on_finished`). The interceptor is installed only when telemetry is on; until the
+root's telemetry sets a tracer provider (only with an OTLP endpoint) the tracer hands out
+non-recording spans, and the hooks return at once. Only OpenTelemetry's API is used here: braid's
+telemetry package, the SDK and its exporters, is wired in by the composition root alone.
 """
 
 from __future__ import annotations
@@ -15,18 +18,48 @@ import time
 
 import grpc
 from braid.server.edge.calls import wrap_calls
-from braid.server.telemetry.metrics import RPC_STATUS_CODE, record_call
+from braid.server.edge.observer import CallObserver
+from braid.server.engine.handle import SessionHandle
+from braid.server.engine.types import Mode
 from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from opentelemetry.instrumentation.grpc.filters import service_prefix
 
 
-class TelemetryInterceptor(grpc.aio.ServerInterceptor):
-    """Traces every braid call and records its duration by status code. Health checks and
-    reflection are left out (a load balancer's probes would drown the traces)."""
+# OpenTelemetry's attribute names (the metrics use the same ones, in telemetry/metrics.py).
+RPC_STATUS_CODE = "rpc.response.status_code"
+FINISH_REASON = "braid.finish_reason"
 
-    def __init__(self) -> None:
+
+def on_session(handle: SessionHandle, mode: Mode) -> None:
+    """The current call's span gets its session: request id, mode, prompt tokens."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({"braid.request_id": handle.request_id, "braid.mode": mode.value,
+                             "braid.prompt_tokens": handle.prompt_tokens})
+
+
+def on_finished(handle: SessionHandle) -> None:
+    """The session's end on its span: counts, finish reason, and one event per milestone (queued,
+    prefill, first_token, finish) at the engine's own times."""
+    span = trace.get_current_span()
+    finished = handle.finished
+    if finished is None or not span.is_recording():
+        return
+    span.set_attributes({"braid.generated_tokens": finished.generated_tokens,
+                         FINISH_REASON: finished.reason.name.lower()})
+    arrived_ns = time.time_ns() - round((time.monotonic() - handle.arrived) * 1e9)
+    for name, seconds in finished.milestones().items():
+        span.add_event(name, timestamp=arrived_ns + round(seconds * 1e9))
+
+
+class TracingInterceptor(grpc.aio.ServerInterceptor):
+    """Traces every braid call and reports its duration by status code to `calls`. Health checks
+    and reflection are left out (a load balancer's probes would drown the traces)."""
+
+    def __init__(self, calls: CallObserver) -> None:
         self._tracing = aio_server_interceptor(filter_=service_prefix("braid."))
+        self._calls = calls
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method.removeprefix("/")
@@ -35,7 +68,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
             handler = await continuation(details)
             if handler is None or not _braid(details.method):
                 return handler
-            return wrap_calls(handler, lambda request, context: _observe(method, context))
+            return wrap_calls(handler, lambda request, context: _observe(method, context, self._calls))
 
         handler = await self._tracing.intercept_service(observed, handler_call_details)
         if handler is None or not _braid(handler_call_details.method):
@@ -77,7 +110,7 @@ async def _outside_span(context: grpc.aio.ServicerContext):
 
 
 @contextlib.asynccontextmanager
-async def _observe(method: str, context: grpc.aio.ServicerContext):
+async def _observe(method: str, context: grpc.aio.ServicerContext, calls: CallObserver):
     """Inside the library's span: the call's status code on it, as the handler ends (before the
     span does), and the call's duration once grpc says the call is done."""
     started = time.perf_counter()
@@ -85,7 +118,7 @@ async def _observe(method: str, context: grpc.aio.ServicerContext):
     call.span = span = trace.get_current_span()
 
     def done(context: grpc.aio.ServicerContext) -> None:
-        record_call(method, (context.code() or call.code or _cancelled(context)).name, time.perf_counter() - started)
+        calls.on_call(method, (context.code() or call.code or _cancelled(context)).name, time.perf_counter() - started)
 
     context.add_done_callback(done)
     code = grpc.StatusCode.UNKNOWN  # an exception grpc answers as UNKNOWN
