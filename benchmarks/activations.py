@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 import workloads
 from ab import Run, run_once
 from braid.server.model.loader import default_cache_dir, resolve
-from braid.server.process import BraidProcess
+from braid_server import BraidProcess
 
 SIDES = ["int8=--activations int8", "float32=--activations float32", "fp32=--dtype float32 --quantization none"]
 

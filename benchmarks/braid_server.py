@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from braid.client import AsyncClient, AsyncGeneration
-from braid.server.process import START_TIMEOUT_S, BraidProcess
-from braid.server.process import free_port  # noqa: F401  (llama.cpp's port too)
+
+# braid_testing (tests/support): `braid serve` as a child process, shared with the tests and kept out of
+# the production package. The other benchmarks take it from here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from braid_testing.process import BRAID, START_TIMEOUT_S, BraidProcess  # noqa: E402, F401  (BRAID: formats.py's)
+from braid_testing.process import free_port  # noqa: E402, F401  (llama.cpp's port too)
 
 from metrics import StreamTiming
 from workloads import Request

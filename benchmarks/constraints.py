@@ -26,7 +26,7 @@ from braid.client import AsyncClient, json_schema
 from braid.server.engine.grammars import Grammars
 from braid.server.engine.types import Constraint
 from braid.server.model.loader import default_cache_dir, resolve
-from braid.server.process import BraidProcess
+from braid_server import BraidProcess
 
 import workloads
 from features import tokens_per_second  # 64 new tokens per stream, ignore_eos, a fresh cache_salt each

@@ -250,7 +250,7 @@ def _with_log(exc: Exception, log_path: Path) -> Exception:
 # ---------------------------------------------------------------- the run
 
 def braid_has_format_flags() -> bool:
-    from braid.server.process import BRAID
+    from braid_server import BRAID
 
     help_text = subprocess.run([str(BRAID), "serve", "--help"], capture_output=True, text=True).stdout
     return all(flag in help_text for flag in BRAID_FORMAT_FLAGS)

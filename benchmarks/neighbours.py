@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from braid.client import Client
-from braid.server.process import BraidProcess
+from braid_server import BraidProcess
 
 from machine import CpuMeter, describe, wait_until_quiet
 

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "deploy"))
 from braid.client import Client  # noqa: E402
-from braid.server.process import free_port  # noqa: E402
+from braid_server import free_port  # noqa: E402
 from cluster import Cluster, Replica, wait_until  # noqa: E402
 
 WORDS = ("sea river stone light garden window letter market winter summer music paper forest table "

@@ -22,8 +22,12 @@ import time
 import grpc
 
 from braid.client import AsyncClient
-from braid.server.process import BraidProcess
 from braid.v1 import generate_pb2 as pb
+
+# braid_testing (tests/support): `braid serve` as a child process, shared with the tests and the
+# benchmarks, kept out of the production package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
+from braid_testing.process import BraidProcess  # noqa: E402
 
 EXPECTED_CODES = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
 BAD_REQUESTS = [dict(prompt=""), dict(prompt="x", top_p=3.0), dict(prompt="x", max_new_tokens=-4),

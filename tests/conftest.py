@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from braid.client import Client
-from braid.server.process import BraidProcess, free_port  # noqa: F401  (free_port: for the tests)
+from braid_testing.process import BraidProcess, free_port  # noqa: F401  (free_port: for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("sequential", "interleaved", "batched", "continuous")
@@ -66,7 +66,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 class Server(BraidProcess):
-    """A running `braid serve` (braid.server.process), and clients for it."""
+    """A running `braid serve` (braid_testing.process), and clients for it."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
                  client_kw: dict | None = None) -> None:

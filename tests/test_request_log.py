@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from braid.server.process import BRAID
+from braid_testing.process import BRAID
 from conftest import LONG, SLOW, free_port, tiny_server, wait_for
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from braid.server.process import BRAID
+from braid_testing.process import BRAID
 from conftest import free_port
 
 

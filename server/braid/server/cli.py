@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import typing
+from typing import Any, Protocol
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -119,7 +120,19 @@ def _env_value(command: argparse.ArgumentParser, action: argparse.Action, raw: s
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+class Ports(Protocol):
+    """What may be wrapped around the engine's ports as they are built: the tests' fault injection
+    (tests/support/braid_testing/faults.py) wraps the runner, the tokenizer and the constraint
+    compiler through this; `braid serve` itself wraps nothing."""
+
+    def runner(self, runner: Any) -> Any: ...
+
+    def tokenizer(self, tokenizer: Any) -> Any: ...
+
+    def grammars(self, grammars: Any) -> Any: ...
+
+
+def main(argv: list[str] | None = None, ports: Ports | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configs = _configs(args.command_parser, args, _COMMANDS[args.command])
@@ -127,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(log_config.log_level, log_config.log_format)
     resources.bound_spinning()  # before torch loads libgomp, which reads it once
     try:
-        return _run(args.command, configs)
+        return _run(args.command, configs, ports)
     except KeyboardInterrupt:
         print("braid: interrupted while starting", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(command: str, configs: dict[type, object]) -> int:
+def _run(command: str, configs: dict[type, object], ports: Ports | None = None) -> int:
     engine_config: EngineConfig = configs[EngineConfig]
     if command == "warmup":
         from braid.server.model.loader import load
@@ -147,7 +160,7 @@ def _run(command: str, configs: dict[type, object]) -> int:
     from braid.server.app import serve
 
     server_config: ServerConfig = configs[ServerConfig]
-    return serve(server_config, lambda: build_engine(engine_config))
+    return serve(server_config, lambda: build_engine(engine_config, ports=ports))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -160,20 +173,18 @@ def _one_line(exc: BaseException) -> str:
     return f"{text} (--log-level debug shows the traceback)"
 
 
-def build_engine(config: EngineConfig, model=None):
+def build_engine(config: EngineConfig, model=None, ports: Ports | None = None):
     """The composition root: loads --model (unless given it loaded), builds the runner the config
-    asks for and the engine over it. Only here do the layers meet, so none has to import another's
-    construction."""
+    asks for and the engine over it, its ports wrapped by `ports` where given. Only here do the
+    layers meet, so none has to import another's construction."""
     from braid.server.engine.engine import Engine
     from braid.server.engine.grammars import Grammars
     from braid.server.engine.tokenizer import Tokenizer
-    from braid.server.faults import Faults
     from braid.server.model.loader import load
     from braid.server.runner.model_runner import ModelRunner
 
     _check_device(config.device)  # before the model loads: a missing device fails at once
     model = model or load(config.model, config.cache_dir)
-    faults = Faults.from_env()  # the tests' fault injection, wrapped around the ports (braid/server/faults.py)
     runner = ModelRunner.build(config, model)
     if config.chat_template is not None:
         model.hf_tokenizer.chat_template = Path(config.chat_template).read_text()
@@ -182,7 +193,9 @@ def build_engine(config: EngineConfig, model=None):
                         config.constraint_compile_timeout,
                         int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]))
     info = describe(config, runner, tokenizer, model.name, model.architecture)
-    return Engine(config, faults.runner(runner), faults.tokenizer(tokenizer), info, faults.grammars(grammars))
+    if ports is not None:
+        runner, tokenizer, grammars = ports.runner(runner), ports.tokenizer(tokenizer), ports.grammars(grammars)
+    return Engine(config, runner, tokenizer, info, grammars)
 
 
 def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str):

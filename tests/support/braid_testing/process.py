@@ -1,5 +1,7 @@
 """`braid serve` as a child process on a free port, healthy before it is handed over, stopped with
-SIGTERM: the one helper the tests, the benchmark and the soak script start servers with."""
+SIGTERM: the one helper the tests, the benchmarks and the soak script start servers with. Where its
+environment names a fault (BRAID_INJECT_FAULT), it runs `python -m braid_testing.serve` instead,
+braid serve with the faults wrapped around the engine's ports (faults.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from braid_testing.faults import ENV as FAULT_ENV
+
 BRAID = Path(sys.executable).with_name("braid")
+SUPPORT = Path(__file__).resolve().parent.parent  # tests/support: where braid_testing is found
 START_TIMEOUT_S = 180.0
 
 
@@ -36,8 +41,13 @@ class BraidProcess:
         self.port = free_port()
         self.target = f"{host}:{self.port}"
         self.log = (open(log_path, "w") if log_path is not None else None if show_output else subprocess.DEVNULL)
-        self.proc = subprocess.Popen([str(BRAID), "serve", "--host", host, "--port", str(self.port), *args],
-                                     env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, **(env or {})}
+        command = [str(BRAID)]
+        if env.get(FAULT_ENV):
+            command = [sys.executable, "-m", "braid_testing.serve"]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen([*command, "serve", "--host", host, "--port", str(self.port), *args],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self._credentials = channel_credentials
         try:
             self._wait_serving(start_timeout)

@@ -1,7 +1,8 @@
 """Fault injection for resilience tests, through the ports: BRAID_INJECT_FAULT=<where>:<value>.
 
-The composition root (cli.build_engine) wraps the runner, the tokenizer and the constraint compiler
-in these when the variable is set; unset, nothing is wrapped and the engine has no fault hook at all.
+Kept out of the production package: `python -m braid_testing.serve` (which BraidProcess runs when its
+environment names a fault) hands these to the composition root (cli.main's `ports`), which wraps the
+runner, the tokenizer and the constraint compiler in them; `braid serve` wraps nothing.
 
 `pass:<id>` raises inside the forward pass of any batch that feeds token <id> (only that pass's
 sessions must fail); `thread:<id>` kills the model thread itself (the server must turn NOT_SERVING and
