@@ -56,8 +56,8 @@ class EngineClient(Protocol):
     def stop(self) -> None:
         """Ends the model loop."""
 
-    def when_idle(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def when_idle(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """Resolves once nothing is queued, running or being tokenized (or the loop has ended)."""
 
-    def when_stopped(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def when_stopped(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """Resolves once the model loop has ended."""
