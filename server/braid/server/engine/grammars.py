@@ -104,6 +104,9 @@ def _allocator() -> Callable[[], int] | None:
 _allocated = _allocator()
 
 
+Matcher = llguidance.LLMatcher  # a constraint compiled for one session: what it may generate next
+
+
 class Grammars:
     """Compiles constraints into matchers; any thread may call `matcher`."""
 
