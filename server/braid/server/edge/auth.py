@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import hmac
+from typing import Any, AsyncIterator
 
 import grpc
+
+from braid.server.edge.calls import Context, Continuation, Handler
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes from load balancers and orchestrators
 
 
-def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny(request, context):
+def _deny_like(handler: Handler) -> Handler:
+    async def deny(request: Any, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                             "missing or wrong `authorization: Bearer <api key>` metadata")
 
-    async def deny_stream(request, context):
+    async def deny_stream(request: Any, context: Context) -> AsyncIterator[None]:
         await deny(request, context)
         yield  # pragma: no cover - never reached, makes this an async generator
 
@@ -33,7 +36,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str) -> None:
         self._expected = api_key.encode()
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation: Continuation,
+                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES):
             return handler
@@ -41,7 +45,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return _deny_like(handler)
 
-    def _accepts(self, metadata) -> bool:
+    def _accepts(self, metadata: grpc.aio.Metadata | tuple[tuple[str, str | bytes], ...]) -> bool:
         """Exactly one `authorization` header, `Bearer <key>`, the scheme in any case (RFC 9110
         11.1: auth schemes are case-insensitive). Two headers are refused rather than one picked:
         a proxy that adds its own must not decide which key counts."""

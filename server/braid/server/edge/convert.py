@@ -7,6 +7,7 @@ import math
 import secrets
 import time
 import uuid
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from braid.server.engine.types import (
     Constraint,
@@ -19,9 +20,13 @@ from braid.server.engine.types import (
     ModelInfo,
     Priority,
     SamplingParams,
+    Turn,
     text_bytes,
 )
 from braid.v1 import generate_pb2 as pb
+
+if TYPE_CHECKING:
+    from braid.server.runner.rows import TokenLogprob
 
 MAX_STOP_STRINGS = 16
 MAX_BAD_WORDS = 64
@@ -43,7 +48,7 @@ MAX_CHOICE_BYTES = 1024
 _GRAMMAR_SYNTAX = {pb.GRAMMAR_SYNTAX_LARK: "lark", pb.GRAMMAR_SYNTAX_GBNF: "gbnf"}
 
 
-def messages_from_pb(messages, field_name: str = "messages") -> tuple[Message, ...]:
+def messages_from_pb(messages: Sequence[pb.Message], field_name: str = "messages") -> tuple[Message, ...]:
     out = []
     for i, m in enumerate(messages):
         if not m.role:
@@ -52,7 +57,7 @@ def messages_from_pb(messages, field_name: str = "messages") -> tuple[Message, .
     return tuple(out)
 
 
-def _exactly_one(text: str, messages, text_field: str) -> None:
+def _exactly_one(text: str, messages: Sequence[Turn], text_field: str) -> None:
     if text and messages:
         raise InvalidArgument(text_field, f"set either {text_field} or messages, not both")
     if not text and not messages:
@@ -140,7 +145,7 @@ def constraint_from_pb(req: pb.GenerateRequest) -> Constraint | None:
     if not req.HasField("constraint"):
         return None
     c = req.constraint
-    kind = c.WhichOneof("kind")
+    kind: str | None = c.WhichOneof("kind")
     if kind is None:
         raise InvalidArgument("constraint", "set one of json_schema, json_object, regex, choice and grammar")
     if kind == "json_object":
@@ -169,7 +174,7 @@ def constraint_from_pb(req: pb.GenerateRequest) -> Constraint | None:
     return Constraint(kind, text, field)
 
 
-def _strings(name: str, values, most: int) -> None:
+def _strings(name: str, values: Sequence[str], most: int) -> None:
     """A repeated string field (stop, bad_words): at most `most`, none empty or over MAX_STOP_BYTES."""
     if len(values) > most:
         raise InvalidArgument(name, f"{len(values)} strings; at most {most}")
@@ -180,7 +185,7 @@ def _strings(name: str, values, most: int) -> None:
             raise InvalidArgument(f"{name}[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
 
 
-def _logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(bias: Mapping[int, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise InvalidArgument("logit_bias", f"{len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
     for token, value in bias.items():
@@ -190,7 +195,7 @@ def _logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(bias.items()))
 
 
-def _not_too_long(text: str, messages, text_field: str) -> None:
+def _not_too_long(text: str, messages: Sequence[Turn], text_field: str) -> None:
     size = text_bytes(text, messages)
     if size > MAX_TEXT_BYTES:
         raise InvalidArgument(text_field if text else "messages",
@@ -206,7 +211,7 @@ def tokenize_args_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, tuple[Me
 def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateResponse:
     t = finished.timings
     return pb.GenerateResponse(
-        finish_reason=finished.reason.value,
+        finish_reason=pb.FinishReason.ValueType(finished.reason.value),
         usage=pb.Usage(prompt_tokens=finished.prompt_tokens, generated_tokens=finished.generated_tokens,
                        cached_tokens=finished.cached_tokens, truncated_tokens=finished.truncated_tokens),
         request_id=request_id, seed=seed, stop_sequence=finished.stop_sequence,
@@ -214,8 +219,8 @@ def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateRe
                            total_ms=t.total_ms, tokens_per_second=t.tokens_per_second))
 
 
-def logprobs_to_pb(logprobs) -> list[pb.TokenLogprob]:
-    """runner.rows.TokenLogprob (read by attribute: the edge imports no runner) to protobuf."""
+def logprobs_to_pb(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    """runner.rows.TokenLogprob (read by attribute: the edge imports no runner but for its type) to protobuf."""
     return [pb.TokenLogprob(logprob=lp.logprob, rank=lp.rank,
                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any, AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message import Message
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from braid.server.edge.calls import wrap_calls
+from braid.server.edge.calls import Context, Continuation, Handler, wrap_calls
 from braid.server.edge.wire import invalid_utf8_field
 from braid.server.engine.types import EngineUnavailable, InvalidArgument, Overloaded
 
@@ -36,14 +38,23 @@ def status(code: grpc.StatusCode, message: str) -> grpc.Status:
     return _status(code.value[0], message)
 
 
-def _status(code: int, message: str, *details) -> grpc.Status:
+def with_trailers(status: grpc.Status, *pairs: tuple[str, str]) -> grpc.Status:
+    """The status with these trailers added after its own."""
+    # rpc_status makes each status a namedtuple that is also a grpc.Status; the stubs know only the latter
+    replaced: grpc.Status = status._replace(  # type: ignore[attr-defined]
+        trailing_metadata=tuple(status.trailing_metadata) + pairs)
+    return replaced
+
+
+def _status(code: int, message: str, *details: Message) -> grpc.Status:
     message = capped(message)
     packed = []
     for d in details:
         any_msg = any_pb2.Any()
         any_msg.Pack(d)
         packed.append(any_msg)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=packed))
+    status: grpc.Status = rpc_status.to_status(status_pb2.Status(code=code, message=message, details=packed))
+    return status
 
 
 def status_for(exc: Exception) -> grpc.Status:
@@ -57,14 +68,14 @@ def status_for(exc: Exception) -> grpc.Status:
         # the same delay as gRPC's own retry policy reads it (server pushback), so a client with a
         # retry policy for RESOURCE_EXHAUSTED waits as long as RetryInfo asks
         pushback = (("grpc-retry-pushback-ms", str(delay.ToMilliseconds())),)
-        return status._replace(trailing_metadata=tuple(status.trailing_metadata) + pushback)  # a namedtuple
+        return with_trailers(status, *pushback)
     if isinstance(exc, EngineUnavailable):
         return _status(code_pb2.UNAVAILABLE, str(exc))
     _LOGGER.exception("unexpected error in a handler")
     return _status(code_pb2.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-async def abort_with(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
+async def abort_with(context: Context, status: grpc.Status) -> None:
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
@@ -75,12 +86,12 @@ class _Undecodable:
         self.error = error
 
 
-def _lenient(deserializer):
+def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     """Wraps a request deserializer: a bad message becomes INVALID_ARGUMENT naming the field,
     instead of grpc's bare INTERNAL 'exception deserializing request'."""
     message_type = getattr(deserializer, "__self__", None)
 
-    def parse(data: bytes):
+    def parse(data: bytes) -> Any:
         try:
             return deserializer(data)
         except Exception as exc:
@@ -93,7 +104,7 @@ def _lenient(deserializer):
     return parse
 
 
-def _check(request) -> None:
+def _check(request: object) -> None:
     if isinstance(request, _Undecodable):
         raise request.error
 
@@ -101,15 +112,17 @@ def _check(request) -> None:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns braid's exceptions, raised anywhere in a handler, into their status codes."""
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation: Continuation,
+                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith("/braid."):
+        if handler is None or handler.request_deserializer is None or not handler_call_details.method.startswith(
+                "/braid."):
             return handler
         return wrap_calls(handler, _as_status, request_deserializer=_lenient(handler.request_deserializer))
 
 
 @contextlib.asynccontextmanager
-async def _as_status(request, context: grpc.aio.ServicerContext):
+async def _as_status(request: object, context: Context) -> AsyncIterator[None]:
     try:
         _check(request)
         yield

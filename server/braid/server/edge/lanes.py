@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from braid.server.engine.books import Ticket
 
@@ -31,7 +31,7 @@ class TokenizerLanes:
         self._constraints = concurrent.futures.ThreadPoolExecutor(CONSTRAINT_THREADS,
                                                                   thread_name_prefix="braid-constraint")
 
-    def run(self, ticket: Ticket, work: Callable[..., T], *args) -> asyncio.Future[T]:
+    def run(self, ticket: Ticket, work: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Runs work(ticket, *args) in the lane for the ticket's text (big or not). The ticket is
         given back however that ends, a call cancelled before its turn came included."""
         lane = self._big if ticket.is_big else self._small
@@ -39,7 +39,7 @@ class TokenizerLanes:
         future.add_done_callback(lambda _: ticket.release())
         return asyncio.wrap_future(future)
 
-    def compile(self, work: Callable[..., T], *args) -> asyncio.Future[T]:
+    def compile(self, work: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Runs work(*args) in the constraint lane."""
         return asyncio.wrap_future(self._constraints.submit(work, *args))
 

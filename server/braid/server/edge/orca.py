@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import time
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
 from braid.server.engine.types import EngineStats
 
@@ -21,7 +21,7 @@ KEY = "endpoint-load-metrics-bin"
 _WINDOW_S = 10.0  # requests per second over this much of the recent past
 
 
-def _report_class():
+def _report_class() -> type[message.Message]:
     fd = descriptor_pb2.FileDescriptorProto(name="braid/edge/orca_load_report.proto", package="braid.edge.orca",
                                             syntax="proto3")
     msg = fd.message_type.add(name="OrcaLoadReport")

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import AsyncIterable, AsyncIterator, Iterable
+
+import grpc
 
 from google.protobuf import descriptor_pb2
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from braid.server.edge.calls import Context
 from braid.v1 import generate_pb2
 
 _LOGGER = logging.getLogger(__name__)
@@ -31,7 +35,7 @@ def _commented_files() -> dict[str, bytes]:
     return {f.name: f.SerializeToString() for f in files}
 
 
-def _drop_json_names(messages) -> None:
+def _drop_json_names(messages: Iterable[descriptor_pb2.DescriptorProto]) -> None:
     """protoc fills in json_name (tokenIds); without it, as the runtime pool serves it, grpcurl
     prints the .proto's own field names (token_ids), as the recipes in clients/grpcurl.md show."""
     for message in messages:
@@ -41,11 +45,12 @@ def _drop_json_names(messages) -> None:
 
 
 class CommentedReflectionServicer(reflection.aio.ReflectionServicer):
-    def __init__(self, service_names) -> None:
-        super().__init__(service_names)
+    def __init__(self, service_names: Iterable[str]) -> None:
+        super().__init__(service_names)  # type: ignore[no-untyped-call]  # grpcio-reflection's is unannotated
         self._commented = _commented_files()
 
-    async def ServerReflectionInfo(self, request_iterator, context):
+    async def ServerReflectionInfo(self, request_iterator: AsyncIterable[reflection_pb2.ServerReflectionRequest],
+                                   context: Context) -> AsyncIterator[reflection_pb2.ServerReflectionResponse]:
         async for response in super().ServerReflectionInfo(request_iterator, context):
             if response.HasField("file_descriptor_response"):
                 protos = response.file_descriptor_response.file_descriptor_proto
@@ -55,7 +60,7 @@ class CommentedReflectionServicer(reflection.aio.ReflectionServicer):
             yield response
 
 
-def enable(service_names, server) -> None:
+def enable(service_names: Iterable[str], server: grpc.aio.Server) -> None:
     from grpc_reflection.v1alpha import reflection_pb2_grpc
 
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(CommentedReflectionServicer(service_names), server)

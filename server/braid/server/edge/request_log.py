@@ -14,10 +14,11 @@ import contextlib
 import logging
 import time
 import uuid
+from typing import Any, AsyncIterator, AsyncContextManager, Callable
 
 import grpc
 
-from braid.server.edge.calls import wrap_calls
+from braid.server.edge.calls import Context, Continuation, Handler, Seen, wrap_calls
 from braid.server.logs import FIELDS, key_values
 from braid.v1 import generate_pb2 as pb
 
@@ -34,7 +35,8 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
     def wanted() -> bool:
         return _LOGGER.isEnabledFor(logging.INFO)
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation: Continuation,
+                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith("/braid."):
             return handler
@@ -46,7 +48,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
                 context, lambda code: {"call": method, "peer": context.peer(), "status": code.name}))
         return handler
 
-    def _stream(self, request, context: grpc.aio.ServicerContext):
+    def _stream(self, request: Any, context: Context) -> AsyncContextManager[Seen | None]:
         if isinstance(request, pb.GenerateRequest) and not request.request_id:
             # Named here, so a call that ends before its final message is logged under the id
             # its client was sent (the servicer keeps a request_id it is given).
@@ -92,19 +94,20 @@ class _StreamRecord:
 
 
 @contextlib.asynccontextmanager
-async def _logged(context: grpc.aio.ServicerContext, fields, seen=None):
+async def _logged(context: Context, fields: Callable[[grpc.StatusCode], dict[str, object]],
+                  seen: Seen | None = None) -> AsyncIterator[Seen | None]:
     """Logs the call once grpc says it is over: `fields(its final status)`. A Stream call (one
     whose responses are `seen`) at info, any other at debug."""
     started = time.perf_counter()
     handler_code = None  # how the handler itself ended; None if grpc dropped it (cancelled)
 
-    def end(done: grpc.aio.ServicerContext) -> None:
+    def end(done: Context) -> None:
         line = fields(done.code() or handler_code or _dropped(done))
         line.setdefault("total_ms", (time.perf_counter() - started) * 1000)
         level = logging.INFO if seen is not None else logging.DEBUG
         _LOGGER.log(level, "%s %s", "Stream" if seen is not None else "call", key_values(line), extra={FIELDS: line})
 
-    context.add_done_callback(end)
+    context.add_done_callback(end)  # type: ignore[arg-type]  # grpc-stubs: a class, where any callable will do
     try:
         yield seen
         handler_code = grpc.StatusCode.OK
@@ -115,6 +118,6 @@ async def _logged(context: grpc.aio.ServicerContext, fields, seen=None):
         raise
 
 
-def _dropped(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+def _dropped(context: Context) -> grpc.StatusCode:
     remaining = context.time_remaining()
     return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED

@@ -158,6 +158,7 @@ def _listen(server: grpc.aio.Server, config: ServerConfig) -> int:
 
 
 def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    assert config.tls_cert is not None and config.tls_key is not None  # ServerConfig has them come together
     cert, key = _pem("tls_cert", config.tls_cert), _pem("tls_key", config.tls_key)
     client_ca = None if config.tls_client_ca is None else _pem("tls_client_ca", config.tls_client_ca)
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,

@@ -9,18 +9,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 
 from braid.server.config import ServerConfig
 from braid.server.edge import convert
-from braid.server.edge.errors import abort_with, status, status_for
+from braid.server.edge.calls import Context
+from braid.server.edge.errors import abort_with, status, status_for, with_trailers
 from braid.server.edge.lanes import TokenizerLanes
 from braid.server.edge.orca import LoadReporter
 from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Delta, Finished, FinishReason, InvalidArgument, Queued
+from braid.server.engine.types import Delta, Event, Finished, FinishReason, InvalidArgument, Queued
 from braid.server.edge import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
@@ -42,11 +43,11 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._tokenizers = TokenizerLanes()
         # Running Stream calls by request_id, with the credentials they came with (for Abort). A
         # request_id is the caller's: two calls may share one.
-        self._by_request_id: dict[str, list[tuple[SessionHandle, tuple]]] = {}
+        self._by_request_id: dict[str, list[tuple[SessionHandle, _Credentials]]] = {}
         self._load = LoadReporter(engine.max_sessions)
         self._handing_over = False  # set by a drain's hand-over: cancelled streams end UNAVAILABLE
 
-    def _trailers(self, context, *pairs: tuple[str, str]) -> None:
+    def _trailers(self, context: Context, *pairs: tuple[str, str]) -> None:
         """Sets a call's trailers: these pairs and the replica's ORCA load report."""
         context.set_trailing_metadata(pairs + (self._load.report(self._engine.stats()),))
 
@@ -61,7 +62,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         """Drops the tokenizations still waiting for a thread (after the server has stopped)."""
         self._tokenizers.shutdown()
 
-    async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Stream(self, request: pb.GenerateRequest, context: Context) -> AsyncIterator[pb.GenerateResponse]:
         req = convert.request_from_pb(request, self._config.default_max_new_tokens,
                                       self._engine.info.vocab_size, context.time_remaining())
         self._load.count_call()
@@ -69,7 +70,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         # below or none, before its sessions exist or after), its sessions go with it: the
         # callback runs when the RPC terminates, even if this generator is never resumed.
         call = CallSessions(req)
-        context.add_done_callback(call.end)
+        context.add_done_callback(call.end)  # type: ignore[arg-type]  # grpc-stubs: a class, where any callable will do
         handles = await submit(self._engine, self._tokenizers, req, call)
         tracing.on_session(handles[0], self._engine.info.mode)
         entries = [(h, _credentials(context)) for h in handles]
@@ -107,7 +108,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 self._by_request_id.pop(req.request_id, None)
 
     @staticmethod
-    def _message(batch, handle: SessionHandle) -> pb.GenerateResponse:
+    def _message(batch: list[Event], handle: SessionHandle) -> pb.GenerateResponse:
         deltas = [e for e in batch if isinstance(e, Delta)]
         if handle.finished is not None:
             message = convert.final_to_pb(handle.finished, handle.request_id, handle.seed)
@@ -124,18 +125,18 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             message.prompt_logprobs.extend(convert.logprobs_to_pb(d.prompt_logprobs))
         return message
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
         text, messages = convert.tokenize_args_from_pb(request)
         ticket = self._engine.admit(text, messages, for_session=False)
         ids, pieces = await self._tokenizers.run(ticket, self._engine.tokenize, text, messages)
         self._trailers(context)
         return pb.TokenizeResponse(token_ids=ids, pieces=pieces)
 
-    async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
         self._trailers(context)
         return convert.model_info_to_pb(self._engine.info)
 
-    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         if len(request.request_ids) > MAX_ABORT_IDS:
             raise InvalidArgument("request_ids", f"{len(request.request_ids)} ids; at most {MAX_ABORT_IDS}")
         who = _credentials(context)
@@ -150,13 +151,17 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._trailers(context)
         return pb.AbortResponse(aborted=aborted)
 
-    async def ServerStatus(self, request, context) -> pb.ServerStatusResponse:
+    async def ServerStatus(self, request: pb.ServerStatusRequest, context: Context) -> pb.ServerStatusResponse:
         self._trailers(context)
         return convert.stats_to_pb(self._engine.stats(), self._engine.info,
                                    time.monotonic() - self._engine.started_at)
 
 
-def _credentials(context) -> tuple:
+# who a call is: a hash of its `authorization` metadata, and its TLS client certificate's names
+_Credentials = tuple[str, tuple[bytes, ...]]
+
+
+def _credentials(context: Context) -> _Credentials:
     """Who a call is, for Abort: its `authorization` metadata (a hash of it, never the key) and its
     TLS client certificate's identity, each empty where absent."""
     auth = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
@@ -165,7 +170,7 @@ def _credentials(context) -> tuple:
     return hashlib.sha256(repr(auth).encode()).hexdigest(), identity
 
 
-def _failure_status(finished: Finished, context, handing_over: bool = False) -> grpc.Status | None:
+def _failure_status(finished: Finished, context: Context, handing_over: bool = False) -> grpc.Status | None:
     """How a session that failed ends its call: an engine error with INTERNAL, a request found
     impossible while it ran with INVALID_ARGUMENT naming the field, a passed gRPC deadline with
     DEADLINE_EXCEEDED, a session a draining server hands over with UNAVAILABLE and the
@@ -174,7 +179,7 @@ def _failure_status(finished: Finished, context, handing_over: bool = False) -> 
     if finished.reason is FinishReason.CANCELLED and handing_over:
         handed = status(grpc.StatusCode.UNAVAILABLE, "the server is draining: resume this stream on another "
                                                      "replica from the tokens it delivered")
-        return handed._replace(trailing_metadata=tuple(handed.trailing_metadata) + (HANDOVER_TRAILER,))
+        return with_trailers(handed, HANDOVER_TRAILER)
     if finished.reason is FinishReason.ERROR:
         return status(grpc.StatusCode.INTERNAL, finished.error or "the engine failed")
     if finished.reason is FinishReason.INVALID_REQUEST:

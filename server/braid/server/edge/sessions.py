@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncIterator
 
 from braid.server.edge.lanes import TokenizerLanes
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import FinishReason, GenerationRequest
+from braid.server.engine.types import Event, FinishReason, GenerationRequest
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 _CLOCK_SLACK_S = 0.1
 
 
-async def merged(handles: list[SessionHandle]):
+async def merged(handles: list[SessionHandle]) -> AsyncIterator[tuple[int, SessionHandle, list[Event]]]:
     """(index, handle, batch) from every handle's batches, as they come. Each handle's next batch
     is taken only once the caller has written its last (its generator resumes after the yield), so
     a slow client holds every sample back, as it holds one."""
@@ -26,7 +26,7 @@ async def merged(handles: list[SessionHandle]):
         async for batch in handles[0].batches():
             yield 0, handles[0], batch
         return
-    ready: asyncio.Queue = asyncio.Queue()
+    ready: asyncio.Queue[tuple[int, SessionHandle, list[Event], asyncio.Event] | None] = asyncio.Queue()
 
     async def pump(index: int, handle: SessionHandle) -> None:
         async for batch in handle.batches():
@@ -74,7 +74,7 @@ class CallSessions:
         if self._ended:
             self._cancel()
 
-    def end(self, *_) -> None:
+    def end(self, *_: object) -> None:
         """The call is over (any arguments: grpc's done callback passes the context)."""
         self._ended = True
         self._cancel()
@@ -99,5 +99,9 @@ async def submit(engine: EngineClient, lanes: TokenizerLanes, req: GenerationReq
     future = lanes.run(ticket, engine.submit, req, asyncio.get_running_loop(), matcher)
     # The call learns of its sessions on the event loop as soon as they exist, whether or not
     # this coroutine is still there to take them (cancelled while the prompt was tokenized).
-    future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or call.adopt(f.result()))
+    def adopt(f: asyncio.Future[list[SessionHandle]]) -> None:
+        if not f.cancelled() and f.exception() is None:
+            call.adopt(f.result())
+
+    future.add_done_callback(adopt)
     return await asyncio.shield(future)

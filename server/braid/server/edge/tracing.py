@@ -15,9 +15,10 @@ import asyncio
 import contextlib
 import contextvars
 import time
+from typing import AsyncIterator
 
 import grpc
-from braid.server.edge.calls import wrap_calls
+from braid.server.edge.calls import Context, Continuation, Handler, wrap_calls
 from braid.server.edge.observer import CallObserver
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Mode
@@ -58,13 +59,14 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
     and reflection are left out (a load balancer's probes would drown the traces)."""
 
     def __init__(self, calls: CallObserver) -> None:
-        self._tracing = aio_server_interceptor(filter_=service_prefix("braid."))
+        self._tracing: grpc.aio.ServerInterceptor = aio_server_interceptor(filter_=service_prefix("braid."))
         self._calls = calls
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation: Continuation,
+                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
         method = handler_call_details.method.removeprefix("/")
 
-        async def observed(details):
+        async def observed(details: grpc.HandlerCallDetails) -> Handler | None:
             handler = await continuation(details)
             if handler is None or not _braid(details.method):
                 return handler
@@ -93,7 +95,7 @@ _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("braid_call")
 
 
 @contextlib.asynccontextmanager
-async def _outside_span(context: grpc.aio.ServicerContext):
+async def _outside_span(context: Context) -> AsyncIterator[None]:
     """Around the library's span. A stream the client closes while grpc waits in its own send is
     cancelled there, outside every handler layer; the library's layer is then closed without
     closing the one inside it (_observe), so the span would end with no status code. This layer is
@@ -110,17 +112,17 @@ async def _outside_span(context: grpc.aio.ServicerContext):
 
 
 @contextlib.asynccontextmanager
-async def _observe(method: str, context: grpc.aio.ServicerContext, calls: CallObserver):
+async def _observe(method: str, context: Context, calls: CallObserver) -> AsyncIterator[None]:
     """Inside the library's span: the call's status code on it, as the handler ends (before the
     span does), and the call's duration once grpc says the call is done."""
     started = time.perf_counter()
     call = _CALL.get(None) or _Call()
     call.span = span = trace.get_current_span()
 
-    def done(context: grpc.aio.ServicerContext) -> None:
+    def done(context: Context) -> None:
         calls.on_call(method, (context.code() or call.code or _cancelled(context)).name, time.perf_counter() - started)
 
-    context.add_done_callback(done)
+    context.add_done_callback(done)  # type: ignore[arg-type]  # grpc-stubs: a class, where any callable will do
     code = grpc.StatusCode.UNKNOWN  # an exception grpc answers as UNKNOWN
     try:
         yield
@@ -138,7 +140,7 @@ async def _observe(method: str, context: grpc.aio.ServicerContext, calls: CallOb
                 span.set_attribute(RPC_STATUS_CODE, code.name)
 
 
-def _cancelled(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+def _cancelled(context: Context) -> grpc.StatusCode:
     remaining = context.time_remaining()
     expired = remaining is not None and remaining <= 0
     return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED

@@ -60,7 +60,7 @@ def invalid_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "") ->
                     payload.decode("utf-8")
                 except UnicodeDecodeError:
                     return path
-            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            elif field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type is not None:
                 found = invalid_utf8_field(payload, field.message_type, path + ".")
                 if found:
                     return found

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.detokenizer import IncrementalDetokenizer
-from braid.server.engine.grammars import Grammars
+from braid.server.engine.grammars import Grammars, Matcher
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
 from braid.server.engine.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ class Admission:
                                       f"is at least {at_least} tokens; the context length is {self.max_seq_len}")
         return Ticket(self.books, size)
 
-    def compile(self, request: GenerationRequest) -> object:
+    def compile(self, request: GenerationRequest) -> Matcher | None:
         """The request's constraint compiled into a matcher for its first session (None without
         one). Raises InvalidArgument naming the field. Blocking: call it off the event loop, and
         off the tokenizer threads."""
@@ -73,7 +73,7 @@ class Admission:
         return matcher
 
     def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-               matcher: object = None) -> list[SessionHandle]:
+               matcher: Matcher | None = None) -> list[SessionHandle]:
         """Tokenizes, checks and queues the request's `n` sessions (sample i seeded seed + i); gives
         the ticket back whatever happens. matcher: compile(request)'s, for a request with a
         constraint. Blocking (tokenization): call it off the event loop."""
@@ -112,7 +112,7 @@ class Admission:
         finally:
             ticket.release()
 
-    def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, matcher: object) -> Session:
+    def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, matcher: Matcher | None) -> Session:
         prompt_ids, truncated = self._encode(request)
         params = self._fit(request, prompt_ids)
         resumed = request.resume_token_ids
@@ -188,7 +188,7 @@ class Admission:
         return params
 
 
-def _check_resumed(request: GenerationRequest, matcher, eos_token_ids: Sequence[int]) -> None:
+def _check_resumed(request: GenerationRequest, matcher: Matcher, eos_token_ids: Sequence[int]) -> None:
     """resume_token_ids must be output the constraint allows: walked in a copy of the matcher as
     the model thread will replay them (a stop token or a completing end-of-sequence ends them)."""
     if not request.resume_token_ids:

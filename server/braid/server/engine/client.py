@@ -6,11 +6,14 @@ servicer depends on this and nothing else of the engine's; so will the next fron
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from braid.server.engine.books import Ticket
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import EngineStats, GenerationRequest, Message, ModelInfo
+
+if TYPE_CHECKING:
+    from braid.server.engine.grammars import Matcher
 
 
 class EngineClient(Protocol):
@@ -26,11 +29,11 @@ class EngineClient(Protocol):
         """A call's place in the queue, taken the moment it arrives (cheap: on the event loop).
         Raises Overloaded, EngineUnavailable, or InvalidArgument for a prompt too big to fit."""
 
-    def compile(self, request: GenerationRequest) -> object:
+    def compile(self, request: GenerationRequest) -> Matcher | None:
         """The request's constraint compiled (None without one). Blocking: off the event loop."""
 
     def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-               matcher: object = None) -> list[SessionHandle]:
+               matcher: Matcher | None = None) -> list[SessionHandle]:
         """Tokenizes and queues the request's sessions, their events delivered on `loop`; gives the
         ticket back. Blocking: off the event loop."""
 
@@ -56,8 +59,8 @@ class EngineClient(Protocol):
     def stop(self) -> None:
         """Ends the model loop."""
 
-    def when_idle(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def when_idle(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """Resolves once nothing is queued, running or being tokenized (or the loop has ended)."""
 
-    def when_stopped(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def when_stopped(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """Resolves once the model loop has ended."""

@@ -227,4 +227,5 @@ class EngineCore:
 
 def constraint_failure(s: Session) -> str:
     """Why a session's constraint refused a token, short enough for a gRPC status."""
-    return "goes past the constraint engine's limits: " + short(s.matcher.get_error() or "a token was refused")
+    error = s.matcher.get_error() if s.matcher is not None else None
+    return "goes past the constraint engine's limits: " + short(error or "a token was refused")

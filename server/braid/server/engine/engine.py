@@ -24,7 +24,7 @@ from braid.server.config import EngineConfig
 from braid.server.engine.admission import Admission
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.core import EngineCore
-from braid.server.engine.grammars import Grammars
+from braid.server.engine.grammars import Grammars, Matcher
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.observer import EngineObserver
 from braid.server.engine.output import deliver
@@ -67,8 +67,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.info = info
         self.max_seq_len = runner.max_seq_len
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable[[], bool]]] = []
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake] = queue.SimpleQueue()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None], Callable[[], bool]]] = []
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
         self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books)
@@ -144,11 +144,11 @@ class Engine:
               truncated: bool = False) -> Ticket:
         return self.admission.admit(prompt, messages, for_session, truncated)
 
-    def compile(self, request: GenerationRequest) -> object:
+    def compile(self, request: GenerationRequest) -> Matcher | None:
         return self.admission.compile(request)
 
     def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-               matcher: object = None) -> list[SessionHandle]:
+               matcher: Matcher | None = None) -> list[SessionHandle]:
         return self.admission.submit(ticket, request, loop, matcher)
 
     def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
@@ -164,16 +164,16 @@ class Engine:
         """Ends every session with a final CANCELLED message (the end of a shutdown's grace)."""
         self._inbox.put(_Abort(ALL_SESSIONS, FinishReason.CANCELLED))
 
-    def when_idle(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def when_idle(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """A future on `loop` that resolves once no session is queued or running and no call is
         being tokenized, or the model loop has ended: a drain waits on it, and nothing polls."""
         return self._wait(loop, lambda: self.books.is_idle or not self.is_alive)
 
-    def when_stopped(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def when_stopped(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """A future on `loop` that resolves once the model loop has ended (stopped, or dead)."""
         return self._wait(loop, lambda: not self.is_alive)
 
-    def _wait(self, loop: asyncio.AbstractEventLoop, done: Callable[[], bool]) -> asyncio.Future:
+    def _wait(self, loop: asyncio.AbstractEventLoop, done: Callable[[], bool]) -> asyncio.Future[None]:
         future = loop.create_future()
         with self._waiters_lock:
             self._waiters.append((loop, future, done))
@@ -188,7 +188,7 @@ class Engine:
             self._waiters = [w for w in self._waiters if w not in ready]
         for loop, future, _ in ready:
             try:
-                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+                loop.call_soon_threadsafe(_resolve, future)
             except RuntimeError:  # the loop is closed
                 pass
 
@@ -220,3 +220,9 @@ class Engine:
             except queue.Empty:
                 deliver(self.core.take_events())  # what adding and aborting ended
                 return True
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    """A waiter's future resolved, on its loop (unless it was cancelled meanwhile)."""
+    if not future.done():
+        future.set_result(None)

@@ -22,10 +22,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence, cast
 
 import llguidance
 import llguidance.hf
+from braid.server.engine.tokenizer import HfTokenizer
 from braid.server.engine.types import Constraint, InvalidArgument
 
 _LOGGER = logging.getLogger(__name__)
@@ -68,14 +69,15 @@ def _grammar_text(kind: str, text: str) -> str:
         schema = json.loads(text)  # a JSONDecodeError is a ValueError
         if not isinstance(schema, (dict, bool)):
             raise ValueError("is not a JSON Schema (an object or a boolean)")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        # a boolean schema is a JSON Schema too, and llguidance takes it; its stub says str or dict
+        return llguidance.LLMatcher.grammar_from_json_schema(schema)  # type: ignore[arg-type]
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
         return llguidance.grammar_from("choice", text)  # text: the choices as a JSON list
-    return llguidance.grammar_from(kind, text)  # "lark" or "gbnf"
+    return llguidance.grammar_from(cast(llguidance.GrammarFormat, kind), text)  # "lark" or "gbnf"
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -83,7 +85,7 @@ class _Mallinfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _allocator():
+def _allocator() -> Callable[[], int] | None:
     """glibc's count of the bytes malloc has handed out (llguidance's Rust code allocates through
     it), or None where there is no mallinfo2 (musl, macOS)."""
     try:
@@ -94,7 +96,7 @@ def _allocator():
 
     def allocated() -> int:
         info = mallinfo2()
-        return info.uordblks + info.hblkhd
+        return int(info.uordblks + info.hblkhd)
 
     return allocated
 
@@ -102,10 +104,13 @@ def _allocator():
 _allocated = _allocator()
 
 
+Matcher = llguidance.LLMatcher  # a constraint compiled for one session: what it may generate next
+
+
 class Grammars:
     """Compiles constraints into matchers; any thread may call `matcher`."""
 
-    def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int], vocab_size: int,
+    def __init__(self, hf_tokenizer: HfTokenizer, eos_token_ids: Sequence[int], vocab_size: int,
                  compile_timeout_s: float = 5.0, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._hf_tokenizer = hf_tokenizer
         self._eos_token_ids = list(eos_token_ids)
@@ -202,12 +207,13 @@ def _probe(template: llguidance.LLMatcher, eos_token_ids: Sequence[int]) -> str 
         if not allowed:
             return None
         step = max(1, len(allowed) // PROBE_TOKENS)
-        following = None
+        following: llguidance.LLMatcher | None = None
         for token in allowed[::step][:PROBE_TOKENS]:
             tried = state.deep_copy()
             if not tried.consume_token(token):
                 return tried.get_error() or f"token {token} was allowed, then refused"
             following = following or tried
+        assert following is not None  # allowed is not empty: one token at least was tried
         state = following
         forced = state.compute_ff_tokens()
         if forced and not state.consume_tokens(forced):

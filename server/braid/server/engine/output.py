@@ -10,6 +10,7 @@ from typing import Sequence
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
 from braid.server.engine.types import Delta, Event, Finished, FinishReason, Queued, Timings
+from braid.server.runner.rows import TokenLogprob
 
 
 class Output:
@@ -21,7 +22,7 @@ class Output:
         self.max_seq_len = max_seq_len
         self._outbox: list[tuple[SessionHandle, Event]] = []
 
-    def add_token(self, s: Session, token: int, logprob=None) -> FinishReason | None:
+    def add_token(self, s: Session, token: int, logprob: TokenLogprob | None = None) -> FinishReason | None:
         """Appends a generated token (and its runner.rows.TokenLogprob, when the session asked for
         them); returns why the session ends with it, or None and sends the text it released."""
         s.token_ids.append(token)

@@ -33,7 +33,9 @@ class Holder(Protocol):
     cache_salt: str
     pages: list[int]  # the page table
     page_keys: list[bytes]  # keys of its first full pages, computed as needed
-    reads_prefix_cache: bool  # False: every position computed, even those cached
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False: every position computed, even those cached."""
 
 
 class Pages:

@@ -79,8 +79,9 @@ class Scheduler:
             self.queues[session.priority].append(session)
 
     @staticmethod
-    def _computing_prompt(parent: Session) -> bool:
-        return parent.status is not SessionStatus.FINISHED and parent.num_cached < parent.num_prompt
+    def _computing_prompt(parent: Session | None) -> bool:
+        return (parent is not None and parent.status is not SessionStatus.FINISHED
+                and parent.num_cached < parent.num_prompt)
 
     def _release_held(self) -> None:
         """Samples whose sample 0 has computed the prompt (or ended) join the head of their queue:
@@ -149,7 +150,7 @@ class Scheduler:
         else:
             limit = room
         limit = min(limit, room)
-        while limit > 0 and (session := self._next_waiting(now)) is not None and self._start(session):
+        while limit > 0 and (waiting := self._next_waiting(now)) is not None and self._start(waiting):
             limit -= 1
 
     def _bucket(self, now: float, size: int) -> list[Session]:

@@ -11,8 +11,9 @@ from braid.server.engine.types import Priority, SamplingParams
 
 if TYPE_CHECKING:
     from braid.server.engine.detokenizer import IncrementalDetokenizer
+    from braid.server.engine.grammars import Matcher
     from braid.server.engine.handle import SessionHandle
-    from braid.server.runner.rows import Sampling
+    from braid.server.runner.rows import Sampling, TokenLogprob
 
 
 class SessionStatus(enum.Enum):
@@ -45,8 +46,8 @@ class Session:
     parent: Session | None = None  # sample 0 of the same request (n > 1): held until it has the prompt
     # prompt_logprobs: a runner.rows.TokenLogprob per prompt position scored so far, until they are
     # sent with the first token; None when not asked for, or sent
-    prompt_scores: list | None = None
-    matcher: object = None  # its constraint's llguidance matcher (engine/grammars.py), or None
+    prompt_scores: list[TokenLogprob] | None = None
+    matcher: Matcher | None = None  # its constraint's llguidance matcher (engine/grammars.py), or None
     constraint_field: str = ""  # the request field its constraint came in (constraint.regex, ...)
     resumed: list[int] = field(default_factory=list)  # resume_token_ids, replayed when the model thread takes it
 
@@ -61,7 +62,7 @@ class Session:
     started: float | None = None  # first forward pass
     first_token: float | None = None
     pending_ids: list[int] = field(default_factory=list)  # generated, not yet delivered
-    pending_logprobs: list = field(default_factory=list)  # theirs (runner.rows.TokenLogprob), when asked for
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when asked for
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence, TypeAlias
 
 from braid.server.engine.types import InvalidArgument, Message
+
+if TYPE_CHECKING:
+    import tokenizers
+
+# A transformers tokenizer (PreTrainedTokenizerBase). The engine only calls it, and never imports
+# transformers (which would bring torch in): to mypy it is Any.
+HfTokenizer: TypeAlias = Any
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -24,9 +31,10 @@ class Tokenizer:
 
     The chat template is rendered by transformers' tokenizer, shared: rendering reads it only."""
 
-    def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, hf_tokenizer: HfTokenizer, eos_token_ids: Sequence[int]) -> None:
         self._original = hf_tokenizer
-        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        # the fast tokenizer's Rust backend, where there is one
+        self._backend: tokenizers.Tokenizer | None = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._copy_lock = threading.Lock()
         self._local = threading.local()
         self.eos_token_ids = tuple(eos_token_ids)
@@ -34,11 +42,11 @@ class Tokenizer:
         self.max_token_bytes = _longest_token_bytes(hf_tokenizer)
 
     @property
-    def hf_tokenizer(self):
+    def hf_tokenizer(self) -> HfTokenizer:
         """The transformers tokenizer itself, for what reads the vocabulary once (engine/grammars.py)."""
         return self._original
 
-    def _own(self):
+    def _own(self) -> HfTokenizer:
         """This thread's copy of a Python tokenizer (one with no Rust backend)."""
         own = getattr(self._local, "tok", None)
         if own is None:
@@ -87,7 +95,8 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._backend is not None:
             return self._backend.decode(list(token_ids), skip_special_tokens=False)
-        return self._own().decode(token_ids, skip_special_tokens=False)
+        text: str = self._own().decode(token_ids, skip_special_tokens=False)
+        return text
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's own text, in one call to the Rust tokenizer where there is one."""
@@ -97,10 +106,10 @@ class Tokenizer:
         return [tok.decode([t], skip_special_tokens=False) for t in token_ids]
 
 
-def _turn(m: Message) -> dict:
+def _turn(m: Message) -> dict[str, Any]:
     """A message as chat templates read it: tool calls with their arguments parsed, as
     transformers' templates (Qwen's, Llama 3's) expect them."""
-    turn: dict = {"role": m.role, "content": m.content}
+    turn: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
         turn["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _parsed(c["function"]["arguments"])}}
                               for c in json.loads(m.tool_calls)]
@@ -116,7 +125,7 @@ def _parsed(arguments: str) -> object:
         return arguments
 
 
-def _longest_token_bytes(hf_tokenizer) -> int:
+def _longest_token_bytes(hf_tokenizer: HfTokenizer) -> int:
     """A bound on the UTF-8 bytes of text any one token covers (special tokens included)."""
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     size = len(hf_tokenizer)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
-from braid.server.config import Mode  # noqa: F401  (re-exported: the engine's types include the modes)
+from braid.server.config import Mode as Mode  # re-exported: the engine's types include the modes
+
+if TYPE_CHECKING:
+    from braid.server.runner.rows import TokenLogprob
 
 
 class Priority(enum.Enum):
@@ -100,7 +103,17 @@ class Message:
     tool_call_id: str = ""
 
 
-def text_bytes(prompt: str | None, messages: Sequence[Message]) -> int:
+class Turn(Protocol):
+    """What text_bytes reads of a chat's message: a Message, or the protobuf it is made from."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def content(self) -> str: ...
+
+
+def text_bytes(prompt: str | None, messages: Sequence[Turn]) -> int:
     """The UTF-8 size of a prompt, or of a chat's roles and contents."""
     return len((prompt or "").encode()) + sum(len(m.content.encode()) + len(m.role.encode()) for m in messages)
 
@@ -128,10 +141,10 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list = field(default_factory=list)  # runner.rows.TokenLogprob per token id, when asked for
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token id, when asked for
     # with prompt_logprobs, on the first Delta with tokens: the prompt, and a TokenLogprob per prompt token but its first
     prompt_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 import pydantic
@@ -24,6 +24,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from braid.server.config import ServerConfig
 from braid.server.edge import tracing
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 _TRACER = trace.get_tracer("braid.server.http")
 _OPEN_PATHS = ("/health",)
+T = TypeVar("T")
+Body = TypeVar("Body", bound=pydantic.BaseModel)
 
 
 class ApiError(Exception):
@@ -68,7 +71,7 @@ class ApiError(Exception):
         _LOGGER.exception("unexpected error in an HTTP handler")
         return cls(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": capped(self.message), "type": self.kind, "param": self.param, "code": None}}
 
     def response(self) -> JSONResponse:
@@ -150,7 +153,8 @@ class OpenAIApi:
 
     # ---- around every call: the API key, errors, the log line, the span and the metric ---------
 
-    def _observed(self, route: Callable[[Request, _Record], Awaitable[Response]]):
+    def _observed(self, route: Callable[[Request, _Record], Awaitable[Response]]
+                  ) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
             # the span, a child of the caller's W3C trace context, lasts until the call's end: a
             # stream's last event, not the handler's return
@@ -186,15 +190,15 @@ class OpenAIApi:
 class _Events:
     """A request's output as OpenAI's chunks (`chunks`) or as one whole response (`whole`)."""
 
-    def __init__(self, engine: EngineClient, plan: Plan, handles: list[SessionHandle], head: dict, chat: bool,
-                 record: _Record) -> None:
+    def __init__(self, engine: EngineClient, plan: Plan, handles: list[SessionHandle], head: dict[str, Any],
+                 chat: bool, record: _Record) -> None:
         self._engine, self._plan, self._handles, self._chat, self._record = engine, plan, handles, chat, record
         self._head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         self._choices = [choices.ChatChoice(plan) for _ in handles]
         self._offsets = [0] * len(handles)
         self.finals: list[Finished] = []
 
-    async def chunks(self) -> AsyncIterator[dict]:
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         if self._chat:
             for i in range(len(self._handles)):
                 yield self._chunk(i, {"role": "assistant", "content": ""})
@@ -223,19 +227,19 @@ class _Events:
         if self._plan.include_usage:
             yield {**self._head, "choices": [], "usage": choices.usage(self.finals)}
 
-    def _chunk(self, index: int, delta: dict | str, logprobs: dict | None = None,
-               finish_reason: str | None = None) -> dict:
-        choice = {"index": index, "delta": delta} if self._chat else {"index": index, "text": delta}
+    def _chunk(self, index: int, delta: dict[str, Any] | str, logprobs: dict[str, Any] | None = None,
+               finish_reason: str | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "delta": delta} if self._chat else {"index": index, "text": delta}
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         chunk = {**self._head, "choices": [choice]}
         if self._plan.include_usage:
             chunk["usage"] = None
         return chunk
 
-    async def whole(self) -> dict:
+    async def whole(self) -> dict[str, Any]:
         """The response that is not streamed: every chunk gathered into one choice per sample."""
         texts = [""] * len(self._handles)
-        logprobs: list[list] = [[] for _ in self._handles]
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in self._handles]
         reasons = [""] * len(self._handles)
         async for chunk in self.chunks():
             for choice in chunk["choices"]:
@@ -256,7 +260,7 @@ class _Events:
         head = {**self._head, "object": "chat.completion" if self._chat else "text_completion"}
         return {**head, "choices": out, "usage": choices.usage(self.finals)}
 
-    async def _logprobs(self, index: int, deltas: list[Delta]) -> dict:
+    async def _logprobs(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
         ids, lps = choices.token_logprobs(deltas)
         wanted = choices.logprob_ids(ids, lps)
         # a tokenizer's first use on a thread may copy it: off the event loop
@@ -269,7 +273,7 @@ class _Events:
         return out
 
 
-def _joined(parts: list[dict]) -> dict | None:
+def _joined(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not parts:
         return None
     if "content" in parts[0]:
@@ -312,11 +316,11 @@ class _EventStream(StreamingResponse):
     calls `on_close` (which cancels the call's sessions) however it ends, a body never started
     included."""
 
-    def __init__(self, content, on_close: Callable[[], None], **kw) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: Any) -> None:
         super().__init__(content, **kw)
         self._on_close = on_close
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as group:
                 async def stream() -> None:
@@ -334,7 +338,7 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def _unless_disconnected(request: Request, work: Awaitable):
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Awaits work, cancelled if the client disconnects first (a response not streamed)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
@@ -353,7 +357,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _parse(request: Request, model: type[pydantic.BaseModel], most_bytes: int):
+async def _parse(request: Request, model: type[Body], most_bytes: int) -> Body:
     """The body as `model`, read up to `most_bytes` (--max-message-bytes, as over gRPC)."""
     body, size = [], 0
     async for chunk in request.stream():
@@ -375,7 +379,7 @@ async def _parse(request: Request, model: type[pydantic.BaseModel], most_bytes: 
         raise InvalidArgument(_param(first["loc"]), first["msg"]) from None
 
 
-def _param(loc: tuple) -> str:
+def _param(loc: tuple[int | str, ...]) -> str:
     """pydantic's location of an error as OpenAI names a parameter: messages[0].role."""
     out = ""
     for part in loc:

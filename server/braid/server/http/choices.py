@@ -3,9 +3,14 @@ tool calls, its finish reason, its logprobs, and its usage."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from braid.server.engine.types import Delta, Finished, FinishReason
 from braid.server.http import tools
 from braid.server.http.requests import Plan
+
+if TYPE_CHECKING:
+    from braid.server.runner.rows import TokenLogprob
 
 _LENGTH = {FinishReason.MAX_TOKENS}
 
@@ -19,7 +24,7 @@ def finish_reason(finished: Finished, has_calls: bool) -> str:
     return "tool_calls" if has_calls else "stop"
 
 
-def usage(finals: list[Finished]) -> dict:
+def usage(finals: list[Finished]) -> dict[str, Any]:
     """The usage of a request's choices: the prompt counted once, the completions summed."""
     prompt = finals[0].prompt_tokens if finals else 0
     completion = sum(f.generated_tokens for f in finals)
@@ -39,7 +44,7 @@ class ChatChoice:
         self.calls: list[tools.ToolCall] = []
         self._call_id = tools.new_call_id()
 
-    def feed(self, text: str) -> dict | None:
+    def feed(self, text: str) -> dict[str, Any] | None:
         self.text += text
         if self._plan.tools is None:
             return {"content": text} if text else None
@@ -56,7 +61,7 @@ class ChatChoice:
                 return {"content": content}
         return None
 
-    def end(self) -> dict | None:
+    def end(self) -> dict[str, Any] | None:
         """The last delta: tool calls found in the whole text, or the content held back."""
         plan = self._plan
         if plan.tools == "forced":
@@ -74,7 +79,7 @@ class ChatChoice:
             return {"content": rest} if rest else None
         return None
 
-    def message(self) -> dict:
+    def message(self) -> dict[str, Any]:
         """The whole choice's message (a response that is not streamed), after `end`."""
         if self.calls:
             content, _ = tools.parse_tool_calls(self.text) if self._plan.tools == "auto" else ("", [])
@@ -83,22 +88,23 @@ class ChatChoice:
         return {"role": "assistant", "content": self.text}
 
 
-def token_logprobs(deltas: list[Delta]) -> tuple[list[int], list]:
+def token_logprobs(deltas: list[Delta]) -> tuple[list[int], list[TokenLogprob]]:
     """The tokens of these deltas and their runner.rows.TokenLogprob, in order."""
-    ids, lps = [], []
+    ids: list[int] = []
+    lps: list[TokenLogprob] = []
     for d in deltas:
         ids.extend(d.token_ids)
         lps.extend(d.logprobs)
     return ids, lps
 
 
-def logprob_ids(ids: list[int], lps: list) -> list[int]:
+def logprob_ids(ids: list[int], lps: list[TokenLogprob]) -> list[int]:
     """Every token id whose text the logprobs name: the chosen ones and their alternatives."""
     return list(dict.fromkeys([*ids, *(t for lp in lps for t, _ in lp.top)]))
 
 
-def chat_logprobs(ids: list[int], lps: list, piece: dict[int, str]) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
+def chat_logprobs(ids: list[int], lps: list[TokenLogprob], piece: dict[int, str]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = piece[token_id]
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -106,7 +112,7 @@ def chat_logprobs(ids: list[int], lps: list, piece: dict[int, str]) -> dict:
                         for t, lp in zip(ids, lps)]}
 
 
-def completion_logprobs(ids: list[int], lps: list, piece: dict[int, str], offset: int) -> dict:
+def completion_logprobs(ids: list[int], lps: list[TokenLogprob], piece: dict[int, str], offset: int) -> dict[str, Any]:
     offsets, at = [], offset
     for t in ids:
         offsets.append(at)

@@ -5,7 +5,7 @@ does not know are ignored, as OpenAI's clients send some of their own; a field b
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,7 +21,7 @@ class StreamOptions(_Body):
 class Function(_Body):
     name: str
     description: str | None = None
-    parameters: dict | None = None
+    parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
@@ -65,7 +65,7 @@ class ChatMessage(_Body):
 
 class JsonSchema(_Body):
     name: str = ""
-    schema_: dict | None = Field(default=None, alias="schema")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 

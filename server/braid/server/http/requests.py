@@ -8,11 +8,12 @@ import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from braid.server.edge import convert
 from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Message
 from braid.server.http import tools as tool_calls
-from braid.server.http.protocol import ChatRequest, CompletionRequest, ResponseFormat
+from braid.server.http.protocol import ChatMessage, ChatRequest, CompletionRequest, ResponseFormat
 from braid.v1 import generate_pb2 as pb
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default where a request leaves it out (braid's gRPC default: 0, greedy)
@@ -82,14 +83,14 @@ def _one_of_max(body: ChatRequest) -> int | None:
     return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
 
-def _include_usage(body) -> bool:
+def _include_usage(body: ChatRequest | CompletionRequest) -> bool:
     if body.stream_options is not None and not body.stream:
         raise InvalidArgument("stream_options", "is only for stream: true")
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _generate_request(body, max_tokens: int | None, default_max_new_tokens: int, vocab_size: int, is_chat: bool,
-                      **fields) -> GenerationRequest:
+def _generate_request(body: ChatRequest | CompletionRequest, max_tokens: int | None, default_max_new_tokens: int,
+                      vocab_size: int, is_chat: bool, **fields: Any) -> GenerationRequest:
     """The body as a GenerateRequest, checked by convert.request_from_pb; its errors renamed."""
     if max_tokens is not None and max_tokens < 1:
         raise InvalidArgument(_max_name(body, is_chat), f"{max_tokens} is less than 1")
@@ -118,8 +119,9 @@ def _generate_request(body, max_tokens: int | None, default_max_new_tokens: int,
         raise InvalidArgument("request", str(exc)) from None
 
 
-def _max_name(body, is_chat: bool) -> str:
-    return "max_completion_tokens" if is_chat and body.max_completion_tokens is not None else "max_tokens"
+def _max_name(body: ChatRequest | CompletionRequest, is_chat: bool) -> str:
+    chat_max = is_chat and isinstance(body, ChatRequest) and body.max_completion_tokens is not None
+    return "max_completion_tokens" if chat_max else "max_tokens"
 
 
 # braid's field names -> OpenAI's, where they differ
@@ -159,7 +161,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def _message(i: int, m) -> Message:
+def _message(i: int, m: ChatMessage) -> Message:
     field = f"messages[{i}]"
     if isinstance(m.content, list):
         texts = []

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import uvicorn
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
 
 _LOGGER = logging.getLogger(__name__)
-_CLOSE_S = 2.0  # after the drain, time for the last responses to go out before connections close
+_CLOSE_S = 2  # after the drain, seconds (uvicorn's int) for the last responses to go out before connections close
 
 
 logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its start and stop lines: braid logs its own
@@ -32,7 +32,7 @@ logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its start and st
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
-    def capture_signals(self):  # braid's, not uvicorn's
+    def capture_signals(self) -> Iterator[None]:  # braid's, not uvicorn's
         yield
 
 
@@ -46,7 +46,7 @@ class HttpFrontEnd:
         self._socket: socket.socket | None = None
         self._api: OpenAIApi | None = None
         self._server: _Server | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.port = 0
 
     def bind(self) -> None:

@@ -12,6 +12,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 HERMES_OPEN = "<tool_call>"
@@ -27,7 +28,7 @@ class ToolCall:
     arguments: str  # a JSON object's text, as OpenAI sends it
     id: str = ""
 
-    def to_openai(self, index: int | None = None) -> dict:
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
         call = {"id": self.id or new_call_id(), "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
@@ -37,7 +38,7 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def forced_schema(tools: list[dict], name: str | None, parallel: bool = True) -> dict:
+def forced_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool = True) -> dict[str, Any]:
     """The JSON schema a forced call is generated under: the named function's parameters, or (for
     `required`) a non-empty list of calls to any of the tools (one, without parallel calls)."""
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}

@@ -26,7 +26,7 @@ RPC_METHOD = "rpc.method"
 RPC_STATUS_CODE = "rpc.response.status_code"
 
 
-def _histogram(name: str, unit: str, buckets: tuple[float, ...], description: str):
+def _histogram(name: str, unit: str, buckets: tuple[float, ...], description: str) -> metrics.Histogram:
     return _meter.create_histogram(name, unit=unit, description=description,
                                    explicit_bucket_boundaries_advisory=buckets)
 
@@ -81,25 +81,25 @@ def record_call(method: str, status_code: str, seconds: float) -> None:
 def observe_engine(stats: Callable[[], EngineStats]) -> None:
     """Gauges and counters read from the engine's own counts when a reader collects, so they cost
     the model thread nothing."""
-    def pages(options: CallbackOptions):
+    def pages(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
         return [Observation(stats_now.kv_pages_used, {"braid.kv_page.state": "used"}),
                 Observation(stats_now.kv_pages_cached, {"braid.kv_page.state": "cached"})]
 
-    def cache(name: str):
+    def cache(name: str) -> Callable[[CallbackOptions], list[Observation]]:
         return lambda options: [Observation(getattr(stats(), name))]
 
-    def sessions(options: CallbackOptions):
+    def sessions(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
         return [Observation(stats_now.sessions_active, {"braid.session.state": "active"}),
                 Observation(stats_now.sessions_queued, {"braid.session.state": "queued"}),
                 Observation(stats_now.sessions_paused, {"braid.session.state": "paused"})]
 
-    def requests(options: CallbackOptions):
+    def requests(options: CallbackOptions) -> list[Observation]:
         return [Observation(n, {FINISH_REASON: reason.name.lower()})
                 for reason, n in stats().finished.items()]
 
-    def tokens(options: CallbackOptions):
+    def tokens(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
         return [Observation(stats_now.prompt_tokens, {"braid.token.type": "prompt"}),
                 Observation(stats_now.prompt_tokens_cached, {"braid.token.type": "prompt_cached"}),
@@ -113,7 +113,7 @@ def observe_engine(stats: Callable[[], EngineStats]) -> None:
     _meter.create_observable_counter("braid.tokens", [tokens], unit="{token}",
                                      description="Prompt tokens computed (prompt), prompt tokens found in the prefix "
                                                  "cache (prompt_cached), and tokens generated")
-    def hit_ratio(options: CallbackOptions):
+    def hit_ratio(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
         looked_up = stats_now.prompt_tokens_cached + stats_now.prompt_tokens
         return [Observation(stats_now.prompt_tokens_cached / looked_up if looked_up else 0.0)]

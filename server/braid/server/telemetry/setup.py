@@ -16,7 +16,7 @@ from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExp
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -51,12 +51,12 @@ def start_telemetry(config: ServerConfig, port: int) -> Telemetry:
     The metrics endpoint is listening when this returns (a port in use fails the start)."""
     resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "braid"),
                                 SERVICE_INSTANCE_ID: f"{socket.gethostname()}:{port}"})
-    readers = []
+    readers: list[MetricReader] = []
     tracer_provider = None
     if config.metrics_port:
         readers.append(PrometheusMetricReader())
         try:
-            start_http_server(config.metrics_port, addr=config.metrics_host.strip("[]"))
+            start_http_server(config.metrics_port, addr=(config.metrics_host or config.host).strip("[]"))
         except OSError as exc:
             raise SettingError("metrics_port", config.metrics_port, f"cannot listen on {config.metrics_host}:"
                                f"{config.metrics_port}: {(exc.strerror or str(exc)).lower()}") from None
