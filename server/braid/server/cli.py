@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from braid.server import logs, resources
-from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag, parse_memory
+from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag, lora_specs, parse_memory
 
 ENV_PREFIX = "BRAID_"
 _LOGGER = logging.getLogger(__name__)
@@ -191,7 +191,20 @@ def build_engine(config: EngineConfig, model=None):
                         config.constraint_compile_timeout,
                         int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]))
     info = describe(config, runner, tokenizer, model.name, model.architecture)
-    return Engine(config, faults.runner(runner), faults.tokenizer(tokenizer), info, faults.grammars(grammars))
+    engine = Engine(config, faults.runner(runner), faults.tokenizer(tokenizer), info, faults.grammars(grammars))
+    _load_loras(engine, config)
+    return engine
+
+
+def _load_loras(engine, config: EngineConfig) -> None:
+    """--lora's adapters; one that cannot be loaded ends the start with one line naming it."""
+    from braid.server.engine.types import InvalidArgument
+
+    for name, path in lora_specs(config.lora):
+        try:
+            engine.load_lora(name, path)
+        except InvalidArgument as exc:
+            raise SettingError("lora", f"{name}={path}", exc.description) from None
 
 
 def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str):
@@ -206,7 +219,7 @@ def describe(config: EngineConfig, runner, tokenizer, model_name: str, architect
         weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
         quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
         prefix_caching=config.prefix_caching == "on", runner=runner.path, activations=runner.activations,
-        threads=runner.threads)
+        threads=runner.threads, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
 
 
 def _check_device(device: str) -> None:

@@ -24,6 +24,7 @@ from braid.server.model.weights import FLOAT_FORMATS
 from braid.server.runner.families import attention_window, native_family
 from braid.server.runner.kernels import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
+from braid.server.runner.lora import Adapter, LoraPass, LoraStack, read_peft
 from braid.server.runner.llama import (
     DecodeRows,
     ForwardBatch,
@@ -32,7 +33,7 @@ from braid.server.runner.llama import (
 )
 from braid.server.runner.masks import Masks
 from braid.server.runner.precision import DTYPES, Precision
-from braid.server.runner.rows import Row, Sampled, Sampling
+from braid.server.runner.rows import AdapterInfo, Row, Sampled, Sampling
 from braid.server.runner.sampler import random_state, sample, score
 from braid.server.runner.threads import ThreadGovernor
 from braid.server.runner.transformers_decoder import TransformersDecoder
@@ -111,6 +112,8 @@ class ModelRunner:
                              self.decoder.head_dim, kv_dtype or dtype, device)
         self.vocab_size = self.decoder.vocab_size
         self.masks = Masks(self.vocab_size)
+        self._adapters: dict[int, Adapter] = {}  # resident LoRA adapters by load id (Row.adapter)
+        self._lora: LoraStack | None = None  # their matrices stacked, rebuilt on each load and unload
         self.weight_formats = dict(formats)  # tensors served in each format
         self.weight_bytes = self.decoder.weight_bytes
         _LOGGER.info("kernels: %s; weights: %s, %.0f MB", ops_name,
@@ -159,6 +162,31 @@ class ModelRunner:
         """A sequence's random state for Row.rng, made once per sequence; `skip` draws already
         taken (a resumed stream's tokens: the sampler draws one number per token)."""
         return random_state(sampling, skip)
+
+    def load_adapter(self, adapter_id: int, name: str, path: str, max_rank: int) -> AdapterInfo:
+        """Reads a PEFT adapter and makes it resident as `adapter_id` (Row.adapter). Raises
+        ValueError, one line naming what is wrong, for a folder that is not a LoRA adapter of this
+        model. Any thread: a pass running meanwhile keeps the stack it started with."""
+        if not isinstance(self.decoder, LlamaDecoder):
+            raise ValueError("LoRA adapters need braid's native decoder; this model runs through transformers")
+        adapter = read_peft(path, name, self.decoder.lora_targets, self.decoder.num_layers, max_rank, self.dtype,
+                            self.device)
+        self._adapters = {**self._adapters, adapter_id: adapter}
+        self._restack()
+        _LOGGER.info("LoRA adapter %s loaded from %s: rank %d, scale %g, %s; %.1f MB", name, path,
+                     adapter.info.rank, adapter.info.scale, ", ".join(adapter.info.target_modules),
+                     adapter.nbytes / 1e6)
+        return adapter.info
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        """Frees an adapter no row will name again."""
+        self._adapters = {i: a for i, a in self._adapters.items() if i != adapter_id}
+        self._restack()
+
+    def _restack(self) -> None:
+        decoder = self.decoder
+        self._lora = LoraStack(self._adapters, decoder.lora_targets, decoder.lora_widths(), decoder.num_layers,
+                               self.dtype, self.device) if self._adapters else None
 
     def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
         """One forward pass. Returns, per row, the sampled token (with its log probability where the
@@ -234,6 +262,7 @@ class ModelRunner:
         sampled: list[int] = []
         scored: dict[int, tuple[int, int]] = {}
         sample_at: list[int] = []  # the packed token each sampling row's logits come from
+        adapters: list[int] = []  # each packed token's adapter (Row.adapter)
         dev, page_size = self.device, self.cache.page_size
         for i in prefills + decodes:
             r = rows[i]
@@ -245,6 +274,7 @@ class ModelRunner:
                 scored[i] = (len(logit_rows), len(logit_rows) + len(r.targets))
                 logit_rows += range(len(ids), len(ids) + len(r.targets))
             ids += r.token_ids
+            adapters += [r.adapter] * len(r.token_ids)
             positions += range(r.start, end)
             token_pages += [r.pages[p // page_size] for p in range(r.start, end)]
             if r.sample:
@@ -259,8 +289,20 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=position_tensor,
             kv_index=(offsets.unsqueeze(1) + heads.unsqueeze(0)).flatten(), prefills=chunks,
             decode=self._decode_rows([rows[i] for i in decodes]) if decodes else None,
-            logit_rows=torch.tensor(logit_rows + sample_at, dtype=torch.long, device=dev))
+            logit_rows=torch.tensor(logit_rows + sample_at, dtype=torch.long, device=dev),
+            lora=self._lora_pass(adapters))
         return batch, sampled, scored
+
+    def _lora_pass(self, adapters: list[int]) -> LoraPass | None:
+        """The pass's LoRA deltas, or None where no row runs with an adapter."""
+        stack = self._lora
+        if stack is None or not any(adapters):
+            return None
+        missing = set(adapters) - stack.ids - {0}
+        if missing:  # the engine holds an adapter until its sessions end: a bug if this happens
+            raise RuntimeError(f"rows name LoRA adapters that are not loaded: {sorted(missing)}")
+        tokens = torch.tensor(adapters, dtype=torch.long, device=self.device)
+        return LoraPass(stack, stack.masks(tokens, self.dtype))
 
     def _decode_rows(self, decodes: list[Row]) -> DecodeRows:
         lengths = [r.start + 1 for r in decodes]  # the new token included
