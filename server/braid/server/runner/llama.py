@@ -237,12 +237,6 @@ class LlamaDecoder:
         targets["down_proj"] = Target("down", 0, hidden, inner)
         return targets
 
-    def lora_widths(self) -> dict[str, int]:
-        """Each fused projection's output size."""
-        w = self.layers[0]
-        return {"qkv": w.qkv.out_features, "o": w.o.out_features, "gate_up": w.gate_up.out_features,
-                "down": w.down.out_features}
-
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed.columns(ids)
         return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)

@@ -6,18 +6,22 @@ A PEFT adapter changes a projection W [out, in] to W + scale * B A, with A [r, i
 served (f32, bf16, Q8_0, ...): each target projection's output gets `scale * (x A^T) B^T` added for
 the rows that run with the adapter.
 
-Every resident adapter's matrices are stacked, per layer and per fused projection of the decoder
-(qkv, o, gate_up, down), into one At [in, R] and one Bt [R, out] (an adapter's B lands in its own
-rows of Bt, in the columns of the projection it targets, zero elsewhere). A pass then adds, per
-projection,
+An adapter's matrices are stacked at load, per layer and per fused projection of the decoder (qkv,
+o, gate_up, down): one At [in, R] (the A^T of every module it targets in that group, side by side)
+and, per module, its B^T times the scale. The runner packs a pass's tokens grouped by adapter
+(model_runner.py), so each adapter's tokens are one or two runs of rows, and adds per run
 
-    out += ((x @ At) * mask) @ Bt        # x [N, in], mask [N, R]: 1 where token n's adapter owns column r
+    t = x[run] @ At                                      # [n, R]: every module's x A^T at once
+    out[run, module] += t[:, module's columns] @ Bt_module   # q, k, v; gate, up; o; down
 
-so rows with different adapters, and rows with none (an all-zero mask row adds exactly 0), share one
-pass with two small matmuls per projection whatever the mix: punica's grouped delta, as plain dense
-matmuls. These run as torch matmuls on braid's C-kernel path as well: rank 8 to 64 against hidden
-sizes in the hundreds or thousands, they are a few percent of the pass's multiply-adds, and their
-float32 weights need none of the block formats the C kernels exist for.
+Rows with different adapters and with none share the pass: a run touches only its own rows, and
+base rows get nothing added. The cost follows the adapters a pass uses, not those resident.
+(A masked product over every adapter at once, punica's shape as dense matmuls, takes fewer calls
+but multiplies every token by every adapter: measured slower from 4 adapters at 16 rows.)
+These run as torch matmuls on braid's C-kernel path as well: rank 8 to 64 against hidden sizes in
+the hundreds or thousands, they are a few percent of the pass's multiply-adds, and their float32
+weights need none of the block formats the C kernels exist for. The one C call of a decode step
+has no place for them, so a pass with adapters runs layer by layer (llama.py).
 """
 
 from __future__ import annotations
@@ -50,16 +54,22 @@ class Target:
 
 
 @dataclass
-class Adapter:
-    """One adapter's matrices, per (layer, module): A [r, in], and B [out, r] times its scale."""
+class _Stacked:
+    """One adapter's matrices for one layer's projection group: x @ at gives every module's
+    x A^T side by side; parts add each module's columns times its B^T into its output columns."""
 
+    at: torch.Tensor  # [in, R]
+    parts: list[tuple[int, int, int, int, torch.Tensor]]  # (columns begin, end, output begin, end, Bt [cols, out])
+
+
+@dataclass
+class Adapter:
     info: AdapterInfo
-    a: dict[tuple[int, str], torch.Tensor]
-    b: dict[tuple[int, str], torch.Tensor]
+    layers: list[dict[str, _Stacked]]  # per layer, by group (GROUPS) it targets there
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
+        return sum(m.at.nbytes + sum(p[4].nbytes for p in m.parts) for layer in self.layers for m in layer.values())
 
 
 def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int, max_rank: int,
@@ -118,7 +128,23 @@ def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int,
     modules = tuple(m for m in targets if any(k[1] == m for k in a))
     info = AdapterInfo(name=name, path=str(path), rank=rank, alpha=float(alpha), scale=float(scale),
                        target_modules=modules)
-    return Adapter(info, {k: v.to(dtype) for k, v in a.items()}, {k: v.to(dtype) for k, v in b.items()})
+    return Adapter(info, [_stack(layer, a, b, targets, dtype) for layer in range(num_layers)])
+
+
+def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int, str], torch.Tensor],
+           targets: dict[str, Target], dtype: torch.dtype) -> dict[str, _Stacked]:
+    """One layer's matrices, stacked per group (see the module's docstring)."""
+    stacked = {}
+    for group in GROUPS:
+        modules = [m for m, t in targets.items() if t.group == group and (layer, m) in a]
+        if not modules:
+            continue
+        rank = a[layer, modules[0]].shape[0]
+        at = torch.cat([a[layer, m].t() for m in modules], dim=1).to(dtype).contiguous()
+        parts = [(j * rank, (j + 1) * rank, targets[m].begin, targets[m].end, b[layer, m].t().to(dtype).contiguous())
+                 for j, m in enumerate(modules)]
+        stacked[group] = _Stacked(at, parts)
+    return stacked
 
 
 def _setting(config: dict, key: str, kind) -> int | float:
@@ -129,63 +155,20 @@ def _setting(config: dict, key: str, kind) -> int | float:
 
 
 @dataclass
-class _Stacked:
-    at: torch.Tensor  # [in, R]
-    bt: torch.Tensor  # [R, out]
-
-
-class LoraStack:
-    """Every resident adapter's matrices stacked per layer and group (see the module's docstring),
-    with the adapter each column belongs to. Immutable: the runner builds a new one when an adapter
-    is loaded or unloaded, and a pass uses the one it started with."""
-
-    def __init__(self, adapters: dict[int, Adapter], targets: dict[str, Target], widths: dict[str, int],
-                 num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
-        """widths: each group's output size."""
-        self.ids = frozenset(adapters)
-        self.layers: list[dict[str, _Stacked]] = [{} for _ in range(num_layers)]
-        self.owners: dict[str, torch.Tensor] = {}  # group -> [R] long: the adapter id of each column
-        for group in GROUPS:
-            modules = [m for m, t in targets.items() if t.group == group]
-            blocks = [(adapter_id, module) for adapter_id, adapter in sorted(adapters.items()) for module in modules
-                      if module in adapter.info.target_modules]
-            if not blocks:
-                continue
-            ranks = [adapters[i].info.rank for i, _ in blocks]
-            self.owners[group] = torch.tensor([i for (i, _), r in zip(blocks, ranks) for _ in range(r)],
-                                              dtype=torch.long, device=device)
-            in_features = targets[modules[0]].in_features
-            for layer in range(num_layers):
-                at = torch.zeros(in_features, sum(ranks), dtype=dtype, device=device)
-                bt = torch.zeros(sum(ranks), widths[group], dtype=dtype, device=device)
-                column = 0
-                for (adapter_id, module), rank in zip(blocks, ranks):
-                    adapter, target = adapters[adapter_id], targets[module]
-                    if (layer, module) in adapter.a:
-                        at[:, column:column + rank] = adapter.a[layer, module].t()
-                        bt[column:column + rank, target.begin:target.end] = adapter.b[layer, module].t()
-                    column += rank
-                self.layers[layer][group] = _Stacked(at, bt)
-
-    def masks(self, token_adapters: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Per group, [N, R]: 1 where packed token n's adapter (token_adapters [N], 0: none) owns
-        column r."""
-        return {group: (token_adapters.unsqueeze(1) == owners.unsqueeze(0)).to(dtype)
-                for group, owners in self.owners.items()}
-
-
-@dataclass
 class LoraPass:
-    """What a pass needs to add its rows' deltas: the stack, and each group's mask for its tokens."""
+    """What a pass needs to add its rows' deltas: runs of packed rows [begin, end), each with the
+    adapter its rows run with (rows outside every run run with none)."""
 
-    stack: LoraStack
-    masks: dict[str, torch.Tensor]
+    runs: list[tuple[Adapter, int, int]]
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += ((x @ At) * mask) @ Bt for layer's projection group; out [N, group's width] (for o
-        and down, the residual stream itself: the delta joins it as the projection's output does)."""
-        mask = self.masks.get(group)
-        if mask is None:
-            return
-        m = self.stack.layers[layer][group]
-        out.addmm_(torch.mm(x, m.at).mul_(mask), m.bt)
+        """out += x A^T B^T scale, per run, for layer's projection group; out [N, group's width] (for
+        o and down, the residual stream itself: the delta joins it as the projection's output does)."""
+        for adapter, begin, end in self.runs:
+            m = adapter.layers[layer].get(group)
+            if m is None:
+                continue
+            rows = slice(begin, end)
+            t = torch.mm(x[rows], m.at)  # [n, R]
+            for col_begin, col_end, out_begin, out_end, bt in m.parts:
+                out[rows, out_begin:out_end].addmm_(t[:, col_begin:col_end], bt)

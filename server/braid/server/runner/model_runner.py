@@ -24,7 +24,7 @@ from braid.server.model.weights import FLOAT_FORMATS
 from braid.server.runner.families import attention_window, native_family
 from braid.server.runner.kernels import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
-from braid.server.runner.lora import Adapter, LoraPass, LoraStack, read_peft
+from braid.server.runner.lora import Adapter, LoraPass, read_peft
 from braid.server.runner.llama import (
     DecodeRows,
     ForwardBatch,
@@ -113,7 +113,7 @@ class ModelRunner:
         self.vocab_size = self.decoder.vocab_size
         self.masks = Masks(self.vocab_size)
         self._adapters: dict[int, Adapter] = {}  # resident LoRA adapters by load id (Row.adapter)
-        self._lora: LoraStack | None = None  # their matrices stacked, rebuilt on each load and unload
+
         self.weight_formats = dict(formats)  # tensors served in each format
         self.weight_bytes = self.decoder.weight_bytes
         _LOGGER.info("kernels: %s; weights: %s, %.0f MB", ops_name,
@@ -172,7 +172,6 @@ class ModelRunner:
         adapter = read_peft(path, name, self.decoder.lora_targets, self.decoder.num_layers, max_rank, self.dtype,
                             self.device)
         self._adapters = {**self._adapters, adapter_id: adapter}
-        self._restack()
         _LOGGER.info("LoRA adapter %s loaded from %s: rank %d, scale %g, %s; %.1f MB", name, path,
                      adapter.info.rank, adapter.info.scale, ", ".join(adapter.info.target_modules),
                      adapter.nbytes / 1e6)
@@ -181,12 +180,6 @@ class ModelRunner:
     def unload_adapter(self, adapter_id: int) -> None:
         """Frees an adapter no row will name again."""
         self._adapters = {i: a for i, a in self._adapters.items() if i != adapter_id}
-        self._restack()
-
-    def _restack(self) -> None:
-        decoder = self.decoder
-        self._lora = LoraStack(self._adapters, decoder.lora_targets, decoder.lora_widths(), decoder.num_layers,
-                               self.dtype, self.device) if self._adapters else None
 
     def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
         """One forward pass. Returns, per row, the sampled token (with its log probability where the
@@ -252,8 +245,10 @@ class ModelRunner:
         of the rows that sample in the order of their logit rows, and the logit rows [begin, end) of
         each row with targets, which come before all of those."""
         is_prefill = [r.is_prompt or len(r.token_ids) > 1 for r in rows]
-        prefills = [i for i, r in enumerate(rows) if is_prefill[i]]
-        decodes = [i for i, r in enumerate(rows) if not is_prefill[i]]
+        # grouped by LoRA adapter (stable: without adapters the order is the rows'), so that each
+        # adapter's tokens are a run of the packed batch (runner/lora.py)
+        prefills = sorted((i for i, r in enumerate(rows) if is_prefill[i]), key=lambda i: rows[i].adapter)
+        decodes = sorted((i for i, r in enumerate(rows) if not is_prefill[i]), key=lambda i: rows[i].adapter)
         ids: list[int] = []
         positions: list[int] = []
         token_pages: list[int] = []  # the page each packed token's key and value go to
@@ -294,15 +289,22 @@ class ModelRunner:
         return batch, sampled, scored
 
     def _lora_pass(self, adapters: list[int]) -> LoraPass | None:
-        """The pass's LoRA deltas, or None where no row runs with an adapter."""
-        stack = self._lora
-        if stack is None or not any(adapters):
+        """The pass's LoRA deltas: each run of packed tokens with the same adapter (_build groups
+        them), or None where no row runs with one."""
+        if not any(adapters):
             return None
-        missing = set(adapters) - stack.ids - {0}
-        if missing:  # the engine holds an adapter until its sessions end: a bug if this happens
-            raise RuntimeError(f"rows name LoRA adapters that are not loaded: {sorted(missing)}")
-        tokens = torch.tensor(adapters, dtype=torch.long, device=self.device)
-        return LoraPass(stack, stack.masks(tokens, self.dtype))
+        resident = self._adapters  # a load or unload on another thread replaces it
+        runs = []
+        begin = 0
+        for end in range(1, len(adapters) + 1):
+            if end == len(adapters) or adapters[end] != adapters[begin]:
+                if adapters[begin]:
+                    adapter = resident.get(adapters[begin])
+                    if adapter is None:  # the engine holds an adapter until its sessions end: a bug
+                        raise RuntimeError(f"rows name a LoRA adapter that is not loaded: {adapters[begin]}")
+                    runs.append((adapter, begin, end))
+                begin = end
+        return LoraPass(runs)
 
     def _decode_rows(self, decodes: list[Row]) -> DecodeRows:
         lengths = [r.start + 1 for r in decodes]  # the new token included
