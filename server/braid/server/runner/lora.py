@@ -8,11 +8,12 @@ the rows that run with the adapter.
 
 An adapter's matrices are stacked at load, per layer and per fused projection of the decoder (qkv,
 o, gate_up, down): one At [in, R] (the A^T of every module it targets in that group, side by side)
-and, per module, its B^T times the scale. The runner packs a pass's tokens grouped by adapter
-(model_runner.py), so each adapter's tokens are one or two runs of rows, and adds per run
+and one block-diagonal Bt [R, out] (each module's B^T times the scale, in its own rows and its
+projection's columns). The runner packs a pass's tokens grouped by adapter (model_runner.py), so
+each adapter's tokens are one or two runs of rows, and adds per run
 
-    t = x[run] @ At                                      # [n, R]: every module's x A^T at once
-    out[run, module] += t[:, module's columns] @ Bt_module   # q, k, v; gate, up; o; down
+    t = x[run] @ At              # [n, R]: every module's x A^T at once
+    out[run, columns] += t @ Bt  # the group's columns it targets: q, k, v; gate, up; o; down
 
 Rows with different adapters and with none share the pass: a run touches only its own rows, and
 base rows get nothing added. The cost follows the adapters a pass uses, not those resident.
@@ -141,10 +142,12 @@ def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int
             continue
         rank = a[layer, modules[0]].shape[0]
         at = torch.cat([a[layer, m].t() for m in modules], dim=1).to(dtype).contiguous()
-        # one block-diagonal B^T for the group's modules: one product instead of one per module
-        # (zeros where a module's rows meet another's columns: fewer calls beat fewer bytes here)
+        # one block-diagonal B^T for the group's modules (zeros where a module's rows meet another's
+        # columns): one product instead of one per module, for fewer calls, which cost more than
+        # bytes at these ranks (docs/benchmarks.md); not yet measured against the per-module form on
+        # a quiet machine
         begin, end = min(targets[m].begin for m in modules), max(targets[m].end for m in modules)
-        bt = torch.zeros(rank * len(modules), end - begin, dtype=dtype)
+        bt = torch.zeros(rank * len(modules), end - begin, dtype=dtype, device=at.device)
         for j, m in enumerate(modules):
             bt[j * rank:(j + 1) * rank, targets[m].begin - begin:targets[m].end - begin] = b[layer, m].t()
         stacked[group] = _Stacked(at, [(0, rank * len(modules), begin, end, bt)])
