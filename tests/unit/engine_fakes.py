@@ -12,12 +12,13 @@ import time
 from typing import Callable, Sequence
 
 from braid.server.config import EngineConfig
+from braid.server.engine.adapters import Adapters
 from braid.server.engine.admission import Admission
 from braid.server.engine.books import Books
 from braid.server.engine.core import EngineCore
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Delta, Event, Finished, GenerationRequest, Message, SamplingParams
-from braid.server.runner.rows import Row, Sampled, Sampling
+from braid.server.runner.rows import AdapterInfo, Row, Sampled, Sampling
 
 EOS = 2
 
@@ -31,6 +32,14 @@ class ScriptedRunner:
         self.num_pages, self.page_size, self.max_seq_len, self.vocab_size = num_pages, page_size, max_seq_len, vocab_size
         self.next_token = next_token or _count_up
         self.passes: list[list[Row]] = []
+        self.adapters: set[int] = set()  # resident LoRA adapters' ids
+
+    def load_adapter(self, adapter_id: int, name: str, path: str, max_rank: int) -> AdapterInfo:
+        self.adapters.add(adapter_id)
+        return AdapterInfo(name, path, 8, 16.0, 2.0, ("q_proj",))
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        self.adapters.remove(adapter_id)
 
     def random_state(self, sampling: Sampling, skip: int = 0) -> object:
         return None
@@ -78,11 +87,12 @@ class Harness:
         self.runner = runner or ScriptedRunner()
         self.config = EngineConfig(**{"max_wait_ms": 0, **config})
         self.books = Books(self.config.max_queued)
-        self.core = EngineCore(self.config, self.runner, NumberTokenizer.eos_token_ids, self.books)
+        self.adapters = Adapters(self.runner, self.config.max_loras, self.config.max_lora_rank)
+        self.core = EngineCore(self.config, self.runner, NumberTokenizer.eos_token_ids, self.books, self.adapters)
         self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
         self.admission = Admission(NumberTokenizer(), self.runner.max_seq_len, self.books, self.runner.random_state,
                                    grammars=None, enqueue=self.core.add, abort=self.core.abort, wake=lambda: None,
-                                   is_open=lambda: None)
+                                   is_open=lambda: None, adapters=self.adapters)
         self.events: dict[int, list[Event]] = {}
         self.now = time.monotonic()  # the core's clock, advanced by step(): sessions arrive on the real one
 
@@ -90,11 +100,11 @@ class Harness:
         self.loop.close()
 
     def submit(self, prompt: str, n: int = 1, resume: Sequence[int] = (), deadline: float | None = None,
-               **params) -> list[SessionHandle]:
+               adapter: str = "", **params) -> list[SessionHandle]:
         """A request queued as the edge queues it (its sessions added to the core)."""
         request = GenerationRequest(prompt=prompt, messages=(), params=SamplingParams(**params),
                                     request_id=f"r{len(self.events)}", n=n, resume_token_ids=tuple(resume),
-                                    deadline=deadline)
+                                    deadline=deadline, adapter=adapter)
         handles = self.admission.submit(self.admission.admit(prompt, ()), request, self.loop)
         for h in handles:
             self.events.setdefault(h.session_id, [])

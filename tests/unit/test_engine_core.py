@@ -160,3 +160,45 @@ def test_queue_positions_are_reported_to_waiting_sessions_that_asked(harness):
     h.run()
     positions = [e.position for e in h.events[waiting.session_id] if isinstance(e, Queued)]
     assert positions[:1] == [1] and h.finished(waiting).reason is FinishReason.MAX_TOKENS
+
+
+def test_rows_carry_each_sessions_adapter_and_an_adapter_is_held_until_its_sessions_end(harness):
+    """Sessions with two adapters and none share passes, each row naming its own adapter's load;
+    an unload waits for the sessions holding it, and a new request for it is NOT_FOUND at once."""
+    import threading
+    import time
+
+    from braid.server.engine.types import NotFound
+
+    h = harness(max_batch_size=8)
+    a = h.adapters.load("a", "/a")
+    h.adapters.load("b", "/b")
+    assert [i.name for i in h.adapters.list()] == ["a", "b"] and a.rank == 8
+    ha = h.submit("10 11", max_new_tokens=3, adapter="a", n=2)
+    hb = h.submit("20 21", max_new_tokens=3, adapter="b")
+    base = h.submit("30 31", max_new_tokens=3)[0]
+    assert h.adapters.users() == {"a": 2, "b": 1}
+    h.step()
+    by_prompt = {row.token_ids[0]: row.adapter for row in h.runner.passes[0]}
+    assert by_prompt[10] == 1 and by_prompt[20] == 2 and by_prompt[30] == 0
+    assert len(h.runner.passes[0]) == 3  # a's second sample waits for the prompt, then shares the pass
+
+    unloaded = threading.Event()
+    waiter = threading.Thread(target=lambda: (h.adapters.unload("a", timeout=10), unloaded.set()))
+    waiter.start()
+    for _ in range(1000):  # until the unload has begun: the list leaves it out
+        if [i.name for i in h.adapters.list()] == ["b"]:
+            break
+        time.sleep(0.005)
+    with pytest.raises(NotFound, match="'a' is not loaded"):
+        h.submit("10 11", adapter="a")
+    time.sleep(0.05)
+    assert not unloaded.is_set() and 1 in h.runner.adapters
+    h.run()
+    waiter.join(5)
+    assert unloaded.is_set() and h.runner.adapters == {2}
+    assert [t for handle in ha for t in h.tokens(handle)] == [12, 13, 14] * 2 and h.tokens(hb[0]) == [22, 23, 24]
+    assert h.tokens(base) == [32, 33, 34] and h.adapters.users() == {"b": 0}
+    with pytest.raises(NotFound, match="'nope'"):
+        h.submit("1 2", adapter="nope")
+    assert h.books.snapshot().sessions_queued == 0

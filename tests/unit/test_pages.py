@@ -21,6 +21,7 @@ P = 16
 class Seq:
     token_ids: list[int]
     cache_salt: str = ""
+    adapter_key: str = ""
     num_cached: int = 0
     pages: list[int] = field(default_factory=list)
     page_keys: list[bytes] = field(default_factory=list)
@@ -102,6 +103,22 @@ def test_a_salt_keeps_prefixes_apart():
     c = Seq(SYSTEM + [1], cache_salt="tenant-a")
     assert pages.admit(b) and b.num_cached == 0
     assert pages.admit(c) and c.num_cached == 32
+
+
+def test_an_adapter_keeps_prefixes_apart_and_so_does_its_reload():
+    """Pages computed under one LoRA adapter are found only by the same adapter's same load (its
+    key, engine/adapters.py), never by the base model, another adapter, or the adapter reloaded."""
+    pages = Pages(16, P)
+    a = Seq(SYSTEM + [1], adapter_key="lora:1")
+    assert pages.admit(a)
+    _compute(pages, a)
+    for other in ("", "lora:2", "lora:3"):
+        b = Seq(SYSTEM + [1], adapter_key=other)
+        assert pages.admit(b) and b.num_cached == 0, other
+    c = Seq(SYSTEM + [1], adapter_key="lora:1")
+    assert pages.admit(c) and c.num_cached == 32
+    salted = Seq(SYSTEM + [1], cache_salt="lora:1")  # a salt that spells the key is not the key
+    assert pages.admit(salted) and salted.num_cached == 0
 
 
 def test_with_prefix_caching_off_nothing_is_shared_or_kept():

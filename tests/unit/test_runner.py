@@ -133,3 +133,65 @@ def test_prompt_targets_score_as_transformers_in_chunks_beside_other_rows(runner
         assert lp.rank == int((expected[i] > expected[i, prompt[i + 1]]).sum()) + 1
         assert [t for t, _ in lp.top] == expected[i].topk(3).indices.tolist()
 
+
+
+def _peft_folder(path, rank: int, hidden: int = 64, kv: int = 32, seed: int = 0):
+    """A LoRA adapter in PEFT's file format for the tiny Llama (q and v projections of both
+    layers), written by hand."""
+    import json
+
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for module, out in (("q_proj", hidden), ("v_proj", kv)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.3
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "peft_type": "LORA",
+                                                          "target_modules": ["q_proj", "v_proj"]}))
+    return path
+
+
+def _logits(runner: ModelRunner, rows: list[Row]) -> torch.Tensor:
+    batch, _, _ = runner._build(rows)
+    return runner.decoder.forward(batch, runner.cache)
+
+
+def test_rows_with_adapters_and_without_share_a_pass_and_an_unloaded_adapter_is_gone(runner, tmp_path):
+    """Rows of two adapters and of none, interleaved in one pass, get each the logits they get
+    alone; the base rows' are the base model's; an unloaded adapter's matrices are dropped."""
+    runner.load_adapter(101, "a", str(_peft_folder(tmp_path / "a", 8, seed=1)), 64)
+    info = runner.load_adapter(102, "b", str(_peft_folder(tmp_path / "b", 16, seed=2)), 64)
+    assert info.rank == 16 and info.scale == 2.0 and info.target_modules == ("q_proj", "v_proj")
+    prompt = [5, 9, 33, 7, 100, 41]
+
+    def row(i: int, adapter: int) -> Row:
+        return Row(pages=_slot(i), start=0, token_ids=prompt, sample=True, sampling=Sampling(), rng=None,
+                   is_prompt=True, adapter=adapter)
+
+    adapters = [101, 0, 102, 101]  # the runner has pages for 4 sequences
+    together = _logits(runner, [row(i, a) for i, a in enumerate(adapters)])
+    # _build groups the rows by adapter: the logits come in that order
+    order = sorted(range(len(adapters)), key=lambda i: adapters[i])
+    for k, i in enumerate(order):
+        alone = _logits(runner, [row(0, adapters[i])])[0]
+        assert torch.allclose(together[k], alone, atol=1e-4), (i, adapters[i])
+    base, with_a, with_b = (_logits(runner, [row(0, a)])[0] for a in (0, 101, 102))
+    assert (base - with_a).abs().max() > 0.1 and (with_a - with_b).abs().max() > 0.1
+    runner.unload_adapter(101)
+    runner.unload_adapter(102)
+    assert runner._adapters == {}
+    with pytest.raises(RuntimeError, match="not loaded"):
+        _logits(runner, [row(0, 101)])
+
+
+def test_an_adapter_for_another_model_is_refused_naming_the_tensor(runner, tmp_path):
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.lora_A\.weight: shape \[8, 32\]"):
+        runner.load_adapter(201, "x", str(_peft_folder(tmp_path / "x", 8, hidden=32)), 64)
+    with pytest.raises(ValueError, match="r=16 is past --max-lora-rank 8"):
+        runner.load_adapter(202, "y", str(_peft_folder(tmp_path / "y", 16)), 8)
+    assert runner._adapters == {}

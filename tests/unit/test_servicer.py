@@ -15,9 +15,11 @@ from grpc_status import rpc_status
 from braid.server.config import ServerConfig
 from braid.server.edge.errors import ErrorInterceptor
 from braid.server.edge.servicer import GenerateServicer
+from braid.server.engine.adapters import Adapters
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Delta, FinishReason, Finished, ModelInfo, Mode, Timings
+from braid.server.runner.rows import AdapterInfo
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
@@ -26,6 +28,22 @@ pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 INFO = ModelInfo(model_name="fake", architecture="Fake", context_length=64, vocab_size=100, dtype="float32",
                  device="cpu", mode=Mode.CONTINUOUS, max_batch_size=4, eos_token_ids=(2,), has_chat_template=False,
                  parameters=1, weight_formats={"f32": 1}, weight_bytes=4, quantization="auto", kernels="torch")
+
+
+class FakeAdapterRunner:
+    """The runner's side of LoRA adapters: a path "bad..." is not an adapter, any other has rank 8."""
+
+    def __init__(self) -> None:
+        self.resident: set[int] = set()
+
+    def load_adapter(self, adapter_id, name, path, max_rank):
+        if path.startswith("bad"):
+            raise ValueError("layers.0.self_attn.q_proj.lora_A.weight: shape [8, 32], but this model needs [8, 64]")
+        self.resident.add(adapter_id)
+        return AdapterInfo(name, path, 8, 16.0, 2.0, ("q_proj", "v_proj"))
+
+    def unload_adapter(self, adapter_id):
+        self.resident.remove(adapter_id)
 
 
 class FakeEngine:
@@ -39,6 +57,16 @@ class FakeEngine:
         self.finish, self.error, self.error_field = FinishReason.MAX_TOKENS, None, None
         self.hold = False  # sessions wait (for Abort) instead of streaming
         self.handles: dict[int, SessionHandle] = {}
+        self.adapters = Adapters(FakeAdapterRunner(), max_loras=2, max_rank=16, model_name="fake")
+
+    def load_lora(self, name, path):
+        return self.adapters.load(name, path)
+
+    def unload_lora(self, name, timeout):
+        self.adapters.unload(name, timeout)
+
+    def loras(self):
+        return self.adapters.list()
 
     def admit(self, prompt, messages, for_session=True, truncated=False) -> Ticket:
         return Ticket(self.books, len(prompt or ""))
@@ -47,6 +75,11 @@ class FakeEngine:
         return None
 
     def submit(self, ticket, request, loop, matcher=None):
+        try:
+            self.adapters.acquire(request.adapter)
+        except Exception:
+            ticket.release()
+            raise
         ticket.release(submitted=request.n)
         handles = []
         for _ in range(request.n):
@@ -172,3 +205,46 @@ def test_tokenize_and_model_info_answer_from_the_engine(call):
     engine = FakeEngine()
     assert list(call(engine, "Tokenize", pb.TokenizeRequest(text="ab")).pieces) == ["a", "b"]
     assert call(engine, "ModelInfo", pb.ModelInfoRequest()).model_name == "fake"
+
+
+def _code(call, engine, method, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        call(engine, method, request)
+    return err.value.code(), err.value.details()
+
+
+def test_adapters_load_list_and_unload_and_each_mistake_has_its_status(call):
+    engine = FakeEngine()
+    loaded = call(engine, "LoadAdapter", pb.LoadAdapterRequest(name="sql", path="/adapters/sql"))
+    assert loaded.adapter.name == "sql" and loaded.adapter.rank == 8 and list(loaded.adapter.target_modules) == [
+        "q_proj", "v_proj"]
+    info = call(engine, "ModelInfo", pb.ModelInfoRequest())
+    assert [a.name for a in info.adapters] == ["sql"]
+    assert call(engine, "Stream", pb.GenerateRequest(prompt="hi", adapter="sql"))[0][-1].finish_reason
+
+    code, details = _code(call, engine, "Stream", pb.GenerateRequest(prompt="hi", adapter="nope"))
+    assert code == grpc.StatusCode.NOT_FOUND and "'nope'" in details
+    code, details = _code(call, engine, "LoadAdapter", pb.LoadAdapterRequest(name="sql", path="/adapters/sql"))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "'sql'" in details
+    code, details = _code(call, engine, "LoadAdapter", pb.LoadAdapterRequest(name="x", path="bad/one"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "q_proj.lora_A.weight" in details
+    assert "\n" not in details
+    for name in ("", "a b", "fake", "x" * 129):  # empty, a space, the model's own name, too long
+        code, details = _code(call, engine, "LoadAdapter", pb.LoadAdapterRequest(name=name, path="/a"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("name"), name
+    call(engine, "LoadAdapter", pb.LoadAdapterRequest(name="chat", path="/adapters/chat"))
+    code, details = _code(call, engine, "LoadAdapter", pb.LoadAdapterRequest(name="third", path="/adapters/c"))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-loras" in details
+
+    # the first Stream's session still holds "sql" (the fake never gives its hold back): an unload
+    # that cannot wait for it fails clearly, and the adapter stays
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        call(engine, "UnloadAdapter", pb.UnloadAdapterRequest(name="sql"), timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "still used by 1" in err.value.details()
+    assert [a.name for a in call(engine, "ModelInfo", pb.ModelInfoRequest()).adapters] == ["chat", "sql"]
+    engine.adapters.release(1)
+    call(engine, "UnloadAdapter", pb.UnloadAdapterRequest(name="sql"))
+    assert [a.name for a in call(engine, "ModelInfo", pb.ModelInfoRequest()).adapters] == ["chat"]
+    assert len(engine.adapters._runner.resident) == 1  # sql's matrices are freed
+    code, details = _code(call, engine, "UnloadAdapter", pb.UnloadAdapterRequest(name="sql"))
+    assert code == grpc.StatusCode.NOT_FOUND and "'sql'" in details

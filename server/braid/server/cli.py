@@ -20,7 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from braid.server import logs, resources
-from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag, parse_memory
+from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag, lora_specs, parse_memory
 
 ENV_PREFIX = "BRAID_"
 _LOGGER = logging.getLogger(__name__)
@@ -195,7 +195,20 @@ def build_engine(config: EngineConfig, model=None, ports: Ports | None = None):
     info = describe(config, runner, tokenizer, model.name, model.architecture)
     if ports is not None:
         runner, tokenizer, grammars = ports.runner(runner), ports.tokenizer(tokenizer), ports.grammars(grammars)
-    return Engine(config, runner, tokenizer, info, grammars)
+    engine = Engine(config, runner, tokenizer, info, grammars)
+    _load_loras(engine, config)
+    return engine
+
+
+def _load_loras(engine, config: EngineConfig) -> None:
+    """--lora's adapters; one that cannot be loaded ends the start with one line naming it."""
+    from braid.server.engine.types import InvalidArgument
+
+    for name, path in lora_specs(config.lora):
+        try:
+            engine.load_lora(name, path)
+        except InvalidArgument as exc:
+            raise SettingError("lora", f"{name}={path}", exc.description) from None
 
 
 def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str):
@@ -210,7 +223,7 @@ def describe(config: EngineConfig, runner, tokenizer, model_name: str, architect
         weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
         quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
         prefix_caching=config.prefix_caching == "on", runner=runner.path, activations=runner.activations,
-        threads=runner.threads)
+        threads=runner.threads, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
 
 
 def _check_device(device: str) -> None:

@@ -115,6 +115,14 @@ class EngineConfig:
         "tens of KB to tens of MB); past it the least recently used are dropped"))
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(), metadata=_opt(
         "where converted models are kept"))
+    lora: list[str] = field(default_factory=list, metadata=_opt(
+        "a LoRA adapter to load at start, NAME=PATH (a PEFT folder: adapter_config.json and "
+        "adapter_model.safetensors); repeat the flag for more (BRAID_LORA: comma-separated). Requests name it "
+        "in GenerateRequest.adapter (or the OpenAI `model`)", action="append", metavar="NAME=PATH"))
+    max_loras: int = field(default=8, metadata=_opt(
+        "most LoRA adapters loaded at once (--lora and LoadAdapter); a LoadAdapter past it gets RESOURCE_EXHAUSTED"))
+    max_lora_rank: int = field(default=64, metadata=_opt(
+        "highest rank r of a LoRA adapter braid loads"))
     chat_template: Path | None = field(default=None, metadata=_opt(
         "a Jinja chat template file that replaces the model's own (for chats, tools included)"))
 
@@ -140,7 +148,13 @@ class EngineConfig:
         if self.kv_page_size < 16 or self.kv_page_size % 16:
             raise SettingError("kv_page_size", self.kv_page_size, "expected a multiple of 16")
         _not_negative(self, "threads", "max_wait_ms", "batch_max_wait_ms")
-        _positive(self, "constraint_compile_timeout")
+        _positive(self, "constraint_compile_timeout", "max_loras", "max_lora_rank")
+        self.lora = self.lora.split(",") if isinstance(self.lora, str) else list(self.lora)
+        names = [_lora_name(spec) for spec in self.lora]
+        if len(set(names)) < len(names):
+            raise SettingError("lora", ",".join(self.lora), "two adapters have the same name")
+        if len(self.lora) > self.max_loras:
+            raise SettingError("lora", ",".join(self.lora), f"{len(self.lora)} adapters; --max-loras is {self.max_loras}")
         if parse_memory(self.constraint_cache_memory, "constraint_cache_memory")[1]:
             raise SettingError("constraint_cache_memory", self.constraint_cache_memory, "expected bytes with a unit")
 
@@ -247,6 +261,18 @@ def parse_memory(text: str, name: str = "kv_cache_memory") -> tuple[float, bool]
     if not unit and value <= 1:
         return value, True
     return value * _UNITS[unit], False
+
+
+def _lora_name(spec: str) -> str:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise SettingError("lora", spec, "expected NAME=PATH")
+    return name
+
+
+def lora_specs(specs: list[str]) -> list[tuple[str, str]]:
+    """--lora's NAME=PATH values, as (name, path)."""
+    return [(spec.partition("=")[0], spec.partition("=")[2]) for spec in specs]
 
 
 def _one_of(config: object, name: str, choices: tuple[str, ...]) -> None:

@@ -23,6 +23,7 @@ from braid.server.engine.types import (
     Turn,
     text_bytes,
 )
+from braid.server.runner.rows import AdapterInfo
 from braid.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
         cache_salt=req.cache_salt, n=req.n or 1, constraint=constraint_from_pb(req),
-        resume_token_ids=_resume_token_ids(req, vocab_size))
+        resume_token_ids=_resume_token_ids(req, vocab_size), adapter=req.adapter)
 
 
 def _resume_token_ids(req: pb.GenerateRequest, vocab_size: int) -> tuple[int, ...]:
@@ -225,8 +226,15 @@ def logprobs_to_pb(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
 
 
-def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
+def adapter_to_pb(info: AdapterInfo) -> pb.AdapterInfo:
+    return pb.AdapterInfo(name=info.name, path=info.path, rank=info.rank, alpha=info.alpha, scale=info.scale,
+                          target_modules=info.target_modules)
+
+
+def model_info_to_pb(info: ModelInfo, adapters: Sequence[AdapterInfo] = ()) -> pb.ModelInfoResponse:
+    """adapters: the LoRA adapters loaded now."""
     return pb.ModelInfoResponse(
+        adapters=[adapter_to_pb(a) for a in adapters], max_loras=info.max_loras, max_lora_rank=info.max_lora_rank,
         model_name=info.model_name, architecture=info.architecture, context_length=info.context_length,
         vocab_size=info.vocab_size, dtype=info.dtype, device=info.device,
         mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name), max_batch_size=info.max_batch_size,

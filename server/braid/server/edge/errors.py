@@ -19,7 +19,15 @@ from grpc_status import rpc_status
 
 from braid.server.edge.calls import Context, Continuation, Handler, wrap_calls
 from braid.server.edge.wire import invalid_utf8_field
-from braid.server.engine.types import EngineUnavailable, InvalidArgument, Overloaded
+from braid.server.engine.types import (
+    AlreadyExists,
+    Busy,
+    EngineUnavailable,
+    InvalidArgument,
+    LimitReached,
+    NotFound,
+    Overloaded,
+)
 
 _LOGGER = logging.getLogger(__name__)
 # The most characters of a status message (and of a field's description) braid sends: a default
@@ -57,6 +65,11 @@ def _status(code: int, message: str, *details: Message) -> grpc.Status:
     return status
 
 
+# braid's exceptions that are a status code and a message, no more
+_PLAIN = {NotFound: code_pb2.NOT_FOUND, AlreadyExists: code_pb2.ALREADY_EXISTS,
+          LimitReached: code_pb2.RESOURCE_EXHAUSTED, Busy: code_pb2.FAILED_PRECONDITION}
+
+
 def status_for(exc: Exception) -> grpc.Status:
     if isinstance(exc, InvalidArgument):
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=capped(exc.description))
@@ -71,6 +84,9 @@ def status_for(exc: Exception) -> grpc.Status:
         return with_trailers(status, *pushback)
     if isinstance(exc, EngineUnavailable):
         return _status(code_pb2.UNAVAILABLE, str(exc))
+    for kind, code in _PLAIN.items():
+        if isinstance(exc, kind):
+            return _status(code, str(exc))
     _LOGGER.exception("unexpected error in a handler")
     return _status(code_pb2.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 

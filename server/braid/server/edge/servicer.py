@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
 
 MAX_ABORT_IDS = 256
+MAX_UNLOAD_WAIT_S = 600.0  # longest UnloadAdapter waits for the generations using the adapter
 # The trailer a stream handed over by a draining server ends with (status UNAVAILABLE): resume it
 # on another replica from the tokens it delivered (resume_token_ids, and the braid-seed header).
 HANDOVER_TRAILER = ("braid-handover", "resume")
@@ -134,7 +135,21 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
         self._trailers(context)
-        return convert.model_info_to_pb(self._engine.info)
+        return convert.model_info_to_pb(self._engine.info, self._engine.loras())
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:
+        # reading the files and stacking the matrices takes a while: off the event loop
+        info = await asyncio.to_thread(self._engine.load_lora, request.name, request.path)
+        self._trailers(context)
+        return pb.LoadAdapterResponse(adapter=convert.adapter_to_pb(info))
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
+        # waits for the generations still using it, until the call's deadline (at most 600 s)
+        remaining = context.time_remaining()
+        timeout = max(0.0, min(MAX_UNLOAD_WAIT_S, remaining - 0.1 if remaining is not None else MAX_UNLOAD_WAIT_S))
+        await asyncio.to_thread(self._engine.unload_lora, request.name, timeout)
+        self._trailers(context)
+        return pb.UnloadAdapterResponse()
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         if len(request.request_ids) > MAX_ABORT_IDS:

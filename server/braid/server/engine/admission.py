@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 from typing import Callable, Sequence
 
+from braid.server.engine.adapters import Adapters
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.detokenizer import IncrementalDetokenizer
 from braid.server.engine.grammars import Grammars, Matcher
@@ -25,6 +26,7 @@ from braid.server.engine.types import (
     GenerationRequest,
     InvalidArgument,
     Message,
+    NotFound,
     SamplingParams,
     text_bytes,
 )
@@ -35,9 +37,10 @@ class Admission:
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int, books: Books,
                  random_state: Callable[[Sampling, int], object], grammars: Grammars, enqueue: Callable[[Session], None],
                  abort: Callable[[int, FinishReason], None], wake: Callable[[], None],
-                 is_open: Callable[[], str | None]) -> None:
+                 is_open: Callable[[], str | None], adapters: Adapters | None = None) -> None:
         """random_state: the runner's, for a session's Row.rng (advanced by a number of draws);
-        is_open: None while sessions may be admitted, else why not."""
+        is_open: None while sessions may be admitted, else why not; adapters: the LoRA adapters a
+        request may name (none without)."""
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.books = books
@@ -45,6 +48,7 @@ class Admission:
         self.grammars = grammars
         self._enqueue, self._abort, self._wake, self._is_open = enqueue, abort, wake, is_open
         self._ids = itertools.count(1)
+        self.adapters = adapters
 
     def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True,
               truncated: bool = False) -> Ticket:
@@ -94,6 +98,8 @@ class Admission:
         held until first has computed the prompt, then finds its pages in the prefix cache."""
         params = dataclasses.replace(first.params, seed=(first.params.seed + index) % 2**64)
         sampling = dataclasses.replace(first.sampling, seed=params.seed)
+        if self.adapters is not None:
+            self.adapters.retain(first.adapter)
         session_id = next(self._ids)
         handle = SessionHandle(session_id, first.handle.request_id, params.seed, first.num_prompt, loop,
                                self._abort, self._wake)
@@ -124,10 +130,11 @@ class Admission:
                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                             logit_bias=params.logit_bias, seed=params.seed,
                             logprobs=params.top_logprobs if params.logprobs else None)
+        adapter, adapter_key = self._adapter(request.adapter)  # the last check: it holds the adapter
         session_id = next(self._ids)
         handle = SessionHandle(session_id, request.request_id, params.seed, len(prompt_ids), loop,
                                self._abort, self._wake)
-        return Session(
+        return Session(adapter=adapter, adapter_key=adapter_key,
             id=session_id, prompt_ids=prompt_ids, params=params, sampling=sampling,
             rng=self._random_state(sampling, len(resumed)), handle=handle,
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop,
@@ -137,6 +144,15 @@ class Admission:
             bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else (),
             prompt_scores=[] if params.prompt_logprobs else None,
             matcher=matcher, constraint_field=request.constraint.field if request.constraint else "")
+
+    def _adapter(self, name: str) -> tuple[int, str]:
+        """The LoRA adapter `name` held for a new session: its id and prefix-cache key; raises
+        NotFound naming it."""
+        if not name:
+            return 0, ""
+        if self.adapters is None:
+            raise NotFound(f"adapter {name!r} is not loaded (this server has none)")
+        return self.adapters.acquire(name)
 
     def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""

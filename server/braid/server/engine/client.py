@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 from braid.server.engine.books import Ticket
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import EngineStats, GenerationRequest, Message, ModelInfo
+from braid.server.runner.rows import AdapterInfo
 
 if TYPE_CHECKING:
     from braid.server.engine.grammars import Matcher
@@ -45,6 +46,17 @@ class EngineClient(Protocol):
         off the event loop, as a Python tokenizer's first use on a thread copies it."""
 
     def stats(self) -> EngineStats: ...
+
+    def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """Loads a LoRA adapter under `name` (engine/adapters.py). Raises InvalidArgument,
+        AlreadyExists, LimitReached. Blocking: off the event loop."""
+
+    def unload_lora(self, name: str, timeout: float) -> None:
+        """Unloads it once the sessions using it have finished; NotFound, or Busy after `timeout`
+        seconds. Blocking: off the event loop."""
+
+    def loras(self) -> list[AdapterInfo]:
+        """The LoRA adapters loaded now."""
 
     @property
     def is_idle(self) -> bool:

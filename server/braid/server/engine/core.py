@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from braid.server.config import EngineConfig
+from braid.server.engine.adapters import Adapters
 from braid.server.engine.books import Books
 from braid.server.engine.grammars import short
 from braid.server.engine.handle import SessionHandle
@@ -43,8 +44,11 @@ class Step:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books) -> None:
+    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books,
+                 adapters: Adapters | None = None) -> None:
+        """adapters: the LoRA adapters, whose holds a session gives back when it ends."""
         self.runner = runner
+        self.adapters = adapters
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_seq_len = runner.max_seq_len
         self.pages = Pages(runner.num_pages, runner.page_size, config.prefix_caching == "on")
@@ -164,7 +168,7 @@ class EngineCore:
         return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=sample,
                    sampling=s.sampling, rng=s.rng, history=s.token_ids, num_prompt=s.num_prompt, banned=banned,
                    is_prompt=s.is_prefilling, targets=s.prompt_targets(start, end),
-                   matcher=s.matcher if sample else None)
+                   matcher=s.matcher if sample else None, adapter=s.adapter)
 
     def _postprocess(self, work: list[Work], tokens: list[Sampled | None]) -> None:
         now = time.monotonic()
@@ -195,6 +199,8 @@ class EngineCore:
         self.scheduler.remove(s)
         self.sessions.pop(s.id, None)
         self._num_finished += 1
+        if s.adapter and self.adapters is not None:
+            self.adapters.release(s.adapter)
         self.observer.on_finish(self.output.finish(s, reason, error, field))
         self.books.finish(reason, active=len(self.scheduler.running), cache=self._cache_stats())
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from braid.server.config import EngineConfig
+from braid.server.engine.adapters import Adapters
 from braid.server.engine.admission import Admission
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.core import EngineCore
@@ -32,6 +33,7 @@ from braid.server.engine.ports import Runner
 from braid.server.engine.session import Session
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import EngineStats, FinishReason, GenerationRequest, Message, ModelInfo
+from braid.server.runner.rows import AdapterInfo
 
 _LOGGER = logging.getLogger(__name__)
 ALL_SESSIONS = -1
@@ -71,13 +73,15 @@ class Engine:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None], Callable[[], bool]]] = []
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
-        self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books)
+        self.adapters = Adapters(runner, config.max_loras, config.max_lora_rank, info.model_name)
+        self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books, self.adapters)
         self.grammars = grammars
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
         threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()
         self.admission = Admission(tokenizer, self.max_seq_len, self.books, runner.random_state, self.grammars,
                                    enqueue=lambda s: self._inbox.put(_Add(s)), abort=self._abort,
-                                   wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because)
+                                   wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because,
+                                   adapters=self.adapters)
         self._accepting = True
         self._loop_ended = False
         self.started_at = time.monotonic()
@@ -156,6 +160,15 @@ class Engine:
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
         return self.admission.tokenizer.pieces(token_ids)
+
+    def load_lora(self, name: str, path: str) -> AdapterInfo:
+        return self.adapters.load(name, path)
+
+    def unload_lora(self, name: str, timeout: float) -> None:
+        self.adapters.unload(name, timeout)
+
+    def loras(self) -> list[AdapterInfo]:
+        return self.adapters.list()
 
     def _abort(self, session_id: int, reason: FinishReason) -> None:
         self._inbox.put(_Abort(session_id, reason))

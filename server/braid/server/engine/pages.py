@@ -31,6 +31,7 @@ class Holder(Protocol):
     token_ids: list[int]  # every token so far, prompt first
     num_cached: int  # tokens whose keys and values are computed, or shared
     cache_salt: str
+    adapter_key: str  # its LoRA adapter's load ("": the base model): part of the keys, as the salt is
     pages: list[int]  # the page table
     page_keys: list[bytes]  # keys of its first full pages, computed as needed
     @property
@@ -175,7 +176,7 @@ class Pages:
         """The keys of the session's first `count` full pages (computed once per session)."""
         keys, size = s.page_keys, self.page_size
         if not keys and count:
-            keys.append(_key(_root(s.cache_salt), s.token_ids[:size]))
+            keys.append(_key(_root(s.cache_salt, s.adapter_key), s.token_ids[:size]))
         while len(keys) < count:
             i = len(keys)
             keys.append(_key(keys[-1], s.token_ids[i * size:(i + 1) * size]))
@@ -193,8 +194,13 @@ class Pages:
         return p
 
 
-def _root(salt: str) -> bytes:
-    return hashlib.blake2b(b"braid-kv:" + salt.encode(), digest_size=16).digest()
+def _root(salt: str, adapter_key: str = "") -> bytes:
+    """A prefix's root: the cache salt, and the LoRA adapter (its load, not its name) where there
+    is one, so pages computed under one adapter are never found by another or by the base model."""
+    named = b"braid-kv:" + salt.encode()
+    if adapter_key:
+        named += b"\0adapter:" + adapter_key.encode()
+    return hashlib.blake2b(named, digest_size=16).digest()
 
 
 def _key(parent: bytes, tokens: list[int]) -> bytes:

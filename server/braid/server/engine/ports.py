@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from braid.server.runner.rows import Row, Sampled, Sampling
+from braid.server.runner.rows import AdapterInfo, Row, Sampled, Sampling
 
 
 class Runner(Protocol):
@@ -27,3 +27,10 @@ class Runner(Protocol):
 
     def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
         """One forward pass: for each row, what it sampled (or scored), or None."""
+
+    def load_adapter(self, adapter_id: int, name: str, path: str, max_rank: int) -> AdapterInfo:
+        """Makes a LoRA adapter resident as adapter_id (Row.adapter); ValueError, one line, if it
+        is not an adapter of this model or its rank is past max_rank. Any thread."""
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        """Frees an adapter no row names any more."""

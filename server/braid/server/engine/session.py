@@ -36,6 +36,8 @@ class Session:
     token_ids: list[int] = field(default_factory=list)  # prompt, then every generated token
     num_cached: int = 0  # tokens whose keys and values are in the cache
     cache_salt: str = ""  # prefixes are shared only between sessions with the same salt
+    adapter: int = 0  # its LoRA adapter's load id (Row.adapter; engine/adapters.py), 0: the base model
+    adapter_key: str = ""  # and its part of the prefix cache's keys ("": the base model)
     pages: list[int] = field(default_factory=list)  # KV-cache page table, while running (engine/pages.py)
     page_keys: list[bytes] = field(default_factory=list)  # names of its full pages, computed as needed
     cached_tokens: int | None = None  # prompt tokens found in the cache when first admitted

@@ -52,6 +52,23 @@ class EngineUnavailable(RuntimeError):
     """The engine is shutting down or its model thread has stopped."""
 
 
+class NotFound(LookupError):
+    """A named thing (a LoRA adapter) does not exist: NOT_FOUND, the message naming it."""
+
+
+class AlreadyExists(RuntimeError):
+    """A name is taken (a LoRA adapter's): ALREADY_EXISTS."""
+
+
+class LimitReached(RuntimeError):
+    """A configured bound is full (--max-loras): RESOURCE_EXHAUSTED, with no retry hint: it
+    frees only when someone unloads."""
+
+
+class Busy(RuntimeError):
+    """The thing cannot change now (an adapter still in use): FAILED_PRECONDITION."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one session picks its tokens; defaults already applied, ranges already checked."""
@@ -133,6 +150,7 @@ class GenerationRequest:
     constraint: Constraint | None = None
     resume_token_ids: tuple[int, ...] = ()  # tokens a broken stream delivered: computed, not sent again
     tools: str = ""  # a JSON list of OpenAI tool definitions the chat template renders ("": none)
+    adapter: str = ""  # the LoRA adapter's name ("": the base model)
 
 
 @dataclass
@@ -214,6 +232,8 @@ class ModelInfo:
     runner: str = "braid"  # "braid": its own decoder; "transformers": the model's own forward
     activations: str = "float32"  # what quantized weights multiply: "int8" or "float32" rows
     threads: int = 0  # the CPU pools' threads (affinity, cgroup quota or --threads)
+    max_loras: int = 0  # LoRA adapters resident at most (--max-loras); the loaded ones: Engine.adapters
+    max_lora_rank: int = 0
 
 
 @dataclass

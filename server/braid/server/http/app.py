@@ -10,6 +10,7 @@ disconnects mid-stream or while waiting for a whole response ends them at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -33,7 +34,7 @@ from braid.server.edge.lanes import TokenizerLanes
 from braid.server.edge.observer import CallObserver, NoCalls
 from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.types import (Delta, EngineUnavailable, Finished, FinishReason, InvalidArgument,
-                                       Overloaded)
+                                       NotFound, Overloaded)
 from braid.server.http import choices
 from braid.server.http.protocol import ChatRequest, CompletionRequest
 from braid.server.http.requests import Plan, chat_plan, completion_plan, openai_error
@@ -68,6 +69,8 @@ class ApiError(Exception):
             return cls(429, "rate_limit_error", str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
         if isinstance(exc, EngineUnavailable):
             return cls(503, "service_unavailable", str(exc))
+        if isinstance(exc, NotFound):  # an adapter unloaded since the request named it
+            return cls(404, "not_found_error", str(exc), "model")
         _LOGGER.exception("unexpected error in an HTTP handler")
         return cls(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
 
@@ -106,20 +109,32 @@ class OpenAIApi:
 
     async def models(self, request: Request, record: _Record) -> Response:
         info = self._engine.info
+        adapters = [{"id": a.name, "object": "model", "created": self.created, "owned_by": "braid",
+                     "root": info.model_name, "parent": info.model_name, "max_model_len": info.context_length}
+                    for a in self._engine.loras()]
         return JSONResponse({"object": "list", "data": [
             {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "braid",
-             "max_model_len": info.context_length}]})
+             "max_model_len": info.context_length}, *adapters]})
+
+    def _with_adapter(self, plan: Plan, model: str | None) -> Plan:
+        """A `model` that names a loaded LoRA adapter runs with it; any other name is the base model,
+        as it was before adapters."""
+        if model and model != self._engine.info.model_name and model in {a.name for a in self._engine.loras()}:
+            return dataclasses.replace(plan, request=dataclasses.replace(plan.request, adapter=model))
+        return plan
 
     async def chat(self, request: Request, record: _Record) -> Response:
         body = await _parse(request, ChatRequest, self._config.max_message_bytes)
         record.user = body.user
-        plan = chat_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size)
+        plan = self._with_adapter(chat_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size),
+                                  body.model)
         return await self._generate(request, plan, record, body.stream, chat=True)
 
     async def completions(self, request: Request, record: _Record) -> Response:
         body = await _parse(request, CompletionRequest, self._config.max_message_bytes)
         record.user = body.user
-        plan = completion_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size)
+        plan = self._with_adapter(completion_plan(body, self._config.default_max_new_tokens,
+                                                  self._engine.info.vocab_size), body.model)
         return await self._generate(request, plan, record, body.stream, chat=False)
 
     # ---- generation ---------------------------------------------------------------------------

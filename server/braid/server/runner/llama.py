@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from braid.server.runner.families import Family
 from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, decode_attention
 from braid.server.runner.kv_cache import KVCache, head_dim
+from braid.server.runner.lora import LoraPass, Target
 from braid.server.runner.precision import Precision, fuse
 
 
@@ -52,6 +53,7 @@ class ForwardBatch:
     prefills: list[PrefillChunk]
     decode: DecodeRows | None
     logit_rows: torch.Tensor  # [R] long: the packed rows whose next-token logits are wanted
+    lora: LoraPass | None = None  # where some rows run with a LoRA adapter: their deltas (runner/lora.py)
 
 
 @dataclass
@@ -149,6 +151,7 @@ class LlamaDecoder:
                 window=cfg.sliding_window if sliding else None,
                 rope=layer_types[i] if per_type_rope else "",
             ))
+        self.lora_targets = self._lora_targets(family)
         # what the quantized matrices multiply: int8 rows (--activations int8) or float32 ones
         self.activations = "int8" if any(getattr(w, "int8", False) for w in self._matrices()) else "float32"
         self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(
@@ -168,14 +171,20 @@ class LlamaDecoder:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the packed batch, writes its keys/values into the cache, returns [R, V] logits."""
-        if self.one_call_decode and batch.decode is not None and not batch.prefills:
+        # The one C call of a decode step has no place for an adapter's deltas: a pass with adapters
+        # runs layer by layer (decode attention still in C).
+        if self.one_call_decode and batch.decode is not None and not batch.prefills and batch.lora is None:
             return self._decode_only(batch, cache)
         n = batch.input_ids.shape[0]
+        lora = batch.lora
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         tables = {kind: self.ops.rope_tables(cos, sin, batch.positions) for kind, (cos, sin) in self.rope.items()}
         x = self._embed(batch.input_ids)  # [N, hidden], the residual stream
         for i, w in enumerate(self.layers):
-            qkv = w.qkv(self._norm(x, w.input_norm))  # [N, (H + 2 KVH) D]
+            h = self._norm(x, w.input_norm)
+            qkv = w.qkv(h)  # [N, (H + 2 KVH) D]
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
             if w.q_norm is not None:
                 self._head_norms(qkv, w)
             self.ops.rope_(qkv, heads + kv_heads, d, batch.positions, *tables[w.rope])
@@ -185,14 +194,48 @@ class LlamaDecoder:
             attn = self._attention(i, qkv, q, k, v, batch, cache)  # [N, H * D]
             if w.attn_out_norm is None:
                 w.o.add_into(x, attn)  # x += attn @ o
+                if lora is not None:
+                    lora.add(i, "o", attn, x)
             else:
-                x += self._norm(w.o(attn), w.attn_out_norm)
-            act = self._act(w.gate_up(self._norm(x, w.post_norm)))
+                o = w.o(attn)
+                if lora is not None:
+                    lora.add(i, "o", attn, o)
+                x += self._norm(o, w.attn_out_norm)
+            h = self._norm(x, w.post_norm)
+            gate_up = w.gate_up(h)
+            if lora is not None:
+                lora.add(i, "gate_up", h, gate_up)
+            act = self._act(gate_up)
             if w.mlp_out_norm is None:
                 w.down.add_into(x, act)
+                if lora is not None:
+                    lora.add(i, "down", act, x)
             else:
-                x += self._norm(w.down(act), w.mlp_out_norm)
+                down = w.down(act)
+                if lora is not None:
+                    lora.add(i, "down", act, down)
+                x += self._norm(down, w.mlp_out_norm)
         return self._logits(x, batch.logit_rows)
+
+    def _lora_targets(self, family: Family) -> dict[str, Target]:
+        """The projections a LoRA adapter may target, by PEFT's module names, each as columns of
+        the decoder's fused projections."""
+        w = self.layers[0]
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        hidden, inner = w.qkv.in_features, w.down.in_features
+        if len(family.qkv) == 3:
+            bounds = dict(zip(family.qkv, ((0, q), (q, q + kv), (q + kv, q + 2 * kv))))
+        else:
+            bounds = {family.qkv[0]: (0, q + 2 * kv)}
+        targets = {m: Target("qkv", b, e, hidden) for m, (b, e) in bounds.items()}
+        targets["o_proj"] = Target("o", 0, hidden, q)
+        if len(family.gate_up) == 2:
+            targets.update({family.gate_up[0]: Target("gate_up", 0, inner, hidden),
+                            family.gate_up[1]: Target("gate_up", inner, 2 * inner, hidden)})
+        else:
+            targets[family.gate_up[0]] = Target("gate_up", 0, 2 * inner, hidden)
+        targets["down_proj"] = Target("down", 0, hidden, inner)
+        return targets
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed.columns(ids)

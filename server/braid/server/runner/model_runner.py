@@ -24,6 +24,7 @@ from braid.server.model.weights import FLOAT_FORMATS
 from braid.server.runner.families import attention_window, native_family
 from braid.server.runner.kernels import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
+from braid.server.runner.lora import Adapter, LoraPass, read_peft
 from braid.server.runner.llama import (
     DecodeRows,
     ForwardBatch,
@@ -32,7 +33,7 @@ from braid.server.runner.llama import (
 )
 from braid.server.runner.masks import Masks
 from braid.server.runner.precision import DTYPES, Precision
-from braid.server.runner.rows import Row, Sampled, Sampling
+from braid.server.runner.rows import AdapterInfo, Row, Sampled, Sampling
 from braid.server.runner.sampler import random_state, sample, score
 from braid.server.runner.threads import ThreadGovernor
 from braid.server.runner.transformers_decoder import TransformersDecoder
@@ -111,6 +112,8 @@ class ModelRunner:
                              self.decoder.head_dim, kv_dtype or dtype, device)
         self.vocab_size = self.decoder.vocab_size
         self.masks = Masks(self.vocab_size)
+        self._adapters: dict[int, Adapter] = {}  # resident LoRA adapters by load id (Row.adapter)
+
         self.weight_formats = dict(formats)  # tensors served in each format
         self.weight_bytes = self.decoder.weight_bytes
         _LOGGER.info("kernels: %s; weights: %s, %.0f MB", ops_name,
@@ -159,6 +162,24 @@ class ModelRunner:
         """A sequence's random state for Row.rng, made once per sequence; `skip` draws already
         taken (a resumed stream's tokens: the sampler draws one number per token)."""
         return random_state(sampling, skip)
+
+    def load_adapter(self, adapter_id: int, name: str, path: str, max_rank: int) -> AdapterInfo:
+        """Reads a PEFT adapter and makes it resident as `adapter_id` (Row.adapter). Raises
+        ValueError, one line naming what is wrong, for a folder that is not a LoRA adapter of this
+        model. Any thread: a pass running meanwhile keeps the stack it started with."""
+        if not isinstance(self.decoder, LlamaDecoder):
+            raise ValueError("LoRA adapters need braid's native decoder; this model runs through transformers")
+        adapter = read_peft(path, name, self.decoder.lora_targets, self.decoder.num_layers, max_rank, self.dtype,
+                            self.device)
+        self._adapters = {**self._adapters, adapter_id: adapter}
+        _LOGGER.info("LoRA adapter %s loaded from %s: rank %d, scale %g, %s; %.1f MB", name, path,
+                     adapter.info.rank, adapter.info.scale, ", ".join(adapter.info.target_modules),
+                     adapter.nbytes / 1e6)
+        return adapter.info
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        """Frees an adapter no row will name again."""
+        self._adapters = {i: a for i, a in self._adapters.items() if i != adapter_id}
 
     def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
         """One forward pass. Returns, per row, the sampled token (with its log probability where the
@@ -224,8 +245,10 @@ class ModelRunner:
         of the rows that sample in the order of their logit rows, and the logit rows [begin, end) of
         each row with targets, which come before all of those."""
         is_prefill = [r.is_prompt or len(r.token_ids) > 1 for r in rows]
-        prefills = [i for i, r in enumerate(rows) if is_prefill[i]]
-        decodes = [i for i, r in enumerate(rows) if not is_prefill[i]]
+        # grouped by LoRA adapter (stable: without adapters the order is the rows'), so that each
+        # adapter's tokens are a run of the packed batch (runner/lora.py)
+        prefills = sorted((i for i, r in enumerate(rows) if is_prefill[i]), key=lambda i: rows[i].adapter)
+        decodes = sorted((i for i, r in enumerate(rows) if not is_prefill[i]), key=lambda i: rows[i].adapter)
         ids: list[int] = []
         positions: list[int] = []
         token_pages: list[int] = []  # the page each packed token's key and value go to
@@ -234,6 +257,7 @@ class ModelRunner:
         sampled: list[int] = []
         scored: dict[int, tuple[int, int]] = {}
         sample_at: list[int] = []  # the packed token each sampling row's logits come from
+        adapters: list[int] = []  # each packed token's adapter (Row.adapter)
         dev, page_size = self.device, self.cache.page_size
         for i in prefills + decodes:
             r = rows[i]
@@ -245,6 +269,7 @@ class ModelRunner:
                 scored[i] = (len(logit_rows), len(logit_rows) + len(r.targets))
                 logit_rows += range(len(ids), len(ids) + len(r.targets))
             ids += r.token_ids
+            adapters += [r.adapter] * len(r.token_ids)
             positions += range(r.start, end)
             token_pages += [r.pages[p // page_size] for p in range(r.start, end)]
             if r.sample:
@@ -259,8 +284,27 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=position_tensor,
             kv_index=(offsets.unsqueeze(1) + heads.unsqueeze(0)).flatten(), prefills=chunks,
             decode=self._decode_rows([rows[i] for i in decodes]) if decodes else None,
-            logit_rows=torch.tensor(logit_rows + sample_at, dtype=torch.long, device=dev))
+            logit_rows=torch.tensor(logit_rows + sample_at, dtype=torch.long, device=dev),
+            lora=self._lora_pass(adapters))
         return batch, sampled, scored
+
+    def _lora_pass(self, adapters: list[int]) -> LoraPass | None:
+        """The pass's LoRA deltas: each run of packed tokens with the same adapter (_build groups
+        them), or None where no row runs with one."""
+        if not any(adapters):
+            return None
+        resident = self._adapters  # a load or unload on another thread replaces it
+        runs = []
+        begin = 0
+        for end in range(1, len(adapters) + 1):
+            if end == len(adapters) or adapters[end] != adapters[begin]:
+                if adapters[begin]:
+                    adapter = resident.get(adapters[begin])
+                    if adapter is None:  # the engine holds an adapter until its sessions end: a bug
+                        raise RuntimeError(f"rows name a LoRA adapter that is not loaded: {adapters[begin]}")
+                    runs.append((adapter, begin, end))
+                begin = end
+        return LoraPass(runs)
 
     def _decode_rows(self, decodes: list[Row]) -> DecodeRows:
         lengths = [r.start + 1 for r in decodes]  # the new token included

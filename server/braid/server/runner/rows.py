@@ -60,6 +60,21 @@ class Row:
     # a constraint's matcher (llguidance.LLMatcher, made by the engine): when sampling, only the
     # tokens its mask allows now can be picked
     matcher: object = None
+    # the LoRA adapter the row runs with: its load id (ModelRunner.load_adapter), 0 for the base model
+    adapter: int = 0
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A loaded LoRA adapter, as ModelInfo lists it: its rank and lora_alpha, the scale its
+    low-rank product is multiplied by, and the projections it targets."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    scale: float
+    target_modules: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="end the generation with finish reason DEADLINE after this long")
     sampling.add_argument("--cache-salt", metavar="TEXT",
                           help="share cached prompt prefixes only with requests of the same salt")
+    sampling.add_argument("--adapter", metavar="NAME", help="run with this loaded LoRA adapter (ModelInfo lists them)")
     # GenerateRequest.constraint: one of these (the parsed constraint is set in _generate)
     constraint = parser.add_argument_group("output constraint (GenerateRequest.constraint; one of)")
     constraint = constraint.add_mutually_exclusive_group()

@@ -276,6 +276,17 @@ class Client(_BaseClient[Generation]):
         with raising_braid_errors():
             return list(self._stub.Abort(request, timeout=timeout, metadata=self._metadata).aborted)
 
+    def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> pb.AdapterInfo:
+        """Loads the LoRA adapter in the server's folder `path` (PEFT's format) as `name`."""
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        with raising_braid_errors():
+            return self._stub.LoadAdapter(request, timeout=timeout, metadata=self._metadata).adapter
+
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Unloads a LoRA adapter, once the generations using it have finished."""
+        with raising_braid_errors():
+            self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout, metadata=self._metadata)
+
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
         request = health_pb2.HealthCheckRequest(service=service)
@@ -358,6 +369,18 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         request = pb.AbortRequest(request_ids=list(request_ids))
         with raising_braid_errors():
             return list((await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)).aborted)
+
+    async def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> pb.AdapterInfo:
+        """Loads the LoRA adapter in the server's folder `path` (PEFT's format) as `name`."""
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        with raising_braid_errors():
+            return (await self._stub.LoadAdapter(request, timeout=timeout, metadata=self._metadata)).adapter
+
+    async def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Unloads a LoRA adapter, once the generations using it have finished."""
+        with raising_braid_errors():
+            await self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout,
+                                           metadata=self._metadata)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""

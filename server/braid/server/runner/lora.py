@@ -1,0 +1,181 @@
+"""LoRA adapters on braid's decoder: PEFT's format read and checked against the base model, and the
+low-rank deltas of a pass's rows added to the projections they target.
+
+A PEFT adapter changes a projection W [out, in] to W + scale * B A, with A [r, in] and B [out, r]
+(scale: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora). The base weights stay as they are
+served (f32, bf16, Q8_0, ...): each target projection's output gets `scale * (x A^T) B^T` added for
+the rows that run with the adapter.
+
+An adapter's matrices are stacked at load, per layer and per fused projection of the decoder (qkv,
+o, gate_up, down): one At [in, R] (the A^T of every module it targets in that group, side by side)
+and one block-diagonal Bt [R, out] (each module's B^T times the scale, in its own rows and its
+projection's columns). The runner packs a pass's tokens grouped by adapter (model_runner.py), so
+each adapter's tokens are one or two runs of rows, and adds per run
+
+    t = x[run] @ At              # [n, R]: every module's x A^T at once
+    out[run, columns] += t @ Bt  # the group's columns it targets: q, k, v; gate, up; o; down
+
+Rows with different adapters and with none share the pass: a run touches only its own rows, and
+base rows get nothing added. The cost follows the adapters a pass uses, not those resident.
+(A masked product over every adapter at once, punica's shape as dense matmuls, takes fewer calls
+but multiplies every token by every adapter: measured slower from 4 adapters at 16 rows.)
+These run as torch matmuls on braid's C-kernel path as well: rank 8 to 64 against hidden sizes in
+the hundreds or thousands, they are a few percent of the pass's multiply-adds, and their float32
+weights need none of the block formats the C kernels exist for. The one C call of a decode step
+has no place for them, so a pass with adapters runs layer by layer (llama.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from braid.server.runner.rows import AdapterInfo
+
+GROUPS = ("qkv", "o", "gate_up", "down")  # the decoder's fused projections, in a layer's order
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"
+                  r"\.weight$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A projection an adapter may target: columns [begin, end) of its fused group's output, fed
+    `in_features` wide."""
+
+    group: str
+    begin: int
+    end: int
+    in_features: int
+
+
+@dataclass
+class _Stacked:
+    """One adapter's matrices for one layer's projection group: x @ at gives every module's
+    x A^T side by side; parts add each module's columns times its B^T into its output columns."""
+
+    at: torch.Tensor  # [in, R]
+    parts: list[tuple[int, int, int, int, torch.Tensor]]  # (columns begin, end, output begin, end, Bt [cols, out])
+
+
+@dataclass
+class Adapter:
+    info: AdapterInfo
+    layers: list[dict[str, _Stacked]]  # per layer, by group (GROUPS) it targets there
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.at.nbytes + sum(p[4].nbytes for p in m.parts) for layer in self.layers for m in layer.values())
+
+
+def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int, max_rank: int,
+              dtype: torch.dtype, device: torch.device) -> Adapter:
+    """A PEFT adapter folder, checked against the base model's projections. Raises ValueError with
+    one line naming the file, setting or tensor at fault."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    config_file, weights_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ValueError(f"{path}: not a PEFT adapter folder (it needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_file}: unreadable: {exc}") from None
+    rank, alpha = _setting(config, "r", int), _setting(config, "lora_alpha", (int, float))
+    if not 0 < rank <= max_rank:
+        raise ValueError(f"{config_file}: rank r={rank} is past --max-lora-rank {max_rank}" if rank > 0
+                         else f"{config_file}: rank r={rank} must be positive")
+    for key, allowed in (("peft_type", ("LORA", None)), ("fan_in_fan_out", (False, None)), ("bias", ("none", None)),
+                         ("use_dora", (False, None)), ("modules_to_save", (None, [])), ("rank_pattern", ({}, None)),
+                         ("alpha_pattern", ({}, None))):
+        if config.get(key) not in allowed:
+            raise ValueError(f"{config_file}: {key}={config.get(key)!r} is not supported (braid serves plain LoRA "
+                             f"on {', '.join(targets)})")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as exc:
+        raise ValueError(f"{weights_file}: unreadable: {exc}") from None
+    a: dict[tuple[int, str], torch.Tensor] = {}
+    b: dict[tuple[int, str], torch.Tensor] = {}
+    for key, value in sorted(tensors.items()):
+        match = _KEY.match(key)
+        if match is None:
+            raise ValueError(f"{key}: not a LoRA matrix of a projection braid serves ({', '.join(targets)})")
+        layer, module, which = int(match[1]), match[2], match[3]
+        target = targets.get(module)
+        if target is None:
+            raise ValueError(f"{key}: {module} is not a projection of this model ({', '.join(targets)})")
+        if layer >= num_layers:
+            raise ValueError(f"{key}: layer {layer}, but the model has {num_layers}")
+        want = (rank, target.in_features) if which == "A" else (target.end - target.begin, rank)
+        if tuple(value.shape) != want:
+            raise ValueError(f"{key}: shape {list(value.shape)}, but this model with r={rank} needs {list(want)}")
+        if not value.is_floating_point():
+            raise ValueError(f"{key}: dtype {value.dtype} is not a float type")
+        value = value.to(device=device, dtype=torch.float32)
+        (a if which == "A" else b)[layer, module] = value if which == "A" else value * scale
+    for key in set(a) ^ set(b):
+        layer, module = key
+        raise ValueError(f"layer {layer} {module}: lora_{'B' if key in a else 'A'} is missing")
+    if not a:
+        raise ValueError(f"{weights_file}: holds no LoRA matrices")
+    modules = tuple(m for m in targets if any(k[1] == m for k in a))
+    info = AdapterInfo(name=name, path=str(path), rank=rank, alpha=float(alpha), scale=float(scale),
+                       target_modules=modules)
+    return Adapter(info, [_stack(layer, a, b, targets, dtype) for layer in range(num_layers)])
+
+
+def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int, str], torch.Tensor],
+           targets: dict[str, Target], dtype: torch.dtype) -> dict[str, _Stacked]:
+    """One layer's matrices, stacked per group (see the module's docstring)."""
+    stacked = {}
+    for group in GROUPS:
+        modules = [m for m, t in targets.items() if t.group == group and (layer, m) in a]
+        if not modules:
+            continue
+        rank = a[layer, modules[0]].shape[0]
+        at = torch.cat([a[layer, m].t() for m in modules], dim=1).to(dtype).contiguous()
+        # one block-diagonal B^T for the group's modules (zeros where a module's rows meet another's
+        # columns): one product instead of one per module, for fewer calls, which cost more than
+        # bytes at these ranks (docs/benchmarks.md); not yet measured against the per-module form on
+        # a quiet machine
+        begin, end = min(targets[m].begin for m in modules), max(targets[m].end for m in modules)
+        bt = torch.zeros(rank * len(modules), end - begin, dtype=dtype, device=at.device)
+        for j, m in enumerate(modules):
+            bt[j * rank:(j + 1) * rank, targets[m].begin - begin:targets[m].end - begin] = b[layer, m].t()
+        stacked[group] = _Stacked(at, [(0, rank * len(modules), begin, end, bt)])
+    return stacked
+
+
+def _setting(config: dict, key: str, kind) -> int | float:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{CONFIG_FILE}: {key} is {value!r}, expected a number")
+    return value
+
+
+@dataclass
+class LoraPass:
+    """What a pass needs to add its rows' deltas: runs of packed rows [begin, end), each with the
+    adapter its rows run with (rows outside every run run with none)."""
+
+    runs: list[tuple[Adapter, int, int]]
+
+    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += x A^T B^T scale, per run, for layer's projection group; out [N, group's width] (for
+        o and down, the residual stream itself: the delta joins it as the projection's output does)."""
+        for adapter, begin, end in self.runs:
+            m = adapter.layers[layer].get(group)
+            if m is None:
+                continue
+            rows = slice(begin, end)
+            t = torch.mm(x[rows], m.at)  # [n, R]
+            for col_begin, col_end, out_begin, out_end, bt in m.parts:
+                out[rows, out_begin:out_end].addmm_(t[:, col_begin:col_end], bt)
