@@ -1,8 +1,9 @@
 """One decode pass of the embedded model in process, at 16 rows and at 1, for each --activations
 and plain fp32 weights: the median and the best of --passes, without gRPC or the engine, so that
-a shared machine's noise shows less than in an end-to-end run.
+a shared machine's noise shows less than in an end-to-end run. Ratios are against the first side.
 
     .venv/bin/python benchmarks/decode_rows.py [--rows 16 1] [--passes 40] [--threads 2]
+    .venv/bin/python benchmarks/decode_rows.py --sides bf16-rows bf16 fp32    # bf16 weights: bf16 rows or fp32
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
 SIDES = {"int8": dict(activations="int8"), "float32": dict(activations="float32"),
-         "fp32": dict(activations="float32", quantization="none")}
+         "fp32": dict(activations="float32", quantization="none"),
+         "bf16-rows": dict(activations="bf16", weight_dtype="bfloat16", quantization="none"),
+         "bf16": dict(activations="float32", weight_dtype="bfloat16", quantization="none")}
 PAGES = 8  # pages of 16 per row: room for a 40-token prompt and the passes
 
 
@@ -43,23 +46,29 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[16, 1])
     parser.add_argument("--passes", type=int, default=40)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=["int8", "float32", "fp32"],
+                        help="int8 / float32: the embedded model's own formats on int8 or float32 rows; fp32: "
+                             "fp32 weights; bf16-rows / bf16: bf16 weights on bf16 or float32 rows")
     args = parser.parse_args()
+    sides = {side: SIDES[side] for side in args.sides}
+    first = args.sides[0]
     torch.set_num_threads(args.threads)
     model = load(None, default_cache_dir())
     print(f"{args.threads} threads; ms per decode pass, median (best) of {args.passes}")
-    print("| rows | " + " | ".join(SIDES) + " | float32 / int8 | fp32 / int8 |")
-    print("|---:|" + "---:|" * (len(SIDES) + 2))
+    others = args.sides[1:]
+    print("| rows | " + " | ".join(sides) + "".join(f" | {side} / {first}" for side in others) + " |")
+    print("|---:|" + "---:|" * (len(sides) + len(others)))
     for rows in args.rows:
         median = {}
         cells = []
-        for side, flags in SIDES.items():
+        for side, flags in sides.items():
             runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=PAGES * max(args.rows),
                                  max_seq_len=2048, **flags)
             times = pass_times(runner, rows, args.passes)
             median[side] = statistics.median(times)
             cells.append(f"{median[side] * 1e3:.1f} ({min(times) * 1e3:.1f})")
-        print(f"| {rows} | " + " | ".join(cells) + f" | {median['float32'] / median['int8']:.2f} | "
-              f"{median['fp32'] / median['int8']:.2f} |", flush=True)
+        print(f"| {rows} | " + " | ".join(cells) + "".join(f" | {median[side] / median[first]:.2f}" for side in others)
+              + " |", flush=True)
 
 
 if __name__ == "__main__":

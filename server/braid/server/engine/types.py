@@ -199,7 +199,7 @@ class ModelInfo:
     kv_cache_dtype: str = "float32"
     prefix_caching: bool = True
     runner: str = "braid"  # "braid": its own decoder; "transformers": the model's own forward
-    activations: str = "float32"  # what quantized weights multiply: "int8" or "float32" rows
+    activations: str = "float32"  # what the weights multiply: "int8", "bf16", "int8+bf16" or "float32" rows
     threads: int = 0  # the CPU pools' threads (affinity, cgroup quota or --threads)
 
 
