@@ -4,6 +4,9 @@ a shared machine's noise shows less than in an end-to-end run. Ratios are agains
 
     .venv/bin/python benchmarks/decode_rows.py [--rows 16 1] [--passes 40] [--threads 2]
     .venv/bin/python benchmarks/decode_rows.py --sides bf16-rows bf16 fp32    # bf16 weights: bf16 rows or fp32
+    .venv/bin/python benchmarks/decode_rows.py --model 1b --sides q8_0-int8 q8_0 bf16-rows bf16 --rows 16 1
+
+--model 1b is format_models.py's random model of Llama-3.2-1B's shape (bf16; made once, ~2.5 GB).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from braid.server.runner.rows import Row, Sampling
 SIDES = {"int8": dict(activations="int8"), "float32": dict(activations="float32"),
          "fp32": dict(activations="float32", quantization="none"),
          "bf16-rows": dict(activations="bf16", weight_dtype="bfloat16", quantization="none"),
-         "bf16": dict(activations="float32", weight_dtype="bfloat16", quantization="none")}
+         "bf16": dict(activations="float32", weight_dtype="bfloat16", quantization="none"),
+         "q8_0-int8": dict(activations="int8", quantization="q8_0"),
+         "q8_0": dict(activations="float32", quantization="q8_0")}
 PAGES = 8  # pages of 16 per row: room for a 40-token prompt and the passes
 
 
@@ -41,19 +46,32 @@ def pass_times(runner: ModelRunner, rows: int, passes: int) -> list[float]:
     return times
 
 
+def model_path(name: str) -> str | None:
+    """--model's path for load: None for the embedded model."""
+    if name == "embedded":
+        return None
+    if name == "1b":
+        import format_models
+
+        return str(format_models.llama_1b_folder(format_models.smollm_fp32_folder()))
+    return name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", type=int, default=[16, 1])
     parser.add_argument("--passes", type=int, default=40)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=["int8", "float32", "fp32"],
-                        help="int8 / float32: the embedded model's own formats on int8 or float32 rows; fp32: "
-                             "fp32 weights; bf16-rows / bf16: bf16 weights on bf16 or float32 rows")
+                        help="int8 / float32: the model's own formats on int8 or float32 rows; fp32: fp32 weights; "
+                             "bf16-rows / bf16: bf16 weights on bf16 or float32 rows; q8_0-int8 / q8_0: weights "
+                             "quantized to Q8_0 at load, on int8 or float32 rows")
+    parser.add_argument("--model", default="embedded", help="embedded, 1b (the random 1B shape) or a folder")
     args = parser.parse_args()
     sides = {side: SIDES[side] for side in args.sides}
     first = args.sides[0]
     torch.set_num_threads(args.threads)
-    model = load(None, default_cache_dir())
+    model = load(model_path(args.model), default_cache_dir())
     print(f"{args.threads} threads; ms per decode pass, median (best) of {args.passes}")
     others = args.sides[1:]
     print("| rows | " + " | ".join(sides) + "".join(f" | {side} / {first}" for side in others) + " |")
