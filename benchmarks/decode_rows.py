@@ -30,20 +30,27 @@ SIDES = {"int8": dict(activations="int8"), "float32": dict(activations="float32"
 PAGES = 8  # pages of 16 per row: room for a 40-token prompt and the passes
 
 
-def pass_times(runner: ModelRunner, rows: int, passes: int) -> list[float]:
-    sampling = Sampling()
+def prefill(runner: ModelRunner, rows: int) -> list[list[int]]:
+    """Each row's 40-token prompt in its own pages; returns the rows' page tables."""
     tables = [list(range(b * PAGES, (b + 1) * PAGES)) for b in range(rows)]
     for b, table in enumerate(tables):
         runner.run([Row(pages=table, start=0, token_ids=[(13 * i + b) % 1000 + 5 for i in range(40)], sample=False,
-                        sampling=sampling, rng=None, is_prompt=True)])
-    times = []
-    for step in range(passes):
-        batch, _, _ = runner._build([Row(pages=table, start=40 + step, token_ids=[100 + step], sample=True,
-                                         sampling=sampling, rng=None) for table in tables])
-        start = time.perf_counter()
-        runner.decoder.forward(batch, runner.cache)
-        times.append(time.perf_counter() - start)
-    return times
+                        sampling=Sampling(), rng=None, is_prompt=True)])
+    return tables
+
+
+def one_pass(runner: ModelRunner, tables: list[list[int]], step: int) -> float:
+    """Seconds of the step-th decode pass of the rows prefill made (step < 88: the rows' pages)."""
+    batch, _, _ = runner._build([Row(pages=table, start=40 + step, token_ids=[100 + step], sample=True,
+                                     sampling=Sampling(), rng=None) for table in tables])
+    start = time.perf_counter()
+    runner.decoder.forward(batch, runner.cache)
+    return time.perf_counter() - start
+
+
+def pass_times(runner: ModelRunner, rows: int, passes: int) -> list[float]:
+    tables = prefill(runner, rows)
+    return [one_pass(runner, tables, step) for step in range(passes)]
 
 
 def model_path(name: str) -> str | None:
@@ -72,19 +79,20 @@ def main() -> None:
     first = args.sides[0]
     torch.set_num_threads(args.threads)
     model = load(model_path(args.model), default_cache_dir())
-    print(f"{args.threads} threads; ms per decode pass, median (best) of {args.passes}")
+    print(f"{args.threads} threads; ms per decode pass, median (best) of {args.passes}, the sides' passes taken in turn")
     others = args.sides[1:]
     print("| rows | " + " | ".join(sides) + "".join(f" | {side} / {first}" for side in others) + " |")
     print("|---:|" + "---:|" * (len(sides) + len(others)))
+    runners = {side: ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=PAGES * max(args.rows),
+                                 max_seq_len=2048, **flags) for side, flags in sides.items()}
     for rows in args.rows:
-        median = {}
-        cells = []
-        for side, flags in sides.items():
-            runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=PAGES * max(args.rows),
-                                 max_seq_len=2048, **flags)
-            times = pass_times(runner, rows, args.passes)
-            median[side] = statistics.median(times)
-            cells.append(f"{median[side] * 1e3:.1f} ({min(times) * 1e3:.1f})")
+        tables = {side: prefill(runner, rows) for side, runner in runners.items()}
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for step in range(args.passes):  # in turn, so that a noisy moment costs every side alike
+            for side, runner in runners.items():
+                times[side].append(one_pass(runner, tables[side], step))
+        median = {side: statistics.median(t) for side, t in times.items()}
+        cells = [f"{median[side] * 1e3:.1f} ({min(times[side]) * 1e3:.1f})" for side in sides]
         print(f"| {rows} | " + " | ".join(cells) + "".join(f" | {median[side] / median[first]:.2f}" for side in others)
               + " |", flush=True)
 

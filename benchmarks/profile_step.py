@@ -11,7 +11,8 @@ Python (embedding, logits), sampling (runner/sampler.py), the runner's batch bui
 Python (scheduling, sessions, detokenizing, handing out tokens). The other threads' samples are the
 gRPC edge (the asyncio loop: protobuf, grpc) and the rest. The shares are turned into milliseconds per
 step and per token with the step rate measured in the same window: N streams of long answers, so
-nearly every step is a decode step of N rows (a finished stream is sent again at once).
+nearly every step is a decode step of N rows (a finished stream is sent again at once, and its
+prompt's prefill joins a pass: that pass runs layer by layer, the "prefill passes" bucket).
 
 The shares are samples, on a machine that may be shared: compare runs taken side by side.
 """
@@ -45,6 +46,8 @@ SERVER_BUCKETS = [
     ("layers (C: decode_step's matmuls, attention, norms)", ("DecodeStep.__call__",)),
     ("LM head and final norm", ("_logits",)),
     ("embedding lookup", ("_embed",)),
+    ("decode pass, Python around the call", ("_decode_only",)),
+    ("prefill passes (a new stream's prompt: layer by layer, torch's attention)", ("LlamaDecoder.forward",)),
     ("sampling", ("sampler.py",)),
     ("batch building (runner)", ("ModelRunner._build", "rows.py")),
     ("runner, other", ("server/runner/",)),
