@@ -96,9 +96,9 @@ CANDIDATES = 256
 
 def _draw(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p over the sorted distribution, then one draw per row.
-    Each row is drawn from its CANDIDATES most likely tokens (topk) where its kept tokens end among
-    them, else from its whole vocabulary sorted; either way with the same numbers, so a row's token
-    does not depend on which it took, nor on the other rows."""
+    A row with a cut is drawn from its CANDIDATES most likely tokens (topk) where its kept tokens end
+    among them; the others from their whole vocabulary sorted; either way with the same numbers, so
+    a row's token does not depend on which it took, nor on the other rows."""
     device = logits.device
     params = [row.sampling for row in rows]
     temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
@@ -109,12 +109,18 @@ def _draw(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
 
     scaled = logits / temps
     lse = scaled.logsumexp(dim=-1, keepdim=True)  # the probabilities' log normaliser, over the whole row
-    values, order = scaled.topk(min(CANDIDATES, scaled.shape[1]), dim=-1)  # sorted, most likely first
-    tokens, inside = _pick(values, order, lse, top_k, top_p, min_p, u)
-    if values.shape[1] < scaled.shape[1] and not inside.all():  # rows that keep more than their candidates: the whole row, sorted
-        full = (~inside).nonzero().squeeze(1)
-        values, order = scaled[full].sort(dim=-1, descending=True)
-        tokens[full] = _pick(values, order, lse[full], top_k[full], top_p[full], min_p[full], u[full])[0]
+    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+    inside = torch.zeros(len(rows), dtype=torch.bool, device=device)
+    count = min(CANDIDATES, scaled.shape[1])
+    # rows with a cut (top-k, top-p, min-p) try their candidates; the others keep every token
+    cut = ((top_k < scaled.shape[1]) | (top_p < 1) | (min_p > 0))[:, 0].nonzero().squeeze(1)
+    if count < scaled.shape[1] and len(cut):
+        values, order = scaled[cut].topk(count, dim=-1)  # sorted, most likely first
+        tokens[cut], inside[cut] = _pick(values, order, lse[cut], top_k[cut], top_p[cut], min_p[cut], u[cut])
+    whole = (~inside).nonzero().squeeze(1)  # the rest: the whole row, sorted
+    if len(whole):
+        values, order = scaled[whole].sort(dim=-1, descending=True)
+        tokens[whole] = _pick(values, order, lse[whole], top_k[whole], top_p[whole], min_p[whole], u[whole])[0]
     return tokens
 
 
