@@ -319,6 +319,33 @@ def test_a_build_without_avx512_bf16_has_no_bf16_path(isa):
         _refuses(bf16, kernels.BF16_ROWS, "AVX-512 BF16")
 
 
+@pytest.mark.skipif(not BF16_BUILDS or len(ISAS) < 2, reason=NO_BF16 + ", or no other build to switch to")
+def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them():
+    """A decoder packed while the avx512_bf16 build was selected, run after another build is: the
+    one-call step refuses it (it would read the pairs as another layout), it never runs it."""
+    from braid.server.model.loader import LoadedModel
+    from braid.server.runner.model_runner import ModelRunner
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    loaded = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="tiny",
+                         architecture="LlamaForCausalLM", eos_token_ids=(2,))
+    kernels._cpu_kernels.select_isa(BF16_BUILDS[0])
+    runner = ModelRunner(loaded, CPU, torch.float32, num_pages=4, max_seq_len=64, weight_dtype="bfloat16",
+                         quantization="none", activations="bf16")
+    assert runner.activations == "bf16"
+    other = next(build for build in ISAS if build not in BF16_BUILDS)
+    kernels._cpu_kernels.select_isa(other)
+    try:
+        step = kernels.DecodeStep(runner.decoder.layers, runner.decoder.rope, 2, 1, 16, 1e-5, 0.25, None, "silu",
+                                  runner.cache.k, runner.cache.v)
+        with pytest.raises(ValueError, match="AVX-512 BF16"):
+            step(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    finally:
+        kernels._cpu_kernels.select_isa(ISAS[0])
+
+
 def test_a_quantized_matrix_needs_whole_blocks(isa):
     weight, _ = matrix("q8_0", (64, 40), seed=2)
     layer = isa.linear(weight, None)

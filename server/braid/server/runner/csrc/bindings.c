@@ -170,6 +170,14 @@ static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_Format(PyExc_ValueError, "decode_step: unknown activation %d", s.activation);
         return NULL;
     }
+    static const int MATRICES[] = {T_QKV_FMT, T_O_FMT, T_GATE_UP_FMT, T_DOWN_FMT};
+    for (long layer = 0; layer < s.layers; layer++) /* a weight packed for a path this build lacks */
+        for (size_t i = 0; i < sizeof MATRICES / sizeof *MATRICES; i++)
+            if (s.table[layer * T_FIELDS + MATRICES[i]] & F_BF16_ROWS && !K->bf16_rows) {
+                PyErr_Format(PyExc_ValueError, "decode_step: the %s kernels have no bf16-rows path (it needs "
+                             "AVX-512 BF16)", K->name);
+                return NULL;
+            }
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = K->decode_step(&s);
