@@ -31,18 +31,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sides", nargs="+", default=SIDES, help="name=flags, one server per side")
     parser.add_argument("--starts", type=int, default=3, help="server starts per side (two timed runs each)")
-    parser.add_argument("--streams", nargs="+", type=int, default=[16, 1], help="requests at once, at most 16")
+    parser.add_argument("--streams", nargs="+", type=int, default=[16, 1], help="requests at once")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--flags", default="", help="flags every side gets (e.g. --model FOLDER)")
     args = parser.parse_args()
     sides = dict(side.split("=", 1) for side in args.sides)
     tokenizer = AutoTokenizer.from_pretrained(resolve(None, default_cache_dir())[1])
-    requests = workloads.PromptMaker(tokenizer).batch(16, 30, 60)
+    requests = workloads.PromptMaker(tokenizer).batch(max(16, *args.streams), 30, 60)  # the first 16: ab.py's
     runs: dict[tuple[str, int], list[Run]] = {(side, n): [] for side in sides for n in args.streams}
     for _ in range(args.starts):
         for side, flags in sides.items():
             server = BraidProcess([*args.flags.split(), *flags.split(), "--mode", "continuous", "--max-batch-size",
-                                   "32", "--threads", str(args.threads), "--log-level", "warning"])
+                                   str(max(32, *args.streams)), "--threads", str(args.threads), "--log-level", "warning"])
             try:
                 asyncio.run(run_once(server.target, requests[:max(args.streams)]))  # warm-up
                 for n in args.streams:

@@ -2,10 +2,11 @@
 per second, at 1 row (one decoding session), 16 rows (a decode batch) and 256 rows (a prefill
 chunk), on SmolLM2's and Llama-3.2-1B's layer shapes. Where a step's time goes, by format.
 
-    .venv/bin/python benchmarks/gemm_formats.py [--isa avx2] [--repeats 5] [--activations float32,int8]
+    .venv/bin/python benchmarks/gemm_formats.py [--isa avx2] [--repeats 5] [--activations float32,int8,bf16]
 
 BRAID_KERNELS_ISA (or --isa) picks the instruction-set build; medians of --repeats runs. A quantized
-format is timed with each of --activations (float32 rows, or int8 rows and integer dot products).
+format is timed with each of --activations that has a path for it (float32 rows, or int8 rows and
+integer dot products), bf16 with float32 rows and bf16 rows (vdpbf16ps, where the build has it).
 """
 
 from __future__ import annotations
@@ -53,11 +54,10 @@ def _once(layer, x) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--isa", help="avx512_vnni, avx512, avx2_vnni or avx2 (default: BRAID_KERNELS_ISA, else "
-                                      "the best)")
+    parser.add_argument("--isa", help=f"{kernels.BUILDS} (default: BRAID_KERNELS_ISA, else the best)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", default="1,16,256")
-    parser.add_argument("--activations", default="float32,int8")
+    parser.add_argument("--activations", default="float32,int8,bf16")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated labels of SHAPES")
     parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
@@ -72,7 +72,8 @@ def main() -> None:
         k, n = SHAPES[label]
         for fmt in args.formats.split(","):
             weight = matrix(fmt, k, n)
-            for activations in args.activations.split(",") if fmt.startswith("q") else ["float32"]:
+            paths = {"float32"} | ({"int8"} if fmt.startswith("q") else {"bf16"} if fmt == "bf16" else set())
+            for activations in [a for a in args.activations.split(",") if a in paths]:
                 layer = kernels.pick_ops(torch.device("cpu"), torch.float32, activations=activations).linear(weight, None)
                 cells = []
                 for m in rows:

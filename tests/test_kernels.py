@@ -8,7 +8,9 @@ format must give, bit for bit, the fp32 kernel's answer on its values; a quantiz
 answer (to rounding) on the weights gguf-py dequantizes, and an embedding lookup those weights exactly.
 With int8 activations (--activations int8), a quantized format gives torch's answer to rounding on
 x quantized per row and block of 32 as the kernels quantize it, so within that quantization's error
-of the fp32 answer, and the same bits in every build.
+of the fp32 answer, and the same bits in every build. With bf16 activations (--activations bf16, the
+avx512_bf16 build: AVX-512 BF16's vdpbf16ps), a bf16 matrix gives torch's answer to rounding on x
+rounded to bf16, so within 2^-8 of the fp32 answer's sum of |x W|.
 """
 
 from __future__ import annotations
@@ -203,20 +205,145 @@ def test_an_embedding_lookup_reads_an_int8_packed_head_exactly(isa, fmt):
 
 
 def test_activations_auto_runs_int8_where_the_kernels_run():
-    """--activations: auto and int8 run the int8 path in braid's kernels; float32, and torch's ops
-    (which have no int8 path), run float32 rows."""
-    assert pick_ops(CPU, torch.float32, activations="auto").activations == ("int8" if ISAS else "float32")
+    """--activations: auto runs the int8 path in braid's kernels, and the bf16 path where the build
+    has it; int8 and bf16 each run their own; float32, and torch's ops (which have neither), run
+    float32 rows."""
+    if ISAS:
+        pick_ops(CPU, torch.float32)  # selects the best build
+    bf16 = bool(ISAS) and kernels.has_bf16_rows()
+    auto = "int8+bf16" if bf16 else "int8" if ISAS else "float32"
+    assert pick_ops(CPU, torch.float32, activations="auto").activations == auto
     assert pick_ops(CPU, torch.float32, activations="int8").activations == ("int8" if ISAS else "float32")
+    assert pick_ops(CPU, torch.float32, activations="bf16").activations == ("bf16" if bf16 else "float32")
     assert pick_ops(CPU, torch.float32, activations="float32").activations == "float32"
     assert pick_ops(CPU, torch.float32, allow_kernels=False, activations="int8").activations == "float32"
+    assert pick_ops(CPU, torch.float32, allow_kernels=False, activations="bf16").activations == "float32"
 
 
-def test_only_a_quantized_format_has_an_int8_path(isa):
-    layer = CpuKernelOps(isa.isa, activations="int8").linear(torch.randn(40, 64), None)
-    assert not layer.int8 and layer.code == kernels.FORMAT_CODES["f32"]
-    with pytest.raises(ValueError, match="int8"):
-        kernels._cpu_kernels.gemm(0, 64, layer.weight.data_ptr(), layer.code | kernels.INT8, 0, 40, 1, 64, 40, 0,
-                                  None, 1)
+def _bf16_builds() -> list[str]:
+    """The builds this CPU runs that have the bf16 path (AVX-512 BF16)."""
+    before, builds = kernels._cpu_kernels.isa(), []
+    for build in ISAS:
+        kernels._cpu_kernels.select_isa(build)
+        if kernels.has_bf16_rows():
+            builds.append(build)
+    if before:
+        kernels._cpu_kernels.select_isa(before)
+    return builds
+
+
+BF16_BUILDS = _bf16_builds() if ISAS else []
+NO_BF16 = ("this CPU has no AVX-512 BF16: the bf16 path does not run here (where it does, the start-up self-check "
+           "covers it)")
+
+
+@pytest.fixture(params=BF16_BUILDS or ["none"])
+def bf16_isa(request):
+    """Each build this CPU runs with the bf16 path, selected for the test."""
+    if not BF16_BUILDS:
+        pytest.skip(NO_BF16)
+    before = kernels._cpu_kernels.isa()
+    kernels._cpu_kernels.select_isa(request.param)
+    yield CpuKernelOps(request.param, activations="bf16")
+    kernels._cpu_kernels.select_isa(before or ISAS[0])
+
+
+def bf16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the bf16 path sees it, in float64: each value rounded to bf16 (to nearest even)."""
+    return x.bfloat16().double()
+
+
+def test_bf16_activations_against_the_fp32_reference(bf16_isa):
+    """--activations bf16 at 1, 3, 16 and 128 rows, odd sizes (a partial panel, an odd K), with bias
+    and accumulating: torch's answer on the rows rounded to bf16 to fp32 rounding (bf16 products are
+    exact in fp32); and within that rounding's error of the fp32 answer: each x moves by at most
+    2^-8 of itself, so an output by at most 2^-8 sum_k |x_k W[n, k]| (the tolerance is twice that)."""
+    for i, shape in enumerate(SHAPES):
+        weight, reference = matrix("bf16", shape, seed=i)
+        k, n = shape
+        bias = torch.randn(n)
+        layer, plain = bf16_isa.linear(weight, bias), bf16_isa.linear(weight, None)
+        assert layer.bf16 and layer.rows == "bf16" and layer.format == "bf16"
+        for m in ROWS:
+            x = torch.randn(m, k)
+            out = layer(x).double()
+            scale = x.abs().double() @ reference.abs().double().t()  # [m, n]: sum_k |x_k W[n, k]|
+            exact = bf16_rows(x) @ reference.double().t() + bias.double()
+            assert ((out - exact).abs() <= 1e-5 * scale + 1e-5).all(), (shape, m)
+            fp32 = x.double() @ reference.double().t() + bias.double()
+            assert ((out - fp32).abs() <= 2 ** -7 * scale + 1e-5).all(), (shape, m)
+            y = torch.randn(m, n)
+            expected = y.double() + bf16_rows(x) @ reference.double().t()
+            assert plain.add_into(y, x) is y
+            assert ((y.double() - expected).abs() <= 1e-5 * scale + 1e-5).all(), (shape, m)
+
+
+def test_bf16_activations_give_a_row_the_same_bits_alone_and_in_a_batch(bf16_isa):
+    weight, _ = matrix("bf16", (577, 100), seed=1)
+    layer = bf16_isa.linear(weight, torch.randn(100))
+    x = torch.randn(70, 577)
+    together = layer(x)
+    for row in (0, 1, 12, 13, 69):
+        assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), row
+    for rows in ((5, 22), (0, 3), (10, 26)):  # other tile splits
+        assert torch.equal(layer(x[rows[0]:rows[1]]), together[rows[0]:rows[1]]), rows
+
+
+@pytest.mark.parametrize("k", [256, 255])
+def test_an_embedding_lookup_reads_a_bf16_rows_packed_head_exactly(bf16_isa, k):
+    weight, reference = matrix("bf16", (k, 101), seed=7)
+    ids = torch.tensor([0, 100, 31, 32, 33, 64, 5, 5])
+    assert torch.equal(bf16_isa.linear(weight, None).columns(ids), reference[ids])
+
+
+def _refuses(layer: PackedLinear, flag: int, match: str) -> None:
+    """gemm refuses layer's packed weight with its code and flag (a path it has no such weight for)."""
+    with pytest.raises(ValueError, match=match):
+        kernels._cpu_kernels.gemm(0, 64, layer.weight.data_ptr(), layer.code | flag, 0, 40, 1, 64, 40, 0, None, 1)
+
+
+@pytest.mark.parametrize("path", ["int8", "bf16"])
+def test_only_its_formats_have_a_path_of_rounded_rows(isa, path):
+    """int8 rows are for quantized formats, bf16 rows for bf16: an fp32 matrix keeps fp32 rows, and
+    gemm refuses the flag on it."""
+    flag = kernels.INT8 if path == "int8" else kernels.BF16_ROWS
+    layer = CpuKernelOps(isa.isa, activations=path).linear(torch.randn(40, 64), None)
+    assert layer.rows == "float32" and layer.code == kernels.FORMAT_CODES["f32"]
+    _refuses(layer, flag, path)
+
+
+def test_a_build_without_avx512_bf16_has_no_bf16_path(isa):
+    bf16 = CpuKernelOps(isa.isa, activations="bf16").linear(torch.randn(40, 64).bfloat16(), None)
+    assert bf16.bf16 == (isa.isa in BF16_BUILDS)
+    if isa.isa not in BF16_BUILDS:  # and refuses the format, whoever asks
+        _refuses(bf16, kernels.BF16_ROWS, "AVX-512 BF16")
+
+
+@pytest.mark.skipif(not BF16_BUILDS or len(ISAS) < 2, reason=NO_BF16 + ", or no other build to switch to")
+def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them():
+    """A decoder packed while the avx512_bf16 build was selected, run after another build is: the
+    one-call step refuses it (it would read the pairs as another layout), it never runs it."""
+    from braid.server.model.loader import LoadedModel
+    from braid.server.runner.model_runner import ModelRunner
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    loaded = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="tiny",
+                         architecture="LlamaForCausalLM", eos_token_ids=(2,))
+    kernels._cpu_kernels.select_isa(BF16_BUILDS[0])
+    runner = ModelRunner(loaded, CPU, torch.float32, num_pages=4, max_seq_len=64, weight_dtype="bfloat16",
+                         quantization="none", activations="bf16")
+    assert runner.activations == "bf16"
+    other = next(build for build in ISAS if build not in BF16_BUILDS)
+    kernels._cpu_kernels.select_isa(other)
+    try:
+        step = kernels.DecodeStep(runner.decoder.layers, runner.decoder.rope, 2, 1, 16, 1e-5, 0.25, None, "silu",
+                                  runner.cache.k, runner.cache.v)
+        with pytest.raises(ValueError, match="AVX-512 BF16"):
+            step(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    finally:
+        kernels._cpu_kernels.select_isa(ISAS[0])
 
 
 def test_a_quantized_matrix_needs_whole_blocks(isa):

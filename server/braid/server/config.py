@@ -25,7 +25,7 @@ class Mode(enum.Enum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0")
-ACTIVATIONS = ("auto", "int8", "float32")
+ACTIVATIONS = ("auto", "int8", "bf16", "float32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -68,10 +68,12 @@ class EngineConfig:
         "dequantized to --dtype (--dtype float32 --quantization none is plain fp32); q8_0: float matrices "
         "quantized to Q8_0 blocks at load", choices=list(QUANTIZATIONS)))
     activations: str = field(default="auto", metadata=_opt(
-        "what a quantized matrix (Q8_0, Q4_0, Q4_1, Q6_K, Q4_K) multiplies on the CPU: int8 (each row quantized "
-        "to 8 bits per block of 32, as llama.cpp does, and integer dot products: faster, a row's result still "
-        "independent of its batch), float32 (fp32 rows: transformers-level agreement) or auto (the fastest "
-        "braid's kernels have: int8 for a quantized matrix, float32 rows elsewhere)",
+        "what a matrix multiplies on the CPU: int8 (a quantized matrix's (Q8_0, Q4_0, Q4_1, Q6_K, Q4_K) rows "
+        "quantized to 8 bits per block of 32, as llama.cpp does, and integer dot products), bf16 (a bf16 "
+        "matrix's rows rounded to bf16, and AVX-512 BF16's dot products, where the CPU has them): faster, a "
+        "row's result still independent of its batch; float32 (fp32 rows: transformers-level agreement) or "
+        "auto (the fastest braid's kernels have: int8 for a quantized matrix, bf16 for a bf16 one, float32 "
+        "rows elsewhere)",
         choices=list(ACTIVATIONS)))
     threads: int = field(default=0, metadata=_opt(
         "CPU threads of torch's and braid's kernels (0: the CPUs this process may use, its affinity mask cut by "

@@ -230,7 +230,7 @@ class ModelInfo:
     kv_cache_dtype: str = "float32"
     prefix_caching: bool = True
     runner: str = "braid"  # "braid": its own decoder; "transformers": the model's own forward
-    activations: str = "float32"  # what quantized weights multiply: "int8" or "float32" rows
+    activations: str = "float32"  # what the weights multiply: "int8", "bf16", "int8+bf16" or "float32" rows
     threads: int = 0  # the CPU pools' threads (affinity, cgroup quota or --threads)
     max_loras: int = 0  # LoRA adapters resident at most (--max-loras); the loaded ones: Engine.adapters
     max_lora_rank: int = 0

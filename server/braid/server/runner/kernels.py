@@ -5,7 +5,8 @@ steps' attention run in braid's C kernels (csrc/): each weight matrix is packed 
 in its own format (fp32, bf16, f16, or GGUF's Q8_0/Q4_0/Q4_1/Q6_K/Q4_K blocks), streamed from memory once
 per call whatever the number of rows, and widened to fp32 in registers; or, with --activations int8, a
 quantized matrix multiplies each row of x quantized to int8 per block of 32 with the CPU's integer dot
-products (csrc/int8.c). Each small op is one call
+products (csrc/int8.c), and with --activations bf16 a bf16 matrix multiplies each row rounded to bf16
+with AVX-512 BF16's vdpbf16ps (csrc/bf16.c). Each small op is one call
 instead of several torch ops (csrc/kernels.h says why). Elsewhere (CUDA, an older CPU, a build
 without a C compiler, or --kernels torch) the same functions run torch's ops on weights dequantized
 to the compute dtype.
@@ -36,8 +37,9 @@ KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, pa
 FORMATS = {"f32": (128, 0), "bf16": (64, 0), "f16": (64, 0), "q8_0": (32, 64), "q4_0": (16, 64), "q4_1": (16, 128),
            "q6_k": (32, 256), "q4_k": (16, 256)}
 FORMAT_CODES = {name: code for code, name in enumerate(FORMATS)}
-ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512_vnni, avx512, avx2_vnni or avx2: that build, not the best one
-ACTIVATIONS_CHOICES = ("auto", "int8", "float32")  # --activations (EngineConfig)
+ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512_bf16, avx512_vnni, avx512, avx2_vnni or avx2: that build, not the best
+ACTIVATIONS_CHOICES = ("auto", "int8", "bf16", "float32")  # --activations (EngineConfig)
+BUILDS = "avx512_bf16, avx512_vnni, avx512, avx2_vnni, avx2"  # the kernels' builds, best first
 
 
 try:
@@ -52,13 +54,20 @@ if _cpu_kernels is not None and (
     _LOGGER.error("braid's C kernels were built for another layout than this code's (panels, blocks, table "
                   "fields, KV cache, formats or activations): rebuild them (make install); running torch's kernels")
     _cpu_kernels = None
-# The format flag of the int8 path (csrc/kernels.h: F_INT8); None in a build without it.
+# The format flags of the int8 and bf16 paths (csrc/kernels.h: F_INT8, F_BF16_ROWS); None in a build without it.
 INT8 = getattr(_cpu_kernels, "INT8", None)
+BF16_ROWS = getattr(_cpu_kernels, "BF16_ROWS", None)
+
+
+def has_bf16_rows() -> bool:
+    """Whether the selected build of the kernels runs the bf16 path (it needs AVX-512 BF16)."""
+    return BF16_ROWS is not None and _cpu_kernels.isa() is not None and _cpu_kernels.bf16_rows()
 
 
 def kernels_isa() -> str | None:
     """The instruction set braid's kernels run in on this CPU: BRAID_KERNELS_ISA's if set, else
-    the best the CPU has ('avx512_vnni', 'avx512', 'avx2_vnni', 'avx2'); None where they do not run.
+    the best the CPU has ('avx512_bf16', 'avx512_vnni', 'avx512', 'avx2_vnni', 'avx2'); None where they do
+    not run.
     Selects it in the module."""
     if _cpu_kernels is None:
         return None
@@ -66,8 +75,7 @@ def kernels_isa() -> str | None:
     supported = _cpu_kernels.isas()
     if wanted and wanted not in supported:
         raise ValueError(f"{ISA_VARIABLE}={wanted}: this CPU runs braid's kernels in "
-                         f"{', '.join(supported) or 'no instruction set'} (built: avx512_vnni, avx512, avx2_vnni, "
-                         "avx2)")
+                         f"{', '.join(supported) or 'no instruction set'} (built: {BUILDS})")
     for isa in [wanted] if wanted else supported:
         _cpu_kernels.select_isa(isa)
         if _passes_self_check(isa):
@@ -113,6 +121,14 @@ def _self_check() -> bool:
         layer = PackedLinear(weight, None, int8=True)
         error = (layer(x) - x @ reference.t()).abs().max() / (x.abs().max() * reference.abs().sum(1).max())
         if not (error < 1 / 127 and torch.equal(layer(x[1:2]), layer(x)[1:2])
+                and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])):
+            return False
+    if has_bf16_rows():  # the bf16 path: within x's rounding to bf16 (2^-8 of each value; twice that), odd K
+        weight = values[:, :95].bfloat16()
+        reference = weight.float()
+        layer = PackedLinear(weight, None, bf16=True)
+        error = (layer(x[:, :95]) - x[:, :95] @ reference.t()).abs() / (x[:, :95].abs() @ reference.abs().t())
+        if not (layer.bf16 and error.max() < 2 ** -7 and torch.equal(layer(x[1:2, :95]), layer(x[:, :95])[1:2])
                 and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])):
             return False
     norm = torch.rand(96, generator=generator)
@@ -177,14 +193,18 @@ class PackedLinear(Linear):
     in, 32] for a float dtype; for GGUF blocks, per panel and block of 32 rows, the 32 columns'
     scales (and mins) then the 32 rows of quants, as bytes."""
 
-    def __init__(self, weight: Weight, bias: torch.Tensor | None, int8: bool = False) -> None:
+    def __init__(self, weight: Weight, bias: torch.Tensor | None, int8: bool = False, bf16: bool = False) -> None:
         """int8: quantize x to int8 per row and block for integer dot products (GGUF blocks only;
-        their quants packed for it, csrc/kernels.h's F_INT8)."""
+        their quants packed for it, csrc/kernels.h's F_INT8). bf16: round x to bf16 per row for
+        vdpbf16ps (a bf16 weight, where the selected build has it; packed in pairs of rows, F_BF16_ROWS)."""
         self.out_features, self.in_features = weight.shape
         self.format = format_of(weight)
         self.int8 = int8 and isinstance(weight, Blocks) and INT8 is not None
-        self.code = FORMAT_CODES[self.format] | (INT8 if self.int8 else 0)
-        self.weight = _pack_blocks(weight, self.int8) if isinstance(weight, Blocks) else _pack_dense(weight)
+        self.bf16 = bf16 and self.format == "bf16" and has_bf16_rows()
+        self.rows = "int8" if self.int8 else "bf16" if self.bf16 else "float32"  # what x is multiplied as
+        self.code = FORMAT_CODES[self.format] | (INT8 if self.int8 else 0) | (BF16_ROWS if self.bf16 else 0)
+        self.weight = (_pack_blocks(weight, self.int8) if isinstance(weight, Blocks)
+                       else _pack_dense(weight, pairs=self.bf16))
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.nbytes = self.weight.nbytes
 
@@ -214,15 +234,19 @@ class PackedLinear(Linear):
                           None if self.bias is None else self.bias.data_ptr(), torch.get_num_threads())
 
 
-def _pack_dense(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [ceil(out / 32), in, 32], zero-padded, in the weight's dtype (fp32 for others)."""
+def _pack_dense(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 32), in, 32], zero-padded, in the weight's dtype (fp32 for others).
+    pairs (the bf16 path's layout): [ceil(out / 32), ceil(in / 2), 32, 2], each column's rows 2p and
+    2p + 1 side by side, an odd `in` padded with a row of zeros."""
     weight = weight.detach()
     if weight.dtype not in FLOAT_FORMATS:
         weight = weight.float()
     n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = weight.new_zeros(panels * PANEL, k)
-    padded[:n] = weight
+    panels, rows = -(-n // PANEL), k + (k % 2 if pairs else 0)
+    padded = weight.new_zeros(panels * PANEL, rows)
+    padded[:n, :k] = weight
+    if pairs:
+        return padded.view(panels, PANEL, rows // 2, 2).transpose(1, 2).contiguous()
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
@@ -261,7 +285,7 @@ class TorchOps:
 
     name = "torch"
     isa: str | None = None
-    activations = "float32"  # what a quantized matrix multiplies: float32 rows, or int8 (CpuKernelOps)
+    activations = "float32"  # the paths that round rows: "float32" (none), or int8, bf16 or int8+bf16 (CpuKernelOps)
     fused_decode = False  # DecodeStep and decode_attention need the C kernels
 
     def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
@@ -308,17 +332,19 @@ class TorchOps:
 class CpuKernelOps(TorchOps):
     """The same ops in braid's C kernels, on a CPU with AVX-512 or AVX2, activations in fp32: one C
     call each instead of half a dozen torch ops, weights packed into panels in their own format.
-    activations "int8": a quantized matrix multiplies rows quantized to int8 per block (csrc/int8.c)."""
+    activations "int8": a quantized matrix multiplies rows quantized to int8 per block (csrc/int8.c);
+    "bf16": a bf16 matrix multiplies rows rounded to bf16 (csrc/bf16.c); "int8+bf16": both."""
 
     fused_decode = True
 
     def __init__(self, isa: str, activations: str = "float32") -> None:
         super().__init__(torch.float32, torch.device("cpu"))
-        assert activations in ("int8", "float32")
+        assert activations in ("int8", "bf16", "int8+bf16", "float32")
         self.isa, self.name, self.activations = isa, f"braid's {isa} kernels", activations
 
     def linear(self, weight: Weight, bias: torch.Tensor | None) -> Linear:
-        return PackedLinear(weight, bias, int8=self.activations == "int8")
+        paths = self.activations.split("+")
+        return PackedLinear(weight, bias, int8="int8" in paths, bf16="bf16" in paths)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = _rows(x)
@@ -358,16 +384,29 @@ def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = Tru
              activations: str = "float32") -> TorchOps:
     """braid's C kernels where they run (and are allowed: --kernels auto), torch's elsewhere.
     dtype: the compute dtype torch's ops run in (the C kernels' is fp32). activations
-    (--activations): auto and int8 run quantized matrices on int8 rows where the C kernels have
-    that path; float32, and torch's ops, on fp32 rows."""
+    (--activations): int8 runs quantized matrices on int8 rows where the C kernels have that path;
+    bf16 runs bf16 matrices on bf16 rows where the build has AVX-512 BF16; auto runs both where they
+    are; float32, and torch's ops, run fp32 rows."""
     assert activations in ACTIVATIONS_CHOICES
     isa = kernels_isa() if allow_kernels and device.type == "cpu" else None
     if isa is None or dtype != torch.float32:
-        if activations == "int8":
-            _LOGGER.warning("--activations int8: only braid's C kernels have an int8 path; running float32")
+        if activations in ("int8", "bf16"):
+            _LOGGER.warning("--activations %s: only braid's C kernels have an %s path; running float32", activations,
+                            activations)
         return TorchOps(dtype, device)
-    int8 = activations in ("auto", "int8") and INT8 is not None  # auto: int8 is the fastest there is
-    return CpuKernelOps(isa, "int8" if int8 else "float32")
+    if activations == "bf16" and not has_bf16_rows():
+        _LOGGER.warning("--activations bf16: braid's %s kernels have no bf16 path (it needs AVX-512 BF16); running "
+                        "float32", isa)
+    paths = [path for path, runs in (("int8", INT8 is not None), ("bf16", has_bf16_rows()))
+             if runs and activations in ("auto", path)]  # auto: each is the fastest its format has
+    return CpuKernelOps(isa, "+".join(paths) or "float32")
+
+
+def activations_of(layers: list[Linear]) -> str:
+    """What a decoder's matrices multiply, for ModelInfo.activations: "int8", "bf16", "int8+bf16"
+    (the paths some matrix runs, each on its formats), or "float32" where none rounds its rows."""
+    rows = {getattr(layer, "rows", "float32") for layer in layers}
+    return "+".join(path for path in ("int8", "bf16") if path in rows) or "float32"
 
 
 KV_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # a KV cache's dtypes, in C

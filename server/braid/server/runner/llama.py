@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from braid.server.runner.families import Family
-from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, decode_attention
+from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, activations_of, decode_attention
 from braid.server.runner.kv_cache import KVCache, head_dim
 from braid.server.runner.lora import LoraPass, Target
 from braid.server.runner.precision import Precision, fuse
@@ -152,8 +152,8 @@ class LlamaDecoder:
                 rope=layer_types[i] if per_type_rope else "",
             ))
         self.lora_targets = self._lora_targets(family)
-        # what the quantized matrices multiply: int8 rows (--activations int8) or float32 ones
-        self.activations = "int8" if any(getattr(w, "int8", False) for w in self._matrices()) else "float32"
+        # what the matrices multiply: int8 or bf16 rows (--activations), or float32 ones
+        self.activations = activations_of(self._matrices())
         self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(
             t.nbytes for t in [self.final_norm, *(v for w in self.layers for v in (w.input_norm, w.post_norm))])
         # RoPE tables for every position, from transformers' own rotary module (it knows every

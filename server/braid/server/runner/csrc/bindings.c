@@ -1,11 +1,11 @@
 /* The Python module braid.server.runner._cpu_kernels: each function calls the kernels of the
- * instruction set selected by select_isa (isa_avx512.c or isa_avx2.c). */
+ * instruction set selected by select_isa (isa_avx512*.c or isa_avx2*.c). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "kernels.h"
 
-static const kernels_t *const ISAS[] = {&AVX512_VNNI_KERNELS, &AVX512_KERNELS, &AVX2_VNNI_KERNELS,
+static const kernels_t *const ISAS[] = {&AVX512_BF16_KERNELS, &AVX512_VNNI_KERNELS, &AVX512_KERNELS, &AVX2_VNNI_KERNELS,
                                         &AVX2_KERNELS}; /* best first */
 static const kernels_t *K = NULL; /* the selected build; NULL until select_isa */
 
@@ -40,6 +40,13 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, const char *format, ar
 }
 
 static int check_format(long fmt, long K, const char *who) {
+    if (fmt & F_BF16_ROWS) {
+        if (fmt != (F_BF16 | F_BF16_ROWS)) {
+            PyErr_Format(PyExc_ValueError, "%s: only bf16 has a bf16-rows path, not format %ld", who, fmt);
+            return -1;
+        }
+        return 0;
+    }
     if (fmt & F_INT8 && (fmt & ~F_INT8) < F_Q8_0) {
         PyErr_Format(PyExc_ValueError, "%s: only a quantized format has an int8 path, not format %ld", who,
                      fmt & ~F_INT8);
@@ -66,6 +73,10 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     if (check_format(a[3].l, Kd, "gemm")) return NULL;
+    if (a[3].l & F_BF16_ROWS && !K->bf16_rows) {
+        PyErr_Format(PyExc_ValueError, "gemm: the %s kernels have no bf16-rows path (it needs AVX-512 BF16)", K->name);
+        return NULL;
+    }
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = K->gemm(a[0].p, a[1].l, a[2].p, (int)a[3].l, a[4].p, a[5].l, M, Kd, N, (int)a[9].l, a[10].p, (int)a[11].l);
@@ -159,6 +170,14 @@ static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_Format(PyExc_ValueError, "decode_step: unknown activation %d", s.activation);
         return NULL;
     }
+    static const int MATRICES[] = {T_QKV_FMT, T_O_FMT, T_GATE_UP_FMT, T_DOWN_FMT};
+    for (long layer = 0; layer < s.layers; layer++) /* a weight packed for a path this build lacks */
+        for (size_t i = 0; i < sizeof MATRICES / sizeof *MATRICES; i++)
+            if (s.table[layer * T_FIELDS + MATRICES[i]] & F_BF16_ROWS && !K->bf16_rows) {
+                PyErr_Format(PyExc_ValueError, "decode_step: the %s kernels have no bf16-rows path (it needs "
+                             "AVX-512 BF16)", K->name);
+                return NULL;
+            }
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = K->decode_step(&s);
@@ -194,9 +213,14 @@ static PyObject *py_select_isa(PyObject *self, PyObject *arg) {
         K = ISAS[i];
         Py_RETURN_NONE;
     }
-    PyErr_Format(PyExc_ValueError, "no kernels for instruction set %R (built: avx512_vnni, avx512, avx2_vnni, avx2)",
+    PyErr_Format(PyExc_ValueError, "no kernels for instruction set %R (built: avx512_bf16, avx512_vnni, avx512, avx2_vnni, avx2)",
                  arg);
     return NULL;
+}
+
+static PyObject *py_bf16_rows(PyObject *self, PyObject *unused) {
+    if (selected()) return NULL;
+    return PyBool_FromLong(K->bf16_rows);
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
@@ -226,6 +250,7 @@ static PyMethodDef METHODS[] = {
     {"isas", py_isas, METH_NOARGS, "the instruction sets this CPU runs the kernels in, best first"},
     {"select_isa", py_select_isa, METH_O, "select_isa(name): run the kernels built for that instruction set"},
     {"isa", py_isa, METH_NOARGS, "the selected instruction set, or None"},
+    {"bf16_rows", py_bf16_rows, METH_NOARGS, "whether the selected build runs BF16_ROWS (AVX-512 BF16's vdpbf16ps)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -253,6 +278,7 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     PyObject *fields = names(LAYER_FIELD_NAMES, T_FIELDS), *activations = names(ACTIVATION_NAMES, A_ACTIVATIONS);
     if (!layout || !fields || !activations || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 ||
         PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 || PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 || PyModule_AddIntConstant(m, "INT8", F_INT8) < 0 ||
+        PyModule_AddIntConstant(m, "BF16_ROWS", F_BF16_ROWS) < 0 ||
         PyModule_AddObjectRef(m, "FORMATS", layout) < 0 || PyModule_AddObjectRef(m, "LAYER_FIELDS", fields) < 0 ||
         PyModule_AddObjectRef(m, "ACTIVATIONS", activations) < 0) {
         Py_XDECREF(layout);

@@ -11,17 +11,18 @@
  * the same order as by the kernels one at a time, so the bits are theirs whatever the threads. */
 
 /* A thread's own scratch: the normed rows h [B, hidden], the gated activations act [B, I], and what
- * a matmul computes from its rows first (int8 rows, or the block sums of fp32 ones). */
+ * a matmul computes from its rows first (int8 or bf16 rows, or the block sums of fp32 ones). */
 typedef struct {
     float *h, *act, *sums;
     qrows_t q;
+    brows_t b;
 } scratch_t;
 
 static int alloc_scratch(scratch_t *t, long B, long hidden, long I, long kmax) {
     t->h = malloc(sizeof(float) * B * hidden);
     t->act = malloc(sizeof(float) * B * I);
     t->sums = malloc(sizeof(float) * B * (kmax / QBLOCK + 1));
-    const int failed = alloc_qrows(B, kmax, &t->q);
+    const int failed = alloc_qrows(B, kmax, &t->q) | alloc_brows(B, kmax, &t->b);
     return failed || !t->h || !t->act || !t->sums ? -1 : 0;
 }
 
@@ -30,6 +31,7 @@ static void free_scratch(scratch_t *t) {
     free(t->act);
     free(t->sums);
     free_qrows(&t->q);
+    free(t->b.x);
 }
 
 /* gemm inside the step's parallel region, called by every thread with the same arguments: each
@@ -39,6 +41,14 @@ static int team_gemm(scratch_t *t, const float *x, long ldx, const void *w, int 
                      long K, long N, int accumulate, const float *bias) {
     const long panels = (N + PANEL - 1) / PANEL;
     int failed = 0;
+#if BF16
+    if (fmt & F_BF16_ROWS) {
+        round_rows_into(x, ldx, M, K, &t->b);
+#pragma omp for schedule(static)
+        for (long p = 0; p < panels; p++) bf16_panel(&t->b, w, y, ldy, M, K, N, accumulate, bias, p);
+        return 0;
+    }
+#endif
     if (fmt & F_INT8) {
         quantize_rows_into(x, ldx, M, K, &t->q);
 #pragma omp for schedule(static)

@@ -230,8 +230,16 @@ static int gemm_panel(const float *x, long ldx, const void *w, int fmt, float *y
  * through registers. More rows widen it once into L2 (or use it as it is, in fp32) and walk it in
  * k-blocks small enough for L1, every k-block used by all rows before the next is read. The
  * threads share out the panels. Returns 0, or -1 if a panel buffer could not be allocated. */
+#if BF16
+static int gemm_bf16(const float *x, long ldx, const void *w, float *y, long ldy, long M, long K, long N,
+                     int accumulate, const float *bias, int threads); /* bf16.c */
+#endif
+
 static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                 int accumulate, const float *bias, int threads) {
+#if BF16
+    if (fmt & F_BF16_ROWS) return gemm_bf16(x, ldx, w, y, ldy, M, K, N, accumulate, bias, threads);
+#endif
     if (fmt & F_INT8) return gemm_int8(x, ldx, w, fmt & ~F_INT8, y, ldy, M, K, N, accumulate, bias, threads);
     const long panels = (N + PANEL - 1) / PANEL;
     float *sums = block_sums(fmt, x, ldx, M, K);

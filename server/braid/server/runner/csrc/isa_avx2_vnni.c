@@ -3,10 +3,12 @@
 #pragma GCC target("avx2,avxvnni,fma,f16c")
 #define VEC 8
 #define VNNI 1
+#define BF16 0
 #include "simd.h"
 #include "weights.c"
 #include "int8.c"
 #include "gemm.c"
+#include "bf16.c"
 #include "elementwise.c"
 #include "attention.c"
 #include "decode_step.c"
@@ -16,5 +18,5 @@ static int supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("fma");
 }
 
-const kernels_t AVX2_VNNI_KERNELS = {"avx2_vnni", supported, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul, rope,
+const kernels_t AVX2_VNNI_KERNELS = {"avx2_vnni", supported, 0, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul, rope,
                                      decode_attention, decode_step};

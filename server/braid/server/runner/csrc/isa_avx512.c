@@ -3,10 +3,12 @@
 #pragma GCC target("avx512f,avx512bw,avx2,fma,f16c")
 #define VEC 16
 #define VNNI 0
+#define BF16 0
 #include "simd.h"
 #include "weights.c"
 #include "int8.c"
 #include "gemm.c"
+#include "bf16.c"
 #include "elementwise.c"
 #include "attention.c"
 #include "decode_step.c"
@@ -17,5 +19,5 @@ static int supported(void) {
            __builtin_cpu_supports("fma");
 }
 
-const kernels_t AVX512_KERNELS = {"avx512", supported, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul, rope,
+const kernels_t AVX512_KERNELS = {"avx512", supported, 0, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul, rope,
                                   decode_attention, decode_step};

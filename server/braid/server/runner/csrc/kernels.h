@@ -21,9 +21,10 @@
  * fixed, so a row's result does not depend on how many other rows share the call: the same token
  * gives the same logits whatever else is in the batch.
  *
- * The same source is compiled four times, for AVX-512 (16-float vectors) and for AVX2 + FMA (8-float
+ * The same source is compiled five times, for AVX-512 (16-float vectors) and for AVX2 + FMA (8-float
  * vectors), each with and without the integer dot product (AVX-512 VNNI, AVX-VNNI) the int8 path
- * uses: isa_avx512*.c and isa_avx2*.c each include it under their own target (simd.h). The Python
+ * uses, and for AVX-512 with VNNI and BF16, whose vdpbf16ps the bf16 path uses (bf16.c):
+ * isa_avx512*.c and isa_avx2*.c each include it under their own target (simd.h). The Python
  * side picks the best the CPU runs (select_isa), or the one BRAID_KERNELS_ISA names.
  *
  * The functions take raw pointers (from torch's data_ptr()) and release the GIL while they run;
@@ -62,9 +63,17 @@ static const long HEAD_BYTES[F_FORMATS] = {0, 0, 0, 64, 64, 128, 256, 256};
  * j + 16 in their high nibbles), the order vpdpbusd and vpmaddubsw read. Same bytes per block. */
 #define F_INT8 0x100
 
+/* F_BF16 with F_BF16_ROWS set (kernels.py sets it for --activations bf16 where the build has it):
+ * each row of x is rounded to bf16 and multiplied with AVX-512 BF16's vdpbf16ps (bf16.c), and the
+ * weight is packed for it in pairs of rows: pair p of a panel holds rows 2p and 2p + 1 as 64 bf16,
+ * column j's two at 2j and 2j + 1 (an odd K's last pair padded with a row of zeros). */
+#define F_BF16_ROWS 0x200
+
 static inline long block_bytes(int fmt) { return HEAD_BYTES[fmt] + QBLOCK * ROW_BYTES[fmt]; }
 /* Bytes of one packed panel of K rows. A quantized format needs K to be a multiple of QBLOCK. */
 static inline long panel_bytes(int fmt, long K) {
+    if (fmt & F_BF16_ROWS) return (K + 1) / 2 * 2 * ROW_BYTES[F_BF16];
+    fmt &= ~F_INT8;
     return HEAD_BYTES[fmt] ? K / QBLOCK * block_bytes(fmt) : K * ROW_BYTES[fmt];
 }
 
@@ -112,6 +121,7 @@ typedef struct {
 typedef struct {
     const char *name;
     int (*supported)(void);
+    int bf16_rows; /* whether gemm runs F_BF16_ROWS (the build has AVX-512 BF16) */
     /* y[M, N] (row stride ldy) = x[M, K] @ W + bias (or y += ... when accumulate), W packed in fmt. */
     int (*gemm)(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                  int accumulate, const float *bias, int threads); /* -1: out of memory */
@@ -130,6 +140,6 @@ typedef struct {
     int (*decode_step)(const step_t *s); /* -1: out of memory */
 } kernels_t;
 
-extern const kernels_t AVX512_VNNI_KERNELS, AVX512_KERNELS, AVX2_VNNI_KERNELS, AVX2_KERNELS;
+extern const kernels_t AVX512_BF16_KERNELS, AVX512_VNNI_KERNELS, AVX512_KERNELS, AVX2_VNNI_KERNELS, AVX2_KERNELS;
 
 #endif

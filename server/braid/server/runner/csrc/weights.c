@@ -171,6 +171,12 @@ static void widen_panel(int fmt, const uint8_t *panel, long K, float *out) {
 /* Weight (row r, column c) of a packed panel, dequantized as GGUF's reference does it (d * q, then
  * + m, each rounded; -ffp-contract=off keeps the compiler from fusing them). */
 static float weight_at(int fmt, const uint8_t *panel, long r, long c) {
+    if (fmt & F_BF16_ROWS) { /* pairs of rows: (r, c) at bf16 2c + r % 2 of pair r / 2 */
+        const uint32_t bits = (uint32_t)((const uint16_t *)panel)[r / 2 * 2 * PANEL + 2 * c + r % 2] << 16;
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        return v;
+    }
     const int interleaved = fmt & F_INT8;
     fmt &= ~F_INT8;
     const uint8_t *blk = panel + r / QBLOCK * block_bytes(fmt);
@@ -202,7 +208,7 @@ static float weight_at(int fmt, const uint8_t *panel, long r, long c) {
 /* out[i, :] = column ids[i] of W [K, N]: a lookup in an embedding packed as the LM head. */
 static void columns(const void *w, int fmt, long K, long N, const int64_t *ids, long count, float *out, long ldo) {
     (void)N;
-    const long bytes = panel_bytes(fmt & ~F_INT8, K);
+    const long bytes = panel_bytes(fmt, K);
     for (long i = 0; i < count; i++) {
         const uint8_t *panel = (const uint8_t *)w + ids[i] / PANEL * bytes;
         for (long r = 0; r < K; r++) out[i * ldo + r] = weight_at(fmt, panel, r, ids[i] % PANEL);
