@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from braid.client import AsyncClient
 from braid.server.model.loader import default_cache_dir, resolve
-from braid.server.process import BraidProcess
+from braid_server import BraidProcess
 
 import workloads
 
