@@ -206,7 +206,9 @@ def describe(config: EngineConfig, runner, tokenizer, model_name: str, architect
         weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
         quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
         prefix_caching=config.prefix_caching == "on", runner=runner.path, activations=runner.activations,
-        threads=runner.threads)
+        threads=runner.threads, speculative=config.speculative,
+        speculative_tokens=config.speculative_tokens if config.speculative != "none" else 0,
+        draft_model=config.draft_model or "")
 
 
 def _check_device(device: str) -> None:

@@ -26,6 +26,8 @@ class Mode(enum.Enum):
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0")
 ACTIVATIONS = ("auto", "int8", "float32")
+SPECULATIVE = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -112,6 +114,19 @@ class EngineConfig:
     constraint_cache_memory: str = field(default="256MiB", **_opt(
         "memory the compiled constraints kept for reuse may hold, as bytes with a unit (an entry holds from "
         "tens of KB to tens of MB); past it the least recently used are dropped"))
+    speculative: str = field(default="none", **_opt(
+        "speculative decoding: none; ngram (proposals copied from where the last tokens occurred before, in the "
+        "prompt or the output: no second model); draft (proposals of --draft-model; not built yet). Proposals "
+        "are verified in the same packed passes: the tokens are exactly those of plain decoding, seeded or "
+        "greedy", choices=list(SPECULATIVE)))
+    speculative_tokens: int = field(default=4, **_opt(
+        f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}"))
+    ngram_max: int = field(default=4, **_opt(
+        "--speculative ngram: the longest run of last tokens looked up in the sequence so far"))
+    ngram_min: int = field(default=2, **_opt(
+        "--speculative ngram: the shortest run of last tokens that may propose (1 matches any repeated token)"))
+    draft_model: str | None = field(default=None, **_opt(
+        "--speculative draft: the draft model, with the target's tokenizer (not built yet)"))
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(), **_opt(
         "where converted models are kept"))
     chat_template: Path | None = field(default=None, **_opt(
@@ -129,6 +144,17 @@ class EngineConfig:
         _one_of(self, "kernels", ("auto", "torch"))
         _one_of(self, "kv_cache_dtype", DTYPES)
         _one_of(self, "prefix_caching", ("on", "off"))
+        _one_of(self, "speculative", SPECULATIVE)
+        if not 1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise SettingError("speculative_tokens", self.speculative_tokens,
+                               f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SettingError("ngram_min", self.ngram_min, f"must be in [1, --ngram-max {self.ngram_max}]")
+        if self.speculative == "draft":
+            raise SettingError("speculative", self.speculative, "draft-model speculation is not built yet; "
+                               "use ngram")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise SettingError("draft_model", self.draft_model, "needs --speculative draft")
         self.cache_dir = Path(self.cache_dir).expanduser()
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise SettingError("chat_template", self.chat_template, "no such file")
