@@ -55,6 +55,7 @@ class GenerateParams(TypedDict, total=False):
     prompt_logprobs: bool | None
     constraint: pb.Constraint | None  # json_schema(...), json_object(), regex(...), choice(...), grammar(...)
     resume_token_ids: int | Sequence[int] | None  # the token ids a broken stream delivered, sent with its seed
+    disable_speculation: bool | None  # no speculative decoding for this request (the tokens are the same)
 
 
 def json_schema(schema: Mapping[str, object] | str) -> pb.Constraint:

@@ -1,0 +1,191 @@
+"""Speculative decoding (--speculative ngram) end to end: the same tokens as without it in every
+mode, greedy and seeded, on the tiny random model and the embedded one; constraints, stop strings
+and logprobs with it on; proposals accepted where the answer copies the prompt; cancellation leaves
+the books balanced and no page held; what ModelInfo, ServerStatus and the request log say."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from braid.client import AsyncClient, regex
+from braid.v1 import generate_pb2 as pb
+from conftest import MODES, Server, start_together, wait_for
+
+PASSAGE = ("The river rises in the hills above the town and runs for forty miles to the sea. In spring the "
+           "snow melts and the water comes down fast and brown, carrying branches and stones; in summer it "
+           "is slow and clear, and children swim in the pools below the old mill.")
+COPY = [("user", "Repeat this passage exactly, word for word:\n\n" + PASSAGE)]
+FIX = [("user", "Fix the spelling in this passage and write it out again in full:\n\n"
+                + PASSAGE.replace("rises", "riseses").replace("water", "watter"))]
+RAW = [PASSAGE + "\n\n" + PASSAGE[:60], "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7", "Hi", "A list: apples, pears, apples,"]
+SPECULATIVE = ["--speculative", "ngram", "--speculative-tokens", "6"]
+SMOL = ["--kv-cache-memory", "256MiB", "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def speculating(tiny_dir):
+    """Tiny-model servers with --speculative ngram, one per mode, started on first use; proposing
+    after one token matches, so that there is much to reject."""
+    started: dict[str, Server] = {}
+
+    def get(mode: str) -> Server:
+        if mode not in started:
+            started[mode] = Server(["--model", str(tiny_dir), "--mode", mode, "--threads", "1", "--max-batch-size",
+                                    "16", "--max-wait-ms", "5", *SPECULATIVE, "--ngram-min", "1"])
+        return started[mode]
+
+    yield get
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def smol_pair(smol_dir):
+    """The embedded model without and with speculation, continuous mode. On a fixed thread count:
+    the thread governor's switches (--threads 0) change torch's sums in the passes that are not one
+    C call, and its int8 rows can turn such a difference into a flipped near-tie (seen once, 0.05 nats
+    apart), with or without speculation."""
+    common = ["--mode", "continuous", *SMOL]
+    plain, fast = start_together(lambda: Server(common), lambda: Server([*common, *SPECULATIVE]))
+    yield plain, fast
+    plain.stop()
+    fast.stop()
+
+
+async def _run(target: str, requests: list[dict]) -> list[tuple[list[int], str, pb.GenerateResponse, list]]:
+    """Every request at once: per request its tokens, text, final message and logprobs."""
+    async with AsyncClient(target) as client:
+        async def one(kw):
+            ids, text, logprobs, final = [], "", [], None
+            async for m in client.stream(**kw):
+                ids += m.token_ids
+                text += m.text
+                logprobs += list(m.logprobs)
+                if m.finish_reason:
+                    final = m
+            return ids, text, final, logprobs
+
+        return await asyncio.gather(*(one(kw) for kw in requests))
+
+
+def _greedy_requests() -> list[dict]:
+    return ([dict(prompt=p, max_new_tokens=40, ignore_eos=True) for p in RAW]
+            + [dict(messages=m, max_new_tokens=80) for m in (COPY, FIX)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_greedy_tokens_are_the_same_with_speculation_in_every_mode(servers, speculating, mode):
+    requests = _greedy_requests()
+    expected = asyncio.run(_run(servers("sequential").target, requests))
+    got = asyncio.run(_run(speculating(mode).target, requests))
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    # a random model seldom repeats itself: nearly every proposal is rejected, and changes nothing
+    assert sum(g[2].usage.proposed_tokens for g in got) > 10
+    assert all(e[2].usage.proposed_tokens == 0 for e in expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_embedded_model_greedy_tokens_are_the_same_with_speculation_in_every_mode(smol_pair, smol_dir, mode):
+    plain, fast = smol_pair
+    requests = _greedy_requests()
+    expected = asyncio.run(_run(plain.target, requests))
+    server = fast if mode == "continuous" else Server(["--mode", mode, *SMOL, *SPECULATIVE])
+    try:
+        got = asyncio.run(_run(server.target, requests))
+    finally:
+        if server is not fast:
+            server.stop()
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    copy = got[len(RAW)][2].usage  # the answer that repeats the passage
+    assert copy.accepted_tokens > copy.generated_tokens / 3, copy
+
+
+def test_a_seed_gives_the_same_tokens_with_speculation(smol_pair, servers, speculating):
+    sampled = [dict(messages=COPY, max_new_tokens=60, temperature=t, seed=s, top_p=p, repetition_penalty=r)
+               for t, s, p, r in ((0.7, 1, 1.0, 1.0), (1.0, 2, 0.9, 1.0), (0.5, 3, 1.0, 1.2), (1.3, 4, 0.95, 1.0))]
+    plain, fast = smol_pair
+    expected = asyncio.run(_run(plain.target, sampled))
+    got = asyncio.run(_run(fast.target, sampled))
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    assert sum(g[2].usage.accepted_tokens for g in got) > 0
+    raw = [dict(prompt=RAW[1], max_new_tokens=30, temperature=1.0, seed=s, n=2) for s in range(3)]
+    assert ([sorted(r[0]) for r in asyncio.run(_run(speculating("continuous").target, raw))]
+            == [sorted(r[0]) for r in asyncio.run(_run(servers("continuous").target, raw))])
+
+
+def test_constraints_stop_strings_and_logprobs_with_speculation(smol_pair):
+    plain, fast = smol_pair
+    requests = [
+        dict(messages=COPY, max_new_tokens=80, stop=["forty miles"]),
+        dict(messages=COPY, max_new_tokens=80, stop=["forty miles"], include_stop_sequence=True),
+        dict(messages=COPY, max_new_tokens=30, logprobs=True, top_logprobs=3),
+        dict(messages=COPY, max_new_tokens=60, constraint=regex(r"The river rises[a-z ,.]*")),
+        dict(messages=COPY, max_new_tokens=60, temperature=0.8, seed=5,
+             constraint=regex(r"The [a-z]+ rises in the hills[a-z ,.]*")),
+        dict(messages=COPY, max_new_tokens=40, stop_token_ids=[4553], min_new_tokens=5),
+        dict(messages=COPY, max_new_tokens=40, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={1: -2.0}),
+        dict(messages=COPY, max_new_tokens=40, disable_speculation=True),
+    ]
+    expected = asyncio.run(_run(plain.target, requests))
+    got = asyncio.run(_run(fast.target, requests))
+    for request, (ids, text, final, logprobs), (e_ids, e_text, e_final, e_logprobs) in zip(requests, got, expected):
+        assert (ids, text) == (e_ids, e_text), request
+        assert (final.finish_reason, final.stop_sequence) == (e_final.finish_reason, e_final.stop_sequence), request
+        assert len(logprobs) == len(e_logprobs)
+        for a, b in zip(logprobs, e_logprobs):
+            assert a.rank == b.rank and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+            assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+    assert got[0][2].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE and got[0][2].usage.accepted_tokens > 0
+    assert got[3][2].finish_reason == pb.FINISH_REASON_CONSTRAINT and got[3][2].usage.accepted_tokens > 0
+    assert got[-1][2].usage.proposed_tokens == 0  # opted out
+
+
+def test_cancelled_mid_generation_leaves_the_books_balanced_and_no_page_held(smol_pair):
+    _, fast = smol_pair
+
+    async def cancel_some() -> None:
+        async with AsyncClient(fast.target) as client:
+            async def cut(kw, after: int):
+                seen = 0
+                async for m in client.stream(**kw):
+                    seen += len(m.token_ids)
+                    if seen >= after:
+                        return
+
+            await asyncio.gather(*(cut(dict(messages=COPY, max_new_tokens=200), after) for after in (1, 5, 9, 20)))
+
+    asyncio.run(cancel_some())
+    with fast.client() as client:
+        status = wait_for(lambda: (s := client.server_status()).sessions_active == 0 and s.kv_pages_used == 0 and s)
+    finished = sum(getattr(status.sessions_finished, f.name) for f in pb.FinishCounts.DESCRIPTOR.fields)
+    assert status.sessions_submitted == status.sessions_queued + status.sessions_active + finished
+    assert status.sessions_finished.cancelled >= 4
+    assert status.speculative_accepted_tokens > 0
+    assert status.speculative_acceptance_rate == pytest.approx(
+        status.speculative_accepted_tokens / status.speculative_proposed_tokens)
+
+
+def test_model_info_says_what_is_configured(smol_pair):
+    plain, fast = smol_pair
+    with fast.client() as client:
+        info = client.model_info()
+    assert (info.speculative, info.speculative_tokens, info.draft_model) == ("ngram", 6, "")
+    with plain.client() as client:
+        info = client.model_info()
+    assert (info.speculative, info.speculative_tokens) == ("none", 0)
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--speculative-tokens", "17"], "--speculative-tokens 17: must be in [1, 16]"),
+    (["--speculative", "draft", "--draft-model", "x.gguf"], "--speculative draft: draft-model speculation is not"),
+    (["--draft-model", "x.gguf"], "--draft-model x.gguf: needs --speculative draft"),
+])
+def test_bad_speculation_flags_fail_at_start_in_one_line(flags, line):
+    result = subprocess.run([sys.executable, "-m", "braid.server.cli", "serve", *flags], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert line in result.stderr.strip().splitlines()[-1]
