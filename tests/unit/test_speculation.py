@@ -107,14 +107,25 @@ def test_rejected_proposals_change_no_token_and_free_their_pages(harness):
 
 
 def test_a_session_whose_proposals_miss_rests_longer_each_time():
-    session = SimpleNamespace(num_proposed=0, num_accepted=0, misses=0, rest=0)
+    speculator = Speculator(NgramProposer(1, 3), 8, 512)
+    session = SimpleNamespace(num_proposed=0, num_accepted=0, misses=0, rest=0, window=0)
     rests = []
     for _ in range(8):
-        Speculator.verified(session, 4, 0)
+        speculator.verified(session, 4, 0)
         rests.append(session.rest)
     assert rests == [1, 2, 4, 8, 16, 32, 32, 32]
-    Speculator.verified(session, 4, 1)
+    speculator.verified(session, 4, 1)
     assert (session.misses, session.num_proposed, session.num_accepted) == (0, 36, 1)
+
+
+def test_the_window_shrinks_after_a_rejection_and_doubles_after_a_full_acceptance():
+    speculator = Speculator(NgramProposer(1, 3), 8, 512)
+    session = SimpleNamespace(num_proposed=0, num_accepted=0, misses=0, rest=0, window=0)
+    windows = []
+    for proposed, accepted in ((8, 2), (3, 3), (6, 6), (8, 8), (8, 0), (1, 1)):
+        speculator.verified(session, proposed, accepted)
+        windows.append(session.window)
+    assert windows == [3, 6, 8, 8, 1, 2]
 
 
 def test_no_page_holding_a_rejected_token_is_named_for_the_prefix_cache(harness):

@@ -54,6 +54,7 @@ class Session:
     num_proposed: int = 0
     num_accepted: int = 0
     misses: int = 0  # verifications in a row that confirmed no proposal
+    window: int = 0  # the most it proposes next (0: --speculative-tokens)
     rest: int = 0
 
     def banned_by_bad_words(self) -> list[int]:

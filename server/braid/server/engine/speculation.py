@@ -14,7 +14,11 @@ the input: edits, extraction, code, answers quoting a passage.
 A session proposes only where every proposed position would be sampled as plain decoding samples
 it with the same bans: not while min_new_tokens still bans the end, and not with bad_words (whose
 bans depend on the tokens before each position). A constraint's matcher cuts proposals it forbids.
-A verification that confirms nothing rests the session's proposals for 1, 2, 4 ... 32 steps.
+A session proposes at most its *window* of tokens: --speculative-tokens at first, one more than it
+last had confirmed after a rejection, doubled after a verification that confirmed them all, so a
+long copy gets long proposals and paraphrase gets short ones (each rejected proposal is a row of
+the pass spent for nothing). A verification that confirms nothing rests the session's proposals
+for 1, 2, 4 ... 32 steps.
 """
 
 from __future__ import annotations
@@ -66,17 +70,17 @@ class Speculator:
         if s.rest > 0:
             s.rest -= 1
             return ()
-        k = min(limit, self.max_tokens, p.max_new_tokens - s.num_generated - 1,
+        k = min(limit, s.window or self.max_tokens, p.max_new_tokens - s.num_generated - 1,
                 self.max_seq_len - len(s.token_ids) - 1)
         proposals = self.proposer.propose(s.token_ids, k)
         if proposals and s.matcher is not None:  # the ones the constraint allows, in order
             proposals = proposals[:s.matcher.validate_tokens(proposals)]
         return tuple(proposals)
 
-    @staticmethod
-    def verified(s: Session, proposed: int, accepted: int) -> None:
+    def verified(self, s: Session, proposed: int, accepted: int) -> None:
         s.num_proposed += proposed
         s.num_accepted += accepted
+        s.window = min(self.max_tokens, 2 * proposed) if accepted == proposed else accepted + 1
         if accepted:
             s.misses = 0
         else:
