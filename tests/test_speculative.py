@@ -13,7 +13,7 @@ import pytest
 
 from braid.client import AsyncClient, regex
 from braid.v1 import generate_pb2 as pb
-from conftest import MODES, Server, start_together, wait_for
+from conftest import MODES, Server, start_together, tiny_model, wait_for
 
 PASSAGE = ("The river rises in the hills above the town and runs for forty miles to the sea. In spring the "
            "snow melts and the water comes down fast and brown, carrying branches and stones; in summer it "
@@ -181,11 +181,91 @@ def test_model_info_says_what_is_configured(smol_pair):
 
 @pytest.mark.parametrize("flags, line", [
     (["--speculative-tokens", "17"], "--speculative-tokens 17: must be in [1, 16]"),
-    (["--speculative", "draft", "--draft-model", "x.gguf"], "--speculative draft: draft-model speculation is not"),
+    (["--speculative", "draft"], "--speculative draft: needs --draft-model"),
     (["--draft-model", "x.gguf"], "--draft-model x.gguf: needs --speculative draft"),
 ])
-def test_bad_speculation_flags_fail_at_start_in_one_line(flags, line):
+def test_bad_speculation_flags_fail_at_start_in_one_line(flags, line):  # before any model loads
     result = subprocess.run([sys.executable, "-m", "braid.server.cli", "serve", *flags], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2
     assert line in result.stderr.strip().splitlines()[-1]
+
+
+# ---- a draft model (--speculative draft) ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_tiny_dir(tmp_path_factory, smol_dir):
+    """A second tiny random Llama of the same vocabulary: a draft that is almost always wrong."""
+    import torch
+
+    path = tiny_model(tmp_path_factory.mktemp("other-tiny"), smol_dir)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(1)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(servers, tiny_dir, other_tiny_dir, mode):
+    """The model drafting for itself: (nearly) every proposal accepted; a random draft: (nearly) none."""
+    requests = _greedy_requests()
+    expected = asyncio.run(_run(servers("sequential").target, requests))
+    common = ["--model", str(tiny_dir), "--mode", mode, "--threads", "1", "--max-batch-size", "16", "--max-wait-ms",
+              "5", "--speculative", "draft", "--speculative-tokens", "4"]
+    same, other = start_together(lambda: Server([*common, "--draft-model", str(tiny_dir)]),
+                                 lambda: Server([*common, "--draft-model", str(other_tiny_dir)]))
+    try:
+        for server, accepted in ((same, 0.9), (other, 0.0)):
+            got = asyncio.run(_run(server.target, requests))
+            assert [g[0] for g in got] == [e[0] for e in expected]
+            proposed = sum(g[2].usage.proposed_tokens for g in got)
+            assert proposed > 0 and sum(g[2].usage.accepted_tokens for g in got) >= accepted * proposed
+            with server.client() as client:
+                status = wait_for(lambda: (s := client.server_status()).sessions_active == 0 and s)
+                assert status.kv_pages_used == 0
+                assert client.model_info().speculative == "draft"
+    finally:
+        same.stop()
+        other.stop()
+
+
+def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, tiny_dir):
+    plain, _ = smol_pair
+    requests = _greedy_requests() + [dict(messages=COPY, max_new_tokens=40, temperature=0.8, seed=3)]
+    expected = asyncio.run(_run(plain.target, requests))
+    drafted = Server(["--mode", "continuous", *SMOL, "--speculative", "draft", "--draft-model", str(tiny_dir)])
+    try:
+        got = asyncio.run(_run(drafted.target, requests))
+        with drafted.client() as client:
+            info = client.model_info()
+    finally:
+        drafted.stop()
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    assert sum(g[2].usage.proposed_tokens for g in got) > 0
+    assert (info.speculative, info.draft_model) == ("draft", str(tiny_dir))
+
+
+def test_a_draft_of_another_vocabulary_fails_at_start_naming_both_sizes(tmp_path, tiny_dir):
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    shutil.copy(tiny_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    missing = subprocess.run([sys.executable, "-m", "braid.server.cli", "serve", "--model", str(tiny_dir), "--port",
+                              "0", "--speculative", "draft", "--draft-model", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.stderr.strip().splitlines()[-1] == f"braid: error: --draft-model {tmp_path / 'none'}: no such file or directory"
+    result = subprocess.run([sys.executable, "-m", "braid.server.cli", "serve", "--model", str(tiny_dir), "--port", "0",
+                             "--speculative", "draft", "--draft-model", str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"braid: error: --draft-model {tmp_path}: its vocabulary has 1000 tokens, the model's 49152")

@@ -89,11 +89,12 @@ class NumberTokenizer:
 class Harness:
     """An EngineCore over a ScriptedRunner, with sessions made by the real Admission."""
 
-    def __init__(self, runner: ScriptedRunner | None = None, **config) -> None:
+    def __init__(self, runner: ScriptedRunner | None = None, draft: ScriptedRunner | None = None, **config) -> None:
+        """draft: --speculative draft's runner (config: speculative="draft", draft_model="...")."""
         self.runner = runner or ScriptedRunner()
         self.config = EngineConfig(**{"max_wait_ms": 0, **config})
         self.books = Books(self.config.max_queued)
-        self.core = EngineCore(self.config, self.runner, NumberTokenizer.eos_token_ids, self.books)
+        self.core = EngineCore(self.config, self.runner, NumberTokenizer.eos_token_ids, self.books, draft)
         self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
         self.admission = Admission(NumberTokenizer(), self.runner.max_seq_len, self.books, self.runner.random_state,
                                    grammars=None, enqueue=self.core.add, abort=self.core.abort, wake=lambda: None,

@@ -214,11 +214,70 @@ def test_preempted_speculating_sessions_resume_with_the_same_tokens(harness):
         h.close()
 
 
+# ---- a draft model -----------------------------------------------------------------------------
+
+def _drafted(h: Harness, draft: ScriptedRunner, prompts: list[str], **params) -> list[list[int]]:
+    tokens = _generate(h, prompts, **params)
+    assert h.core.speculator.proposer.pages.num_used == 0  # every session's draft pages given back
+    return tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_right_draft_gives_the_same_tokens_in_fewer_passes(harness, mode):
+    prompts = ["10 11", "12", "14 15 16"]  # nothing to copy: only a draft can propose
+    plain = harness(mode=mode, max_batch_size=4)
+    expected = _generate(plain, prompts, max_new_tokens=24)
+    draft = ScriptedRunner(next_token=_cycling)  # the draft agrees with the model
+    h = Harness(ScriptedRunner(next_token=_cycling), draft, mode=mode, max_batch_size=4, speculative="draft",
+                draft_model="draft", speculative_tokens=4)
+    try:
+        assert _drafted(h, draft, prompts, max_new_tokens=24) == expected
+        assert len(h.runner.passes) < len(plain.runner.passes) * 0.5
+        stats = h.books.snapshot()
+        assert stats.speculative_accepted_tokens == stats.speculative_proposed_tokens > 0
+        # the draft fed each token once: its cache was kept across steps, not recomputed
+        fed = sum(len(r.token_ids) for rows in draft.passes for r in rows)
+        assert fed <= sum(len(p.split()) for p in prompts) + 3 * 24 + 3 * 4, fed
+    finally:
+        h.close()
+
+
+def test_a_wrong_draft_changes_no_token(harness):
+    from engine_fakes import _count_up
+
+    prompts = ["10 11", "12 13 14 15 16 10 11 12"]
+    expected = _generate(harness(), prompts, max_new_tokens=30)
+    draft = ScriptedRunner(next_token=_count_up)  # 12 13 14 15 16 17 ...: wrong after 16
+    h = Harness(ScriptedRunner(next_token=_cycling), draft, speculative="draft", draft_model="draft",
+                speculative_tokens=8)
+    try:
+        assert _drafted(h, draft, prompts, max_new_tokens=30) == expected
+        stats = h.books.snapshot()
+        assert 0 < stats.speculative_accepted_tokens < stats.speculative_proposed_tokens
+    finally:
+        h.close()
+
+
+def test_a_draft_session_cancelled_gives_its_draft_pages_back(harness):
+    draft = ScriptedRunner(next_token=_cycling)
+    h = Harness(ScriptedRunner(next_token=_cycling), draft, speculative="draft", draft_model="draft")
+    try:
+        handle = h.submit("10 11 12", max_new_tokens=100)[0]
+        for _ in range(3):
+            h.step()
+        assert h.core.speculator.proposer.pages.num_used > 0
+        h.abort(handle, FinishReason.CANCELLED)
+        assert h.core.speculator.proposer.pages.num_used == 0 and h.core.pages.num_used == 0
+    finally:
+        h.close()
+
+
 @pytest.mark.parametrize("settings, flag", [(dict(speculative_tokens=0), "--speculative-tokens"),
                                             (dict(speculative_tokens=17), "--speculative-tokens"),
                                             (dict(ngram_min=4, ngram_max=3), "--ngram-min"),
                                             (dict(speculative="fast"), "--speculative"),
-                                            (dict(draft_model="x.gguf"), "--draft-model")])
+                                            (dict(draft_model="x.gguf"), "--draft-model"),
+                                            (dict(speculative="draft"), "--speculative draft: needs --draft-model")])
 def test_bad_settings_name_their_flag(settings, flag):
     with pytest.raises(SettingError, match=flag):
         EngineConfig(**settings)

@@ -184,6 +184,7 @@ def build_engine(config: EngineConfig, model=None):
     model = model or load(config.model, config.cache_dir)
     faults = Faults.from_env()  # the tests' fault injection, wrapped around the ports (braid/server/faults.py)
     runner = ModelRunner.build(config, model)
+    draft = _draft_runner(config, runner) if config.speculative == "draft" else None
     if config.chat_template is not None:
         model.hf_tokenizer.chat_template = Path(config.chat_template).read_text()
     tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
@@ -191,7 +192,25 @@ def build_engine(config: EngineConfig, model=None):
                         config.constraint_compile_timeout,
                         int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]))
     info = describe(config, runner, tokenizer, model.name, model.architecture)
-    return Engine(config, faults.runner(runner), faults.tokenizer(tokenizer), info, faults.grammars(grammars))
+    return Engine(config, faults.runner(runner), faults.tokenizer(tokenizer), info, faults.grammars(grammars), draft)
+
+
+def _draft_runner(config: EngineConfig, target):
+    """--draft-model on a runner of its own, as --model's is built; its vocabulary must be the model's."""
+    from braid.server.model.loader import load
+    from braid.server.runner.model_runner import ModelRunner
+
+    try:
+        model = load(config.draft_model, config.cache_dir)
+    except SettingError as exc:  # the loader names --model: here it is the draft's
+        raise SettingError("draft_model", exc.value, exc.problem) from None
+    draft = ModelRunner.build(dataclasses.replace(config, model=config.draft_model), model)
+    if draft.vocab_size != target.vocab_size:
+        raise SettingError("draft_model", config.draft_model, f"its vocabulary has {draft.vocab_size} tokens, "
+                                                              f"the model's {target.vocab_size}")
+    _LOGGER.info("draft model: %s (%d parameters), up to %d tokens proposed per pass", config.draft_model,
+                 draft.num_parameters, config.speculative_tokens)
+    return draft
 
 
 def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str):

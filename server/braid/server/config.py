@@ -116,7 +116,7 @@ class EngineConfig:
         "tens of KB to tens of MB); past it the least recently used are dropped"))
     speculative: str = field(default="none", **_opt(
         "speculative decoding: none; ngram (proposals copied from where the last tokens occurred before, in the "
-        "prompt or the output: no second model); draft (proposals of --draft-model; not built yet). Proposals "
+        "prompt or the output: no second model); draft (proposals of --draft-model, run greedily). Proposals "
         "are verified in the same packed passes: the tokens are exactly those of plain decoding, seeded or "
         "greedy", choices=list(SPECULATIVE)))
     speculative_tokens: int = field(default=4, **_opt(
@@ -126,7 +126,8 @@ class EngineConfig:
     ngram_min: int = field(default=2, **_opt(
         "--speculative ngram: the shortest run of last tokens that may propose (1 matches any repeated token)"))
     draft_model: str | None = field(default=None, **_opt(
-        "--speculative draft: the draft model, with the target's tokenizer (not built yet)"))
+        "--speculative draft: the draft model (a folder, hub id or .gguf file braid can serve) with the "
+        "model's vocabulary, on its own runner and KV cache (--kv-cache-memory each)"))
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(), **_opt(
         "where converted models are kept"))
     chat_template: Path | None = field(default=None, **_opt(
@@ -150,9 +151,8 @@ class EngineConfig:
                                f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise SettingError("ngram_min", self.ngram_min, f"must be in [1, --ngram-max {self.ngram_max}]")
-        if self.speculative == "draft":
-            raise SettingError("speculative", self.speculative, "draft-model speculation is not built yet; "
-                               "use ngram")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise SettingError("speculative", self.speculative, "needs --draft-model")
         if self.draft_model is not None and self.speculative != "draft":
             raise SettingError("draft_model", self.draft_model, "needs --speculative draft")
         self.cache_dir = Path(self.cache_dir).expanduser()

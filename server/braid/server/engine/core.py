@@ -27,7 +27,7 @@ from braid.server.engine.pages import Pages
 from braid.server.engine.ports import Runner
 from braid.server.engine.scheduler import Scheduler, Work
 from braid.server.engine.session import Session, SessionStatus
-from braid.server.engine.speculation import NgramProposer, Speculator
+from braid.server.engine.speculation import DraftProposer, NgramProposer, Speculator
 from braid.server.engine.types import Event, FinishReason
 from braid.server.runner.rows import Row, Sampled
 
@@ -44,13 +44,16 @@ class Step:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books) -> None:
+    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books,
+                 draft: Runner | None = None) -> None:
+        """draft: --speculative draft's model, on its own runner."""
         self.runner = runner
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_seq_len = runner.max_seq_len
         self.pages = Pages(runner.num_pages, runner.page_size, config.prefix_caching == "on")
-        self.speculator = (Speculator(NgramProposer(config.ngram_min, config.ngram_max), config.speculative_tokens,
-                                      self.max_seq_len) if config.speculative == "ngram" else None)
+        proposer = (NgramProposer(config.ngram_min, config.ngram_max) if config.speculative == "ngram"
+                    else DraftProposer(draft) if config.speculative == "draft" and draft is not None else None)
+        self.speculator = Speculator(proposer, config.speculative_tokens, self.max_seq_len) if proposer else None
         self.scheduler = Scheduler(config, self.pages, self.speculator)
         self.output = Output(self.eos_token_ids, self.max_seq_len)
         self.books = books
@@ -227,6 +230,8 @@ class EngineCore:
         if s.status is SessionStatus.FINISHED:
             return
         self.scheduler.remove(s)
+        if self.speculator is not None:
+            self.speculator.release(s)
         self.sessions.pop(s.id, None)
         self._num_finished += 1
         self.observer.on_finish(self.output.finish(s, reason, error, field))

@@ -238,14 +238,17 @@ class Scheduler:
         budget = SPECULATION_PASS_TOKENS - sum(w.num_tokens for w in work)
         if self.speculator is None or budget <= 0:
             return work
+        asks: list[tuple[int, int]] = []  # (index in work, proposals it may make)
         for i, w in enumerate(work):
-            if budget <= 0:
-                break
-            if w.num_tokens == 1 and not w.session.is_prefilling:
-                proposals = self.speculator.propose(w.session, budget)
-                if proposals:
-                    work[i] = Work(w.session, 1 + len(proposals), proposals)
-                    budget -= len(proposals)
+            if budget > 0 and w.num_tokens == 1 and not w.session.is_prefilling:
+                k = self.speculator.wants(w.session, budget)
+                if k:
+                    asks.append((i, k))
+                    budget -= k
+        found = self.speculator.propose([(work[i].session, k) for i, k in asks]) if asks else []
+        for (i, _), proposals in zip(asks, found):
+            if proposals:
+                work[i] = Work(work[i].session, 1 + len(proposals), proposals)
         return work
 
     def _this_turn(self, runnable: list[Session]) -> list[Session]:
