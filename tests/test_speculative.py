@@ -269,3 +269,28 @@ def test_a_draft_of_another_vocabulary_fails_at_start_naming_both_sizes(tmp_path
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"braid: error: --draft-model {tmp_path}: its vocabulary has 1000 tokens, the model's 49152")
+
+
+def test_metrics_and_the_request_log_report_proposed_and_accepted_tokens(smol_dir, tmp_path):
+    from braid.server.process import free_port
+    from test_request_log import request_lines
+    from test_telemetry import scrape, value
+
+    metrics_port, log = free_port(), tmp_path / "server.log"
+    server = Server(["--mode", "continuous", *SMOL, *SPECULATIVE, "--metrics-port", str(metrics_port)], log_path=log)
+    server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    try:
+        [(_, _, final, _)] = asyncio.run(_run(server.target, [dict(messages=COPY, max_new_tokens=60,
+                                                                   request_id="copy")]))
+        samples = scrape(server)
+        wait_for(lambda: "copy" in request_lines(log))
+    finally:
+        server.stop()
+    usage = final.usage
+    assert usage.accepted_tokens > 0
+    assert value(samples, "braid_speculative_tokens_total", braid_speculative_outcome="proposed") == usage.proposed_tokens
+    assert value(samples, "braid_speculative_tokens_total", braid_speculative_outcome="accepted") == usage.accepted_tokens
+    rate = [v for (name, _), v in samples.items() if name.startswith("braid_speculative_acceptance_rate")]
+    assert rate == [pytest.approx(usage.accepted_tokens / usage.proposed_tokens)]
+    line = request_lines(log)["copy"]
+    assert (line["proposed_tokens"], line["accepted_tokens"]) == (str(usage.proposed_tokens), str(usage.accepted_tokens))
