@@ -281,3 +281,13 @@ def test_a_draft_session_cancelled_gives_its_draft_pages_back(harness):
 def test_bad_settings_name_their_flag(settings, flag):
     with pytest.raises(SettingError, match=flag):
         EngineConfig(**settings)
+
+
+def test_a_resumed_stream_goes_on_as_it_would_have(harness):
+    prompt = "10 11 12 13 14 15 16 10"
+    expected = _generate(harness(), [prompt], max_new_tokens=20)[0]
+    h = harness(speculative="ngram")
+    handle = h.submit(prompt, resume=expected[:7], max_new_tokens=20)[0]
+    h.run()
+    assert h.tokens(handle) == expected[7:]
+    assert h.finished(handle).accepted_tokens > 0
