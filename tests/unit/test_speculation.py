@@ -152,6 +152,7 @@ def test_a_stop_among_accepted_tokens_ends_the_stream_there(harness):
     assert h.tokens(handle) == [11, 12, 13, 14]
     assert h.finished(handle).reason is FinishReason.STOP_TOKEN
     assert h.finished(handle).accepted_tokens >= 3  # 11 12 13 14 came from one verified row
+    assert h.books.snapshot().tokens_generated == 4  # not the confirmed tokens after the stop
     stop_text = harness(speculative="ngram", speculative_tokens=8)
     handle = stop_text.submit("10 11 12 13 14 15 16 10", max_new_tokens=30, stop=(" 13",))[0]
     stop_text.run()

@@ -177,8 +177,8 @@ class EngineCore:
         num_tokens = sum(w.num_tokens for w in work)
         proposed = sum(len(w.proposals) for w in work)
         accepted = sum(len(t.more) for w, t in zip(work, tokens) if w.proposals and t is not None)
-        self.books.count_pass(sum(w.num_tokens for w in work if w.session.is_prefilling),
-                              sum(t is not None for t in tokens) + accepted, proposed, accepted)
+        prompt_tokens = sum(w.num_tokens for w in work if w.session.is_prefilling)
+        generated = sum(w.session.num_generated for w in work)
         self.observer.on_pass(len(work), num_tokens)
         for w, sampled in zip(work, tokens):
             s = w.session
@@ -194,6 +194,9 @@ class EngineCore:
             if s.first_token is None:
                 s.first_token = now
             self._end_if(s, self.output.add_token(s, sampled.token, sampled.logprob))
+        # tokens kept: a stop among a row's confirmed proposals drops those after it
+        generated = sum(w.session.num_generated for w in work) - generated
+        self.books.count_pass(prompt_tokens, generated, proposed, accepted)
 
     def _take_verified(self, w: Work, sampled: Sampled, now: float) -> None:
         """A speculating row's tokens: the proposals the runner confirmed, then the one it sampled
