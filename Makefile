@@ -13,7 +13,7 @@ STUBS  := clients/python/src/braid/v1/generate_pb2.py
 # TORCH="--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" (as the Dockerfile does).
 TORCH  ?= torch==2.13.0
 
-.PHONY: all install install-test protos serve test test-unit bench bench-formats bench-prefix clean
+.PHONY: all install install-test protos serve test test-unit bench bench-formats bench-prefix bench-speculative clean
 
 all: install
 
@@ -128,17 +128,24 @@ FORMATS_ARGS ?=
 # Then the paged KV cache and prefix sharing (issue 13; about 15 min): e.g. make bench PREFIX_ARGS="--quick".
 # make bench-prefix runs that part alone.
 PREFIX_ARGS ?=
+# Then speculative decoding against none (issue 29; about 10 min): e.g. make bench SPECULATIVE_ARGS="--quick".
+# make bench-speculative runs that part alone.
+SPECULATIVE_ARGS ?=
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 	$(PY) benchmarks/formats.py $(FORMATS_ARGS)
 	$(PY) benchmarks/prefix.py $(PREFIX_ARGS)
+	$(PY) benchmarks/speculative.py $(SPECULATIVE_ARGS)
 
 bench-formats: $(BENCH_STAMP)
 	$(PY) benchmarks/formats.py $(FORMATS_ARGS)
 
 bench-prefix: $(BENCH_STAMP)
 	$(PY) benchmarks/prefix.py $(PREFIX_ARGS)
+
+bench-speculative: $(BENCH_STAMP)
+	$(PY) benchmarks/speculative.py $(SPECULATIVE_ARGS)
 
 clean:
 	rm -rf $(VENV) clients/python/src/braid/v1 .pytest_cache

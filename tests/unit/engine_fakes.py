@@ -8,6 +8,7 @@ Text is token ids: "5 6 7" tokenizes to [5, 6, 7], and token 9 decodes to " 9".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -46,7 +47,21 @@ class ScriptedRunner:
 
     def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
         self.passes.append(list(rows))
-        return [Sampled(self.next_token(row)) if row.sample else None for row in rows]
+        return [self._verify(row) if row.num_proposals else Sampled(self.next_token(row)) if row.sample else None
+                for row in rows]
+
+    def _verify(self, row: Row) -> Sampled:
+        """A row with proposals, as the runner verifies it: the next token after each of its last
+        num_proposals + 1 tokens, kept while it equals the next proposal."""
+        k = row.num_proposals
+        own, proposals = list(row.token_ids[:len(row.token_ids) - k]), list(row.token_ids[len(row.token_ids) - k:])
+        picked = []
+        for j in range(k + 1):
+            picked.append(self.next_token(dataclasses.replace(row, token_ids=own + proposals[:j], num_proposals=0,
+                                                              history=list(row.history) + proposals[:j])))
+            if j == k or picked[-1] != proposals[j]:
+                break
+        return Sampled(picked[0], more=tuple((t, None) for t in picked[1:]))
 
 
 def _count_up(row: Row) -> int:
@@ -83,12 +98,13 @@ class NumberTokenizer:
 class Harness:
     """An EngineCore over a ScriptedRunner, with sessions made by the real Admission."""
 
-    def __init__(self, runner: ScriptedRunner | None = None, **config) -> None:
+    def __init__(self, runner: ScriptedRunner | None = None, draft: ScriptedRunner | None = None, **config) -> None:
+        """draft: --speculative draft's runner (config: speculative="draft", draft_model="...")."""
         self.runner = runner or ScriptedRunner()
         self.config = EngineConfig(**{"max_wait_ms": 0, **config})
         self.books = Books(self.config.max_queued)
         self.adapters = Adapters(self.runner, self.config.max_loras, self.config.max_lora_rank)
-        self.core = EngineCore(self.config, self.runner, NumberTokenizer.eos_token_ids, self.books, self.adapters)
+        self.core = EngineCore(self.config, self.runner, NumberTokenizer.eos_token_ids, self.books, self.adapters, draft)
         self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
         self.admission = Admission(NumberTokenizer(), self.runner.max_seq_len, self.books, self.runner.random_state,
                                    grammars=None, enqueue=self.core.add, abort=self.core.abort, wake=lambda: None,

@@ -186,6 +186,7 @@ def build_engine(config: EngineConfig, model=None, ports: Ports | None = None):
     _check_device(config.device)  # before the model loads: a missing device fails at once
     model = model or load(config.model, config.cache_dir)
     runner = ModelRunner.build(config, model)
+    draft = _draft_runner(config, runner) if config.speculative == "draft" else None
     if config.chat_template is not None:
         model.hf_tokenizer.chat_template = Path(config.chat_template).read_text()
     tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
@@ -195,7 +196,7 @@ def build_engine(config: EngineConfig, model=None, ports: Ports | None = None):
     info = describe(config, runner, tokenizer, model.name, model.architecture)
     if ports is not None:
         runner, tokenizer, grammars = ports.runner(runner), ports.tokenizer(tokenizer), ports.grammars(grammars)
-    engine = Engine(config, runner, tokenizer, info, grammars)
+    engine = Engine(config, runner, tokenizer, info, grammars, draft)
     _load_loras(engine, config)
     return engine
 
@@ -211,6 +212,24 @@ def _load_loras(engine, config: EngineConfig) -> None:
             raise SettingError("lora", f"{name}={path}", exc.description) from None
 
 
+def _draft_runner(config: EngineConfig, target):
+    """--draft-model on a runner of its own, as --model's is built; its vocabulary must be the model's."""
+    from braid.server.model.loader import load
+    from braid.server.runner.model_runner import ModelRunner
+
+    try:
+        model = load(config.draft_model, config.cache_dir)
+    except SettingError as exc:  # the loader names --model: here it is the draft's
+        raise SettingError("draft_model", exc.value, exc.problem) from None
+    draft = ModelRunner.build(dataclasses.replace(config, model=config.draft_model), model)
+    if draft.vocab_size != target.vocab_size:
+        raise SettingError("draft_model", config.draft_model, f"its vocabulary has {draft.vocab_size} tokens, "
+                                                              f"the model's {target.vocab_size}")
+    _LOGGER.info("draft model: %s (%d parameters), up to %d tokens proposed per pass", config.draft_model,
+                 draft.num_parameters, config.speculative_tokens)
+    return draft
+
+
 def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str):
     """What ModelInfo reports: the model, the runner that runs it, and the settings in force."""
     from braid.server.engine.types import ModelInfo
@@ -223,7 +242,10 @@ def describe(config: EngineConfig, runner, tokenizer, model_name: str, architect
         weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
         quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
         prefix_caching=config.prefix_caching == "on", runner=runner.path, activations=runner.activations,
-        threads=runner.threads, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
+        threads=runner.threads, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+        speculative=config.speculative,
+        speculative_tokens=config.speculative_tokens if config.speculative != "none" else 0,
+        draft_model=config.draft_model or "")
 
 
 def _check_device(device: str) -> None:

@@ -26,6 +26,8 @@ class Mode(enum.Enum):
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0")
 ACTIVATIONS = ("auto", "int8", "bf16", "float32")
+SPECULATIVE = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -115,6 +117,20 @@ class EngineConfig:
     constraint_cache_memory: str = field(default="256MiB", metadata=_opt(
         "memory the compiled constraints kept for reuse may hold, as bytes with a unit (an entry holds from "
         "tens of KB to tens of MB); past it the least recently used are dropped"))
+    speculative: str = field(default="none", metadata=_opt(
+        "speculative decoding: none; ngram (proposals copied from where the last tokens occurred before, in the "
+        "prompt or the output: no second model); draft (proposals of --draft-model, run greedily). Proposals "
+        "are verified in the same packed passes: the tokens are exactly those of plain decoding, seeded or "
+        "greedy", choices=list(SPECULATIVE)))
+    speculative_tokens: int = field(default=4, metadata=_opt(
+        f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}"))
+    ngram_max: int = field(default=4, metadata=_opt(
+        "--speculative ngram: the longest run of last tokens looked up in the sequence so far"))
+    ngram_min: int = field(default=2, metadata=_opt(
+        "--speculative ngram: the shortest run of last tokens that may propose (1 matches any repeated token)"))
+    draft_model: str | None = field(default=None, metadata=_opt(
+        "--speculative draft: the draft model (a folder, hub id or .gguf file braid can serve) with the "
+        "model's vocabulary, on its own runner and KV cache (--kv-cache-memory each)"))
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(), metadata=_opt(
         "where converted models are kept"))
     lora: list[str] = field(default_factory=list, metadata=_opt(
@@ -140,6 +156,16 @@ class EngineConfig:
         _one_of(self, "kernels", ("auto", "torch"))
         _one_of(self, "kv_cache_dtype", DTYPES)
         _one_of(self, "prefix_caching", ("on", "off"))
+        _one_of(self, "speculative", SPECULATIVE)
+        if not 1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise SettingError("speculative_tokens", self.speculative_tokens,
+                               f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SettingError("ngram_min", self.ngram_min, f"must be in [1, --ngram-max {self.ngram_max}]")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise SettingError("speculative", self.speculative, "needs --draft-model")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise SettingError("draft_model", self.draft_model, "needs --speculative draft")
         self.cache_dir = Path(self.cache_dir).expanduser()
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise SettingError("chat_template", self.chat_template, "no such file")

@@ -122,7 +122,7 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         logprobs=req.logprobs or req.top_logprobs > 0, top_logprobs=req.top_logprobs,
         truncate_input_tokens=req.truncate_input_tokens, bad_words=tuple(req.bad_words),
         report_queue=req.report_queue, prompt_logprobs=req.prompt_logprobs,
-        clip_max_new_tokens=req.max_new_tokens == 0)
+        clip_max_new_tokens=req.max_new_tokens == 0, disable_speculation=req.disable_speculation)
     return GenerationRequest(
         prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
         request_id=req.request_id or uuid.uuid4().hex,
@@ -214,7 +214,8 @@ def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateRe
     return pb.GenerateResponse(
         finish_reason=pb.FinishReason.ValueType(finished.reason.value),
         usage=pb.Usage(prompt_tokens=finished.prompt_tokens, generated_tokens=finished.generated_tokens,
-                       cached_tokens=finished.cached_tokens, truncated_tokens=finished.truncated_tokens),
+                       cached_tokens=finished.cached_tokens, truncated_tokens=finished.truncated_tokens,
+                       proposed_tokens=finished.proposed_tokens, accepted_tokens=finished.accepted_tokens),
         request_id=request_id, seed=seed, stop_sequence=finished.stop_sequence,
         timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
                            total_ms=t.total_ms, tokens_per_second=t.tokens_per_second))
@@ -242,7 +243,8 @@ def model_info_to_pb(info: ModelInfo, adapters: Sequence[AdapterInfo] = ()) -> p
         parameters=info.parameters, weight_formats=info.weight_formats, weight_bytes=info.weight_bytes,
         quantization=info.quantization, kernels=info.kernels, kv_cache_dtype=info.kv_cache_dtype,
         prefix_caching=info.prefix_caching, runner=info.runner, activations=info.activations,
-        threads=info.threads)
+        threads=info.threads, speculative=info.speculative, speculative_tokens=info.speculative_tokens,
+        draft_model=info.draft_model)
 
 
 def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.ServerStatusResponse:
@@ -261,4 +263,7 @@ def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.Serv
         prompt_tokens_cached=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens,
         preemptions=stats.preemptions, kv_evictions=stats.kv_evictions, kv_pages_total=stats.kv_pages_total,
         kv_pages_used=stats.kv_pages_used, kv_pages_cached=stats.kv_pages_cached, kv_page_tokens=stats.kv_page_tokens,
-        prefix_hit_ratio=stats.prompt_tokens_cached / max(1, stats.prompt_tokens_cached + stats.prompt_tokens))
+        prefix_hit_ratio=stats.prompt_tokens_cached / max(1, stats.prompt_tokens_cached + stats.prompt_tokens),
+        speculative_proposed_tokens=stats.speculative_proposed_tokens,
+        speculative_accepted_tokens=stats.speculative_accepted_tokens,
+        speculative_acceptance_rate=stats.speculative_accepted_tokens / max(1, stats.speculative_proposed_tokens))

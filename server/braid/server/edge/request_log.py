@@ -2,9 +2,10 @@
 arrives and one per other braid call. Who called and how it went, never what was asked or answered.
 
     Stream request_id=9c1f... peer=ipv4:10.0.0.7:51234 mode=continuous status=OK finish=max_tokens
-    prompt_tokens=12 cached_tokens=0 generated_tokens=32 queue_ms=0.4 ttft_ms=21.0 tok_s=88.2 total_ms=372.5
+    prompt_tokens=12 cached_tokens=0 generated_tokens=32 proposed_tokens=0 accepted_tokens=0 queue_ms=0.4
+    ttft_ms=21.0 tok_s=88.2 total_ms=372.5
 
-The figures are those of the call's final message (summed over its samples with `n`); a call that
+proposed_tokens and accepted_tokens count speculative decoding's proposals (--speculative). The figures are those of the call's final message (summed over its samples with `n`); a call that
 ended before one (cancelled by its client, refused) has its status, and the tokens it was sent.
 """
 
@@ -83,6 +84,8 @@ class _StreamRecord:
             "prompt_tokens": self.finals[0].usage.prompt_tokens,
             "cached_tokens": sum(f.usage.cached_tokens for f in self.finals),
             "generated_tokens": sum(f.usage.generated_tokens for f in self.finals),
+            "proposed_tokens": sum(f.usage.proposed_tokens for f in self.finals),
+            "accepted_tokens": sum(f.usage.accepted_tokens for f in self.finals),
             "queue_ms": min(t.queue_ms for t in timings),
             "ttft_ms": min(t.time_to_first_token_ms for t in timings),
             "tok_s": sum(t.tokens_per_second for t in timings),

@@ -67,11 +67,14 @@ class Books:
             self._stats.sessions_active, self._stats.sessions_paused = active, paused
             self._set_cache(cache)
 
-    def count_pass(self, prompt_tokens: int, generated_tokens: int) -> None:
+    def count_pass(self, prompt_tokens: int, generated_tokens: int, proposed: int = 0, accepted: int = 0) -> None:
+        """One forward pass; proposed, accepted: the speculative proposals it verified, and confirmed."""
         with self._lock:
             self._stats.forward_passes += 1
             self._stats.prompt_tokens += prompt_tokens
             self._stats.tokens_generated += generated_tokens
+            self._stats.speculative_proposed_tokens += proposed
+            self._stats.speculative_accepted_tokens += accepted
 
     def finish(self, reason: FinishReason, active: int, cache: dict[str, int] | None = None) -> None:
         """One session ended; `active`: the sessions running now that it has left; `cache`: the KV
@@ -103,7 +106,8 @@ class Books:
                 forward_passes=s.forward_passes, finished=dict(s.finished),
                 prompt_tokens_cached=s.prompt_tokens_cached, preemptions=s.preemptions, kv_evictions=s.kv_evictions,
                 kv_pages_total=s.kv_pages_total, kv_pages_used=s.kv_pages_used, kv_pages_cached=s.kv_pages_cached,
-                kv_page_tokens=s.kv_page_tokens)
+                kv_page_tokens=s.kv_page_tokens, speculative_proposed_tokens=s.speculative_proposed_tokens,
+                speculative_accepted_tokens=s.speculative_accepted_tokens)
 
     @property
     def is_idle(self) -> bool:

@@ -28,6 +28,7 @@ from braid.server.engine.pages import Pages
 from braid.server.engine.ports import Runner
 from braid.server.engine.scheduler import Scheduler, Work
 from braid.server.engine.session import Session, SessionStatus
+from braid.server.engine.speculation import DraftProposer, NgramProposer, Speculator
 from braid.server.engine.types import Event, FinishReason
 from braid.server.runner.rows import Row, Sampled
 
@@ -45,14 +46,18 @@ class Step:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books,
-                 adapters: Adapters | None = None) -> None:
-        """adapters: the LoRA adapters, whose holds a session gives back when it ends."""
+                 adapters: Adapters | None = None, draft: Runner | None = None) -> None:
+        """adapters: the LoRA adapters, whose holds a session gives back when it ends; draft:
+        --speculative draft's model, on its own runner."""
         self.runner = runner
         self.adapters = adapters
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_seq_len = runner.max_seq_len
         self.pages = Pages(runner.num_pages, runner.page_size, config.prefix_caching == "on")
-        self.scheduler = Scheduler(config, self.pages)
+        proposer = (NgramProposer(config.ngram_min, config.ngram_max) if config.speculative == "ngram"
+                    else DraftProposer(draft) if config.speculative == "draft" and draft is not None else None)
+        self.speculator = Speculator(proposer, config.speculative_tokens, self.max_seq_len) if proposer else None
+        self.scheduler = Scheduler(config, self.pages, self.speculator)
         self.output = Output(self.eos_token_ids, self.max_seq_len)
         self.books = books
         self.observer: EngineObserver = NoObserver()
@@ -158,45 +163,81 @@ class EngineCore:
     def _row(self, w: Work) -> Row:
         s, p = w.session, w.session.params
         start = s.num_cached
-        end = start + w.num_tokens
+        end = start + w.num_tokens - len(w.proposals)  # the session's own tokens; then the proposals
         banned: tuple[int, ...] = ()
         if s.num_generated < p.min_new_tokens and s.matcher is None:  # a constraint says where it may end
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
         if s.bad_words and end == len(s.token_ids):
             banned += tuple(s.banned_by_bad_words())
         sample = end == len(s.token_ids)
-        return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end], sample=sample,
+        return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end] + list(w.proposals), sample=sample,
                    sampling=s.sampling, rng=s.rng, history=s.token_ids, num_prompt=s.num_prompt, banned=banned,
                    is_prompt=s.is_prefilling, targets=s.prompt_targets(start, end),
-                   matcher=s.matcher if sample else None, adapter=s.adapter)
+                   matcher=s.matcher if sample else None, adapter=s.adapter, num_proposals=len(w.proposals))
 
     def _postprocess(self, work: list[Work], tokens: list[Sampled | None]) -> None:
         now = time.monotonic()
         num_tokens = sum(w.num_tokens for w in work)
-        self.books.count_pass(sum(w.num_tokens for w in work if w.session.is_prefilling),
-                              sum(t is not None for t in tokens))
+        proposed = sum(len(w.proposals) for w in work)
+        accepted = sum(len(t.more) for w, t in zip(work, tokens) if w.proposals and t is not None)
+        prompt_tokens = sum(w.num_tokens for w in work if w.session.is_prefilling)
+        generated = sum(w.session.num_generated for w in work)
         self.observer.on_pass(len(work), num_tokens)
         for w, sampled in zip(work, tokens):
             s = w.session
             if sampled is not None and sampled.targets and s.prompt_scores is not None:
                 del s.prompt_scores[s.num_cached:]  # scored again after a preemption
                 s.prompt_scores.extend(sampled.targets)
+            if w.proposals:
+                self._take_verified(w, sampled, now)
+                continue
             self.scheduler.computed(s, w.num_tokens)
             if sampled is None or sampled.token is None:
                 continue
             if s.first_token is None:
                 s.first_token = now
-            reason = self.output.add_token(s, sampled.token, sampled.logprob)
-            if reason is FinishReason.INVALID_REQUEST:  # only a constraint's matcher refuses a token
-                self._finish(s, reason, constraint_failure(s), s.constraint_field)
-            elif reason is not None:
-                self._finish(s, reason)
+            self._end_if(s, self.output.add_token(s, sampled.token, sampled.logprob))
+        # tokens kept: a stop among a row's confirmed proposals drops those after it
+        generated = sum(w.session.num_generated for w in work) - generated
+        self.books.count_pass(prompt_tokens, generated, proposed, accepted)
+
+    def _take_verified(self, w: Work, sampled: Sampled, now: float) -> None:
+        """A speculating row's tokens: the proposals the runner confirmed, then the one it sampled
+        where they stopped. The cache keeps the keys and values of the last token and the confirmed
+        proposals; the rejected ones' are written over later, and pages grown only for them are
+        freed. A stop among the tokens ends the session there, the rest unsent."""
+        s = w.session
+        if s.first_token is None:
+            s.first_token = now
+        picked = [(sampled.token, sampled.logprob), *sampled.more]
+        accepted = len(sampled.more)
+        self.speculator.verified(s, len(w.proposals), accepted)
+        fed = w.num_tokens - len(w.proposals)
+        reason, taken = None, 0
+        for token, logprob in picked:
+            reason = self.output.add_token(s, token, logprob)
+            taken += 1
+            if reason is not None:
+                break
+        # named pages are keyed by the tokens they hold: counted computed only once they are appended
+        self.scheduler.computed(s, fed + min(accepted, taken))
+        if reason is None:
+            self.pages.shrink(s, s.num_cached)
+        self._end_if(s, reason)
+
+    def _end_if(self, s: Session, reason: FinishReason | None) -> None:
+        if reason is FinishReason.INVALID_REQUEST:  # only a constraint's matcher refuses a token
+            self._finish(s, reason, constraint_failure(s), s.constraint_field)
+        elif reason is not None:
+            self._finish(s, reason)
 
     def _finish(self, s: Session, reason: FinishReason, error: str | None = None, field: str | None = None) -> None:
         """Ends a session; error: why (ERROR, INVALID_REQUEST), field: the request field at fault."""
         if s.status is SessionStatus.FINISHED:
             return
         self.scheduler.remove(s)
+        if self.speculator is not None:
+            self.speculator.release(s)
         self.sessions.pop(s.id, None)
         self._num_finished += 1
         if s.adapter and self.adapters is not None:

@@ -62,9 +62,9 @@ class Engine:
     """The model loop around an EngineCore, and what other threads call: admission, stats, waiters."""
 
     def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Tokenizer, info: ModelInfo,
-                 grammars: Grammars) -> None:
+                 grammars: Grammars, draft: Runner | None = None) -> None:
         """info: what ModelInfo reports, and grammars: the constraint compiler (the composition root
-        makes both)."""
+        makes both); draft: --speculative draft's runner."""
         self.config = config
         self.tokenizer = tokenizer
         self.info = info
@@ -74,7 +74,7 @@ class Engine:
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
         self.adapters = Adapters(runner, config.max_loras, config.max_lora_rank, info.model_name)
-        self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books, self.adapters)
+        self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books, self.adapters, draft)
         self.grammars = grammars
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
         threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()

@@ -74,7 +74,8 @@ class Output:
         finished = Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
                             timings=_timings(s), error=error, error_field=error_field,
                             cached_tokens=s.cached_tokens or 0,
-                            stop_sequence=s.detokenizer.stop_sequence, truncated_tokens=s.truncated_tokens)
+                            stop_sequence=s.detokenizer.stop_sequence, truncated_tokens=s.truncated_tokens,
+                            proposed_tokens=s.num_proposed, accepted_tokens=s.num_accepted)
         self._outbox.append((s.handle, finished))
         return finished
 

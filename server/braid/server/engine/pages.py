@@ -112,6 +112,16 @@ class Pages:
         s.pages += [self._take() for _ in range(new)]
         return True
 
+    def shrink(self, s: Holder, num_tokens: int) -> None:
+        """Frees the pages past the first that hold `num_tokens` tokens: pages grown for speculative
+        proposals that were rejected. They were never full of computed tokens, so never named."""
+        keep = self.pages_for(num_tokens)
+        for p in s.pages[keep:]:
+            assert self._refs[p] == 1 and p not in self._key_of, f"page {p} is shared or named"
+            self._refs[p] = 0
+            self._free.append(p)
+        del s.pages[keep:]
+
     def commit(self, s: Holder, before: int) -> None:
         """Names the pages that became full since the session had `before` tokens computed, so the
         sessions after it can share them. A page whose key another page already holds (two

@@ -24,6 +24,11 @@ need now (less the prefix already cached) leave one page free per running sessio
 *preempts* one: the lowest priority first, then the newest. Its pages are released (its full ones
 stay cached) and it goes back to the head of its queue, to recompute its tokens when it is admitted
 again. Its stream only pauses: a session admitted is never failed for memory.
+
+With --speculative, decoding sessions may add proposals to their rows (engine/speculation.py), in
+every mode, into what a pass has left of SPECULATION_PASS_TOKENS: proposals go first when a pass
+is full, so speculation never makes a loaded server's passes longer. They are dropped too where
+their pages would need a preemption.
 """
 
 from __future__ import annotations
@@ -33,21 +38,29 @@ from dataclasses import dataclass
 from braid.server.config import EngineConfig
 from braid.server.engine.pages import Pages
 from braid.server.engine.session import Session, SessionStatus
+from braid.server.engine.speculation import Speculator
 from braid.server.engine.types import Mode, Priority
+
+# Tokens a pass may reach with proposals. On a CPU a pass reads every weight once whatever its rows,
+# so a pass of a few rows costs about what one row costs; past this, proposals would lengthen it.
+SPECULATION_PASS_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class Work:
-    """Feed `num_tokens` of `session`'s uncached tokens to the model in the next forward pass."""
+    """Feed `num_tokens` of `session`'s uncached tokens to the model in the next forward pass; the
+    last len(proposals) of them are speculative proposals to verify, not yet the session's tokens."""
 
     session: Session
     num_tokens: int
+    proposals: tuple[int, ...] = ()
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pages: Pages) -> None:
+    def __init__(self, config: EngineConfig, pages: Pages, speculator: Speculator | None = None) -> None:
         self.mode = config.mode
         self.pages = pages
+        self.speculator = speculator
         self.max_sessions = config.max_sessions
         self.max_batch_size = config.max_batch_size
         self.max_wait_s = config.max_wait_ms / 1000
@@ -115,7 +128,7 @@ class Scheduler:
         if self.held:
             self._release_held()
         self._admit(now)
-        return self._grow(self._pick())
+        return self._grow(self._speculate(self._pick()))
 
     def computed(self, session: Session, num_tokens: int) -> None:
         """A pass computed `num_tokens` more of the session's tokens: its full pages get named."""
@@ -178,8 +191,11 @@ class Scheduler:
 
     def _grow(self, work: list[Work]) -> list[Work]:
         """Pages for every new token of the pass. Where none are left, sessions are preempted until
-        they fit; one preempted leaves the pass (it may be the very session that needed the page)."""
-        for w in work:
+        they fit; one preempted leaves the pass (it may be the very session that needed the page).
+        Proposals whose pages are not available are dropped first: they never preempt."""
+        for i, w in enumerate(work):
+            if w.proposals and not self.pages.grow(w.session, w.num_tokens):
+                work[i] = w = Work(w.session, w.num_tokens - len(w.proposals))
             while w.session.status is SessionStatus.RUNNING and not self.pages.grow(w.session, w.num_tokens):
                 self._preempt(max(self.running, key=lambda s: (s.priority.value, s.arrived)))
         return [w for w in work if w.session.status is SessionStatus.RUNNING]
@@ -216,6 +232,24 @@ class Scheduler:
                 item = self._work(session, budget)
                 budget = None if budget is None else budget - item.num_tokens
                 work.append(item)
+        return work
+
+    def _speculate(self, work: list[Work]) -> list[Work]:
+        """Proposals for the decoding sessions of the pass, in what it leaves of SPECULATION_PASS_TOKENS."""
+        budget = SPECULATION_PASS_TOKENS - sum(w.num_tokens for w in work)
+        if self.speculator is None or budget <= 0:
+            return work
+        asks: list[tuple[int, int]] = []  # (index in work, proposals it may make)
+        for i, w in enumerate(work):
+            if budget > 0 and w.num_tokens == 1 and not w.session.is_prefilling:
+                k = self.speculator.wants(w.session, budget)
+                if k:
+                    asks.append((i, k))
+                    budget -= k
+        found = self.speculator.propose([(work[i].session, k) for i, k in asks]) if asks else []
+        for (i, _), proposals in zip(asks, found):
+            if proposals:
+                work[i] = Work(work[i].session, 1 + len(proposals), proposals)
         return work
 
     def _this_turn(self, runnable: list[Session]) -> list[Session]:

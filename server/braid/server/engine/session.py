@@ -52,6 +52,13 @@ class Session:
     matcher: Matcher | None = None  # its constraint's llguidance matcher (engine/grammars.py), or None
     constraint_field: str = ""  # the request field its constraint came in (constraint.regex, ...)
     resumed: list[int] = field(default_factory=list)  # resume_token_ids, replayed when the model thread takes it
+    # speculative decoding (engine/speculation.py): proposals verified and confirmed so far, and the
+    # back-off after passes that confirmed none: proposals rest for `rest` more steps
+    num_proposed: int = 0
+    num_accepted: int = 0
+    misses: int = 0  # verifications in a row that confirmed no proposal
+    window: int = 0  # the most it proposes next (0: --speculative-tokens)
+    rest: int = 0
 
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens

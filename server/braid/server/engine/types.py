@@ -94,6 +94,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # never generated
     report_queue: bool = False  # send Queued events while waiting
     prompt_logprobs: bool = False  # score the prompt's tokens, sent with the first Delta
+    disable_speculation: bool = False  # no speculative proposals for this session (--speculative)
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False
@@ -186,6 +187,8 @@ class Finished:
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     stop_sequence: str = ""  # the stop string that ended it (reason STOP_SEQUENCE)
     truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
+    proposed_tokens: int = 0  # speculative proposals verified (--speculative)
+    accepted_tokens: int = 0  # and of those, confirmed by the model
 
     def milestones(self) -> dict[str, float]:
         """Seconds from arrival to each point the session reached, in order: queued (0), prefill
@@ -234,6 +237,9 @@ class ModelInfo:
     threads: int = 0  # the CPU pools' threads (affinity, cgroup quota or --threads)
     max_loras: int = 0  # LoRA adapters resident at most (--max-loras); the loaded ones: Engine.adapters
     max_lora_rank: int = 0
+    speculative: str = "none"  # --speculative: none, ngram or draft
+    speculative_tokens: int = 0  # the most proposals per session and pass; 0 with none
+    draft_model: str = ""  # the draft model loaded, "" with none
 
 
 @dataclass
@@ -254,3 +260,6 @@ class EngineStats:
     kv_pages_used: int = 0  # held by running sessions
     kv_pages_cached: int = 0  # held by no session, keeping a prefix for the next
     kv_page_tokens: int = 0  # tokens per page
+    # speculative decoding (--speculative): proposals verified since start, and those confirmed
+    speculative_proposed_tokens: int = 0
+    speculative_accepted_tokens: int = 0

@@ -37,12 +37,15 @@ class PrefillChunk:
 
 @dataclass
 class DecodeRows:
-    """The last `count` tokens of the packed batch, one new token per sequence."""
+    """The last `count` tokens of the packed batch, one new token per sequence; or, with
+    `speculative`, several consecutive tokens of a sequence as rows of their own (a speculating
+    row's last token and proposals), each attending up to its own position."""
 
     count: int
     tables: torch.Tensor  # [B, pages] long: each sequence's page table (padded with page 0)
     kv_len: int  # T: longest cached length among them, new token included
     mask: torch.Tensor | None  # [B, 1, 1, T] bool, or None when every length is T
+    speculative: bool = False  # rows of one sequence read each other's keys: all written before any attends
 
 
 @dataclass
@@ -171,9 +174,10 @@ class LlamaDecoder:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the packed batch, writes its keys/values into the cache, returns [R, V] logits."""
-        # The one C call of a decode step has no place for an adapter's deltas: a pass with adapters
-        # runs layer by layer (decode attention still in C).
-        if self.one_call_decode and batch.decode is not None and not batch.prefills and batch.lora is None:
+        # The one C call of a decode step has no place for an adapter's deltas, nor for a speculating
+        # row's several positions: such a pass runs layer by layer (decode attention still in C).
+        if (self.one_call_decode and batch.decode is not None and not batch.prefills and batch.lora is None
+                and not batch.decode.speculative):
             return self._decode_only(batch, cache)
         n = batch.input_ids.shape[0]
         lora = batch.lora
@@ -294,7 +298,9 @@ class LlamaDecoder:
         n, d = q.shape[0], self.head_dim
         dec = batch.decode
         fused = dec is not None and self.fused_attention  # the C kernel writes the decode rows' keys
-        written = n - dec.count if fused else n
+        # (its tasks run in parallel: a speculating sequence's rows need each other's keys written first,
+        # and the kernel then writes the same values again)
+        written = n - dec.count if fused and not dec.speculative else n
         if written:
             # Rows of a flat view: an advanced-index assignment here would have torch copy the
             # whole cache of the layer (measured: ~4 ms, against 6 us).

@@ -39,9 +39,32 @@ class Masks:
         lln.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
         return torch.from_numpy(bitmask)
 
+    def start_walk(self, matcher: object, tokens: Sequence[int]) -> concurrent.futures.Future:
+        """Starts filling a speculating row's masks: [len(tokens) + 1, V] bool, the tokens allowed
+        before each of `tokens` and after the last, each after those before it. The matcher is
+        walked along them and rolled back, so it ends as it began (the engine checked that it
+        allows them)."""
+        return self._thread.submit(self._walk, matcher, list(tokens))
+
+    def _walk(self, matcher, tokens: list[int]) -> torch.Tensor:
+        bitmask = lln.allocate_token_bitmask(len(tokens) + 1, self.vocab_size)
+        consumed = 0
+        try:
+            for i in range(len(tokens) + 1):
+                lln.fill_next_token_bitmask(matcher, bitmask, i)
+                if i < len(tokens):
+                    if not matcher.consume_token(tokens[i]):
+                        break  # allows nothing past here: the rows left keep an empty mask, never used
+                    consumed += 1
+        finally:
+            matcher.rollback(consumed)
+        return self.unpack(torch.from_numpy(bitmask))
+
     def allowed(self, filling: concurrent.futures.Future) -> torch.Tensor:
         """[C, V] bool: the tokens each constrained row may pick (bit i % 32 of word i // 32 of
         llguidance's int32 bitmask). Waits for the masks if they are still being filled."""
-        bits = filling.result()
+        return self.unpack(filling.result())
+
+    def unpack(self, bits: torch.Tensor) -> torch.Tensor:
         unpacked = (bits.unsqueeze(-1) >> self._shifts) & 1  # [C, W, 32]
         return unpacked.view(bits.shape[0], -1)[:, :self.vocab_size].bool()

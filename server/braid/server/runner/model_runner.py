@@ -9,6 +9,7 @@ KV-cache pages fit.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from braid.server.runner.llama import (
 from braid.server.runner.masks import Masks
 from braid.server.runner.precision import DTYPES, Precision
 from braid.server.runner.rows import AdapterInfo, Row, Sampled, Sampling
-from braid.server.runner.sampler import random_state, sample, score
+from braid.server.runner.sampler import random_state, sample, score, verify
 from braid.server.runner.threads import ThreadGovernor
 from braid.server.runner.transformers_decoder import TransformersDecoder
 
@@ -186,8 +187,13 @@ class ModelRunner:
         row asks) and its targets' log probabilities, or None for a row that neither samples nor
         scores (a prompt chunk that does not reach the end of its prompt)."""
         batch, sampled, scored = self._build(rows)
-        constrained = [k for k, i in enumerate(sampled) if rows[i].matcher is not None]  # among `sampled`
-        filling = self.masks.start([rows[sampled[k]].matcher for k in constrained])  # during the pass
+        first = dict(zip(sampled, itertools.accumulate((1 + rows[i].num_proposals for i in sampled), initial=0)))
+        plain = [i for i in sampled if not rows[i].num_proposals]
+        verified = [i for i in sampled if rows[i].num_proposals]
+        constrained = [k for k, i in enumerate(plain) if rows[i].matcher is not None]  # among `plain`
+        filling = self.masks.start([rows[plain[k]].matcher for k in constrained])  # during the pass
+        walks = {i: self.masks.start_walk(rows[i].matcher, rows[i].token_ids[-rows[i].num_proposals:])
+                 for i in verified if rows[i].matcher is not None}
         logits = self._forward(batch)  # [L, V], in batch.logit_rows order
         out: list[Sampled | None] = [None] * len(rows)
         if scored:  # the targets' rows come first; the sampled rows' logits are the rest
@@ -196,8 +202,13 @@ class ModelRunner:
                                                            rows[i].sampling.logprobs or 0)))
             logits = logits[max(end for _, end in scored.values()):]
         allowed = (constrained, self.masks.allowed(filling)) if filling is not None else None
-        for i, token in zip(sampled, sample(logits, [rows[i] for i in sampled], allowed)):
+        for i, token in zip(plain, sample(logits[[first[i] for i in plain]] if verified else logits, [rows[i] for i in plain],
+                                                allowed)):
             out[i] = token._replace(targets=out[i].targets) if out[i] else token
+        for i in verified:
+            k = rows[i].num_proposals
+            masks = walks[i].result() if i in walks else None
+            out[i] = verify(logits[first[i]:first[i] + k + 1], rows[i], masks)
         return out
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -241,10 +252,14 @@ class ModelRunner:
         return math.exp(nll / (len(ids) - 1))
 
     def _build(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[int], dict[int, tuple[int, int]]]:
-        """Packs prompt chunks first, then one token per decoding row. Returns the batch, the indices
-        of the rows that sample in the order of their logit rows, and the logit rows [begin, end) of
-        each row with targets, which come before all of those."""
-        is_prefill = [r.is_prompt or len(r.token_ids) > 1 for r in rows]
+        """Packs prompt chunks first (rows with proposals among them), then one token per decoding
+        row. Returns the batch, the indices of the rows that sample in the order of their logit rows
+        (1 + num_proposals each), and the logit rows [begin, end) of each row with targets, which
+        come before all of those."""
+        # a speculating row's tokens go as decode rows of their own on braid's decoder (its decode
+        # attention, the same numbers as plain steps), as a chunk on the transformers path
+        is_prefill = [r.is_prompt or (len(r.token_ids) > 1 and not (r.num_proposals and self.path == "braid"))
+                      for r in rows]
         # grouped by LoRA adapter (stable: without adapters the order is the rows'), so that each
         # adapter's tokens are a run of the packed batch (runner/lora.py)
         prefills = sorted((i for i, r in enumerate(rows) if is_prefill[i]), key=lambda i: rows[i].adapter)
@@ -272,8 +287,8 @@ class ModelRunner:
             adapters += [r.adapter] * len(r.token_ids)
             positions += range(r.start, end)
             token_pages += [r.pages[p // page_size] for p in range(r.start, end)]
-            if r.sample:
-                sample_at.append(len(ids) - 1)
+            if r.sample:  # a row with proposals samples after each of them too
+                sample_at += range(len(ids) - 1 - r.num_proposals, len(ids))
                 sampled.append(i)
         position_tensor = torch.tensor(positions, dtype=torch.long, device=dev)
         # [N * KVH]: the row of the cache viewed as [-1, D] each token's key of each head goes to
@@ -307,13 +322,16 @@ class ModelRunner:
         return LoraPass(runs)
 
     def _decode_rows(self, decodes: list[Row]) -> DecodeRows:
-        lengths = [r.start + 1 for r in decodes]  # the new token included
+        """One decode row per token: a speculating row's tokens each attend up to their own position."""
+        lengths = [r.start + j + 1 for r in decodes for j in range(len(r.token_ids))]  # the new token included
+        owners = [r for r in decodes for _ in r.token_ids]
         kv_len = max(lengths)
         width = -(-kv_len // self.cache.page_size)
-        tables = torch.tensor([list(r.pages[:width]) + [0] * (width - len(r.pages[:width])) for r in decodes],
+        tables = torch.tensor([list(r.pages[:width]) + [0] * (width - len(r.pages[:width])) for r in owners],
                               dtype=torch.long, device=self.device)
         mask = None
         if any(n != kv_len for n in lengths):
             mask = (torch.arange(kv_len, device=self.device).unsqueeze(0)
-                    < torch.tensor(lengths, device=self.device).unsqueeze(1)).view(len(decodes), 1, 1, kv_len)
-        return DecodeRows(count=len(decodes), tables=tables, kv_len=kv_len, mask=mask)
+                    < torch.tensor(lengths, device=self.device).unsqueeze(1)).view(len(owners), 1, 1, kv_len)
+        return DecodeRows(count=len(owners), tables=tables, kv_len=kv_len, mask=mask,
+                          speculative=len(owners) > len(decodes))

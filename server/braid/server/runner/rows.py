@@ -60,6 +60,11 @@ class Row:
     # a constraint's matcher (llguidance.LLMatcher, made by the engine): when sampling, only the
     # tokens its mask allows now can be picked
     matcher: object = None
+    # speculative decoding: the last num_proposals of token_ids are proposals, not yet the
+    # sequence's. The row samples after each of its last num_proposals + 1 tokens, in order, as
+    # plain steps would (history grown by the tokens kept, one random draw each), and keeps going
+    # while what it sampled equals the next proposal (Sampled.more)
+    num_proposals: int = 0
     # the LoRA adapter the row runs with: its load id (ModelRunner.load_adapter), 0 for the base model
     adapter: int = 0
 
@@ -94,3 +99,6 @@ class Sampled(NamedTuple):
     token: int | None  # None: the row only scored its targets
     logprob: TokenLogprob | None = None  # when its Sampling asked for logprobs
     targets: tuple[TokenLogprob, ...] = ()  # one per Row.targets
+    # a row with proposals: the tokens sampled after `token`, with their log probabilities (or
+    # None); each but the last equals its proposal, so len(more) proposals were accepted
+    more: tuple[tuple[int, TokenLogprob | None], ...] = ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Sequence
 
@@ -44,6 +45,29 @@ def sample(logits: torch.Tensor, rows: Sequence[Row],
         for i, logprob in zip(wanted, _logprobs(raw, tokens[wanted], [rows[i].sampling.logprobs for i in wanted])):
             out[i] = Sampled(out[i].token, logprob)
     return out
+
+
+def verify(logits: torch.Tensor, row: Row, masks: torch.Tensor | None = None) -> Sampled:
+    """A row with k proposals (Row.num_proposals): logits [k + 1, V], row j predicting the token
+    after the j-th last of its tokens; masks: [k + 1, V] bool, its constraint's after each.
+
+    Samples position by position exactly as k + 1 plain steps would: the history (penalties) grown
+    by the tokens kept, one draw from the row's generator per token sampled, the constraint's mask
+    as it stands after them. Stops at the first sample that differs from its proposal (or after the
+    last proposal): that sample is the token the model would have produced there instead. So the
+    tokens, and the generator's state after them, are those of plain decoding, greedy or seeded.
+    """
+    proposals = list(row.token_ids[len(row.token_ids) - row.num_proposals:])
+    history = list(row.history)
+    picked: list[Sampled] = []
+    for j in range(len(proposals) + 1):
+        step = dataclasses.replace(row, history=history, num_proposals=0)
+        allowed = ([0], masks[j:j + 1]) if masks is not None else None
+        picked.append(sample(logits[j:j + 1], [step], allowed)[0])
+        if j == len(proposals) or picked[-1].token != proposals[j]:
+            break
+        history.append(picked[-1].token)
+    return Sampled(picked[0].token, picked[0].logprob, more=tuple((p.token, p.logprob) for p in picked[1:]))
 
 
 def score(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:

@@ -122,6 +122,23 @@ def observe_engine(stats: Callable[[], EngineStats]) -> None:
         "braid.prefix_cache.hit_ratio", [hit_ratio], unit="1",
         description="Share of prompt tokens found in the prefix cache since start (ServerStatus.prefix_hit_ratio); "
                     "per replica, high where a proxy routes calls by their braid-route-key")
+    def speculation(options: CallbackOptions):
+        stats_now = stats()
+        return [Observation(stats_now.speculative_proposed_tokens, {"braid.speculative.outcome": "proposed"}),
+                Observation(stats_now.speculative_accepted_tokens, {"braid.speculative.outcome": "accepted"})]
+
+    def acceptance(options: CallbackOptions):
+        stats_now = stats()
+        proposed = stats_now.speculative_proposed_tokens
+        return [Observation(stats_now.speculative_accepted_tokens / proposed if proposed else 0.0)]
+
+    _meter.create_observable_counter(
+        "braid.speculative.tokens", [speculation], unit="{token}",
+        description="Speculative proposals verified (proposed) and confirmed by the model (accepted), --speculative")
+    _meter.create_observable_gauge(
+        "braid.speculative.acceptance_rate", [acceptance], unit="1",
+        description="Share of speculative proposals the model confirmed since start "
+                    "(ServerStatus.speculative_acceptance_rate)")
     _meter.create_observable_gauge(
         "braid.kv_cache.usage", [pages], unit="{page}",
         description="KV-cache pages held by running sessions (used), and held by none but keeping a prefix (cached)")

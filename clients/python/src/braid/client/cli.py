@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--resume-token-id", dest="resume_token_ids", type=int, action="append", metavar="ID",
                           help="a token id a broken stream had delivered, to go on from (repeatable, in order; "
                                "with that stream's --seed)")
+    sampling.add_argument("--disable-speculation", action="store_true", default=None,
+                          help="no speculative decoding for this request (the same tokens; --stats shows proposals)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
@@ -170,7 +172,9 @@ def _print_stats(final: pb.GenerateResponse, logprobs: list[float], label: str) 
         f"request_id: {final.request_id}  seed: {final.seed}\n"
         f"{label}usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} from the cache, "
         f"{usage.truncated_tokens} cut), "
-        f"{usage.generated_tokens} generated tokens\n"
+        f"{usage.generated_tokens} generated tokens"
+        + (f" ({usage.accepted_tokens} of {usage.proposed_tokens} speculative proposals accepted)"
+           if usage.proposed_tokens else "") + "\n"
         f"{label}timings: queue {timings.queue_ms:.1f} ms, first token {timings.time_to_first_token_ms:.1f} ms, "
         f"total {timings.total_ms:.1f} ms, {timings.tokens_per_second:.1f} tokens/s",
         file=sys.stderr,

@@ -56,6 +56,7 @@ class GenerateParams(TypedDict, total=False):
     constraint: pb.Constraint | None  # json_schema(...), json_object(), regex(...), choice(...), grammar(...)
     resume_token_ids: int | Sequence[int] | None  # the token ids a broken stream delivered, sent with its seed
     adapter: str | None  # a loaded LoRA adapter's name (ModelInfoResponse.adapters)
+    disable_speculation: bool | None  # no speculative decoding for this request (the tokens are the same)
 
 
 def json_schema(schema: Mapping[str, object] | str) -> pb.Constraint:
