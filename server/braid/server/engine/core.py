@@ -189,6 +189,7 @@ class EngineCore:
                 del s.prompt_scores[s.num_cached:]  # scored again after a preemption
                 s.prompt_scores.extend(sampled.targets)
             if w.proposals:
+                assert sampled is not None and sampled.token is not None  # a speculating row always samples
                 self._take_verified(w, sampled, now)
                 continue
             self.scheduler.computed(s, w.num_tokens)
@@ -209,6 +210,7 @@ class EngineCore:
         s = w.session
         if s.first_token is None:
             s.first_token = now
+        assert sampled.token is not None and self.speculator is not None  # only a speculator proposes
         picked = [(sampled.token, sampled.logprob), *sampled.more]
         accepted = len(sampled.more)
         self.speculator.verified(s, len(w.proposals), accepted)

@@ -95,6 +95,7 @@ class DraftProposer:
         proposed: dict[int, list[int]] = {d.id: [] for d, _ in drafts}
         for step in range(max((k for _, k in drafts), default=0)):
             for (d, _), sampled in zip([x for x in drafts if x[1] > step], self.runner.run(rows)):
+                assert sampled is not None and sampled.token is not None  # every row samples
                 proposed[d.id].append(sampled.token)
             live = [(d, k) for d, k in drafts if k > step + 1]
             rows = [Row(pages=d.pages, start=len(d.token_ids) + step, token_ids=proposed[d.id][-1:], sample=True,
@@ -132,6 +133,7 @@ class _Draft:
     pages: list[int] = field(default_factory=list)
     page_keys: list[bytes] = field(default_factory=list)
     cache_salt: str = ""
+    adapter_key: str = ""  # the draft runs without LoRA adapters, and never shares its pages
     reads_prefix_cache: bool = False
     base: int = 0  # len(token_ids) when it last proposed
     tail: list[int] = field(default_factory=list)  # what it fed after them then

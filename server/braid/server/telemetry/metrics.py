@@ -122,12 +122,12 @@ def observe_engine(stats: Callable[[], EngineStats]) -> None:
         "braid.prefix_cache.hit_ratio", [hit_ratio], unit="1",
         description="Share of prompt tokens found in the prefix cache since start (ServerStatus.prefix_hit_ratio); "
                     "per replica, high where a proxy routes calls by their braid-route-key")
-    def speculation(options: CallbackOptions):
+    def speculation(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
         return [Observation(stats_now.speculative_proposed_tokens, {"braid.speculative.outcome": "proposed"}),
                 Observation(stats_now.speculative_accepted_tokens, {"braid.speculative.outcome": "accepted"})]
 
-    def acceptance(options: CallbackOptions):
+    def acceptance(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
         proposed = stats_now.speculative_proposed_tokens
         return [Observation(stats_now.speculative_accepted_tokens / proposed if proposed else 0.0)]
