@@ -1,4 +1,6 @@
-"""Settings: one dataclass for the engine, one for the server, each validated on creation.
+"""Settings: the engine's in parts (the model, the KV cache, the scheduler, constraints, speculative
+decoding, LoRA adapters; EngineConfig is all of them), the server's and the logs', each part
+validated on creation.
 
 Every field is a `braid serve` flag (--max-batch-size) and an environment variable
 (BRAID_MAX_BATCH_SIZE); the flag wins. cli.py builds the parser from these fields, so a setting is
@@ -53,12 +55,12 @@ def _opt(help_text: str, **kw: object) -> dict[str, object]:
 
 
 @dataclass
-class EngineConfig:
+class ModelConfig:
+    """What is loaded and how it runs: the model, the device, the formats of its weights and rows, the threads and kernels."""
+
     model: str | None = field(default=None, metadata=_opt(
         "model: a local Hugging Face folder, a hub id, or a .gguf file (default: the embedded "
         "SmolLM2-135M-Instruct)"))
-    mode: Mode = field(default=Mode.CONTINUOUS, metadata=_opt(
-        "scheduling mode", choices=[m.value for m in Mode]))
     device: str = field(default="auto", metadata=_opt(
         "auto (CUDA where present, else the CPU), cpu, cuda or cuda:N"))
     dtype: str = field(default="auto", metadata=_opt(
@@ -84,10 +86,28 @@ class EngineConfig:
     kernels: str = field(default="auto", metadata=_opt(
         "auto: braid's own kernels on a CPU with AVX-512 or AVX2 (BRAID_KERNELS_ISA=avx2 forces the AVX2 "
         "build), else torch's; torch: torch's always", choices=["auto", "torch"]))
-    max_batch_size: int = field(default=32, metadata=_opt(
-        "most sessions in one forward pass (batched mode: the batch size)"))
-    max_sessions: int = field(default=0, metadata=_opt(
-        "most sessions running at once (0: --max-batch-size); more are queued"))
+    cache_dir: Path = field(default_factory=lambda: default_cache_dir(), metadata=_opt(
+        "where converted models are kept"))
+    chat_template: Path | None = field(default=None, metadata=_opt(
+        "a Jinja chat template file that replaces the model's own (for chats, tools included)"))
+
+    def __post_init__(self) -> None:
+        if not _DEVICE.fullmatch(self.device):
+            raise SettingError("device", self.device, "expected auto, cpu, cuda or cuda:N")
+        _one_of(self, "dtype", DTYPES)
+        _one_of(self, "quantization", QUANTIZATIONS)
+        _one_of(self, "activations", ACTIVATIONS)
+        _one_of(self, "kernels", ("auto", "torch"))
+        _not_negative(self, "threads")
+        self.cache_dir = Path(self.cache_dir).expanduser()
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise SettingError("chat_template", self.chat_template, "no such file")
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: its memory, pages and dtype, prefix sharing, and the longest sequence."""
+
     kv_cache_memory: str = field(default="auto", metadata=_opt(
         "KV cache budget: bytes with a unit (4GiB, 512MB), a fraction (0.5) of the memory this process may "
         "still take at start (what is left under its cgroup's memory limit, else the host's available "
@@ -101,22 +121,68 @@ class EngineConfig:
     prefix_caching: str = field(default="on", metadata=_opt(
         "on: sessions with the same prompt prefix share its KV-cache pages, and a finished session's "
         "pages stay cached until the memory is needed; off: every prompt is computed", choices=["on", "off"]))
-    max_wait_ms: float = field(default=20.0, metadata=_opt(
-        "batched mode: longest a waiting session waits for its batch to fill"))
     max_seq_len: int = field(default=4096, metadata=_opt(
         "most tokens (prompt + generated) per session, capped by the model's context length"))
+
+    def __post_init__(self) -> None:
+        _one_of(self, "kv_cache_dtype", DTYPES)
+        _one_of(self, "prefix_caching", ("on", "off"))
+        _positive(self, "max_seq_len")
+        if self.kv_cache_memory != "auto":
+            parse_memory(self.kv_cache_memory)
+        if self.kv_page_size < 16 or self.kv_page_size % 16:
+            raise SettingError("kv_page_size", self.kv_page_size, "expected a multiple of 16")
+
+
+@dataclass
+class SchedulerConfig:
+    """What the scheduler may run: the mode, the batch and the sessions, the waits, the queue."""
+
+    mode: Mode = field(default=Mode.CONTINUOUS, metadata=_opt(
+        "scheduling mode", choices=[m.value for m in Mode]))
+    max_batch_size: int = field(default=32, metadata=_opt(
+        "most sessions in one forward pass (batched mode: the batch size)"))
+    max_sessions: int = field(default=0, metadata=_opt(
+        "most sessions running at once (0: --max-batch-size); more are queued"))
+    max_wait_ms: float = field(default=20.0, metadata=_opt(
+        "batched mode: longest a waiting session waits for its batch to fill"))
     prefill_chunk: int = field(default=512, metadata=_opt(
         "most prompt tokens prefilled per forward pass; longer prompts are prefilled in chunks"))
     max_queued: int = field(default=256, metadata=_opt(
         "most sessions waiting to be admitted; past it new calls get RESOURCE_EXHAUSTED"))
     batch_max_wait_ms: float = field(default=5000.0, metadata=_opt(
         "a batch-priority session that has waited this long is admitted before interactive ones"))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, Mode):
+            _one_of(self, "mode", tuple(m.value for m in Mode))
+            self.mode = Mode(self.mode)
+        self.max_sessions = self.max_sessions or self.max_batch_size
+        _positive(self, "max_batch_size", "max_sessions", "prefill_chunk", "max_queued")
+        _not_negative(self, "max_wait_ms", "batch_max_wait_ms")
+
+
+@dataclass
+class ConstraintConfig:
+    """Requests' constraints: how long one may compile, and the memory the compiled ones keep."""
+
     constraint_compile_timeout: float = field(default=5.0, metadata=_opt(
         "seconds a request's constraint (GenerateRequest.constraint) may take to compile; past it the "
         "request gets INVALID_ARGUMENT"))
     constraint_cache_memory: str = field(default="256MiB", metadata=_opt(
         "memory the compiled constraints kept for reuse may hold, as bytes with a unit (an entry holds from "
         "tens of KB to tens of MB); past it the least recently used are dropped"))
+
+    def __post_init__(self) -> None:
+        _positive(self, "constraint_compile_timeout")
+        if parse_memory(self.constraint_cache_memory, "constraint_cache_memory")[1]:
+            raise SettingError("constraint_cache_memory", self.constraint_cache_memory, "expected bytes with a unit")
+
+
+@dataclass
+class SpeculationConfig:
+    """Speculative decoding: the proposer and how many tokens it may propose."""
+
     speculative: str = field(default="none", metadata=_opt(
         "speculative decoding: none; ngram (proposals copied from where the last tokens occurred before, in the "
         "prompt or the output: no second model); draft (proposals of --draft-model, run greedily). Proposals "
@@ -131,31 +197,8 @@ class EngineConfig:
     draft_model: str | None = field(default=None, metadata=_opt(
         "--speculative draft: the draft model (a folder, hub id or .gguf file braid can serve) with the "
         "model's vocabulary, on its own runner and KV cache (--kv-cache-memory each)"))
-    cache_dir: Path = field(default_factory=lambda: default_cache_dir(), metadata=_opt(
-        "where converted models are kept"))
-    lora: list[str] = field(default_factory=list, metadata=_opt(
-        "a LoRA adapter to load at start, NAME=PATH (a PEFT folder: adapter_config.json and "
-        "adapter_model.safetensors); repeat the flag for more (BRAID_LORA: comma-separated). Requests name it "
-        "in GenerateRequest.adapter (or the OpenAI `model`)", action="append", metavar="NAME=PATH"))
-    max_loras: int = field(default=8, metadata=_opt(
-        "most LoRA adapters loaded at once (--lora and LoadAdapter); a LoadAdapter past it gets RESOURCE_EXHAUSTED"))
-    max_lora_rank: int = field(default=64, metadata=_opt(
-        "highest rank r of a LoRA adapter braid loads"))
-    chat_template: Path | None = field(default=None, metadata=_opt(
-        "a Jinja chat template file that replaces the model's own (for chats, tools included)"))
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, Mode):
-            _one_of(self, "mode", tuple(m.value for m in Mode))
-            self.mode = Mode(self.mode)
-        if not _DEVICE.fullmatch(self.device):
-            raise SettingError("device", self.device, "expected auto, cpu, cuda or cuda:N")
-        _one_of(self, "dtype", DTYPES)
-        _one_of(self, "quantization", QUANTIZATIONS)
-        _one_of(self, "activations", ACTIVATIONS)
-        _one_of(self, "kernels", ("auto", "torch"))
-        _one_of(self, "kv_cache_dtype", DTYPES)
-        _one_of(self, "prefix_caching", ("on", "off"))
         _one_of(self, "speculative", SPECULATIVE)
         if not 1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise SettingError("speculative_tokens", self.speculative_tokens,
@@ -166,25 +209,43 @@ class EngineConfig:
             raise SettingError("speculative", self.speculative, "needs --draft-model")
         if self.draft_model is not None and self.speculative != "draft":
             raise SettingError("draft_model", self.draft_model, "needs --speculative draft")
-        self.cache_dir = Path(self.cache_dir).expanduser()
-        if self.chat_template is not None and not Path(self.chat_template).is_file():
-            raise SettingError("chat_template", self.chat_template, "no such file")
-        self.max_sessions = self.max_sessions or self.max_batch_size
-        _positive(self, "max_batch_size", "max_sessions", "max_seq_len", "prefill_chunk", "max_queued")
-        if self.kv_cache_memory != "auto":
-            parse_memory(self.kv_cache_memory)
-        if self.kv_page_size < 16 or self.kv_page_size % 16:
-            raise SettingError("kv_page_size", self.kv_page_size, "expected a multiple of 16")
-        _not_negative(self, "threads", "max_wait_ms", "batch_max_wait_ms")
-        _positive(self, "constraint_compile_timeout", "max_loras", "max_lora_rank")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters: those loaded at start, and the bounds on them."""
+
+    lora: list[str] = field(default_factory=list, metadata=_opt(
+        "a LoRA adapter to load at start, NAME=PATH (a PEFT folder: adapter_config.json and "
+        "adapter_model.safetensors); repeat the flag for more (BRAID_LORA: comma-separated). Requests name it "
+        "in GenerateRequest.adapter (or the OpenAI `model`)", action="append", metavar="NAME=PATH"))
+    max_loras: int = field(default=8, metadata=_opt(
+        "most LoRA adapters loaded at once (--lora and LoadAdapter); a LoadAdapter past it gets RESOURCE_EXHAUSTED"))
+    max_lora_rank: int = field(default=64, metadata=_opt(
+        "highest rank r of a LoRA adapter braid loads"))
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_loras", "max_lora_rank")
         self.lora = self.lora.split(",") if isinstance(self.lora, str) else list(self.lora)
         names = [_lora_name(spec) for spec in self.lora]
         if len(set(names)) < len(names):
             raise SettingError("lora", ",".join(self.lora), "two adapters have the same name")
         if len(self.lora) > self.max_loras:
             raise SettingError("lora", ",".join(self.lora), f"{len(self.lora)} adapters; --max-loras is {self.max_loras}")
-        if parse_memory(self.constraint_cache_memory, "constraint_cache_memory")[1]:
-            raise SettingError("constraint_cache_memory", self.constraint_cache_memory, "expected bytes with a unit")
+
+
+_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ConstraintConfig, SpeculationConfig, LoraConfig)
+
+
+@dataclass
+class EngineConfig(LoraConfig, SpeculationConfig, ConstraintConfig, SchedulerConfig, CacheConfig, ModelConfig):
+    """Every engine setting, from its parts (their fields, and so their flags, in the parts' order):
+    each part declares its own flags once and checks them, so a component can take only the part
+    it needs (the scheduler a SchedulerConfig, say)."""
+
+    def __post_init__(self) -> None:
+        for part in _PARTS:
+            part.__post_init__(self)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from braid.server.config import EngineConfig
+from braid.server.config import SchedulerConfig
 from braid.server.engine.pages import Pages
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.speculation import Speculator
@@ -57,7 +57,7 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pages: Pages, speculator: Speculator | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, pages: Pages, speculator: Speculator | None = None) -> None:
         self.mode = config.mode
         self.pages = pages
         self.speculator = speculator
