@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from braid.server.runner.kernels import LORA_FIELDS
+from braid.server.runner.kernels import LORA_FIELDS, PANEL
 from braid.server.runner.rows import AdapterInfo
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # the decoder's fused projections, in a layer's order
@@ -72,15 +72,17 @@ class Adapter:
     info: AdapterInfo
     layers: list[dict[str, _Stacked]]  # per layer, by group (GROUPS) it targets there
     table: torch.Tensor = field(init=False)  # the C decode step's view of it (_step_table)
+    panels: list[torch.Tensor] = field(init=False)  # its B^T in panels, which the table points into
     cols: int = field(init=False)  # its widest A^T's columns
 
     def __post_init__(self) -> None:
-        self.table = _step_table(self.layers)
+        self.table, self.panels = _step_table(self.layers)
         self.cols = max((m.at.shape[1] for layer in self.layers for m in layer.values()), default=1)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.at.nbytes + sum(p[4].nbytes for p in m.parts) for layer in self.layers for m in layer.values())
+        return (sum(m.at.nbytes + sum(p[4].nbytes for p in m.parts) for layer in self.layers for m in layer.values())
+                + sum(p.nbytes for p in self.panels))
 
 
 def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int, max_rank: int,
@@ -165,24 +167,32 @@ def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int
     return stacked
 
 
-def _step_table(layers: list[dict[str, _Stacked]]) -> torch.Tensor:
+def _step_table(layers: list[dict[str, _Stacked]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """[layers, GROUPS, LORA_FIELDS] long: the adapter's matrices as the C decode step reads them
-    (csrc/kernels.h): each module's B^T is its block of the group's block-diagonal Bt, in place.
-    Meaningful where the matrices are float32 on the CPU, the only place the step runs."""
+    (csrc/kernels.h), and the memory it points into: each module's B^T again, in the matmul's
+    32-column panels (one contiguous read per panel, where the block-diagonal Bt's rows are a
+    group's width apart: read so, they cost the step more than the arithmetic). Meaningful where
+    the matrices are float32 on the CPU, the only place the step runs."""
     table = torch.zeros(len(layers), len(GROUPS), len(LORA_FIELDS), dtype=torch.long)
+    panels: list[torch.Tensor] = []
     for i, layer in enumerate(layers):
         for g, group in enumerate(GROUPS):
             m = layer.get(group)
             if m is None or m.at.dtype != torch.float32 or m.at.device.type != "cpu":
                 continue
             _, _, begin, _, bt = m.parts[0]
-            ldb = bt.shape[1]
-            row = [m.at.data_ptr(), m.at.shape[1], m.rank, ldb]
+            row = [m.at.data_ptr(), m.at.shape[1], m.rank]
             for j, (col_begin, col_end) in enumerate(m.modules):
-                row += [bt.data_ptr() + bt.element_size() * (j * m.rank * ldb + col_begin - begin), col_begin, col_end]
+                first, last = col_begin // PANEL, (col_end - 1) // PANEL
+                packed = torch.zeros(m.rank, (last + 1 - first) * PANEL)  # [rank, the panels' columns]
+                packed[:, col_begin - first * PANEL:col_end - first * PANEL] = (
+                    bt[j * m.rank:(j + 1) * m.rank, col_begin - begin:col_end - begin])
+                packed = packed.view(m.rank, -1, PANEL).transpose(0, 1).contiguous()  # [panels, rank, 32]
+                panels.append(packed)
+                row += [packed.data_ptr(), col_begin, col_end]
             row += [0, 0, 0] * (3 - len(m.modules))
             table[i, g] = torch.tensor(row, dtype=torch.long)
-    return table
+    return table, panels
 
 
 def _setting(config: dict, key: str, kind) -> int | float:

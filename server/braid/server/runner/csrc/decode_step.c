@@ -43,27 +43,46 @@ static const int64_t *lora_fields(const step_t *s, long b, long layer, int group
     return f[L_AT] ? f : NULL;
 }
 
-/* u[r] = x[r] A^T for n rows (1 to 4) that share an adapter, columns [c0, c0 + 4 VEC) of A^T [K, cols]
- * (the lanes past cols masked off): A^T read once for them all, each sum over k in order, in
- * registers. n is a constant where lora_down calls it, so the loops unroll. */
+/* u[r] = x[r] A^T for n rows (1 to 4) that share an adapter, over nv vectors of columns from c0 of
+ * A^T [K, cols] (the lanes past cols masked off): A^T read once for them all, each sum over k in
+ * order, in registers. n and nv are constants where lora_down calls it, so the loops unroll. */
 static inline __attribute__((always_inline)) void down_rows(const float *x, long ldx, long K, const float *at,
-                                                            long cols, long c0, float *u, long ldu, const int n) {
+                                                            long cols, long c0, float *u, long ldu, const int n,
+                                                            const int nv) {
     vmask m[4];
     vf acc[4][4];
-    for (int j = 0; j < 4; j++) m[j] = vmask_n(cols - c0 - j * VEC);
+    for (int j = 0; j < nv; j++) m[j] = vmask_n(cols - c0 - j * VEC);
     for (int r = 0; r < n; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = vzero();
+        for (int j = 0; j < nv; j++) acc[r][j] = vzero();
     for (long k = 0; k < K; k++) {
         const float *a = at + k * cols + c0;
         vf w[4];
-        for (int j = 0; j < 4; j++) w[j] = vloadm(m[j], a + j * VEC);
+        for (int j = 0; j < nv; j++) w[j] = vloadm(m[j], a + j * VEC);
         for (int r = 0; r < n; r++) {
             const vf xk = vset1(x[r * ldx + k]);
-            for (int j = 0; j < 4; j++) acc[r][j] = vadd(acc[r][j], vmul(xk, w[j]));
+            for (int j = 0; j < nv; j++) acc[r][j] = vadd(acc[r][j], vmul(xk, w[j]));
         }
     }
     for (int r = 0; r < n; r++)
-        for (int j = 0; j < 4; j++) vstorem(m[j], u + r * ldu + c0 + j * VEC, acc[r][j]);
+        for (int j = 0; j < nv; j++) vstorem(m[j], u + r * ldu + c0 + j * VEC, acc[r][j]);
+}
+
+#define DOWN_ROWS(n) do { \
+        switch (nv) { \
+        case 1: down_rows(xb, ldx, K, at, cols, c0, u, ldu, n, 1); break; \
+        case 2: down_rows(xb, ldx, K, at, cols, c0, u, ldu, n, 2); break; \
+        case 3: down_rows(xb, ldx, K, at, cols, c0, u, ldu, n, 3); break; \
+        default: down_rows(xb, ldx, K, at, cols, c0, u, ldu, n, 4); break; \
+        } \
+    } while (0)
+
+/* The first rows from b (up to 4) that run with the same adapter fields f; 0 where b has none. */
+static int same_adapter(const step_t *s, long b, long layer, int group, const int64_t **f) {
+    *f = lora_fields(s, b, layer, group);
+    if (!*f) return 0;
+    int n = 1;
+    while (n < 4 && b + n < s->B && lora_fields(s, b + n, layer, group) == *f) n++;
+    return n;
 }
 
 /* The first half of every row's LoRA delta, done by each thread for every row into its own
@@ -72,51 +91,80 @@ static inline __attribute__((always_inline)) void down_rows(const float *x, long
  * so): A^T is read once per 4 of them. */
 static void lora_down(const step_t *s, scratch_t *t, long layer, int group, const float *x, long ldx, long K) {
     for (long b = 0; b < s->B;) {
-        const int64_t *f = lora_fields(s, b, layer, group);
-        if (!f) {
+        const int64_t *f;
+        const int n = same_adapter(s, b, layer, group, &f);
+        if (!n) {
             b++;
             continue;
         }
-        int n = 1;
-        while (n < 4 && b + n < s->B && lora_fields(s, b + n, layer, group) == f) n++;
         const long cols = f[L_COLS], ldu = s->lora_cols;
         const float *at = (const float *)(intptr_t)f[L_AT], *xb = x + b * ldx;
         float *u = t->lora + b * ldu;
         for (long c0 = 0; c0 < cols; c0 += 4 * VEC) {
+            const long left = (cols - c0 + VEC - 1) / VEC, nv = left < 4 ? left : 4;
             switch (n) {
-            case 1: down_rows(xb, ldx, K, at, cols, c0, u, ldu, 1); break;
-            case 2: down_rows(xb, ldx, K, at, cols, c0, u, ldu, 2); break;
-            case 3: down_rows(xb, ldx, K, at, cols, c0, u, ldu, 3); break;
-            default: down_rows(xb, ldx, K, at, cols, c0, u, ldu, 4); break;
+            case 1: DOWN_ROWS(1); break;
+            case 2: DOWN_ROWS(2); break;
+            case 3: DOWN_ROWS(3); break;
+            default: DOWN_ROWS(4); break;
             }
         }
         b += n;
     }
 }
+#undef DOWN_ROWS
 
-/* The second half, for output columns [c0, c1) (a panel, by the thread that computed it): y[b] +=
- * lora[b] B^T over each targeted module's columns, one rank term after another, in registers. */
-static void lora_up(const step_t *s, const scratch_t *t, long layer, int group, float *y, long ldy, long c0,
-                    long c1) {
-    for (long b = 0; b < s->B; b++) {
-        const int64_t *f = lora_fields(s, b, layer, group);
-        if (!f) continue;
-        const long rank = f[L_RANK], ldb = f[L_LDB];
-        const float *u = t->lora + b * s->lora_cols;
+/* y[r] += u[r] B^T for n rows (1 to 4) that share an adapter, one module's part of a panel: its
+ * columns [lo, hi) of the panel's [c0, c0 + 32), B^T's panel bp [rank, 32]; one rank term after
+ * another, in registers, each panel row read once for them all. */
+static inline __attribute__((always_inline)) void up_rows(const float *u, long ldu, const float *bp, long rank,
+                                                          float *y, long ldy, long c0, long lo, long hi,
+                                                          const int n) {
+    vmask m[NV];
+    vf acc[4][NV];
+    for (int v = 0; v < NV; v++) m[v] = vmask_n(hi - c0 - v * VEC) & ~vmask_n(lo - c0 - v * VEC);
+    for (int r = 0; r < n; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = vloadm(m[v], y + r * ldy + c0 + v * VEC);
+    for (long k = 0; k < rank; k++) {
+        vf w[NV];
+        for (int v = 0; v < NV; v++) w[v] = vload(bp + k * PANEL + v * VEC);
+        for (int r = 0; r < n; r++) {
+            const vf uk = vset1(u[r * ldu + k]);
+            for (int v = 0; v < NV; v++) acc[r][v] = vadd(acc[r][v], vmul(uk, w[v]));
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int v = 0; v < NV; v++) vstorem(m[v], y + r * ldy + c0 + v * VEC, acc[r][v]);
+}
+
+/* The second half, for panel p's output columns (by the thread that computed the panel): y[b] +=
+ * lora[b] B^T over each targeted module's columns in it. */
+static void lora_up(const step_t *s, const scratch_t *t, long layer, int group, float *y, long ldy, long p,
+                    long N) {
+    const long c0 = p * PANEL, c1 = c0 + PANEL < N ? c0 + PANEL : N;
+    for (long b = 0; b < s->B;) {
+        const int64_t *f;
+        const int n = same_adapter(s, b, layer, group, &f);
+        if (!n) {
+            b++;
+            continue;
+        }
+        const long rank = f[L_RANK], ldu = s->lora_cols;
         float *yb = y + b * ldy;
         for (int m = 0; m < 3; m++) {
             const int64_t *part = f + L_B0 + 3 * m; /* B, BEGIN, END */
-            const float *bt = (const float *)(intptr_t)part[0];
             const long begin = part[1], lo = c0 > begin ? c0 : begin, hi = c1 < part[2] ? c1 : part[2];
-            if (!bt || lo >= hi) continue;
-            for (long v = lo; v < hi; v += VEC) {
-                const vmask mask = vmask_n(hi - v);
-                const float *bv = bt + (v - begin);
-                vf acc = vloadm(mask, yb + v);
-                for (long r = 0; r < rank; r++) acc = vadd(acc, vmul(vset1(u[m * rank + r]), vloadm(mask, bv + r * ldb)));
-                vstorem(mask, yb + v, acc);
+            if (!part[0] || lo >= hi) continue;
+            const float *bp = (const float *)(intptr_t)part[0] + (p - begin / PANEL) * rank * PANEL;
+            const float *u = t->lora + b * ldu + m * rank;
+            switch (n) {
+            case 1: up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, 1); break;
+            case 2: up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, 2); break;
+            case 3: up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, 3); break;
+            default: up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, 4); break;
             }
         }
+        b += n;
     }
 }
 
@@ -129,7 +177,7 @@ static int team_gemm(const step_t *s, scratch_t *t, long layer, int group, const
     const long panels = (N + PANEL - 1) / PANEL;
     int failed = 0;
     if (s->lora_rows) lora_down(s, t, layer, group, x, ldx, K);
-#define LORA_UP(p) if (s->lora_rows) lora_up(s, t, layer, group, y, ldy, (p) * PANEL, (p) * PANEL + PANEL < N ? (p) * PANEL + PANEL : N)
+#define LORA_UP(p) if (s->lora_rows) lora_up(s, t, layer, group, y, ldy, p, N)
     if (fmt & F_INT8) {
         quantize_rows_into(x, ldx, M, K, &t->q);
 #pragma omp for schedule(static)
