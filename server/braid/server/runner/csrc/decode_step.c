@@ -67,12 +67,13 @@ static inline __attribute__((always_inline)) void down_rows(const float *x, long
         for (int j = 0; j < nv; j++) vstorem(m[j], u + r * ldu + c0 + j * VEC, acc[r][j]);
 }
 
-#define DOWN_ROWS(n) do { \
-        switch (nv) { \
-        case 1: down_rows(xb, ldx, K, at, cols, c0, u, ldu, n, 1); break; \
-        case 2: down_rows(xb, ldx, K, at, cols, c0, u, ldu, n, 2); break; \
-        case 3: down_rows(xb, ldx, K, at, cols, c0, u, ldu, n, 3); break; \
-        default: down_rows(xb, ldx, K, at, cols, c0, u, ldu, n, 4); break; \
+/* CALL with NAME a constant: value, 1 to 4 (4 for more), so that the loops it runs unroll. */
+#define WITH_1_TO_4(value, NAME, CALL) do { \
+        switch (value) { \
+        case 1: { enum { NAME = 1 }; CALL; } break; \
+        case 2: { enum { NAME = 2 }; CALL; } break; \
+        case 3: { enum { NAME = 3 }; CALL; } break; \
+        default: { enum { NAME = 4 }; CALL; } break; \
         } \
     } while (0)
 
@@ -102,17 +103,11 @@ static void lora_down(const step_t *s, scratch_t *t, long layer, int group, cons
         float *u = t->lora + b * ldu;
         for (long c0 = 0; c0 < cols; c0 += 4 * VEC) {
             const long left = (cols - c0 + VEC - 1) / VEC, nv = left < 4 ? left : 4;
-            switch (n) {
-            case 1: DOWN_ROWS(1); break;
-            case 2: DOWN_ROWS(2); break;
-            case 3: DOWN_ROWS(3); break;
-            default: DOWN_ROWS(4); break;
-            }
+            WITH_1_TO_4(n, ROWS, WITH_1_TO_4(nv, VECS, down_rows(xb, ldx, K, at, cols, c0, u, ldu, ROWS, VECS)));
         }
         b += n;
     }
 }
-#undef DOWN_ROWS
 
 /* y[r] += u[r] B^T for n rows (1 to 4) that share an adapter, one module's part of a panel: its
  * columns [lo, hi) of the panel's [c0, c0 + 32), B^T's panel bp [rank, 32]; one rank term after
@@ -157,16 +152,12 @@ static void lora_up(const step_t *s, const scratch_t *t, long layer, int group, 
             if (!part[0] || lo >= hi) continue;
             const float *bp = (const float *)(intptr_t)part[0] + (p - begin / PANEL) * rank * PANEL;
             const float *u = t->lora + b * ldu + m * rank;
-            switch (n) {
-            case 1: up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, 1); break;
-            case 2: up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, 2); break;
-            case 3: up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, 3); break;
-            default: up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, 4); break;
-            }
+            WITH_1_TO_4(n, ROWS, up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, ROWS));
         }
         b += n;
     }
 }
+#undef WITH_1_TO_4
 
 /* gemm inside the step's parallel region, called by every thread with the same arguments: each
  * prepares the rows in its scratch, then the threads share out the panels and meet at the end. A
