@@ -189,6 +189,37 @@ def test_rows_with_adapters_and_without_share_a_pass_and_an_unloaded_adapter_is_
         _logits(runner, [row(0, 101)])
 
 
+def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_layer_by_layer(runner, tmp_path):
+    """A decode pass with rows of two adapters (q and v, not k: modules apart in the fused q/k/v)
+    and of none: on braid's kernels the one C call adds each row's delta itself; its logits are
+    the layer-by-layer path's, and each row's are those it gets alone."""
+    runner.load_adapter(301, "a", str(_peft_folder(tmp_path / "a", 8, seed=3)), 64)
+    runner.load_adapter(302, "b", str(_peft_folder(tmp_path / "b", 16, seed=4)), 64)
+    adapters = [301, 0, 302, 301]
+    prompt = [5, 9, 33, 7, 100, 41]
+    for i, adapter in enumerate(adapters):
+        _logits(runner, [Row(pages=_slot(i), start=0, token_ids=prompt, sample=True, sampling=Sampling(), rng=None,
+                             is_prompt=True, adapter=adapter)])
+
+    def decode(slots: list[int]) -> list[Row]:
+        return [Row(pages=_slot(i), start=len(prompt), token_ids=[11 + i], sample=True, sampling=Sampling(),
+                    rng=None, is_prompt=False, adapter=adapters[i]) for i in slots]
+
+    one_call = _logits(runner, decode([0, 1, 2, 3]))
+    decoder = runner.decoder
+    was, decoder.one_call_decode = decoder.one_call_decode, False
+    try:
+        layer_by_layer = _logits(runner, decode([0, 1, 2, 3]))
+    finally:
+        decoder.one_call_decode = was
+    assert torch.allclose(one_call, layer_by_layer, atol=1e-4)
+    order = sorted(range(len(adapters)), key=lambda i: adapters[i])  # _build groups rows by adapter
+    for k, i in enumerate(order):
+        assert torch.allclose(one_call[k], _logits(runner, decode([i]))[0], atol=1e-4), (i, adapters[i])
+    runner.unload_adapter(301)
+    runner.unload_adapter(302)
+
+
 def test_an_adapter_for_another_model_is_refused_naming_the_tensor(runner, tmp_path):
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.lora_A\.weight: shape \[8, 32\]"):
         runner.load_adapter(201, "x", str(_peft_folder(tmp_path / "x", 8, hidden=32)), 64)

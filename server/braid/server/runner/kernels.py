@@ -30,6 +30,8 @@ QBLOCK = 32  # rows of k per block of a panel
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_format", "qkv_bias", "o", "o_format", "post_norm", "gate_up",
                 "gate_up_format", "down", "down_format", "k_cache", "v_cache", "q_norm", "k_norm", "attn_out_norm",
                 "mlp_out_norm", "window", "cos", "sin")
+# A LoRA adapter's row per layer and projection group in DecodeStep (csrc/kernels.h; runner/lora.py builds it)
+LORA_FIELDS = ("at", "cols", "rank", "b0", "begin0", "end0", "b1", "begin1", "end1", "b2", "begin2", "end2")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gating activations the C kernels run, in their enum's order
 KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim]
 # The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
@@ -48,11 +50,11 @@ except ImportError:  # built without a C compiler: torch's kernels do the work
     _cpu_kernels = None
 if _cpu_kernels is not None and (
         (_cpu_kernels.PANEL, _cpu_kernels.QBLOCK, _cpu_kernels.LAYER_FIELDS, getattr(_cpu_kernels, "KV_LAYOUT", 1),
-         _cpu_kernels.FORMATS, getattr(_cpu_kernels, "ACTIVATIONS", None))
-        != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, tuple(FORMATS.values()), ACTIVATIONS)):
+         _cpu_kernels.FORMATS, getattr(_cpu_kernels, "ACTIVATIONS", None), getattr(_cpu_kernels, "LORA_FIELDS", None))
+        != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, tuple(FORMATS.values()), ACTIVATIONS, LORA_FIELDS)):
     # A stale build of the extension: its memory layout is not this module's. Never run it.
     _LOGGER.error("braid's C kernels were built for another layout than this code's (panels, blocks, table "
-                  "fields, KV cache, formats or activations): rebuild them (make install); running torch's kernels")
+                  "fields, KV cache, formats, activations or LoRA fields): rebuild them (make install); running torch's kernels")
     _cpu_kernels = None
 # The format flags of the int8 and bf16 paths (csrc/kernels.h: F_INT8, F_BF16_ROWS); None in a build without it.
 INT8 = getattr(_cpu_kernels, "INT8", None)
@@ -470,9 +472,12 @@ class DecodeStep:
         self.eps, self.scale, self.softcap = eps, scale, softcap or 0.0
         self._scratch: list[torch.Tensor] = []
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                 lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
         """x: [B, hidden] embeddings, contiguous; tables: [B, pages] long, each sequence's page
-        table. On return x holds the last layer's residual stream."""
+        table. lora: the rows' LoRA adapters (LoraPass.step_args: each row's index into the adapters'
+        tables, or -1; the tables' addresses; their widest A^T), or None. On return x holds the last
+        layer's residual stream."""
         b = x.shape[0]
         assert x.is_contiguous() and positions.is_contiguous() and tables.is_contiguous()
         if not self._scratch or self._scratch[0].shape[0] < b:
@@ -483,7 +488,8 @@ class DecodeStep:
         _cpu_kernels.decode_step(b, self.hidden, *self.shape, self.activation, self.eps, self.scale, self.softcap,
                                  self.table.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                  x.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-                                 act.data_ptr(), torch.get_num_threads())
+                                 act.data_ptr(), torch.get_num_threads(),
+                                 *((lora[0].data_ptr(), lora[1].data_ptr(), lora[2]) if lora else (None, None, 0)))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -174,9 +174,9 @@ class LlamaDecoder:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the packed batch, writes its keys/values into the cache, returns [R, V] logits."""
-        # The one C call of a decode step has no place for an adapter's deltas, nor for a speculating
-        # row's several positions: such a pass runs layer by layer (decode attention still in C).
-        if (self.one_call_decode and batch.decode is not None and not batch.prefills and batch.lora is None
+        # The one C call of a decode step has no place for a speculating row's several positions: such
+        # a pass runs layer by layer (decode attention still in C). LoRA deltas it adds itself.
+        if (self.one_call_decode and batch.decode is not None and not batch.prefills
                 and not batch.decode.speculative):
             return self._decode_only(batch, cache)
         n = batch.input_ids.shape[0]
@@ -254,13 +254,15 @@ class LlamaDecoder:
         return logits if self.final_softcap is None else _softcap(logits, self.final_softcap)
 
     def _decode_only(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """A pass of decode rows only (the steady state): every layer in one C call."""
+        """A pass of decode rows only (the steady state): every layer in one C call, its rows' LoRA
+        deltas included."""
         if self._step is None or self._step_cache is not cache:
             self._step = DecodeStep(self.layers, self.rope, self.num_heads, self.num_kv_heads, self.head_dim,
                                     self.eps, self.scale, self.attn_softcap, self.activation, cache.k, cache.v)
             self._step_cache = cache
         x = self._embed(batch.input_ids).contiguous()  # [B, hidden]
-        self._step(x, batch.positions, batch.decode.tables)
+        lora = batch.lora.step_args(x.shape[0]) if batch.lora is not None else None
+        self._step(x, batch.positions, batch.decode.tables, lora)
         return self._logits(x, batch.logit_rows)
 
     def _matrices(self) -> list[Linear]:

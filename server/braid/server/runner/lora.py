@@ -19,10 +19,11 @@ Rows with different adapters and with none share the pass: a run touches only it
 base rows get nothing added. The cost follows the adapters a pass uses, not those resident.
 (A masked product over every adapter at once, punica's shape as dense matmuls, takes fewer calls
 but multiplies every token by every adapter: measured slower from 4 adapters at 16 rows.)
-These run as torch matmuls on braid's C-kernel path as well: rank 8 to 64 against hidden sizes in
-the hundreds or thousands, they are a few percent of the pass's multiply-adds, and their float32
-weights need none of the block formats the C kernels exist for. The one C call of a decode step
-has no place for them, so a pass with adapters runs layer by layer (llama.py).
+A pass with prompt chunks, or on torch's ops, runs these as torch matmuls. A decode-only pass on
+braid's C kernels keeps its one C call (csrc/decode_step.c): each adapter's `table` points that call
+at its matrices, and every row's delta is added there, panel by panel, by the thread that computed
+the panel, with no call, barrier or thread wake-up of its own (two torch matmuls per run and group
+cost more than the arithmetic: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from braid.server.runner.kernels import LORA_FIELDS, PANEL
 from braid.server.runner.rows import AdapterInfo
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # the decoder's fused projections, in a layer's order
@@ -61,16 +63,26 @@ class _Stacked:
 
     at: torch.Tensor  # [in, R]
     parts: list[tuple[int, int, int, int, torch.Tensor]]  # (columns begin, end, output begin, end, Bt [cols, out])
+    rank: int
+    modules: list[tuple[int, int]]  # each module's output columns [begin, end), in at's order
 
 
 @dataclass
 class Adapter:
     info: AdapterInfo
     layers: list[dict[str, _Stacked]]  # per layer, by group (GROUPS) it targets there
+    table: torch.Tensor = field(init=False)  # the C decode step's view of it (_step_table)
+    panels: list[torch.Tensor] = field(init=False)  # its B^T in panels, which the table points into
+    cols: int = field(init=False)  # its widest A^T's columns
+
+    def __post_init__(self) -> None:
+        self.table, self.panels = _step_table(self.layers)
+        self.cols = max((m.at.shape[1] for layer in self.layers for m in layer.values()), default=1)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.at.nbytes + sum(p[4].nbytes for p in m.parts) for layer in self.layers for m in layer.values())
+        return (sum(m.at.nbytes + sum(p[4].nbytes for p in m.parts) for layer in self.layers for m in layer.values())
+                + sum(p.nbytes for p in self.panels))
 
 
 def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int, max_rank: int,
@@ -150,8 +162,37 @@ def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int
         bt = torch.zeros(rank * len(modules), end - begin, dtype=dtype, device=at.device)
         for j, m in enumerate(modules):
             bt[j * rank:(j + 1) * rank, targets[m].begin - begin:targets[m].end - begin] = b[layer, m].t()
-        stacked[group] = _Stacked(at, [(0, rank * len(modules), begin, end, bt)])
+        stacked[group] = _Stacked(at, [(0, rank * len(modules), begin, end, bt)], rank,
+                                  [(targets[m].begin, targets[m].end) for m in modules])
     return stacked
+
+
+def _step_table(layers: list[dict[str, _Stacked]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """[layers, GROUPS, LORA_FIELDS] long: the adapter's matrices as the C decode step reads them
+    (csrc/kernels.h), and the memory it points into: each module's B^T again, in the matmul's
+    32-column panels (one contiguous read per panel, where the block-diagonal Bt's rows are a
+    group's width apart: read so, they cost the step more than the arithmetic). Meaningful where
+    the matrices are float32 on the CPU, the only place the step runs."""
+    table = torch.zeros(len(layers), len(GROUPS), len(LORA_FIELDS), dtype=torch.long)
+    panels: list[torch.Tensor] = []
+    for i, layer in enumerate(layers):
+        for g, group in enumerate(GROUPS):
+            m = layer.get(group)
+            if m is None or m.at.dtype != torch.float32 or m.at.device.type != "cpu":
+                continue
+            _, _, begin, _, bt = m.parts[0]
+            row = [m.at.data_ptr(), m.at.shape[1], m.rank]
+            for j, (col_begin, col_end) in enumerate(m.modules):
+                first, last = col_begin // PANEL, (col_end - 1) // PANEL
+                packed = torch.zeros(m.rank, (last + 1 - first) * PANEL)  # [rank, the panels' columns]
+                packed[:, col_begin - first * PANEL:col_end - first * PANEL] = (
+                    bt[j * m.rank:(j + 1) * m.rank, col_begin - begin:col_end - begin])
+                packed = packed.view(m.rank, -1, PANEL).transpose(0, 1).contiguous()  # [panels, rank, 32]
+                panels.append(packed)
+                row += [packed.data_ptr(), col_begin, col_end]
+            row += [0, 0, 0] * (3 - len(m.modules))
+            table[i, g] = torch.tensor(row, dtype=torch.long)
+    return table, panels
 
 
 def _setting(config: dict, key: str, kind) -> int | float:
@@ -167,6 +208,16 @@ class LoraPass:
     adapter its rows run with (rows outside every run run with none)."""
 
     runs: list[tuple[Adapter, int, int]]
+
+    def step_args(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What the C decode step takes (DecodeStep): each of the `rows` rows' index into the
+        adapters' tables (-1: none), the tables' addresses, and the widest adapter's A^T."""
+        adapters = list({id(a): a for a, _, _ in self.runs}.values())
+        index = torch.full((rows,), -1, dtype=torch.long)
+        for adapter, begin, end in self.runs:
+            index[begin:end] = adapters.index(adapter)
+        tables = torch.tensor([a.table.data_ptr() for a in adapters], dtype=torch.long)
+        return index, tables, max(a.cols for a in adapters)
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += x A^T B^T scale, per run, for layer's projection group; out [N, group's width] (for

@@ -158,13 +158,14 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
 }
 
 static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    arg_t a[24];
-    if (parse(args, nargs, "llllllllllfffppplppppppl", a) || selected()) return NULL;
+    arg_t a[27];
+    if (parse(args, nargs, "llllllllllfffppplpppppplppl", a) || selected()) return NULL;
     step_t s = {.B = a[0].l, .hidden = a[1].l, .H = a[2].l, .KVH = a[3].l, .D = a[4].l, .I = a[5].l,
                 .layers = a[6].l, .page_size = a[7].l, .kv_fmt = (int)a[8].l, .activation = (int)a[9].l,
                 .eps = (float)a[10].f, .scale = (float)a[11].f, .softcap = (float)a[12].f, .table = a[13].p,
                 .positions = a[14].p, .tables = a[15].p, .table_stride = a[16].l, .x = a[17].p, .h = a[18].p,
-                .qkv = a[19].p, .attn = a[20].p, .gate_up = a[21].p, .act = a[22].p, .threads = (int)a[23].l};
+                .qkv = a[19].p, .attn = a[20].p, .gate_up = a[21].p, .act = a[22].p, .threads = (int)a[23].l,
+                .lora_rows = a[24].p, .lora_tables = a[25].p, .lora_cols = a[26].l};
     if (s.B < 1 || check_paging(s.H, s.KVH, s.D, s.page_size, s.kv_fmt, "decode_step")) return NULL;
     if (s.activation < 0 || s.activation >= A_ACTIVATIONS) {
         PyErr_Format(PyExc_ValueError, "decode_step: unknown activation %d", s.activation);
@@ -178,6 +179,10 @@ static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_
                              "AVX-512 BF16)", K->name);
                 return NULL;
             }
+    if (s.lora_rows && (!s.lora_tables || s.lora_cols < 1)) {
+        PyErr_SetString(PyExc_ValueError, "decode_step: LoRA rows need their adapters' tables and lora_cols >= 1");
+        return NULL;
+    }
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = K->decode_step(&s);
@@ -246,7 +251,8 @@ static PyMethodDef METHODS[] = {
      "B, H, KVH, D, page_size, scale, softcap, window, out, ldo, threads)"},
     {"decode_step", (PyCFunction)(void (*)(void))py_decode_step, METH_FASTCALL,
      "decode_step(B, hidden, H, KVH, D, I, layers, page_size, kv_fmt, activation, eps, scale, softcap, table, "
-     "positions, tables, table_stride, x, h, qkv, attn, gate_up, act, threads): every layer of a decode-only pass"},
+     "positions, tables, table_stride, x, h, qkv, attn, gate_up, act, threads, lora_rows, lora_tables, lora_cols): "
+     "every layer of a decode-only pass, with its rows' LoRA deltas (lora_rows None: none)"},
     {"isas", py_isas, METH_NOARGS, "the instruction sets this CPU runs the kernels in, best first"},
     {"select_isa", py_select_isa, METH_O, "select_isa(name): run the kernels built for that instruction set"},
     {"isa", py_isa, METH_NOARGS, "the selected instruction set, or None"},
@@ -276,7 +282,8 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     for (int f = 0; layout && f < F_FORMATS; f++)
         PyTuple_SET_ITEM(layout, f, Py_BuildValue("(ll)", ROW_BYTES[f], HEAD_BYTES[f]));
     PyObject *fields = names(LAYER_FIELD_NAMES, T_FIELDS), *activations = names(ACTIVATION_NAMES, A_ACTIVATIONS);
-    if (!layout || !fields || !activations || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 ||
+    PyObject *lora = names(LORA_FIELD_NAMES, L_FIELDS);
+    if (!layout || !fields || !activations || !lora || PyModule_AddObjectRef(m, "LORA_FIELDS", lora) < 0 || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 ||
         PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 || PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 || PyModule_AddIntConstant(m, "INT8", F_INT8) < 0 ||
         PyModule_AddIntConstant(m, "BF16_ROWS", F_BF16_ROWS) < 0 ||
         PyModule_AddObjectRef(m, "FORMATS", layout) < 0 || PyModule_AddObjectRef(m, "LAYER_FIELDS", fields) < 0 ||
@@ -284,11 +291,13 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
         Py_XDECREF(layout);
         Py_XDECREF(fields);
         Py_XDECREF(activations);
+        Py_XDECREF(lora);
         Py_DECREF(m);
         return NULL;
     }
     Py_DECREF(layout);
     Py_DECREF(fields);
     Py_DECREF(activations);
+    Py_DECREF(lora);
     return m;
 }

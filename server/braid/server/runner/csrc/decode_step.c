@@ -10,65 +10,205 @@
  * the attention norms and rotates its own heads first. Every value is computed by the same code in
  * the same order as by the kernels one at a time, so the bits are theirs whatever the threads. */
 
-/* A thread's own scratch: the normed rows h [B, hidden], the gated activations act [B, I], and what
- * a matmul computes from its rows first (int8 or bf16 rows, or the block sums of fp32 ones). */
+/* A thread's own scratch: the normed rows h [B, hidden], the gated activations act [B, I], what a
+ * matmul computes from its rows first (int8 or bf16 rows, or the block sums of fp32 ones), and the
+ * rows' LoRA products x A^T [B, lora_cols]. */
 typedef struct {
-    float *h, *act, *sums;
+    float *h, *act, *sums, *lora;
     qrows_t q;
     brows_t b;
 } scratch_t;
 
-static int alloc_scratch(scratch_t *t, long B, long hidden, long I, long kmax) {
+static int alloc_scratch(scratch_t *t, long B, long hidden, long I, long kmax, long lora_cols) {
     t->h = malloc(sizeof(float) * B * hidden);
     t->act = malloc(sizeof(float) * B * I);
     t->sums = malloc(sizeof(float) * B * (kmax / QBLOCK + 1));
+    t->lora = malloc(sizeof(float) * B * (lora_cols > 0 ? lora_cols : 1));
     const int failed = alloc_qrows(B, kmax, &t->q) | alloc_brows(B, kmax, &t->b);
-    return failed || !t->h || !t->act || !t->sums ? -1 : 0;
+    return failed || !t->h || !t->act || !t->sums || !t->lora ? -1 : 0;
 }
 
 static void free_scratch(scratch_t *t) {
     free(t->h);
     free(t->act);
     free(t->sums);
+    free(t->lora);
     free_qrows(&t->q);
     free(t->b.x);
 }
 
+/* Row b's LoRA fields for a layer's projection group, or NULL where its adapter (if any) does not
+ * target that group there. */
+static const int64_t *lora_fields(const step_t *s, long b, long layer, int group) {
+    if (!s->lora_rows || group < 0 || s->lora_rows[b] < 0) return NULL;
+    const int64_t *f = (const int64_t *)(intptr_t)s->lora_tables[s->lora_rows[b]] + (layer * L_GROUPS + group) * L_FIELDS;
+    return f[L_AT] ? f : NULL;
+}
+
+/* u[r] = x[r] A^T for n rows (1 to 4) that share an adapter, over nv vectors of columns from c0 of
+ * A^T [K, cols] (the lanes past cols masked off): A^T read once for them all, each sum over k in
+ * order, in registers. n and nv are constants where lora_down calls it, so the loops unroll. */
+static inline __attribute__((always_inline)) void down_rows(const float *x, long ldx, long K, const float *at,
+                                                            long cols, long c0, float *u, long ldu, const int n,
+                                                            const int nv) {
+    vmask m[4];
+    vf acc[4][4];
+    for (int j = 0; j < nv; j++) m[j] = vmask_n(cols - c0 - j * VEC);
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < nv; j++) acc[r][j] = vzero();
+    for (long k = 0; k < K; k++) {
+        const float *a = at + k * cols + c0;
+        vf w[4];
+        for (int j = 0; j < nv; j++) w[j] = vloadm(m[j], a + j * VEC);
+        for (int r = 0; r < n; r++) {
+            const vf xk = vset1(x[r * ldx + k]);
+            for (int j = 0; j < nv; j++) acc[r][j] = vadd(acc[r][j], vmul(xk, w[j]));
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < nv; j++) vstorem(m[j], u + r * ldu + c0 + j * VEC, acc[r][j]);
+}
+
+/* CALL with NAME a constant: value, 1 to 4 (4 for more), so that the loops it runs unroll. */
+#define WITH_1_TO_4(value, NAME, CALL) do { \
+        switch (value) { \
+        case 1: { enum { NAME = 1 }; CALL; } break; \
+        case 2: { enum { NAME = 2 }; CALL; } break; \
+        case 3: { enum { NAME = 3 }; CALL; } break; \
+        default: { enum { NAME = 4 }; CALL; } break; \
+        } \
+    } while (0)
+
+/* The first rows from b (up to 4) that run with the same adapter fields f; 0 where b has none. */
+static int same_adapter(const step_t *s, long b, long layer, int group, const int64_t **f) {
+    *f = lora_fields(s, b, layer, group);
+    if (!*f) return 0;
+    int n = 1;
+    while (n < 4 && b + n < s->B && lora_fields(s, b + n, layer, group) == *f) n++;
+    return n;
+}
+
+/* The first half of every row's LoRA delta, done by each thread for every row into its own
+ * scratch (as the rows a matmul quantizes: it costs less than a barrier): lora[b] = x[b] A^T, each
+ * row's the same whatever the other rows. Rows of one adapter come together (the runner packs them
+ * so): A^T is read once per 4 of them. */
+static void lora_down(const step_t *s, scratch_t *t, long layer, int group, const float *x, long ldx, long K) {
+    for (long b = 0; b < s->B;) {
+        const int64_t *f;
+        const int n = same_adapter(s, b, layer, group, &f);
+        if (!n) {
+            b++;
+            continue;
+        }
+        const long cols = f[L_COLS], ldu = s->lora_cols;
+        const float *at = (const float *)(intptr_t)f[L_AT], *xb = x + b * ldx;
+        float *u = t->lora + b * ldu;
+        for (long c0 = 0; c0 < cols; c0 += 4 * VEC) {
+            const long left = (cols - c0 + VEC - 1) / VEC, nv = left < 4 ? left : 4;
+            WITH_1_TO_4(n, ROWS, WITH_1_TO_4(nv, VECS, down_rows(xb, ldx, K, at, cols, c0, u, ldu, ROWS, VECS)));
+        }
+        b += n;
+    }
+}
+
+/* y[r] += u[r] B^T for n rows (1 to 4) that share an adapter, one module's part of a panel: its
+ * columns [lo, hi) of the panel's [c0, c0 + 32), B^T's panel bp [rank, 32]; one rank term after
+ * another, in registers, each panel row read once for them all. */
+static inline __attribute__((always_inline)) void up_rows(const float *u, long ldu, const float *bp, long rank,
+                                                          float *y, long ldy, long c0, long lo, long hi,
+                                                          const int n) {
+    vmask m[NV];
+    vf acc[4][NV];
+    for (int v = 0; v < NV; v++) m[v] = vmask_n(hi - c0 - v * VEC) & ~vmask_n(lo - c0 - v * VEC);
+    for (int r = 0; r < n; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = vloadm(m[v], y + r * ldy + c0 + v * VEC);
+    for (long k = 0; k < rank; k++) {
+        vf w[NV];
+        for (int v = 0; v < NV; v++) w[v] = vload(bp + k * PANEL + v * VEC);
+        for (int r = 0; r < n; r++) {
+            const vf uk = vset1(u[r * ldu + k]);
+            for (int v = 0; v < NV; v++) acc[r][v] = vadd(acc[r][v], vmul(uk, w[v]));
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int v = 0; v < NV; v++) vstorem(m[v], y + r * ldy + c0 + v * VEC, acc[r][v]);
+}
+
+/* The second half, for panel p's output columns (by the thread that computed the panel): y[b] +=
+ * lora[b] B^T over each targeted module's columns in it. */
+static void lora_up(const step_t *s, const scratch_t *t, long layer, int group, float *y, long ldy, long p,
+                    long N) {
+    const long c0 = p * PANEL, c1 = c0 + PANEL < N ? c0 + PANEL : N;
+    for (long b = 0; b < s->B;) {
+        const int64_t *f;
+        const int n = same_adapter(s, b, layer, group, &f);
+        if (!n) {
+            b++;
+            continue;
+        }
+        const long rank = f[L_RANK], ldu = s->lora_cols;
+        float *yb = y + b * ldy;
+        for (int m = 0; m < 3; m++) {
+            const int64_t *part = f + L_B0 + 3 * m; /* B, BEGIN, END */
+            const long begin = part[1], lo = c0 > begin ? c0 : begin, hi = c1 < part[2] ? c1 : part[2];
+            if (!part[0] || lo >= hi) continue;
+            const float *bp = (const float *)(intptr_t)part[0] + (p - begin / PANEL) * rank * PANEL;
+            const float *u = t->lora + b * ldu + m * rank;
+            WITH_1_TO_4(n, ROWS, up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, ROWS));
+        }
+        b += n;
+    }
+}
+#undef WITH_1_TO_4
+
 /* gemm inside the step's parallel region, called by every thread with the same arguments: each
- * prepares the rows in its scratch, then the threads share out the panels and meet at the end.
+ * prepares the rows in its scratch, then the threads share out the panels and meet at the end. A
+ * panel's thread adds the LoRA deltas of the layer's projection `group` (-1: none) to its columns.
  * Returns 0, or -1 if this thread could not allocate a panel buffer. */
-static int team_gemm(scratch_t *t, const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M,
-                     long K, long N, int accumulate, const float *bias) {
+static int team_gemm(const step_t *s, scratch_t *t, long layer, int group, const float *x, long ldx, const void *w,
+                     int fmt, float *y, long ldy, long M, long K, long N, int accumulate, const float *bias) {
     const long panels = (N + PANEL - 1) / PANEL;
     int failed = 0;
+    if (s->lora_rows) lora_down(s, t, layer, group, x, ldx, K);
+#define LORA_UP(p) if (s->lora_rows) lora_up(s, t, layer, group, y, ldy, p, N)
 #if BF16
     if (fmt & F_BF16_ROWS) {
         round_rows_into(x, ldx, M, K, &t->b);
 #pragma omp for schedule(static)
-        for (long p = 0; p < panels; p++) bf16_panel(&t->b, w, y, ldy, M, K, N, accumulate, bias, p);
+        for (long p = 0; p < panels; p++) {
+            bf16_panel(&t->b, w, y, ldy, M, K, N, accumulate, bias, p);
+            LORA_UP(p);
+        }
         return 0;
     }
 #endif
     if (fmt & F_INT8) {
         quantize_rows_into(x, ldx, M, K, &t->q);
 #pragma omp for schedule(static)
-        for (long p = 0; p < panels; p++) int8_panel(&t->q, w, fmt & ~F_INT8, y, ldy, M, K, N, accumulate, bias, p);
+        for (long p = 0; p < panels; p++) {
+            int8_panel(&t->q, w, fmt & ~F_INT8, y, ldy, M, K, N, accumulate, bias, p);
+            LORA_UP(p);
+        }
         return 0;
     }
     if (NEEDS_SUMS(fmt)) block_sums_into(x, ldx, M, K, t->sums);
     const float *sums = NEEDS_SUMS(fmt) ? t->sums : NULL;
 #pragma omp for schedule(static)
-    for (long p = 0; p < panels; p++) failed |= gemm_panel(x, ldx, w, fmt, y, ldy, M, K, N, accumulate, bias, sums, p);
+    for (long p = 0; p < panels; p++) {
+        failed |= gemm_panel(x, ldx, w, fmt, y, ldy, M, K, N, accumulate, bias, sums, p);
+        LORA_UP(p);
+    }
+#undef LORA_UP
     return failed;
 }
 
 /* x += in @ W: an attention's or an MLP's output joining the residual stream x [B, hidden], through
  * its RMSNorm (out_norm; a sandwich norm, Gemma) if it has one, computed in the shared h. */
-static int add_output(const step_t *s, scratch_t *t, const float *in, long K, const float *w, int fmt,
-                      const float *out_norm) {
+static int add_output(const step_t *s, scratch_t *t, long layer, int group, const float *in, long K, const float *w,
+                      int fmt, const float *out_norm) {
     const long B = s->B, hd = s->hidden;
-    if (!out_norm) return team_gemm(t, in, K, w, fmt, s->x, hd, B, K, hd, 1, NULL);
-    const int failed = team_gemm(t, in, K, w, fmt, s->h, hd, B, K, hd, 0, NULL);
+    if (!out_norm) return team_gemm(s, t, layer, group, in, K, w, fmt, s->x, hd, B, K, hd, 1, NULL);
+    const int failed = team_gemm(s, t, layer, group, in, K, w, fmt, s->h, hd, B, K, hd, 0, NULL);
 #pragma omp for schedule(static)
     for (long b = 0; b < B; b++) rms_norm_to(s->h + b * hd, hd, out_norm, s->x + b * hd, hd, 1, hd, s->eps, 1);
     return failed;
@@ -103,16 +243,16 @@ static int run_layers(const step_t *s, scratch_t *t) {
 #define P(field) ((float *)(intptr_t)row[field])
 #define F(field) ((int)row[field])
         rms_norm(s->x, hd, P(T_INPUT_NORM), t->h, hd, B, hd, s->eps);
-        failed |= team_gemm(t, t->h, hd, P(T_QKV), F(T_QKV_FMT), s->qkv, width, B, hd, width, 0, P(T_QKV_BIAS));
+        failed |= team_gemm(s, t, layer, L_QKV, t->h, hd, P(T_QKV), F(T_QKV_FMT), s->qkv, width, B, hd, width, 0, P(T_QKV_BIAS));
         team_attention(s, row);
-        failed |= add_output(s, t, s->attn, qd, P(T_O), F(T_O_FMT), P(T_ATTN_OUT_NORM));
+        failed |= add_output(s, t, layer, L_O, s->attn, qd, P(T_O), F(T_O_FMT), P(T_ATTN_OUT_NORM));
         rms_norm(s->x, hd, P(T_POST_NORM), t->h, hd, B, hd, s->eps);
-        failed |= team_gemm(t, t->h, hd, P(T_GATE_UP), F(T_GATE_UP_FMT), s->gate_up, 2 * I, B, hd, 2 * I, 0, NULL);
+        failed |= team_gemm(s, t, layer, L_GATE_UP, t->h, hd, P(T_GATE_UP), F(T_GATE_UP_FMT), s->gate_up, 2 * I, B, hd, 2 * I, 0, NULL);
         if (s->activation == A_GELU_TANH)
             gelu_tanh_mul(s->gate_up, 2 * I, B, I, t->act, I);
         else
             silu_mul(s->gate_up, 2 * I, B, I, t->act, I);
-        failed |= add_output(s, t, t->act, I, P(T_DOWN), F(T_DOWN_FMT), P(T_MLP_OUT_NORM));
+        failed |= add_output(s, t, layer, L_DOWN, t->act, I, P(T_DOWN), F(T_DOWN_FMT), P(T_MLP_OUT_NORM));
 #undef P
 #undef F
     }
@@ -125,7 +265,7 @@ static int decode_step(const step_t *s) {
 #pragma omp parallel num_threads(s->threads) if (s->threads > 1)
     {
         scratch_t t;
-        if (alloc_scratch(&t, s->B, s->hidden, s->I, kmax)) {
+        if (alloc_scratch(&t, s->B, s->hidden, s->I, kmax, s->lora_cols)) {
 #pragma omp atomic write
             no_scratch = 1;
         }
