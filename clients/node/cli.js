@@ -58,6 +58,8 @@ const REQUEST_FLAGS = [
   { field: 'n', short: 'n', help: 'N samples of the prompt (1-16), printed one after another' },
   { field: 'resumeTokenIds', flag: 'resume-token-id', metavar: 'ID',
     help: "a token id a broken stream had delivered, to go on from (repeatable, in order; with its --seed)" },
+  { field: 'disableSpeculation', help: 'no speculative decoding for this request (the tokens are the same)' },
+  { field: 'adapter', metavar: 'NAME', help: "a loaded LoRA adapter to generate with (ModelInfo's adapters)" },
 ];
 
 // GenerateRequest.constraint: a flag per kind of Constraint (its oneof), named as braid-client's, at
