@@ -47,7 +47,7 @@ SERVER_BUCKETS = [
     ("LM head and final norm", ("_logits",)),
     ("embedding lookup", ("_embed",)),
     ("decode pass, Python around the call", ("_decode_only",)),
-    ("prefill passes (a new stream's prompt: layer by layer, torch's attention)", ("LlamaDecoder.forward",)),
+    ("prefill passes (a new stream's prompt: layer by layer, torch's attention)", ("Decoder.forward",)),
     ("sampling", ("sampler.py",)),
     ("batch building (runner)", ("ModelRunner._build", "rows.py")),
     ("runner, other", ("server/runner/",)),

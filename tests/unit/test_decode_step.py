@@ -13,7 +13,7 @@ import torch
 import transformers as t
 
 from braid.server.model.loader import LoadedModel
-from braid.server.runner import kernels, llama
+from braid.server.runner import decoder, kernels
 from braid.server.runner.kernels import LAYER_FIELDS, DecodeStep
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
@@ -187,6 +187,6 @@ def test_a_step_that_drops_a_field_is_caught(monkeypatch, kind, field):
         BREAKS[field](step)
         return step
 
-    monkeypatch.setattr(llama, "DecodeStep", broken)
+    monkeypatch.setattr(decoder, "DecodeStep", broken)
     logits = _decode(_runner(_model(kind)))
     assert not torch.allclose(logits, _reference(kind), rtol=1e-4, atol=1e-4)

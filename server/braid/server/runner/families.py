@@ -1,6 +1,6 @@
 """The decoder families braid runs natively, each as what sets it apart from Llama's.
 
-LlamaDecoder (runner/llama.py) reads a Family; it is never copied per family. A model braid has no
+Decoder (runner/decoder.py) reads a Family; it is never copied per family. A model braid has no
 native family for, or one whose config asks for something its decoder does not do (another
 activation, a length-dependent or partial RoPE), runs through transformers' own forward instead
 (runner/transformers_decoder.py): slower, but the same tokens.

@@ -26,12 +26,8 @@ from braid.server.runner.families import attention_window, native_family
 from braid.server.runner.kernels import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
 from braid.server.runner.lora import Adapter, LoraPass, read_peft
-from braid.server.runner.llama import (
-    DecodeRows,
-    ForwardBatch,
-    LlamaDecoder,
-    PrefillChunk,
-)
+from braid.server.runner.batch import DecodeRows, ForwardBatch, PrefillChunk
+from braid.server.runner.decoder import Decoder
 from braid.server.runner.masks import Masks
 from braid.server.runner.precision import DTYPES, Precision
 from braid.server.runner.rows import AdapterInfo, Row, Sampled, Sampling
@@ -93,7 +89,7 @@ class ModelRunner:
             ops = pick_ops(device, dtype, allow_kernels, activations)
             with _one_thread():
                 precision = Precision(model, weight_dtype, quantization)
-                self.decoder: LlamaDecoder | TransformersDecoder = LlamaDecoder(model.hf_model, max_seq_len, ops,
+                self.decoder: Decoder | TransformersDecoder = Decoder(model.hf_model, max_seq_len, ops,
                                                                                 precision, family)
             # kernels: the C kernels' instruction set, or torch's ops
             self.path, self.kernels, self.quantization = "braid", ops.isa or "torch", quantization
@@ -168,7 +164,7 @@ class ModelRunner:
         """Reads a PEFT adapter and makes it resident as `adapter_id` (Row.adapter). Raises
         ValueError, one line naming what is wrong, for a folder that is not a LoRA adapter of this
         model. Any thread: a pass running meanwhile keeps the stack it started with."""
-        if not isinstance(self.decoder, LlamaDecoder):
+        if not isinstance(self.decoder, Decoder):
             raise ValueError("LoRA adapters need braid's native decoder; this model runs through transformers")
         adapter = read_peft(path, name, self.decoder.lora_targets, self.decoder.num_layers, max_rank, self.dtype,
                             self.device)

@@ -1,7 +1,7 @@
 """The fallback decoder: any causal LM transformers runs, through the model's own forward.
 
 braid has native decoders for a few families (runner/families.py); every other causal LM runs here,
-behind the same interface as LlamaDecoder, so the runner, the scheduler, sessions, streaming,
+behind the same interface as Decoder, so the runner, the scheduler, sessions, streaming,
 sampling and constraints are the same for both. Keys and values still live in braid's paged KV
 cache: for each sequence of a pass, its cached positions are gathered from its pages into a
 transformers DynamicCache, the model runs the new tokens over it, and the new keys and values are
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from braid.server.runner.kv_cache import KVCache
-from braid.server.runner.llama import ForwardBatch, gather
+from braid.server.runner.batch import ForwardBatch
+from braid.server.runner.decoder import gather
 
 
 @dataclass

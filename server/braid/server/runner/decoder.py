@@ -1,4 +1,5 @@
-"""A Llama-family decoder that reads and writes braid's paged KV cache.
+"""braid's own decoder, for every family runner/families.py describes (Llama, Qwen, Gemma, ...),
+that reads and writes braid's paged KV cache.
 
 transformers loads the weights (safetensors, GGUF, hub); this module runs them. It exists because a
 decode step must touch only the new tokens: every sequence of a batch writes its keys and values in
@@ -17,46 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from braid.server.runner.batch import ForwardBatch
 from braid.server.runner.families import Family
 from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, activations_of, decode_attention
 from braid.server.runner.kv_cache import KVCache, head_dim
-from braid.server.runner.lora import LoraPass, Target
+from braid.server.runner.lora import Target
 from braid.server.runner.precision import Precision, fuse
-
-
-@dataclass
-class PrefillChunk:
-    """Tokens [offset, offset + length) of the packed batch extend a sequence from position `start`;
-    `pages`: its page table, covering positions [0, start + length)."""
-
-    pages: torch.Tensor  # [ceil((start + length) / P)] long
-    start: int
-    length: int
-    offset: int
-
-
-@dataclass
-class DecodeRows:
-    """The last `count` tokens of the packed batch, one new token per sequence; or, with
-    `speculative`, several consecutive tokens of a sequence as rows of their own (a speculating
-    row's last token and proposals), each attending up to its own position."""
-
-    count: int
-    tables: torch.Tensor  # [B, pages] long: each sequence's page table (padded with page 0)
-    kv_len: int  # T: longest cached length among them, new token included
-    mask: torch.Tensor | None  # [B, 1, 1, T] bool, or None when every length is T
-    speculative: bool = False  # rows of one sequence read each other's keys: all written before any attends
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor  # [N] long
-    positions: torch.Tensor  # [N] long
-    kv_index: torch.Tensor  # [N * KVH] long: where each token's key of each head goes, in the cache viewed as [-1, D]
-    prefills: list[PrefillChunk]
-    decode: DecodeRows | None
-    logit_rows: torch.Tensor  # [R] long: the packed rows whose next-token logits are wanted
-    lora: LoraPass | None = None  # where some rows run with a LoRA adapter: their deltas (runner/lora.py)
 
 
 @dataclass
@@ -75,7 +42,7 @@ class LayerWeights:
     rope: str = ""  # which RoPE tables the layer reads (Gemma 3: its layer type's)
 
 
-class LlamaDecoder:
+class Decoder:
     """Llama-style decoders (RMSNorm, RoPE, GQA, SwiGLU), each family's differences read from its
     Family (runner/families.py): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3."""
 
