@@ -22,7 +22,7 @@ from braid.server.runner.batch import ForwardBatch
 from braid.server.runner.families import Family
 from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, activations_of, decode_attention
 from braid.server.runner.kv_cache import KVCache, head_dim
-from braid.server.runner.lora import Target
+from braid.server.runner.lora import LoraPass, Target
 from braid.server.runner.precision import Precision, fuse
 
 
@@ -163,30 +163,28 @@ class Decoder:
             k = qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
             attn = self._attention(i, qkv, q, k, v, batch, cache)  # [N, H * D]
-            if w.attn_out_norm is None:
-                w.o.add_into(x, attn)  # x += attn @ o
-                if lora is not None:
-                    lora.add(i, "o", attn, x)
-            else:
-                o = w.o(attn)
-                if lora is not None:
-                    lora.add(i, "o", attn, o)
-                x += self._norm(o, w.attn_out_norm)
+            self._add_output(x, attn, w.o, w.attn_out_norm, lora, i, "o")
             h = self._norm(x, w.post_norm)
             gate_up = w.gate_up(h)
             if lora is not None:
                 lora.add(i, "gate_up", h, gate_up)
-            act = self._act(gate_up)
-            if w.mlp_out_norm is None:
-                w.down.add_into(x, act)
-                if lora is not None:
-                    lora.add(i, "down", act, x)
-            else:
-                down = w.down(act)
-                if lora is not None:
-                    lora.add(i, "down", act, down)
-                x += self._norm(down, w.mlp_out_norm)
+            self._add_output(x, self._act(gate_up), w.down, w.mlp_out_norm, lora, i, "down")
         return self._logits(x, batch.logit_rows)
+
+    def _add_output(self, x: torch.Tensor, inp: torch.Tensor, linear: Linear, out_norm: torch.Tensor | None,
+                    lora: LoraPass | None, layer: int, module: str) -> None:
+        """x += inp @ linear (its adapters' deltas, LoRA's `module`, added to the product), through
+        the output's RMSNorm where the family has one (a sandwich norm, Gemma): the attention's and
+        the MLP's outputs joining the residual stream, as csrc/decode_step.c's add_output."""
+        if out_norm is None:
+            linear.add_into(x, inp)  # in place: x += inp @ W
+            if lora is not None:
+                lora.add(layer, module, inp, x)
+            return
+        out = linear(inp)
+        if lora is not None:
+            lora.add(layer, module, inp, out)
+        x += self._norm(out, out_norm)
 
     def _lora_targets(self, family: Family) -> dict[str, Target]:
         """The projections a LoRA adapter may target, by PEFT's module names, each as columns of
