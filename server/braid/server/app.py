@@ -174,7 +174,7 @@ class _Serving(threading.Thread):
         bound: list[FrontEnd] = []
         telemetry: Telemetry | None = None
         try:
-            for front_end in (self._grpc, *(f for f in self._front_ends if f is not self._grpc)):
+            for front_end in reversed(self._front_ends):  # started last, bound first: gRPC, then HTTP
                 front_end.bind()
                 bound.append(front_end)
             if self._config.metrics_port or self._config.otlp_endpoint:
