@@ -55,13 +55,13 @@ def main(args: argparse.Namespace) -> None:
 
     def forward(batch_rows: list[Row], one_call: bool) -> tuple[torch.Tensor, float]:
         batch, _, _ = runner._build(batch_rows)
-        decoder.one_call_decode = one_call
+        decoder.one_call = one_call
         try:
             start = time.perf_counter()
             logits = decoder.forward(batch, runner.cache)
             return logits, time.perf_counter() - start
         finally:
-            decoder.one_call_decode = True
+            decoder.one_call = True
 
     forward(rows(16, [0], False), True)  # the prompts into the cache
     kinds = {}

@@ -73,7 +73,7 @@ def _decode(runner: ModelRunner) -> torch.Tensor:
 
 def _per_op(kind: str, torch_attention: bool) -> torch.Tensor:
     runner = _runner(_model(kind))
-    runner.decoder.one_call_decode = False
+    runner.decoder.one_call = False
     runner.decoder.fused_attention = not torch_attention
     return _decode(runner)
 
@@ -87,7 +87,7 @@ def _reference(kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_the_step_gives_the_per_op_paths_logits(kind):
     runner = _runner(_model(kind))
-    assert runner.decoder.one_call_decode
+    assert runner.decoder.one_call
     logits = _decode(runner)
     assert runner.decoder._step is not None  # the decode passes ran in one call
     assert torch.equal(logits, _per_op(kind, torch_attention=False))  # the same kernels, op by op
@@ -102,7 +102,7 @@ def _step_and_per_op(kind: str, weights: dict, rows: str) -> tuple[torch.Tensor,
     logits = _decode(runner)
     assert runner.decoder._step is not None
     per_op = _runner(_model(kind), **weights)
-    per_op.decoder.one_call_decode = False
+    per_op.decoder.one_call = False
     assert torch.equal(logits, _decode(per_op))
     return logits, _decode(_runner(_model(kind), **dict(weights, activations="float32")))
 
@@ -152,6 +152,41 @@ def test_the_step_gives_the_same_bits_on_any_number_of_threads(kind, weights):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(logits[1], logits[3])
+
+
+def _pass(runner: ModelRunner, rows: list[Row]) -> torch.Tensor:
+    batch, _, _ = runner._build(rows)
+    return runner.decoder.forward(batch, runner.cache)
+
+
+@pytest.mark.parametrize("weights", [{}, dict(quantization="q8_0", activations="int8")])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_position_gets_the_same_logits_whichever_kind_of_row_computes_it(kind, weights):
+    """A prompt chunk's row, a speculating row's proposal and a decode step's row at the same
+    position of the same tokens: the same bits, whatever else shares the pass. What resuming a
+    stream (its tokens prefilled again) and speculation (k positions verified in one pass) rest on:
+    before every row attended by itself through its page table, a prompt chunk's torch attention
+    differed from the decode step's by float rounding, which int8 rows turn into different tokens."""
+    sampling, prompt, table = Sampling(), PROMPTS[2], list(range(PAGES))
+    tokens = [row[0] for row in TOKENS]  # the sequence goes on with these
+
+    def row(pages, start, ids, **kwargs) -> Row:
+        return Row(pages=pages, start=start, token_ids=ids, sample=True, sampling=sampling, rng=None, **kwargs)
+
+    runner = _runner(_model(kind), **weights)
+    _pass(runner, [row(table, 0, prompt, is_prompt=True)])
+    steps = [_pass(runner, [row(table, len(prompt) + i, [token])])[0] for i, token in enumerate(tokens)]
+    for k in (1, 5, len(tokens)):  # the prompt and k tokens as one chunk, beside another sequence's chunk
+        fresh = _runner(_model(kind), **weights)
+        other = [row(list(range(PAGES, 2 * PAGES)), 0, PROMPTS[1], is_prompt=True)]
+        logits = _pass(fresh, other + [row(table, 0, prompt + tokens[:k], is_prompt=True)])
+        assert torch.equal(logits[1], steps[k - 1]), k
+    fresh = _runner(_model(kind), **weights)  # in two chunks, the second from mid-page, then proposals
+    _pass(fresh, [row(table, 0, prompt[:20], is_prompt=True)])
+    _pass(fresh, [row(table, 20, prompt[20:] + tokens[:3], is_prompt=True)])
+    other = [row(list(range(PAGES, 2 * PAGES)), 0, PROMPTS[0], is_prompt=True)]
+    logits = _pass(fresh, other + [row(table, len(prompt) + 3, tokens[3:8], num_proposals=4)])
+    assert torch.equal(logits[1:], torch.stack(steps[3:8]))
 
 
 def _clear(field: str):

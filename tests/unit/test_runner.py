@@ -207,11 +207,11 @@ def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_l
 
     one_call = _logits(runner, decode([0, 1, 2, 3]))
     decoder = runner.decoder
-    was, decoder.one_call_decode = decoder.one_call_decode, False
+    was, decoder.one_call = decoder.one_call, False
     try:
         layer_by_layer = _logits(runner, decode([0, 1, 2, 3]))
     finally:
-        decoder.one_call_decode = was
+        decoder.one_call = was
     assert torch.allclose(one_call, layer_by_layer, atol=1e-4)
     order = sorted(range(len(adapters)), key=lambda i: adapters[i])  # _build groups rows by adapter
     for k, i in enumerate(order):

@@ -46,3 +46,20 @@ class ForwardBatch:
     decode: DecodeRows | None
     logit_rows: torch.Tensor  # [R] long: the packed rows whose next-token logits are wanted
     lora: LoraPass | None = None  # where some rows run with a LoRA adapter: their deltas (runner/lora.py)
+
+    def row_tables(self) -> tuple[torch.Tensor, bool]:
+        """Every packed row's page table ([N, pages] long, padded with page 0), as braid's C
+        attention reads it, and whether rows read each other's keys (a prompt chunk's rows, or a
+        speculating row's): then every key is written before any row attends. Each row then attends
+        by itself, as a decode step's row does, so a position's numbers do not depend on whether a
+        prompt chunk, a verification or a decode step computed it."""
+        dec = self.decode
+        if dec is not None and not self.prefills:
+            return dec.tables, dec.speculative
+        width = max([len(c.pages) for c in self.prefills] + ([dec.tables.shape[1]] if dec is not None else []))
+        tables = self.input_ids.new_zeros(len(self.input_ids), width)
+        for c in self.prefills:
+            tables[c.offset:c.offset + c.length, :len(c.pages)] = c.pages
+        if dec is not None:
+            tables[len(self.input_ids) - dec.count:, :dec.tables.shape[1]] = dec.tables
+        return tables, True

@@ -61,10 +61,10 @@ class Decoder:
         # On a CPU with AVX-512 or AVX2, braid's own kernels run the decoder (runner/kernels.py):
         # chosen once, by the caller.
         self.ops = ops
-        # the C decode attention (with the config's scale, soft-capping and sliding windows), and the
-        # whole decode step in one C call, every family's layer read from its LayerWeights
+        # braid's C attention for every row (with the config's scale, soft-capping and sliding
+        # windows), and the whole pass in one C call, every family's layer read from its LayerWeights
         self.fused_attention = self.ops.fused_decode and self.head_dim % 16 == 0
-        self.one_call_decode = self.fused_attention
+        self.one_call = self.fused_attention
         self.activation = family.activation
         self._act = self.ops.activation(family.activation)
         self.embed_scale = cfg.hidden_size ** 0.5 if family.embed_scale else None
@@ -75,7 +75,7 @@ class Decoder:
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         else:
             self.scale, self.attn_softcap, self.final_softcap = self.head_dim ** -0.5, None, None
-        self._step: DecodeStep | None = None  # built on the first decode-only pass, for its cache
+        self._step: DecodeStep | None = None  # built on the first pass, for its cache
         self._step_cache: KVCache | None = None
 
         def linear(prefix: str, *names: str) -> Linear:
@@ -141,11 +141,8 @@ class Decoder:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the packed batch, writes its keys/values into the cache, returns [R, V] logits."""
-        # The one C call of a decode step has no place for a speculating row's several positions: such
-        # a pass runs layer by layer (decode attention still in C). LoRA deltas it adds itself.
-        if (self.one_call_decode and batch.decode is not None and not batch.prefills
-                and not batch.decode.speculative):
-            return self._decode_only(batch, cache)
+        if self.one_call:
+            return self._one_call(batch, cache)
         n = batch.input_ids.shape[0]
         lora = batch.lora
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -218,16 +215,18 @@ class Decoder:
         logits = self.lm_head(self._norm(x[rows], self.final_norm)).float()
         return logits if self.final_softcap is None else _softcap(logits, self.final_softcap)
 
-    def _decode_only(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """A pass of decode rows only (the steady state): every layer in one C call, its rows' LoRA
-        deltas included."""
+    def _one_call(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """The pass, prompt chunks, verifications and decode rows alike: every layer in one C call,
+        its rows' LoRA deltas included. Every row attends by itself through its page table, so a
+        position gets the same numbers whichever kind of row computes it (batch.row_tables)."""
         if self._step is None or self._step_cache is not cache:
             self._step = DecodeStep(self.layers, self.rope, self.num_heads, self.num_kv_heads, self.head_dim,
                                     self.eps, self.scale, self.attn_softcap, self.activation, cache.k, cache.v)
             self._step_cache = cache
-        x = self._embed(batch.input_ids).contiguous()  # [B, hidden]
+        x = self._embed(batch.input_ids).contiguous()  # [N, hidden]
         lora = batch.lora.step_args(x.shape[0]) if batch.lora is not None else None
-        self._step(x, batch.positions, batch.decode.tables, lora)
+        tables, shared = batch.row_tables()
+        self._step(x, batch.positions, tables, lora, shared)
         return self._logits(x, batch.logit_rows)
 
     def _matrices(self) -> list[Linear]:
@@ -263,18 +262,16 @@ class Decoder:
         read from the cache and one just computed are the same numbers (in the cache's dtype)."""
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [pages, KVH, P, D]
         n, d = q.shape[0], self.head_dim
-        dec = batch.decode
-        fused = dec is not None and self.fused_attention  # the C kernel writes the decode rows' keys
-        # (its tasks run in parallel: a speculating sequence's rows need each other's keys written first,
-        # and the kernel then writes the same values again)
-        written = n - dec.count if fused and not dec.speculative else n
-        if written:
-            # Rows of a flat view: an advanced-index assignment here would have torch copy the
-            # whole cache of the layer (measured: ~4 ms, against 6 us).
-            index = batch.kv_index[:written * self.num_kv_heads]
-            k_cache.view(-1, d).index_copy_(0, index, k[:written].reshape(-1, d).to(k_cache.dtype))
-            v_cache.view(-1, d).index_copy_(0, index, v[:written].reshape(-1, d).to(v_cache.dtype))
         out = torch.empty(n, self.num_heads * d, dtype=q.dtype, device=q.device)
+        if self.fused_attention:  # braid's C attention, every row by itself (batch.row_tables)
+            tables, shared = batch.row_tables()
+            if shared:  # rows read each other's keys: all written first
+                self._write_keys(k, v, batch.kv_index, k_cache, v_cache)
+            decode_attention(qkv, self.num_heads, k_cache, v_cache, tables, batch.positions, out, self.scale,
+                             self.attn_softcap, self.layers[layer].window, write=not shared)
+            return out
+        self._write_keys(k, v, batch.kv_index, k_cache, v_cache)
+        dec = batch.decode
         for c in batch.prefills:
             rows = slice(c.offset, c.offset + c.length)
             end = c.start + c.length
@@ -289,11 +286,7 @@ class Decoder:
                 mask = _chunk_mask(c.start, c.length, q.device)
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1).reshape(c.length, -1)
-        if fused:
-            rows = slice(n - dec.count, n)
-            decode_attention(qkv[rows], self.num_heads, k_cache, v_cache, dec.tables, batch.positions[rows],
-                             out[rows], self.scale, self.attn_softcap, self.layers[layer].window)
-        elif dec is not None:
+        if dec is not None:
             rows = slice(n - dec.count, n)
             group = self.num_heads // self.num_kv_heads
             # Grouped-query trick: the `group` query heads that share a KV head become `group` query
@@ -308,6 +301,15 @@ class Decoder:
                 o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [B, KVH, G, D]
             out[rows] = o.reshape(dec.count, -1)
         return out
+
+    def _write_keys(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor) -> None:
+        """Every row's key and value (k, v: [N, KVH, D]) into the pages, at index (batch.kv_index).
+        Rows of a flat view: an advanced-index assignment here would have torch copy the whole cache
+        of the layer (measured: ~4 ms, against 6 us)."""
+        d = self.head_dim
+        k_cache.view(-1, d).index_copy_(0, index, k.reshape(-1, d).to(k_cache.dtype))
+        v_cache.view(-1, d).index_copy_(0, index, v.reshape(-1, d).to(v_cache.dtype))
 
 
 def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

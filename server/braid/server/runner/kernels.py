@@ -421,12 +421,13 @@ def _kv_format(cache: torch.Tensor) -> int:
 
 def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, scale: float,
-                     softcap: float | None = None, window: int | None = None) -> None:
-    """The C kernel for the decode rows of a pass. qkv: [B, (H + 2 KVH) D], one row per sequence,
-    after RoPE. Writes each sequence's new key and value at positions[b], through its page table
-    tables[b] ([B, pages] long), into the paged cache [pages, KVH, P, D], and its attention over
-    positions [0, positions[b]] (the last `window` of them in a sliding window) into out [B, H D]:
-    scores q.k * scale, soft-capped to softcap * tanh(score / softcap) if softcap."""
+                     softcap: float | None = None, window: int | None = None, write: bool = True) -> None:
+    """The C kernel for the rows of a pass. qkv: [B, (H + 2 KVH) D], one row per token, after RoPE.
+    Writes each row's key and value at positions[b], through its page table tables[b] ([B, pages]
+    long), into the paged cache [pages, KVH, P, D] (unless `write` is False: rows that read each
+    other's keys, all written first), and its attention over positions [0, positions[b]] (the last
+    `window` of them in a sliding window) into out [B, H D]: scores q.k * scale, soft-capped to
+    softcap * tanh(score / softcap) if softcap."""
     b = qkv.shape[0]
     _, kv_heads, page_size, d = k_cache.shape
     assert qkv.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -436,12 +437,12 @@ def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cac
     _cpu_kernels.decode_attention(q, k, v, qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                   _kv_format(k_cache), tables.data_ptr(), tables.shape[1],
                                   positions.data_ptr(), b, heads, kv_heads, d, page_size, scale, softcap or 0.0,
-                                  window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                                  window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads(), int(write))
 
 
 class DecodeStep:
-    """Every layer of a decode-only pass in one call (_cpu_kernels.decode_step): no Python and no
-    GIL between the layers' kernels. Holds the table of each layer's weight and cache pointers, and
+    """Every layer of a pass in one call (_cpu_kernels.decode_step): no Python and no GIL between
+    the layers' kernels. Holds the table of each layer's weight and cache pointers, and
     its own settings (LAYER_FIELDS); a field a layer does not have is 0."""
 
     def __init__(self, layers, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], num_heads: int,
@@ -473,9 +474,9 @@ class DecodeStep:
         self._scratch: list[torch.Tensor] = []
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
-                 lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
-        """x: [B, hidden] embeddings, contiguous; tables: [B, pages] long, each sequence's page
-        table. lora: the rows' LoRA adapters (LoraPass.step_args: each row's index into the adapters'
+                 lora: tuple[torch.Tensor, torch.Tensor, int] | None = None, shared: bool = False) -> None:
+        """x: [B, hidden] embeddings, contiguous; tables: [B, pages] long, each row's page table;
+        shared: whether rows read each other's keys (several rows of one sequence). lora: the rows' LoRA adapters (LoraPass.step_args: each row's index into the adapters'
         tables, or -1; the tables' addresses; their widest A^T), or None. On return x holds the last
         layer's residual stream."""
         b = x.shape[0]
@@ -489,7 +490,8 @@ class DecodeStep:
                                  self.table.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                  x.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
                                  act.data_ptr(), torch.get_num_threads(),
-                                 *((lora[0].data_ptr(), lora[1].data_ptr(), lora[2]) if lora else (None, None, 0)))
+                                 *((lora[0].data_ptr(), lora[1].data_ptr(), lora[2]) if lora else (None, None, 0)),
+                                 int(shared))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

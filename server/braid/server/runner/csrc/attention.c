@@ -34,18 +34,21 @@ static inline void kv_store(void *cache, int kv_fmt, long index, const float *x,
 }
 
 /* One (sequence, KV head) task of decode_attention: writes the new key and value at position L - 1
- * and attends the head's G query heads over positions [lo, L). Inlined once per kv_fmt, so the
+ * (unless `write` is 0: they are in the cache already) and attends the head's G query heads over
+ * positions [lo, L). Inlined once per kv_fmt, so the
  * format is a constant in the loops. Position t is row t % P of page table[t / P]; the loops walk
  * a page at a time from lo's page, so no position is divided. scores: G (L - lo) floats. */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *k_new, const float *v_new,
                                                          void *k_cache, void *v_cache, const int kv_fmt,
-                                                         const int64_t *table, long lo, long L, long h, long G,
-                                                         long KVH, long D, long P, float scale, float softcap,
+                                                         const int write, const int64_t *table, long lo, long L,
+                                                         long h, long G, long KVH, long D, long P, float scale, float softcap,
                                                          float *scores, float *out) {
     const long chunks = D / VEC, page_stride = KVH * P * D, head = h * P * D, n_seen = L - lo;
 #define PAGE(t) (table[(t) / P] * page_stride + head) /* element index of position t's page, this head */
-    kv_store(k_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, k_new, D);
-    kv_store(v_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, v_new, D);
+    if (write) {
+        kv_store(k_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, k_new, D);
+        kv_store(v_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, v_new, D);
+    }
     const long first_page = lo / P;
     for (long g = 0; g < G; g++) {
         const float *qg = q + g * D;
@@ -109,9 +112,10 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
  * heads of a KV head share one pass over its keys and values. out: B rows (stride ldo) of H x D.
  * One task per (sequence, KV head); a sequence's result does not depend on the others in the
  * pass, nor on which pages it holds. D and P are multiples of 16. attention_task: the task of sequence
- * task / KVH and KV head task % KVH. */
+ * task / KVH and KV head task % KVH; with `write` 0 it attends over keys and values already written
+ * (rows of one sequence that read each other's: decode_step.c writes them all first). */
 static void attention_task(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
-                           void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
+                           void *v_cache, int kv_fmt, int write, const int64_t *tables, long table_stride,
                            const int64_t *positions, long H, long KVH, long D, long P, float scale, float softcap,
                            long window, float *out, long ldo, long task) {
     const long G = H / KVH, b = task / KVH, h = task % KVH, L = positions[b] + 1;
@@ -120,21 +124,32 @@ static void attention_task(const float *q, const float *k_new, const float *v_ne
     const float *qb = q + b * ldq + h * G * D, *kb = k_new + b * ldq + h * D, *vb = v_new + b * ldq + h * D;
     float *ob = out + b * ldo + h * G * D, *scores = malloc(sizeof(float) * G * (L - lo));
     if (kv_fmt == F_BF16)
-        attend(qb, kb, vb, k_cache, v_cache, F_BF16, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+        attend(qb, kb, vb, k_cache, v_cache, F_BF16, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
     else if (kv_fmt == F_F16)
-        attend(qb, kb, vb, k_cache, v_cache, F_F16, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+        attend(qb, kb, vb, k_cache, v_cache, F_F16, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
     else
-        attend(qb, kb, vb, k_cache, v_cache, F_F32, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+        attend(qb, kb, vb, k_cache, v_cache, F_F32, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
     free(scores);
 }
 
-/* Every task of the pass, the threads sharing them out as they finish. */
+/* The first half of attention_task alone: row b's key and value of KV head h, written at its
+ * position through its page table. */
+static void store_task(const float *k_new, const float *v_new, long ldq, void *k_cache, void *v_cache, int kv_fmt,
+                       const int64_t *tables, long table_stride, const int64_t *positions, long KVH, long D, long P,
+                       long b, long h) {
+    const long t = positions[b], index = (tables[b * table_stride + t / P] * KVH + h) * P * D + t % P * D;
+    kv_store(k_cache, kv_fmt, index, k_new + b * ldq + h * D, D);
+    kv_store(v_cache, kv_fmt, index, v_new + b * ldq + h * D, D);
+}
+
+/* Every task of the pass, the threads sharing them out as they finish; `write` 0: the rows' keys
+ * and values are in the cache already (rows of one sequence, which read each other's). */
 static void decode_attention(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
                              void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
                              const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
-                             float softcap, long window, float *out, long ldo, int threads) {
+                             float softcap, long window, float *out, long ldo, int threads, int write) {
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && B * KVH > 1)
     for (long task = 0; task < B * KVH; task++)
-        attention_task(q, k_new, v_new, ldq, k_cache, v_cache, kv_fmt, tables, table_stride, positions, H, KVH, D,
+        attention_task(q, k_new, v_new, ldq, k_cache, v_cache, kv_fmt, write, tables, table_stride, positions, H, KVH, D,
                        P, scale, softcap, window, out, ldo, task);
 }

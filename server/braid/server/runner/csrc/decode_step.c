@@ -214,12 +214,17 @@ static int add_output(const step_t *s, scratch_t *t, long layer, int group, cons
     return failed;
 }
 
-/* The layer's attention, one task per (sequence, KV head) shared out as the threads finish: the
- * task's G query heads and its key head get their RMSNorms (Qwen3, Gemma 3) and RoPE, then attend. */
+/* The layer's attention, one task per (row, KV head) shared out as the threads finish: the task's G
+ * query heads and its key head get their RMSNorms (Qwen3, Gemma 3) and RoPE, then attend. Where rows
+ * read each other's keys (s->shared: a prompt chunk's rows, or a speculating row's proposals), every
+ * key and value is written first, and the threads meet before any row attends; a row's numbers are the
+ * same either way, and the same as a decode step's at that position. */
 static void team_attention(const step_t *s, const int64_t *t) {
     const long D = s->D, KVH = s->KVH, G = s->H / KVH, qd = s->H * D, kvd = KVH * D, width = qd + 2 * kvd;
     const float *q_norm = (const float *)(intptr_t)t[T_Q_NORM], *k_norm = (const float *)(intptr_t)t[T_K_NORM];
     const float *cos_t = (const float *)(intptr_t)t[T_COS], *sin_t = (const float *)(intptr_t)t[T_SIN];
+    float *k_new = s->qkv + qd, *v_new = s->qkv + qd + kvd;
+    void *k_cache = (void *)(intptr_t)t[T_K_CACHE], *v_cache = (void *)(intptr_t)t[T_V_CACHE];
 #pragma omp for schedule(dynamic)
     for (long task = 0; task < s->B * KVH; task++) {
         const long b = task / KVH, h = task % KVH;
@@ -228,10 +233,21 @@ static void team_attention(const step_t *s, const int64_t *t) {
         if (k_norm) rms_norm(k, D, k_norm, k, D, 1, D, s->eps);
         rope(q, D, 1, G, D, s->positions + b, cos_t, sin_t);
         rope(k, D, 1, 1, D, s->positions + b, cos_t, sin_t);
-        attention_task(s->qkv, s->qkv + qd, s->qkv + qd + kvd, width, (void *)(intptr_t)t[T_K_CACHE],
-                       (void *)(intptr_t)t[T_V_CACHE], s->kv_fmt, s->tables, s->table_stride, s->positions, s->H,
-                       KVH, D, s->page_size, s->scale, s->softcap, t[T_WINDOW], s->attn, qd, task);
+        if (s->shared)
+            store_task(k_new, v_new, width, k_cache, v_cache, s->kv_fmt, s->tables, s->table_stride, s->positions,
+                       KVH, D, s->page_size, b, h);
+        else
+            attention_task(s->qkv, k_new, v_new, width, k_cache, v_cache, s->kv_fmt, 1, s->tables,
+                           s->table_stride, s->positions, s->H, KVH, D, s->page_size, s->scale, s->softcap,
+                           t[T_WINDOW], s->attn, qd, task);
     }
+    if (!s->shared) return;
+    /* the end of the loop above is the barrier: every key of the pass is in the cache */
+#pragma omp for schedule(dynamic)
+    for (long task = 0; task < s->B * KVH; task++)
+        attention_task(s->qkv, k_new, v_new, width, k_cache, v_cache, s->kv_fmt, 0, s->tables, s->table_stride,
+                       s->positions, s->H, KVH, D, s->page_size, s->scale, s->softcap, t[T_WINDOW], s->attn, qd,
+                       task);
 }
 
 /* One thread's part of the pass. Returns 0, or -1 if it could not allocate a panel buffer. */

@@ -129,6 +129,9 @@ typedef struct {
     const int64_t *table, *positions, *tables; /* tables: B page tables of table_stride entries */
     float *x, *h, *qkv, *attn, *gate_up, *act; /* scratch: [B, hidden], [B, (H + 2 KVH) D], [B, H D], [B, 2 I], [B, I] */
     int threads;
+    /* whether rows read each other's keys (rows of one sequence: a prompt chunk's, or a speculating
+     * row's): then every key is written before any row attends */
+    int shared;
     /* LoRA: lora_rows [B], each row's adapter as an index into lora_tables (-1: none; NULL: no row
      * has one); lora_tables: pointers to each adapter's table [layers, L_GROUPS, L_FIELDS];
      * lora_cols: the most COLS of any of them */
@@ -155,7 +158,7 @@ typedef struct {
     void (*decode_attention)(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
                              void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
                              const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
-                             float softcap, long window, float *out, long ldo, int threads);
+                             float softcap, long window, float *out, long ldo, int threads, int write);
     int (*decode_step)(const step_t *s); /* -1: out of memory */
 } kernels_t;
 
