@@ -28,6 +28,7 @@ from braid.server.runner.kernels import ISA_VARIABLE
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
 from braid.server.runner.rows import Row, Sampling
+from braid_testing.perplexity import perplexity as perplexity_of
 from conftest import REPO, Server, assert_greedy, compute_dtype, start_together, tiny_server
 
 BRAID = str(Path(sys.executable).parent / "braid")
@@ -194,7 +195,7 @@ def test_q8_0_costs_at_most_one_percent_of_perplexity(smol_fp32, dtype, record_p
         runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048,
                              quantization=quantization)
         assert ("q8_0" in runner.weight_formats) == (quantization == "q8_0")
-        return runner.perplexity(ids)
+        return perplexity_of(runner, ids)
 
     plain, quantized = perplexity("none"), perplexity("q8_0")
     record_property("perplexity", f"{dtype}: {plain:.4f}, q8_0: {quantized:.4f}")
@@ -214,7 +215,7 @@ def test_int8_activations_cost_at_most_one_percent_of_perplexity(embedded, recor
         runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048,
                              activations=activations)
         assert runner.activations == (activations if runner.kernels != "torch" else "float32")
-        return runner.perplexity(ids)
+        return perplexity_of(runner, ids)
 
     plain, int8 = perplexity("float32"), perplexity("int8")
     record_property("perplexity", f"float32 rows: {plain:.4f}, int8 rows: {int8:.4f}")
@@ -234,7 +235,7 @@ def test_bf16_activations_cost_at_most_one_percent_of_perplexity(embedded, recor
         runner = ModelRunner(embedded, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048,
                              weight_dtype="bfloat16", quantization="none", activations=activations)
         assert set(runner.weight_formats) == {"bf16", "f32"}  # the matrices bf16, the norms f32
-        return runner.perplexity(ids), runner.activations
+        return perplexity_of(runner, ids), runner.activations
 
     (plain, _), (bf16, rows) = perplexity("float32"), perplexity("bf16")
     record_property("perplexity", f"bf16 weights, float32 rows: {plain:.4f}, {rows} rows: {bf16:.4f}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import time
 from collections import Counter
@@ -225,27 +224,6 @@ class ModelRunner:
                 _LOGGER.debug("threads: %d of %d, the faster for decode passes now", self.governor.current,
                               self.threads)
         return logits
-
-    @torch.no_grad()
-    def perplexity(self, token_ids: Sequence[int], chunk: int = 512) -> float:
-        """exp of the mean negative log-likelihood of token_ids[1:], each given all before it: the
-        text prefilled into the cache's first pages in chunks, with every position's logits kept.
-        For measuring a format's quality (--quantization) on an idle runner, not for serving."""
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        assert 1 < len(ids) <= min(self.max_seq_len, self.cache.num_pages * self.cache.page_size)
-        pages = list(range(-(-len(ids) // self.cache.page_size)))
-        nll = 0.0
-        for start in range(0, len(ids) - 1, chunk):
-            piece = ids[start:start + chunk]
-            n = len(piece)
-            row = Row(pages=pages, start=start, token_ids=piece.tolist(), sample=False, sampling=Sampling(), rng=None,
-                      is_prompt=True)
-            batch, _, _ = self._build([row])
-            batch.logit_rows = torch.arange(n, device=self.device)
-            targets = ids[start + 1:start + n + 1]
-            logits = self.decoder.forward(batch, self.cache)[:len(targets)].float()
-            nll -= torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).sum().item()
-        return math.exp(nll / (len(ids) - 1))
 
     def _build(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[int], dict[int, tuple[int, int]]]:
         """Packs prompt chunks first (rows with proposals among them), then one token per decoding
