@@ -55,9 +55,13 @@ def test_greedy_tokens_match_sequential_mode(servers, tiny_dir, mode):
     requests = [_greedy(p, 8 + 4 * i) for i, p in enumerate(PROMPTS)]
     reference = asyncio.run(_run_all(servers("sequential").target, requests))
     got = asyncio.run(_run_all(servers(mode).target, requests))
+    with servers(mode).client() as client:
+        kernels = client.model_info().kernels
     for req, ref, out in zip(requests, reference, got):
         assert len(out["ids"]) == req["max_new_tokens"]
-        if out["ids"] != ref["ids"]:
+        if kernels != "torch":  # every row attends by itself in one C call: the same bits in any pass
+            assert out["ids"] == ref["ids"], f"{mode} differs from sequential"
+        elif out["ids"] != ref["ids"]:
             assert _explained_by_a_near_tie(tiny_dir, servers("sequential"), req["prompt"], ref["ids"],
                                             out["ids"]), f"{mode} differs from sequential beyond rounding"
 
