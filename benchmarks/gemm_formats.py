@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from braid.server.model.weights import unpack_gguf
-from braid.server.runner import kernels
+from braid.server.runner.kernels import extension, pick
 
 SHAPES = {"SmolLM2 gate_up 576x3072": (576, 3072), "SmolLM2 down 1536x576": (1536, 576),
           "1B gate_up 2048x16384": (2048, 16384), "1B down 8192x2048": (8192, 2048)}
@@ -54,7 +54,7 @@ def _once(layer, x) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--isa", help=f"{kernels.BUILDS} (default: BRAID_KERNELS_ISA, else the best)")
+    parser.add_argument("--isa", help=f"{extension.BUILDS} (default: BRAID_KERNELS_ISA, else the best)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", default="1,16,256")
     parser.add_argument("--activations", default="float32,int8,bf16")
@@ -62,9 +62,9 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
     if args.isa:
-        os.environ[kernels.ISA_VARIABLE] = args.isa
+        os.environ[extension.ISA_VARIABLE] = args.isa
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"kernels: {kernels.pick_ops(torch.device('cpu'), torch.float32).name}, {torch.get_num_threads()} "
+    print(f"kernels: {pick.pick_ops(torch.device('cpu'), torch.float32).name}, {torch.get_num_threads()} "
           f"threads; medians of {args.repeats}\n")
     print("| shape | format | activations | MB | " + " | ".join(f"{m} rows: us, GB/s" for m in rows) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in rows) + " |")
@@ -74,7 +74,7 @@ def main() -> None:
             weight = matrix(fmt, k, n)
             paths = {"float32"} | ({"int8"} if fmt.startswith("q") else {"bf16"} if fmt == "bf16" else set())
             for activations in [a for a in args.activations.split(",") if a in paths]:
-                layer = kernels.pick_ops(torch.device("cpu"), torch.float32, activations=activations).linear(weight, None)
+                layer = pick.pick_ops(torch.device("cpu"), torch.float32, activations=activations).linear(weight, None)
                 cells = []
                 for m in rows:
                     s = seconds_per_call(layer, torch.randn(m, k), args.repeats)

@@ -23,11 +23,13 @@ from gguf import GGMLQuantizationType, quants
 
 from braid.server.model.weights import unpack_gguf
 from gguf_files import K_QUANTS, k_quant_bytes
-from braid.server.runner import kernels
-from braid.server.runner.kernels import CpuKernelOps, PackedLinear, TorchOps, pick_ops
+from braid.server.runner.kernels import extension, packing, pick, selfcheck, step
+from braid.server.runner.kernels.ops import CpuKernelOps, TorchOps
+from braid.server.runner.kernels.packing import PackedLinear
+from braid.server.runner.kernels.pick import pick_ops
 
 CPU = torch.device("cpu")
-ISAS = kernels._cpu_kernels.isas() if kernels._cpu_kernels is not None else []
+ISAS = extension._cpu_kernels.isas() if extension._cpu_kernels is not None else []
 TORCH = TorchOps()
 needs_kernels = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2: braid's C kernels "
                                                    "do not run here")
@@ -49,10 +51,10 @@ def isa(request):
     """Each instruction-set build of the kernels this CPU runs, selected for the test."""
     if not ISAS:
         pytest.skip("this CPU has neither AVX-512 nor AVX2: braid's C kernels do not run here")
-    before = kernels._cpu_kernels.isa()
-    kernels._cpu_kernels.select_isa(request.param)
+    before = extension._cpu_kernels.isa()
+    extension._cpu_kernels.select_isa(request.param)
     yield CpuKernelOps(request.param)
-    kernels._cpu_kernels.select_isa(before or ISAS[0])
+    extension._cpu_kernels.select_isa(before or ISAS[0])
 
 
 def matrix(fmt: str, shape: tuple[int, int], seed: int):
@@ -71,17 +73,17 @@ def matrix(fmt: str, shape: tuple[int, int], seed: int):
 def test_the_extension_is_built_and_matches_this_code():
     """`make install` compiles it; without it (or with a stale build, whose layout the module checks
     when imported) braid silently runs torch's slower kernels."""
-    assert kernels._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built, or is stale"
-    assert kernels._cpu_kernels.LAYER_FIELDS == kernels.LAYER_FIELDS
-    assert kernels._cpu_kernels.FORMATS == tuple(kernels.FORMATS.values())
+    assert extension._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built, or is stale"
+    assert extension._cpu_kernels.LAYER_FIELDS == extension.LAYER_FIELDS
+    assert extension._cpu_kernels.FORMATS == tuple(extension.FORMATS.values())
 
 
 def test_the_kernels_are_used_only_where_they_run(monkeypatch):
     assert type(pick_ops(CPU, torch.float32, allow_kernels=False)) is TorchOps
     assert type(pick_ops(torch.device("cuda"), torch.bfloat16)) is TorchOps
-    assert type(TORCH.linear(torch.randn(4, 4), None)) is kernels.Linear
+    assert type(TORCH.linear(torch.randn(4, 4), None)) is packing.Linear
     assert (type(pick_ops(CPU, torch.float32)) is CpuKernelOps) == bool(ISAS)
-    monkeypatch.setenv(kernels.ISA_VARIABLE, "sse2")
+    monkeypatch.setenv(extension.ISA_VARIABLE, "sse2")
     with pytest.raises(ValueError, match="BRAID_KERNELS_ISA=sse2"):
         pick_ops(CPU, torch.float32)
 
@@ -90,10 +92,10 @@ def test_the_kernels_are_used_only_where_they_run(monkeypatch):
 def test_the_isa_variable_forces_a_build(monkeypatch):
     """BRAID_KERNELS_ISA=avx2 runs the AVX2 build on an AVX-512 CPU too (and is the best here
     when the CPU has no AVX-512)."""
-    monkeypatch.setenv(kernels.ISA_VARIABLE, "avx2")
+    monkeypatch.setenv(extension.ISA_VARIABLE, "avx2")
     ops = pick_ops(CPU, torch.float32)
-    assert ops.isa == "avx2" and kernels._cpu_kernels.isa() == "avx2"
-    monkeypatch.delenv(kernels.ISA_VARIABLE)
+    assert ops.isa == "avx2" and extension._cpu_kernels.isa() == "avx2"
+    monkeypatch.delenv(extension.ISA_VARIABLE)
     assert pick_ops(CPU, torch.float32).isa == ISAS[0]
 
 
@@ -185,7 +187,7 @@ def test_int8_activations_give_a_row_the_same_bits_alone_in_a_batch_and_in_every
     x = torch.randn(70, 512)
     outs = {}
     for build in ISAS:  # every build the CPU runs computes the same integer sums and folds
-        kernels._cpu_kernels.select_isa(build)
+        extension._cpu_kernels.select_isa(build)
         layer = CpuKernelOps(build, activations="int8").linear(weight, torch.randn(100, generator=torch.Generator()
                                                                                     .manual_seed(3)))
         outs[build] = together = layer(x)
@@ -193,7 +195,7 @@ def test_int8_activations_give_a_row_the_same_bits_alone_in_a_batch_and_in_every
             assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), (build, row)
         for rows in ((5, 22), (0, 3), (10, 26)):
             assert torch.equal(layer(x[rows[0]:rows[1]]), together[rows[0]:rows[1]]), (build, rows)
-    kernels._cpu_kernels.select_isa(isa.isa)
+    extension._cpu_kernels.select_isa(isa.isa)
     assert all(torch.equal(out, outs[ISAS[0]]) for out in outs.values()), list(outs)
 
 
@@ -210,7 +212,7 @@ def test_activations_auto_runs_int8_where_the_kernels_run():
     float32 rows."""
     if ISAS:
         pick_ops(CPU, torch.float32)  # selects the best build
-    bf16 = bool(ISAS) and kernels.has_bf16_rows()
+    bf16 = bool(ISAS) and extension.has_bf16_rows()
     auto = "int8+bf16" if bf16 else "int8" if ISAS else "float32"
     assert pick_ops(CPU, torch.float32, activations="auto").activations == auto
     assert pick_ops(CPU, torch.float32, activations="int8").activations == ("int8" if ISAS else "float32")
@@ -222,13 +224,13 @@ def test_activations_auto_runs_int8_where_the_kernels_run():
 
 def _bf16_builds() -> list[str]:
     """The builds this CPU runs that have the bf16 path (AVX-512 BF16)."""
-    before, builds = kernels._cpu_kernels.isa(), []
+    before, builds = extension._cpu_kernels.isa(), []
     for build in ISAS:
-        kernels._cpu_kernels.select_isa(build)
-        if kernels.has_bf16_rows():
+        extension._cpu_kernels.select_isa(build)
+        if extension.has_bf16_rows():
             builds.append(build)
     if before:
-        kernels._cpu_kernels.select_isa(before)
+        extension._cpu_kernels.select_isa(before)
     return builds
 
 
@@ -242,10 +244,10 @@ def bf16_isa(request):
     """Each build this CPU runs with the bf16 path, selected for the test."""
     if not BF16_BUILDS:
         pytest.skip(NO_BF16)
-    before = kernels._cpu_kernels.isa()
-    kernels._cpu_kernels.select_isa(request.param)
+    before = extension._cpu_kernels.isa()
+    extension._cpu_kernels.select_isa(request.param)
     yield CpuKernelOps(request.param, activations="bf16")
-    kernels._cpu_kernels.select_isa(before or ISAS[0])
+    extension._cpu_kernels.select_isa(before or ISAS[0])
 
 
 def bf16_rows(x: torch.Tensor) -> torch.Tensor:
@@ -299,16 +301,16 @@ def test_an_embedding_lookup_reads_a_bf16_rows_packed_head_exactly(bf16_isa, k):
 def _refuses(layer: PackedLinear, flag: int, match: str) -> None:
     """gemm refuses layer's packed weight with its code and flag (a path it has no such weight for)."""
     with pytest.raises(ValueError, match=match):
-        kernels._cpu_kernels.gemm(0, 64, layer.weight.data_ptr(), layer.code | flag, 0, 40, 1, 64, 40, 0, None, 1)
+        extension._cpu_kernels.gemm(0, 64, layer.weight.data_ptr(), layer.code | flag, 0, 40, 1, 64, 40, 0, None, 1)
 
 
 @pytest.mark.parametrize("path", ["int8", "bf16"])
 def test_only_its_formats_have_a_path_of_rounded_rows(isa, path):
     """int8 rows are for quantized formats, bf16 rows for bf16: an fp32 matrix keeps fp32 rows, and
     gemm refuses the flag on it."""
-    flag = kernels.INT8 if path == "int8" else kernels.BF16_ROWS
+    flag = extension.INT8 if path == "int8" else extension.BF16_ROWS
     layer = CpuKernelOps(isa.isa, activations=path).linear(torch.randn(40, 64), None)
-    assert layer.rows == "float32" and layer.code == kernels.FORMAT_CODES["f32"]
+    assert layer.rows == "float32" and layer.code == extension.FORMAT_CODES["f32"]
     _refuses(layer, flag, path)
 
 
@@ -316,7 +318,7 @@ def test_a_build_without_avx512_bf16_has_no_bf16_path(isa):
     bf16 = CpuKernelOps(isa.isa, activations="bf16").linear(torch.randn(40, 64).bfloat16(), None)
     assert bf16.bf16 == (isa.isa in BF16_BUILDS)
     if isa.isa not in BF16_BUILDS:  # and refuses the format, whoever asks
-        _refuses(bf16, kernels.BF16_ROWS, "AVX-512 BF16")
+        _refuses(bf16, extension.BF16_ROWS, "AVX-512 BF16")
 
 
 @pytest.mark.skipif(not BF16_BUILDS or len(ISAS) < 2, reason=NO_BF16 + ", or no other build to switch to")
@@ -331,26 +333,26 @@ def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them():
                          num_attention_heads=2, num_key_value_heads=1)
     loaded = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="tiny",
                          architecture="LlamaForCausalLM", eos_token_ids=(2,))
-    kernels._cpu_kernels.select_isa(BF16_BUILDS[0])
+    extension._cpu_kernels.select_isa(BF16_BUILDS[0])
     runner = ModelRunner(loaded, CPU, torch.float32, num_pages=4, max_seq_len=64, weight_dtype="bfloat16",
                          quantization="none", activations="bf16")
     assert runner.activations == "bf16"
     other = next(build for build in ISAS if build not in BF16_BUILDS)
-    kernels._cpu_kernels.select_isa(other)
+    extension._cpu_kernels.select_isa(other)
     try:
-        step = kernels.DecodeStep(runner.decoder.layers, runner.decoder.rope, 2, 1, 16, 1e-5, 0.25, None, "silu",
-                                  runner.cache.k, runner.cache.v)
+        decode_step = step.DecodeStep(runner.decoder.layers, runner.decoder.rope, 2, 1, 16, 1e-5, 0.25, None,
+                                      "silu", runner.cache.k, runner.cache.v)
         with pytest.raises(ValueError, match="AVX-512 BF16"):
-            step(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+            decode_step(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     finally:
-        kernels._cpu_kernels.select_isa(ISAS[0])
+        extension._cpu_kernels.select_isa(ISAS[0])
 
 
 def test_a_quantized_matrix_needs_whole_blocks(isa):
     weight, _ = matrix("q8_0", (64, 40), seed=2)
     layer = isa.linear(weight, None)
     with pytest.raises(ValueError, match="multiple of 32"):
-        kernels._cpu_kernels.gemm(0, 40, layer.weight.data_ptr(), layer.code, 0, 40, 1, 40, 40, 0, None, 1)
+        extension._cpu_kernels.gemm(0, 40, layer.weight.data_ptr(), layer.code, 0, 40, 1, 40, 40, 0, None, 1)
 
 
 def test_rms_norm_matches_torch(isa):
@@ -412,7 +414,7 @@ def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype, sc
     qkv = torch.randn(3, (heads + 2 * kv_heads) * d) * 2  # scores large enough for the cap to bend them
     out = torch.empty(3, heads * d)
     before_k = k_cache.clone()
-    kernels.decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, scale, softcap, window)
+    step.decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, scale, softcap, window)
     for b, pos in enumerate(positions.tolist()):
         q = qkv[b, :heads * d].view(heads, 1, d)
         k_new = qkv[b, heads * d:(heads + kv_heads) * d].view(kv_heads, d)
@@ -449,17 +451,17 @@ def test_a_linear_layer_takes_zero_rows(isa):
 def test_a_build_that_fails_its_start_up_check_is_never_used(monkeypatch, caplog):
     """Each instruction-set build is checked against torch the first time it is picked; one that
     computes wrong on this CPU (a CPU no test has run on) falls back to the next, then to torch."""
-    monkeypatch.setattr(kernels, "_CHECKED", {})
-    monkeypatch.setattr(kernels, "_self_check", lambda: False)
-    assert kernels.kernels_isa() is None
+    monkeypatch.setattr(selfcheck, "_CHECKED", {})
+    monkeypatch.setattr(selfcheck, "_self_check", lambda: False)
+    assert pick.kernels_isa() is None
     assert type(pick_ops(CPU, torch.float32)) is TorchOps
     assert "give wrong results" in caplog.text
-    monkeypatch.setenv(kernels.ISA_VARIABLE, ISAS[-1])
+    monkeypatch.setenv(extension.ISA_VARIABLE, ISAS[-1])
     with pytest.raises(ValueError, match="fail their check"):
-        kernels.kernels_isa()
+        pick.kernels_isa()
     monkeypatch.undo()
-    assert kernels.kernels_isa() == ISAS[0]  # and the real check passes here
+    assert pick.kernels_isa() == ISAS[0]  # and the real check passes here
 
 
 def test_the_real_start_up_check_passes_in_every_build(isa):
-    assert kernels._self_check()
+    assert selfcheck._self_check()

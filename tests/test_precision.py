@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from braid.server.model.loader import LoadedModel, default_cache_dir, load
-from braid.server.runner.kernels import ISA_VARIABLE
+from braid.server.runner.kernels.extension import ISA_VARIABLE
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
 from braid.server.runner.rows import Row, Sampling

@@ -1,4 +1,4 @@
-"""The one-call decode step (runner/kernels.py DecodeStep, csrc/decode_step.c) on tiny random Qwen3,
+"""The one-call decode step (runner/kernels/step.py DecodeStep, csrc/decode_step.c) on tiny random Qwen3,
 Gemma 2 and Gemma 3 models, in process: rows of different lengths decode together, past the sliding
 window, and every pass's logits are the per-op path's (each op its own call, the same kernels) bit for
 bit, and those of the per-op path with torch's attention to float rounding. With any one of the
@@ -13,12 +13,14 @@ import torch
 import transformers as t
 
 from braid.server.model.loader import LoadedModel
-from braid.server.runner import decoder, kernels
-from braid.server.runner.kernels import LAYER_FIELDS, DecodeStep
+from braid.server.runner import decoder
+from braid.server.runner.kernels.extension import ACTIVATIONS, LAYER_FIELDS, has_bf16_rows
+from braid.server.runner.kernels.pick import kernels_isa
+from braid.server.runner.kernels.step import DecodeStep
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
-pytestmark = pytest.mark.skipif(kernels.kernels_isa() is None, reason="braid's C kernels do not run on this CPU")
+pytestmark = pytest.mark.skipif(kernels_isa() is None, reason="braid's C kernels do not run on this CPU")
 
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
@@ -126,7 +128,7 @@ def test_with_bf16_activations_the_step_gives_the_per_op_paths_logits(kind):
     one-call step and the per-op path, bit for bit; against float32 rows on the same weights, the
     logits move by the rows' rounding to bf16 only (2^-8 of each value): on these random models by
     about 1% of their spread on average, at most 3% of the largest (int8 rows: 2-5%, 8%)."""
-    if not kernels.has_bf16_rows():
+    if not has_bf16_rows():
         pytest.skip("this CPU has no AVX-512 BF16: the bf16 path does not run here (where it does, the start-up "
                     "self-check covers it)")
     logits, float_rows = _step_and_per_op(kind, dict(weight_dtype="bfloat16", quantization="none",
@@ -207,7 +209,7 @@ BREAKS = {
     "mlp_out_norm": _clear("mlp_out_norm"), "window": _clear("window"), "rope": _global_rope,
     "scale": lambda step: setattr(step, "scale", SHAPE["head_dim"] ** -0.5),
     "softcap": lambda step: setattr(step, "softcap", 0.0),
-    "activation": lambda step: setattr(step, "activation", kernels.ACTIVATIONS.index("silu")),
+    "activation": lambda step: setattr(step, "activation", ACTIVATIONS.index("silu")),
 }
 USES = {"qwen3": ["q_norm", "k_norm"],
         "gemma2": ["attn_out_norm", "mlp_out_norm", "window", "scale", "softcap", "activation"],

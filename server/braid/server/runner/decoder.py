@@ -20,7 +20,9 @@ import torch.nn.functional as F
 
 from braid.server.runner.batch import ForwardBatch
 from braid.server.runner.families import Family
-from braid.server.runner.kernels import DecodeStep, Linear, TorchOps, activations_of, decode_attention
+from braid.server.runner.kernels.ops import activations_of, TorchOps
+from braid.server.runner.kernels.packing import Linear
+from braid.server.runner.kernels.step import decode_attention, DecodeStep
 from braid.server.runner.kv_cache import KVCache, head_dim
 from braid.server.runner.lora import LoraPass, Target
 from braid.server.runner.precision import Precision, fuse
@@ -58,7 +60,7 @@ class Decoder:
         self.vocab_size = cfg.vocab_size
         device, dtype = ops.device, ops.dtype
 
-        # On a CPU with AVX-512 or AVX2, braid's own kernels run the decoder (runner/kernels.py):
+        # On a CPU with AVX-512 or AVX2, braid's own kernels run the decoder (runner/kernels/):
         # chosen once, by the caller.
         self.ops = ops
         # braid's C attention for every row (with the config's scale, soft-capping and sliding

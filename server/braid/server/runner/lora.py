@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from braid.server.runner.kernels import LORA_FIELDS, PANEL
+from braid.server.runner.kernels.extension import LORA_FIELDS, PANEL
 from braid.server.runner.rows import AdapterInfo
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # the decoder's fused projections, in a layer's order

@@ -22,7 +22,7 @@ from braid.server.config import EngineConfig
 from braid.server.model.loader import LoadedModel
 from braid.server.model.weights import FLOAT_FORMATS
 from braid.server.runner.families import attention_window, native_family
-from braid.server.runner.kernels import pick_ops
+from braid.server.runner.kernels.pick import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
 from braid.server.runner.lora import Adapter, LoraPass, read_peft
 from braid.server.runner.batch import DecodeRows, ForwardBatch, PrefillChunk

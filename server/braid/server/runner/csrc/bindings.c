@@ -275,7 +275,7 @@ static PyObject *names(const char *const *strings, int n) {
     return tuple;
 }
 
-/* The Python side checks these against its own when it imports the module (runner/kernels.py). */
+/* The Python side checks these against its own when it imports the module (runner/kernels/extension.py). */
 PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     PyObject *m = PyModule_Create(&MODULE);
     if (m == NULL) return NULL;

@@ -39,12 +39,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The contract with runner/kernels.py and runner/weights.py, checked when the module loads. */
+/* The contract with runner/kernels/extension.py and runner/weights.py, checked when the module loads. */
 #define PANEL 32  /* columns per packed panel */
 #define QBLOCK 32 /* rows of k per block of a panel; GGUF's block size */
 #define KV_LAYOUT 2 /* the KV cache's layout: 2, paged [pages, KVH, page size, D] (attention.c) */
 
-/* Weight formats, in the order of runner/kernels.py's FORMATS. ROW_BYTES: one row of 32 weights
+/* Weight formats, in the order of runner/kernels/extension.py's FORMATS. ROW_BYTES: one row of 32 weights
  * of a panel; HEAD_BYTES: the scales ahead of each block of 32 rows, per column. Q8_0, Q4_0 and
  * Q4_1 keep GGUF's fp16 d (then Q4_1's fp16 m). GGUF's K-quants have sub-block scales built from
  * two levels; they are kept as the fp32 products GGUF's reference computes first (Q6_K: d * scale
@@ -55,7 +55,7 @@ enum { F_F32, F_BF16, F_F16, F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K, F_Q4_K, F_FORMATS }
 static const long ROW_BYTES[F_FORMATS] = {128, 64, 64, 32, 16, 16, 32, 16};
 static const long HEAD_BYTES[F_FORMATS] = {0, 0, 0, 64, 64, 128, 256, 256};
 
-/* A quantized format's code with F_INT8 set (kernels.py sets it for --activations int8): each row
+/* A quantized format's code with F_INT8 set (kernels/packing.py sets it for --activations int8): each row
  * of x is quantized to int8 per block of 32 and multiplied with integer dot products (int8.c), and
  * the weight's blocks are packed for them: a block's 32 rows of quants come in 8 groups of 4 rows,
  * and a group holds each column's 4 quants in 4 consecutive bytes (Q8_0, Q6_K: column j at byte
@@ -63,7 +63,7 @@ static const long HEAD_BYTES[F_FORMATS] = {0, 0, 0, 64, 64, 128, 256, 256};
  * j + 16 in their high nibbles), the order vpdpbusd and vpmaddubsw read. Same bytes per block. */
 #define F_INT8 0x100
 
-/* F_BF16 with F_BF16_ROWS set (kernels.py sets it for --activations bf16 where the build has it):
+/* F_BF16 with F_BF16_ROWS set (kernels/packing.py sets it for --activations bf16 where the build has it):
  * each row of x is rounded to bf16 and multiplied with AVX-512 BF16's vdpbf16ps (bf16.c), and the
  * weight is packed for it in pairs of rows: pair p of a panel holds rows 2p and 2p + 1 as 64 bf16,
  * column j's two at 2j and 2j + 1 (an odd K's last pair padded with a row of zeros). */
@@ -81,7 +81,7 @@ static inline long panel_bytes(int fmt, long K) {
  * same kernels in the decoder's order, with no Python between them (one call and no GIL for the
  * step). x [B, hidden] holds the tokens' embeddings and leaves holding the last layer's residual
  * stream; the caller applies the final norm and the LM head. Each layer's row of `table` holds, in
- * this order (the names are exported as LAYER_FIELDS and checked by runner/kernels.py), pointers (a
+ * this order (the names are exported as LAYER_FIELDS and checked by runner/kernels/extension.py), pointers (a
  * weight followed by its format) and the layer's own settings. Fields a family does not have are 0,
  * and cost nothing:
  * - Q_NORM, K_NORM: RMSNorm weights [D] over each head of q and of k before RoPE (Qwen3, Gemma 3);

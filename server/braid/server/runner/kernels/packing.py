@@ -1,0 +1,137 @@
+"""Weight matrices for the decoder's linear layers: torch's (Linear) or packed into panels in their
+own format for braid's gemm (PackedLinear)."""
+
+from __future__ import annotations
+
+import torch
+
+from braid.server.model.weights import FLOAT_FORMATS, Blocks, Weight
+from braid.server.runner.kernels.extension import (BF16_ROWS, FORMAT_CODES, INT8, PANEL, QBLOCK, _cpu_kernels,
+                                                   has_bf16_rows)
+
+
+def format_of(weight: Weight) -> str:
+    return weight.format if isinstance(weight, Blocks) else FLOAT_FORMATS.get(weight.dtype, "f32")
+
+
+def dense(weight: Weight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The matrix as a plain tensor [out, in] in dtype: blocks dequantized as GGUF's reference does."""
+    if isinstance(weight, Blocks):
+        weight = weight.dequantize()
+    return weight.detach().to(device=device, dtype=dtype)
+
+
+class Linear:
+    """y = x @ W.T (+ bias), torch's matmul, W [out, in] held as [in, out].
+    `add_into(y, x)` does y += x @ W.T in place; `columns(ids)` is the embedding lookup in a tied
+    head: rows ids of W."""
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        self.weight = dense(weight, dtype, device).t().contiguous()
+        self.bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
+        self.in_features, self.out_features = self.weight.shape
+        self.format, self.nbytes = format_of(self.weight), self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+    def add_into(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y.addmm_(x, self.weight) if self.bias is None else y.addmm_(x, self.weight).add_(self.bias)
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.index_select(1, ids).t().contiguous()
+
+
+class PackedLinear(Linear):
+    """The weight packed into panels in its own format, for the C kernels' gemm: [ceil(out / 32),
+    in, 32] for a float dtype; for GGUF blocks, per panel and block of 32 rows, the 32 columns'
+    scales (and mins) then the 32 rows of quants, as bytes."""
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None, int8: bool = False, bf16: bool = False) -> None:
+        """int8: quantize x to int8 per row and block for integer dot products (GGUF blocks only;
+        their quants packed for it, csrc/kernels.h's F_INT8). bf16: round x to bf16 per row for
+        vdpbf16ps (a bf16 weight, where the selected build has it; packed in pairs of rows, F_BF16_ROWS)."""
+        self.out_features, self.in_features = weight.shape
+        self.format = format_of(weight)
+        self.int8 = int8 and isinstance(weight, Blocks) and INT8 is not None
+        self.bf16 = bf16 and self.format == "bf16" and has_bf16_rows()
+        self.rows = "int8" if self.int8 else "bf16" if self.bf16 else "float32"  # what x is multiplied as
+        self.code = FORMAT_CODES[self.format] | (INT8 if self.int8 else 0) | (BF16_ROWS if self.bf16 else 0)
+        self.weight = (_pack_blocks(weight, self.int8) if isinstance(weight, Blocks)
+                       else _pack_dense(weight, pairs=self.bf16))
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.nbytes = self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], self.out_features)
+        self._gemm(x, y, accumulate=False)
+        return y
+
+    def add_into(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        self._gemm(x, y, accumulate=True)
+        return y
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.contiguous()
+        out = torch.empty(ids.shape[0], self.in_features)
+        _cpu_kernels.columns(self.weight.data_ptr(), self.code, self.in_features, self.out_features,
+                             ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
+        return out
+
+    def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+        x = rows_of(x)
+        assert x.shape[1] == self.in_features and y.stride(-1) == 1
+        if x.shape[0] == 0:  # no rows (a pass of prompt chunks that sample nothing): nothing to do,
+            return           # as torch.mm does; the C kernel rejects M < 1
+        _cpu_kernels.gemm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), self.code, y.data_ptr(), y.stride(0),
+                          x.shape[0], self.in_features, self.out_features, int(accumulate),
+                          None if self.bias is None else self.bias.data_ptr(), torch.get_num_threads())
+
+
+def _pack_dense(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 32), in, 32], zero-padded, in the weight's dtype (fp32 for others).
+    pairs (the bf16 path's layout): [ceil(out / 32), ceil(in / 2), 32, 2], each column's rows 2p and
+    2p + 1 side by side, an odd `in` padded with a row of zeros."""
+    weight = weight.detach()
+    if weight.dtype not in FLOAT_FORMATS:
+        weight = weight.float()
+    n, k = weight.shape
+    panels, rows = -(-n // PANEL), k + (k % 2 if pairs else 0)
+    padded = weight.new_zeros(panels * PANEL, rows)
+    padded[:n, :k] = weight
+    if pairs:
+        return padded.view(panels, PANEL, rows // 2, 2).transpose(1, 2).contiguous()
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
+    """GGUF blocks -> panels [ceil(out / 32), in / 32, block bytes] uint8: per block of 32 rows, the
+    32 columns' scales (then mins; Q6_K: the scales of rows 0-15, then of rows 16-31), then 32 rows
+    of 32 quants (4-bit ones: column j in the low nibble of byte j, column j + 16 in its high one).
+    interleaved (the int8 path's layout): the rows in 8 groups of 4, each column's 4 quants of a
+    group in 4 consecutive bytes (4-bit ones: columns j and j + 16 in the low and high nibbles)."""
+    n, blocks = b.q.shape[:2]
+    panels = -(-n // PANEL)
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:  # [n, blocks, ...] -> [panels, blocks, 32 columns, ...]
+        t = torch.cat([t, t.new_zeros(panels * PANEL - n, *t.shape[1:])])
+        return t.view(panels, PANEL, blocks, *t.shape[2:]).transpose(1, 2)
+
+    if b.format == "q6_k":  # [n, 2 blocks of 16 rows per 32] -> [panels, blocks, 2, 32 columns]
+        parts = [by_panel(b.d.view(n, blocks, 2)).transpose(2, 3)]
+    else:
+        parts = [by_panel(b.d)] + ([] if b.m is None else [by_panel(b.m)])
+    q = by_panel(b.q).transpose(2, 3)  # [panels, blocks, 32 rows, 32 columns]
+    if interleaved:  # [panels, blocks, 8 groups, 32 columns, 4 rows]
+        q = q.reshape(panels, blocks, QBLOCK // 4, 4, PANEL).transpose(3, 4)
+        if b.format in ("q4_0", "q4_1", "q4_k"):
+            q = q[..., :PANEL // 2, :] | (q[..., PANEL // 2:, :] << 4)
+    elif b.format in ("q4_0", "q4_1", "q4_k"):
+        q = q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)
+    parts.append(q)
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x with unit stride along its last dim (rows may be strided), as the C kernels read it."""
+    return x if x.stride(-1) == 1 else x.contiguous()
