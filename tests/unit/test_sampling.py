@@ -117,3 +117,26 @@ def test_a_constraint_mask_limits_greedy_and_sampled_rows_but_not_their_logprobs
     assert out[1].logprob.logprob == pytest.approx(raw[1, out[1].token].item(), abs=1e-5)
     assert out[1].logprob.rank > 1  # ranked in the raw distribution, where token 0 leads
 
+
+@pytest.mark.parametrize("params", [dict(top_p=0.9), dict(top_k=40), dict(min_p=0.05), dict(top_p=0.95, top_k=300),
+                                    dict(), dict(top_p=0.999)])
+def test_a_row_drawn_from_its_most_likely_tokens_gets_the_whole_sorted_rows_token(monkeypatch, params):
+    """The sampler sorts only a row's CANDIDATES most likely tokens where its kept tokens (top-k,
+    top-p, min-p) end among them, and the whole row where they do not (plain temperature, a wide
+    top_p): the same token either way, for each seed, as sorting every row whole gives."""
+    from braid.server.runner import sampler
+
+    torch.manual_seed(4)
+    logits = torch.randn(6, 49152) * 3
+    logits[:3] *= 3  # sharper rows: their top 256 tokens hold most of the mass, as a trained model's do
+
+    def draw(first_seed: int) -> list[int]:
+        samplings = [Sampling(temperature=0.8, seed=first_seed + i, **params) for i in range(6)]
+        return sample(logits.clone(), [Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=s,
+                                           rng=random_state(s)) for s in samplings])
+
+    for first_seed in range(0, 120, 6):
+        fast = draw(first_seed)
+        monkeypatch.setattr(sampler, "CANDIDATES", logits.shape[1])
+        assert draw(first_seed) == fast
+        monkeypatch.undo()
