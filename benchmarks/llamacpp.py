@@ -27,6 +27,7 @@ import tarfile
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,11 +187,12 @@ def context_size(parallel: int, longest: int) -> int:
 
 @contextlib.contextmanager
 def running_server(llama: LlamaCpp, gguf: Path, port: int, *, parallel: int, context: int,
-                   threads: int, log_path: Path):
-    """A llama-server on 127.0.0.1:port, ready to serve; yields (its URL, its pid); stopped on exit."""
+                   threads: int, log_path: Path, extra_args: Sequence[str] = ()):
+    """A llama-server on 127.0.0.1:port, ready to serve, with `extra_args` (--spec-type, ...) on its
+    command line; yields (its URL, its pid); stopped on exit."""
     command = [str(llama.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(parallel), "-c", str(context), "-t", str(threads), "-tb", str(threads),
-               "--no-webui"]
+               "--no-webui", *extra_args]
     with logged_process(command, log_path, grace_s=20) as process:
         _wait_healthy(f"http://127.0.0.1:{port}/health", process)
         yield f"http://127.0.0.1:{port}", process.pid
@@ -219,25 +221,38 @@ def sender(http, base_url: str, cache_prompt: bool = False):
         sent = time.perf_counter()
         first = last = 0.0
         num_tokens = 0
-        async with http.stream("POST", base_url + "/completion", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if chunk.get("tokens"):
-                    last = time.perf_counter()
-                    first = first or last
-                    num_tokens += len(chunk["tokens"])
-                if chunk.get("stop"):
-                    _check_prompt(chunk, request)
-                    # A token whose text ends inside a UTF-8 character is held back and comes in no
-                    # chunk's `tokens` (a random model's output has such): count the server's total.
-                    if chunk.get("tokens_predicted", 0) > num_tokens:
-                        last, num_tokens = time.perf_counter(), chunk["tokens_predicted"]
+        async for chunk in completion_chunks(http, base_url, body):
+            if chunk.get("tokens"):
+                last = time.perf_counter()
+                first = first or last
+                num_tokens += len(chunk["tokens"])
+            if chunk.get("stop"):
+                _check_prompt(chunk, request)
+                if chunk.get("tokens_predicted", 0) > num_tokens:  # see completion_chunks
+                    last, num_tokens = time.perf_counter(), chunk["tokens_predicted"]
         return StreamTiming(sent, first, last, num_tokens)
 
     return send
+
+
+async def completion_chunks(http, base_url: str, body: dict):
+    """The chunks (dicts) of one streamed /completion call of `body` (which has "stream": true), as
+    they come; the last has "stop" true, the server's counts (tokens_predicted, tokens_evaluated) and
+    its "timings" (with draft_n and draft_n_accepted when it speculated). A token whose text ends
+    inside a UTF-8 character is held back and comes in no chunk's "tokens" (a random model's output
+    has such): the last chunk's tokens_predicted counts it."""
+    async with http.stream("POST", base_url + "/completion", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                yield json.loads(line[len("data: "):])
+
+
+async def apply_template(http, base_url: str, messages: list[dict]) -> str:
+    """The prompt text llama-server makes of chat `messages` with its chat template (the GGUF's)."""
+    response = await http.post(base_url + "/apply-template", json={"messages": messages})
+    response.raise_for_status()
+    return response.json()["prompt"]
 
 
 def _check_prompt(final: dict, request: Request) -> None:
