@@ -14,6 +14,7 @@ from braid.server.model.loader import LoadedModel
 from braid.server.runner.families import FAMILIES, attention_window, native_family
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
+from braid_testing.perplexity import perplexity
 
 LLAMA_LIKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3)
@@ -88,7 +89,7 @@ def test_gemma_runs_natively_as_transformers_does(make, kernels):
     ids = [(7 * i) % 500 + 3 for i in range(40)]
     with torch.no_grad():
         expected = math.exp(model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item())
-    assert runner.perplexity(ids, chunk=13) == pytest.approx(expected, rel=1e-4)
+    assert perplexity(runner, ids, chunk=13) == pytest.approx(expected, rel=1e-4)
     prompt = ids[:21]
     tokens = model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10,
                             do_sample=False)[0, len(prompt):].tolist()
