@@ -6,9 +6,11 @@ Q4_1) on the CPU:
 2. 1 stream with one of those adapters, against 1 with none.
 
 Output tok/s, medians of --repeats runs, the four kinds interleaved; every prompt with a fresh
-cache_salt (nothing cached). The adapters are random, made by PEFT (tests/lora_files.py).
+cache_salt (nothing cached). The adapters are random, made by PEFT (tests/lora_files.py), saved in
+float32 or (--adapter-dtype bfloat16) in bf16, as an adapter trained in bf16 is: braid's C step reads
+those in half the bytes.
 
-    .venv/bin/python benchmarks/lora.py [--repeats 5] [--threads N]
+    .venv/bin/python benchmarks/lora.py [--repeats 5] [--threads N] [--adapter-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ async def main(args: argparse.Namespace) -> None:
     requests = workloads.PromptMaker(tokenizer).batch(16, 30, 60)
     names = [f"tenant{i}" for i in range(NUM_ADAPTERS)]
     with tempfile.TemporaryDirectory(prefix="braid-lora-bench-") as root:
-        loras = [arg for i, name in enumerate(names) for arg in (
-            "--lora", f"{name}={make_adapter(base, Path(root) / name, rank=RANK, seed=i, spread=0.02)}")]
+        folders = [make_adapter(base, Path(root) / name, rank=RANK, seed=i, spread=0.02, dtype=args.adapter_dtype)
+                   for i, name in enumerate(names)]
+        loras = [arg for name, folder in zip(names, folders) for arg in ("--lora", f"{name}={folder}")]
         server = BraidProcess(["--mode", "continuous", "--max-batch-size", "16", "--threads", str(args.threads),
                                "--log-level", "warning", "--max-loras", str(NUM_ADAPTERS), *loras])
         try:
@@ -76,7 +79,7 @@ async def main(args: argparse.Namespace) -> None:
             server.stop()
     medians = {kind: statistics.median(values) for kind, values in runs.items()}
     print(f"model {info.model_name} ({info.kernels}, {info.threads} threads), {len(info.adapters)} adapters of "
-          f"rank {RANK}; output tok/s, median of {args.repeats}:")
+          f"rank {RANK} in {args.adapter_dtype}; output tok/s, median of {args.repeats}:")
     for kind, value in medians.items():
         print(f"  {kind}: {value:.1f}  (runs: {', '.join(f'{v:.1f}' for v in runs[kind])})")
     many = medians["16 streams, 4 adapters"] / medians["16 streams, no adapter"]
@@ -88,4 +91,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--adapter-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the dtype the adapters are saved in (bfloat16: the C step reads them in half the bytes)")
     asyncio.run(main(parser.parse_args()))

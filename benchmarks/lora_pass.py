@@ -8,9 +8,13 @@ For 1 row (one adapter) and 16 rows (4 per adapter), each pass timed, the kinds 
 - adapters, layer by layer: the deltas as torch matmuls per run of rows (the path before the one
   call took them);
 - adapters, one C call: the deltas inside the decode step.
-It first checks that both adapter paths give the same greedy tokens.
+It first checks that both adapter paths give the same greedy tokens. Besides each pass's wall time, the
+process's CPU time in it (every thread's): on a machine shared with other jobs, a pass's wall time
+takes in the slices those jobs ran, its CPU time only what it did (and its threads' spinning at the
+barriers); with --threads 1 the CPU time is the work, whatever the load. --one-call leaves out the
+layer-by-layer kinds.
 
-    .venv/bin/python benchmarks/lora_pass.py [--threads 2] [--repeats 30]
+    .venv/bin/python benchmarks/lora_pass.py [--threads 2] [--repeats 30] [--one-call] [--adapter-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -50,16 +54,16 @@ def main(args: argparse.Namespace) -> None:
     decoder = runner.decoder
     with tempfile.TemporaryDirectory(prefix="braid-lora-pass-") as root:
         for i in range(4):
-            folder = make_adapter(base, Path(root) / f"a{i}", rank=16, seed=i, spread=0.02)
+            folder = make_adapter(base, Path(root) / f"a{i}", rank=16, seed=i, spread=0.02, dtype=args.adapter_dtype)
             runner.load_adapter(i + 1, f"a{i}", str(folder), 64)
 
-    def forward(batch_rows: list[Row], one_call: bool) -> tuple[torch.Tensor, float]:
+    def forward(batch_rows: list[Row], one_call: bool) -> tuple[torch.Tensor, float, float]:
         batch, _, _ = runner._build(batch_rows)
         decoder.one_call = one_call
         try:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             logits = decoder.forward(batch, runner.cache)
-            return logits, time.perf_counter() - start
+            return logits, time.perf_counter() - start, time.process_time() - cpu
         finally:
             decoder.one_call = True
 
@@ -73,22 +77,32 @@ def main(args: argparse.Namespace) -> None:
                   (n, "base, layer by layer"): (rows(n, [0], True), False),
                   (n, "adapters, layer by layer"): (rows(n, adapters, True), False),
                   (n, "adapters, one C call"): (rows(n, adapters, True), True)}
+    if args.one_call:
+        kinds = {kind: value for kind, value in kinds.items() if value[1]}
     times: dict[tuple[int, str], list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[tuple[int, str], list[float]] = {kind: [] for kind in kinds}
     for _ in range(args.repeats):
         for kind, (batch_rows, one_call) in kinds.items():
-            times[kind].append(forward(batch_rows, one_call)[1])
-    print(f"{args.threads} threads; ms a pass, median (best) of {args.repeats}:")
+            _, wall, used = forward(batch_rows, one_call)
+            times[kind].append(wall)
+            cpu[kind].append(used)
+    print(f"{args.threads} threads; ms a pass, median (best) of {args.repeats}; CPU ms in it, median:")
     for (n, kind), values in times.items():
-        print(f"  {n:2d} rows, {kind}: {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f})")
+        print(f"  {n:2d} rows, {kind}: {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}); "
+              f"CPU {statistics.median(cpu[n, kind]) * 1e3:.2f}")
     for n in (1, 16):
-        base = statistics.median(times[n, "base, one C call"])
-        print(f"  {n:2d} rows, speed against the base's one call: adapters layer by layer "
-              f"{base / statistics.median(times[n, 'adapters, layer by layer']):.3f}x, adapters in the one call "
-              f"{base / statistics.median(times[n, 'adapters, one C call']):.3f}x")
+        for name, values in (("wall", times), ("CPU", cpu)):
+            base = statistics.median(values[n, "base, one C call"])
+            ratios = [f"adapters {how} {base / statistics.median(values[n, f'adapters, {how}']):.3f}x"
+                      for how in ("layer by layer", "one C call") if (n, f"adapters, {how}") in values]
+            print(f"  {n:2d} rows, speed against the base's one call ({name} medians): {', '.join(ratios)}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--one-call", action="store_true", help="only the one-C-call kinds")
+    parser.add_argument("--adapter-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the dtype the adapters are saved in (bfloat16: the C step reads them in half the bytes)")
     main(parser.parse_args())

@@ -11,9 +11,10 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(base_dir: Path, out_dir: Path, rank: int = 8, targets=ALL_TARGETS, seed: int = 1,
-                 alpha: float = 16.0, rslora: bool = False, spread: float = 0.1) -> Path:
+                 alpha: float = 16.0, rslora: bool = False, spread: float = 0.1, dtype: str = "float32") -> Path:
     """A random adapter for the model in base_dir, saved by PEFT into out_dir: A and B both random
-    (B non-zero, unlike PEFT's default init), each entry N(0, spread)."""
+    (B non-zero, unlike PEFT's default init), each entry N(0, spread); its matrices saved in dtype
+    (bfloat16: as an adapter trained in it is, which braid's C step reads in half the bytes)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -28,6 +29,11 @@ def make_adapter(base_dir: Path, out_dir: Path, rank: int = 8, targets=ALL_TARGE
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * spread)
     peft_model.save_pretrained(out_dir)
+    if dtype != "float32":
+        from safetensors.torch import load_file, save_file
+
+        weights = out_dir / "adapter_model.safetensors"
+        save_file({k: v.to(getattr(torch, dtype)) for k, v in load_file(str(weights)).items()}, str(weights))
     return out_dir
 
 

@@ -135,9 +135,9 @@ def test_prompt_targets_score_as_transformers_in_chunks_beside_other_rows(runner
 
 
 
-def _peft_folder(path, rank: int, hidden: int = 64, kv: int = 32, seed: int = 0):
+def _peft_folder(path, rank: int, hidden: int = 64, kv: int = 32, seed: int = 0, dtype=torch.float32):
     """A LoRA adapter in PEFT's file format for the tiny Llama (q and v projections of both
-    layers), written by hand."""
+    layers), written by hand, its matrices saved in dtype."""
     import json
 
     from safetensors.torch import save_file
@@ -147,8 +147,8 @@ def _peft_folder(path, rank: int, hidden: int = 64, kv: int = 32, seed: int = 0)
     for layer in range(2):
         for module, out in (("q_proj", hidden), ("v_proj", kv)):
             key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.3
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.3
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, hidden, generator=generator) * 0.3).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=generator) * 0.3).to(dtype)
     path.mkdir()
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "peft_type": "LORA",
@@ -189,12 +189,16 @@ def test_rows_with_adapters_and_without_share_a_pass_and_an_unloaded_adapter_is_
         _logits(runner, [row(0, 101)])
 
 
-def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_layer_by_layer(runner, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_layer_by_layer(runner, tmp_path,
+                                                                                              dtype):
     """A decode pass with rows of two adapters (q and v, not k: modules apart in the fused q/k/v)
     and of none: on braid's kernels the one C call adds each row's delta itself; its logits are
-    the layer-by-layer path's, and each row's are those it gets alone."""
-    runner.load_adapter(301, "a", str(_peft_folder(tmp_path / "a", 8, seed=3)), 64)
-    runner.load_adapter(302, "b", str(_peft_folder(tmp_path / "b", 16, seed=4)), 64)
+    the layer-by-layer path's, and each row's are those it gets alone. Adapters saved in bf16 (their
+    scale 2: every value a bf16 one) the step reads in bf16, those in fp32 in fp32: the same values."""
+    runner.load_adapter(301, "a", str(_peft_folder(tmp_path / "a", 8, seed=3, dtype=dtype)), 64)
+    runner.load_adapter(302, "b", str(_peft_folder(tmp_path / "b", 16, seed=4, dtype=dtype)), 64)
+    assert [runner._adapters[i].bf16 for i in (301, 302)] == [dtype == torch.bfloat16] * 2
     adapters = [301, 0, 302, 301]
     prompt = [5, 9, 33, 7, 100, 41]
     for i, adapter in enumerate(adapters):

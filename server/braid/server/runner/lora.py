@@ -21,9 +21,10 @@ base rows get nothing added. The cost follows the adapters a pass uses, not thos
 but multiplies every token by every adapter: measured slower from 4 adapters at 16 rows.)
 A pass with prompt chunks, or on torch's ops, runs these as torch matmuls. A decode-only pass on
 braid's C kernels keeps its one C call (csrc/decode_step.c): each adapter's `table` points that call
-at its matrices, and every row's delta is added there, panel by panel, by the thread that computed
-the panel, with no call, barrier or thread wake-up of its own (two torch matmuls per run and group
-cost more than the arithmetic: docs/benchmarks.md).
+at its matrices (in bf16 where every value is a bf16 one: half the bytes), the threads share out
+x A^T (one barrier per group targeted), and every row's delta is added panel by panel by the thread
+that computed the panel, with no call or thread wake-up of its own (two torch matmuls per run and
+group cost more than the arithmetic: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from braid.server.runner.kernels.extension import LORA_FIELDS, PANEL
+from braid.server.runner.kernels.extension import FORMAT_CODES, LORA_FIELDS, PANEL
 from braid.server.runner.rows import AdapterInfo
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # the decoder's fused projections, in a layer's order
@@ -71,12 +72,13 @@ class _Stacked:
 class Adapter:
     info: AdapterInfo
     layers: list[dict[str, _Stacked]]  # per layer, by group (GROUPS) it targets there
+    bf16: bool = False  # whether its every value is a bf16 one: the C step reads them so
     table: torch.Tensor = field(init=False)  # the C decode step's view of it (_step_table)
-    panels: list[torch.Tensor] = field(init=False)  # its B^T in panels, which the table points into
+    panels: list[torch.Tensor] = field(init=False)  # its A^T and B^T as the step reads them, which the table points into
     cols: int = field(init=False)  # its widest A^T's columns
 
     def __post_init__(self) -> None:
-        self.table, self.panels = _step_table(self.layers)
+        self.table, self.panels = _step_table(self.layers, torch.bfloat16 if self.bf16 else torch.float32)
         self.cols = max((m.at.shape[1] for layer in self.layers for m in layer.values()), default=1)
 
     @property
@@ -141,7 +143,12 @@ def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int,
     modules = tuple(m for m in targets if any(k[1] == m for k in a))
     info = AdapterInfo(name=name, path=str(path), rank=rank, alpha=float(alpha), scale=float(scale),
                        target_modules=modules)
-    return Adapter(info, [_stack(layer, a, b, targets, dtype) for layer in range(num_layers)])
+    # the C step reads an adapter whose every value (B's times the scale) is a bf16 one in bf16: the
+    # same values in half the bytes, and bytes are most of what the deltas cost (docs/benchmarks.md).
+    # An adapter saved in bf16 is so where its scale is a power of two; one in fp32 is not, and is not
+    # rounded: its tokens are PEFT's in fp32 (tests/test_lora.py), bf16 would move them
+    bf16 = all(torch.equal(v, v.to(torch.bfloat16).to(torch.float32)) for v in (*a.values(), *b.values()))
+    return Adapter(info, [_stack(layer, a, b, targets, dtype) for layer in range(num_layers)], bf16)
 
 
 def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int, str], torch.Tensor],
@@ -167,12 +174,13 @@ def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int
     return stacked
 
 
-def _step_table(layers: list[dict[str, _Stacked]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _step_table(layers: list[dict[str, _Stacked]], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """[layers, GROUPS, LORA_FIELDS] long: the adapter's matrices as the C decode step reads them
-    (csrc/kernels.h), and the memory it points into: each module's B^T again, in the matmul's
-    32-column panels (one contiguous read per panel, where the block-diagonal Bt's rows are a
-    group's width apart: read so, they cost the step more than the arithmetic). Meaningful where
-    the matrices are float32 on the CPU, the only place the step runs."""
+    (csrc/kernels.h), and the memory it points into, in dtype (float32, or bfloat16 where every value
+    is a bf16 one): each group's A^T, its rows padded to 16 columns (whole vector loads), and each
+    module's B^T again, in the matmul's 32-column panels (one contiguous read per panel, where the
+    block-diagonal Bt's rows are a group's width apart: read so, they cost the step more than the
+    arithmetic). Meaningful where the matrices are float32 on the CPU, the only place the step runs."""
     table = torch.zeros(len(layers), len(GROUPS), len(LORA_FIELDS), dtype=torch.long)
     panels: list[torch.Tensor] = []
     for i, layer in enumerate(layers):
@@ -181,16 +189,21 @@ def _step_table(layers: list[dict[str, _Stacked]]) -> tuple[torch.Tensor, list[t
             if m is None or m.at.dtype != torch.float32 or m.at.device.type != "cpu":
                 continue
             _, _, begin, _, bt = m.parts[0]
-            row = [m.at.data_ptr(), m.at.shape[1], m.rank]
+            cols = m.at.shape[1]
+            at = torch.zeros(m.at.shape[0], -(-cols // 16) * 16, dtype=dtype)
+            at[:, :cols] = m.at
+            panels.append(at)
+            row = [at.data_ptr(), cols, m.rank]
             for j, (col_begin, col_end) in enumerate(m.modules):
                 first, last = col_begin // PANEL, (col_end - 1) // PANEL
                 packed = torch.zeros(m.rank, (last + 1 - first) * PANEL)  # [rank, the panels' columns]
                 packed[:, col_begin - first * PANEL:col_end - first * PANEL] = (
                     bt[j * m.rank:(j + 1) * m.rank, col_begin - begin:col_end - begin])
-                packed = packed.view(m.rank, -1, PANEL).transpose(0, 1).contiguous()  # [panels, rank, 32]
+                # [panels, rank, 32]
+                packed = packed.view(m.rank, -1, PANEL).transpose(0, 1).to(dtype).contiguous()
                 panels.append(packed)
                 row += [packed.data_ptr(), col_begin, col_end]
-            row += [0, 0, 0] * (3 - len(m.modules))
+            row += [0, 0, 0] * (3 - len(m.modules)) + [FORMAT_CODES["bf16" if dtype == torch.bfloat16 else "f32"]]
             table[i, g] = torch.tensor(row, dtype=torch.long)
     return table, panels
 

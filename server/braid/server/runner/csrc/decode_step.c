@@ -11,10 +11,12 @@
  * the same order as by the kernels one at a time, so the bits are theirs whatever the threads. */
 
 /* A thread's own scratch: the normed rows h [B, hidden], the gated activations act [B, I], what a
- * matmul computes from its rows first (int8 or bf16 rows, or the block sums of fp32 ones), and the
- * rows' LoRA products x A^T [B, lora_cols]. */
+ * matmul computes from its rows first (int8 or bf16 rows, or the block sums of fp32 ones), room for
+ * the rows' LoRA products x A^T [B, lora_cols], and the LoRA runs: where the rows of each run of one
+ * adapter (up to 4) begin [B + 1]. lora_shared: the one thread's lora every thread reads (lora_down). */
 typedef struct {
-    float *h, *act, *sums, *lora;
+    float *h, *act, *sums, *lora, *lora_shared;
+    long *runs;
     qrows_t q;
     brows_t b;
 } scratch_t;
@@ -24,8 +26,10 @@ static int alloc_scratch(scratch_t *t, long B, long hidden, long I, long kmax, l
     t->act = malloc(sizeof(float) * B * I);
     t->sums = malloc(sizeof(float) * B * (kmax / QBLOCK + 1));
     t->lora = malloc(sizeof(float) * B * (lora_cols > 0 ? lora_cols : 1));
+    t->lora_shared = NULL;
+    t->runs = malloc(sizeof(long) * (B + 1));
     const int failed = alloc_qrows(B, kmax, &t->q) | alloc_brows(B, kmax, &t->b);
-    return failed || !t->h || !t->act || !t->sums || !t->lora ? -1 : 0;
+    return failed || !t->h || !t->act || !t->sums || !t->lora || !t->runs ? -1 : 0;
 }
 
 static void free_scratch(scratch_t *t) {
@@ -33,6 +37,7 @@ static void free_scratch(scratch_t *t) {
     free(t->act);
     free(t->sums);
     free(t->lora);
+    free(t->runs);
     free_qrows(&t->q);
     free(t->b.x);
 }
@@ -45,28 +50,31 @@ static const int64_t *lora_fields(const step_t *s, long b, long layer, int group
     return f[L_AT] ? f : NULL;
 }
 
+/* LoRA matrices' element i, widened exactly to fp32, stored in bf16 or fp32 (L_FMT). */
+static inline __attribute__((always_inline)) vf lora_load(const void *p, long i, const int bf16) {
+    return bf16 ? vcvt_bf16((const uint16_t *)p + i) : vload((const float *)p + i);
+}
+
 /* u[r] = x[r] A^T for n rows (1 to 4) that share an adapter, over nv vectors of columns from c0 of
- * A^T [K, cols] (the lanes past cols masked off): A^T read once for them all, each sum over k in
- * order, in registers. n and nv are constants where lora_down calls it, so the loops unroll. */
-static inline __attribute__((always_inline)) void down_rows(const float *x, long ldx, long K, const float *at,
-                                                            long cols, long c0, float *u, long ldu, const int n,
-                                                            const int nv) {
-    vmask m[4];
+ * A^T [K, cols], its rows lda apart (cols rounded up to 16, zeros past cols: every load is whole);
+ * A^T read once for them all, each sum over k in order, in registers. n, nv and bf16 are constants
+ * where lora_down calls it, so the loops unroll. */
+static inline __attribute__((always_inline)) void down_rows(const float *x, long ldx, long K, const void *at,
+                                                            long lda, long cols, long c0, float *u, long ldu,
+                                                            const int n, const int nv, const int bf16) {
     vf acc[4][4];
-    for (int j = 0; j < nv; j++) m[j] = vmask_n(cols - c0 - j * VEC);
     for (int r = 0; r < n; r++)
         for (int j = 0; j < nv; j++) acc[r][j] = vzero();
     for (long k = 0; k < K; k++) {
-        const float *a = at + k * cols + c0;
         vf w[4];
-        for (int j = 0; j < nv; j++) w[j] = vloadm(m[j], a + j * VEC);
+        for (int j = 0; j < nv; j++) w[j] = lora_load(at, k * lda + c0 + j * VEC, bf16);
         for (int r = 0; r < n; r++) {
             const vf xk = vset1(x[r * ldx + k]);
             for (int j = 0; j < nv; j++) acc[r][j] = vadd(acc[r][j], vmul(xk, w[j]));
         }
     }
     for (int r = 0; r < n; r++)
-        for (int j = 0; j < nv; j++) vstorem(m[j], u + r * ldu + c0 + j * VEC, acc[r][j]);
+        for (int j = 0; j < nv; j++) vstorem(vmask_n(cols - c0 - j * VEC), u + r * ldu + c0 + j * VEC, acc[r][j]);
 }
 
 /* CALL with NAME a constant: value, 1 to 4 (4 for more), so that the loops it runs unroll. */
@@ -79,6 +87,12 @@ static inline __attribute__((always_inline)) void down_rows(const float *x, long
         } \
     } while (0)
 
+/* CALL with NAME 1 where fields f hold bf16 matrices, else 0 (fp32), a constant as above. */
+#define WITH_BF16(f, NAME, CALL) do { \
+        if ((f)[L_FMT] == F_BF16) { enum { NAME = 1 }; CALL; } \
+        else { enum { NAME = 0 }; CALL; } \
+    } while (0)
+
 /* The first rows from b (up to 4) that run with the same adapter fields f; 0 where b has none. */
 static int same_adapter(const step_t *s, long b, long layer, int group, const int64_t **f) {
     *f = lora_fields(s, b, layer, group);
@@ -88,35 +102,54 @@ static int same_adapter(const step_t *s, long b, long layer, int group, const in
     return n;
 }
 
-/* The first half of every row's LoRA delta, done by each thread for every row into its own
- * scratch (as the rows a matmul quantizes: it costs less than a barrier): lora[b] = x[b] A^T, each
- * row's the same whatever the other rows. Rows of one adapter come together (the runner packs them
- * so): A^T is read once per 4 of them. */
+/* The first half of every row's LoRA delta, shared out among the threads: lora[b] = x[b] A^T, into
+ * one thread's scratch that they all read (published once a pass), an item per run of rows of one
+ * adapter (up to 4: the runner packs an adapter's rows together, and A^T is read once for them) and
+ * block of DOWN_VECS vectors of its columns; the items' end is a barrier, which the up half needs.
+ * Each value is summed by the same code in the same order whichever thread takes its item and
+ * however the rows fall into runs: a row's is the same alone, in any pass, on any threads. (Every
+ * thread doing every row into its own scratch costs no barrier but does it all twice on 2 threads:
+ * at 16 rows over 4 bf16 adapters its best pass was 0.73x the base's, this one's 0.78x, on a loaded
+ * machine: docs/benchmarks.md.) */
+#define DOWN_VECS 2
 static void lora_down(const step_t *s, scratch_t *t, long layer, int group, const float *x, long ldx, long K) {
+    long runs = 0;
     for (long b = 0; b < s->B;) {
         const int64_t *f;
         const int n = same_adapter(s, b, layer, group, &f);
-        if (!n) {
-            b++;
-            continue;
-        }
-        const long cols = f[L_COLS], ldu = s->lora_cols;
-        const float *at = (const float *)(intptr_t)f[L_AT], *xb = x + b * ldx;
-        float *u = t->lora + b * ldu;
-        for (long c0 = 0; c0 < cols; c0 += 4 * VEC) {
-            const long left = (cols - c0 + VEC - 1) / VEC, nv = left < 4 ? left : 4;
-            WITH_1_TO_4(n, ROWS, WITH_1_TO_4(nv, VECS, down_rows(xb, ldx, K, at, cols, c0, u, ldu, ROWS, VECS)));
-        }
-        b += n;
+        if (n) t->runs[runs++] = b;
+        b += n ? n : 1;
+    }
+    if (!runs) return; /* every thread sees the same: none reaches the barrier */
+    if (!t->lora_shared) {
+        float *shared;
+#pragma omp single copyprivate(shared)
+        shared = t->lora;
+        t->lora_shared = shared;
+    }
+    const long ldu = s->lora_cols, blocks = (ldu + DOWN_VECS * VEC - 1) / (DOWN_VECS * VEC);
+#pragma omp for schedule(static)
+    for (long item = 0; item < runs * blocks; item++) {
+        const long b = t->runs[item / blocks], c0 = item % blocks * DOWN_VECS * VEC;
+        const int64_t *f;
+        const int n = same_adapter(s, b, layer, group, &f);
+        const long cols = f[L_COLS], lda = (cols + 15) & ~15L, left = (cols - c0 + VEC - 1) / VEC;
+        if (c0 >= cols) continue;
+        const void *at = (const void *)(intptr_t)f[L_AT];
+        const float *xb = x + b * ldx;
+        float *u = t->lora_shared + b * ldu;
+        WITH_BF16(f, BF, WITH_1_TO_4(n, ROWS, WITH_1_TO_4(left < DOWN_VECS ? left : DOWN_VECS, VECS,
+                                                          down_rows(xb, ldx, K, at, lda, cols, c0, u, ldu, ROWS, VECS, BF))));
     }
 }
+#undef DOWN_VECS
 
 /* y[r] += u[r] B^T for n rows (1 to 4) that share an adapter, one module's part of a panel: its
  * columns [lo, hi) of the panel's [c0, c0 + 32), B^T's panel bp [rank, 32]; one rank term after
  * another, in registers, each panel row read once for them all. */
-static inline __attribute__((always_inline)) void up_rows(const float *u, long ldu, const float *bp, long rank,
+static inline __attribute__((always_inline)) void up_rows(const float *u, long ldu, const void *bp, long rank,
                                                           float *y, long ldy, long c0, long lo, long hi,
-                                                          const int n) {
+                                                          const int n, const int bf16) {
     vmask m[NV];
     vf acc[4][NV];
     for (int v = 0; v < NV; v++) m[v] = vmask_n(hi - c0 - v * VEC) & ~vmask_n(lo - c0 - v * VEC);
@@ -124,7 +157,7 @@ static inline __attribute__((always_inline)) void up_rows(const float *u, long l
         for (int v = 0; v < NV; v++) acc[r][v] = vloadm(m[v], y + r * ldy + c0 + v * VEC);
     for (long k = 0; k < rank; k++) {
         vf w[NV];
-        for (int v = 0; v < NV; v++) w[v] = vload(bp + k * PANEL + v * VEC);
+        for (int v = 0; v < NV; v++) w[v] = lora_load(bp, k * PANEL + v * VEC, bf16);
         for (int r = 0; r < n; r++) {
             const vf uk = vset1(u[r * ldu + k]);
             for (int v = 0; v < NV; v++) acc[r][v] = vadd(acc[r][v], vmul(uk, w[v]));
@@ -152,14 +185,16 @@ static void lora_up(const step_t *s, const scratch_t *t, long layer, int group, 
             const int64_t *part = f + L_B0 + 3 * m; /* B, BEGIN, END */
             const long begin = part[1], lo = c0 > begin ? c0 : begin, hi = c1 < part[2] ? c1 : part[2];
             if (!part[0] || lo >= hi) continue;
-            const float *bp = (const float *)(intptr_t)part[0] + (p - begin / PANEL) * rank * PANEL;
-            const float *u = t->lora + b * ldu + m * rank;
-            WITH_1_TO_4(n, ROWS, up_rows(u, ldu, bp, rank, yb, ldy, c0, lo, hi, ROWS));
+            const long offset = (p - begin / PANEL) * rank * PANEL;
+            const float *u = t->lora_shared + b * ldu + m * rank;
+            WITH_BF16(f, BF, WITH_1_TO_4(n, ROWS, up_rows(u, ldu, (const char *)(intptr_t)part[0] + offset * (BF ? 2 : 4),
+                                                          rank, yb, ldy, c0, lo, hi, ROWS, BF)));
         }
         b += n;
     }
 }
 #undef WITH_1_TO_4
+#undef WITH_BF16
 
 /* gemm inside the step's parallel region, called by every thread with the same arguments: each
  * prepares the rows in its scratch, then the threads share out the panels and meet at the end. A

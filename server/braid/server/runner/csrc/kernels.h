@@ -108,17 +108,20 @@ enum { A_SILU, A_GELU_TANH, A_ACTIVATIONS };
 static const char *const ACTIVATION_NAMES[A_ACTIVATIONS] = {[A_SILU] = "silu", [A_GELU_TANH] = "gelu_pytorch_tanh"};
 
 /* LoRA adapters in a decode step (runner/lora.py): each adapter's table holds, per layer and per
- * fused projection group (L_QKV, L_O, L_GATE_UP, L_DOWN), a row of these fields: AT, its A^T [in, COLS]
- * (every targeted module's A^T side by side, RANK columns each; 0: the group is not targeted), and
- * per targeted module, in AT's order, its B^T times the scale, added into the group's output columns
- * [BEGIN, END), in 32-column panels as the matmul's (panel p: the group's columns [32p, 32p + 32),
- * zero outside the module's): [panels from BEGIN / 32 to (END - 1) / 32, RANK, 32], each panel's
- * part one contiguous read. Exported as LORA_FIELDS. */
+ * fused projection group (L_QKV, L_O, L_GATE_UP, L_DOWN), a row of these fields: AT, its A^T [in, COLS],
+ * its rows COLS rounded up to 16 apart (zeros past COLS: whole vector loads) (every targeted module's
+ * A^T side by side, RANK columns each; 0: the group is not targeted), and per targeted module, in
+ * AT's order, its B^T times the scale, added into the group's output columns [BEGIN, END), in
+ * 32-column panels as the matmul's (panel p: the group's columns [32p, 32p + 32), zero outside the
+ * module's): [panels from BEGIN / 32 to (END - 1) / 32, RANK, 32], each panel's part one contiguous
+ * read. FMT: the matrices' format, F_F32 or F_BF16 (where every value is a bf16 one: half the bytes,
+ * which are most of what the deltas cost; docs/benchmarks.md). Exported as LORA_FIELDS. */
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN, L_GROUPS };
-enum { L_AT, L_COLS, L_RANK, L_B0, L_BEGIN0, L_END0, L_B1, L_BEGIN1, L_END1, L_B2, L_BEGIN2, L_END2, L_FIELDS };
+enum { L_AT, L_COLS, L_RANK, L_B0, L_BEGIN0, L_END0, L_B1, L_BEGIN1, L_END1, L_B2, L_BEGIN2, L_END2, L_FMT, L_FIELDS };
 static const char *const LORA_FIELD_NAMES[L_FIELDS] = {
     [L_AT] = "at", [L_COLS] = "cols", [L_RANK] = "rank", [L_B0] = "b0", [L_BEGIN0] = "begin0", [L_END0] = "end0",
     [L_B1] = "b1", [L_BEGIN1] = "begin1", [L_END1] = "end1", [L_B2] = "b2", [L_BEGIN2] = "begin2", [L_END2] = "end2",
+    [L_FMT] = "fmt",
 };
 
 typedef struct {

@@ -14,7 +14,8 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_format", "qkv_bias", "o", "o_format", 
                 "gate_up_format", "down", "down_format", "k_cache", "v_cache", "q_norm", "k_norm", "attn_out_norm",
                 "mlp_out_norm", "window", "cos", "sin")
 # A LoRA adapter's row per layer and projection group in DecodeStep (csrc/kernels.h; runner/lora.py builds it)
-LORA_FIELDS = ("at", "cols", "rank", "b0", "begin0", "end0", "b1", "begin1", "end1", "b2", "begin2", "end2")
+LORA_FIELDS = ("at", "cols", "rank", "b0", "begin0", "end0", "b1", "begin1", "end1", "b2", "begin2", "end2",
+               "fmt")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gating activations the C kernels run, in their enum's order
 KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim]
 # The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
