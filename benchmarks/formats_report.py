@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,8 +54,11 @@ class Outcome:
     role: str = ""  # DEFAULT, FP32, SAME_FILE or none
 
     def tok_s(self, streams: int) -> float | None:
+        """The figure the table shows: the median of the repeats (median_row's row is the upper of two)."""
         row = self.rows.get(streams)
-        return row.tokens_per_s if row else None
+        if row is None:
+            return None
+        return statistics.median(row.repeats) if row.repeats else row.tokens_per_s
 
 
 @dataclass
@@ -128,13 +132,15 @@ def table(results: FormatResults) -> str:
 
 def targets_table(results: FormatResults) -> str:
     """Issue 26's ratios, each braid default's figure over what it is set against: met, missed, or
-    not measured (its model, stream count or configuration was not in the run, or failed)."""
+    not measured (its model, stream count or configuration was not in the run, or failed), and
+    (disturbed) where a figure it rests on is."""
+    disturbed_above = results.settings.get("disturbed_above", float("inf"))
     lines = ["| model | streams | braid default tok/s | against | their tok/s | ratio | target | met |",
              "|---|---:|---:|---|---:|---:|---:|---|"]
     for target in TARGETS:
         if target.model not in {o.model for o in results.outcomes}:
             continue
-        ours, theirs, against = _target_figures(results, target)
+        ours, theirs, against, rows = _target_figures(results, target)
         ratio = ours / theirs if ours and theirs else None
         if ratio is None:
             shown, met = "-", "not measured"
@@ -143,6 +149,8 @@ def targets_table(results: FormatResults) -> str:
         else:
             passed = ratio > target.at_least if target.strict else ratio >= target.at_least
             shown, met = f"{ratio:.2f}x", "yes" if passed else "**no**"
+        if ratio is not None and any(row.other_cpu > disturbed_above for row in rows):
+            met += " (disturbed)"
         wanted = (f"≥ {target.at_least:.0%}" if target.against == BOUND
                   else f"{'>' if target.strict else '≥'} {target.at_least:g}x")
         lines.append(f"| {target.model} | {target.streams} | {_figure(ours)} | {against} | {_figure(theirs)} "
@@ -150,27 +158,31 @@ def targets_table(results: FormatResults) -> str:
     return "\n".join(lines)
 
 
-def _target_figures(results: FormatResults, target: Target) -> tuple[float | None, float | None, str]:
-    """braid default's tok/s, the figure it is set against, and what that figure is."""
+def _target_figures(results: FormatResults,
+                    target: Target) -> tuple[float | None, float | None, str, list[Row]]:
+    """braid default's tok/s, the figure it is set against, what that figure is, and the rows both
+    came from (the rows of every llama.cpp format, for its fastest)."""
     mine = [o for o in results.outcomes if o.model == target.model]
     default = next((o for o in mine if o.role == DEFAULT), None)
     ours = default.tok_s(target.streams) if default else None
+    rows = [default.rows[target.streams]] if ours else []
     if target.against == BOUND:
         bound = bound_tok_s(results.bandwidth_gbs, default.bytes_per_step) if default else None
-        return ours, bound if bound == bound else None, BOUND
+        return ours, bound if bound == bound else None, BOUND, rows
     if target.against == BEST_LLAMA:
         llama = [o for o in mine if o.system == "llama.cpp"]
         measured = [(o.tok_s(target.streams), o) for o in llama if o.tok_s(target.streams)]
         if not measured:
-            return ours, None, BEST_LLAMA
+            return ours, None, BEST_LLAMA, rows
         best, o = max(measured, key=lambda m: m[0])
         missing = len(llama) - len(measured)  # a fastest of fewer formats is said to be so
-        return ours, best, (f"llama.cpp {o.weights} (its fastest" + (f"; {missing} of its {len(llama)} formats "
-                                                                       "not measured)" if missing else ")"))
+        label = f"llama.cpp {o.weights} (its fastest" + (
+            f"; {missing} of its {len(llama)} formats not measured)" if missing else ")")
+        return ours, best, label, rows + [m.rows[target.streams] for _, m in measured]
     other = next((o for o in mine if o.role == target.against), None)
-    if other is None:
-        return ours, None, target.against
-    return ours, other.tok_s(target.streams), f"{other.system} {other.weights}"
+    if other is None or not other.tok_s(target.streams):
+        return ours, None, other and f"{other.system} {other.weights}" or target.against, rows
+    return ours, other.tok_s(target.streams), f"{other.system} {other.weights}", rows + [other.rows[target.streams]]
 
 
 def _figure(value: float | None) -> str:
