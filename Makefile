@@ -122,8 +122,9 @@ $(BENCH_STAMP): $(STAMP)
 	@$(PIP) install --quiet 'braid-llm-server[bench]'
 	@touch $(BENCH_STAMP)
 
-# Then braid in each weight format beside llama.cpp on the same files (issue 12; about 30 min):
-# e.g. make bench FORMATS_ARGS="--quick". make bench-formats runs that part alone.
+# Then braid in each weight format beside llama.cpp on the same files, SmolLM2-135M and the 1B shape at
+# 1, 16 and 32 streams, with issue 26's ratios (issues 12 and 26; about an hour): e.g. make bench
+# FORMATS_ARGS="--quick", or "--models 1b --streams 1,16". make bench-formats runs that part alone.
 FORMATS_ARGS ?=
 # Then the paged KV cache and prefix sharing (issue 13; about 15 min): e.g. make bench PREFIX_ARGS="--quick".
 # make bench-prefix runs that part alone.

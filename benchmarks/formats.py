@@ -1,11 +1,12 @@
-"""braid's weight-format benchmark (issue 12): braid and llama.cpp's server on the same models in
-fp32, bf16, Q8_0 and Q4_0/Q4_1, side by side in one run, at 1 stream and at 16, beside the bound
-that memory bandwidth sets and the server's resident memory. Appends (or replaces) the section
-"Weight formats (issue 12)" of docs/benchmarks.md.
+"""braid's weight-format benchmark (issues 12 and 26): braid and llama.cpp's server on the same models
+in fp32, bf16, Q8_0 and Q4_0/Q4_1, side by side in one run, at 1 stream, 16 and 32, beside the bound
+that memory bandwidth sets and the server's resident memory, with issue 26's ratios worked out.
+Appends (or replaces) the section "Weight formats (issue 12)" of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/formats.py                # everything, 3 repeats (about 30 min)
+    .venv/bin/python benchmarks/formats.py                # everything, 3 repeats (about 60 min)
     .venv/bin/python benchmarks/formats.py --quick        # fewer tokens, one repeat
     .venv/bin/python benchmarks/formats.py --models smollm --systems llama.cpp --no-docs
+    .venv/bin/python benchmarks/formats.py --models 1b --streams 1,16 --quick --no-docs
 
 Model files are made once into ~/.cache/braid/bench/ (format_models.py); llama.cpp is built once
 into ~/.cache/braid/llama.cpp/ (llamacpp.py). A configuration that fails is reported with its
@@ -35,12 +36,11 @@ import llamacpp
 import machine
 import report
 import workloads
-from formats_report import FormatResults, Outcome, markdown, table
+from formats_report import DEFAULT, FP32, LLAMA_1B, SAME_FILE, SMOLLM, FormatResults, Outcome, markdown, table
 
-SMOLLM, LLAMA_1B = "SmolLM2-135M", "1B (Llama-3.2 shape, random)"
 MODELS = {"smollm": SMOLLM, "1b": LLAMA_1B}
 SYSTEMS = ("braid", "llama.cpp")
-STREAMS = 16
+STREAMS = (1, 16, 32)  # streams at once: 1 is the single-stream workload, more are prompts sent together
 BRAID_FORMAT_FLAGS = ("--dtype", "--quantization")
 
 
@@ -52,23 +52,24 @@ class Config:
     served: str  # key of the file or folder the server loads (see Files)
     counted: str  # key of the file or folder whose tensor bytes a decode step reads
     flags: tuple[str, ...] = ()  # braid's format flags
+    role: str = ""  # what it is to issue 26's ratios (formats_report.TARGETS)
 
 
-FP32 = ("--dtype", "float32", "--quantization", "none")
+FP32_FLAGS = ("--dtype", "float32", "--quantization", "none")
 AUTO = ("--dtype", "auto", "--quantization", "auto")
 Q8_0 = ("--dtype", "auto", "--quantization", "q8_0")
 CONFIGS = (
-    Config(SMOLLM, "braid", "fp32", "smollm.gguf", "smollm.fp32", FP32),
-    Config(SMOLLM, "braid", "Q4_1 + Q8_0 embedding (native)", "smollm.gguf", "smollm.gguf", AUTO),
+    Config(SMOLLM, "braid", "fp32", "smollm.gguf", "smollm.fp32", FP32_FLAGS, FP32),
+    Config(SMOLLM, "braid", "Q4_1 + Q8_0 embedding (native)", "smollm.gguf", "smollm.gguf", AUTO, DEFAULT),
     Config(SMOLLM, "braid", "Q8_0 (quantized at load)", "smollm.fp32", "smollm.Q8_0", Q8_0),
     Config(SMOLLM, "braid", "bf16 (safetensors)", "smollm.bf16", "smollm.bf16", AUTO),
-    Config(SMOLLM, "llama.cpp", "Q4_1 + Q8_0 embedding", "smollm.gguf", "smollm.gguf"),
+    Config(SMOLLM, "llama.cpp", "Q4_1 + Q8_0 embedding", "smollm.gguf", "smollm.gguf", role=SAME_FILE),
     Config(SMOLLM, "llama.cpp", "Q8_0", "smollm.Q8_0", "smollm.Q8_0"),
     Config(SMOLLM, "llama.cpp", "BF16", "smollm.BF16", "smollm.BF16"),
-    Config(LLAMA_1B, "braid", "Q4_0 + Q8_0 embedding (native)", "1b.Q4_0", "1b.Q4_0", AUTO),
+    Config(LLAMA_1B, "braid", "Q4_0 + Q8_0 embedding (native)", "1b.Q4_0", "1b.Q4_0", AUTO, DEFAULT),
     Config(LLAMA_1B, "braid", "Q8_0 (native)", "1b.Q8_0", "1b.Q8_0", AUTO),
     Config(LLAMA_1B, "braid", "bf16 (safetensors)", "1b.bf16", "1b.bf16", AUTO),
-    Config(LLAMA_1B, "llama.cpp", "Q4_0 + Q8_0 embedding", "1b.Q4_0", "1b.Q4_0"),
+    Config(LLAMA_1B, "llama.cpp", "Q4_0 + Q8_0 embedding", "1b.Q4_0", "1b.Q4_0", role=SAME_FILE),
     Config(LLAMA_1B, "llama.cpp", "Q8_0", "1b.Q8_0", "1b.Q8_0"),
     Config(LLAMA_1B, "llama.cpp", "BF16", "1b.BF16", "1b.BF16"),
 )
@@ -77,6 +78,9 @@ CONFIGS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 and 16 new tokens instead of 128 and 64, one run each")
+    parser.add_argument("--streams", default=",".join(map(str, STREAMS)),
+                        help="stream counts to measure, comma-separated (1: one ~40-token prompt; N: N prompts "
+                             "of 30-60 tokens at once); issue 26's ratios need 1,16,32")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is quoted")
     parser.add_argument("--models", default=",".join(MODELS), help=f"of: {', '.join(MODELS)}")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"of: {', '.join(SYSTEMS)}")
@@ -148,62 +152,75 @@ def find_or_build_llama_cpp() -> llamacpp.LlamaCpp | Exception:
 
 # ---------------------------------------------------------------- one configuration
 
-def build_workloads(tokenizer, *, quick: bool, repeats: int) -> tuple[workloads.Workload, workloads.Workload]:
-    """bench.py's single and targets prompts (the same seed draws them in the same order), with this
-    benchmark's token counts."""
+def build_workloads(tokenizer, streams: list[int], *, quick: bool, repeats: int) -> dict[int, workloads.Workload]:
+    """A workload for each stream count: at 1, bench.py's single prompt; at N, N prompts drawn after
+    it (the same seed draws them in the same order, so that the first 16 are bench.py's targets
+    prompts and every N's prompts start with those of a smaller N), with this benchmark's token counts."""
     maker = workloads.PromptMaker(tokenizer)
-    single_new, multi_new = (32, 16) if quick else (128, 64)
-    single = workloads.Workload("1-stream", f"1 stream, {single_new} new tokens",
-                                [replace(maker.prompt(40), max_new_tokens=single_new)], 1, repeats=repeats)
-    multi = workloads.Workload(f"{STREAMS}-streams", f"{STREAMS} at once, {multi_new} new tokens each",
-                               [replace(r, max_new_tokens=multi_new) for r in maker.batch(STREAMS, 30, 60)],
-                               STREAMS, repeats=repeats)
-    return single, multi
+    single_new, multi_new = new_tokens(quick)
+    single = replace(maker.prompt(40), max_new_tokens=single_new)
+    prompts = [replace(r, max_new_tokens=multi_new) for r in maker.batch(max(streams), 30, 60)]
+    return {n: workloads.Workload("1-stream", f"1 stream, {single_new} new tokens", [single], 1, repeats=repeats)
+            if n == 1 else workloads.Workload(f"{n}-streams", f"{n} at once, {multi_new} new tokens each",
+                                              prompts[:n], n, repeats=repeats)
+            for n in streams}
 
 
-async def measure_server(name: str, outcome: Outcome, send, pid: int, single: workloads.Workload,
-                         multi: workloads.Workload) -> None:
-    """Warms the server up with 16 short requests, notes its RSS, then measures both workloads."""
-    await braid_server.warm_up(send, [replace(r, max_new_tokens=8) for r in multi.requests])
+def new_tokens(quick: bool) -> tuple[int, int]:
+    """New tokens per request at 1 stream and at more."""
+    return (32, 16) if quick else (128, 64)
+
+
+async def measure_server(name: str, outcome: Outcome, send, pid: int, measured: dict[int, workloads.Workload]) -> None:
+    """Warms the server up with as many short requests as the most streams at once, notes its RSS,
+    then measures each workload, fewest streams first."""
+    await braid_server.warm_up(send, warm_up_requests(measured))
     outcome.rss_mib = machine.rss_mib(pid)
-    for workload in (single, multi):
-        row = await bench.measure(name, workload, lambda w=workload: drive.run(w, send), [pid], budget_s=math.inf)
-        if workload is single:
-            outcome.single = row
-        else:
-            outcome.multi = row
+    for streams, workload in sorted(measured.items()):
+        outcome.rows[streams] = await bench.measure(name, workload, lambda w=workload: drive.run(w, send), [pid],
+                                                    budget_s=math.inf)
 
 
-async def run_braid(config: Config, outcome: Outcome, served: Path, args, single, multi) -> None:
+def warm_up_requests(measured: dict[int, workloads.Workload]) -> list[workloads.Request]:
+    return [replace(r, max_new_tokens=8) for r in measured[max(measured)].requests]
+
+
+def braid_max_batch_size(measured: dict[int, workloads.Workload]) -> int:
+    return max(bench.MAX_BATCH_SIZE, *measured)
+
+
+async def run_braid(config: Config, outcome: Outcome, served: Path, args, measured) -> None:
     log_path = Path(tempfile.gettempdir()) / f"braid-formats-{_slug(config)}.log"
     try:
-        async with braid_server.running("continuous", threads=args.threads, max_batch_size=bench.MAX_BATCH_SIZE,
-                                        log_path=log_path, extra_args=["--model", str(served), *config.flags],
+        async with braid_server.running("continuous", threads=args.threads,
+                                        max_batch_size=braid_max_batch_size(measured), log_path=log_path,
+                                        extra_args=["--model", str(served), *config.flags],
                                         start_timeout=900) as (client, pid):
-            await measure_server(_name(config), outcome, braid_server.sender(client), pid, single, multi)
+            await measure_server(_name(config), outcome, braid_server.sender(client), pid, measured)
     except Exception as exc:
         raise _with_log(exc, log_path) from exc
 
 
 async def run_llama_cpp(config: Config, outcome: Outcome, served: Path, llama: llamacpp.LlamaCpp, args,
-                        single, multi) -> None:
+                        measured) -> None:
     import httpx
 
-    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in single.requests + multi.requests)
+    parallel = max(measured)  # a slot for every stream of the most at once
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for w in measured.values() for r in w.requests)
     log_path = Path(tempfile.gettempdir()) / f"braid-formats-{_slug(config)}.log"
     try:
-        with llamacpp.running_server(llama, served, braid_server.free_port(), parallel=STREAMS,
-                                     context=llamacpp.context_size(STREAMS, longest), threads=args.threads,
+        with llamacpp.running_server(llama, served, braid_server.free_port(), parallel=parallel,
+                                     context=llamacpp.context_size(parallel, longest), threads=args.threads,
                                      log_path=log_path) as (url, pid):
-            async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=64)) as http:
-                await measure_server(_name(config), outcome, llamacpp.sender(http, url), pid, single, multi)
+            async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=2 * parallel)) as http:
+                await measure_server(_name(config), outcome, llamacpp.sender(http, url), pid, measured)
     except Exception as exc:
         raise _with_log(exc, log_path) from exc
 
 
-async def run_config(config: Config, files: Files, llama, has_flags: bool, args, single, multi) -> Outcome:
+async def run_config(config: Config, files: Files, llama, has_flags: bool, args, measured) -> Outcome:
     flags = config.flags if has_flags or config.system != "braid" else ()
-    outcome = Outcome(config.model, config.system, config.weights, command=_command(config, flags))
+    outcome = Outcome(config.model, config.system, config.weights, command=_command(config, flags), role=config.role)
     bench.log(f"{_name(config)}: starting")
     try:
         outcome.bytes_per_step = format_models.weight_bytes(files[config.counted])
@@ -212,12 +229,12 @@ async def run_config(config: Config, files: Files, llama, has_flags: bool, args,
             outcome.command = f"--model {served.name} {outcome.command}"
             if config.flags and not has_flags and config.weights != "fp32":
                 raise RuntimeError(f"this braid has no {' or '.join(BRAID_FORMAT_FLAGS)} flag yet")
-            await run_braid(config, outcome, served, args, single, multi)
+            await run_braid(config, outcome, served, args, measured)
         else:
             outcome.command = f"-m {served.name}"
             if isinstance(llama, Exception):
                 raise llama
-            await run_llama_cpp(config, outcome, served, llama, args, single, multi)
+            await run_llama_cpp(config, outcome, served, llama, args, measured)
     except Exception as exc:  # noqa: BLE001 - one failed configuration is a row, not the end of the run
         outcome.error = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         bench.log(f"{_name(config)}: FAILED: {outcome.error}")
@@ -256,6 +273,16 @@ def braid_has_format_flags() -> bool:
     return all(flag in help_text for flag in BRAID_FORMAT_FLAGS)
 
 
+def _stream_counts(value: str) -> list[int]:
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        sys.exit(f"--streams takes stream counts of 1 or more, comma-separated, not {value!r}")
+    return counts
+
+
 def _chosen(value: str, known, what: str) -> list[str]:
     chosen = [v.strip() for v in value.split(",") if v.strip()]
     if unknown := set(chosen) - set(known):
@@ -269,6 +296,7 @@ async def run_all(args, command: str) -> FormatResults:
 
     models = {MODELS[m] for m in _chosen(args.models, MODELS, "models")}
     systems = set(_chosen(args.systems, SYSTEMS, "systems"))
+    streams = sorted(set(_stream_counts(args.streams)))
     configs = [c for c in CONFIGS if c.model in models and c.system in systems]
     repeats = 1 if args.quick else args.repeats
     has_flags = braid_has_format_flags()
@@ -276,14 +304,15 @@ async def run_all(args, command: str) -> FormatResults:
     llama = find_or_build_llama_cpp()
     files = make_files(models, llama)
     tokenizer = AutoTokenizer.from_pretrained(files["smollm.fp32"], local_files_only=True)
-    single, multi = build_workloads(tokenizer, quick=args.quick, repeats=repeats)
+    measured = build_workloads(tokenizer, streams, quick=args.quick, repeats=repeats)
+    single_new, multi_new = new_tokens(args.quick)
 
     info = machine.describe(args.threads).as_dict()
     info["vector_isa"] = machine.vector_isa()
     info["llama_cpp"] = getattr(llama, "build_info", f"absent ({llama})")
-    settings = {"single_new_tokens": single.requests[0].max_new_tokens,
-                "multi_new_tokens": multi.requests[0].max_new_tokens, "repeats": repeats, "quick": args.quick,
-                "braid_max_batch_size": bench.MAX_BATCH_SIZE,
+    settings = {"streams": streams, "single_new_tokens": single_new, "multi_new_tokens": multi_new,
+                "repeats": repeats, "quick": args.quick, "braid_max_batch_size": braid_max_batch_size(measured),
+                "llama_parallel": max(streams), "warm_up_requests": len(warm_up_requests(measured)),
                 "seed": format_models.SEED, "disturbed_above": bench.DISTURBED_ABOVE}
     results = FormatResults(info, settings, command)
     if not has_flags:
@@ -296,7 +325,7 @@ async def run_all(args, command: str) -> FormatResults:
     json_path = format_models.BENCH_DIR / f"formats-{time.strftime('%Y%m%d-%H%M%S')}.json"
     bench.log(f"results are saved as they come to {json_path}")
     for config in configs:
-        results.outcomes.append(await run_config(config, files, llama, has_flags, args, single, multi))
+        results.outcomes.append(await run_config(config, files, llama, has_flags, args, measured))
         results.save(json_path)
     # Measured again at the end, when the machine may be quieter: the better of the two is the bound.
     machine.wait_until_quiet([], threshold=bench.DISTURBED_ABOVE, max_wait_s=bench.QUIET_WAIT_S)
@@ -307,10 +336,19 @@ async def run_all(args, command: str) -> FormatResults:
     return results
 
 
+def load(path: Path) -> FormatResults:
+    """A run's saved results; one saved before configurations had roles gets them from CONFIGS."""
+    results = FormatResults.load(path)
+    roles = {(c.model, c.system, c.weights): c.role for c in CONFIGS}
+    for outcome in results.outcomes:
+        outcome.role = outcome.role or roles.get((outcome.model, outcome.system, outcome.weights), "")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = ".venv/bin/python benchmarks/formats.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results = FormatResults.load(args.report_from) if args.report_from else asyncio.run(run_all(args, command.strip()))
+    results = load(args.report_from) if args.report_from else asyncio.run(run_all(args, command.strip()))
     print("\n" + table(results) + "\n")
     if not args.no_docs:
         old = args.output.read_text() if args.output.is_file() else ""
