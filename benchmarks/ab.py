@@ -50,11 +50,13 @@ def checkout(commit: str) -> Path:
     folder = CACHE / f"ab-{commit}"
     if not (folder / "server").exists():
         folder.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(machine.REPO), "archive", commit], check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(machine.REPO), "archive", commit], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=folder, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "setup.py", "build_ext", "--inplace"], cwd=folder, check=True, capture_output=True
+        )
     return folder
 
 
@@ -68,10 +70,12 @@ class Run:
 async def run_once(target: str, requests: list[workloads.Request]) -> Run:
     """All requests sent at once."""
     async with AsyncClient(target) as client:
+
         async def one(request: workloads.Request) -> tuple[float, float, int]:
             sent, first, last, count = time.perf_counter(), 0.0, 0.0, 0
-            async for message in client.stream(request.prompt, max_new_tokens=request.max_new_tokens,
-                                               ignore_eos=True, cache_salt=uuid.uuid4().hex):
+            async for message in client.stream(
+                request.prompt, max_new_tokens=request.max_new_tokens, ignore_eos=True, cache_salt=uuid.uuid4().hex
+            ):
                 if message.token_ids:
                     last = time.perf_counter() - sent
                     first = first or last
@@ -81,9 +85,11 @@ async def run_once(target: str, requests: list[workloads.Request]) -> Run:
         start = time.perf_counter()
         results = await asyncio.gather(*(one(r) for r in requests))
         elapsed = time.perf_counter() - start
-        return Run(output_tps=sum(n for _, _, n in results) / elapsed,
-                   decode_tps=sum((n - 1) / (last - first) for first, last, n in results),
-                   ttft=statistics.median(first for first, _, _ in results))
+        return Run(
+            output_tps=sum(n for _, _, n in results) / elapsed,
+            decode_tps=sum((n - 1) / (last - first) for first, last, n in results),
+            ttft=statistics.median(first for first, _, _ in results),
+        )
 
 
 def model_folder(name: str) -> Path | None:
@@ -98,12 +104,17 @@ def model_folder(name: str) -> Path | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, help="the earlier commit")
-    parser.add_argument("--starts", type=int, default=4, help="server starts per side and model (two timed runs "
-                                                              "per stream count each)")
+    parser.add_argument(
+        "--starts", type=int, default=4, help="server starts per side and model (two timed runs per stream count each)"
+    )
     parser.add_argument("--mode", default="continuous")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--model", nargs="+", default=["embedded"],
-                        help=f"embedded, {', '.join(format_models.SMALL_MODELS)} or a folder")
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=["embedded"],
+        help=f"embedded, {', '.join(format_models.SMALL_MODELS)} or a folder",
+    )
     parser.add_argument("--streams", nargs="+", type=int, default=[16], help="requests at once, at most 16")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve(None, default_cache_dir())[1])
@@ -116,31 +127,61 @@ def main() -> int:
         runs: dict[tuple[str, int], list[Run]] = {(side, n): [] for side in sides for n in args.streams}
         for _ in range(args.starts):
             for side, env in sides.items():
-                server = BraidProcess([*flags, "--mode", args.mode, "--max-batch-size", "32", "--threads",
-                                       str(args.threads), "--log-level", "warning"], env=env)
+                server = BraidProcess(
+                    [
+                        *flags,
+                        "--mode",
+                        args.mode,
+                        "--max-batch-size",
+                        "32",
+                        "--threads",
+                        str(args.threads),
+                        "--log-level",
+                        "warning",
+                    ],
+                    env=env,
+                )
                 try:
-                    asyncio.run(run_once(server.target, requests[:max(args.streams)]))  # warm-up
+                    asyncio.run(run_once(server.target, requests[: max(args.streams)]))  # warm-up
                     for n in args.streams:
                         for _ in range(2):
                             runs[side, n].append(asyncio.run(run_once(server.target, requests[:n])))
-                        print(model, side, f"{n} at once:", " ".join(
-                            f"{r.output_tps:.1f} tok/s ({r.decode_tps:.1f} decoding), TTFT p50 {r.ttft:.3f} s;"
-                            for r in runs[side, n][-2:]), flush=True)
+                        print(
+                            model,
+                            side,
+                            f"{n} at once:",
+                            " ".join(
+                                f"{r.output_tps:.1f} tok/s ({r.decode_tps:.1f} decoding), TTFT p50 {r.ttft:.3f} s;"
+                                for r in runs[side, n][-2:]
+                            ),
+                            flush=True,
+                        )
                 finally:
                     server.stop()
         for n in args.streams:
-            median = {side: Run(*(statistics.median(getattr(r, f) for r in runs[side, n])
-                                  for f in ("output_tps", "decode_tps", "ttft"))) for side in sides}
+            median = {
+                side: Run(
+                    *(
+                        statistics.median(getattr(r, f) for r in runs[side, n])
+                        for f in ("output_tps", "decode_tps", "ttft")
+                    )
+                )
+                for side in sides
+            }
             table.append((model, n, median["before"], median["after"]))
     count = 2 * args.starts
     print(f"\nbefore: {args.before}, after: this tree; medians of {count} runs each")
-    print("| model | streams | output tok/s before | after | after / before | decode tok/s before | after | "
-          "after / before | TTFT p50 before | after |")
+    print(
+        "| model | streams | output tok/s before | after | after / before | decode tok/s before | after | "
+        "after / before | TTFT p50 before | after |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model, n, before, after in table:
-        print(f"| {model} | {n} | {before.output_tps:.1f} | {after.output_tps:.1f} | "
-              f"{after.output_tps / before.output_tps:.3f} | {before.decode_tps:.1f} | {after.decode_tps:.1f} | "
-              f"{after.decode_tps / before.decode_tps:.3f} | {before.ttft:.3f} s | {after.ttft:.3f} s |")
+        print(
+            f"| {model} | {n} | {before.output_tps:.1f} | {after.output_tps:.1f} | "
+            f"{after.output_tps / before.output_tps:.3f} | {before.decode_tps:.1f} | {after.decode_tps:.1f} | "
+            f"{after.decode_tps / before.decode_tps:.3f} | {before.ttft:.3f} s | {after.ttft:.3f} s |"
+        )
     return 0
 
 

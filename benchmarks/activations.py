@@ -41,15 +41,33 @@ def main() -> int:
     runs: dict[tuple[str, int], list[Run]] = {(side, n): [] for side in sides for n in args.streams}
     for _ in range(args.starts):
         for side, flags in sides.items():
-            server = BraidProcess([*args.flags.split(), *flags.split(), "--mode", "continuous", "--max-batch-size",
-                                   str(max(32, *args.streams)), "--threads", str(args.threads), "--log-level", "warning"])
+            server = BraidProcess(
+                [
+                    *args.flags.split(),
+                    *flags.split(),
+                    "--mode",
+                    "continuous",
+                    "--max-batch-size",
+                    str(max(32, *args.streams)),
+                    "--threads",
+                    str(args.threads),
+                    "--log-level",
+                    "warning",
+                ]
+            )
             try:
-                asyncio.run(run_once(server.target, requests[:max(args.streams)]))  # warm-up
+                asyncio.run(run_once(server.target, requests[: max(args.streams)]))  # warm-up
                 for n in args.streams:
                     for _ in range(2):
                         runs[side, n].append(asyncio.run(run_once(server.target, requests[:n])))
-                    print(side, f"{n} at once:", " ".join(f"{r.output_tps:.1f} tok/s ({r.decode_tps:.1f} decoding);"
-                                                          for r in runs[side, n][-2:]), flush=True)
+                    print(
+                        side,
+                        f"{n} at once:",
+                        " ".join(
+                            f"{r.output_tps:.1f} tok/s ({r.decode_tps:.1f} decoding);" for r in runs[side, n][-2:]
+                        ),
+                        flush=True,
+                    )
             finally:
                 server.stop()
     first = next(iter(sides))
@@ -60,8 +78,9 @@ def main() -> int:
         median = {side: statistics.median(r.output_tps for r in runs[side, n]) for side in sides}
         for side, flags in sides.items():
             decode = statistics.median(r.decode_tps for r in runs[side, n])
-            print(f"| {side} | `{flags}` | {n} | {median[side]:.1f} | {decode:.1f} | "
-                  f"{median[side] / median[first]:.2f} |")
+            print(
+                f"| {side} | `{flags}` | {n} | {median[side]:.1f} | {decode:.1f} | {median[side] / median[first]:.2f} |"
+            )
     return 0
 
 

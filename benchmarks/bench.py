@@ -46,24 +46,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8 requests instead of 16, a short sweep, no repeats")
     parser.add_argument("--modes", default=",".join(report.MODES), help="braid modes to run, comma-separated")
-    parser.add_argument("--workloads", default=",".join(WORKLOAD_GROUPS),
-                        help=f"workloads to run, comma-separated, of: {', '.join(WORKLOAD_GROUPS)}")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOAD_GROUPS),
+        help=f"workloads to run, comma-separated, of: {', '.join(WORKLOAD_GROUPS)}",
+    )
     parser.add_argument("--skip-peers", action="store_true", help="no HF transformers and no llama.cpp")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp")
-    parser.add_argument("--build-llama-cpp", action="store_true",
-                        help="rebuild llama.cpp even if a build is found (it is built anyway when absent)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="CPU threads for every system (default: one per core)")
+    parser.add_argument(
+        "--build-llama-cpp",
+        action="store_true",
+        help="rebuild llama.cpp even if a build is found (it is built anyway when absent)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every system (default: one per core)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of the single and targets workloads")
-    parser.add_argument("--sweep-level-budget", type=float, default=120.0, metavar="SECONDS",
-                        help="skip a sweep level estimated to take longer (0: run every level)")
+    parser.add_argument(
+        "--sweep-level-budget",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="skip a sweep level estimated to take longer (0: run every level)",
+    )
     parser.add_argument("--poisson-rate", type=float, default=2.0, help="Poisson arrivals per second")
     parser.add_argument("--output", type=Path, default=DOCS / "benchmarks.md", help="the markdown page to write")
     parser.add_argument("--no-docs", action="store_true", help="print the tables only")
-    parser.add_argument("--resume", type=Path, metavar="JSON",
-                        help="carry on an interrupted run: keep its saved rows, run the rest, save to it")
-    parser.add_argument("--report-from", type=Path, nargs="+", metavar="JSON",
-                        help="write the report from saved results (later files replace earlier rows)")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="JSON",
+        help="carry on an interrupted run: keep its saved rows, run the rest, save to it",
+    )
+    parser.add_argument(
+        "--report-from",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="write the report from saved results (later files replace earlier rows)",
+    )
     return parser.parse_args(argv)
 
 
@@ -73,8 +94,10 @@ def log(message: str) -> None:
 
 # ---------------------------------------------------------------- one measurement
 
-async def measure(system: str, workload: workloads.Workload, run_once: RunOnce, pids: list[int],
-                  budget_s: float = REPEAT_BUDGET_S) -> Row:
+
+async def measure(
+    system: str, workload: workloads.Workload, run_once: RunOnce, pids: list[int], budget_s: float = REPEAT_BUDGET_S
+) -> Row:
     """Runs the workload up to `repeats` times while the repeats take under `budget_s`, and again
     when other processes disturbed a run; the median of the undisturbed runs, or of all of them if
     none was."""
@@ -93,12 +116,15 @@ async def measure(system: str, workload: workloads.Workload, run_once: RunOnce, 
         drive.check_counts(system, workload.requests, timings)
         row = summarize(system, workload, timings, wall_s, prompt_tokens, other_cpu)
         (disturbed if other_cpu > DISTURBED_ABOVE else clean).append(row)
-        log(f"  {system:32s} {workload.name:10s} {row.tokens_per_s:8.1f} tok/s  TTFT p50 {row.ttft_p50_ms:8.0f} ms"
-            f"  other CPU {other_cpu:.2f}{'  (disturbed)' if other_cpu > DISTURBED_ABOVE else ''}")
+        log(
+            f"  {system:32s} {workload.name:10s} {row.tokens_per_s:8.1f} tok/s  TTFT p50 {row.ttft_p50_ms:8.0f} ms"
+            f"  other CPU {other_cpu:.2f}{'  (disturbed)' if other_cpu > DISTURBED_ABOVE else ''}"
+        )
     return median_row(clean or disturbed)
 
 
 # ---------------------------------------------------------------- systems
+
 
 def reused(system: str, workload: workloads.Workload, results: Results) -> Row | None:
     """The row of an identical workload already measured for this system, under this workload's name."""
@@ -115,15 +141,18 @@ def too_long(system: str, workload: workloads.Workload, args, results: Results) 
     estimate_s = sum(r.max_new_tokens for r in workload.requests) / best
     if estimate_s <= args.sweep_level_budget:
         return False
-    note = (f"{system}: {workload.name} not run (estimated {estimate_s:.0f} s at {best:.1f} tok/s, over "
-            f"--sweep-level-budget {args.sweep_level_budget:g} s).")
+    note = (
+        f"{system}: {workload.name} not run (estimated {estimate_s:.0f} s at {best:.1f} tok/s, over "
+        f"--sweep-level-budget {args.sweep_level_budget:g} s)."
+    )
     log("  " + note)
     results.notes.append(note)
     return True
 
 
-async def run_workloads(system: str, selected: list[workloads.Workload], send, pids: list[int], args,
-                        results: Results, save) -> None:
+async def run_workloads(
+    system: str, selected: list[workloads.Workload], send, pids: list[int], args, results: Results, save
+) -> None:
     """Every selected workload against one running server, through `send`."""
     for workload in selected:
         if results.find(system, workload.name):  # kept from the run being resumed
@@ -135,8 +164,9 @@ async def run_workloads(system: str, selected: list[workloads.Workload], send, p
         save()
 
 
-async def bench_braid(mode: str, selected: list[workloads.Workload], warm: list[workloads.Request],
-                      args, results: Results, save) -> None:
+async def bench_braid(
+    mode: str, selected: list[workloads.Workload], warm: list[workloads.Request], args, results: Results, save
+) -> None:
     system = report.braid(mode)
     if all(results.find(system, w.name) for w in selected):  # all kept from the run being resumed
         return
@@ -145,8 +175,10 @@ async def bench_braid(mode: str, selected: list[workloads.Workload], warm: list[
     if commit != results.machine["braid_commit"]:  # others are editing the server meanwhile
         results.notes.append(f"{system} ran braid {commit} (the run started at {results.machine['braid_commit']}).")
     log_path = Path(tempfile.gettempdir()) / f"braid-bench-{mode}.log"
-    async with braid_server.running(mode, threads=args.threads, max_batch_size=MAX_BATCH_SIZE,
-                                    log_path=log_path) as (client, pid):
+    async with braid_server.running(mode, threads=args.threads, max_batch_size=MAX_BATCH_SIZE, log_path=log_path) as (
+        client,
+        pid,
+    ):
         send = braid_server.sender(client)
         await braid_server.warm_up(send, warm)
         await run_workloads(system, selected, send, [pid], args, results, save)
@@ -155,20 +187,26 @@ async def bench_braid(mode: str, selected: list[workloads.Workload], warm: list[
 async def bench_hf(model_path: str, selected: list[workloads.Workload], args, results: Results, save) -> None:
     log("HF transformers peers: loading the model in-process")
     hf = peers.load(model_path, args.threads)
-    for peer, system in ((peers.SEQUENTIAL, report.HF_SEQUENTIAL), (peers.STATIC, report.HF_STATIC),
-                         (peers.CONTINUOUS, report.HF_CONTINUOUS)):
+    for peer, system in (
+        (peers.SEQUENTIAL, report.HF_SEQUENTIAL),
+        (peers.STATIC, report.HF_STATIC),
+        (peers.CONTINUOUS, report.HF_CONTINUOUS),
+    ):
         for workload in (w for w in selected if w.name in PEER_WORKLOADS):
             if results.find(system, workload.name):  # kept from the run being resumed
                 continue
             peers.warm_up(peer, hf, workload.requests)
+
             async def run_once(w=workload, p=peer):
                 return peers.run(p, hf, w.requests)
+
             results.add(await measure(system, workload, run_once, []))
             save()
 
 
-async def bench_llama_cpp(selected: list[workloads.Workload], warm: list[workloads.Request],
-                          args, results: Results, save) -> None:
+async def bench_llama_cpp(
+    selected: list[workloads.Workload], warm: list[workloads.Request], args, results: Results, save
+) -> None:
     llama = prepare_llama_cpp(args, results)
     if llama is None:
         return
@@ -181,8 +219,15 @@ async def bench_llama_cpp(selected: list[workloads.Workload], warm: list[workloa
     context = llamacpp.context_size(LLAMA_PARALLEL, longest)
     log(f"{report.LLAMA_CPP}: --parallel {LLAMA_PARALLEL} -c {context}, {gguf.name}")
     log_path = Path(tempfile.gettempdir()) / "braid-bench-llama-server.log"
-    with llamacpp.running_server(llama, gguf, braid_server.free_port(), parallel=LLAMA_PARALLEL,
-                                 context=context, threads=args.threads, log_path=log_path) as (url, pid):
+    with llamacpp.running_server(
+        llama,
+        gguf,
+        braid_server.free_port(),
+        parallel=LLAMA_PARALLEL,
+        context=context,
+        threads=args.threads,
+        log_path=log_path,
+    ) as (url, pid):
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
             send = llamacpp.sender(http, url)
             await braid_server.warm_up(send, warm)
@@ -207,6 +252,7 @@ def prepare_llama_cpp(args, results: Results) -> llamacpp.LlamaCpp | None:
 
 # ---------------------------------------------------------------- the run
 
+
 def select_workloads(all_workloads: dict[str, workloads.Workload], names: str) -> list[workloads.Workload]:
     groups = [n.strip() for n in names.split(",") if n.strip()]
     unknown = set(groups) - set(WORKLOAD_GROUPS)
@@ -222,21 +268,32 @@ async def run_all(args) -> Results:
     from braid.server.model.loader import default_cache_dir, resolve
 
     model_name, model_path, _ = resolve(None, default_cache_dir())
-    all_workloads = workloads.build(AutoTokenizer.from_pretrained(model_path, local_files_only=True),
-                                    quick=args.quick, poisson_rate=args.poisson_rate,
-                                    repeats=1 if args.quick else args.repeats)
+    all_workloads = workloads.build(
+        AutoTokenizer.from_pretrained(model_path, local_files_only=True),
+        quick=args.quick,
+        poisson_rate=args.poisson_rate,
+        repeats=1 if args.quick else args.repeats,
+    )
     selected = select_workloads(all_workloads, args.workloads)
     warm = all_workloads["targets"].requests[:4]
-    settings = {"model": model_name, "dtype": "float32", "new_tokens": workloads.NEW_TOKENS,
-                "count": all_workloads["targets"].num_requests, "poisson_rate": args.poisson_rate,
-                "braid_max_batch_size": MAX_BATCH_SIZE, "llama_cpp_parallel": LLAMA_PARALLEL,
-                "quick": args.quick, "disturbed_above": DISTURBED_ABOVE}
+    settings = {
+        "model": model_name,
+        "dtype": "float32",
+        "new_tokens": workloads.NEW_TOKENS,
+        "count": all_workloads["targets"].num_requests,
+        "poisson_rate": args.poisson_rate,
+        "braid_max_batch_size": MAX_BATCH_SIZE,
+        "llama_cpp_parallel": LLAMA_PARALLEL,
+        "quick": args.quick,
+        "disturbed_above": DISTURBED_ABOVE,
+    }
     if args.resume:
         json_path, results = args.resume, Results.load(args.resume)
         log(f"resuming {json_path}: {len(results.rows)} rows are kept and not run again")
     else:
-        results = Results(machine.describe(args.threads).as_dict(), settings,
-                          titles={w.name: w.title for w in all_workloads.values()})
+        results = Results(
+            machine.describe(args.threads).as_dict(), settings, titles={w.name: w.title for w in all_workloads.values()}
+        )
         json_path = RESULTS_DIR / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
         log(f"results are saved as they come to {json_path}")
 

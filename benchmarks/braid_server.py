@@ -24,15 +24,35 @@ from workloads import Request
 
 
 @contextlib.asynccontextmanager
-async def running(mode: str, *, threads: int, max_batch_size: int, log_path: Path,
-                  extra_args: Sequence[str] = (), start_timeout: float = START_TIMEOUT_S,
-                  env: dict[str, str] | None = None):
+async def running(
+    mode: str,
+    *,
+    threads: int,
+    max_batch_size: int,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    start_timeout: float = START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+):
     """A healthy braid server in `mode`, with `extra_args` (--model, --dtype, ...) on its command
     line and `env` in its environment; yields (AsyncClient, server pid)."""
     server = await asyncio.to_thread(
-        BraidProcess, ["--mode", mode, "--max-batch-size", str(max_batch_size), "--threads", str(threads),
-                       "--log-level", "warning", *extra_args], env=env, log_path=log_path,
-        start_timeout=start_timeout)
+        BraidProcess,
+        [
+            "--mode",
+            mode,
+            "--max-batch-size",
+            str(max_batch_size),
+            "--threads",
+            str(threads),
+            "--log-level",
+            "warning",
+            *extra_args,
+        ],
+        env=env,
+        log_path=log_path,
+        start_timeout=start_timeout,
+    )
     try:
         async with AsyncClient(server.target) as client:
             yield client, server.pid
@@ -57,15 +77,19 @@ async def timed(client: AsyncClient, prompt: str | None = None, **params) -> tup
 
 def sender(client: AsyncClient):
     """The `send` coroutine for drive.run: one Stream call, greedy, ignore_eos, timed per message."""
+
     async def send(request: Request) -> StreamTiming:
         # A salt of its own unless the workload shares one: the standard workloads repeat their
         # prompts, and every system (llama.cpp: cache_prompt false) computes each one in full.
         salt = {"cache_salt": request.cache_salt or uuid.uuid4().hex}
-        timing, generation = await timed(client, request.prompt, max_new_tokens=request.max_new_tokens,
-                                         ignore_eos=True, temperature=0, **salt)
+        timing, generation = await timed(
+            client, request.prompt, max_new_tokens=request.max_new_tokens, ignore_eos=True, temperature=0, **salt
+        )
         if generation.final is not None and generation.final.usage.prompt_tokens != len(request.prompt_ids):
-            raise RuntimeError(f"braid saw {generation.final.usage.prompt_tokens} prompt tokens, "
-                               f"the benchmark counted {len(request.prompt_ids)}")
+            raise RuntimeError(
+                f"braid saw {generation.final.usage.prompt_tokens} prompt tokens, "
+                f"the benchmark counted {len(request.prompt_ids)}"
+            )
         return timing
 
     return send

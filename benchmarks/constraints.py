@@ -34,9 +34,15 @@ from features import tokens_per_second  # 64 new tokens per stream, ignore_eos, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_constraints import SCHEMAS  # noqa: E402  (the schemas the tests validate against)
 
-LONG_STRING = {"type": "object", "additionalProperties": False, "required": ["title", "story"],
-               "properties": {"title": {"type": "string", "maxLength": 40},
-                              "story": {"type": "string", "minLength": 400, "maxLength": 800}}}
+LONG_STRING = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["title", "story"],
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "story": {"type": "string", "minLength": 400, "maxLength": 800},
+    },
+}
 
 
 def compile_times(tokenizer) -> dict[str, tuple[float, float]]:
@@ -74,8 +80,10 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         server.stop()
     a, b = statistics.median(plain), statistics.median(constrained)
-    print(f"16 streams, output tok/s: {a:.1f} unconstrained, {b:.1f} all JSON-schema constrained ({b / a:.3f}x); "
-          f"runs: {[round(x, 1) for x in plain]} / {[round(x, 1) for x in constrained]}")
+    print(
+        f"16 streams, output tok/s: {a:.1f} unconstrained, {b:.1f} all JSON-schema constrained ({b / a:.3f}x); "
+        f"runs: {[round(x, 1) for x in plain]} / {[round(x, 1) for x in constrained]}"
+    )
 
 
 if __name__ == "__main__":

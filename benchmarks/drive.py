@@ -35,8 +35,7 @@ async def _closed_loop(requests: list[Request], concurrency: int, send: Send) ->
     return timings  # type: ignore[return-value]
 
 
-async def _arrivals(requests: list[Request], offsets: list[float], start: float,
-                    send: Send) -> list[StreamTiming]:
+async def _arrivals(requests: list[Request], offsets: list[float], start: float, send: Send) -> list[StreamTiming]:
     async def arrive(request: Request, offset: float) -> StreamTiming:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         return await send(request)
@@ -48,5 +47,6 @@ def check_counts(system: str, requests: list[Request], timings: list[StreamTimin
     """Every system must generate exactly max_new_tokens for every request, or the comparison is off."""
     for i, (request, timing) in enumerate(zip(requests, timings)):
         if timing.num_tokens != request.max_new_tokens:
-            raise RuntimeError(f"{system}: request {i} got {timing.num_tokens} tokens, "
-                               f"expected {request.max_new_tokens}")
+            raise RuntimeError(
+                f"{system}: request {i} got {timing.num_tokens} tokens, expected {request.max_new_tokens}"
+            )

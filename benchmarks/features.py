@@ -29,8 +29,9 @@ import workloads
 async def tokens_per_second(client: AsyncClient, requests: list[workloads.Request], **extra) -> float:
     async def one(request: workloads.Request) -> int:
         count = 0
-        async for message in client.stream(request.prompt, max_new_tokens=64, ignore_eos=True,
-                                           cache_salt=uuid.uuid4().hex, **extra):
+        async for message in client.stream(
+            request.prompt, max_new_tokens=64, ignore_eos=True, cache_salt=uuid.uuid4().hex, **extra
+        ):
             count += len(message.token_ids)
         return count
 
@@ -42,8 +43,9 @@ async def tokens_per_second(client: AsyncClient, requests: list[workloads.Reques
 async def first_tokens(client: AsyncClient, prompt: str, n: int) -> float:
     """Seconds from sending to the first token of the last of the n samples to get one."""
     start, firsts = time.perf_counter(), {}
-    async for message in client.stream(prompt, n=n, max_new_tokens=8, ignore_eos=True, temperature=1.0,
-                                       cache_salt=uuid.uuid4().hex):
+    async for message in client.stream(
+        prompt, n=n, max_new_tokens=8, ignore_eos=True, temperature=1.0, cache_salt=uuid.uuid4().hex
+    ):
         if message.token_ids and message.index not in firsts:
             firsts[message.index] = time.perf_counter() - start
     return max(firsts.values())
@@ -68,8 +70,10 @@ async def main(args: argparse.Namespace) -> None:
     a, b = statistics.median(plain), statistics.median(with_logprobs)
     c, d = statistics.median(one), statistics.median(eight)
     print(f"16 streams, output tok/s: {a:.1f} without logprobs, {b:.1f} with top_logprobs=5 ({b / a:.3f}x)")
-    print(f"500-token prompt, time to the first token of every sample: n=1 {c * 1000:.0f} ms, "
-          f"n=8 {d * 1000:.0f} ms ({d / c:.2f}x)")
+    print(
+        f"500-token prompt, time to the first token of every sample: n=1 {c * 1000:.0f} ms, "
+        f"n=8 {d * 1000:.0f} ms ({d / c:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

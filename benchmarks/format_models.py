@@ -27,10 +27,22 @@ BENCH_DIR = Path.home() / ".cache" / "braid" / "bench"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 SEED = 12
 # Llama-3.2-1B's shape, but SmolLM2's vocabulary (its tokenizer is the one at hand offline).
-LLAMA_1B_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=64, intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0,
-                      max_position_embeddings=8192, rms_norm_eps=1e-5, vocab_size=49152,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+LLAMA_1B_SHAPE = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    vocab_size=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 LLAMA_1B_NAME = "llama-3.2-1b-shape-random"
 
 
@@ -63,15 +75,40 @@ def llama_1b_folder(tokenizer_folder: Path, out: Path = BENCH_DIR / LLAMA_1B_NAM
 # scaled embeddings, sliding-window layers five to one global, each kind with its own RoPE), random
 # weights and SmolLM2's vocabulary, what ab.py measures those families' decode steps on (about 150 M
 # parameters, 300 MB in bf16 each).
-SMALL_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                   intermediate_size=3072, max_position_embeddings=4096, tie_word_embeddings=True, vocab_size=49152,
-                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
-SMALL_MODELS = {"qwen3": ("Qwen3", dict(SMALL_SHAPE, head_dim=128)),
-                "gemma3": ("Gemma3Text", dict(SMALL_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
-                # the same size through the transformers fallback (braid has no OPT decoder)
-                "opt": ("OPT", dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, ffn_dim=3072,
-                                    word_embed_proj_dim=1024, max_position_embeddings=4096, vocab_size=49152,
-                                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2))}
+SMALL_SHAPE = dict(
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    intermediate_size=3072,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    vocab_size=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+SMALL_MODELS = {
+    "qwen3": ("Qwen3", dict(SMALL_SHAPE, head_dim=128)),
+    "gemma3": ("Gemma3Text", dict(SMALL_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
+    # the same size through the transformers fallback (braid has no OPT decoder)
+    "opt": (
+        "OPT",
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            ffn_dim=3072,
+            word_embed_proj_dim=1024,
+            max_position_embeddings=4096,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        ),
+    ),
+}
 
 
 def small_folder(kind: str, tokenizer_folder: Path) -> Path:
@@ -115,8 +152,12 @@ def _save(model, tokenizer_folder: Path, out: Path) -> None:
 def smollm_ggufs(llama: llamacpp.LlamaCpp, fp32_folder: Path) -> dict[str, Path]:
     """SmolLM2's GGUFs by type: F32 (converted from braid's fp32 folder), Q8_0 and BF16 from it."""
     f32 = llamacpp.convert(fp32_folder, BENCH_DIR / "SmolLM2-135M-Instruct.F32.gguf", "f32")
-    return {"F32": f32, **{t: llamacpp.quantize(llama, f32, BENCH_DIR / f"SmolLM2-135M-Instruct.{t}.gguf", t)
-                           for t in ("Q8_0", "BF16")}}
+    return {
+        "F32": f32,
+        **{
+            t: llamacpp.quantize(llama, f32, BENCH_DIR / f"SmolLM2-135M-Instruct.{t}.gguf", t) for t in ("Q8_0", "BF16")
+        },
+    }
 
 
 def llama_1b_ggufs(llama: llamacpp.LlamaCpp, folder: Path) -> dict[str, Path]:
@@ -125,12 +166,14 @@ def llama_1b_ggufs(llama: llamacpp.LlamaCpp, folder: Path) -> dict[str, Path]:
     every matrix then is in a format both servers read natively."""
     bf16 = llamacpp.convert(folder, BENCH_DIR / f"{LLAMA_1B_NAME}.BF16.gguf", "bf16")
     q8_0 = llamacpp.quantize(llama, bf16, BENCH_DIR / f"{LLAMA_1B_NAME}.Q8_0.gguf", "Q8_0")
-    q4_0 = llamacpp.quantize(llama, bf16, BENCH_DIR / f"{LLAMA_1B_NAME}.Q4_0-Q8_0-embedding.gguf", "Q4_0",
-                             embedding_type="Q8_0")
+    q4_0 = llamacpp.quantize(
+        llama, bf16, BENCH_DIR / f"{LLAMA_1B_NAME}.Q4_0-Q8_0-embedding.gguf", "Q4_0", embedding_type="Q8_0"
+    )
     return {"BF16": bf16, "Q8_0": q8_0, "Q4_0": q4_0}
 
 
 # ---------------------------------------------------------------- bytes per decode step
+
 
 def weight_bytes(path: Path) -> int:
     """Bytes of weights one decode step reads: every tensor of a .gguf file or a safetensors folder,
@@ -138,8 +181,9 @@ def weight_bytes(path: Path) -> int:
     read a row per token)."""
     sizes = _gguf_sizes(path) if path.suffix == ".gguf" else _safetensors_sizes(path)
     untied = {"output.weight", "lm_head.weight"} & sizes.keys()
-    return sum(n for name, n in sizes.items()
-               if not (untied and name in ("token_embd.weight", "model.embed_tokens.weight")))
+    return sum(
+        n for name, n in sizes.items() if not (untied and name in ("token_embd.weight", "model.embed_tokens.weight"))
+    )
 
 
 def describe_types(path: Path) -> str:
@@ -166,6 +210,9 @@ def _safetensors_sizes(folder: Path) -> dict[str, int]:
         with open(file, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(header_len))
-        sizes |= {name: meta["data_offsets"][1] - meta["data_offsets"][0]
-                  for name, meta in header.items() if name != "__metadata__"}
+        sizes |= {
+            name: meta["data_offsets"][1] - meta["data_offsets"][0]
+            for name, meta in header.items()
+            if name != "__metadata__"
+        }
     return sizes

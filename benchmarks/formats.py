@@ -78,22 +78,31 @@ CONFIGS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 and 16 new tokens instead of 128 and 64, one run each")
-    parser.add_argument("--streams", default=",".join(map(str, STREAMS)),
-                        help="stream counts to measure, comma-separated (1: one ~40-token prompt; N: N prompts "
-                             "of 30-60 tokens at once); issue 26's ratios need 1,16,32")
+    parser.add_argument(
+        "--streams",
+        default=",".join(map(str, STREAMS)),
+        help="stream counts to measure, comma-separated (1: one ~40-token prompt; N: N prompts "
+        "of 30-60 tokens at once); issue 26's ratios need 1,16,32",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is quoted")
     parser.add_argument("--models", default=",".join(MODELS), help=f"of: {', '.join(MODELS)}")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"of: {', '.join(SYSTEMS)}")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every server")
-    parser.add_argument("--output", type=Path, default=bench.DOCS / "benchmarks.md",
-                        help="the page to add the section to")
+    parser.add_argument(
+        "--output", type=Path, default=bench.DOCS / "benchmarks.md", help="the page to add the section to"
+    )
     parser.add_argument("--no-docs", action="store_true", help="print the section only")
-    parser.add_argument("--report-from", type=Path, metavar="JSON",
-                        help="write the section from a run's saved results (~/.cache/braid/bench/formats-*.json)")
+    parser.add_argument(
+        "--report-from",
+        type=Path,
+        metavar="JSON",
+        help="write the section from a run's saved results (~/.cache/braid/bench/formats-*.json)",
+    )
     return parser.parse_args(argv)
 
 
 # ---------------------------------------------------------------- model files
+
 
 class Files:
     """The files and folders the configurations serve, by key ("smollm.bf16", "1b.Q4_0"); a key whose
@@ -128,18 +137,27 @@ def make_files(models: set[str], llama: llamacpp.LlamaCpp | Exception) -> Files:
         return {f"{prefix}.{key}": path for key, path in paths.items()}
 
     files = Files()
-    files.make(["smollm.gguf", "smollm.fp32"],
-               lambda: {"smollm.gguf": embedded_gguf(), "smollm.fp32": format_models.smollm_fp32_folder()})
+    files.make(
+        ["smollm.gguf", "smollm.fp32"],
+        lambda: {"smollm.gguf": embedded_gguf(), "smollm.fp32": format_models.smollm_fp32_folder()},
+    )
     fp32 = files["smollm.fp32"]  # the tokenizer too: without it nothing runs
     if SMOLLM in models:
-        files.make(["smollm.bf16"], lambda: {"smollm.bf16": format_models.bf16_folder(
-            fp32, format_models.BENCH_DIR / "SmolLM2-135M-Instruct-bf16")})
-        files.make(["smollm.Q8_0", "smollm.BF16"],
-                   lambda: prefixed("smollm", format_models.smollm_ggufs(llama_cpp(), fp32)))
+        files.make(
+            ["smollm.bf16"],
+            lambda: {
+                "smollm.bf16": format_models.bf16_folder(fp32, format_models.BENCH_DIR / "SmolLM2-135M-Instruct-bf16")
+            },
+        )
+        files.make(
+            ["smollm.Q8_0", "smollm.BF16"], lambda: prefixed("smollm", format_models.smollm_ggufs(llama_cpp(), fp32))
+        )
     if LLAMA_1B in models:
         files.make(["1b.bf16"], lambda: {"1b.bf16": format_models.llama_1b_folder(fp32)})
-        files.make(["1b.BF16", "1b.Q8_0", "1b.Q4_0"],
-                   lambda: prefixed("1b", format_models.llama_1b_ggufs(llama_cpp(), files["1b.bf16"])))
+        files.make(
+            ["1b.BF16", "1b.Q8_0", "1b.Q4_0"],
+            lambda: prefixed("1b", format_models.llama_1b_ggufs(llama_cpp(), files["1b.bf16"])),
+        )
     return files
 
 
@@ -152,6 +170,7 @@ def find_or_build_llama_cpp() -> llamacpp.LlamaCpp | Exception:
 
 # ---------------------------------------------------------------- one configuration
 
+
 def build_workloads(tokenizer, streams: list[int], *, quick: bool, repeats: int) -> dict[int, workloads.Workload]:
     """A workload for each stream count: at 1, bench.py's single prompt; at N, N prompts drawn after
     it (the same seed draws them in the same order, so that the first 16 are bench.py's targets
@@ -160,10 +179,14 @@ def build_workloads(tokenizer, streams: list[int], *, quick: bool, repeats: int)
     single_new, multi_new = new_tokens(quick)
     single = replace(maker.prompt(40), max_new_tokens=single_new)
     prompts = [replace(r, max_new_tokens=multi_new) for r in maker.batch(max(streams), 30, 60)]
-    return {n: workloads.Workload("1-stream", f"1 stream, {single_new} new tokens", [single], 1, repeats=repeats)
-            if n == 1 else workloads.Workload(f"{n}-streams", f"{n} at once, {multi_new} new tokens each",
-                                              prompts[:n], n, repeats=repeats)
-            for n in streams}
+    return {
+        n: workloads.Workload("1-stream", f"1 stream, {single_new} new tokens", [single], 1, repeats=repeats)
+        if n == 1
+        else workloads.Workload(
+            f"{n}-streams", f"{n} at once, {multi_new} new tokens each", prompts[:n], n, repeats=repeats
+        )
+        for n in streams
+    }
 
 
 def new_tokens(quick: bool) -> tuple[int, int]:
@@ -177,8 +200,9 @@ async def measure_server(name: str, outcome: Outcome, send, pid: int, measured: 
     await braid_server.warm_up(send, warm_up_requests(measured))
     outcome.rss_mib = machine.rss_mib(pid)
     for streams, workload in sorted(measured.items()):
-        outcome.rows[streams] = await bench.measure(name, workload, lambda w=workload: drive.run(w, send), [pid],
-                                                    budget_s=math.inf)
+        outcome.rows[streams] = await bench.measure(
+            name, workload, lambda w=workload: drive.run(w, send), [pid], budget_s=math.inf
+        )
 
 
 def warm_up_requests(measured: dict[int, workloads.Workload]) -> list[workloads.Request]:
@@ -192,26 +216,37 @@ def braid_max_batch_size(measured: dict[int, workloads.Workload]) -> int:
 async def run_braid(config: Config, outcome: Outcome, served: Path, args, measured) -> None:
     log_path = Path(tempfile.gettempdir()) / f"braid-formats-{_slug(config)}.log"
     try:
-        async with braid_server.running("continuous", threads=args.threads,
-                                        max_batch_size=braid_max_batch_size(measured), log_path=log_path,
-                                        extra_args=["--model", str(served), *config.flags],
-                                        start_timeout=900) as (client, pid):
+        async with braid_server.running(
+            "continuous",
+            threads=args.threads,
+            max_batch_size=braid_max_batch_size(measured),
+            log_path=log_path,
+            extra_args=["--model", str(served), *config.flags],
+            start_timeout=900,
+        ) as (client, pid):
             await measure_server(_name(config), outcome, braid_server.sender(client), pid, measured)
     except Exception as exc:
         raise _with_log(exc, log_path) from exc
 
 
-async def run_llama_cpp(config: Config, outcome: Outcome, served: Path, llama: llamacpp.LlamaCpp, args,
-                        measured) -> None:
+async def run_llama_cpp(
+    config: Config, outcome: Outcome, served: Path, llama: llamacpp.LlamaCpp, args, measured
+) -> None:
     import httpx
 
     parallel = max(measured)  # a slot for every stream of the most at once
     longest = max(len(r.prompt_ids) + r.max_new_tokens for w in measured.values() for r in w.requests)
     log_path = Path(tempfile.gettempdir()) / f"braid-formats-{_slug(config)}.log"
     try:
-        with llamacpp.running_server(llama, served, braid_server.free_port(), parallel=parallel,
-                                     context=llamacpp.context_size(parallel, longest), threads=args.threads,
-                                     log_path=log_path) as (url, pid):
+        with llamacpp.running_server(
+            llama,
+            served,
+            braid_server.free_port(),
+            parallel=parallel,
+            context=llamacpp.context_size(parallel, longest),
+            threads=args.threads,
+            log_path=log_path,
+        ) as (url, pid):
             async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=2 * parallel)) as http:
                 await measure_server(_name(config), outcome, llamacpp.sender(http, url), pid, measured)
     except Exception as exc:
@@ -266,6 +301,7 @@ def _with_log(exc: Exception, log_path: Path) -> Exception:
 
 # ---------------------------------------------------------------- the run
 
+
 def braid_has_format_flags() -> bool:
     from braid_server import BRAID
 
@@ -310,14 +346,24 @@ async def run_all(args, command: str) -> FormatResults:
     info = machine.describe(args.threads).as_dict()
     info["vector_isa"] = machine.vector_isa()
     info["llama_cpp"] = getattr(llama, "build_info", f"absent ({llama})")
-    settings = {"streams": streams, "single_new_tokens": single_new, "multi_new_tokens": multi_new,
-                "repeats": repeats, "quick": args.quick, "braid_max_batch_size": braid_max_batch_size(measured),
-                "llama_parallel": max(streams), "warm_up_requests": len(warm_up_requests(measured)),
-                "seed": format_models.SEED, "disturbed_above": bench.DISTURBED_ABOVE}
+    settings = {
+        "streams": streams,
+        "single_new_tokens": single_new,
+        "multi_new_tokens": multi_new,
+        "repeats": repeats,
+        "quick": args.quick,
+        "braid_max_batch_size": braid_max_batch_size(measured),
+        "llama_parallel": max(streams),
+        "warm_up_requests": len(warm_up_requests(measured)),
+        "seed": format_models.SEED,
+        "disturbed_above": bench.DISTURBED_ABOVE,
+    }
     results = FormatResults(info, settings, command)
     if not has_flags:
-        results.notes.append("This braid has no --dtype/--quantization flags yet: its fp32 row ran without "
-                             "them (the fp32 path it always had), the other braid rows could not run.")
+        results.notes.append(
+            "This braid has no --dtype/--quantization flags yet: its fp32 row ran without "
+            "them (the fp32 path it always had), the other braid rows could not run."
+        )
     machine.wait_until_quiet([], threshold=bench.DISTURBED_ABOVE, max_wait_s=bench.QUIET_WAIT_S)
     results.bandwidth_gbs = machine.read_bandwidth_gbs(args.threads)
     bench.log(f"read bandwidth: {results.bandwidth_gbs:.1f} GB/s with {args.threads} threads")

@@ -33,10 +33,15 @@ class Target:
     strict: bool = False
 
 
-TARGETS = (Target(SMOLLM, 16, BEST_LLAMA, 1.5), Target(SMOLLM, 32, BEST_LLAMA, 1.5),
-           Target(SMOLLM, 1, SAME_FILE, 1.3), Target(SMOLLM, 16, FP32, 1.0, strict=True),
-           Target(LLAMA_1B, 16, BEST_LLAMA, 1.5), Target(LLAMA_1B, 1, SAME_FILE, 1.2),
-           Target(LLAMA_1B, 1, BOUND, 0.7))
+TARGETS = (
+    Target(SMOLLM, 16, BEST_LLAMA, 1.5),
+    Target(SMOLLM, 32, BEST_LLAMA, 1.5),
+    Target(SMOLLM, 1, SAME_FILE, 1.3),
+    Target(SMOLLM, 16, FP32, 1.0, strict=True),
+    Target(LLAMA_1B, 16, BEST_LLAMA, 1.5),
+    Target(LLAMA_1B, 1, SAME_FILE, 1.2),
+    Target(LLAMA_1B, 1, BOUND, 0.7),
+)
 
 
 @dataclass
@@ -111,9 +116,11 @@ def table(results: FormatResults) -> str:
             return "-"
         return spread(row.repeats) + (" (disturbed)" if row.other_cpu > disturbed_above else "")
 
-    lines = ["| model | system | weights | server flags | MiB read per step | 1 stream tok/s | bound tok/s "
-             "| of bound |" + "".join(f" {n} streams tok/s |" for n in many) + " RSS MiB |",
-             "|---|---|---|---|---:|---:|---:|---:|" + "---:|" * len(many) + "---:|"]
+    lines = [
+        "| model | system | weights | server flags | MiB read per step | 1 stream tok/s | bound tok/s "
+        "| of bound |" + "".join(f" {n} streams tok/s |" for n in many) + " RSS MiB |",
+        "|---|---|---|---|---:|---:|---:|---:|" + "---:|" * len(many) + "---:|",
+    ]
     for o in results.outcomes:
         bound = bound_tok_s(results.bandwidth_gbs, o.bytes_per_step)
         single = o.tok_s(1)
@@ -125,8 +132,10 @@ def table(results: FormatResults) -> str:
             empty = next((i for i, cell in enumerate(cells) if cell == "-"), len(cells) - 1)
             cells[empty] = f"failed: {_cell(o.error)}"
         bound_cell = f"{bound:.1f}" if bound == bound else "-"
-        lines.append(f"| {o.model} | {o.system} | {o.weights} | `{o.command}` | {mib} | {cells[0]} "
-                     f"| {bound_cell} | {share} |" + "".join(f" {c} |" for c in cells[1:]) + f" {rss} |")
+        lines.append(
+            f"| {o.model} | {o.system} | {o.weights} | `{o.command}` | {mib} | {cells[0]} "
+            f"| {bound_cell} | {share} |" + "".join(f" {c} |" for c in cells[1:]) + f" {rss} |"
+        )
     return "\n".join(lines)
 
 
@@ -135,8 +144,10 @@ def targets_table(results: FormatResults) -> str:
     not measured (its model, stream count or configuration was not in the run, or failed), and
     (disturbed) where a figure it rests on is."""
     disturbed_above = results.settings.get("disturbed_above", float("inf"))
-    lines = ["| model | streams | braid default tok/s | against | their tok/s | ratio | target | met |",
-             "|---|---:|---:|---|---:|---:|---:|---|"]
+    lines = [
+        "| model | streams | braid default tok/s | against | their tok/s | ratio | target | met |",
+        "|---|---:|---:|---|---:|---:|---:|---|",
+    ]
     for target in TARGETS:
         if target.model not in {o.model for o in results.outcomes}:
             continue
@@ -151,15 +162,19 @@ def targets_table(results: FormatResults) -> str:
             shown, met = f"{ratio:.2f}x", "yes" if passed else "**no**"
         if ratio is not None and any(row.other_cpu > disturbed_above for row in rows):
             met += " (disturbed)"
-        wanted = (f"≥ {target.at_least:.0%}" if target.against == BOUND
-                  else f"{'>' if target.strict else '≥'} {target.at_least:g}x")
-        lines.append(f"| {target.model} | {target.streams} | {_figure(ours)} | {against} | {_figure(theirs)} "
-                     f"| {shown} | {wanted} | {met} |")
+        wanted = (
+            f"≥ {target.at_least:.0%}"
+            if target.against == BOUND
+            else f"{'>' if target.strict else '≥'} {target.at_least:g}x"
+        )
+        lines.append(
+            f"| {target.model} | {target.streams} | {_figure(ours)} | {against} | {_figure(theirs)} "
+            f"| {shown} | {wanted} | {met} |"
+        )
     return "\n".join(lines)
 
 
-def _target_figures(results: FormatResults,
-                    target: Target) -> tuple[float | None, float | None, str, list[Row]]:
+def _target_figures(results: FormatResults, target: Target) -> tuple[float | None, float | None, str, list[Row]]:
     """braid default's tok/s, the figure it is set against, what that figure is, and the rows both
     came from (the rows of every llama.cpp format, for its fastest)."""
     mine = [o for o in results.outcomes if o.model == target.model]
@@ -177,7 +192,8 @@ def _target_figures(results: FormatResults,
         best, o = max(measured, key=lambda m: m[0])
         missing = len(llama) - len(measured)  # a fastest of fewer formats is said to be so
         label = f"llama.cpp {o.weights} (its fastest" + (
-            f"; {missing} of its {len(llama)} formats not measured)" if missing else ")")
+            f"; {missing} of its {len(llama)} formats not measured)" if missing else ")"
+        )
         return ours, best, label, rows + [m.rows[target.streams] for _, m in measured]
     other = next((o for o in mine if o.role == target.against), None)
     if other is None or not other.tok_s(target.streams):
@@ -196,25 +212,28 @@ def _cell(text: str) -> str:
 def markdown(results: FormatResults) -> str:
     s = results.settings
     threads = results.machine.get("threads")
-    machine = {**results.machine, "read bandwidth": f"{results.bandwidth_gbs:.1f} GB/s ({threads} threads, "
-               "numpy sum over 512 MiB, best of 5 at the start and 5 at the end)"}
+    machine = {
+        **results.machine,
+        "read bandwidth": f"{results.bandwidth_gbs:.1f} GB/s ({threads} threads, "
+        "numpy sum over 512 MiB, best of 5 at the start and 5 at the end)",
+    }
     notes = "\n".join(f"- {n}" for n in results.notes)
     many = ", ".join(str(n) for n in results.streams if n > 1) or "(none)"
     return f"""{FORMATS_HEADING}
 
-> One run on {results.started} (braid commit `{results.machine.get('braid_commit')}`), every
-> configuration on the same machine in the same run{QUICK if s.get('quick') else ''}.
+> One run on {results.started} (braid commit `{results.machine.get("braid_commit")}`), every
+> configuration on the same machine in the same run{QUICK if s.get("quick") else ""}.
 
     {results.command}
 
 Output tokens/s from the client side, greedy, `ignore_eos`, bench.py's prompts (fixed seed, exact
-token lengths): **1 stream**, one ~40-token prompt, {s['single_new_tokens']} new tokens; **{many} streams**,
-as many prompts of 30-60 tokens sent at once, {s['multi_new_tokens']} new tokens each, the
-wall time counting their prefill. Median of {s['repeats']} run(s), with the range; a run during
-which other processes used over {s['disturbed_above']} cores is run once more, and a figure made only
+token lengths): **1 stream**, one ~40-token prompt, {s["single_new_tokens"]} new tokens; **{many} streams**,
+as many prompts of 30-60 tokens sent at once, {s["multi_new_tokens"]} new tokens each, the
+wall time counting their prefill. Median of {s["repeats"]} run(s), with the range; a run during
+which other processes used over {s["disturbed_above"]} cores is run once more, and a figure made only
 of such runs is marked (disturbed). braid runs in continuous mode over gRPC
-(`--max-batch-size {s['braid_max_batch_size']} --threads {threads}`);
-llama.cpp is `llama-server --parallel {s.get('llama_parallel', 16)} -t {threads}` (a slot for each stream of
+(`--max-batch-size {s["braid_max_batch_size"]} --threads {threads}`);
+llama.cpp is `llama-server --parallel {s.get("llama_parallel", 16)} -t {threads}` (a slot for each stream of
 the most at once, each its own KV cache). One server of each configuration measures every stream count.
 
 **MiB read per step** sums the weight tensors of the served format (from the GGUF's tensor sizes, or
@@ -222,7 +241,7 @@ the safetensors headers; braid's `--quantization q8_0` counts as llama.cpp's Q8_
 model, braid's fp32 as its fp32 folder): the tied embedding counts once, as the output projection.
 **bound tok/s** = read bandwidth ÷ that: what one stream could reach if a decode step did nothing
 but read its weights once. **RSS** is the server's VmRSS after a warm-up of
-{s.get('warm_up_requests', 16)} short requests at once (llama.cpp maps its GGUF, so its RSS counts the file
+{s.get("warm_up_requests", 16)} short requests at once (llama.cpp maps its GGUF, so its RSS counts the file
 pages it touched).
 
 SmolLM2-135M-Instruct is the embedded GGUF (Q4_1 with a Q8_0 embedding), braid's fp32 folder of it,
@@ -231,7 +250,7 @@ quantized by `llama-quantize` to Q8_0 and BF16: the same weights, rounded to eac
 has Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, tied
 embeddings, rope theta 500000) but SmolLM2's tokenizer, so a 49152-token vocabulary instead of
 128256 (no 128k tokenizer can be had offline) and no llama3 rope scaling: 1.07 B parameters,
-random (seed {s['seed']}), saved in bf16, converted to a BF16 GGUF and quantized to Q8_0, and to
+random (seed {s["seed"]}), saved in bf16, converted to a BF16 GGUF and quantized to Q8_0, and to
 Q4_0 with its tied embedding in Q8_0 (`--token-embedding-type q8_0 --output-tensor-type q8_0`;
 llama-quantize's default there is Q6_K), as the embedded SmolLM2 GGUF has it.
 

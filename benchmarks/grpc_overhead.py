@@ -35,8 +35,9 @@ def engine_sender(engine):
         loop = asyncio.get_running_loop()
         sent = time.perf_counter()
         params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
-        req = GenerationRequest(prompt=request.prompt, messages=(), params=params, request_id="bench",
-                                cache_salt=uuid.uuid4().hex)  # as braid_server.sender: no prefix cache hits
+        req = GenerationRequest(
+            prompt=request.prompt, messages=(), params=params, request_id="bench", cache_salt=uuid.uuid4().hex
+        )  # as braid_server.sender: no prefix cache hits
         ticket = engine.admission.admit(req.prompt, req.messages)
         [handle] = await loop.run_in_executor(None, engine.admission.submit, ticket, req, loop)
         first = last = 0.0
@@ -60,8 +61,9 @@ async def throughput(workload: workloads.Workload, send) -> float:
 async def main_async(args, engine, workload: workloads.Workload) -> None:
     in_process, over_grpc = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        async with braid_server.running(args.mode, threads=args.threads, max_batch_size=32,
-                                        log_path=Path(tmp) / "server.log") as (client, _pid):
+        async with braid_server.running(
+            args.mode, threads=args.threads, max_batch_size=32, log_path=Path(tmp) / "server.log"
+        ) as (client, _pid):
             grpc_send = braid_server.sender(client)
             local_send = engine_sender(engine)
             await throughput(workload, local_send)  # warm both
@@ -69,11 +71,14 @@ async def main_async(args, engine, workload: workloads.Workload) -> None:
             for i in range(args.repeats):
                 in_process.append(await throughput(workload, local_send))
                 over_grpc.append(await throughput(workload, grpc_send))
-                print(f"repeat {i + 1}: in-process {in_process[-1]:.1f} tok/s, gRPC {over_grpc[-1]:.1f} tok/s",
-                      flush=True)
+                print(
+                    f"repeat {i + 1}: in-process {in_process[-1]:.1f} tok/s, gRPC {over_grpc[-1]:.1f} tok/s", flush=True
+                )
     local, remote = statistics.median(in_process), statistics.median(over_grpc)
-    print(f"{workload.title}, {args.mode} mode: in-process {local:.1f} tok/s, over gRPC {remote:.1f} tok/s "
-          f"(median of {args.repeats}); gRPC costs {1 - remote / local:+.1%}")
+    print(
+        f"{workload.title}, {args.mode} mode: in-process {local:.1f} tok/s, over gRPC {remote:.1f} tok/s "
+        f"(median of {args.repeats}); gRPC costs {1 - remote / local:+.1%}"
+    )
 
 
 def main() -> None:

@@ -39,9 +39,16 @@ def http_sender(http, new_tokens: int):
     """One streamed /v1/completions call, timed per event; the tokens counted by its usage."""
 
     async def send(request: workloads.Request) -> StreamTiming:
-        body = {"model": "braid", "prompt": request.prompt, "max_tokens": new_tokens, "temperature": 0,
-                "ignore_eos": True, "cache_salt": uuid.uuid4().hex, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": "braid",
+            "prompt": request.prompt,
+            "max_tokens": new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_salt": uuid.uuid4().hex,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         sent = time.perf_counter()
         first = last = 0.0
         num_tokens = 0
@@ -69,8 +76,9 @@ def grpc_sender(client, new_tokens: int):
         sent = time.perf_counter()
         first = last = 0.0
         num_tokens = 0
-        async with client.stream(request.prompt, max_new_tokens=new_tokens, ignore_eos=True, temperature=0,
-                                 cache_salt=uuid.uuid4().hex) as generation:
+        async with client.stream(
+            request.prompt, max_new_tokens=new_tokens, ignore_eos=True, temperature=0, cache_salt=uuid.uuid4().hex
+        ) as generation:
             async for message in generation:
                 num_tokens += len(message.token_ids)
                 if message.text:
@@ -103,11 +111,16 @@ async def main_async(args, loads: dict[int, workloads.Workload]) -> dict:
     port = braid_server.free_port()
     results: dict = {streams: {"grpc": [], "http": []} for streams in loads}
     with tempfile.TemporaryDirectory() as tmp:
-        async with braid_server.running("continuous", threads=args.threads, max_batch_size=32,
-                                        log_path=Path(tmp) / "server.log",
-                                        extra_args=["--http-port", str(port)]) as (client, pid):
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600,
-                                         limits=httpx.Limits(max_connections=64)) as http:
+        async with braid_server.running(
+            "continuous",
+            threads=args.threads,
+            max_batch_size=32,
+            log_path=Path(tmp) / "server.log",
+            extra_args=["--http-port", str(port)],
+        ) as (client, pid):
+            async with httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}", timeout=600, limits=httpx.Limits(max_connections=64)
+            ) as http:
                 sends = {"grpc": grpc_sender(client, args.new_tokens), "http": http_sender(http, args.new_tokens)}
                 for streams, workload in loads.items():
                     for send in sends.values():  # warm both
@@ -116,28 +129,39 @@ async def main_async(args, loads: dict[int, workloads.Workload]) -> dict:
                         order = ("grpc", "http") if i % 2 == 0 else ("http", "grpc")
                         for name in order:
                             results[streams][name].append(await measure(workload, sends[name], pid))
-                        print(f"{streams} streams, repeat {i + 1}: " + ", ".join(
-                            f"{n} {results[streams][n][-1][0]:.1f} tok/s ttft {results[streams][n][-1][1]:.0f} ms "
-                            f"cpu {results[streams][n][-1][2]:.1f} ms/tok"
-                            for n in ("grpc", "http")), flush=True)
+                        print(
+                            f"{streams} streams, repeat {i + 1}: "
+                            + ", ".join(
+                                f"{n} {results[streams][n][-1][0]:.1f} tok/s ttft {results[streams][n][-1][1]:.0f} ms "
+                                f"cpu {results[streams][n][-1][2]:.1f} ms/tok"
+                                for n in ("grpc", "http")
+                            ),
+                            flush=True,
+                        )
     return results
 
 
 def table(results: dict, args) -> str:
-    lines = [HEADING, "",
-             f"`benchmarks/http_vs_grpc.py --repeats {args.repeats} --threads {args.threads} --new-tokens "
-             f"{args.new_tokens}`: one `braid serve --http-port` (the embedded model, continuous mode), the same "
-             f"requests through its gRPC port (braid's AsyncClient) and its HTTP port (`/v1/completions`, "
-             f"streamed, read with httpx), alternated; medians of {args.repeats}. Greedy, ignore_eos, "
-             f"{args.new_tokens} new tokens, prompts of 30-60 tokens, a cache salt per request.", "",
-             "| streams | gRPC tok/s | HTTP tok/s | HTTP costs | gRPC TTFT p50 ms | HTTP TTFT p50 ms "
-             "| server CPU ms/token, gRPC | HTTP |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        HEADING,
+        "",
+        f"`benchmarks/http_vs_grpc.py --repeats {args.repeats} --threads {args.threads} --new-tokens "
+        f"{args.new_tokens}`: one `braid serve --http-port` (the embedded model, continuous mode), the same "
+        f"requests through its gRPC port (braid's AsyncClient) and its HTTP port (`/v1/completions`, "
+        f"streamed, read with httpx), alternated; medians of {args.repeats}. Greedy, ignore_eos, "
+        f"{args.new_tokens} new tokens, prompts of 30-60 tokens, a cache salt per request.",
+        "",
+        "| streams | gRPC tok/s | HTTP tok/s | HTTP costs | gRPC TTFT p50 ms | HTTP TTFT p50 ms "
+        "| server CPU ms/token, gRPC | HTTP |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for streams, by in results.items():
         g_tok, g_ttft, g_cpu = (statistics.median(x[i] for x in by["grpc"]) for i in (0, 1, 2))
         h_tok, h_ttft, h_cpu = (statistics.median(x[i] for x in by["http"]) for i in (0, 1, 2))
-        lines.append(f"| {streams} | {g_tok:.1f} | {h_tok:.1f} | {1 - h_tok / g_tok:+.1%} | {g_ttft:.0f} | "
-                     f"{h_ttft:.0f} | {g_cpu:.1f} | {h_cpu:.1f} |")
+        lines.append(
+            f"| {streams} | {g_tok:.1f} | {h_tok:.1f} | {1 - h_tok / g_tok:+.1%} | {g_ttft:.0f} | "
+            f"{h_ttft:.0f} | {g_cpu:.1f} | {h_cpu:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -152,8 +176,10 @@ def main() -> None:
     from braid.server.model.loader import load
 
     maker = workloads.PromptMaker(load(None, EngineConfig().cache_dir).hf_tokenizer)
-    loads = {1: workloads.Workload("one", "1 stream", maker.batch(4, 30, 60), concurrency=1),
-             16: workloads.Workload("sixteen", "16 streams", maker.batch(32, 30, 60), concurrency=16)}
+    loads = {
+        1: workloads.Workload("one", "1 stream", maker.batch(4, 30, 60), concurrency=1),
+        16: workloads.Workload("sixteen", "16 streams", maker.batch(32, 30, 60), concurrency=16),
+    }
     text = table(asyncio.run(main_async(args, loads)), args)
     print(text)
     if not args.no_write:

@@ -76,14 +76,29 @@ def build(jobs: int = 2) -> LlamaCpp:
         sdist = _download_sdist(work_dir, log)
         source, commit = _extract_llama_cpp(sdist, work_dir)
         build_dir = work_dir / "build"
-        _log(f"llama.cpp: building {', '.join(BINARIES)} from {sdist.name} (commit {commit[:10]}); "
-             f"log in {log_path} ...")
-        _run(log, ["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-              "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
-              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              f"-DLLAMA_BUILD_COMMIT={commit[:10]}"])
-        _run(log, ["cmake", "--build", str(build_dir), "--config", "Release", f"-j{jobs}",
-              "--target", *BINARIES])
+        _log(
+            f"llama.cpp: building {', '.join(BINARIES)} from {sdist.name} (commit {commit[:10]}); log in {log_path} ..."
+        )
+        _run(
+            log,
+            [
+                "cmake",
+                "-S",
+                str(source),
+                "-B",
+                str(build_dir),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DLLAMA_CURL=OFF",
+                "-DGGML_NATIVE=ON",
+                "-DBUILD_SHARED_LIBS=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_USE_PREBUILT_UI=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                f"-DLLAMA_BUILD_COMMIT={commit[:10]}",
+            ],
+        )
+        _run(log, ["cmake", "--build", str(build_dir), "--config", "Release", f"-j{jobs}", "--target", *BINARIES])
         for name in BINARIES:
             shutil.copy2(build_dir / "bin" / name, target / "bin" / name)
         _keep_converter(source)
@@ -94,8 +109,21 @@ def build(jobs: int = 2) -> LlamaCpp:
 
 
 def _download_sdist(work_dir: Path, log, version: str | None = None) -> Path:
-    _run(log, [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-          f"{SDIST}=={version}" if version else SDIST, "-d", str(work_dir)])
+    _run(
+        log,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"{SDIST}=={version}" if version else SDIST,
+            "-d",
+            str(work_dir),
+        ],
+    )
     return next(work_dir.glob("llama_cpp_python-*.tar.gz"))
 
 
@@ -130,8 +158,7 @@ def converter() -> Path:
     info = (cache_dir() / "BUILD_INFO").read_text() if (cache_dir() / "BUILD_INFO").is_file() else ""
     version = info.split()[0].removeprefix("llama_cpp_python-") if info.startswith("llama_cpp_python-") else None
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="braid-llama-cpp-") as work, \
-            open(cache_dir() / "convert.log", "w") as log:
+    with tempfile.TemporaryDirectory(prefix="braid-llama-cpp-") as work, open(cache_dir() / "convert.log", "w") as log:
         source, _ = _extract_llama_cpp(_download_sdist(Path(work), log, version), Path(work))
         _keep_converter(source)
     return script
@@ -145,12 +172,19 @@ def convert(hf_folder: Path, out: Path, outtype: str) -> Path:
         return out
     script = converter()
     staging = out.with_suffix(".partial")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent)]),
-           "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent)]),
+        "HF_HUB_OFFLINE": "1",
+    }
     log_path = out.with_suffix(".convert.log")
     with open(log_path, "w") as log:
-        done = subprocess.run([sys.executable, str(script), str(hf_folder), "--outfile", str(staging),
-                               "--outtype", outtype], stdout=log, stderr=subprocess.STDOUT, env=env)
+        done = subprocess.run(
+            [sys.executable, str(script), str(hf_folder), "--outfile", str(staging), "--outtype", outtype],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     if done.returncode != 0:
         lines = log_path.read_text().strip().splitlines() or ["(no output)"]
         raise RuntimeError(f"convert_hf_to_gguf.py {hf_folder.name} failed: {lines[-1]} (log: {log_path})")
@@ -158,8 +192,15 @@ def convert(hf_folder: Path, out: Path, outtype: str) -> Path:
     return out
 
 
-def quantize(llama: LlamaCpp, source_gguf: Path, out: Path, gguf_type: str, *,
-             allow_requantize: bool = False, embedding_type: str | None = None) -> Path:
+def quantize(
+    llama: LlamaCpp,
+    source_gguf: Path,
+    out: Path,
+    gguf_type: str,
+    *,
+    allow_requantize: bool = False,
+    embedding_type: str | None = None,
+) -> Path:
     """`source_gguf` quantized to `gguf_type` (Q4_0, Q8_0, BF16, F32, ...) by llama-quantize, made
     once; `embedding_type`: the token embedding's and the output projection's type, instead of the
     one llama-quantize picks for them (Q6_K for Q4_0)."""
@@ -176,8 +217,7 @@ def quantize(llama: LlamaCpp, source_gguf: Path, out: Path, gguf_type: str, *,
 
 def f32_gguf(llama: LlamaCpp, source_gguf: Path) -> Path:
     """`source_gguf` requantized to F32 in the cache folder, made once."""
-    return quantize(llama, source_gguf, cache_dir() / f"{source_gguf.stem}.F32.gguf", "F32",
-                    allow_requantize=True)
+    return quantize(llama, source_gguf, cache_dir() / f"{source_gguf.stem}.F32.gguf", "F32", allow_requantize=True)
 
 
 def context_size(parallel: int, longest: int) -> int:
@@ -186,13 +226,38 @@ def context_size(parallel: int, longest: int) -> int:
 
 
 @contextlib.contextmanager
-def running_server(llama: LlamaCpp, gguf: Path, port: int, *, parallel: int, context: int,
-                   threads: int, log_path: Path, extra_args: Sequence[str] = ()):
+def running_server(
+    llama: LlamaCpp,
+    gguf: Path,
+    port: int,
+    *,
+    parallel: int,
+    context: int,
+    threads: int,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+):
     """A llama-server on 127.0.0.1:port, ready to serve, with `extra_args` (--spec-type, ...) on its
     command line; yields (its URL, its pid); stopped on exit."""
-    command = [str(llama.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "--parallel", str(parallel), "-c", str(context), "-t", str(threads), "-tb", str(threads),
-               "--no-webui", *extra_args]
+    command = [
+        str(llama.server),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        "-c",
+        str(context),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "--no-webui",
+        *extra_args,
+    ]
     with logged_process(command, log_path, grace_s=20) as process:
         _wait_healthy(f"http://127.0.0.1:{port}/health", process)
         yield f"http://127.0.0.1:{port}", process.pid
@@ -215,9 +280,17 @@ def sender(http, base_url: str, cache_prompt: bool = False):
     """The `send` coroutine for drive.run: one streamed /completion call with the request's own token
     ids, greedy, ignore_eos; `cache_prompt`: reuse the prefix a slot already holds (off: every prompt
     is computed in full). `http` is an httpx.AsyncClient."""
+
     async def send(request: Request) -> StreamTiming:
-        body = {"prompt": request.prompt_ids, "n_predict": request.max_new_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True, "cache_prompt": cache_prompt, "return_tokens": True}
+        body = {
+            "prompt": request.prompt_ids,
+            "n_predict": request.max_new_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "cache_prompt": cache_prompt,
+            "return_tokens": True,
+        }
         sent = time.perf_counter()
         first = last = 0.0
         num_tokens = 0
@@ -245,7 +318,7 @@ async def completion_chunks(http, base_url: str, body: dict):
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: "):
-                yield json.loads(line[len("data: "):])
+                yield json.loads(line[len("data: ") :])
 
 
 async def apply_template(http, base_url: str, messages: list[dict]) -> str:
@@ -258,8 +331,9 @@ async def apply_template(http, base_url: str, messages: list[dict]) -> str:
 def _check_prompt(final: dict, request: Request) -> None:
     evaluated = final.get("tokens_evaluated")
     if evaluated is not None and evaluated != len(request.prompt_ids):
-        raise RuntimeError(f"llama-server evaluated {evaluated} prompt tokens, "
-                           f"the benchmark sent {len(request.prompt_ids)}")
+        raise RuntimeError(
+            f"llama-server evaluated {evaluated} prompt tokens, the benchmark sent {len(request.prompt_ids)}"
+        )
 
 
 def _run(log, command: list[str]) -> None:

@@ -41,10 +41,16 @@ NUM_ADAPTERS, RANK = 4, 16
 
 async def tokens_per_second(client: AsyncClient, requests: list[workloads.Request], adapters: list[str]) -> float:
     """All the requests at once, request i with adapters[i % len(adapters)] ("": none)."""
+
     async def one(i: int, request: workloads.Request) -> int:
         count = 0
-        async for message in client.stream(request.prompt, max_new_tokens=64, ignore_eos=True,
-                                           cache_salt=uuid.uuid4().hex, adapter=adapters[i % len(adapters)]):
+        async for message in client.stream(
+            request.prompt,
+            max_new_tokens=64,
+            ignore_eos=True,
+            cache_salt=uuid.uuid4().hex,
+            adapter=adapters[i % len(adapters)],
+        ):
             count += len(message.token_ids)
         return count
 
@@ -59,15 +65,34 @@ async def main(args: argparse.Namespace) -> None:
     requests = workloads.PromptMaker(tokenizer).batch(16, 30, 60)
     names = [f"tenant{i}" for i in range(NUM_ADAPTERS)]
     with tempfile.TemporaryDirectory(prefix="braid-lora-bench-") as root:
-        folders = [make_adapter(base, Path(root) / name, rank=RANK, seed=i, spread=0.02, dtype=args.adapter_dtype)
-                   for i, name in enumerate(names)]
+        folders = [
+            make_adapter(base, Path(root) / name, rank=RANK, seed=i, spread=0.02, dtype=args.adapter_dtype)
+            for i, name in enumerate(names)
+        ]
         loras = [arg for name, folder in zip(names, folders) for arg in ("--lora", f"{name}={folder}")]
-        server = BraidProcess(["--mode", "continuous", "--max-batch-size", "16", "--threads", str(args.threads),
-                               "--log-level", "warning", "--max-loras", str(NUM_ADAPTERS), *loras])
+        server = BraidProcess(
+            [
+                "--mode",
+                "continuous",
+                "--max-batch-size",
+                "16",
+                "--threads",
+                str(args.threads),
+                "--log-level",
+                "warning",
+                "--max-loras",
+                str(NUM_ADAPTERS),
+                *loras,
+            ]
+        )
         try:
             async with AsyncClient(server.target) as client:
-                kinds = {"16 streams, no adapter": (requests, [""]), "16 streams, 4 adapters": (requests, names),
-                         "1 stream, no adapter": (requests[:1], [""]), "1 stream, an adapter": (requests[:1], names)}
+                kinds = {
+                    "16 streams, no adapter": (requests, [""]),
+                    "16 streams, 4 adapters": (requests, names),
+                    "1 stream, no adapter": (requests[:1], [""]),
+                    "1 stream, an adapter": (requests[:1], names),
+                }
                 for batch, adapters in kinds.values():  # warm-up
                     await tokens_per_second(client, batch[:4], adapters)
                 runs: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -78,8 +103,10 @@ async def main(args: argparse.Namespace) -> None:
         finally:
             server.stop()
     medians = {kind: statistics.median(values) for kind, values in runs.items()}
-    print(f"model {info.model_name} ({info.kernels}, {info.threads} threads), {len(info.adapters)} adapters of "
-          f"rank {RANK} in {args.adapter_dtype}; output tok/s, median of {args.repeats}:")
+    print(
+        f"model {info.model_name} ({info.kernels}, {info.threads} threads), {len(info.adapters)} adapters of "
+        f"rank {RANK} in {args.adapter_dtype}; output tok/s, median of {args.repeats}:"
+    )
     for kind, value in medians.items():
         print(f"  {kind}: {value:.1f}  (runs: {', '.join(f'{v:.1f}' for v in runs[kind])})")
     many = medians["16 streams, 4 adapters"] / medians["16 streams, no adapter"]
@@ -91,6 +118,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--adapter-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the dtype the adapters are saved in (bfloat16: the C step reads them in half the bytes)")
+    parser.add_argument(
+        "--adapter-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the dtype the adapters are saved in (bfloat16: the C step reads them in half the bytes)",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -41,16 +41,32 @@ PAGES = 8  # a row's pages
 
 def rows(n: int, adapters: list[int], decode: bool) -> list[Row]:
     """n rows, row b in pages of its own with adapters[b % len(adapters)]: the prompt, or one token after it."""
-    return [Row(pages=list(range(b * PAGES, (b + 1) * PAGES)), start=len(PROMPT) if decode else 0,
-                token_ids=[7 + b] if decode else PROMPT, sample=True, sampling=Sampling(), rng=None,
-                is_prompt=not decode, adapter=adapters[b % len(adapters)]) for b in range(n)]
+    return [
+        Row(
+            pages=list(range(b * PAGES, (b + 1) * PAGES)),
+            start=len(PROMPT) if decode else 0,
+            token_ids=[7 + b] if decode else PROMPT,
+            sample=True,
+            sampling=Sampling(),
+            rng=None,
+            is_prompt=not decode,
+            adapter=adapters[b % len(adapters)],
+        )
+        for b in range(n)
+    ]
 
 
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     base = Path(resolve(None, default_cache_dir())[1])
-    runner = ModelRunner(load(None, default_cache_dir()), torch.device("cpu"), torch.float32, num_pages=16 * PAGES,
-                         max_seq_len=2048, activations="int8")
+    runner = ModelRunner(
+        load(None, default_cache_dir()),
+        torch.device("cpu"),
+        torch.float32,
+        num_pages=16 * PAGES,
+        max_seq_len=2048,
+        activations="int8",
+    )
     decoder = runner.decoder
     with tempfile.TemporaryDirectory(prefix="braid-lora-pass-") as root:
         for i in range(4):
@@ -70,13 +86,16 @@ def main(args: argparse.Namespace) -> None:
     forward(rows(16, [0], False), True)  # the prompts into the cache
     kinds = {}
     for n, adapters in ((1, [1]), (16, [1, 2, 3, 4])):
-        same = torch.equal(forward(rows(n, adapters, True), False)[0].argmax(-1),
-                           forward(rows(n, adapters, True), True)[0].argmax(-1))
+        same = torch.equal(
+            forward(rows(n, adapters, True), False)[0].argmax(-1), forward(rows(n, adapters, True), True)[0].argmax(-1)
+        )
         print(f"{n} rows: the same greedy tokens on both adapter paths: {same}")
-        kinds |= {(n, "base, one C call"): (rows(n, [0], True), True),
-                  (n, "base, layer by layer"): (rows(n, [0], True), False),
-                  (n, "adapters, layer by layer"): (rows(n, adapters, True), False),
-                  (n, "adapters, one C call"): (rows(n, adapters, True), True)}
+        kinds |= {
+            (n, "base, one C call"): (rows(n, [0], True), True),
+            (n, "base, layer by layer"): (rows(n, [0], True), False),
+            (n, "adapters, layer by layer"): (rows(n, adapters, True), False),
+            (n, "adapters, one C call"): (rows(n, adapters, True), True),
+        }
     if args.one_call:
         kinds = {kind: value for kind, value in kinds.items() if value[1]}
     times: dict[tuple[int, str], list[float]] = {kind: [] for kind in kinds}
@@ -88,13 +107,18 @@ def main(args: argparse.Namespace) -> None:
             cpu[kind].append(used)
     print(f"{args.threads} threads; ms a pass, median (best) of {args.repeats}; CPU ms in it, median:")
     for (n, kind), values in times.items():
-        print(f"  {n:2d} rows, {kind}: {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}); "
-              f"CPU {statistics.median(cpu[n, kind]) * 1e3:.2f}")
+        print(
+            f"  {n:2d} rows, {kind}: {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}); "
+            f"CPU {statistics.median(cpu[n, kind]) * 1e3:.2f}"
+        )
     for n in (1, 16):
         for name, values in (("wall", times), ("CPU", cpu)):
             base = statistics.median(values[n, "base, one C call"])
-            ratios = [f"adapters {how} {base / statistics.median(values[n, f'adapters, {how}']):.3f}x"
-                      for how in ("layer by layer", "one C call") if (n, f"adapters, {how}") in values]
+            ratios = [
+                f"adapters {how} {base / statistics.median(values[n, f'adapters, {how}']):.3f}x"
+                for how in ("layer by layer", "one C call")
+                if (n, f"adapters, {how}") in values
+            ]
             print(f"  {n:2d} rows, speed against the base's one call ({name} medians): {', '.join(ratios)}")
 
 
@@ -103,6 +127,10 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--one-call", action="store_true", help="only the one-C-call kinds")
-    parser.add_argument("--adapter-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the dtype the adapters are saved in (bfloat16: the C step reads them in half the bytes)")
+    parser.add_argument(
+        "--adapter-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the dtype the adapters are saved in (bfloat16: the C step reads them in half the bytes)",
+    )
     main(parser.parse_args())

@@ -35,15 +35,23 @@ class MachineInfo:
 
 
 def describe(threads: int) -> MachineInfo:
-    return MachineInfo(cpu_model=_cpu_model(), cores=os.cpu_count() or 0, memory_gb=_memory_gb(),
-                       os=platform.platform(terse=True), threads=threads,
-                       python=platform.python_version(), torch=_version("torch"),
-                       transformers=_version("transformers"), grpcio=_version("grpcio"),
-                       braid_commit=braid_commit())
+    return MachineInfo(
+        cpu_model=_cpu_model(),
+        cores=os.cpu_count() or 0,
+        memory_gb=_memory_gb(),
+        os=platform.platform(terse=True),
+        threads=threads,
+        python=platform.python_version(),
+        torch=_version("torch"),
+        transformers=_version("transformers"),
+        grpcio=_version("grpcio"),
+        braid_commit=braid_commit(),
+    )
 
 
 def braid_commit() -> str:
     """HEAD's short hash, plus a hash of the uncommitted changes to server/ if there are any."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
@@ -57,8 +65,9 @@ def _cpu_model() -> str:
     info = Path("/proc/cpuinfo").read_text().splitlines()
     name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
     flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
-    extensions = [label for flag, label in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("amx_tile", "AMX"))
-                  if flag in flags]
+    extensions = [
+        label for flag, label in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("amx_tile", "AMX")) if flag in flags
+    ]
     return f"{name or 'unknown'} ({', '.join(extensions)})" if extensions else name or "unknown"
 
 
@@ -67,8 +76,15 @@ def vector_isa() -> str:
     "AVX2, FMA, F16C; no AVX-512, no AMX"."""
     info = Path("/proc/cpuinfo").read_text().splitlines()
     flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
-    wanted = (("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("avx512f", "AVX-512"),
-              ("avx512_bf16", "AVX-512 BF16"), ("avx512_vnni", "AVX-512 VNNI"), ("amx_tile", "AMX"))
+    wanted = (
+        ("avx2", "AVX2"),
+        ("fma", "FMA"),
+        ("f16c", "F16C"),
+        ("avx512f", "AVX-512"),
+        ("avx512_bf16", "AVX-512 BF16"),
+        ("avx512_vnni", "AVX-512 VNNI"),
+        ("amx_tile", "AMX"),
+    )
     present = [label for flag, label in wanted if flag in flags]
     absent = [f"no {label}" for flag, label in wanted if flag not in flags and "AVX-512 " not in label]
     return "; ".join(part for part in (", ".join(present), ", ".join(absent)) if part)

@@ -58,18 +58,30 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(system: str, workload, timings: list[StreamTiming], wall_s: float, prompt_tokens: int,
-              other_cpu: float = 0.0) -> Row:
+def summarize(
+    system: str, workload, timings: list[StreamTiming], wall_s: float, prompt_tokens: int, other_cpu: float = 0.0
+) -> Row:
     output_tokens = sum(t.num_tokens for t in timings)
     ttfts = [t.ttft_s * 1000 for t in timings]
     tpots = [t.tpot_s * 1000 for t in timings if t.tpot_s is not None]
-    return Row(system=system, workload=workload.name, concurrency=workload.concurrency,
-               num_requests=len(timings), prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-               wall_s=wall_s, tokens_per_s=output_tokens / wall_s, requests_per_s=len(timings) / wall_s,
-               ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99),
-               tpot_p50_ms=percentile(tpots, 50), tpot_p99_ms=percentile(tpots, 99),
-               ttft_max_ms=max(ttfts),
-               other_cpu=other_cpu, repeats=[output_tokens / wall_s])
+    return Row(
+        system=system,
+        workload=workload.name,
+        concurrency=workload.concurrency,
+        num_requests=len(timings),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        wall_s=wall_s,
+        tokens_per_s=output_tokens / wall_s,
+        requests_per_s=len(timings) / wall_s,
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
+        tpot_p50_ms=percentile(tpots, 50),
+        tpot_p99_ms=percentile(tpots, 99),
+        ttft_max_ms=max(ttfts),
+        other_cpu=other_cpu,
+        repeats=[output_tokens / wall_s],
+    )
 
 
 def median_row(rows: list[Row]) -> Row:
@@ -81,7 +93,7 @@ def median_row(rows: list[Row]) -> Row:
 
 
 def spread(values: list[float]) -> str:
-    """"123 (118-130)" for repeats, "123" for one value."""
+    """ "123 (118-130)" for repeats, "123" for one value."""
     if len(values) < 2:
         return f"{values[0]:.1f}" if values else "-"
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"

@@ -45,18 +45,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens a measurement waits for, at most")
-    parser.add_argument("--window-s", type=float, default=4.0,
-                        help="a measurement ends after this long even with fewer tokens (a collapsed server)")
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=4.0,
+        help="a measurement ends after this long even with fewer tokens (a collapsed server)",
+    )
     parser.add_argument("--quota", type=float, default=0.5, help="CPUs of the cgroup quota (0: skip)")
-    parser.add_argument("--variant", action="append", default=[],
-                        help='another server, "NAME:ENV=VALUE,...[:FLAG VALUE ...]", e.g. "spin 0:GOMP_SPINCOUNT=0"')
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help='another server, "NAME:ENV=VALUE,...[:FLAG VALUE ...]", e.g. "spin 0:GOMP_SPINCOUNT=0"',
+    )
     parser.add_argument("--only-variants", action="store_true", help="leave out the default and --threads 1")
-    parser.add_argument("--quiet-below", type=float, default=0.25,
-                        help="before each measurement, wait (at most --quiet-wait-s) until other processes use "
-                             "fewer cores than this")
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.25,
+        help="before each measurement, wait (at most --quiet-wait-s) until other processes use fewer cores than this",
+    )
     parser.add_argument("--quiet-wait-s", type=float, default=5.0)
-    parser.add_argument("--conditions", default=",".join(CONDITIONS),
-                        help=f"which of {', '.join(CONDITIONS)} to measure (the quota: --quota)")
+    parser.add_argument(
+        "--conditions",
+        default=",".join(CONDITIONS),
+        help=f"which of {', '.join(CONDITIONS)} to measure (the quota: --quota)",
+    )
     return parser.parse_args(argv)
 
 
@@ -73,8 +87,10 @@ def servers(args: argparse.Namespace) -> list[Server]:
 def decode_speed(target: str, tokens: int, window_s: float) -> float:
     """One greedy stream's decode tokens/s: tokens after the first over the time they took, ended
     after `tokens` tokens or `window_s` seconds from the first, whichever comes sooner."""
-    with Client(target) as client, client.stream(PROMPT, max_new_tokens=tokens + 1, ignore_eos=True,
-                                                 temperature=0) as generation:
+    with (
+        Client(target) as client,
+        client.stream(PROMPT, max_new_tokens=tokens + 1, ignore_eos=True, temperature=0) as generation,
+    ):
         first = last = 0.0
         count = 0
         for message in generation:
@@ -155,8 +171,9 @@ def start(server: Server, log_dir: Path, group: QuotaGroup | None = None) -> Bra
     return process
 
 
-def measure(args, chosen: list[Server], columns: list[str], group: QuotaGroup | None,
-            log_dir: Path) -> tuple[dict[tuple[str, str], list[float]], list[float]]:
+def measure(
+    args, chosen: list[Server], columns: list[str], group: QuotaGroup | None, log_dir: Path
+) -> tuple[dict[tuple[str, str], list[float]], list[float]]:
     """Every server's speed in every column, `args.repeats` times, the columns taking turns; and
     the cores other processes used during each measurement."""
     speeds: dict[tuple[str, str], list[float]] = {}
@@ -180,8 +197,11 @@ def measure(args, chosen: list[Server], columns: list[str], group: QuotaGroup | 
                         speed = decode_speed(running[server.name, in_quota].target, args.tokens, args.window_s)
                         other.append(meter.stop())
                     speeds.setdefault((server.name, column), []).append(speed)
-                    print(f"  repeat {repeat + 1} {server.name:>15} {column:>14}: {speed:6.1f} tok/s "
-                          f"(other processes: {other[-1]:.2f} cores)", file=sys.stderr)
+                    print(
+                        f"  repeat {repeat + 1} {server.name:>15} {column:>14}: {speed:6.1f} tok/s "
+                        f"(other processes: {other[-1]:.2f} cores)",
+                        file=sys.stderr,
+                    )
     return speeds, other
 
 
@@ -206,24 +226,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(args, chosen: list[Server], columns: list[str], speeds: dict, other: list[float],
-           group: QuotaGroup | None) -> str:
+def report(
+    args, chosen: list[Server], columns: list[str], speeds: dict, other: list[float], group: QuotaGroup | None
+) -> str:
     """The medians, and the ratios the issue sets targets for: each server beside busy processes
     over its own quiet speed, and in the quota over `--threads 1` in the quota."""
     median = {key: statistics.median(values) for key, values in speeds.items()}
     quota = columns[-1] if group else None
     ratios = [(f"{c} / quiet", c, "quiet") for c in columns if "busy" in c and "quiet" in columns]
     machine = describe(0)
-    lines = [f"{machine.cpu_model}, {machine.cores} cores, torch {machine.torch}, braid {machine.braid_commit}; "
-             f"`python benchmarks/neighbours.py {' '.join(argv_text())}`; one stream's decode tokens/s, median "
-             f"of {args.repeats} repeats (best quiet in brackets); other processes' CPU during the measurements: "
-             f"median {statistics.median(other):.2f} cores" + (f"; quota: {group.kind}" if group else ""), "",
-             "| server | " + " | ".join([*columns, *(r[0] for r in ratios)])
-             + (" | quota / quota `--threads 1`" if group else "") + " |",
-             "|---|" + "---:|" * (len(columns) + len(ratios) + bool(group))]
+    lines = [
+        f"{machine.cpu_model}, {machine.cores} cores, torch {machine.torch}, braid {machine.braid_commit}; "
+        f"`python benchmarks/neighbours.py {' '.join(argv_text())}`; one stream's decode tokens/s, median "
+        f"of {args.repeats} repeats (best quiet in brackets); other processes' CPU during the measurements: "
+        f"median {statistics.median(other):.2f} cores" + (f"; quota: {group.kind}" if group else ""),
+        "",
+        "| server | "
+        + " | ".join([*columns, *(r[0] for r in ratios)])
+        + (" | quota / quota `--threads 1`" if group else "")
+        + " |",
+        "|---|" + "---:|" * (len(columns) + len(ratios) + bool(group)),
+    ]
     for server in chosen:
-        cells = [f"{median[server.name, c]:.1f}" + (f" ({max(speeds[server.name, c]):.0f})" if c == "quiet" else "")
-                 for c in columns]
+        cells = [
+            f"{median[server.name, c]:.1f}" + (f" ({max(speeds[server.name, c]):.0f})" if c == "quiet" else "")
+            for c in columns
+        ]
         cells += [f"{median[server.name, c] / median[server.name, base]:.2f}" for _, c, base in ratios]
         if group:
             reference = median.get(("--threads 1", quota))

@@ -35,17 +35,35 @@ def main() -> None:
     decoder, page = runner.decoder, runner.page_size
     context = [(i * 7919) % 40000 + 100 for i in range(200)]
     pages = list(range(-(-(len(context) + 16) // page)))
-    runner.run([Row(pages=pages, start=0, token_ids=context, sample=False, sampling=SAMPLING, rng=None,
-                    is_prompt=True)])
-    kinds = {"decode step, 1 row": Row(pages=pages, start=len(context), token_ids=[5], sample=True,
-                                       sampling=SAMPLING, rng=None),
-             "speculating row, k = 4": Row(pages=pages, start=len(context), token_ids=[5, 6, 7, 8, 9], sample=True,
-                                           sampling=SAMPLING, rng=None, num_proposals=4)}
+    runner.run(
+        [Row(pages=pages, start=0, token_ids=context, sample=False, sampling=SAMPLING, rng=None, is_prompt=True)]
+    )
+    kinds = {
+        "decode step, 1 row": Row(
+            pages=pages, start=len(context), token_ids=[5], sample=True, sampling=SAMPLING, rng=None
+        ),
+        "speculating row, k = 4": Row(
+            pages=pages,
+            start=len(context),
+            token_ids=[5, 6, 7, 8, 9],
+            sample=True,
+            sampling=SAMPLING,
+            rng=None,
+            num_proposals=4,
+        ),
+    }
     base = len(pages)
     for n in (int(p) for p in args.prompts.split(",")):
         chunk_pages = list(range(base, base + -(-n // page)))
-        kinds[f"prompt chunk, {n} tokens"] = Row(pages=chunk_pages, start=0, token_ids=context[:1] * n, sample=True,
-                                                 sampling=SAMPLING, rng=None, is_prompt=True)
+        kinds[f"prompt chunk, {n} tokens"] = Row(
+            pages=chunk_pages,
+            start=0,
+            token_ids=context[:1] * n,
+            sample=True,
+            sampling=SAMPLING,
+            rng=None,
+            is_prompt=True,
+        )
     times: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for repeat in range(args.repeats + 1):  # the first a warm-up
         for name, row in kinds.items():
@@ -54,17 +72,20 @@ def main() -> None:
                 wall, cpu = time.perf_counter(), time.process_time()
                 runner.run([row])
                 if repeat:
-                    times.setdefault((name, one_call), []).append((time.perf_counter() - wall,
-                                                                   time.process_time() - cpu))
+                    times.setdefault((name, one_call), []).append(
+                        (time.perf_counter() - wall, time.process_time() - cpu)
+                    )
     decoder.one_call = decoder.fused_attention = True
     print(f"{args.threads} threads, medians of {args.repeats} (ms: wall / CPU)\n")
     print("| pass | one C call | per op, torch's attention | per op / one call (wall) |")
     print("|---|---:|---:|---:|")
     for name in kinds:
-        one, per_op = ([statistics.median(t[i] for t in times[name, flag]) * 1000 for i in (0, 1)]
-                       for flag in (True, False))
-        print(f"| {name} | {one[0]:.1f} / {one[1]:.1f} | {per_op[0]:.1f} / {per_op[1]:.1f} | "
-              f"{per_op[0] / one[0]:.2f}x |")
+        one, per_op = (
+            [statistics.median(t[i] for t in times[name, flag]) * 1000 for i in (0, 1)] for flag in (True, False)
+        )
+        print(
+            f"| {name} | {one[0]:.1f} / {one[1]:.1f} | {per_op[0]:.1f} / {per_op[1]:.1f} | {per_op[0] / one[0]:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

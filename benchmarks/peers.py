@@ -94,23 +94,39 @@ def _generate(hf: HFModel, prompts: list[list[int]], max_new_tokens: int, clock:
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[hf.pad_token_id] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    hf.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                      min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=hf.pad_token_id,
-                      streamer=clock)
+    hf.model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=hf.pad_token_id,
+        streamer=clock,
+    )
 
 
 def _generate_batch(hf: HFModel, requests: list[Request]) -> tuple[list[StreamTiming], float]:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max(r.max_new_tokens for r in requests), do_sample=False,
-                              eos_token_id=-1,  # -1: no end-of-sequence, every request runs to the end
-                              pad_token_id=hf.pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=max(r.max_new_tokens for r in requests),
+        do_sample=False,
+        eos_token_id=-1,  # -1: no end-of-sequence, every request runs to the end
+        pad_token_id=hf.pad_token_id,
+    )
     start = time.perf_counter()
-    outputs = hf.model.generate_batch(inputs=[r.prompt_ids for r in requests], generation_config=config,
-                                      record_timestamps=True, persistent_manager=True, warmup=False)
+    outputs = hf.model.generate_batch(
+        inputs=[r.prompt_ids for r in requests],
+        generation_config=config,
+        record_timestamps=True,
+        persistent_manager=True,
+        warmup=False,
+    )
     failed = [out.error for out in outputs.values() if out.error is not None]
     if failed or len(outputs) != len(requests):
         raise RuntimeError(f"generate_batch: {len(outputs)} of {len(requests)} requests came back; {failed[:1]}")
-    timings = [StreamTiming(start, out.timestamps[0], out.timestamps[-1], len(out.generated_tokens))
-               for out in outputs.values()]
+    timings = [
+        StreamTiming(start, out.timestamps[0], out.timestamps[-1], len(out.generated_tokens))
+        for out in outputs.values()
+    ]
     return timings, max(t.last for t in timings) - start

@@ -48,8 +48,16 @@ from workloads import SEED, PromptMaker, Request, Workload
 PARTS = ("capacity", "prefix", "chat")
 SLOT_COMMIT = "82e61da"  # the last braid with one KV-cache slot of --max-seq-len per session
 KV_MEMORY, MAX_SEQ_LEN, MAX_SESSIONS = 512 * 2**20, 4096, 128
-CAPACITY_FLAGS = ["--kv-cache-memory", "512MiB", "--max-seq-len", str(MAX_SEQ_LEN), "--max-sessions",
-                  str(MAX_SESSIONS), "--max-concurrent-streams", "256"]  # all 128 streams on one connection
+CAPACITY_FLAGS = [
+    "--kv-cache-memory",
+    "512MiB",
+    "--max-seq-len",
+    str(MAX_SEQ_LEN),
+    "--max-sessions",
+    str(MAX_SESSIONS),
+    "--max-concurrent-streams",
+    "256",
+]  # all 128 streams on one connection
 SESSION_PROMPT, SESSION_NEW = 184, 16  # a 200-token session
 POLL_S, PLATEAU_S = 0.02, 2.0
 PREFIX_TOKENS, QUESTION_TOKENS = 1000, (20, 50)
@@ -68,8 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every server")
     parser.add_argument("--output", type=Path, default=bench.DOCS / "benchmarks.md", help="the page to write to")
     parser.add_argument("--no-docs", action="store_true", help="print the section only")
-    parser.add_argument("--report-from", type=Path, metavar="JSON",
-                        help="write the section from a run's saved results (~/.cache/braid/bench/prefix-*.json)")
+    parser.add_argument(
+        "--report-from",
+        type=Path,
+        metavar="JSON",
+        help="write the section from a run's saved results (~/.cache/braid/bench/prefix-*.json)",
+    )
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if unknown := set(args.parts) - set(PARTS):
@@ -78,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- ServerStatus
+
 
 async def counters(client) -> dict[str, int]:
     status = await client.server_status()
@@ -105,13 +118,15 @@ async def settled(client, timeout_s: float = 30.0) -> None:
 
 # ---------------------------------------------------------------- 1. capacity
 
+
 def slot_server() -> Path:
     """braid's server/ at SLOT_COMMIT, extracted once with git archive; first on PYTHONPATH, it is the
     server `braid serve` runs (with the stubs and client of this tree, which only add fields)."""
     root = bench.RESULTS_DIR / f"braid-{SLOT_COMMIT}"
     if not (root / "server").is_dir():
-        archive = subprocess.run(["git", "archive", SLOT_COMMIT, "server"], cwd=machine.REPO, capture_output=True,
-                                 check=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", SLOT_COMMIT, "server"], cwd=machine.REPO, capture_output=True, check=True
+        ).stdout
         staging = Path(tempfile.mkdtemp(prefix="braid-slot-", dir=bench.RESULTS_DIR))
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(staging, filter="data")
@@ -159,17 +174,25 @@ async def peak_admitted(client, requests: list[Request]) -> dict[str, int]:
 
 
 async def bench_capacity(maker: PromptMaker, model_path: str, args, results: PrefixResults) -> None:
-    requests = [replace(maker.prompt(SESSION_PROMPT), max_new_tokens=SESSION_NEW, cache_salt=f"capacity-{i}")
-                for i in range(MAX_SESSIONS)]
+    requests = [
+        replace(maker.prompt(SESSION_PROMPT), max_new_tokens=SESSION_NEW, cache_salt=f"capacity-{i}")
+        for i in range(MAX_SESSIONS)
+    ]
     for key, env in (("paged", None), ("slot", {"PYTHONPATH": str(slot_server())})):
         bench.log(f"capacity, {key}: {len(requests)} sessions of {SESSION_PROMPT}+{SESSION_NEW} tokens at once")
-        async with braid_server.running("continuous", threads=args.threads, max_batch_size=bench.MAX_BATCH_SIZE,
-                                        log_path=Path(tempfile.gettempdir()) / f"braid-prefix-{key}.log",
-                                        extra_args=CAPACITY_FLAGS, env=env) as (client, _):
+        async with braid_server.running(
+            "continuous",
+            threads=args.threads,
+            max_batch_size=bench.MAX_BATCH_SIZE,
+            log_path=Path(tempfile.gettempdir()) / f"braid-prefix-{key}.log",
+            extra_args=CAPACITY_FLAGS,
+            env=env,
+        ) as (client, _):
             before = await counters(client)
             if bool(before["kv_page_tokens"]) != (key == "paged"):  # 0 from a server before issue 13
-                raise RuntimeError(f"the {key} server is not the one asked for (kv_page_tokens "
-                                   f"{before['kv_page_tokens']})")
+                raise RuntimeError(
+                    f"the {key} server is not the one asked for (kv_page_tokens {before['kv_page_tokens']})"
+                )
             if key == "paged":
                 results.settings["kv_cache_dtype"] = (await client.model_info()).kv_cache_dtype
             peak = await peak_admitted(client, requests)
@@ -186,16 +209,24 @@ async def bench_capacity(maker: PromptMaker, model_path: str, args, results: Pre
 
 # ---------------------------------------------------------------- 2. a shared prefix
 
+
 def with_prefix(maker: PromptMaker, prefix: Request, question: Request, new_tokens: int) -> Request:
     text = f"{prefix.prompt}\n{question.prompt}"
     ids = maker.encode(text)
-    if ids[:len(prefix.prompt_ids)] != prefix.prompt_ids:
+    if ids[: len(prefix.prompt_ids)] != prefix.prompt_ids:
         raise RuntimeError("the question changed the tokens of the prefix")
     return Request(text, ids, new_tokens)
 
 
-async def measure(system: str, workload: Workload, send, pid: int, requests_for: Callable[[int], list[Request]],
-                  client=None, results: PrefixResults | None = None) -> Row:
+async def measure(
+    system: str,
+    workload: Workload,
+    send,
+    pid: int,
+    requests_for: Callable[[int], list[Request]],
+    client=None,
+    results: PrefixResults | None = None,
+) -> Row:
     """bench.measure, run k sending requests_for(k); with `client`, ServerStatus's counters after each run."""
     runs = itertools.count()
 
@@ -214,26 +245,33 @@ def prefix_runs(maker: PromptMaker, s: dict) -> tuple[list[Request], list[list[R
     every set shares one prefix and has its own questions, so a warm run finds the prefix cached,
     never its questions."""
     prefix = maker.prompt(PREFIX_TOKENS)
-    warm_up, *sets = [[with_prefix(maker, prefix, question, s["new_tokens"])
-                       for question in maker.batch(s["count"], *QUESTION_TOKENS)]
-                      for _ in range(s["repeats"] + bench.RETRIES + 2)]
+    warm_up, *sets = [
+        [
+            with_prefix(maker, prefix, question, s["new_tokens"])
+            for question in maker.batch(s["count"], *QUESTION_TOKENS)
+        ]
+        for _ in range(s["repeats"] + bench.RETRIES + 2)
+    ]
     return warm_up, sets, Workload(PREFIX, "shared prefix", sets[0], s["count"], repeats=s["repeats"])
 
 
-async def bench_prefix(client, pid: int, warm_up: list[Request], sets: list[list[Request]], workload: Workload,
-                       results: PrefixResults) -> None:
+async def bench_prefix(
+    client, pid: int, warm_up: list[Request], sets: list[list[Request]], workload: Workload, results: PrefixResults
+) -> None:
     def salted(salt: Callable[[int, int], str]) -> Callable[[int], list[Request]]:
         return lambda run: [replace(r, cache_salt=salt(run, i)) for i, r in enumerate(sets[run])]
 
     send = braid_server.sender(client)
     await braid_server.warm_up(send, [replace(r, cache_salt="warm") for r in warm_up])
     results.add(await measure(BRAID_WARM, workload, send, pid, salted(lambda run, i: "warm"), client, results))
-    results.add(await measure(BRAID_COLD, workload, send, pid, salted(lambda run, i: f"cold-{run}-{i}"),
-                              client, results))
+    results.add(
+        await measure(BRAID_COLD, workload, send, pid, salted(lambda run, i: f"cold-{run}-{i}"), client, results)
+    )
 
 
-async def bench_llama_cpp(warm_up: list[Request], sets: list[list[Request]], workload: Workload, args,
-                          results: PrefixResults) -> None:
+async def bench_llama_cpp(
+    warm_up: list[Request], sets: list[list[Request]], workload: Workload, args, results: PrefixResults
+) -> None:
     import httpx
 
     from braid.server.model.loader import embedded_gguf
@@ -242,9 +280,15 @@ async def bench_llama_cpp(warm_up: list[Request], sets: list[list[Request]], wor
         return
     longest = max(len(r.prompt_ids) + r.max_new_tokens for run in sets for r in run)
     count = workload.concurrency
-    with llamacpp.running_server(llama, embedded_gguf(), braid_server.free_port(), parallel=count,
-                                 context=llamacpp.context_size(count, longest), threads=args.threads,
-                                 log_path=Path(tempfile.gettempdir()) / "braid-prefix-llama-server.log") as (url, pid):
+    with llamacpp.running_server(
+        llama,
+        embedded_gguf(),
+        braid_server.free_port(),
+        parallel=count,
+        context=llamacpp.context_size(count, longest),
+        threads=args.threads,
+        log_path=Path(tempfile.gettempdir()) / "braid-prefix-llama-server.log",
+    ) as (url, pid):
         async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=64)) as http:
             warm, cold = llamacpp.sender(http, url, cache_prompt=True), llamacpp.sender(http, url)
             await braid_server.warm_up(warm, warm_up)
@@ -253,6 +297,7 @@ async def bench_llama_cpp(warm_up: list[Request], sets: list[list[Request]], wor
 
 
 # ---------------------------------------------------------------- 3. a multi-turn chat
+
 
 async def bench_chat(client, maker: PromptMaker, results: PrefixResults) -> None:
     """Each run a fresh chat of CHAT_TURNS turns, then its last turn again under a fresh salt."""
@@ -269,25 +314,46 @@ async def bench_chat(client, maker: PromptMaker, results: PrefixResults) -> None
             messages.append(("user", question))
             warm, generation = await braid_server.timed(client, messages=messages, cache_salt=f"chat-{run}", **params)
             messages.append(("assistant", generation.text))
-        cold, cold_generation = await braid_server.timed(client, messages=messages[:-1], cache_salt=f"chat-cold-{run}",
-                                                         **params)
+        cold, cold_generation = await braid_server.timed(
+            client, messages=messages[:-1], cache_salt=f"chat-cold-{run}", **params
+        )
         for key, timing, final in (("warm", warm, generation.final), ("cold", cold, cold_generation.final)):
-            results.chat[key].append({"ttft_ms": timing.ttft_s * 1000, "prompt_tokens": final.usage.prompt_tokens,
-                                      "cached_tokens": final.usage.cached_tokens})
+            results.chat[key].append(
+                {
+                    "ttft_ms": timing.ttft_s * 1000,
+                    "prompt_tokens": final.usage.prompt_tokens,
+                    "cached_tokens": final.usage.cached_tokens,
+                }
+            )
         bench.log(f"  chat {run}: 4th turn TTFT warm {warm.ttft_s * 1000:.0f} ms, cold {cold.ttft_s * 1000:.0f} ms")
     results.counters["chat (all runs)"] = one_run(before, await counters(client))
 
 
 # ---------------------------------------------------------------- the run
 
+
 def settings(args, command: str) -> dict:
-    return {"command": command, "quick": args.quick, "repeats": 1 if args.quick else args.repeats,
-            "slot_commit": SLOT_COMMIT, "capacity_flags": CAPACITY_FLAGS, "capacity_sessions": MAX_SESSIONS,
-            "session_prompt": SESSION_PROMPT, "session_new": SESSION_NEW, "poll_ms": POLL_S * 1000,
-            "plateau_s": PLATEAU_S, "count": 8 if args.quick else 16, "prefix_tokens": PREFIX_TOKENS,
-            "question_tokens": QUESTION_TOKENS, "new_tokens": 16 if args.quick else 64, "chat_turns": CHAT_TURNS,
-            "chat_system_tokens": CHAT_SYSTEM_TOKENS, "chat_answer_tokens": 32 if args.quick else 128,
-            "braid_max_batch_size": bench.MAX_BATCH_SIZE, "disturbed_above": bench.DISTURBED_ABOVE}
+    return {
+        "command": command,
+        "quick": args.quick,
+        "repeats": 1 if args.quick else args.repeats,
+        "slot_commit": SLOT_COMMIT,
+        "capacity_flags": CAPACITY_FLAGS,
+        "capacity_sessions": MAX_SESSIONS,
+        "session_prompt": SESSION_PROMPT,
+        "session_new": SESSION_NEW,
+        "poll_ms": POLL_S * 1000,
+        "plateau_s": PLATEAU_S,
+        "count": 8 if args.quick else 16,
+        "prefix_tokens": PREFIX_TOKENS,
+        "question_tokens": QUESTION_TOKENS,
+        "new_tokens": 16 if args.quick else 64,
+        "chat_turns": CHAT_TURNS,
+        "chat_system_tokens": CHAT_SYSTEM_TOKENS,
+        "chat_answer_tokens": 32 if args.quick else 128,
+        "braid_max_batch_size": bench.MAX_BATCH_SIZE,
+        "disturbed_above": bench.DISTURBED_ABOVE,
+    }
 
 
 async def run_all(args, command: str) -> PrefixResults:
@@ -308,8 +374,12 @@ async def run_all(args, command: str) -> PrefixResults:
         results.save(json_path)
     warm_up, sets, workload = prefix_runs(prefix_maker, results.settings)
     if {"prefix", "chat"} & set(args.parts):
-        async with braid_server.running("continuous", threads=args.threads, max_batch_size=bench.MAX_BATCH_SIZE,
-                                        log_path=Path(tempfile.gettempdir()) / "braid-prefix.log") as (client, pid):
+        async with braid_server.running(
+            "continuous",
+            threads=args.threads,
+            max_batch_size=bench.MAX_BATCH_SIZE,
+            log_path=Path(tempfile.gettempdir()) / "braid-prefix.log",
+        ) as (client, pid):
             results.settings["kv_cache_dtype"] = (await client.model_info()).kv_cache_dtype
             if "prefix" in args.parts:
                 await bench_prefix(client, pid, warm_up, sets, workload, results)

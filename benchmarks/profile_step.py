@@ -86,17 +86,21 @@ def thread_of(stack: list[str]) -> str:
     return "edge" if "grpc" in head or "_poll_wrapper" in head else "rest"
 
 
-async def keep_busy(target: str, requests: list[workloads.Request], stop: asyncio.Event,
-                    counts: list[tuple[float, int]]) -> None:
+async def keep_busy(
+    target: str, requests: list[workloads.Request], stop: asyncio.Event, counts: list[tuple[float, int]]
+) -> None:
     """Each request's stream, sent again as soon as it ends, until stop; counts: (time, tokens) per message."""
     async with AsyncClient(target) as client:
+
         async def worker(request: workloads.Request) -> None:
             while not stop.is_set():
-                async for message in client.stream(request.prompt, max_new_tokens=request.max_new_tokens,
-                                                   ignore_eos=True, cache_salt=uuid.uuid4().hex):
+                async for message in client.stream(
+                    request.prompt, max_new_tokens=request.max_new_tokens, ignore_eos=True, cache_salt=uuid.uuid4().hex
+                ):
                     counts.append((time.perf_counter(), len(message.token_ids)))
                     if stop.is_set():
                         break
+
         await asyncio.gather(*(worker(r) for r in requests))
 
 
@@ -105,15 +109,31 @@ async def spy(py_spy: str, pid: int, seconds: float, rate: int, out: Path, nativ
     the C frames, pausing it for each sample."""
     mode = ["--native"] if native else ["--nonblocking"]
     process = await asyncio.create_subprocess_exec(
-        py_spy, "record", "--pid", str(pid), *mode, "--threads", "--rate", str(rate), "--duration", str(int(seconds)),
-        "--format", "raw", "--output", str(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        py_spy,
+        "record",
+        "--pid",
+        str(pid),
+        *mode,
+        "--threads",
+        "--rate",
+        str(rate),
+        "--duration",
+        str(int(seconds)),
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     _, err = await process.communicate()
     if process.returncode:
         raise RuntimeError(f"py-spy failed: {err.decode()[-500:]}")
 
 
-async def profile_server(server: BraidProcess, py_spy: str, requests: list[workloads.Request], seconds: float,
-                         rate: int, out: Path) -> float:
+async def profile_server(
+    server: BraidProcess, py_spy: str, requests: list[workloads.Request], seconds: float, rate: int, out: Path
+) -> float:
     """Tokens per second over py-spy's window; the stacks in out."""
     stop, counts = asyncio.Event(), []
     load = asyncio.create_task(keep_busy(server.target, requests, stop, counts))
@@ -145,9 +165,11 @@ def server_table(streams: int, tokens_per_second: float, samples, rate: int, sec
     step_ms = 1e3 * streams / tokens_per_second
     wall = rate * seconds  # samples of a thread busy all the time
     model = counts["model"]
-    print(f"\n{streams} streams, end to end: {tokens_per_second:.0f} tok/s, {step_ms:.1f} ms a step "
-          f"({tokens_per_second / streams:.1f} steps/s); the model thread busy {sum(model.values()) / wall:.0%} "
-          "of the time")
+    print(
+        f"\n{streams} streams, end to end: {tokens_per_second:.0f} tok/s, {step_ms:.1f} ms a step "
+        f"({tokens_per_second / streams:.1f} steps/s); the model thread busy {sum(model.values()) / wall:.0%} "
+        "of the time"
+    )
     print("| where (the model thread) | share of wall time | ms per step | us per token |")
     print("|---|---:|---:|---:|")
     ms = {}
@@ -156,13 +178,19 @@ def server_table(streams: int, tokens_per_second: float, samples, rate: int, sec
         ms[name] = share * step_ms
         print(f"| {name} | {share:.1%} | {ms[name]:.2f} | {ms[name] * 1e3 / streams:.0f} |")
     idle = 1 - sum(model.values()) / wall
-    print(f"| not running (waiting: for the GIL, the inbox; or not sampled) | {idle:.1%} | {idle * step_ms:.2f} | "
-          f"{idle * step_ms * 1e3 / streams:.0f} |")
-    for thread, title in (("edge", "gRPC edge and grpc's poller threads (CPU, beside the step)"),
-                          ("rest", "other threads (detokenizer pool, ...)")):
+    print(
+        f"| not running (waiting: for the GIL, the inbox; or not sampled) | {idle:.1%} | {idle * step_ms:.2f} | "
+        f"{idle * step_ms * 1e3 / streams:.0f} |"
+    )
+    for thread, title in (
+        ("edge", "gRPC edge and grpc's poller threads (CPU, beside the step)"),
+        ("rest", "other threads (detokenizer pool, ...)"),
+    ):
         cores = sum(counts[thread].values()) / wall
-        print(f"| {title} | {cores:.1%} of a core | {cores * step_ms:.2f} CPU-ms | "
-              f"{cores * step_ms * 1e3 / streams:.0f} CPU-us |")
+        print(
+            f"| {title} | {cores:.1%} of a core | {cores * step_ms:.2f} CPU-ms | "
+            f"{cores * step_ms * 1e3 / streams:.0f} CPU-us |"
+        )
     return ms
 
 
@@ -191,8 +219,14 @@ def native_step(rows: int, flags: dict, py_spy: str, seconds: float, rate: int, 
     from braid.server.model.loader import load
     from braid.server.runner.model_runner import ModelRunner
 
-    runner = ModelRunner(load(None, default_cache_dir()), torch.device("cpu"), torch.float32,
-                         num_pages=PAGES * rows, max_seq_len=2048, **flags)
+    runner = ModelRunner(
+        load(None, default_cache_dir()),
+        torch.device("cpu"),
+        torch.float32,
+        num_pages=PAGES * rows,
+        max_seq_len=2048,
+        **flags,
+    )
     pass_times(runner, rows, 3)  # prompts in, warm
     done = threading.Event()
 
@@ -217,8 +251,11 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=400, help="each stream's answer before it is sent again")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--flags", default="", help="braid serve flags (e.g. --activations float32)")
-    parser.add_argument("--native-flags", default="", help="ModelRunner settings for the in-process passes, as "
-                        "name=value (e.g. activations=float32); match --flags")
+    parser.add_argument(
+        "--native-flags",
+        default="",
+        help="ModelRunner settings for the in-process passes, as name=value (e.g. activations=float32); match --flags",
+    )
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     parser.add_argument("--keep", type=Path, help="a folder to keep py-spy's raw stacks in")
     args = parser.parse_args()
@@ -229,11 +266,23 @@ def main() -> int:
     native_flags = dict(flag.split("=", 1) for flag in args.native_flags.split())
     for streams in args.streams:
         requests = [dataclasses.replace(r, max_new_tokens=args.new_tokens) for r in maker.batch(streams, 30, 60)]
-        server = BraidProcess([*args.flags.split(), "--mode", "continuous", "--max-batch-size", str(max(32, streams)),
-                               "--threads", str(args.threads), "--log-level", "warning"])
+        server = BraidProcess(
+            [
+                *args.flags.split(),
+                "--mode",
+                "continuous",
+                "--max-batch-size",
+                str(max(32, streams)),
+                "--threads",
+                str(args.threads),
+                "--log-level",
+                "warning",
+            ]
+        )
         try:
-            tps = asyncio.run(profile_server(server, args.py_spy, requests, args.seconds, args.rate,
-                                             folder / f"server-{streams}.txt"))
+            tps = asyncio.run(
+                profile_server(server, args.py_spy, requests, args.seconds, args.rate, folder / f"server-{streams}.txt")
+            )
         finally:
             server.stop()
         ms = server_table(streams, tps, read_raw(folder / f"server-{streams}.txt"), args.rate, args.seconds)

@@ -107,6 +107,7 @@ class Results:
 
 # ---------------------------------------------------------------- tables
 
+
 def _ms(value: float) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
 
@@ -115,15 +116,19 @@ def workload_table(results: Results, workload: str) -> str:
     rows = [r for r in results.rows if r.workload == workload]
     if not rows:
         return ""
-    lines = ["| system | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-             "| wall s | other CPU |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| system | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
+        "| wall s | other CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     disturbed_above = results.settings.get("disturbed_above", math.inf)
     for r in rows:
         other = f"{r.other_cpu:.2f}" + (" (disturbed)" if r.other_cpu > disturbed_above else "")
-        lines.append(f"| {r.system} | {spread(r.repeats)} | {r.requests_per_s:.2f} | {_ms(r.ttft_p50_ms)} "
-                     f"| {_ms(r.ttft_p99_ms)} | {_ms(r.tpot_p50_ms)} | {_ms(r.tpot_p99_ms)} | {r.wall_s:.1f} "
-                     f"| {other} |")
+        lines.append(
+            f"| {r.system} | {spread(r.repeats)} | {r.requests_per_s:.2f} | {_ms(r.ttft_p50_ms)} "
+            f"| {_ms(r.ttft_p99_ms)} | {_ms(r.tpot_p50_ms)} | {_ms(r.tpot_p99_ms)} | {r.wall_s:.1f} "
+            f"| {other} |"
+        )
     return "\n".join(lines)
 
 
@@ -136,8 +141,7 @@ def sweep_table(results: Results, metric: str = "tokens_per_s", digits: int = 1)
     systems = list(dict.fromkeys(r.system for r in results.rows if r.workload.startswith("sweep-")))
     if not levels:
         return ""
-    lines = ["| system \\ streams | " + " | ".join(str(n) for n in levels) + " |",
-             "|---|" + "---:|" * len(levels)]
+    lines = ["| system \\ streams | " + " | ".join(str(n) for n in levels) + " |", "|---|" + "---:|" * len(levels)]
     for system in systems:
         cells = []
         for n in levels:
@@ -147,10 +151,20 @@ def sweep_table(results: Results, metric: str = "tokens_per_s", digits: int = 1)
     return "\n".join(lines)
 
 
-_MACHINE_LABELS = {"cpu_model": "CPU", "cores": "cores", "memory_gb": "memory (GB)", "os": "OS",
-                   "threads": "threads per system", "python": "Python", "torch": "torch",
-                   "transformers": "transformers", "grpcio": "grpcio", "braid_commit": "braid commit",
-                   "llama_cpp": "llama.cpp build", "vector_isa": "vector ISA"}
+_MACHINE_LABELS = {
+    "cpu_model": "CPU",
+    "cores": "cores",
+    "memory_gb": "memory (GB)",
+    "os": "OS",
+    "threads": "threads per system",
+    "python": "Python",
+    "torch": "torch",
+    "transformers": "transformers",
+    "grpcio": "grpcio",
+    "braid_commit": "braid commit",
+    "llama_cpp": "llama.cpp build",
+    "vector_isa": "vector ISA",
+}
 
 
 def machine_table(machine: dict) -> str:
@@ -161,6 +175,7 @@ def machine_table(machine: dict) -> str:
 
 # ---------------------------------------------------------------- ratios and targets
 
+
 @dataclass
 class Ratio:
     label: str
@@ -169,8 +184,15 @@ class Ratio:
     met: bool | None = None
 
 
-def _ratio(results: Results, label: str, num: tuple[str, str], den: tuple[str, str],
-           metric: str = "tokens_per_s", target: float | None = None, below: bool = False) -> Ratio:
+def _ratio(
+    results: Results,
+    label: str,
+    num: tuple[str, str],
+    den: tuple[str, str],
+    metric: str = "tokens_per_s",
+    target: float | None = None,
+    below: bool = False,
+) -> Ratio:
     a, b = results.find(*num), results.find(*den)
     if a is None or b is None or not getattr(b, metric):
         return Ratio(label, None)
@@ -184,17 +206,23 @@ def ratios(results: Results) -> list[Ratio]:
     t = TARGETS
     count = results.settings.get("count", 16)
     return [
-        _ratio(results, "continuous ÷ HF static batch, tok/s", (braid("continuous"), t), (HF_STATIC, t),
-               target=2),
-        _ratio(results, "continuous ÷ llama.cpp server, tok/s", (braid("continuous"), t), (LLAMA_CPP, t),
-               target=1),
+        _ratio(results, "continuous ÷ HF static batch, tok/s", (braid("continuous"), t), (HF_STATIC, t), target=2),
+        _ratio(results, "continuous ÷ llama.cpp server, tok/s", (braid("continuous"), t), (LLAMA_CPP, t), target=1),
         _ratio(results, "continuous ÷ HF generate_batch, tok/s", (braid("continuous"), t), (HF_CONTINUOUS, t)),
         _ratio(results, "batched ÷ sequential, tok/s", (braid("batched"), t), (braid("sequential"), t), target=5),
         _ratio(results, "continuous ÷ sequential, tok/s", (braid("continuous"), t), (braid("sequential"), t)),
-        _ratio(results, "interleaved ÷ sequential, tok/s", (braid("interleaved"), t), (braid("sequential"), t),
-               target=0.9),
-        _ratio(results, f"interleaved ÷ sequential, TTFT of the last of {count}", (braid("interleaved"), t),
-               (braid("sequential"), t), metric="ttft_max_ms", target=0.1, below=True),
+        _ratio(
+            results, "interleaved ÷ sequential, tok/s", (braid("interleaved"), t), (braid("sequential"), t), target=0.9
+        ),
+        _ratio(
+            results,
+            f"interleaved ÷ sequential, TTFT of the last of {count}",
+            (braid("interleaved"), t),
+            (braid("sequential"), t),
+            metric="ttft_max_ms",
+            target=0.1,
+            below=True,
+        ),
     ]
 
 
@@ -202,10 +230,18 @@ def absolute_targets(results: Results) -> list[Ratio]:
     single = results.find(braid("sequential"), "single")
     continuous = results.find(braid("continuous"), TARGETS)
     return [
-        Ratio("sequential, one stream, tok/s", single and single.tokens_per_s, "≥ 35",
-              single and single.tokens_per_s >= 35),
-        Ratio(f"continuous, {results.settings.get('count', 16)} streams, tok/s", continuous and continuous.tokens_per_s, "≥ 250",
-              continuous and continuous.tokens_per_s >= 250),
+        Ratio(
+            "sequential, one stream, tok/s",
+            single and single.tokens_per_s,
+            "≥ 35",
+            single and single.tokens_per_s >= 35,
+        ),
+        Ratio(
+            f"continuous, {results.settings.get('count', 16)} streams, tok/s",
+            continuous and continuous.tokens_per_s,
+            "≥ 250",
+            continuous and continuous.tokens_per_s >= 250,
+        ),
     ]
 
 
@@ -219,6 +255,7 @@ def ratio_table(items: list[Ratio], issue: int = 3) -> str:
 
 
 # ---------------------------------------------------------------- the whole report
+
 
 def tables(results: Results) -> str:
     parts = []
@@ -238,7 +275,7 @@ def markdown(results: Results, plot_name: str | None) -> str:
     notes = "".join(f"- {n}\n" for n in results.notes)
     return f"""# braid benchmarks
 
-> One run on {results.started} (braid commit `{results.machine.get('braid_commit')}`), every system
+> One run on {results.started} (braid commit `{results.machine.get("braid_commit")}`), every system
 > on the same machine in the same run. A shared VM's speed drifts (on the 2-core VM of issue 3, by
 > about 20% over tens of minutes): compare the rows of one run, not figures from different runs.
 
@@ -246,7 +283,7 @@ Every figure is measured from the client side: braid over gRPC (its Python `Asyn
 one stream per request), llama.cpp over HTTP (streamed `/completion`), Hugging Face transformers
 in-process (their best case: no server, no network). Same model folder (SmolLM2-135M-Instruct, the
 embedded GGUF dequantised to fp32), same prompts (built from a fixed seed, exact token lengths),
-greedy, `ignore_eos`, {s.get('new_tokens')} new tokens per request, every count checked.
+greedy, `ignore_eos`, {s.get("new_tokens")} new tokens per request, every count checked.
 
 ## How to reproduce
 
@@ -265,11 +302,11 @@ cores) into `~/.cache/braid/llama.cpp/`; nothing of it is in the repo. A full ru
 
 {machine_table(results.machine)}
 
-Settings: {', '.join(f'{k} {v}' for k, v in s.items())}.
+Settings: {", ".join(f"{k} {v}" for k, v in s.items())}.
 
 ## Issue 3's targets
 
-The targets workload is {s.get('count', 16)} requests of 30-60 prompt tokens sent at once.
+The targets workload is {s.get("count", 16)} requests of 30-60 prompt tokens sent at once.
 
 {ratio_table(absolute_targets(results) + ratios(results))}
 
@@ -289,7 +326,7 @@ received); with repeats it is the median, with the range in brackets, and the ot
 from the median repeat. TTFT is from sending a request to its first token; TPOT is
 (last token − first token) / (tokens − 1) per stream. "other CPU" is how many cores other
 processes on the machine used meanwhile (the runs share 2 cores with whoever else is working);
-a run with more than {s.get('disturbed_above', 0.3)} is repeated.
+a run with more than {s.get("disturbed_above", 0.3)} is repeated.
 
 {tables(results)}
 
@@ -314,6 +351,7 @@ def plot(results: Results, path: Path) -> bool:
         return False
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -323,14 +361,14 @@ def plot(results: Results, path: Path) -> bool:
     colours = {braid(m): f"C{i}" for i, m in enumerate(MODES)} | {LLAMA_CPP: "C4"}
     for system in systems:
         points = [(n, row) for n in levels if (row := results.find(system, f"sweep-{n}"))]
-        style = dict(linestyle="--" if system == LLAMA_CPP else "-", marker="o", label=system,
-                     color=colours.get(system))
+        style = dict(
+            linestyle="--" if system == LLAMA_CPP else "-", marker="o", label=system, color=colours.get(system)
+        )
         tput.plot([n for n, _ in points], [r.tokens_per_s for _, r in points], **style)
         ttft.plot([n for n, _ in points], [r.ttft_p50_ms for _, r in points], **style)
     for peer, colour in ((HF_STATIC, "grey"), (HF_CONTINUOUS, "tab:brown"), (HF_SEQUENTIAL, "black")):
         if row := results.find(peer, TARGETS):
-            tput.axhline(row.tokens_per_s, color=colour, linestyle=":",
-                         label=f"{peer} ({row.num_requests} at once)")
+            tput.axhline(row.tokens_per_s, color=colour, linestyle=":", label=f"{peer} ({row.num_requests} at once)")
     for axis, label in ((tput, "output tokens/s"), (ttft, "TTFT p50 (ms, log)")):
         axis.set_xscale("log", base=2)
         axis.set_xticks(levels, [str(n) for n in levels])
@@ -339,8 +377,11 @@ def plot(results: Results, path: Path) -> bool:
         axis.grid(alpha=0.3)
     ttft.set_yscale("log")
     tput.legend(fontsize=7)
-    fig.suptitle(f"SmolLM2-135M fp32, {results.machine.get('cores')} CPU cores, {results.settings.get('new_tokens')} "
-                 f"new tokens per request (braid {results.machine.get('braid_commit')}, {results.started})", fontsize=9)
+    fig.suptitle(
+        f"SmolLM2-135M fp32, {results.machine.get('cores')} CPU cores, {results.settings.get('new_tokens')} "
+        f"new tokens per request (braid {results.machine.get('braid_commit')}, {results.started})",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -34,8 +34,10 @@ from braid.client import Client  # noqa: E402
 from braid_server import free_port  # noqa: E402
 from cluster import Cluster, Replica, wait_until  # noqa: E402
 
-WORDS = ("sea river stone light garden window letter market winter summer music paper forest table "
-         "mountain bridge village morning evening silver orange yellow animal answer number story").split()
+WORDS = (
+    "sea river stone light garden window letter market winter summer music paper forest table "
+    "mountain bridge village morning evening silver orange yellow animal answer number story"
+).split()
 
 
 def system_prompt(name: str, words: int) -> str:
@@ -58,8 +60,9 @@ def workload(cluster: Cluster, run: str, route_keys: bool, args) -> dict:
     def one(client: Client, system: str, question: int) -> None:
         nonlocal cached, prompt, generated
         began = time.monotonic()
-        with client.stream(f"{system}\nQuestion {question}:", max_new_tokens=args.new_tokens, ignore_eos=True,
-                           timeout=600) as generation:
+        with client.stream(
+            f"{system}\nQuestion {question}:", max_new_tokens=args.new_tokens, ignore_eos=True, timeout=600
+        ) as generation:
             first = None
             for message in generation:
                 if first is None and message.token_ids:
@@ -67,16 +70,25 @@ def workload(cluster: Cluster, run: str, route_keys: bool, args) -> dict:
         usage = generation.final.usage
         with lock:
             ttfts.append(first * 1000)
-            cached, prompt, generated = cached + usage.cached_tokens, prompt + usage.prompt_tokens, \
-                generated + usage.generated_tokens
+            cached, prompt, generated = (
+                cached + usage.cached_tokens,
+                prompt + usage.prompt_tokens,
+                generated + usage.generated_tokens,
+            )
 
     with Client(cluster.target, route_keys=route_keys) as client:
         began = time.monotonic()
         with futures.ThreadPoolExecutor(args.concurrency) as pool:
             list(pool.map(lambda call: one(client, *call), calls))
         wall = time.monotonic() - began
-    return {"p50": statistics.median(ttfts), "p95": percentile(ttfts, 0.95), "tok_s": generated / wall,
-            "cached": cached / prompt, "prompt_tokens": prompt // len(calls), "wall": wall}
+    return {
+        "p50": statistics.median(ttfts),
+        "p95": percentile(ttfts, 0.95),
+        "tok_s": generated / wall,
+        "cached": cached / prompt,
+        "prompt_tokens": prompt // len(calls),
+        "wall": wall,
+    }
 
 
 def rolling_restart(cluster: Cluster, args) -> list[tuple[float, float]]:
@@ -84,8 +96,16 @@ def rolling_restart(cluster: Cluster, args) -> list[tuple[float, float]]:
     times = []
     with Client(cluster.target) as client:
         for replica in cluster.replicas:
-            generations = [client.stream(f"Story {i}: the sea is", max_new_tokens=args.stream_tokens,
-                                         ignore_eos=True, temperature=0, timeout=600) for i in range(8)]
+            generations = [
+                client.stream(
+                    f"Story {i}: the sea is",
+                    max_new_tokens=args.stream_tokens,
+                    ignore_eos=True,
+                    temperature=0,
+                    timeout=600,
+                )
+                for i in range(8)
+            ]
             readers = [threading.Thread(target=lambda g=g: list(g)) for g in generations]
             for reader in readers:
                 reader.start()
@@ -94,8 +114,11 @@ def rolling_restart(cluster: Cluster, args) -> list[tuple[float, float]]:
             old.send_signal(signal.SIGTERM)
             old.wait(600)
             exited = time.monotonic() - began
-            wait_until(lambda: replica.proc is not old and cluster.proxy_states()[replica.name] == "UP", 300,
-                       f"{replica.name} back UP")
+            wait_until(
+                lambda: replica.proc is not old and cluster.proxy_states()[replica.name] == "UP",
+                300,
+                f"{replica.name} back UP",
+            )
             times.append((exited, time.monotonic() - began))
             for reader in readers:
                 reader.join(600)
@@ -116,8 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     threads = str(max(1, (os.cpu_count() or 1) // 3))
     base = [*model, "--threads", threads, "--kv-cache-memory", "1GiB", "--grace-period", "600"]
     replicas = [Replica(f"replica-{n}", free_port(), free_port()) for n in (1, 2, 3)]
-    cluster = Cluster(replicas, Path(tempfile.mkdtemp(prefix="braid-routing-")), port=free_port(),
-                      stats_port=free_port(), quiet=True, braid_args=[*base, "--handover-grace", "0"])
+    cluster = Cluster(
+        replicas,
+        Path(tempfile.mkdtemp(prefix="braid-routing-")),
+        port=free_port(),
+        stats_port=free_port(),
+        quiet=True,
+        braid_args=[*base, "--handover-grace", "0"],
+    )
     cluster.start()
     try:
         keyed = workload(cluster, "keyed", True, args)
@@ -128,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         with_handover = rolling_restart(cluster, args)
     finally:
         cluster.stop()
-    print(f"workload: 48 calls, {keyed['prompt_tokens']} prompt tokens, {args.new_tokens} new tokens, "
-          f"{args.concurrency} at a time, 3 replicas ({threads} threads each) behind HAProxy")
+    print(
+        f"workload: 48 calls, {keyed['prompt_tokens']} prompt tokens, {args.new_tokens} new tokens, "
+        f"{args.concurrency} at a time, 3 replicas ({threads} threads each) behind HAProxy"
+    )
     print("| routing | TTFT p50 | TTFT p95 | generated tok/s | prompt tokens cached |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in (("braid-route-key (consistent hash, bounded load)", keyed), ("leastconn (no key)", plain)):
@@ -137,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrolling restart, 8 greedy streams of {args.stream_tokens} tokens started before each replica's SIGTERM:")
     print("| drain | SIGTERM to exit, per replica | SIGTERM to UP again | whole roll |")
     print("| --- | --- | --- | --- |")
-    for name, times in (("wait for the streams (--handover-grace 0)", without),
-                        (f"hand-over (--handover-grace {args.handover_grace:g})", with_handover)):
-        print(f"| {name} | {', '.join(f'{e:.1f}' for e, _ in times)} s | {', '.join(f'{u:.1f}' for _, u in times)} s "
-              f"| {sum(u for _, u in times):.0f} s |")
+    for name, times in (
+        ("wait for the streams (--handover-grace 0)", without),
+        (f"hand-over (--handover-grace {args.handover_grace:g})", with_handover),
+    ):
+        print(
+            f"| {name} | {', '.join(f'{e:.1f}' for e, _ in times)} s | {', '.join(f'{u:.1f}' for _, u in times)} s "
+            f"| {sum(u for _, u in times):.0f} s |"
+        )
     return 0
 
 

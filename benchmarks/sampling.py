@@ -18,9 +18,12 @@ from braid.server.runner import sampler
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
-SETTINGS = {"T 0.8, top_p 0.95": dict(temperature=0.8, top_p=0.95),
-            "T 0.7, top_p 0.9, top_k 50": dict(temperature=0.7, top_p=0.9, top_k=50),
-            "T 1.0": dict(temperature=1.0), "greedy": dict()}
+SETTINGS = {
+    "T 0.8, top_p 0.95": dict(temperature=0.8, top_p=0.95),
+    "T 0.7, top_p 0.9, top_k 50": dict(temperature=0.7, top_p=0.9, top_k=50),
+    "T 1.0": dict(temperature=1.0),
+    "greedy": dict(),
+}
 
 
 def real_logits(count: int) -> torch.Tensor:
@@ -31,8 +34,15 @@ def real_logits(count: int) -> torch.Tensor:
     text = (Path(__file__).parent.parent / "tests" / "data" / "perplexity.txt").read_text()
     ids = model.hf_tokenizer(text)["input_ids"][:count]
     runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=64, max_seq_len=2048)
-    row = Row(pages=list(range(-(-count // 16))), start=0, token_ids=ids, sample=False, sampling=Sampling(),
-              rng=None, is_prompt=True)
+    row = Row(
+        pages=list(range(-(-count // 16))),
+        start=0,
+        token_ids=ids,
+        sample=False,
+        sampling=Sampling(),
+        rng=None,
+        is_prompt=True,
+    )
     batch, _, _ = runner._build([row])
     batch.logit_rows = torch.arange(count)
     with torch.no_grad():
@@ -58,8 +68,10 @@ def main() -> None:
                 for count in times:
                     sampler.CANDIDATES = count
                     seeded = [Sampling(seed=seed, **params) for seed in range(rows)]
-                    batch = [Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=s,
-                                 rng=sampler.random_state(s)) for s in seeded]
+                    batch = [
+                        Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=s, rng=sampler.random_state(s))
+                        for s in seeded
+                    ]
                     start = time.perf_counter()
                     sampler.sample(logits[:rows].clone(), batch)
                     times[count].append(time.perf_counter() - start)

@@ -66,8 +66,15 @@ PASSAGES = [
     "len(values)\n\n\ndef variance(values):\n    m = mean(values)\n    total = 0\n    for value in values:\n"
     "        total += (value - m) ** 2\n    return total / len(values)\n",
 ]
-TYPOS = {"rises": "rizes", "water": "watter", "button": "buton", "network": "netwrok", "engineers": "enginers",
-         "company": "compnay", "value": "valeu"}
+TYPOS = {
+    "rises": "rizes",
+    "water": "watter",
+    "button": "buton",
+    "network": "netwrok",
+    "engineers": "enginers",
+    "company": "compnay",
+    "value": "valeu",
+}
 INSTRUCTIONS = [
     "Repeat the following passage exactly, word for word:\n\n{}",
     "Fix the spelling mistakes in this passage and write it out again in full:\n\n{}",
@@ -91,8 +98,10 @@ class Call:
 
 
 def copy_requests(quick: bool) -> list[Call]:
-    chats = [INSTRUCTIONS[i % len(INSTRUCTIONS)].format(_typos(p) if i % 3 == 1 else p)
-             for i, p in enumerate(PASSAGES * (1 if quick else 3))]
+    chats = [
+        INSTRUCTIONS[i % len(INSTRUCTIONS)].format(_typos(p) if i % 3 == 1 else p)
+        for i, p in enumerate(PASSAGES * (1 if quick else 3))
+    ]
     return [Call(dict(messages=[("user", c)], max_new_tokens=160, temperature=0)) for c in chats]
 
 
@@ -112,9 +121,19 @@ def random_draft(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                 tie_word_embeddings=True, initializer_range=0.3)).save_pretrained(path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            initializer_range=0.3,
+        )
+    ).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(_embedded()) / name, path / name)
     return path
@@ -124,8 +143,10 @@ def chat_requests(count: int) -> list[Call]:
     from transformers import AutoTokenizer
 
     maker = PromptMaker(AutoTokenizer.from_pretrained(_embedded()))
-    return [Call(dict(prompt=r.prompt, max_new_tokens=64, ignore_eos=True, temperature=0), r.prompt_ids)
-            for r in maker.batch(count, 30, 60)]
+    return [
+        Call(dict(prompt=r.prompt, max_new_tokens=64, ignore_eos=True, temperature=0), r.prompt_ids)
+        for r in maker.batch(count, 30, 60)
+    ]
 
 
 @dataclass
@@ -177,8 +198,12 @@ class BraidSystem:
     async def counters(self) -> list:
         """tokens generated, forward passes, proposals, accepted proposals: so far."""
         status = await self.client.server_status()
-        return [status.tokens_generated, status.forward_passes, status.speculative_proposed_tokens,
-                status.speculative_accepted_tokens]
+        return [
+            status.tokens_generated,
+            status.forward_passes,
+            status.speculative_proposed_tokens,
+            status.speculative_accepted_tokens,
+        ]
 
 
 class LlamaCppSystem:
@@ -201,9 +226,15 @@ class LlamaCppSystem:
                 prompt = await llamacpp.apply_template(self.http, self.url, messages)
             else:
                 prompt = call.prompt_ids
-            self.bodies[id(call)] = {"prompt": prompt, "n_predict": p["max_new_tokens"],
-                                     "ignore_eos": p.get("ignore_eos", False), "temperature": 0,
-                                     "stream": True, "cache_prompt": True, "return_tokens": True}
+            self.bodies[id(call)] = {
+                "prompt": prompt,
+                "n_predict": p["max_new_tokens"],
+                "ignore_eos": p.get("ignore_eos", False),
+                "temperature": 0,
+                "stream": True,
+                "cache_prompt": True,
+                "return_tokens": True,
+            }
 
     async def run(self, calls: list[Call], streams: int) -> Run:
         async def one(call: Call):
@@ -231,10 +262,20 @@ def llama_cpp_flags(args, gguf: Path) -> dict[str, list[str]]:
     --llama-cpp-ngram-n tokens in the context, the tokens after it proposed) drafting as many tokens
     as braid's --speculative-tokens; draft-self: the same file as its own draft model."""
     k = str(args.speculative_tokens)
-    return {"none": [],
-            "ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.llama_cpp_ngram_n),
-                      "--spec-ngram-simple-size-m", k, "--spec-draft-n-max", k],
-            "draft-self": ["--spec-type", "draft-simple", "-md", str(gguf), "--spec-draft-n-max", k]}
+    return {
+        "none": [],
+        "ngram": [
+            "--spec-type",
+            "ngram-simple",
+            "--spec-ngram-simple-size-n",
+            str(args.llama_cpp_ngram_n),
+            "--spec-ngram-simple-size-m",
+            k,
+            "--spec-draft-n-max",
+            k,
+        ],
+        "draft-self": ["--spec-type", "draft-simple", "-md", str(gguf), "--spec-draft-n-max", k],
+    }
 
 
 async def start_llama_cpp(stack, args, workloads: dict, log_dir: Path) -> dict:
@@ -256,34 +297,55 @@ async def start_llama_cpp(stack, args, workloads: dict, log_dir: Path) -> dict:
     for name, extra in llama_cpp_flags(args, gguf).items():
         if name in args.llama_cpp_systems:
             url, _ = await asyncio.to_thread(
-                stack.enter_context, llamacpp.running_server(
-                    llama, gguf, braid_server.free_port(), parallel=parallel, context=context, threads=args.threads,
-                    log_path=log_dir / f"llama-cpp-{name}.log", extra_args=extra))
+                stack.enter_context,
+                llamacpp.running_server(
+                    llama,
+                    gguf,
+                    braid_server.free_port(),
+                    parallel=parallel,
+                    context=context,
+                    threads=args.threads,
+                    log_path=log_dir / f"llama-cpp-{name}.log",
+                    extra_args=extra,
+                ),
+            )
             systems[LLAMA + name] = LlamaCppSystem(http, url)
     return systems
 
 
 async def measure(args) -> dict:
-    workloads = {"copy-1": (copy_requests(args.quick), 1), "chat-1": (chat_requests(4), 1),
-                 "chat-16": (chat_requests(16 if args.quick else 32), 16)}
+    workloads = {
+        "copy-1": (copy_requests(args.quick), 1),
+        "chat-1": (chat_requests(4), 1),
+        "chat-16": (chat_requests(16 if args.quick else 32), 16),
+    }
     for name, (calls, streams) in workloads.items():  # the smoke run's limits
         for call in calls:
             call.params["max_new_tokens"] = min(call.params["max_new_tokens"], args.max_new_tokens or 10**9)
-        workloads[name] = (calls[:args.requests or None], streams)
+        workloads[name] = (calls[: args.requests or None], streams)
     log_dir = Path(tempfile.mkdtemp(prefix="braid-spec-bench-"))
     k = ["--speculative-tokens", str(args.speculative_tokens)]
-    flags = {"none": [], "ngram": ["--speculative", "ngram", *k],
-             "draft-random": ["--speculative", "draft", "--draft-model", str(random_draft(log_dir / "random")), *k],
-             "draft-self": ["--speculative", "draft", "--draft-model", _embedded(), *k]}
+    flags = {
+        "none": [],
+        "ngram": ["--speculative", "ngram", *k],
+        "draft-random": ["--speculative", "draft", "--draft-model", str(random_draft(log_dir / "random")), *k],
+        "draft-self": ["--speculative", "draft", "--draft-model", _embedded(), *k],
+    }
     results: dict = {}
     counts: dict = {}  # tokens, passes (None: not reported), proposed, accepted
     seen: dict = {}  # (system, workload): the last round's Run
     async with contextlib.AsyncExitStack() as stack:
         systems: dict = {}
         for name in args.systems:
-            client, _ = await stack.enter_async_context(braid_server.running(
-                "continuous", threads=args.threads, max_batch_size=32, log_path=log_dir / f"{name}.log",
-                extra_args=["--kv-cache-memory", "512MiB", *flags[name]]))
+            client, _ = await stack.enter_async_context(
+                braid_server.running(
+                    "continuous",
+                    threads=args.threads,
+                    max_batch_size=32,
+                    log_path=log_dir / f"{name}.log",
+                    extra_args=["--kv-cache-memory", "512MiB", *flags[name]],
+                )
+            )
             systems[name] = BraidSystem(client)
         if args.llama_cpp_systems:
             systems |= await start_llama_cpp(stack, args, workloads, log_dir)
@@ -321,29 +383,46 @@ def _checks(m: dict) -> list[str]:
     (the same chat template and prompt ids) and the comparisons of braid's rows to llama.cpp's."""
     braid = [s for s in m["systems"] if not s.startswith(LLAMA)]
     llama = [s for s in m["systems"] if s.startswith(LLAMA)]
-    lines = ["Tokens with and without speculation, braid: " + ", ".join(
-        f"{w}: {_same(m, w, braid, 'none')}" for w in m["workloads"]) + "."]
+    lines = [
+        "Tokens with and without speculation, braid: "
+        + ", ".join(f"{w}: {_same(m, w, braid, 'none')}" for w in m["workloads"])
+        + "."
+    ]
     if llama:
         base = LLAMA + "none"
         lines.append("llama.cpp: " + ", ".join(f"{w}: {_same(m, w, llama, base)}" for w in m["workloads"]) + ".")
-        lines.append("Prompt tokens, braid against llama.cpp: " + ", ".join(
-            f"{w}: {'the same' if m['seen']['none', w].prompt_tokens == m['seen'][base, w].prompt_tokens else 'DIFFERENT'}"
-            for w in m["workloads"]) + "; tokens generated in a round (copy-heavy ends at EOS), braid "
-            + ", ".join(f"{w}: {m['seen']['none', w].generated}/{m['seen'][base, w].generated}"
-                        for w in m["workloads"]) + " (braid/llama.cpp, without speculation).")
+        lines.append(
+            "Prompt tokens, braid against llama.cpp: "
+            + ", ".join(
+                f"{w}: {'the same' if m['seen']['none', w].prompt_tokens == m['seen'][base, w].prompt_tokens else 'DIFFERENT'}"
+                for w in m["workloads"]
+            )
+            + "; tokens generated in a round (copy-heavy ends at EOS), braid "
+            + ", ".join(f"{w}: {m['seen']['none', w].generated}/{m['seen'][base, w].generated}" for w in m["workloads"])
+            + " (braid/llama.cpp, without speculation)."
+        )
         for system in ("none", "ngram", "draft-self"):
             if system in braid and LLAMA + system in llama:
-                lines.append(f"braid {system} against llama.cpp {system}, output tok/s (median of the rounds' "
-                             "ratios): " + ", ".join(f"{w} {_median_ratio(m, system, LLAMA + system, w):.2f}x"
-                                                     for w in m["workloads"]) + ".")
+                lines.append(
+                    f"braid {system} against llama.cpp {system}, output tok/s (median of the rounds' "
+                    "ratios): "
+                    + ", ".join(f"{w} {_median_ratio(m, system, LLAMA + system, w):.2f}x" for w in m["workloads"])
+                    + "."
+                )
     return lines
 
 
 def markdown(m: dict, args) -> str:
-    rows = ["| workload | system | output tok/s (median) | tokens per pass | acceptance | ratio to its server's "
-            "none (median of the rounds' ratios) |", "|---|---|---|---|---|---|"]
-    titles = {"copy-1": "copy-heavy (repeat/fix/rewrite a passage), 1 stream", "chat-1": "chat, 1 stream",
-              "chat-16": "chat, 16 streams"}
+    rows = [
+        "| workload | system | output tok/s (median) | tokens per pass | acceptance | ratio to its server's "
+        "none (median of the rounds' ratios) |",
+        "|---|---|---|---|---|---|",
+    ]
+    titles = {
+        "copy-1": "copy-heavy (repeat/fix/rewrite a passage), 1 stream",
+        "chat-1": "chat, 1 stream",
+        "chat-16": "chat, 16 streams",
+    }
     for name in m["workloads"]:
         for system in m["systems"]:
             base = LLAMA + "none" if system.startswith(LLAMA) else "none"
@@ -352,38 +431,60 @@ def markdown(m: dict, args) -> str:
             acceptance = f"{accepted / proposed:.0%} of {proposed}" if proposed else "-"
             per_pass = f"{tokens / max(1, passes):.2f}" if passes is not None else "-"
             label = system if system.startswith(LLAMA) else f"braid {system}"
-            rows.append(f"| {titles[name]} | {label} | {tok_s:.1f} | {per_pass} | {acceptance} "
-                        f"| {_median_ratio(m, system, base, name):.2f}x |")
+            rows.append(
+                f"| {titles[name]} | {label} | {tok_s:.1f} | {per_pass} | {acceptance} "
+                f"| {_median_ratio(m, system, base, name):.2f}x |"
+            )
     runs = max(len(v) for v in m["results"].values())
     llama = ""
     if args.llama_cpp_systems:
         flags = llama_cpp_flags(args, Path("<the same GGUF>"))
         parallel = max(LLAMA_PARALLEL, *(s for _, s in m["workloads"].values()))
-        llama = (f" llama.cpp ({llamacpp.find().build_info}): `llama-server -m <the same GGUF> -t {args.threads} "
-                 f"-tb {args.threads} --parallel {parallel} -c {llamacpp.context_size(parallel, LONGEST)}` "
-                 "plus, per system, " + "; ".join(f"{name}: `{' '.join(f) or '(nothing)'}`" for name, f in flags.items()
-                                                  if name in args.llama_cpp_systems)
-                 + ". Its requests are braid's: the same prompt ids, or the same chat through the GGUF's chat "
-                 "template (`/apply-template`), greedy, the same new tokens, EOS ignored where braid ignores it, "
-                 "the prompt cache on as braid's prefix cache is. ngram-simple looks up one n-gram length only "
-                 "(the most recent match of the last n tokens), where braid tries --ngram-max 4 down to "
-                 "--ngram-min 2; llama.cpp reports no forward passes (tokens per pass: -).")
-    command = (f"benchmarks/speculative.py --threads {args.threads} --speculative-tokens {args.speculative_tokens} "
-               f"--systems {','.join(args.systems)}")
+        llama = (
+            f" llama.cpp ({llamacpp.find().build_info}): `llama-server -m <the same GGUF> -t {args.threads} "
+            f"-tb {args.threads} --parallel {parallel} -c {llamacpp.context_size(parallel, LONGEST)}` "
+            "plus, per system, "
+            + "; ".join(
+                f"{name}: `{' '.join(f) or '(nothing)'}`" for name, f in flags.items() if name in args.llama_cpp_systems
+            )
+            + ". Its requests are braid's: the same prompt ids, or the same chat through the GGUF's chat "
+            "template (`/apply-template`), greedy, the same new tokens, EOS ignored where braid ignores it, "
+            "the prompt cache on as braid's prefix cache is. ngram-simple looks up one n-gram length only "
+            "(the most recent match of the last n tokens), where braid tries --ngram-max 4 down to "
+            "--ngram-min 2; llama.cpp reports no forward passes (tokens per pass: -)."
+        )
+    command = (
+        f"benchmarks/speculative.py --threads {args.threads} --speculative-tokens {args.speculative_tokens} "
+        f"--systems {','.join(args.systems)}"
+    )
     if args.llama_cpp_systems:
-        command += f" --llama-cpp-systems {','.join(args.llama_cpp_systems)} --llama-cpp-ngram-n {args.llama_cpp_ngram_n}"
+        command += (
+            f" --llama-cpp-systems {','.join(args.llama_cpp_systems)} --llama-cpp-ngram-n {args.llama_cpp_ngram_n}"
+        )
     else:
         command += " --no-llama-cpp"
-    for flag, value in (("--quick", args.quick), ("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens)):
+    for flag, value in (
+        ("--quick", args.quick),
+        ("--requests", args.requests),
+        ("--max-new-tokens", args.max_new_tokens),
+    ):
         command += f" {flag}" + ("" if value is True else f" {value}") if value else ""
-    return "\n".join([
-        HEADING, "",
-        f"`{command}` (`make bench-speculative`), the embedded SmolLM2-135M-Instruct (Q4_1, int8 rows), braid in "
-        f"continuous mode, {runs} rounds of each workload, the servers taking turns (A B C, C B A, ...)." + llama
-        + " The machine was shared with other work while this ran, so the absolute figures are noisy; the ratios "
-        "are within one run.", "",
-        *rows, "", *_checks(m), "",
-    ])
+    return "\n".join(
+        [
+            HEADING,
+            "",
+            f"`{command}` (`make bench-speculative`), the embedded SmolLM2-135M-Instruct (Q4_1, int8 rows), braid in "
+            f"continuous mode, {runs} rounds of each workload, the servers taking turns (A B C, C B A, ...)."
+            + llama
+            + " The machine was shared with other work while this ran, so the absolute figures are noisy; the ratios "
+            "are within one run.",
+            "",
+            *rows,
+            "",
+            *_checks(m),
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -392,15 +493,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every server")
     parser.add_argument("--speculative-tokens", type=int, default=4)
-    parser.add_argument("--systems", default="none,ngram,draft-random,draft-self",
-                        help="braid's, of: none (always run), ngram, draft-random (a tiny random draft), draft-self "
-                             "(the embedded model drafting for itself)")
-    parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=None,
-                        help="llama.cpp's systems too (default: when a llama-server build is found)")
-    parser.add_argument("--llama-cpp-systems", default="none,ngram,draft-self",
-                        help="llama.cpp's, of: none (always run), ngram (--spec-type ngram-simple), draft-self")
-    parser.add_argument("--llama-cpp-ngram-n", type=int, default=4,
-                        help="llama.cpp ngram's lookup length (--spec-ngram-simple-size-n; braid's --ngram-max)")
+    parser.add_argument(
+        "--systems",
+        default="none,ngram,draft-random,draft-self",
+        help="braid's, of: none (always run), ngram, draft-random (a tiny random draft), draft-self "
+        "(the embedded model drafting for itself)",
+    )
+    parser.add_argument(
+        "--llama-cpp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="llama.cpp's systems too (default: when a llama-server build is found)",
+    )
+    parser.add_argument(
+        "--llama-cpp-systems",
+        default="none,ngram,draft-self",
+        help="llama.cpp's, of: none (always run), ngram (--spec-type ngram-simple), draft-self",
+    )
+    parser.add_argument(
+        "--llama-cpp-ngram-n",
+        type=int,
+        default=4,
+        help="llama.cpp ngram's lookup length (--spec-ngram-simple-size-n; braid's --ngram-max)",
+    )
     parser.add_argument("--requests", type=int, help="at most this many requests a workload (a smoke run)")
     parser.add_argument("--max-new-tokens", type=int, help="at most this many new tokens a request (a smoke run)")
     parser.add_argument("--output", type=Path, default=bench.DOCS / "benchmarks.md", help="the page to write to")

@@ -51,8 +51,7 @@ class PromptMaker:
     def __init__(self, tokenizer, seed: int = SEED) -> None:
         self._tokenizer = tokenizer
         vocab = tokenizer.get_vocab()
-        self._words = [token[1:] for token, _ in sorted(vocab.items(), key=lambda kv: kv[1])
-                       if _WORD.fullmatch(token)]
+        self._words = [token[1:] for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if _WORD.fullmatch(token)]
         self._rng = random.Random(seed)
 
     def encode(self, text: str) -> list[int]:
@@ -84,30 +83,38 @@ class PromptMaker:
         return offsets
 
 
-def build(tokenizer, *, quick: bool = False, poisson_rate: float = 2.0,
-          repeats: int = 3) -> dict[str, Workload]:
+def build(tokenizer, *, quick: bool = False, poisson_rate: float = 2.0, repeats: int = 3) -> dict[str, Workload]:
     """Every workload by name, in the order they run. `quick` shrinks the slow ones."""
     maker = PromptMaker(tokenizer)
     count = 8 if quick else 16
-    single = Workload("single", "single stream, ~40-token prompt", [maker.prompt(40)], 1,
-                      repeats=repeats)
+    single = Workload("single", "single stream, ~40-token prompt", [maker.prompt(40)], 1, repeats=repeats)
     targets = maker.batch(count, 30, 60)
     mixed = maker.batch(count, 20, 300)
     poisson_requests = maker.batch(count, 30, 60)
     workloads = [
         single,
         Workload("targets", f"{count} at once, prompts 30-60 tokens", targets, count, repeats=repeats),
-        Workload("mixed", f"{count} at once, prompts 20-300 tokens", mixed, count,
-                 repeats=1 if quick else 2),
-        Workload("poisson", f"{count} Poisson arrivals at {poisson_rate:g}/s, prompts 30-60 tokens",
-                 poisson_requests, count, maker.poisson_offsets(count, poisson_rate)),
+        Workload("mixed", f"{count} at once, prompts 20-300 tokens", mixed, count, repeats=1 if quick else 2),
+        Workload(
+            "poisson",
+            f"{count} Poisson arrivals at {poisson_rate:g}/s, prompts 30-60 tokens",
+            poisson_requests,
+            count,
+            maker.poisson_offsets(count, poisson_rate),
+        ),
     ]
     sweep_pool = targets + maker.batch(max(SWEEP) - count, 30, 60)
-    for concurrency in ((1, 4, 16) if quick else SWEEP):
+    for concurrency in (1, 4, 16) if quick else SWEEP:
         # Closed loop: `concurrency` streams, at least 4 requests so that low levels see a few. At
         # `count` streams this is the targets workload itself, which is not run twice.
         num = max(concurrency, 4)
-        workloads.append(Workload(f"sweep-{concurrency}", f"closed loop, {concurrency} streams",
-                                  sweep_pool[:num], concurrency,
-                                  same_as="targets" if concurrency == count else None))
+        workloads.append(
+            Workload(
+                f"sweep-{concurrency}",
+                f"closed loop, {concurrency} streams",
+                sweep_pool[:num],
+                concurrency,
+                same_as="targets" if concurrency == count else None,
+            )
+        )
     return {w.name: w for w in workloads}

@@ -97,14 +97,22 @@ class Cluster:
                 self._spawn(replica)
             for replica in self.replicas:
                 self.wait_serving(replica)
-            self._haproxy = self._run([binary("haproxy"), "-f", str(self._haproxy_config())], "haproxy.log",
-                                      env={**os.environ, **self._haproxy_env()})
+            self._haproxy = self._run(
+                [binary("haproxy"), "-f", str(self._haproxy_config())],
+                "haproxy.log",
+                env={**os.environ, **self._haproxy_env()},
+            )
             wait_until(self._all_up, 30, "HAProxy has every replica UP", self._haproxy)
             if self.prometheus_port:
                 self._prometheus = self._run(
-                    [binary("prometheus"), f"--config.file={self._prometheus_config()}",
-                     f"--storage.tsdb.path={self.run_dir / 'prometheus'}",
-                     f"--web.listen-address={self.host}:{self.prometheus_port}"], "prometheus.log")
+                    [
+                        binary("prometheus"),
+                        f"--config.file={self._prometheus_config()}",
+                        f"--storage.tsdb.path={self.run_dir / 'prometheus'}",
+                        f"--web.listen-address={self.host}:{self.prometheus_port}",
+                    ],
+                    "prometheus.log",
+                )
                 wait_until(lambda: _http_ok(f"{self.prometheus_url}/-/ready"), 60, "Prometheus ready", self._prometheus)
             self._supervisor.start()
             self.write_state()
@@ -134,8 +142,17 @@ class Cluster:
     # --- the replicas --------------------------------------------------------------------------
 
     def _spawn(self, replica: Replica) -> None:
-        args = [str(BRAID), "serve", *self.braid_args, "--host", self.host, "--port", str(replica.port),
-                "--metrics-port", str(replica.metrics_port)]
+        args = [
+            str(BRAID),
+            "serve",
+            *self.braid_args,
+            "--host",
+            self.host,
+            "--port",
+            str(replica.port),
+            "--metrics-port",
+            str(replica.metrics_port),
+        ]
         replica.proc = self._run(args, f"{replica.name}.log", env={**os.environ, **self.env})
 
     def wait_serving(self, replica: Replica, timeout: float = START_TIMEOUT_S) -> None:
@@ -159,13 +176,17 @@ class Cluster:
         while not self._stopping.wait(0.2):
             states = self.proxy_states()
             for name, state in states.items():
-                if name in seen and state.split()[:1] != seen[name].split()[:1]:  # UP, DOWN ("UP 1/2": one check failed)
+                if (
+                    name in seen and state.split()[:1] != seen[name].split()[:1]
+                ):  # UP, DOWN ("UP 1/2": one check failed)
                     self._say(f"{name} is {state.split()[0]} in HAProxy")
             seen = states or seen
             for replica in self.replicas:
                 if replica.proc is not None and replica.proc.poll() is not None and not self._stopping.is_set():
-                    self._say(f"{replica.name} (pid {replica.proc.pid}) exited with {replica.proc.returncode}; "
-                              "starting it again")
+                    self._say(
+                        f"{replica.name} (pid {replica.proc.pid}) exited with {replica.proc.returncode}; "
+                        "starting it again"
+                    )
                     replica.restarts += 1
                     self._spawn(replica)
                     self.write_state()
@@ -173,9 +194,13 @@ class Cluster:
     # --- HAProxy -------------------------------------------------------------------------------
 
     def _haproxy_env(self) -> dict[str, str]:
-        return {"BRAID_CLUSTER_DIR": str(self.run_dir), "BRAID_CLUSTER_DEPLOY": str(DEPLOY),
-                "BRAID_CLUSTER_HOST": self.host, "BRAID_CLUSTER_PORT": str(self.port),
-                "BRAID_CLUSTER_STATS_PORT": str(self.stats_port)}
+        return {
+            "BRAID_CLUSTER_DIR": str(self.run_dir),
+            "BRAID_CLUSTER_DEPLOY": str(DEPLOY),
+            "BRAID_CLUSTER_HOST": self.host,
+            "BRAID_CLUSTER_PORT": str(self.port),
+            "BRAID_CLUSTER_STATS_PORT": str(self.stats_port),
+        }
 
     def _haproxy_config(self) -> Path:
         """deploy/haproxy.cfg with one server line per replica under each backend's `# servers:`
@@ -185,8 +210,9 @@ class Cluster:
             lines.append(line)
             if line.strip().startswith("# servers:"):
                 track = " track braid/{name}" if "track" in line else ""
-                lines += [f"    server {r.name} {self.host}:{r.port}{track.format(name=r.name)}\n"
-                          for r in self.replicas]
+                lines += [
+                    f"    server {r.name} {self.host}:{r.port}{track.format(name=r.name)}\n" for r in self.replicas
+                ]
         path = self.run_dir / "haproxy.cfg"
         path.write_text("".join(lines))
         return path
@@ -210,10 +236,14 @@ class Cluster:
         jobs = {job["job_name"]: job for job in config["scrape_configs"]}
         braid = jobs["braid"]
         del braid["dns_sd_configs"]
-        braid["static_configs"] = [{"targets": [f"{self.host}:{r.metrics_port}"], "labels": {"replica": r.name}}
-                                   for r in self.replicas]
-        haproxy = {"job_name": "haproxy", "metrics_path": "/metrics",
-                   "static_configs": [{"targets": [f"{self.host}:{self.stats_port}"]}]}
+        braid["static_configs"] = [
+            {"targets": [f"{self.host}:{r.metrics_port}"], "labels": {"replica": r.name}} for r in self.replicas
+        ]
+        haproxy = {
+            "job_name": "haproxy",
+            "metrics_path": "/metrics",
+            "static_configs": [{"targets": [f"{self.host}:{self.stats_port}"]}],
+        }
         config["scrape_configs"] = [braid, haproxy]
         path = self.run_dir / "prometheus.yml"
         path.write_text("# Generated by deploy/cluster.py from deploy/prometheus.yml.\n" + yaml.safe_dump(config))
@@ -223,17 +253,27 @@ class Cluster:
 
     def _run(self, args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(self.run_dir / log_name, "a") as log:  # the child keeps its own descriptor
-            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env or os.environ)
+            return subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env or os.environ
+            )
 
     def write_state(self) -> None:
-        state = {"proxy": self.target, "stats": f"http://{self.host}:{self.stats_port}/",
-                 "prometheus": self.prometheus_url if self.prometheus_port else None,
-                 "socket": str(self.socket_path),
-                 "replicas": [{"name": r.name, "target": f"{self.host}:{r.port}",
-                               "metrics": f"http://{self.host}:{r.metrics_port}/metrics",
-                               "pid": r.proc.pid if r.proc else None, "restarts": r.restarts}
-                              for r in self.replicas]}
+        state = {
+            "proxy": self.target,
+            "stats": f"http://{self.host}:{self.stats_port}/",
+            "prometheus": self.prometheus_url if self.prometheus_port else None,
+            "socket": str(self.socket_path),
+            "replicas": [
+                {
+                    "name": r.name,
+                    "target": f"{self.host}:{r.port}",
+                    "metrics": f"http://{self.host}:{r.metrics_port}/metrics",
+                    "pid": r.proc.pid if r.proc else None,
+                    "restarts": r.restarts,
+                }
+                for r in self.replicas
+            ],
+        }
         path = self.run_dir / "cluster.json"
         path.with_suffix(".tmp").write_text(json.dumps(state, indent=2) + "\n")
         path.with_suffix(".tmp").replace(path)
@@ -276,8 +316,11 @@ def proxy_states(socket_path: Path) -> dict[str, str]:
     except OSError:
         return {}
     rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
-    return {row["svname"]: row["status"] for row in rows
-            if row["pxname"] == BACKEND and row["svname"] not in ("FRONTEND", "BACKEND")}
+    return {
+        row["svname"]: row["status"]
+        for row in rows
+        if row["pxname"] == BACKEND and row["svname"] not in ("FRONTEND", "BACKEND")
+    }
 
 
 def default_run_dir(port: int) -> Path:
@@ -305,14 +348,14 @@ def _http_ok(url: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     usage="cluster.py [options] [-- braid serve flags]")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], usage="cluster.py [options] [-- braid serve flags]"
+    )
     parser.add_argument("--replicas", type=int, default=int(os.environ.get("REPLICAS", "2")))
     parser.add_argument("--host", default="127.0.0.1", help="where everything listens (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="HAProxy's gRPC port (default 50051)")
     parser.add_argument("--first-port", type=int, default=50061, help="replica 1's gRPC port (default 50061)")
-    parser.add_argument("--first-metrics-port", type=int, default=9465,
-                        help="replica 1's metrics port (default 9465)")
+    parser.add_argument("--first-metrics-port", type=int, default=9465, help="replica 1's metrics port (default 9465)")
     parser.add_argument("--stats-port", type=int, default=8404, help="HAProxy's status page and /metrics")
     parser.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus (0: not run; default 9090)")
     parser.add_argument("--scrape-interval", default="5s")
@@ -320,33 +363,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("braid_args", nargs="*", help="flags for every `braid serve`, after --")
     args = parser.parse_args(argv)
     run_dir = args.run_dir or default_run_dir(args.port)
-    replicas = [Replica(f"replica-{n}", args.first_port + n - 1, args.first_metrics_port + n - 1)
-                for n in range(1, args.replicas + 1)]
+    replicas = [
+        Replica(f"replica-{n}", args.first_port + n - 1, args.first_metrics_port + n - 1)
+        for n in range(1, args.replicas + 1)
+    ]
     # The replicas share this machine: torch threads and KV-cache memory are split between them
     # unless the flags (which win over these variables) or the environment say otherwise. A
     # replica that drains hands its streams over after 5 s, as in compose and Kubernetes.
-    env = {"BRAID_THREADS": str(max(1, (os.cpu_count() or 1) // args.replicas)), "BRAID_KV_CACHE_MEMORY": "1GiB",
-           "BRAID_HANDOVER_GRACE": "5"}
+    env = {
+        "BRAID_THREADS": str(max(1, (os.cpu_count() or 1) // args.replicas)),
+        "BRAID_KV_CACHE_MEMORY": "1GiB",
+        "BRAID_HANDOVER_GRACE": "5",
+    }
     env = {name: value for name, value in env.items() if name not in os.environ}
-    cluster = Cluster(replicas, run_dir, host=args.host, port=args.port, stats_port=args.stats_port,
-                      prometheus_port=args.prometheus_port if find_binary("prometheus") else 0,
-                      scrape_interval=args.scrape_interval, braid_args=args.braid_args, env=env)
+    cluster = Cluster(
+        replicas,
+        run_dir,
+        host=args.host,
+        port=args.port,
+        stats_port=args.stats_port,
+        prometheus_port=args.prometheus_port if find_binary("prometheus") else 0,
+        scrape_interval=args.scrape_interval,
+        braid_args=args.braid_args,
+        env=env,
+    )
     print(f"cluster: starting {args.replicas} replicas (logs in {run_dir})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     cluster.start()
     for r in replicas:
-        print(f"cluster: {r.name}  pid {r.proc.pid}  gRPC {args.host}:{r.port}  "
-              f"metrics http://{args.host}:{r.metrics_port}/metrics", flush=True)
-    print(f"cluster: gRPC through HAProxy on {cluster.target}; HAProxy status http://{args.host}:{args.stats_port}/",
-          flush=True)
+        print(
+            f"cluster: {r.name}  pid {r.proc.pid}  gRPC {args.host}:{r.port}  "
+            f"metrics http://{args.host}:{r.metrics_port}/metrics",
+            flush=True,
+        )
+    print(
+        f"cluster: gRPC through HAProxy on {cluster.target}; HAProxy status http://{args.host}:{args.stats_port}/",
+        flush=True,
+    )
     if cluster.prometheus_port:
         print(f"cluster: Prometheus {cluster.prometheus_url}", flush=True)
     elif args.prometheus_port:
         print("cluster: no Prometheus (deploy/install-tools.sh prometheus installs it)", flush=True)
-    print(f"cluster: try  .venv/bin/braid-client --target {cluster.target} --chat \"Hello\";  a rolling restart "
-          f"under load: .venv/bin/python deploy/roll.py --port {args.port};  Ctrl-C stops", flush=True)
+    print(
+        f'cluster: try  .venv/bin/braid-client --target {cluster.target} --chat "Hello";  a rolling restart '
+        f"under load: .venv/bin/python deploy/roll.py --port {args.port};  Ctrl-C stops",
+        flush=True,
+    )
     stop.wait()
     print("cluster: stopping (the replicas drain first)", flush=True)
     cluster.stop()

@@ -51,8 +51,9 @@ class Load:
         with Client(target) as client:
             while not self._stop.is_set():
                 try:
-                    generation = client.stream(self._request.prompt, max_new_tokens=self._request.max_new_tokens,
-                                               ignore_eos=True, timeout=60)
+                    generation = client.stream(
+                        self._request.prompt, max_new_tokens=self._request.max_new_tokens, ignore_eos=True, timeout=60
+                    )
                     messages = list(generation)
                     self.resumed += generation.resumes
                 except grpc.RpcError as exc:
@@ -72,6 +73,7 @@ class Load:
 
 def restart(run_dir: Path, name: str) -> str:
     """SIGTERM to one replica; returns once HAProxy has it UP again, saying how long each step took."""
+
     def pid() -> int:
         (replica,) = [r for r in json.loads((run_dir / "cluster.json").read_text())["replicas"] if r["name"] == name]
         return replica["pid"]
@@ -82,8 +84,10 @@ def restart(run_dir: Path, name: str) -> str:
     out = time.monotonic() - began
     wait_until(lambda: pid() != old, 120, f"{name} started again")
     wait_until(lambda: proxy_states(sock).get(name) == "UP", START_TIMEOUT_S, f"{name} back in rotation")
-    return (f"{name}: pid {old} out of rotation {out:.1f} s after SIGTERM, pid {pid()} back in "
-            f"{time.monotonic() - began:.1f} s")
+    return (
+        f"{name}: pid {old} out of rotation {out:.1f} s after SIGTERM, pid {pid()} back in "
+        f"{time.monotonic() - began:.1f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(max(0.0, args.duration - (time.monotonic() - began)))
     finally:
         load.stop()
-    print(f"{load.completed['ok']} calls completed in {time.monotonic() - began:.0f} s ({load.resumed} resumed), "
-          f"{len(load.failures)} failed")
+    print(
+        f"{load.completed['ok']} calls completed in {time.monotonic() - began:.0f} s ({load.resumed} resumed), "
+        f"{len(load.failures)} failed"
+    )
     for failure, count in Counter(load.failures).most_common():
         print(f"  {count} x {failure}")
     return 1 if load.failures else 0

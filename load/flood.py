@@ -69,17 +69,20 @@ class FloodResult:
         RESOURCE_EXHAUSTED (and for the small call, anything but OK in the end)."""
         bad = {}
         for kind, counter in self.codes.items():
-            allowed = {"OK", "RESOURCE_EXHAUSTED"} if kind == "small" else {"OK", "INVALID_ARGUMENT",
-                                                                            "RESOURCE_EXHAUSTED"}
+            allowed = (
+                {"OK", "RESOURCE_EXHAUSTED"} if kind == "small" else {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
+            )
             extra = {code: n for code, n in counter.items() if code not in allowed}
             if extra:
                 bad[kind] = extra
         return bad
 
     def summary(self) -> str:
-        lines = [f"small call: {self.small_wait_s * 1000:.0f} ms once admitted, {self.small_total_s * 1000:.0f} ms "
-                 f"in all, {self.small_refusals} refusals, {self.small_tokens} tokens",
-                 f"flood: {self.flood_s:.2f} s"]
+        lines = [
+            f"small call: {self.small_wait_s * 1000:.0f} ms once admitted, {self.small_total_s * 1000:.0f} ms "
+            f"in all, {self.small_refusals} refusals, {self.small_tokens} tokens",
+            f"flood: {self.flood_s:.2f} s",
+        ]
         for kind, counter in self.codes.items():
             lines.append(f"  {kind:9s} " + ", ".join(f"{code} {n}" for code, n in sorted(counter.items())))
         return "\n".join(lines)
@@ -87,8 +90,7 @@ class FloodResult:
 
 def words(num_bytes: int, rng: random.Random) -> str:
     """About num_bytes of ASCII pseudo-words (tokenizes slower than one word repeated)."""
-    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-             for _ in range(2000)]
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(2000)]
     out, size = [], 0
     while size < num_bytes:
         word = rng.choice(vocab)
@@ -131,18 +133,30 @@ async def _small_call(stub, delay_s: float, retry_s: float, max_attempts: int):
     return codes, float("nan"), time.monotonic() - first, 0
 
 
-async def flood(target: str, *, door_prompts: int = 20, big_prompts: int = 40, big_tokenize: int = 20,
-                door_bytes: int = DOOR_BYTES, big_bytes: int = BIG_BYTES, small_delay_s: float = 0.05,
-                small_retry_s: float = 0.05, small_max_attempts: int = 400, seed: int = 0) -> FloodResult:
+async def flood(
+    target: str,
+    *,
+    door_prompts: int = 20,
+    big_prompts: int = 40,
+    big_tokenize: int = 20,
+    door_bytes: int = DOOR_BYTES,
+    big_bytes: int = BIG_BYTES,
+    small_delay_s: float = 0.05,
+    small_retry_s: float = 0.05,
+    small_max_attempts: int = 400,
+    seed: int = 0,
+) -> FloodResult:
     """Floods `target` (host:port, plaintext) and times one small call beside the flood."""
     rng = random.Random(seed)
     door_text, big_text = words(door_bytes, rng), words(big_bytes, rng)
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel, \
-            grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS + OWN_CONNECTION) as small_channel:
+    async with (
+        grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel,
+        grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS + OWN_CONNECTION) as small_channel,
+    ):
         stub, small_stub = generate_pb2_grpc.GenerateStub(channel), generate_pb2_grpc.GenerateStub(small_channel)
         # Both connections up before the clock starts.
         await asyncio.gather(channel.channel_ready(), small_channel.channel_ready())
-        kinds = (["door"] * door_prompts + ["prompt"] * big_prompts + ["tokenize"] * big_tokenize)
+        kinds = ["door"] * door_prompts + ["prompt"] * big_prompts + ["tokenize"] * big_tokenize
         rng.shuffle(kinds)
 
         def call(kind: str):
@@ -162,9 +176,15 @@ async def flood(target: str, *, door_prompts: int = 20, big_prompts: int = 40, b
         codes[kind][code] += 1
         details[kind].append((code, detail))
     codes["small"] = small_codes
-    return FloodResult(small_wait_s=small_wait, small_total_s=small_total,
-                       small_refusals=small_codes["RESOURCE_EXHAUSTED"], small_tokens=small_tokens,
-                       flood_s=flood_s, codes=codes, details=details)
+    return FloodResult(
+        small_wait_s=small_wait,
+        small_total_s=small_total,
+        small_refusals=small_codes["RESOURCE_EXHAUSTED"],
+        small_tokens=small_tokens,
+        flood_s=flood_s,
+        codes=codes,
+        details=details,
+    )
 
 
 def main() -> int:
@@ -178,9 +198,18 @@ def main() -> int:
     parser.add_argument("--small-delay", type=float, default=0.05, help="seconds after the flood (default 0.05)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    result = asyncio.run(flood(args.target, door_prompts=args.door_prompts, big_prompts=args.big_prompts,
-                               big_tokenize=args.big_tokenize, door_bytes=args.door_bytes,
-                               big_bytes=args.big_bytes, small_delay_s=args.small_delay, seed=args.seed))
+    result = asyncio.run(
+        flood(
+            args.target,
+            door_prompts=args.door_prompts,
+            big_prompts=args.big_prompts,
+            big_tokenize=args.big_tokenize,
+            door_bytes=args.door_bytes,
+            big_bytes=args.big_bytes,
+            small_delay_s=args.small_delay,
+            seed=args.seed,
+        )
+    )
     print(result.summary())
     unexpected = result.unexpected()
     if unexpected or result.codes["small"]["OK"] != 1:

@@ -30,11 +30,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from braid_testing.process import BraidProcess  # noqa: E402
 
 EXPECTED_CODES = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
-BAD_REQUESTS = [dict(prompt=""), dict(prompt="x", top_p=3.0), dict(prompt="x", max_new_tokens=-4),
-                dict(messages=[pb.Message(role="wizard", content="hi")]), dict(prompt="x", stop=[""]),
-                dict(prompt="x", stop_token_ids=[10**9]), dict(prompt="word " * 6000)]
-PROMPTS = ["Tell me about the sea.", "Write a list of fruits:", "Once upon a time",
-           "Explain gRPC in one paragraph.", "1, 2, 3, 4,"]
+BAD_REQUESTS = [
+    dict(prompt=""),
+    dict(prompt="x", top_p=3.0),
+    dict(prompt="x", max_new_tokens=-4),
+    dict(messages=[pb.Message(role="wizard", content="hi")]),
+    dict(prompt="x", stop=[""]),
+    dict(prompt="x", stop_token_ids=[10**9]),
+    dict(prompt="word " * 6000),
+]
+PROMPTS = [
+    "Tell me about the sea.",
+    "Write a list of fruits:",
+    "Once upon a time",
+    "Explain gRPC in one paragraph.",
+    "1, 2, 3, 4,",
+]
 
 
 def rss_bytes(pid: int) -> int:
@@ -50,8 +61,13 @@ async def one_call(client: AsyncClient, rng: random.Random, outcomes: collection
     if roll < 0.1:
         kwargs, timeout, cancel_after = dict(rng.choice(BAD_REQUESTS)), None, None
     else:
-        kwargs = dict(prompt=rng.choice(PROMPTS), max_new_tokens=rng.randint(8, 96), ignore_eos=True,
-                      temperature=rng.choice([0.0, 0.8]), seed=rng.randint(0, 1000))
+        kwargs = dict(
+            prompt=rng.choice(PROMPTS),
+            max_new_tokens=rng.randint(8, 96),
+            ignore_eos=True,
+            temperature=rng.choice([0.0, 0.8]),
+            seed=rng.randint(0, 1000),
+        )
         timeout = rng.uniform(0.2, 5.0) if roll < 0.3 else None
         cancel_after = rng.randint(0, 20) if 0.3 <= roll < 0.55 else None
     stream = client.stream(timeout=timeout, **kwargs)
@@ -75,6 +91,7 @@ async def drive(target: str, duration: float, concurrency: int, pid: int, seed: 
     samples: list[tuple[float, int]] = []
     start = time.monotonic()
     async with AsyncClient(target) as client:
+
         async def worker() -> None:
             while time.monotonic() - start < duration:
                 await one_call(client, rng, outcomes)
@@ -104,8 +121,12 @@ def books_balance(status) -> bool:
     """Nothing running or queued, every session the server accepted finished exactly once, and no
     KV-cache page held (only cached ones)."""
     finished = sum(getattr(status.sessions_finished, f.name) for f in status.sessions_finished.DESCRIPTOR.fields)
-    return (status.sessions_active == 0 and status.sessions_queued == 0 and status.sessions_submitted == finished
-            and status.kv_pages_used == 0)
+    return (
+        status.sessions_active == 0
+        and status.sessions_queued == 0
+        and status.sessions_submitted == finished
+        and status.kv_pages_used == 0
+    )
 
 
 def spawn(args: argparse.Namespace) -> BraidProcess:
@@ -124,17 +145,25 @@ def report(result: dict, duration: float) -> int:
     after_minute = next((rss for t, rss in samples if t >= min(60.0, duration / 2)), samples[0][1])
     start_rss, end_rss = samples[0][1], samples[-1][1]
     growth = (end_rss - after_minute) / after_minute
-    print(f"server RSS: start {start_rss / 2**20:.0f} MiB, after the first minute {after_minute / 2**20:.0f} MiB, "
-          f"end {end_rss / 2**20:.0f} MiB ({growth:+.1%} after the first minute)")
-    print(f"at the end: {status.sessions_active} active, {status.sessions_queued} queued; "
-          f"server counted {status.sessions_finished.cancelled} cancelled, "
-          f"{status.sessions_finished.deadline} deadline, {status.sessions_finished.error} errors")
-    print(f"KV cache at the end: {status.kv_pages_used} pages in use, {status.kv_pages_cached} cached, "
-          f"{status.kv_pages_total} in all; {status.preemptions} preemptions, {status.kv_evictions} evictions, "
-          f"{status.prompt_tokens_cached} prompt tokens from the cache, {status.prompt_tokens_computed} computed")
+    print(
+        f"server RSS: start {start_rss / 2**20:.0f} MiB, after the first minute {after_minute / 2**20:.0f} MiB, "
+        f"end {end_rss / 2**20:.0f} MiB ({growth:+.1%} after the first minute)"
+    )
+    print(
+        f"at the end: {status.sessions_active} active, {status.sessions_queued} queued; "
+        f"server counted {status.sessions_finished.cancelled} cancelled, "
+        f"{status.sessions_finished.deadline} deadline, {status.sessions_finished.error} errors"
+    )
+    print(
+        f"KV cache at the end: {status.kv_pages_used} pages in use, {status.kv_pages_cached} cached, "
+        f"{status.kv_pages_total} in all; {status.preemptions} preemptions, {status.kv_evictions} evictions, "
+        f"{status.prompt_tokens_cached} prompt tokens from the cache, {status.prompt_tokens_computed} computed"
+    )
     balanced = books_balance(status)
-    print(f"books: {'balanced' if balanced else 'DO NOT BALANCE'} ({status.sessions_submitted} sessions submitted, "
-          f"{status.sessions_active} active, {status.sessions_queued} queued, the rest finished once each)")
+    print(
+        f"books: {'balanced' if balanced else 'DO NOT BALANCE'} ({status.sessions_submitted} sessions submitted, "
+        f"{status.sessions_active} active, {status.sessions_queued} queued, the rest finished once each)"
+    )
     unexpected = {k: v for k, v in outcomes.items() if k.split(" ")[0] not in EXPECTED_CODES}
     ok = growth < 0.10 and balanced and not unexpected
     print("PASS" if ok else f"FAIL unexpected={unexpected}")

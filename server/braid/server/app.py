@@ -223,20 +223,30 @@ class _Serving(threading.Thread):
         config = self._config
         if exit_code == 0:
             stats = engine.stats()
-            _LOGGER.info("%s received: draining, %d sessions in flight (%d running, %d queued) get %g s; a second "
-                         "signal exits at once", self._stop_reason or "stop",
-                         stats.sessions_active + stats.sessions_queued, stats.sessions_active,
-                         stats.sessions_queued, config.grace_period)
-        await drain(engine, self._front_ends, config.grace_period if exit_code == 0 else 0.0,
-                    handover_grace=config.handover_grace if exit_code == 0 else 0.0)
+            _LOGGER.info(
+                "%s received: draining, %d sessions in flight (%d running, %d queued) get %g s; a second "
+                "signal exits at once",
+                self._stop_reason or "stop",
+                stats.sessions_active + stats.sessions_queued,
+                stats.sessions_active,
+                stats.sessions_queued,
+                config.grace_period,
+            )
+        await drain(
+            engine,
+            self._front_ends,
+            config.grace_period if exit_code == 0 else 0.0,
+            handover_grace=config.handover_grace if exit_code == 0 else 0.0,
+        )
         watcher.cancel()
         engine.stop()
         _LOGGER.info("braid stopped")
         return exit_code
 
 
-async def drain(engine: EngineClient, front_ends: Sequence[FrontEnd], grace_period: float,
-                handover_grace: float = 0.0) -> None:
+async def drain(
+    engine: EngineClient, front_ends: Sequence[FrontEnd], grace_period: float, handover_grace: float = 0.0
+) -> None:
     """Every front end refuses new calls at once (health NOT_SERVING and UNAVAILABLE over gRPC, 503
     over HTTP); in-flight streams get the grace period to finish (the engine says when it is idle),
     then the rest end with a final CANCELLED message. With a hand-over grace (--handover-grace), the
@@ -254,12 +264,19 @@ async def drain(engine: EngineClient, front_ends: Sequence[FrontEnd], grace_peri
         if not engine.is_idle:  # (it may have gone idle just as the grace period ran out)
             stats = engine.stats()
             if handover_grace:
-                _LOGGER.info("hand-over grace over: the calls of %d active and %d queued sessions end UNAVAILABLE, "
-                             "to be resumed on another replica", stats.sessions_active, stats.sessions_queued)
+                _LOGGER.info(
+                    "hand-over grace over: the calls of %d active and %d queued sessions end UNAVAILABLE, "
+                    "to be resumed on another replica",
+                    stats.sessions_active,
+                    stats.sessions_queued,
+                )
                 for front_end in front_ends:
                     front_end.hand_over()  # the cancels below end their streams so, with the trailer
             else:
-                _LOGGER.info("grace period over: cancelling %d active and %d queued sessions",
-                             stats.sessions_active, stats.sessions_queued)
+                _LOGGER.info(
+                    "grace period over: cancelling %d active and %d queued sessions",
+                    stats.sessions_active,
+                    stats.sessions_queued,
+                )
             engine.cancel_all()
     await asyncio.gather(*(front_end.stop() for front_end in front_ends))

@@ -40,8 +40,14 @@ def _add_fields(parser: argparse.ArgumentParser, config_type: type) -> None:
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         shown = getattr(default, "value", default)
-        parser.add_argument(flag(f.name), dest=f.name, type=_converter(hints[f.name]), default=argparse.SUPPRESS,
-                            help=f"{help_text} [env {env_name(f.name)}; default {shown}]", **meta)
+        parser.add_argument(
+            flag(f.name),
+            dest=f.name,
+            type=_converter(hints[f.name]),
+            default=argparse.SUPPRESS,
+            help=f"{help_text} [env {env_name(f.name)}; default {shown}]",
+            **meta,
+        )
 
 
 def _converter(kind):
@@ -98,8 +104,7 @@ def _configs(command: argparse.ArgumentParser, args: argparse.Namespace, config_
                 from_env[f.name] = raw
                 given[f.name] = _env_value(command, actions[f.name], raw)
     try:
-        return {t: t(**{f.name: given[f.name] for f in dataclasses.fields(t) if f.name in given})
-                for t in config_types}
+        return {t: t(**{f.name: given[f.name] for f in dataclasses.fields(t) if f.name in given}) for t in config_types}
     except SettingError as exc:
         if exc.name in from_env:
             command.error(f"{env_name(exc.name)}={from_env[exc.name]} ({flag(exc.name)}): {exc.problem}")
@@ -190,9 +195,13 @@ def build_engine(config: EngineConfig, model=None, ports: Ports | None = None):
     if config.chat_template is not None:
         model.hf_tokenizer.chat_template = Path(config.chat_template).read_text()
     tokenizer = Tokenizer(model.hf_tokenizer, model.eos_token_ids)
-    grammars = Grammars(tokenizer.hf_tokenizer, tokenizer.eos_token_ids, runner.vocab_size,
-                        config.constraint_compile_timeout,
-                        int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]))
+    grammars = Grammars(
+        tokenizer.hf_tokenizer,
+        tokenizer.eos_token_ids,
+        runner.vocab_size,
+        config.constraint_compile_timeout,
+        int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]),
+    )
     info = describe(config, runner, tokenizer, model.name, model.architecture)
     if ports is not None:
         runner, tokenizer, grammars = ports.runner(runner), ports.tokenizer(tokenizer), ports.grammars(grammars)
@@ -223,10 +232,17 @@ def _draft_runner(config: EngineConfig, target):
         raise SettingError("draft_model", exc.value, exc.problem) from None
     draft = ModelRunner.build(dataclasses.replace(config, model=config.draft_model), model)
     if draft.vocab_size != target.vocab_size:
-        raise SettingError("draft_model", config.draft_model, f"its vocabulary has {draft.vocab_size} tokens, "
-                                                              f"the model's {target.vocab_size}")
-    _LOGGER.info("draft model: %s (%d parameters), up to %d tokens proposed per pass", config.draft_model,
-                 draft.num_parameters, config.speculative_tokens)
+        raise SettingError(
+            "draft_model",
+            config.draft_model,
+            f"its vocabulary has {draft.vocab_size} tokens, the model's {target.vocab_size}",
+        )
+    _LOGGER.info(
+        "draft model: %s (%d parameters), up to %d tokens proposed per pass",
+        config.draft_model,
+        draft.num_parameters,
+        config.speculative_tokens,
+    )
     return draft
 
 
@@ -235,17 +251,32 @@ def describe(config: EngineConfig, runner, tokenizer, model_name: str, architect
     from braid.server.engine.types import ModelInfo
 
     return ModelInfo(
-        model_name=model_name, architecture=architecture, context_length=runner.max_seq_len,
-        vocab_size=runner.vocab_size, dtype=runner.dtype_name, device=str(runner.device), mode=config.mode,
-        max_batch_size=min(config.max_batch_size, config.max_sessions), eos_token_ids=tokenizer.eos_token_ids,
-        has_chat_template=tokenizer.has_chat_template, parameters=runner.num_parameters,
-        weight_formats=runner.weight_formats, weight_bytes=runner.weight_bytes,
-        quantization=runner.quantization, kernels=runner.kernels, kv_cache_dtype=runner.kv_dtype_name,
-        prefix_caching=config.prefix_caching == "on", runner=runner.path, activations=runner.activations,
-        threads=runner.threads, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+        model_name=model_name,
+        architecture=architecture,
+        context_length=runner.max_seq_len,
+        vocab_size=runner.vocab_size,
+        dtype=runner.dtype_name,
+        device=str(runner.device),
+        mode=config.mode,
+        max_batch_size=min(config.max_batch_size, config.max_sessions),
+        eos_token_ids=tokenizer.eos_token_ids,
+        has_chat_template=tokenizer.has_chat_template,
+        parameters=runner.num_parameters,
+        weight_formats=runner.weight_formats,
+        weight_bytes=runner.weight_bytes,
+        quantization=runner.quantization,
+        kernels=runner.kernels,
+        kv_cache_dtype=runner.kv_dtype_name,
+        prefix_caching=config.prefix_caching == "on",
+        runner=runner.path,
+        activations=runner.activations,
+        threads=runner.threads,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
         speculative=config.speculative,
         speculative_tokens=config.speculative_tokens if config.speculative != "none" else 0,
-        draft_model=config.draft_model or "")
+        draft_model=config.draft_model or "",
+    )
 
 
 def _check_device(device: str) -> None:

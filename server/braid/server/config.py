@@ -58,38 +58,67 @@ def _opt(help_text: str, **kw: object) -> dict[str, object]:
 class ModelConfig:
     """What is loaded and how it runs: the model, the device, the formats of its weights and rows, the threads and kernels."""
 
-    model: str | None = field(default=None, metadata=_opt(
-        "model: a local Hugging Face folder, a hub id, or a .gguf file (default: the embedded "
-        "SmolLM2-135M-Instruct)"))
-    device: str = field(default="auto", metadata=_opt(
-        "auto (CUDA where present, else the CPU), cpu, cuda or cuda:N"))
-    dtype: str = field(default="auto", metadata=_opt(
-        "dtype of the weights that are not quantized: auto (each tensor's own: a bf16 checkpoint stays bf16), "
-        "float32, bfloat16 or float16. On the CPU activations and sums stay float32; on CUDA it is also the "
-        "compute dtype (auto: bfloat16)", choices=list(DTYPES)))
-    quantization: str = field(default="auto", metadata=_opt(
-        "auto: every matrix in its own format (a GGUF's Q8_0/Q4_0/Q4_1 blocks, a checkpoint's dtype); none: "
-        "dequantized to --dtype (--dtype float32 --quantization none is plain fp32); q8_0: float matrices "
-        "quantized to Q8_0 blocks at load", choices=list(QUANTIZATIONS)))
-    activations: str = field(default="auto", metadata=_opt(
-        "what a matrix multiplies on the CPU: int8 (a quantized matrix's (Q8_0, Q4_0, Q4_1, Q6_K, Q4_K) rows "
-        "quantized to 8 bits per block of 32, as llama.cpp does, and integer dot products), bf16 (a bf16 "
-        "matrix's rows rounded to bf16, and AVX-512 BF16's dot products, where the CPU has them): faster, a "
-        "row's result still independent of its batch; float32 (fp32 rows: transformers-level agreement) or "
-        "auto (the fastest braid's kernels have: int8 for a quantized matrix, bf16 for a bf16 one, float32 "
-        "rows elsewhere)",
-        choices=list(ACTIVATIONS)))
-    threads: int = field(default=0, metadata=_opt(
-        "CPU threads of torch's and braid's kernels (0: the CPUs this process may use, its affinity mask cut by "
-        "its cgroup's CPU quota, rounded down; decode passes then use fewer while other processes keep the "
-        "cores busy, where that is faster)"))
-    kernels: str = field(default="auto", metadata=_opt(
-        "auto: braid's own kernels on a CPU with AVX-512 or AVX2 (BRAID_KERNELS_ISA=avx2 forces the AVX2 "
-        "build), else torch's; torch: torch's always", choices=["auto", "torch"]))
-    cache_dir: Path = field(default_factory=lambda: default_cache_dir(), metadata=_opt(
-        "where converted models are kept"))
-    chat_template: Path | None = field(default=None, metadata=_opt(
-        "a Jinja chat template file that replaces the model's own (for chats, tools included)"))
+    model: str | None = field(
+        default=None,
+        metadata=_opt(
+            "model: a local Hugging Face folder, a hub id, or a .gguf file (default: the embedded "
+            "SmolLM2-135M-Instruct)"
+        ),
+    )
+    device: str = field(default="auto", metadata=_opt("auto (CUDA where present, else the CPU), cpu, cuda or cuda:N"))
+    dtype: str = field(
+        default="auto",
+        metadata=_opt(
+            "dtype of the weights that are not quantized: auto (each tensor's own: a bf16 checkpoint stays bf16), "
+            "float32, bfloat16 or float16. On the CPU activations and sums stay float32; on CUDA it is also the "
+            "compute dtype (auto: bfloat16)",
+            choices=list(DTYPES),
+        ),
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=_opt(
+            "auto: every matrix in its own format (a GGUF's Q8_0/Q4_0/Q4_1 blocks, a checkpoint's dtype); none: "
+            "dequantized to --dtype (--dtype float32 --quantization none is plain fp32); q8_0: float matrices "
+            "quantized to Q8_0 blocks at load",
+            choices=list(QUANTIZATIONS),
+        ),
+    )
+    activations: str = field(
+        default="auto",
+        metadata=_opt(
+            "what a matrix multiplies on the CPU: int8 (a quantized matrix's (Q8_0, Q4_0, Q4_1, Q6_K, Q4_K) rows "
+            "quantized to 8 bits per block of 32, as llama.cpp does, and integer dot products), bf16 (a bf16 "
+            "matrix's rows rounded to bf16, and AVX-512 BF16's dot products, where the CPU has them): faster, a "
+            "row's result still independent of its batch; float32 (fp32 rows: transformers-level agreement) or "
+            "auto (the fastest braid's kernels have: int8 for a quantized matrix, bf16 for a bf16 one, float32 "
+            "rows elsewhere)",
+            choices=list(ACTIVATIONS),
+        ),
+    )
+    threads: int = field(
+        default=0,
+        metadata=_opt(
+            "CPU threads of torch's and braid's kernels (0: the CPUs this process may use, its affinity mask cut by "
+            "its cgroup's CPU quota, rounded down; decode passes then use fewer while other processes keep the "
+            "cores busy, where that is faster)"
+        ),
+    )
+    kernels: str = field(
+        default="auto",
+        metadata=_opt(
+            "auto: braid's own kernels on a CPU with AVX-512 or AVX2 (BRAID_KERNELS_ISA=avx2 forces the AVX2 "
+            "build), else torch's; torch: torch's always",
+            choices=["auto", "torch"],
+        ),
+    )
+    cache_dir: Path = field(
+        default_factory=lambda: default_cache_dir(), metadata=_opt("where converted models are kept")
+    )
+    chat_template: Path | None = field(
+        default=None,
+        metadata=_opt("a Jinja chat template file that replaces the model's own (for chats, tools included)"),
+    )
 
     def __post_init__(self) -> None:
         if not _DEVICE.fullmatch(self.device):
@@ -108,21 +137,39 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache: its memory, pages and dtype, prefix sharing, and the longest sequence."""
 
-    kv_cache_memory: str = field(default="auto", metadata=_opt(
-        "KV cache budget: bytes with a unit (4GiB, 512MB), a fraction (0.5) of the memory this process may "
-        "still take at start (what is left under its cgroup's memory limit, else the host's available "
-        "memory), or auto: room for --max-sessions sessions of --max-seq-len, at most half that memory. "
-        "Cut into pages; a session holds pages for the tokens it has, and is admitted while pages are free"))
-    kv_page_size: int = field(default=16, metadata=_opt(
-        "tokens per KV-cache page, a multiple of 16: the unit of allocation and of prefix sharing"))
-    kv_cache_dtype: str = field(default="auto", metadata=_opt(
-        "dtype of the KV cache: auto (the compute dtype), float32, bfloat16 or float16 (half the "
-        "memory, so twice the tokens, for a small loss of precision)", choices=list(DTYPES)))
-    prefix_caching: str = field(default="on", metadata=_opt(
-        "on: sessions with the same prompt prefix share its KV-cache pages, and a finished session's "
-        "pages stay cached until the memory is needed; off: every prompt is computed", choices=["on", "off"]))
-    max_seq_len: int = field(default=4096, metadata=_opt(
-        "most tokens (prompt + generated) per session, capped by the model's context length"))
+    kv_cache_memory: str = field(
+        default="auto",
+        metadata=_opt(
+            "KV cache budget: bytes with a unit (4GiB, 512MB), a fraction (0.5) of the memory this process may "
+            "still take at start (what is left under its cgroup's memory limit, else the host's available "
+            "memory), or auto: room for --max-sessions sessions of --max-seq-len, at most half that memory. "
+            "Cut into pages; a session holds pages for the tokens it has, and is admitted while pages are free"
+        ),
+    )
+    kv_page_size: int = field(
+        default=16,
+        metadata=_opt("tokens per KV-cache page, a multiple of 16: the unit of allocation and of prefix sharing"),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_opt(
+            "dtype of the KV cache: auto (the compute dtype), float32, bfloat16 or float16 (half the "
+            "memory, so twice the tokens, for a small loss of precision)",
+            choices=list(DTYPES),
+        ),
+    )
+    prefix_caching: str = field(
+        default="on",
+        metadata=_opt(
+            "on: sessions with the same prompt prefix share its KV-cache pages, and a finished session's "
+            "pages stay cached until the memory is needed; off: every prompt is computed",
+            choices=["on", "off"],
+        ),
+    )
+    max_seq_len: int = field(
+        default=4096,
+        metadata=_opt("most tokens (prompt + generated) per session, capped by the model's context length"),
+    )
 
     def __post_init__(self) -> None:
         _one_of(self, "kv_cache_dtype", DTYPES)
@@ -138,20 +185,27 @@ class CacheConfig:
 class SchedulerConfig:
     """What the scheduler may run: the mode, the batch and the sessions, the waits, the queue."""
 
-    mode: Mode = field(default=Mode.CONTINUOUS, metadata=_opt(
-        "scheduling mode", choices=[m.value for m in Mode]))
-    max_batch_size: int = field(default=32, metadata=_opt(
-        "most sessions in one forward pass (batched mode: the batch size)"))
-    max_sessions: int = field(default=0, metadata=_opt(
-        "most sessions running at once (0: --max-batch-size); more are queued"))
-    max_wait_ms: float = field(default=20.0, metadata=_opt(
-        "batched mode: longest a waiting session waits for its batch to fill"))
-    prefill_chunk: int = field(default=512, metadata=_opt(
-        "most prompt tokens prefilled per forward pass; longer prompts are prefilled in chunks"))
-    max_queued: int = field(default=256, metadata=_opt(
-        "most sessions waiting to be admitted; past it new calls get RESOURCE_EXHAUSTED"))
-    batch_max_wait_ms: float = field(default=5000.0, metadata=_opt(
-        "a batch-priority session that has waited this long is admitted before interactive ones"))
+    mode: Mode = field(default=Mode.CONTINUOUS, metadata=_opt("scheduling mode", choices=[m.value for m in Mode]))
+    max_batch_size: int = field(
+        default=32, metadata=_opt("most sessions in one forward pass (batched mode: the batch size)")
+    )
+    max_sessions: int = field(
+        default=0, metadata=_opt("most sessions running at once (0: --max-batch-size); more are queued")
+    )
+    max_wait_ms: float = field(
+        default=20.0, metadata=_opt("batched mode: longest a waiting session waits for its batch to fill")
+    )
+    prefill_chunk: int = field(
+        default=512,
+        metadata=_opt("most prompt tokens prefilled per forward pass; longer prompts are prefilled in chunks"),
+    )
+    max_queued: int = field(
+        default=256, metadata=_opt("most sessions waiting to be admitted; past it new calls get RESOURCE_EXHAUSTED")
+    )
+    batch_max_wait_ms: float = field(
+        default=5000.0,
+        metadata=_opt("a batch-priority session that has waited this long is admitted before interactive ones"),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -166,12 +220,20 @@ class SchedulerConfig:
 class ConstraintConfig:
     """Requests' constraints: how long one may compile, and the memory the compiled ones keep."""
 
-    constraint_compile_timeout: float = field(default=5.0, metadata=_opt(
-        "seconds a request's constraint (GenerateRequest.constraint) may take to compile; past it the "
-        "request gets INVALID_ARGUMENT"))
-    constraint_cache_memory: str = field(default="256MiB", metadata=_opt(
-        "memory the compiled constraints kept for reuse may hold, as bytes with a unit (an entry holds from "
-        "tens of KB to tens of MB); past it the least recently used are dropped"))
+    constraint_compile_timeout: float = field(
+        default=5.0,
+        metadata=_opt(
+            "seconds a request's constraint (GenerateRequest.constraint) may take to compile; past it the "
+            "request gets INVALID_ARGUMENT"
+        ),
+    )
+    constraint_cache_memory: str = field(
+        default="256MiB",
+        metadata=_opt(
+            "memory the compiled constraints kept for reuse may hold, as bytes with a unit (an entry holds from "
+            "tens of KB to tens of MB); past it the least recently used are dropped"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "constraint_compile_timeout")
@@ -183,26 +245,42 @@ class ConstraintConfig:
 class SpeculationConfig:
     """Speculative decoding: the proposer and how many tokens it may propose."""
 
-    speculative: str = field(default="none", metadata=_opt(
-        "speculative decoding: none; ngram (proposals copied from where the last tokens occurred before, in the "
-        "prompt or the output: no second model); draft (proposals of --draft-model, run greedily). Proposals "
-        "are verified in the same packed passes: the tokens are exactly those of plain decoding, seeded or "
-        "greedy", choices=list(SPECULATIVE)))
-    speculative_tokens: int = field(default=4, metadata=_opt(
-        f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}"))
-    ngram_max: int = field(default=4, metadata=_opt(
-        "--speculative ngram: the longest run of last tokens looked up in the sequence so far"))
-    ngram_min: int = field(default=2, metadata=_opt(
-        "--speculative ngram: the shortest run of last tokens that may propose (1 matches any repeated token)"))
-    draft_model: str | None = field(default=None, metadata=_opt(
-        "--speculative draft: the draft model (a folder, hub id or .gguf file braid can serve) with the "
-        "model's vocabulary, on its own runner and KV cache (--kv-cache-memory each)"))
+    speculative: str = field(
+        default="none",
+        metadata=_opt(
+            "speculative decoding: none; ngram (proposals copied from where the last tokens occurred before, in the "
+            "prompt or the output: no second model); draft (proposals of --draft-model, run greedily). Proposals "
+            "are verified in the same packed passes: the tokens are exactly those of plain decoding, seeded or "
+            "greedy",
+            choices=list(SPECULATIVE),
+        ),
+    )
+    speculative_tokens: int = field(
+        default=4, metadata=_opt(f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}")
+    )
+    ngram_max: int = field(
+        default=4, metadata=_opt("--speculative ngram: the longest run of last tokens looked up in the sequence so far")
+    )
+    ngram_min: int = field(
+        default=2,
+        metadata=_opt(
+            "--speculative ngram: the shortest run of last tokens that may propose (1 matches any repeated token)"
+        ),
+    )
+    draft_model: str | None = field(
+        default=None,
+        metadata=_opt(
+            "--speculative draft: the draft model (a folder, hub id or .gguf file braid can serve) with the "
+            "model's vocabulary, on its own runner and KV cache (--kv-cache-memory each)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _one_of(self, "speculative", SPECULATIVE)
         if not 1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise SettingError("speculative_tokens", self.speculative_tokens,
-                               f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+            raise SettingError(
+                "speculative_tokens", self.speculative_tokens, f"must be in [1, {MAX_SPECULATIVE_TOKENS}]"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise SettingError("ngram_min", self.ngram_min, f"must be in [1, --ngram-max {self.ngram_max}]")
         if self.speculative == "draft" and self.draft_model is None:
@@ -215,14 +293,23 @@ class SpeculationConfig:
 class LoraConfig:
     """LoRA adapters: those loaded at start, and the bounds on them."""
 
-    lora: list[str] = field(default_factory=list, metadata=_opt(
-        "a LoRA adapter to load at start, NAME=PATH (a PEFT folder: adapter_config.json and "
-        "adapter_model.safetensors); repeat the flag for more (BRAID_LORA: comma-separated). Requests name it "
-        "in GenerateRequest.adapter (or the OpenAI `model`)", action="append", metavar="NAME=PATH"))
-    max_loras: int = field(default=8, metadata=_opt(
-        "most LoRA adapters loaded at once (--lora and LoadAdapter); a LoadAdapter past it gets RESOURCE_EXHAUSTED"))
-    max_lora_rank: int = field(default=64, metadata=_opt(
-        "highest rank r of a LoRA adapter braid loads"))
+    lora: list[str] = field(
+        default_factory=list,
+        metadata=_opt(
+            "a LoRA adapter to load at start, NAME=PATH (a PEFT folder: adapter_config.json and "
+            "adapter_model.safetensors); repeat the flag for more (BRAID_LORA: comma-separated). Requests name it "
+            "in GenerateRequest.adapter (or the OpenAI `model`)",
+            action="append",
+            metavar="NAME=PATH",
+        ),
+    )
+    max_loras: int = field(
+        default=8,
+        metadata=_opt(
+            "most LoRA adapters loaded at once (--lora and LoadAdapter); a LoadAdapter past it gets RESOURCE_EXHAUSTED"
+        ),
+    )
+    max_lora_rank: int = field(default=64, metadata=_opt("highest rank r of a LoRA adapter braid loads"))
 
     def __post_init__(self) -> None:
         _positive(self, "max_loras", "max_lora_rank")
@@ -231,7 +318,9 @@ class LoraConfig:
         if len(set(names)) < len(names):
             raise SettingError("lora", ",".join(self.lora), "two adapters have the same name")
         if len(self.lora) > self.max_loras:
-            raise SettingError("lora", ",".join(self.lora), f"{len(self.lora)} adapters; --max-loras is {self.max_loras}")
+            raise SettingError(
+                "lora", ",".join(self.lora), f"{len(self.lora)} adapters; --max-loras is {self.max_loras}"
+            )
 
 
 _PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ConstraintConfig, SpeculationConfig, LoraConfig)
@@ -252,54 +341,99 @@ class EngineConfig(LoraConfig, SpeculationConfig, ConstraintConfig, SchedulerCon
 class ServerConfig:
     host: str = field(default="[::]", metadata=_opt("address to listen on"))
     port: int = field(default=50051, metadata=_opt("port to listen on (0: any free port)"))
-    default_max_new_tokens: int = field(default=256, metadata=_opt(
-        "max_new_tokens of a request that leaves it at 0"))
-    grace_period: float = field(default=10.0, metadata=_opt(
-        "seconds in-flight streams get to finish after SIGTERM"))
-    handover_grace: float = field(default=0.0, metadata=_opt(
-        "seconds in-flight streams get after SIGTERM before those still running are handed over: ended "
-        "UNAVAILABLE, for braid's clients to resume on another replica from the tokens they have (0: none; "
-        "they get --grace-period, then end with a final CANCELLED message)"))
+    default_max_new_tokens: int = field(default=256, metadata=_opt("max_new_tokens of a request that leaves it at 0"))
+    grace_period: float = field(default=10.0, metadata=_opt("seconds in-flight streams get to finish after SIGTERM"))
+    handover_grace: float = field(
+        default=0.0,
+        metadata=_opt(
+            "seconds in-flight streams get after SIGTERM before those still running are handed over: ended "
+            "UNAVAILABLE, for braid's clients to resume on another replica from the tokens they have (0: none; "
+            "they get --grace-period, then end with a final CANCELLED message)"
+        ),
+    )
     tls_cert: Path | None = field(default=None, metadata=_opt("PEM certificate chain: serve TLS"))
     tls_key: Path | None = field(default=None, metadata=_opt("PEM private key of --tls-cert"))
-    tls_client_ca: Path | None = field(default=None, metadata=_opt(
-        "PEM CA bundle: require client certificates signed by it (mutual TLS)"))
-    api_key: str | None = field(default=None, metadata=_opt(
-        "require `authorization: Bearer <key>` metadata on every braid call (health stays open)"))
-    max_message_bytes: int = field(default=4 * 1024 * 1024, metadata=_opt(
-        "largest request message accepted"))
-    max_concurrent_streams: int = field(default=1024, metadata=_opt(
-        "most calls one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS). "
-        "Calls past it are refused with UNAVAILABLE (RST_STREAM REFUSED_STREAM: never started, safe to retry; "
-        "gRPC's clients do not reliably queue them). The work itself is bounded by --max-sessions and "
-        "--max-queued, whose excess gets RESOURCE_EXHAUSTED"))
-    http_port: int = field(default=0, metadata=_opt(
-        "also serve OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on this "
-        "port, on --host, from the same engine (0: off); --api-key guards it too"))
-    metrics_port: int = field(default=0, metadata=_opt(
-        "serve Prometheus metrics on http://<metrics-host>:<port>/metrics (0: off); they need no API key"))
-    metrics_host: str | None = field(default=None, metadata=_opt(
-        "address the metrics endpoint listens on (default: --host), e.g. 127.0.0.1 to keep it off the network"))
-    otlp_endpoint: str | None = field(default=None, metadata=_opt(
-        "send traces and metrics over OTLP/gRPC to this collector, e.g. http://otel-collector:4317 "
-        "(http:// plaintext, https:// TLS; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else off)"))
-    keepalive_time_ms: int = field(default=30_000, metadata=_opt(
-        "ping a client connection after this long without hearing from it, to find peers that vanished "
-        "without closing it (their sessions are then cancelled); 0: gRPC's default, 2 hours"))
-    keepalive_timeout_ms: int = field(default=10_000, metadata=_opt(
-        "close a connection whose keepalive ping is not answered within this long"))
-    keepalive_permit_without_calls: bool = field(default=True, metadata=_opt(
-        "keepalive pings on connections with no call open: braid sends its own, and accepts a client's "
-        "(a proxy's) every --min-ping-interval-ms; false: at most one every 2 hours, as gRPC's default"))
-    min_ping_interval_ms: int = field(default=10_000, metadata=_opt(
-        "shortest interval between a client's pings accepted while no data flows; a client pinging more "
-        "often is sent GOAWAY too_many_pings after 2 strikes (gRPC's default: 300000)"))
-    max_connection_age_ms: int = field(default=0, metadata=_opt(
-        "send a client connection GOAWAY after this long (gRPC adds +-10%% jitter), so clients balancing over "
-        "DNS find new replicas; calls in flight go on; 0: never"))
-    max_connection_age_grace_ms: int = field(default=0, metadata=_opt(
-        "after --max-connection-age-ms, how long calls in flight get before the connection is closed; "
-        "0: as long as they run"))
+    tls_client_ca: Path | None = field(
+        default=None, metadata=_opt("PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata=_opt("require `authorization: Bearer <key>` metadata on every braid call (health stays open)"),
+    )
+    max_message_bytes: int = field(default=4 * 1024 * 1024, metadata=_opt("largest request message accepted"))
+    max_concurrent_streams: int = field(
+        default=1024,
+        metadata=_opt(
+            "most calls one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS). "
+            "Calls past it are refused with UNAVAILABLE (RST_STREAM REFUSED_STREAM: never started, safe to retry; "
+            "gRPC's clients do not reliably queue them). The work itself is bounded by --max-sessions and "
+            "--max-queued, whose excess gets RESOURCE_EXHAUSTED"
+        ),
+    )
+    http_port: int = field(
+        default=0,
+        metadata=_opt(
+            "also serve OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on this "
+            "port, on --host, from the same engine (0: off); --api-key guards it too"
+        ),
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata=_opt(
+            "serve Prometheus metrics on http://<metrics-host>:<port>/metrics (0: off); they need no API key"
+        ),
+    )
+    metrics_host: str | None = field(
+        default=None,
+        metadata=_opt(
+            "address the metrics endpoint listens on (default: --host), e.g. 127.0.0.1 to keep it off the network"
+        ),
+    )
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata=_opt(
+            "send traces and metrics over OTLP/gRPC to this collector, e.g. http://otel-collector:4317 "
+            "(http:// plaintext, https:// TLS; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else off)"
+        ),
+    )
+    keepalive_time_ms: int = field(
+        default=30_000,
+        metadata=_opt(
+            "ping a client connection after this long without hearing from it, to find peers that vanished "
+            "without closing it (their sessions are then cancelled); 0: gRPC's default, 2 hours"
+        ),
+    )
+    keepalive_timeout_ms: int = field(
+        default=10_000, metadata=_opt("close a connection whose keepalive ping is not answered within this long")
+    )
+    keepalive_permit_without_calls: bool = field(
+        default=True,
+        metadata=_opt(
+            "keepalive pings on connections with no call open: braid sends its own, and accepts a client's "
+            "(a proxy's) every --min-ping-interval-ms; false: at most one every 2 hours, as gRPC's default"
+        ),
+    )
+    min_ping_interval_ms: int = field(
+        default=10_000,
+        metadata=_opt(
+            "shortest interval between a client's pings accepted while no data flows; a client pinging more "
+            "often is sent GOAWAY too_many_pings after 2 strikes (gRPC's default: 300000)"
+        ),
+    )
+    max_connection_age_ms: int = field(
+        default=0,
+        metadata=_opt(
+            "send a client connection GOAWAY after this long (gRPC adds +-10%% jitter), so clients balancing over "
+            "DNS find new replicas; calls in flight go on; 0: never"
+        ),
+    )
+    max_connection_age_grace_ms: int = field(
+        default=0,
+        metadata=_opt(
+            "after --max-connection-age-ms, how long calls in flight get before the connection is closed; "
+            "0: as long as they run"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "default_max_new_tokens", "max_message_bytes", "max_concurrent_streams")
@@ -314,8 +448,9 @@ class ServerConfig:
                 raise SettingError(name, getattr(self, name), "must be in [0, 65535]")
         _not_negative(self, "grace_period", "handover_grace")
         _positive(self, "keepalive_timeout_ms")
-        _not_negative(self, "keepalive_time_ms", "min_ping_interval_ms", "max_connection_age_ms",
-                      "max_connection_age_grace_ms")
+        _not_negative(
+            self, "keepalive_time_ms", "min_ping_interval_ms", "max_connection_age_ms", "max_connection_age_grace_ms"
+        )
 
 
 @dataclass
@@ -323,9 +458,13 @@ class LogConfig:
     """How braid logs, for `braid serve` and `braid warmup` alike."""
 
     log_level: str = field(default="info", metadata=_opt("debug, info, warning or error", choices=list(LOG_LEVELS)))
-    log_format: str = field(default="text", metadata=_opt(
-        "text: one line per record; json: one JSON object per record, every field of a request's "
-        "line its own key", choices=list(LOG_FORMATS)))
+    log_format: str = field(
+        default="text",
+        metadata=_opt(
+            "text: one line per record; json: one JSON object per record, every field of a request's line its own key",
+            choices=list(LOG_FORMATS),
+        ),
+    )
 
     def __post_init__(self) -> None:
         _one_of(self, "log_level", LOG_LEVELS)
@@ -340,7 +479,7 @@ def parse_memory(text: str, name: str = "kv_cache_memory") -> tuple[float, bool]
     setting it is, for errors."""
     raw = text.strip().lower()
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number):].strip()
+    unit = raw[len(number) :].strip()
     try:
         value = float(number)
     except ValueError:

@@ -21,8 +21,12 @@ class JsonFormatter(logging.Formatter):
     fields, and the traceback where there is one."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-                "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        line = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         line.update(getattr(record, FIELDS, None) or {})
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)

@@ -81,9 +81,10 @@ def memory_limit(proc: Path = Path("/proc")) -> tuple[int, int] | None:
     the kubelet counts), or None where no cgroup sets one."""
     found: tuple[int, int] | None = None
     for directory in _cgroup_dirs("memory", proc):
-        for limit_file, usage_file, inactive_key in (("memory.max", "memory.current", "inactive_file"),
-                                                     ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                      "total_inactive_file")):
+        for limit_file, usage_file, inactive_key in (
+            ("memory.max", "memory.current", "inactive_file"),
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+        ):
             text = _read(directory / limit_file)
             if text is None or text == "max" or int(text) >= _NO_LIMIT:
                 continue
@@ -102,10 +103,12 @@ def available_memory(proc: Path = Path("/proc")) -> Memory:
     limited = memory_limit(proc)
     if limited is not None and limited[0] - limited[1] < host:
         limit, used = limited
-        return Memory(limit - used, f"cgroup memory limit {limit / 2**20:.0f} MiB, "
-                                    f"{used / 2**20:.0f} MiB of it in use")
-    return Memory(host, "the host's available memory" + ("" if limited is None else
-                                                          f" (under the cgroup limit {limited[0] / 2**20:.0f} MiB)"))
+        return Memory(limit - used, f"cgroup memory limit {limit / 2**20:.0f} MiB, {used / 2**20:.0f} MiB of it in use")
+    return Memory(
+        host,
+        "the host's available memory"
+        + ("" if limited is None else f" (under the cgroup limit {limited[0] / 2**20:.0f} MiB)"),
+    )
 
 
 def bound_spinning(environ: MutableMapping[str, str] = os.environ) -> str:
@@ -142,7 +145,7 @@ def _cgroup_dirs(controller: str, proc: Path) -> Iterator[Path]:
                 continue
             # Without a cgroup namespace the path is the host's, and the container's mount holds
             # only its own part of the hierarchy: the path below the mount's root.
-            inner = path[len(root):] if root != "/" and (path + "/").startswith(root + "/") else path
+            inner = path[len(root) :] if root != "/" and (path + "/").startswith(root + "/") else path
             directory = mount_point / inner.lstrip("/")
             if not directory.is_dir():
                 directory = mount_point

@@ -14,15 +14,15 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes from load balancers and o
 
 def _deny_like(handler: Handler) -> Handler:
     async def deny(request: Any, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or wrong `authorization: Bearer <api key>` metadata")
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, "missing or wrong `authorization: Bearer <api key>` metadata"
+        )
 
     async def deny_stream(request: Any, context: Context) -> AsyncIterator[None]:
         await deny(request, context)
         yield  # pragma: no cover - never reached, makes this an async generator
 
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(deny, **kw)
     if handler.unary_stream:
@@ -36,8 +36,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str) -> None:
         self._expected = api_key.encode()
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES):
             return handler

@@ -16,13 +16,14 @@ Seen: TypeAlias = "Callable[[Any], None]"  # given each response of a stream
 Around: TypeAlias = "Callable[[Any, Context], AsyncContextManager[Seen | None]]"
 
 
-def wrap_calls(handler: Handler, around: Around,
-               request_deserializer: Callable[[bytes], Any] | None = None) -> Handler:
+def wrap_calls(handler: Handler, around: Around, request_deserializer: Callable[[bytes], Any] | None = None) -> Handler:
     """The handler with each call (unary request: braid has no other) run inside
     `async with around(request, context) as seen`; where `seen` is a function, it is given each
     response of a stream. Optionally with another request deserializer."""
-    kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
-              response_serializer=handler.response_serializer)
+    kw = dict(
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
     if handler.unary_unary:
         inner = cast("Callable[[Any, Context], Awaitable[Any]]", handler.unary_unary)  # grpc-stubs: the sync API's
 

@@ -71,8 +71,9 @@ def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = Fal
         raise InvalidArgument(name, f"{value} is outside {bracket}{lo}, {hi}]")
 
 
-def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_size: int,
-                    time_remaining: float | None) -> GenerationRequest:
+def request_from_pb(
+    req: pb.GenerateRequest, default_max_new_tokens: int, vocab_size: int, time_remaining: float | None
+) -> GenerationRequest:
     """Checks every field (the engine checks the prompt's length once it is tokenized)."""
     _exactly_one(req.prompt, req.messages, "prompt")
     _not_too_long(req.prompt, req.messages, "prompt")
@@ -112,24 +113,43 @@ def request_from_pb(req: pb.GenerateRequest, default_max_new_tokens: int, vocab_
         raise InvalidArgument("cache_salt", f"is {len(req.cache_salt.encode())} bytes; at most {MAX_CACHE_SALT_BYTES}")
     deadlines = [t for t in (time_remaining, req.timeout_ms / 1000 if req.timeout_ms else None) if t is not None]
     params = SamplingParams(
-        max_new_tokens=max_new, min_new_tokens=req.min_new_tokens, temperature=req.temperature,
-        top_p=req.top_p or 1.0, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, logit_bias=logit_bias,
+        max_new_tokens=max_new,
+        min_new_tokens=req.min_new_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p or 1.0,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=logit_bias,
         seed=req.seed if req.HasField("seed") else secrets.randbits(63),
-        stop=tuple(req.stop), include_stop_sequence=req.include_stop_sequence,
-        stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-        logprobs=req.logprobs or req.top_logprobs > 0, top_logprobs=req.top_logprobs,
-        truncate_input_tokens=req.truncate_input_tokens, bad_words=tuple(req.bad_words),
-        report_queue=req.report_queue, prompt_logprobs=req.prompt_logprobs,
-        clip_max_new_tokens=req.max_new_tokens == 0, disable_speculation=req.disable_speculation)
+        stop=tuple(req.stop),
+        include_stop_sequence=req.include_stop_sequence,
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs or req.top_logprobs > 0,
+        top_logprobs=req.top_logprobs,
+        truncate_input_tokens=req.truncate_input_tokens,
+        bad_words=tuple(req.bad_words),
+        report_queue=req.report_queue,
+        prompt_logprobs=req.prompt_logprobs,
+        clip_max_new_tokens=req.max_new_tokens == 0,
+        disable_speculation=req.disable_speculation,
+    )
     return GenerationRequest(
-        prompt=req.prompt or None, messages=messages_from_pb(req.messages), params=params,
+        prompt=req.prompt or None,
+        messages=messages_from_pb(req.messages),
+        params=params,
         request_id=req.request_id or uuid.uuid4().hex,
         deadline=time.monotonic() + min(deadlines) if deadlines else None,
         priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
-        cache_salt=req.cache_salt, n=req.n or 1, constraint=constraint_from_pb(req),
-        resume_token_ids=_resume_token_ids(req, vocab_size), adapter=req.adapter)
+        cache_salt=req.cache_salt,
+        n=req.n or 1,
+        constraint=constraint_from_pb(req),
+        resume_token_ids=_resume_token_ids(req, vocab_size),
+        adapter=req.adapter,
+    )
 
 
 def _resume_token_ids(req: pb.GenerateRequest, vocab_size: int) -> tuple[int, ...]:
@@ -163,8 +183,9 @@ def constraint_from_pb(req: pb.GenerateRequest) -> Constraint | None:
         return Constraint("choice", json.dumps(choices), "constraint.choice.choices")
     if kind == "grammar":
         if c.grammar.syntax not in _GRAMMAR_SYNTAX:
-            raise InvalidArgument("constraint.grammar.syntax", "name the grammar's dialect: GRAMMAR_SYNTAX_LARK or "
-                                  "GRAMMAR_SYNTAX_GBNF")
+            raise InvalidArgument(
+                "constraint.grammar.syntax", "name the grammar's dialect: GRAMMAR_SYNTAX_LARK or GRAMMAR_SYNTAX_GBNF"
+            )
         kind, text, field = _GRAMMAR_SYNTAX[c.grammar.syntax], c.grammar.text, "constraint.grammar.text"
     else:
         text, field = getattr(c, kind), f"constraint.{kind}"
@@ -191,7 +212,9 @@ def _logit_bias(bias: Mapping[int, float], vocab_size: int) -> tuple[tuple[int, 
         raise InvalidArgument("logit_bias", f"{len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
     for token, value in bias.items():
         if not 0 <= token < vocab_size:
-            raise InvalidArgument(f"logit_bias[{token}]", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+            raise InvalidArgument(
+                f"logit_bias[{token}]", f"token id {token} is outside the vocabulary [0, {vocab_size})"
+            )
         _in_range(f"logit_bias[{token}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     return tuple(sorted(bias.items()))
 
@@ -199,8 +222,7 @@ def _logit_bias(bias: Mapping[int, float], vocab_size: int) -> tuple[tuple[int, 
 def _not_too_long(text: str, messages: Sequence[Turn], text_field: str) -> None:
     size = text_bytes(text, messages)
     if size > MAX_TEXT_BYTES:
-        raise InvalidArgument(text_field if text else "messages",
-                              f"is {size} bytes; at most {MAX_TEXT_BYTES}")
+        raise InvalidArgument(text_field if text else "messages", f"is {size} bytes; at most {MAX_TEXT_BYTES}")
 
 
 def tokenize_args_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, tuple[Message, ...]]:
@@ -213,57 +235,110 @@ def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateRe
     t = finished.timings
     return pb.GenerateResponse(
         finish_reason=pb.FinishReason.ValueType(finished.reason.value),
-        usage=pb.Usage(prompt_tokens=finished.prompt_tokens, generated_tokens=finished.generated_tokens,
-                       cached_tokens=finished.cached_tokens, truncated_tokens=finished.truncated_tokens,
-                       proposed_tokens=finished.proposed_tokens, accepted_tokens=finished.accepted_tokens),
-        request_id=request_id, seed=seed, stop_sequence=finished.stop_sequence,
-        timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
-                           total_ms=t.total_ms, tokens_per_second=t.tokens_per_second))
+        usage=pb.Usage(
+            prompt_tokens=finished.prompt_tokens,
+            generated_tokens=finished.generated_tokens,
+            cached_tokens=finished.cached_tokens,
+            truncated_tokens=finished.truncated_tokens,
+            proposed_tokens=finished.proposed_tokens,
+            accepted_tokens=finished.accepted_tokens,
+        ),
+        request_id=request_id,
+        seed=seed,
+        stop_sequence=finished.stop_sequence,
+        timings=pb.Timings(
+            queue_ms=t.queue_ms,
+            time_to_first_token_ms=t.time_to_first_token_ms,
+            total_ms=t.total_ms,
+            tokens_per_second=t.tokens_per_second,
+        ),
+    )
 
 
 def logprobs_to_pb(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
     """runner.rows.TokenLogprob (read by attribute: the edge imports no runner but for its type) to protobuf."""
-    return [pb.TokenLogprob(logprob=lp.logprob, rank=lp.rank,
-                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
+    return [
+        pb.TokenLogprob(logprob=lp.logprob, rank=lp.rank, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        for lp in logprobs
+    ]
 
 
 def adapter_to_pb(info: AdapterInfo) -> pb.AdapterInfo:
-    return pb.AdapterInfo(name=info.name, path=info.path, rank=info.rank, alpha=info.alpha, scale=info.scale,
-                          target_modules=info.target_modules)
+    return pb.AdapterInfo(
+        name=info.name,
+        path=info.path,
+        rank=info.rank,
+        alpha=info.alpha,
+        scale=info.scale,
+        target_modules=info.target_modules,
+    )
 
 
 def model_info_to_pb(info: ModelInfo, adapters: Sequence[AdapterInfo] = ()) -> pb.ModelInfoResponse:
     """adapters: the LoRA adapters loaded now."""
     return pb.ModelInfoResponse(
-        adapters=[adapter_to_pb(a) for a in adapters], max_loras=info.max_loras, max_lora_rank=info.max_lora_rank,
-        model_name=info.model_name, architecture=info.architecture, context_length=info.context_length,
-        vocab_size=info.vocab_size, dtype=info.dtype, device=info.device,
-        mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name), max_batch_size=info.max_batch_size,
-        eos_token_ids=info.eos_token_ids, has_chat_template=info.has_chat_template,
-        parameters=info.parameters, weight_formats=info.weight_formats, weight_bytes=info.weight_bytes,
-        quantization=info.quantization, kernels=info.kernels, kv_cache_dtype=info.kv_cache_dtype,
-        prefix_caching=info.prefix_caching, runner=info.runner, activations=info.activations,
-        threads=info.threads, speculative=info.speculative, speculative_tokens=info.speculative_tokens,
-        draft_model=info.draft_model)
+        adapters=[adapter_to_pb(a) for a in adapters],
+        max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank,
+        model_name=info.model_name,
+        architecture=info.architecture,
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        dtype=info.dtype,
+        device=info.device,
+        mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name),
+        max_batch_size=info.max_batch_size,
+        eos_token_ids=info.eos_token_ids,
+        has_chat_template=info.has_chat_template,
+        parameters=info.parameters,
+        weight_formats=info.weight_formats,
+        weight_bytes=info.weight_bytes,
+        quantization=info.quantization,
+        kernels=info.kernels,
+        kv_cache_dtype=info.kv_cache_dtype,
+        prefix_caching=info.prefix_caching,
+        runner=info.runner,
+        activations=info.activations,
+        threads=info.threads,
+        speculative=info.speculative,
+        speculative_tokens=info.speculative_tokens,
+        draft_model=info.draft_model,
+    )
 
 
 def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.ServerStatusResponse:
     f = stats.finished
     return pb.ServerStatusResponse(
-        sessions_active=stats.sessions_active, sessions_queued=stats.sessions_queued,
-        tokens_generated=stats.tokens_generated, prompt_tokens=stats.prompt_tokens,
+        sessions_active=stats.sessions_active,
+        sessions_queued=stats.sessions_queued,
+        tokens_generated=stats.tokens_generated,
+        prompt_tokens=stats.prompt_tokens,
         sessions_finished=pb.FinishCounts(
-            max_tokens=f[FinishReason.MAX_TOKENS], eos=f[FinishReason.EOS],
-            stop_sequence=f[FinishReason.STOP_SEQUENCE], stop_token=f[FinishReason.STOP_TOKEN],
-            cancelled=f[FinishReason.CANCELLED], deadline=f[FinishReason.DEADLINE], error=f[FinishReason.ERROR],
-            constraint=f[FinishReason.CONSTRAINT], invalid_request=f[FinishReason.INVALID_REQUEST]),
-        forward_passes=stats.forward_passes, uptime_seconds=uptime_s,
+            max_tokens=f[FinishReason.MAX_TOKENS],
+            eos=f[FinishReason.EOS],
+            stop_sequence=f[FinishReason.STOP_SEQUENCE],
+            stop_token=f[FinishReason.STOP_TOKEN],
+            cancelled=f[FinishReason.CANCELLED],
+            deadline=f[FinishReason.DEADLINE],
+            error=f[FinishReason.ERROR],
+            constraint=f[FinishReason.CONSTRAINT],
+            invalid_request=f[FinishReason.INVALID_REQUEST],
+        ),
+        forward_passes=stats.forward_passes,
+        uptime_seconds=uptime_s,
         mode=pb.SchedulingMode.Value("SCHEDULING_MODE_" + info.mode.name),
-        sessions_submitted=stats.sessions_submitted, sessions_paused=stats.sessions_paused,
-        prompt_tokens_cached=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens,
-        preemptions=stats.preemptions, kv_evictions=stats.kv_evictions, kv_pages_total=stats.kv_pages_total,
-        kv_pages_used=stats.kv_pages_used, kv_pages_cached=stats.kv_pages_cached, kv_page_tokens=stats.kv_page_tokens,
+        sessions_submitted=stats.sessions_submitted,
+        sessions_paused=stats.sessions_paused,
+        prompt_tokens_cached=stats.prompt_tokens_cached,
+        prompt_tokens_computed=stats.prompt_tokens,
+        preemptions=stats.preemptions,
+        kv_evictions=stats.kv_evictions,
+        kv_pages_total=stats.kv_pages_total,
+        kv_pages_used=stats.kv_pages_used,
+        kv_pages_cached=stats.kv_pages_cached,
+        kv_page_tokens=stats.kv_page_tokens,
         prefix_hit_ratio=stats.prompt_tokens_cached / max(1, stats.prompt_tokens_cached + stats.prompt_tokens),
         speculative_proposed_tokens=stats.speculative_proposed_tokens,
         speculative_accepted_tokens=stats.speculative_accepted_tokens,
-        speculative_acceptance_rate=stats.speculative_accepted_tokens / max(1, stats.speculative_proposed_tokens))
+        speculative_acceptance_rate=stats.speculative_accepted_tokens / max(1, stats.speculative_proposed_tokens),
+    )

@@ -38,7 +38,7 @@ MAX_MESSAGE_CHARS = 1000
 
 
 def capped(text: str) -> str:
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 1] + "…"
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
 
 
 def status(code: grpc.StatusCode, message: str) -> grpc.Status:
@@ -50,7 +50,8 @@ def with_trailers(status: grpc.Status, *pairs: tuple[str, str]) -> grpc.Status:
     """The status with these trailers added after its own."""
     # rpc_status makes each status a namedtuple that is also a grpc.Status; the stubs know only the latter
     replaced: grpc.Status = status._replace(  # type: ignore[attr-defined]
-        trailing_metadata=tuple(status.trailing_metadata) + pairs)
+        trailing_metadata=tuple(status.trailing_metadata) + pairs
+    )
     return replaced
 
 
@@ -66,8 +67,12 @@ def _status(code: int, message: str, *details: Message) -> grpc.Status:
 
 
 # braid's exceptions that are a status code and a message, no more
-_PLAIN = {NotFound: code_pb2.NOT_FOUND, AlreadyExists: code_pb2.ALREADY_EXISTS,
-          LimitReached: code_pb2.RESOURCE_EXHAUSTED, Busy: code_pb2.FAILED_PRECONDITION}
+_PLAIN = {
+    NotFound: code_pb2.NOT_FOUND,
+    AlreadyExists: code_pb2.ALREADY_EXISTS,
+    LimitReached: code_pb2.RESOURCE_EXHAUSTED,
+    Busy: code_pb2.FAILED_PRECONDITION,
+}
 
 
 def status_for(exc: Exception) -> grpc.Status:
@@ -128,11 +133,15 @@ def _check(request: object) -> None:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns braid's exceptions, raised anywhere in a handler, into their status codes."""
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None or not handler_call_details.method.startswith(
-                "/braid."):
+        if (
+            handler is None
+            or handler.request_deserializer is None
+            or not handler_call_details.method.startswith("/braid.")
+        ):
             return handler
         return wrap_calls(handler, _as_status, request_deserializer=_lenient(handler.request_deserializer))
 

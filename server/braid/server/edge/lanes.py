@@ -28,8 +28,9 @@ class TokenizerLanes:
     def __init__(self) -> None:
         self._small = concurrent.futures.ThreadPoolExecutor(SMALL_THREADS, thread_name_prefix="braid-tokenize")
         self._big = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="braid-tokenize-big")
-        self._constraints = concurrent.futures.ThreadPoolExecutor(CONSTRAINT_THREADS,
-                                                                  thread_name_prefix="braid-constraint")
+        self._constraints = concurrent.futures.ThreadPoolExecutor(
+            CONSTRAINT_THREADS, thread_name_prefix="braid-constraint"
+        )
 
     def run(self, ticket: Ticket, work: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Runs work(ticket, *args) in the lane for the ticket's text (big or not). The ticket is

@@ -22,23 +22,36 @@ _WINDOW_S = 10.0  # requests per second over this much of the recent past
 
 
 def _report_class() -> type[message.Message]:
-    fd = descriptor_pb2.FileDescriptorProto(name="braid/edge/orca_load_report.proto", package="braid.edge.orca",
-                                            syntax="proto3")
+    fd = descriptor_pb2.FileDescriptorProto(
+        name="braid/edge/orca_load_report.proto", package="braid.edge.orca", syntax="proto3"
+    )
     msg = fd.message_type.add(name="OrcaLoadReport")
-    double, message, repeated = (descriptor_pb2.FieldDescriptorProto.TYPE_DOUBLE,
-                                 descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
-                                 descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED)
+    double, message, repeated = (
+        descriptor_pb2.FieldDescriptorProto.TYPE_DOUBLE,
+        descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
+        descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED,
+    )
     optional = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
-    for name, number in (("cpu_utilization", 1), ("mem_utilization", 2), ("rps_fractional", 6), ("eps", 7),
-                         ("application_utilization", 9)):
+    for name, number in (
+        ("cpu_utilization", 1),
+        ("mem_utilization", 2),
+        ("rps_fractional", 6),
+        ("eps", 7),
+        ("application_utilization", 9),
+    ):
         msg.field.add(name=name, number=number, type=double, label=optional)
     for name, number in (("request_cost", 4), ("utilization", 5), ("named_metrics", 8)):
         entry = msg.nested_type.add(name=f"{name.title().replace('_', '')}Entry")
         entry.options.map_entry = True
         entry.field.add(name="key", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING, label=optional)
         entry.field.add(name="value", number=2, type=double, label=optional)
-        msg.field.add(name=name, number=number, type=message, label=repeated,
-                      type_name=f".braid.edge.orca.OrcaLoadReport.{entry.name}")
+        msg.field.add(
+            name=name,
+            number=number,
+            type=message,
+            label=repeated,
+            type_name=f".braid.edge.orca.OrcaLoadReport.{entry.name}",
+        )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fd)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("braid.edge.orca.OrcaLoadReport"))
@@ -68,6 +81,10 @@ class LoadReporter:
             application_utilization=max(kv, busy),  # above 1 with a queue: gRPC's WRR weighs it down
             rps_fractional=len(self._calls) / _WINDOW_S,
             utilization={"kv_cache": kv},
-            named_metrics={"queue_depth": float(stats.sessions_queued), "active_sessions": float(stats.sessions_active),
-                           "kv_cache_utilization": kv})
+            named_metrics={
+                "queue_depth": float(stats.sessions_queued),
+                "active_sessions": float(stats.sessions_active),
+                "kv_cache_utilization": kv,
+            },
+        )
         return KEY, report.SerializeToString()

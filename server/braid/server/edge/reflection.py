@@ -49,8 +49,9 @@ class CommentedReflectionServicer(reflection.aio.ReflectionServicer):
         super().__init__(service_names)  # type: ignore[no-untyped-call]  # grpcio-reflection's is unannotated
         self._commented = _commented_files()
 
-    async def ServerReflectionInfo(self, request_iterator: AsyncIterable[reflection_pb2.ServerReflectionRequest],
-                                   context: Context) -> AsyncIterator[reflection_pb2.ServerReflectionResponse]:
+    async def ServerReflectionInfo(
+        self, request_iterator: AsyncIterable[reflection_pb2.ServerReflectionRequest], context: Context
+    ) -> AsyncIterator[reflection_pb2.ServerReflectionResponse]:
         async for response in super().ServerReflectionInfo(request_iterator, context):
             if response.HasField("file_descriptor_response"):
                 protos = response.file_descriptor_response.file_descriptor_proto

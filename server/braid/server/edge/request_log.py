@@ -36,8 +36,9 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
     def wanted() -> bool:
         return _LOGGER.isEnabledFor(logging.INFO)
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith("/braid."):
             return handler
@@ -45,8 +46,12 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
             return wrap_calls(handler, self._stream)
         if _LOGGER.isEnabledFor(logging.DEBUG):
             method = handler_call_details.method.rsplit("/", 1)[-1]
-            return wrap_calls(handler, lambda request, context: _logged(
-                context, lambda code: {"call": method, "peer": context.peer(), "status": code.name}))
+            return wrap_calls(
+                handler,
+                lambda request, context: _logged(
+                    context, lambda code: {"call": method, "peer": context.peer(), "status": code.name}
+                ),
+            )
         return handler
 
     def _stream(self, request: Any, context: Context) -> AsyncContextManager[Seen | None]:
@@ -73,14 +78,21 @@ class _StreamRecord:
             self.finals.append(response)
 
     def fields(self, code: grpc.StatusCode) -> dict[str, object]:
-        fields: dict[str, object] = {"request_id": self.request_id, "peer": self.peer, "mode": self.mode,
-                                     "status": code.name}
+        fields: dict[str, object] = {
+            "request_id": self.request_id,
+            "peer": self.peer,
+            "mode": self.mode,
+            "status": code.name,
+        }
         if not self.finals:
             return fields | {"finish": None, "generated_tokens": self.tokens_sent}
         timings = [f.timings for f in self.finals]
         fields |= {
-            "finish": ",".join(sorted({pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower()
-                                       for f in self.finals})),
+            "finish": ",".join(
+                sorted(
+                    {pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower() for f in self.finals}
+                )
+            ),
             "prompt_tokens": self.finals[0].usage.prompt_tokens,
             "cached_tokens": sum(f.usage.cached_tokens for f in self.finals),
             "generated_tokens": sum(f.usage.generated_tokens for f in self.finals),
@@ -97,8 +109,9 @@ class _StreamRecord:
 
 
 @contextlib.asynccontextmanager
-async def _logged(context: Context, fields: Callable[[grpc.StatusCode], dict[str, object]],
-                  seen: Seen | None = None) -> AsyncIterator[Seen | None]:
+async def _logged(
+    context: Context, fields: Callable[[grpc.StatusCode], dict[str, object]], seen: Seen | None = None
+) -> AsyncIterator[Seen | None]:
     """Logs the call once grpc says it is over: `fields(its final status)`. A Stream call (one
     whose responses are `seen`) at info, any other at debug."""
     started = time.perf_counter()

@@ -63,9 +63,13 @@ class GrpcFrontEnd:
             interceptors.append(ApiKeyInterceptor(config.api_key))
         self._server = grpc.aio.server(
             interceptors=[*interceptors, ErrorInterceptor()],
-            options=[("grpc.max_receive_message_length", config.max_message_bytes),
-                     ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-                     ("grpc.so_reuseport", 0), *_connection_options(config)])
+            options=[
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+                ("grpc.so_reuseport", 0),
+                *_connection_options(config),
+            ],
+        )
         self.port = _listen(self._server, config)
 
     async def start(self, engine: EngineClient) -> None:
@@ -76,15 +80,22 @@ class GrpcFrontEnd:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION_SERVICE),
-            self._server)
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION_SERVICE), self._server
+        )
         if self._request_log is not None:
             self._request_log.mode = engine.info.mode.value
         await self._server.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        _LOGGER.info("braid serving %s (%s, %s mode, %s) on %s:%d", engine.info.model_name, engine.info.device,
-                     engine.info.mode.value, engine.info.dtype, self._config.host, self.port)
+        _LOGGER.info(
+            "braid serving %s (%s, %s mode, %s) on %s:%d",
+            engine.info.model_name,
+            engine.info.device,
+            engine.info.mode.value,
+            engine.info.dtype,
+            self._config.host,
+            self.port,
+        )
         _log_settings(self._config)
 
     async def begin_drain(self) -> None:
@@ -114,13 +125,17 @@ class GrpcFrontEnd:
 def _connection_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Keepalive, the ping policy and the connection age: gRPC channel arguments from their flags (0 where it
     means gRPC's default or no limit leaves the argument out)."""
-    options = [("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
-               ("grpc.keepalive_permit_without_calls", int(config.keepalive_permit_without_calls)),
-               ("grpc.http2.min_ping_interval_without_data_ms", config.min_ping_interval_ms),
-               ("grpc.http2.max_pings_without_data", 0)]  # braid's keepalive pings go on over a silent stream
-    for name, value in (("grpc.keepalive_time_ms", config.keepalive_time_ms),
-                        ("grpc.max_connection_age_ms", config.max_connection_age_ms),
-                        ("grpc.max_connection_age_grace_ms", config.max_connection_age_grace_ms)):
+    options = [
+        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(config.keepalive_permit_without_calls)),
+        ("grpc.http2.min_ping_interval_without_data_ms", config.min_ping_interval_ms),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]  # braid's keepalive pings go on over a silent stream
+    for name, value in (
+        ("grpc.keepalive_time_ms", config.keepalive_time_ms),
+        ("grpc.max_connection_age_ms", config.max_connection_age_ms),
+        ("grpc.max_connection_age_grace_ms", config.max_connection_age_grace_ms),
+    ):
         if value:
             options.append((name, value))
     return options
@@ -128,8 +143,11 @@ def _connection_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 def _log_settings(config: ServerConfig) -> None:
     """One line each for what an operator must know is on or off."""
-    metrics = (f"on, http://{config.metrics_host}:{config.metrics_port}/metrics (no API key guards it)"
-               if config.metrics_port else "off")
+    metrics = (
+        f"on, http://{config.metrics_host}:{config.metrics_port}/metrics (no API key guards it)"
+        if config.metrics_port
+        else "off"
+    )
     _LOGGER.info("metrics: %s", metrics)
     _LOGGER.info("OTLP: %s", f"on, traces and metrics to {config.otlp_endpoint}" if config.otlp_endpoint else "off")
     if config.tls_cert is None:
@@ -139,8 +157,9 @@ def _log_settings(config: ServerConfig) -> None:
     else:
         tls = f"on, mutual: client certificates signed by {config.tls_client_ca} required"
     _LOGGER.info("TLS: %s", tls)
-    _LOGGER.info("API key: %s", "on, every call but health checks needs it" if config.api_key
-                 else "off, every caller is served")
+    _LOGGER.info(
+        "API key: %s", "on, every call but health checks needs it" if config.api_key else "off, every caller is served"
+    )
 
 
 def _listen(server: grpc.aio.Server, config: ServerConfig) -> int:
@@ -161,8 +180,9 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     assert config.tls_cert is not None and config.tls_key is not None  # ServerConfig has them come together
     cert, key = _pem("tls_cert", config.tls_cert), _pem("tls_key", config.tls_key)
     client_ca = None if config.tls_client_ca is None else _pem("tls_client_ca", config.tls_client_ca)
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 def _pem(name: str, path: Path) -> bytes:
@@ -179,8 +199,9 @@ def _bind_failure(host: str, port: int) -> str | None:
     """Why host:port cannot be listened on, or None: bound once plainly, with the SO_REUSEADDR
     grpc sets (a port whose old connections linger in TIME_WAIT is free)."""
     try:
-        family, kind, _, _, address = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
+        family, kind, _, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         with socket.socket(family, kind) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)

@@ -64,8 +64,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._tokenizers.shutdown()
 
     async def Stream(self, request: pb.GenerateRequest, context: Context) -> AsyncIterator[pb.GenerateResponse]:
-        req = convert.request_from_pb(request, self._config.default_max_new_tokens,
-                                      self._engine.info.vocab_size, context.time_remaining())
+        req = convert.request_from_pb(
+            request, self._config.default_max_new_tokens, self._engine.info.vocab_size, context.time_remaining()
+        )
         self._load.count_call()
         # However the call ends (the client cancels, resets the stream or vanishes, at any await
         # below or none, before its sessions exist or after), its sessions go with it: the
@@ -78,8 +79,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._by_request_id.setdefault(req.request_id, []).extend(entries)
         try:
             # the seed in the headers: a client can resume a broken stream (resume_token_ids) with it
-            await context.send_initial_metadata((("braid-request-id", req.request_id),
-                                                 ("braid-seed", str(handles[0].seed))))
+            await context.send_initial_metadata(
+                (("braid-request-id", req.request_id), ("braid-seed", str(handles[0].seed)))
+            )
             async for index, handle, batch in merged(handles):
                 message = self._message(batch, handle)
                 if len(handles) > 1:
@@ -89,11 +91,15 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                     failure = _failure_status(handle.finished, context, self._handing_over)
                     if failure is not None:
                         if message.text or message.token_ids:
-                            yield pb.GenerateResponse(text=message.text, token_ids=message.token_ids,
-                                                      index=message.index)
+                            yield pb.GenerateResponse(
+                                text=message.text, token_ids=message.token_ids, index=message.index
+                            )
                         await abort_with(context, failure)
-                    self._trailers(context, *_timing_metadata(message.timings),
-                                   ("braid-cached-tokens", str(message.usage.cached_tokens)))
+                    self._trailers(
+                        context,
+                        *_timing_metadata(message.timings),
+                        ("braid-cached-tokens", str(message.usage.cached_tokens)),
+                    )
                 yield message
         except asyncio.CancelledError:
             # The client closed the stream (or its deadline passed): free the sessions now.
@@ -157,8 +163,11 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         who = _credentials(context)
         aborted = []
         for request_id in dict.fromkeys(request.request_ids):
-            owned = [handle for handle, owner in self._by_request_id.get(request_id, ()) if owner == who
-                     and handle.finished is None]
+            owned = [
+                handle
+                for handle, owner in self._by_request_id.get(request_id, ())
+                if owner == who and handle.finished is None
+            ]
             for handle in owned:
                 handle.cancel(FinishReason.CANCELLED)
             if owned:
@@ -168,8 +177,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def ServerStatus(self, request: pb.ServerStatusRequest, context: Context) -> pb.ServerStatusResponse:
         self._trailers(context)
-        return convert.stats_to_pb(self._engine.stats(), self._engine.info,
-                                   time.monotonic() - self._engine.started_at)
+        return convert.stats_to_pb(self._engine.stats(), self._engine.info, time.monotonic() - self._engine.started_at)
 
 
 # who a call is: a hash of its `authorization` metadata, and its TLS client certificate's names
@@ -192,8 +200,10 @@ def _failure_status(finished: Finished, context: Context, handing_over: bool = F
     braid-handover trailer; each with its own message. Every other end, the request's own
     timeout_ms included, is a normal final message."""
     if finished.reason is FinishReason.CANCELLED and handing_over:
-        handed = status(grpc.StatusCode.UNAVAILABLE, "the server is draining: resume this stream on another "
-                                                     "replica from the tokens it delivered")
+        handed = status(
+            grpc.StatusCode.UNAVAILABLE,
+            "the server is draining: resume this stream on another replica from the tokens it delivered",
+        )
         return with_trailers(handed, HANDOVER_TRAILER)
     if finished.reason is FinishReason.ERROR:
         return status(grpc.StatusCode.INTERNAL, finished.error or "the engine failed")
@@ -206,7 +216,9 @@ def _failure_status(finished: Finished, context: Context, handing_over: bool = F
 
 
 def _timing_metadata(t: pb.Timings) -> tuple[tuple[str, str], ...]:
-    return (("braid-queue-ms", f"{t.queue_ms:.3f}"),
-            ("braid-time-to-first-token-ms", f"{t.time_to_first_token_ms:.3f}"),
-            ("braid-total-ms", f"{t.total_ms:.3f}"),
-            ("braid-tokens-per-second", f"{t.tokens_per_second:.3f}"))
+    return (
+        ("braid-queue-ms", f"{t.queue_ms:.3f}"),
+        ("braid-time-to-first-token-ms", f"{t.time_to_first_token_ms:.3f}"),
+        ("braid-total-ms", f"{t.total_ms:.3f}"),
+        ("braid-tokens-per-second", f"{t.tokens_per_second:.3f}"),
+    )

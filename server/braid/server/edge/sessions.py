@@ -85,8 +85,9 @@ class CallSessions:
             h.cancel(reason)  # a no-op once finished
 
 
-async def submit(engine: EngineClient, lanes: TokenizerLanes, req: GenerationRequest,
-                 call: CallSessions) -> list[SessionHandle]:
+async def submit(
+    engine: EngineClient, lanes: TokenizerLanes, req: GenerationRequest, call: CallSessions
+) -> list[SessionHandle]:
     """Admits the request, compiles its constraint and queues its sessions, the blocking parts in
     the lanes' threads; `call` adopts the sessions the moment they exist."""
     # The place in the queue is taken here, before the call waits for a compile or a tokenizer thread.
@@ -97,6 +98,7 @@ async def submit(engine: EngineClient, lanes: TokenizerLanes, req: GenerationReq
         ticket.release()
         raise
     future = lanes.run(ticket, engine.submit, req, asyncio.get_running_loop(), matcher)
+
     # The call learns of its sessions on the event loop as soon as they exist, whether or not
     # this coroutine is still there to take them (cancelled while the prompt was tokenized).
     def adopt(f: asyncio.Future[list[SessionHandle]]) -> None:

@@ -36,8 +36,13 @@ def on_session(handle: SessionHandle, mode: Mode) -> None:
     """The current call's span gets its session: request id, mode, prompt tokens."""
     span = trace.get_current_span()
     if span.is_recording():
-        span.set_attributes({"braid.request_id": handle.request_id, "braid.mode": mode.value,
-                             "braid.prompt_tokens": handle.prompt_tokens})
+        span.set_attributes(
+            {
+                "braid.request_id": handle.request_id,
+                "braid.mode": mode.value,
+                "braid.prompt_tokens": handle.prompt_tokens,
+            }
+        )
 
 
 def on_finished(handle: SessionHandle) -> None:
@@ -47,8 +52,9 @@ def on_finished(handle: SessionHandle) -> None:
     finished = handle.finished
     if finished is None or not span.is_recording():
         return
-    span.set_attributes({"braid.generated_tokens": finished.generated_tokens,
-                         FINISH_REASON: finished.reason.name.lower()})
+    span.set_attributes(
+        {"braid.generated_tokens": finished.generated_tokens, FINISH_REASON: finished.reason.name.lower()}
+    )
     arrived_ns = time.time_ns() - round((time.monotonic() - handle.arrived) * 1e9)
     for name, seconds in finished.milestones().items():
         span.add_event(name, timestamp=arrived_ns + round(seconds * 1e9))
@@ -62,8 +68,9 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         self._tracing: grpc.aio.ServerInterceptor = aio_server_interceptor(filter_=service_prefix("braid."))
         self._calls = calls
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
         method = handler_call_details.method.removeprefix("/")
 
         async def observed(details: grpc.HandlerCallDetails) -> Handler | None:

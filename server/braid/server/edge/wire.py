@@ -37,7 +37,7 @@ def _length_delimited(data: bytes) -> Iterator[tuple[int, bytes]]:
             i += 4
         elif wire_type == 2:
             size, i = _varint(data, i)
-            yield number, data[i:i + size]
+            yield number, data[i : i + size]
             i += size
         else:
             raise ValueError(f"unsupported wire type {wire_type}")

@@ -68,8 +68,9 @@ class Adapters:
             if name in self._by_name or name in self._loading:
                 raise AlreadyExists(f"adapter {name!r} is already loaded (unload it first)")
             if len(self._by_name) + len(self._loading) >= self.max_loras:
-                raise LimitReached(f"{self.max_loras} LoRA adapters are loaded, the most --max-loras allows: "
-                                   "unload one first")
+                raise LimitReached(
+                    f"{self.max_loras} LoRA adapters are loaded, the most --max-loras allows: unload one first"
+                )
             self._loading.add(name)
             adapter_id = next(self._ids)
         try:
@@ -122,8 +123,10 @@ class Adapters:
                 pass
             if entry.users:
                 entry.unloading = False
-                raise Busy(f"adapter {name!r} is still used by {entry.users} generation(s) after {timeout:g} s; "
-                           "it stays loaded")
+                raise Busy(
+                    f"adapter {name!r} is still used by {entry.users} generation(s) after {timeout:g} s; "
+                    "it stays loaded"
+                )
             del self._by_name[name]
         self._runner.unload_adapter(entry.id)
 

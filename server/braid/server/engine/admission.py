@@ -34,10 +34,19 @@ from braid.server.runner.rows import Sampling
 
 
 class Admission:
-    def __init__(self, tokenizer: Tokenizer, max_seq_len: int, books: Books,
-                 random_state: Callable[[Sampling, int], object], grammars: Grammars, enqueue: Callable[[Session], None],
-                 abort: Callable[[int, FinishReason], None], wake: Callable[[], None],
-                 is_open: Callable[[], str | None], adapters: Adapters | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_seq_len: int,
+        books: Books,
+        random_state: Callable[[Sampling, int], object],
+        grammars: Grammars,
+        enqueue: Callable[[Session], None],
+        abort: Callable[[int, FinishReason], None],
+        wake: Callable[[], None],
+        is_open: Callable[[], str | None],
+        adapters: Adapters | None = None,
+    ) -> None:
         """random_state: the runner's, for a session's Row.rng (advanced by a number of draws);
         is_open: None while sessions may be admitted, else why not; adapters: the LoRA adapters a
         request may name (none without)."""
@@ -50,8 +59,9 @@ class Admission:
         self._ids = itertools.count(1)
         self.adapters = adapters
 
-    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True,
-              truncated: bool = False) -> Ticket:
+    def admit(
+        self, prompt: str | None, messages: Sequence[Message], for_session: bool = True, truncated: bool = False
+    ) -> Ticket:
         """Takes a place for a call before its text is tokenized: cheap, so the event loop calls it
         the moment a call arrives. A Stream prompt that cannot fit in the context even at the most
         bytes per token is refused here, without tokenizing it (unless it is to be truncated)."""
@@ -62,8 +72,10 @@ class Admission:
         if for_session and not truncated:
             at_least = self.tokenizer.min_tokens(size)
             if at_least >= self.max_seq_len:
-                raise InvalidArgument("messages" if messages else "prompt",
-                                      f"is at least {at_least} tokens; the context length is {self.max_seq_len}")
+                raise InvalidArgument(
+                    "messages" if messages else "prompt",
+                    f"is at least {at_least} tokens; the context length is {self.max_seq_len}",
+                )
         return Ticket(self.books, size)
 
     def compile(self, request: GenerationRequest) -> Matcher | None:
@@ -76,8 +88,13 @@ class Admission:
         _check_resumed(request, matcher, self.tokenizer.eos_token_ids)
         return matcher
 
-    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-               matcher: Matcher | None = None) -> list[SessionHandle]:
+    def submit(
+        self,
+        ticket: Ticket,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        matcher: Matcher | None = None,
+    ) -> list[SessionHandle]:
         """Tokenizes, checks and queues the request's `n` sessions (sample i seeded seed + i); gives
         the ticket back whatever happens. matcher: compile(request)'s, for a request with a
         constraint. Blocking (tokenization): call it off the event loop."""
@@ -101,14 +118,29 @@ class Admission:
         if self.adapters is not None:
             self.adapters.retain(first.adapter)
         session_id = next(self._ids)
-        handle = SessionHandle(session_id, first.handle.request_id, params.seed, first.num_prompt, loop,
-                               self._abort, self._wake)
+        handle = SessionHandle(
+            session_id, first.handle.request_id, params.seed, first.num_prompt, loop, self._abort, self._wake
+        )
         return dataclasses.replace(
-            first, id=session_id, params=params, sampling=sampling, rng=self._random_state(sampling, 0), handle=handle,
-            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, first.prompt_ids, params.stop,
-                                               params.include_stop_sequence),
-            parent=first, arrived=handle.arrived, token_ids=[], pages=[], page_keys=[], pending_ids=[],
-            pending_logprobs=[], prompt_scores=None, matcher=first.matcher.deep_copy() if first.matcher else None)
+            first,
+            id=session_id,
+            params=params,
+            sampling=sampling,
+            rng=self._random_state(sampling, 0),
+            handle=handle,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer.decode, first.prompt_ids, params.stop, params.include_stop_sequence
+            ),
+            parent=first,
+            arrived=handle.arrived,
+            token_ids=[],
+            pages=[],
+            page_keys=[],
+            pending_ids=[],
+            pending_logprobs=[],
+            prompt_scores=None,
+            matcher=first.matcher.deep_copy() if first.matcher else None,
+        )
 
     def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
         """A Tokenize call's work; gives the ticket back. Blocking: call it off the event loop."""
@@ -123,27 +155,50 @@ class Admission:
         params = self._fit(request, prompt_ids)
         resumed = request.resume_token_ids
         if len(resumed) >= params.max_new_tokens:
-            raise InvalidArgument("resume_token_ids", f"{len(resumed)} tokens leave none of max_new_tokens "
-                                                      f"({params.max_new_tokens}) to generate")
-        sampling = Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                            min_p=params.min_p, repetition_penalty=params.repetition_penalty,
-                            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                            logit_bias=params.logit_bias, seed=params.seed,
-                            logprobs=params.top_logprobs if params.logprobs else None)
+            raise InvalidArgument(
+                "resume_token_ids",
+                f"{len(resumed)} tokens leave none of max_new_tokens ({params.max_new_tokens}) to generate",
+            )
+        sampling = Sampling(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logit_bias=params.logit_bias,
+            seed=params.seed,
+            logprobs=params.top_logprobs if params.logprobs else None,
+        )
         adapter, adapter_key = self._adapter(request.adapter)  # the last check: it holds the adapter
         session_id = next(self._ids)
-        handle = SessionHandle(session_id, request.request_id, params.seed, len(prompt_ids), loop,
-                               self._abort, self._wake)
-        return Session(adapter=adapter, adapter_key=adapter_key,
-            id=session_id, prompt_ids=prompt_ids, params=params, sampling=sampling,
-            rng=self._random_state(sampling, len(resumed)), handle=handle,
-            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop,
-                                               params.include_stop_sequence),
-            resumed=list(resumed), deadline=request.deadline, priority=request.priority, arrived=handle.arrived,
-            cache_salt=request.cache_salt, truncated_tokens=truncated,
+        handle = SessionHandle(
+            session_id, request.request_id, params.seed, len(prompt_ids), loop, self._abort, self._wake
+        )
+        return Session(
+            adapter=adapter,
+            adapter_key=adapter_key,
+            id=session_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            sampling=sampling,
+            rng=self._random_state(sampling, len(resumed)),
+            handle=handle,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer.decode, prompt_ids, params.stop, params.include_stop_sequence
+            ),
+            resumed=list(resumed),
+            deadline=request.deadline,
+            priority=request.priority,
+            arrived=handle.arrived,
+            cache_salt=request.cache_salt,
+            truncated_tokens=truncated,
             bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else (),
             prompt_scores=[] if params.prompt_logprobs else None,
-            matcher=matcher, constraint_field=request.constraint.field if request.constraint else "")
+            matcher=matcher,
+            constraint_field=request.constraint.field if request.constraint else "",
+        )
 
     def _adapter(self, name: str) -> tuple[int, str]:
         """The LoRA adapter `name` held for a new session: its id and prefix-cache key; raises
@@ -195,12 +250,18 @@ class Admission:
         if params.max_new_tokens > room and params.clip_max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=room)
         if params.max_new_tokens > room:
-            raise InvalidArgument("max_new_tokens", f"{params.max_new_tokens} new tokens after a {n}-token prompt "
-                                                    f"exceed the context length {self.max_seq_len} (at most {room})")
+            raise InvalidArgument(
+                "max_new_tokens",
+                f"{params.max_new_tokens} new tokens after a {n}-token prompt "
+                f"exceed the context length {self.max_seq_len} (at most {room})",
+            )
         if params.min_new_tokens > params.max_new_tokens:
-            raise InvalidArgument("min_new_tokens", f"{params.min_new_tokens} is more than the {room} new tokens "
-                                                    f"that fit after a {n}-token prompt "
-                                                    f"(context length {self.max_seq_len})")
+            raise InvalidArgument(
+                "min_new_tokens",
+                f"{params.min_new_tokens} is more than the {room} new tokens "
+                f"that fit after a {n}-token prompt "
+                f"(context length {self.max_seq_len})",
+            )
         return params
 
 
@@ -214,5 +275,7 @@ def _check_resumed(request: GenerationRequest, matcher: Matcher, eos_token_ids: 
         if token in request.params.stop_token_ids or (token in eos_token_ids and walk.is_accepting()):
             return
         if not walk.consume_token(token):
-            raise InvalidArgument("resume_token_ids", f"token {i} ({token}) is not output the request's constraint "
-                                                      "allows after the ones before it")
+            raise InvalidArgument(
+                "resume_token_ids",
+                f"token {i} ({token}) is not output the request's constraint allows after the ones before it",
+            )

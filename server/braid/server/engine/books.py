@@ -41,11 +41,17 @@ class Books:
         with self._lock:
             queued = self._queued()
             if queued + self._reserved >= self.max_queued:
-                raise Overloaded(f"{queued} sessions are queued and {self._reserved} calls are being "
-                                 f"tokenized (--max-queued {self.max_queued})", retry_after_s=RETRY_AFTER_S)
+                raise Overloaded(
+                    f"{queued} sessions are queued and {self._reserved} calls are being "
+                    f"tokenized (--max-queued {self.max_queued})",
+                    retry_after_s=RETRY_AFTER_S,
+                )
             if big and self._reserved_big >= max(1, self.max_queued // 2):
-                raise Overloaded(f"{self._reserved_big} calls with texts over {BIG_TEXT_BYTES // 1024} KiB are being "
-                                 f"tokenized, half of --max-queued {self.max_queued}", retry_after_s=RETRY_AFTER_S)
+                raise Overloaded(
+                    f"{self._reserved_big} calls with texts over {BIG_TEXT_BYTES // 1024} KiB are being "
+                    f"tokenized, half of --max-queued {self.max_queued}",
+                    retry_after_s=RETRY_AFTER_S,
+                )
             self._reserved += 1
             self._reserved_big += big
 
@@ -100,14 +106,24 @@ class Books:
         with self._lock:
             s = self._stats
             return EngineStats(
-                sessions_active=s.sessions_active, sessions_queued=self._queued(),
-                sessions_paused=s.sessions_paused, sessions_submitted=s.sessions_submitted,
-                tokens_generated=s.tokens_generated, prompt_tokens=s.prompt_tokens,
-                forward_passes=s.forward_passes, finished=dict(s.finished),
-                prompt_tokens_cached=s.prompt_tokens_cached, preemptions=s.preemptions, kv_evictions=s.kv_evictions,
-                kv_pages_total=s.kv_pages_total, kv_pages_used=s.kv_pages_used, kv_pages_cached=s.kv_pages_cached,
-                kv_page_tokens=s.kv_page_tokens, speculative_proposed_tokens=s.speculative_proposed_tokens,
-                speculative_accepted_tokens=s.speculative_accepted_tokens)
+                sessions_active=s.sessions_active,
+                sessions_queued=self._queued(),
+                sessions_paused=s.sessions_paused,
+                sessions_submitted=s.sessions_submitted,
+                tokens_generated=s.tokens_generated,
+                prompt_tokens=s.prompt_tokens,
+                forward_passes=s.forward_passes,
+                finished=dict(s.finished),
+                prompt_tokens_cached=s.prompt_tokens_cached,
+                preemptions=s.preemptions,
+                kv_evictions=s.kv_evictions,
+                kv_pages_total=s.kv_pages_total,
+                kv_pages_used=s.kv_pages_used,
+                kv_pages_cached=s.kv_pages_cached,
+                kv_page_tokens=s.kv_page_tokens,
+                speculative_proposed_tokens=s.speculative_proposed_tokens,
+                speculative_accepted_tokens=s.speculative_accepted_tokens,
+            )
 
     @property
     def is_idle(self) -> bool:

@@ -25,16 +25,22 @@ class EngineClient(Protocol):
     def max_sessions(self) -> int:
         """Most sessions running at once (--max-sessions), for load reports."""
 
-    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True,
-              truncated: bool = False) -> Ticket:
+    def admit(
+        self, prompt: str | None, messages: Sequence[Message], for_session: bool = True, truncated: bool = False
+    ) -> Ticket:
         """A call's place in the queue, taken the moment it arrives (cheap: on the event loop).
         Raises Overloaded, EngineUnavailable, or InvalidArgument for a prompt too big to fit."""
 
     def compile(self, request: GenerationRequest) -> Matcher | None:
         """The request's constraint compiled (None without one). Blocking: off the event loop."""
 
-    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-               matcher: Matcher | None = None) -> list[SessionHandle]:
+    def submit(
+        self,
+        ticket: Ticket,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        matcher: Matcher | None = None,
+    ) -> list[SessionHandle]:
         """Tokenizes and queues the request's sessions, their events delivered on `loop`; gives the
         ticket back. Blocking: off the event loop."""
 

@@ -45,8 +45,15 @@ class Step:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Sequence[int], books: Books,
-                 adapters: Adapters | None = None, draft: Runner | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        eos_token_ids: Sequence[int],
+        books: Books,
+        adapters: Adapters | None = None,
+        draft: Runner | None = None,
+    ) -> None:
         """adapters: the LoRA adapters, whose holds a session gives back when it ends; draft:
         --speculative draft's model, on its own runner."""
         self.runner = runner
@@ -54,8 +61,13 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_seq_len = runner.max_seq_len
         self.pages = Pages(runner.num_pages, runner.page_size, config.prefix_caching == "on")
-        proposer = (NgramProposer(config.ngram_min, config.ngram_max) if config.speculative == "ngram"
-                    else DraftProposer(draft) if config.speculative == "draft" and draft is not None else None)
+        proposer = (
+            NgramProposer(config.ngram_min, config.ngram_max)
+            if config.speculative == "ngram"
+            else DraftProposer(draft)
+            if config.speculative == "draft" and draft is not None
+            else None
+        )
         self.speculator = Speculator(proposer, config.speculative_tokens, self.max_seq_len) if proposer else None
         self.scheduler = Scheduler(config, self.pages, self.speculator)
         self.output = Output(self.eos_token_ids, self.max_seq_len)
@@ -143,9 +155,15 @@ class EngineCore:
 
     def _cache_stats(self) -> dict[str, int]:
         pages = self.pages
-        return dict(prompt_tokens_cached=self.scheduler.num_cached_tokens, preemptions=self._num_preemptions,
-                    kv_evictions=pages.num_evictions, kv_pages_total=pages.num_pages, kv_pages_used=pages.num_used,
-                    kv_pages_cached=pages.num_cached, kv_page_tokens=pages.page_size)
+        return dict(
+            prompt_tokens_cached=self.scheduler.num_cached_tokens,
+            preemptions=self._num_preemptions,
+            kv_evictions=pages.num_evictions,
+            kv_pages_total=pages.num_pages,
+            kv_pages_used=pages.num_used,
+            kv_pages_cached=pages.num_cached,
+            kv_page_tokens=pages.page_size,
+        )
 
     def _forward(self, work: list[Work], now: float) -> None:
         for w in work:
@@ -170,10 +188,22 @@ class EngineCore:
         if s.bad_words and end == len(s.token_ids):
             banned += tuple(s.banned_by_bad_words())
         sample = end == len(s.token_ids)
-        return Row(pages=s.pages, start=start, token_ids=s.token_ids[start:end] + list(w.proposals), sample=sample,
-                   sampling=s.sampling, rng=s.rng, history=s.token_ids, num_prompt=s.num_prompt, banned=banned,
-                   is_prompt=s.is_prefilling, targets=s.prompt_targets(start, end),
-                   matcher=s.matcher if sample else None, adapter=s.adapter, num_proposals=len(w.proposals))
+        return Row(
+            pages=s.pages,
+            start=start,
+            token_ids=s.token_ids[start:end] + list(w.proposals),
+            sample=sample,
+            sampling=s.sampling,
+            rng=s.rng,
+            history=s.token_ids,
+            num_prompt=s.num_prompt,
+            banned=banned,
+            is_prompt=s.is_prefilling,
+            targets=s.prompt_targets(start, end),
+            matcher=s.matcher if sample else None,
+            adapter=s.adapter,
+            num_proposals=len(w.proposals),
+        )
 
     def _postprocess(self, work: list[Work], tokens: list[Sampled | None]) -> None:
         now = time.monotonic()
@@ -186,7 +216,7 @@ class EngineCore:
         for w, sampled in zip(work, tokens):
             s = w.session
             if sampled is not None and sampled.targets and s.prompt_scores is not None:
-                del s.prompt_scores[s.num_cached:]  # scored again after a preemption
+                del s.prompt_scores[s.num_cached :]  # scored again after a preemption
                 s.prompt_scores.extend(sampled.targets)
             if w.proposals:
                 assert sampled is not None and sampled.token is not None  # a speculating row always samples
@@ -268,9 +298,16 @@ class EngineCore:
         held, waiting, running = self._counts()
         balance = self._balance(held, waiting, running)
         if balance != (0, 0, 0) and balance != self._books_off:
-            _LOGGER.error("BOOKS DO NOT BALANCE: %d sessions held, %d waiting + %d running; %d added, %d finished; "
-                          "%d KV-cache pages held with no session running", held, waiting, running,
-                          self._num_added, self._num_finished, balance[2])
+            _LOGGER.error(
+                "BOOKS DO NOT BALANCE: %d sessions held, %d waiting + %d running; %d added, %d finished; "
+                "%d KV-cache pages held with no session running",
+                held,
+                waiting,
+                running,
+                self._num_added,
+                self._num_finished,
+                balance[2],
+            )
         self._books_off = balance if balance != (0, 0, 0) else None
 
 

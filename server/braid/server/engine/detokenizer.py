@@ -17,8 +17,13 @@ class IncrementalDetokenizer:
     strings is held back until it cannot.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int],
-                 stop: Sequence[str], include_stop: bool = False) -> None:
+    def __init__(
+        self,
+        decode: Callable[[Sequence[int]], str],
+        prompt_ids: Sequence[int],
+        stop: Sequence[str],
+        include_stop: bool = False,
+    ) -> None:
         """include_stop: the text ends after the stop string that matched, not before it."""
         self._decode = decode
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -37,11 +42,11 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        after = self._decode(self._ids[self._prefix_offset:])
+        before = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return  # an incomplete character: wait for its next byte
-        self.text += after[len(before):]
+        self.text += after[len(before) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._find_stop()
 
@@ -52,13 +57,13 @@ class IncrementalDetokenizer:
         hits = [(i, -len(s), s) for s, i in ((s, self.text.find(s, window_start)) for s in self._stop) if i >= 0]
         if hits:
             at, _, self.stop_sequence = min(hits)  # the earliest; of two there, the longest
-            self.text = self.text[:at + (len(self.stop_sequence) if self._include_stop else 0)]
+            self.text = self.text[: at + (len(self.stop_sequence) if self._include_stop else 0)]
             self.stopped = True
 
     def take(self, final: bool = False) -> str:
         """The text that can be released now; with final=True, everything that is left."""
         end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
-        out = self.text[self._sent:end]
+        out = self.text[self._sent : end]
         self._sent = max(self._sent, end)
         return out
 

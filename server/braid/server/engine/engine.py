@@ -61,8 +61,15 @@ class _Wake:
 class Engine:
     """The model loop around an EngineCore, and what other threads call: admission, stats, waiters."""
 
-    def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Tokenizer, info: ModelInfo,
-                 grammars: Grammars, draft: Runner | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        tokenizer: Tokenizer,
+        info: ModelInfo,
+        grammars: Grammars,
+        draft: Runner | None = None,
+    ) -> None:
         """info: what ModelInfo reports, and grammars: the constraint compiler (the composition root
         makes both); draft: --speculative draft's runner."""
         self.config = config
@@ -78,10 +85,18 @@ class Engine:
         self.grammars = grammars
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
         threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()
-        self.admission = Admission(tokenizer, self.max_seq_len, self.books, runner.random_state, self.grammars,
-                                   enqueue=lambda s: self._inbox.put(_Add(s)), abort=self._abort,
-                                   wake=lambda: self._inbox.put(_Wake()), is_open=self._closed_because,
-                                   adapters=self.adapters)
+        self.admission = Admission(
+            tokenizer,
+            self.max_seq_len,
+            self.books,
+            runner.random_state,
+            self.grammars,
+            enqueue=lambda s: self._inbox.put(_Add(s)),
+            abort=self._abort,
+            wake=lambda: self._inbox.put(_Wake()),
+            is_open=self._closed_because,
+            adapters=self.adapters,
+        )
         self._accepting = True
         self._loop_ended = False
         self.started_at = time.monotonic()
@@ -144,15 +159,21 @@ class Engine:
     def is_idle(self) -> bool:
         return self.books.is_idle
 
-    def admit(self, prompt: str | None, messages: Sequence[Message], for_session: bool = True,
-              truncated: bool = False) -> Ticket:
+    def admit(
+        self, prompt: str | None, messages: Sequence[Message], for_session: bool = True, truncated: bool = False
+    ) -> Ticket:
         return self.admission.admit(prompt, messages, for_session, truncated)
 
     def compile(self, request: GenerationRequest) -> Matcher | None:
         return self.admission.compile(request)
 
-    def submit(self, ticket: Ticket, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-               matcher: Matcher | None = None) -> list[SessionHandle]:
+    def submit(
+        self,
+        ticket: Ticket,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        matcher: Matcher | None = None,
+    ) -> list[SessionHandle]:
         return self.admission.submit(ticket, request, loop, matcher)
 
     def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:

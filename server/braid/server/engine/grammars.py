@@ -50,7 +50,7 @@ PROBE_STEPS = 6
 def short(message: str) -> str:
     """A compiler's or matcher's message, cut to MAX_ERROR_CHARS on one line."""
     line = " ".join(message.split())
-    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 1] + "…"
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 1] + "…"
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -81,8 +81,21 @@ def _grammar_text(kind: str, text: str) -> str:
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _allocator() -> Callable[[], int] | None:
@@ -110,8 +123,14 @@ Matcher = llguidance.LLMatcher  # a constraint compiled for one session: what it
 class Grammars:
     """Compiles constraints into matchers; any thread may call `matcher`."""
 
-    def __init__(self, hf_tokenizer: HfTokenizer, eos_token_ids: Sequence[int], vocab_size: int,
-                 compile_timeout_s: float = 5.0, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: HfTokenizer,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        compile_timeout_s: float = 5.0,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
         self._hf_tokenizer = hf_tokenizer
         self._eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
@@ -131,8 +150,9 @@ class Grammars:
         with self._lock:
             if self._tokenizer is None:
                 started = time.monotonic()
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=self._eos_token_ids)
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+                )
                 _LOGGER.info("constraint tokenizer ready in %.2f s", time.monotonic() - started)
             return self._tokenizer
 
@@ -150,8 +170,9 @@ class Grammars:
         try:
             template, cost = future.result(timeout=self.compile_timeout_s)
         except concurrent.futures.TimeoutError:
-            raise InvalidArgument(constraint.field, f"did not compile within {self.compile_timeout_s:g} s "
-                                  "(--constraint-compile-timeout)") from None
+            raise InvalidArgument(
+                constraint.field, f"did not compile within {self.compile_timeout_s:g} s (--constraint-compile-timeout)"
+            ) from None
         if template.is_error():
             raise InvalidArgument(constraint.field, short(template.get_error()))
         failure = _probe(template, self._eos_token_ids)

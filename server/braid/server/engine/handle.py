@@ -23,9 +23,16 @@ class SessionHandle:
     thread has produced for the client) and `_sent` (tokens the edge has written to the call).
     """
 
-    def __init__(self, session_id: int, request_id: str, seed: int, prompt_tokens: int,
-                 loop: asyncio.AbstractEventLoop, abort: Callable[[int, FinishReason], None],
-                 wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        session_id: int,
+        request_id: str,
+        seed: int,
+        prompt_tokens: int,
+        loop: asyncio.AbstractEventLoop,
+        abort: Callable[[int, FinishReason], None],
+        wake: Callable[[], None],
+    ) -> None:
         self.session_id = session_id
         self.request_id = request_id
         self.seed = seed

@@ -65,17 +65,24 @@ class Output:
             return FinishReason.MAX_TOKENS
         return None
 
-    def finish(self, s: Session, reason: FinishReason, error: str | None,
-               error_field: str | None = None) -> Finished:
+    def finish(self, s: Session, reason: FinishReason, error: str | None, error_field: str | None = None) -> Finished:
         """The session's last events. Whatever the reason, the text so far goes out: the tail held
         back in case it began a stop string, and tokens not yet delivered (a deadline ends the
         stream "with the text so far")."""
         self._delta(s, s.detokenizer.take(final=True))
-        finished = Finished(reason=reason, prompt_tokens=s.num_prompt, generated_tokens=s.num_generated,
-                            timings=_timings(s), error=error, error_field=error_field,
-                            cached_tokens=s.cached_tokens or 0,
-                            stop_sequence=s.detokenizer.stop_sequence, truncated_tokens=s.truncated_tokens,
-                            proposed_tokens=s.num_proposed, accepted_tokens=s.num_accepted)
+        finished = Finished(
+            reason=reason,
+            prompt_tokens=s.num_prompt,
+            generated_tokens=s.num_generated,
+            timings=_timings(s),
+            error=error,
+            error_field=error_field,
+            cached_tokens=s.cached_tokens or 0,
+            stop_sequence=s.detokenizer.stop_sequence,
+            truncated_tokens=s.truncated_tokens,
+            proposed_tokens=s.num_proposed,
+            accepted_tokens=s.num_accepted,
+        )
         self._outbox.append((s.handle, finished))
         return finished
 
@@ -128,5 +135,9 @@ def _timings(s: Session) -> Timings:
     first = s.first_token if s.first_token is not None else now
     decode_s = now - first
     rate = (s.num_generated - 1) / decode_s if s.num_generated > 1 and decode_s > 0 else 0.0
-    return Timings(queue_ms=(started - s.arrived) * ms, time_to_first_token_ms=(first - s.arrived) * ms,
-                   total_ms=(now - s.arrived) * ms, tokens_per_second=rate)
+    return Timings(
+        queue_ms=(started - s.arrived) * ms,
+        time_to_first_token_ms=(first - s.arrived) * ms,
+        total_ms=(now - s.arrived) * ms,
+        tokens_per_second=rate,
+    )

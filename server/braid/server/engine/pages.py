@@ -34,6 +34,7 @@ class Holder(Protocol):
     adapter_key: str  # its LoRA adapter's load ("": the base model): part of the keys, as the salt is
     pages: list[int]  # the page table
     page_keys: list[bytes]  # keys of its first full pages, computed as needed
+
     @property
     def reads_prefix_cache(self) -> bool:
         """False: every position computed, even those cached."""
@@ -189,7 +190,7 @@ class Pages:
             keys.append(_key(_root(s.cache_salt, s.adapter_key), s.token_ids[:size]))
         while len(keys) < count:
             i = len(keys)
-            keys.append(_key(keys[-1], s.token_ids[i * size:(i + 1) * size]))
+            keys.append(_key(keys[-1], s.token_ids[i * size : (i + 1) * size]))
         return keys[:count]
 
     def _take(self) -> int:

@@ -93,8 +93,9 @@ class Scheduler:
 
     @staticmethod
     def _computing_prompt(parent: Session | None) -> bool:
-        return (parent is not None and parent.status is not SessionStatus.FINISHED
-                and parent.num_cached < parent.num_prompt)
+        return (
+            parent is not None and parent.status is not SessionStatus.FINISHED and parent.num_cached < parent.num_prompt
+        )
 
     def _release_held(self) -> None:
         """Samples whose sample 0 has computed the prompt (or ended) join the head of their queue:
@@ -175,7 +176,7 @@ class Scheduler:
             return []
         others = [s for q in self.queues.values() for s in q if s is not first]
         others.sort(key=lambda s: (abs(s.num_prompt - first.num_prompt), s.arrived))
-        return [first, *others[:size - 1]]
+        return [first, *others[: size - 1]]
 
     def _start(self, session: Session) -> bool:
         """Admits the session if its pages fit, leaving one page of room per running session."""
@@ -257,7 +258,7 @@ class Scheduler:
         if len(runnable) <= self.max_batch_size:
             return runnable
         start = self._turn = (self._turn + self.max_batch_size) % len(runnable)
-        return (runnable[start:] + runnable[:start])[:self.max_batch_size]
+        return (runnable[start:] + runnable[:start])[: self.max_batch_size]
 
     @staticmethod
     def _work(session: Session, budget: int | None) -> Work:

@@ -63,8 +63,12 @@ class Session:
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens
         so far end with the rest of it."""
-        return [w[-1] for w in self.bad_words
-                if len(w) == 1 or (len(self.token_ids) >= len(w) - 1 and self.token_ids[1 - len(w):] == list(w[:-1]))]
+        return [
+            w[-1]
+            for w in self.bad_words
+            if len(w) == 1 or (len(self.token_ids) >= len(w) - 1 and self.token_ids[1 - len(w) :] == list(w[:-1]))
+        ]
+
     status: SessionStatus = SessionStatus.WAITING
     paused: bool = False  # running, but its client has not read its output: sits out the passes
     arrived: float = field(default_factory=time.monotonic)
@@ -99,7 +103,7 @@ class Session:
         """The prompt tokens that positions [start, end) predict, to be scored (prompt_logprobs)."""
         if self.prompt_scores is None:
             return []
-        return self.token_ids[start + 1:min(end, self.num_prompt - 1) + 1]
+        return self.token_ids[start + 1 : min(end, self.num_prompt - 1) + 1]
 
     @property
     def is_prefilling(self) -> bool:

@@ -51,12 +51,12 @@ class NgramProposer:
         packed = array("i", tokens)
         data, size = packed.tobytes(), packed.itemsize  # searched by bytes.rfind, in C
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            suffix = data[-n * size:]
+            suffix = data[-n * size :]
             end = len(data) - size  # a match must end before the last token
             while (at := data.rfind(suffix, 0, end)) >= 0:
                 if at % size == 0:
                     follow = at // size + n
-                    return list(tokens[follow:follow + k])
+                    return list(tokens[follow : follow + k])
                 end = at + len(suffix) - 1  # a match across token boundaries: look further back
         return []
 
@@ -90,16 +90,35 @@ class DraftProposer:
         return [out.get(s.id, []) for s, _ in asks]
 
     def _run(self, drafts: list[tuple[_Draft, int]]) -> dict[int, list[int]]:
-        rows = [Row(pages=d.pages, start=d.num_cached, token_ids=d.token_ids[d.num_cached:], sample=True,
-                    sampling=GREEDY, rng=None, is_prompt=len(d.token_ids) - d.num_cached > 1) for d, _ in drafts]
+        rows = [
+            Row(
+                pages=d.pages,
+                start=d.num_cached,
+                token_ids=d.token_ids[d.num_cached :],
+                sample=True,
+                sampling=GREEDY,
+                rng=None,
+                is_prompt=len(d.token_ids) - d.num_cached > 1,
+            )
+            for d, _ in drafts
+        ]
         proposed: dict[int, list[int]] = {d.id: [] for d, _ in drafts}
         for step in range(max((k for _, k in drafts), default=0)):
             for (d, _), sampled in zip([x for x in drafts if x[1] > step], self.runner.run(rows)):
                 assert sampled is not None and sampled.token is not None  # every row samples
                 proposed[d.id].append(sampled.token)
             live = [(d, k) for d, k in drafts if k > step + 1]
-            rows = [Row(pages=d.pages, start=len(d.token_ids) + step, token_ids=proposed[d.id][-1:], sample=True,
-                        sampling=GREEDY, rng=None) for d, _ in live]
+            rows = [
+                Row(
+                    pages=d.pages,
+                    start=len(d.token_ids) + step,
+                    token_ids=proposed[d.id][-1:],
+                    sample=True,
+                    sampling=GREEDY,
+                    rng=None,
+                )
+                for d, _ in live
+            ]
         for d, k in drafts:  # fed: its tokens, and every proposal but the last
             d.num_cached, d.base, d.tail = len(d.token_ids) + k - 1, len(d.token_ids), proposed[d.id][:-1]
         return proposed
@@ -111,8 +130,10 @@ class DraftProposer:
             d = self._drafts[s.id] = _Draft(s.id, s.token_ids)
             self.pages.admit(d)
         d.token_ids = s.token_ids
-        kept = next((i for i, t in enumerate(d.tail) if d.base + i >= len(s.token_ids) or s.token_ids[d.base + i] != t),
-                    len(d.tail))
+        kept = next(
+            (i for i, t in enumerate(d.tail) if d.base + i >= len(s.token_ids) or s.token_ids[d.base + i] != t),
+            len(d.tail),
+        )
         d.num_cached = min(d.num_cached, d.base + kept, len(s.token_ids) - 1)
         d.base, d.tail = d.num_cached, []
         return d
@@ -156,8 +177,15 @@ class Speculator:
         if s.rest > 0:
             s.rest -= 1
             return 0
-        return max(0, min(limit, s.window or self.max_tokens, p.max_new_tokens - s.num_generated - 1,
-                          self.max_seq_len - len(s.token_ids) - 1))
+        return max(
+            0,
+            min(
+                limit,
+                s.window or self.max_tokens,
+                p.max_new_tokens - s.num_generated - 1,
+                self.max_seq_len - len(s.token_ids) - 1,
+            ),
+        )
 
     def propose(self, asks: list[tuple[Session, int]]) -> list[tuple[int, ...]]:
         """Each (session, k)'s proposals, at most k, cut where its constraint forbids them."""
@@ -168,7 +196,7 @@ class Speculator:
         out = []
         for (s, _), proposals in zip(asks, found):
             if proposals and s.matcher is not None:  # the ones the constraint allows, in order
-                proposals = proposals[:s.matcher.validate_tokens(proposals)]
+                proposals = proposals[: s.matcher.validate_tokens(proposals)]
             out.append(tuple(proposals))
         return out
 

@@ -74,12 +74,14 @@ class Tokenizer:
             raise InvalidArgument(field_name, "this model has no chat template; send a prompt instead")
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
-                raise InvalidArgument(f"{field_name}[{i}].role",
-                                      f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}")
+                raise InvalidArgument(
+                    f"{field_name}[{i}].role", f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}"
+                )
         chat = [_turn(m) for m in messages]
         try:
-            text = self._original.apply_chat_template(chat, tools=json.loads(tools) if tools else None,
-                                                      add_generation_prompt=True, tokenize=False)
+            text = self._original.apply_chat_template(
+                chat, tools=json.loads(tools) if tools else None, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # jinja templates raise their own errors for chats they reject
             raise InvalidArgument(field_name, f"the chat template rejected it: {exc}") from exc
         return self._encode(text, add_special_tokens=False)  # the template wrote its special tokens
@@ -111,8 +113,10 @@ def _turn(m: Message) -> dict[str, Any]:
     transformers' templates (Qwen's, Llama 3's) expect them."""
     turn: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        turn["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _parsed(c["function"]["arguments"])}}
-                              for c in json.loads(m.tool_calls)]
+        turn["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": _parsed(c["function"]["arguments"])}}
+            for c in json.loads(m.tool_calls)
+        ]
     if m.tool_call_id:
         turn["tool_call_id"] = m.tool_call_id
     return turn

@@ -33,8 +33,15 @@ from braid.server.edge.errors import capped
 from braid.server.edge.lanes import TokenizerLanes
 from braid.server.edge.observer import CallObserver, NoCalls
 from braid.server.edge.sessions import CallSessions, merged, submit
-from braid.server.engine.types import (Delta, EngineUnavailable, Finished, FinishReason, InvalidArgument,
-                                       NotFound, Overloaded)
+from braid.server.engine.types import (
+    Delta,
+    EngineUnavailable,
+    Finished,
+    FinishReason,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+)
 from braid.server.http import choices
 from braid.server.http.protocol import ChatRequest, CompletionRequest
 from braid.server.http.requests import Plan, chat_plan, completion_plan, openai_error
@@ -54,8 +61,9 @@ Body = TypeVar("Body", bound=pydantic.BaseModel)
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, kind: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.message, self.param, self.headers = status, kind, message, param, headers
 
@@ -66,7 +74,9 @@ class ApiError(Exception):
         if isinstance(exc, InvalidArgument):
             return cls(400, "invalid_request_error", str(exc), exc.field)
         if isinstance(exc, Overloaded):
-            return cls(429, "rate_limit_error", str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+            return cls(
+                429, "rate_limit_error", str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+            )
         if isinstance(exc, EngineUnavailable):
             return cls(503, "service_unavailable", str(exc))
         if isinstance(exc, NotFound):  # an adapter unloaded since the request named it
@@ -90,12 +100,15 @@ class OpenAIApi:
         self._api_key = config.api_key.encode() if config.api_key else None
         self.draining = False
         self.created = int(time.time())
-        self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self._observed(self.chat), methods=["POST"]),
-            Route("/v1/completions", self._observed(self.completions), methods=["POST"]),
-            Route("/v1/models", self._observed(self.models), methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-        ], exception_handlers={404: _not_found, 405: _not_allowed})
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._observed(self.chat), methods=["POST"]),
+                Route("/v1/completions", self._observed(self.completions), methods=["POST"]),
+                Route("/v1/models", self._observed(self.models), methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            exception_handlers={404: _not_found, 405: _not_allowed},
+        )
 
     def close(self) -> None:
         self._lanes.shutdown()
@@ -109,12 +122,33 @@ class OpenAIApi:
 
     async def models(self, request: Request, record: _Record) -> Response:
         info = self._engine.info
-        adapters = [{"id": a.name, "object": "model", "created": self.created, "owned_by": "braid",
-                     "root": info.model_name, "parent": info.model_name, "max_model_len": info.context_length}
-                    for a in self._engine.loras()]
-        return JSONResponse({"object": "list", "data": [
-            {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "braid",
-             "max_model_len": info.context_length}, *adapters]})
+        adapters = [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "braid",
+                "root": info.model_name,
+                "parent": info.model_name,
+                "max_model_len": info.context_length,
+            }
+            for a in self._engine.loras()
+        ]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": info.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "braid",
+                        "max_model_len": info.context_length,
+                    },
+                    *adapters,
+                ],
+            }
+        )
 
     def _with_adapter(self, plan: Plan, model: str | None) -> Plan:
         """A `model` that names a loaded LoRA adapter runs with it; any other name is the base model,
@@ -126,15 +160,17 @@ class OpenAIApi:
     async def chat(self, request: Request, record: _Record) -> Response:
         body = await _parse(request, ChatRequest, self._config.max_message_bytes)
         record.user = body.user
-        plan = self._with_adapter(chat_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size),
-                                  body.model)
+        plan = self._with_adapter(
+            chat_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size), body.model
+        )
         return await self._generate(request, plan, record, body.stream, chat=True)
 
     async def completions(self, request: Request, record: _Record) -> Response:
         body = await _parse(request, CompletionRequest, self._config.max_message_bytes)
         record.user = body.user
-        plan = self._with_adapter(completion_plan(body, self._config.default_max_new_tokens,
-                                                  self._engine.info.vocab_size), body.model)
+        plan = self._with_adapter(
+            completion_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size), body.model
+        )
         return await self._generate(request, plan, record, body.stream, chat=False)
 
     # ---- generation ---------------------------------------------------------------------------
@@ -155,12 +191,17 @@ class OpenAIApi:
         events = _Events(self._engine, plan, handles, head, chat, record)
         if stream:
             record.streamed = True
+
             def closed() -> None:
                 call.end()
                 record.done()
 
-            return _EventStream(_sse(events, call), on_close=closed, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(
+                _sse(events, call),
+                on_close=closed,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             return JSONResponse(await _unless_disconnected(request, events.whole()))
         finally:
@@ -168,13 +209,17 @@ class OpenAIApi:
 
     # ---- around every call: the API key, errors, the log line, the span and the metric ---------
 
-    def _observed(self, route: Callable[[Request, _Record], Awaitable[Response]]
-                  ) -> Callable[[Request], Awaitable[Response]]:
+    def _observed(
+        self, route: Callable[[Request, _Record], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
             # the span, a child of the caller's W3C trace context, lasts until the call's end: a
             # stream's last event, not the handler's return
-            span = _TRACER.start_span(f"{request.method} {request.url.path}", kind=trace.SpanKind.SERVER,
-                                      context=propagate.extract(request.headers))
+            span = _TRACER.start_span(
+                f"{request.method} {request.url.path}",
+                kind=trace.SpanKind.SERVER,
+                context=propagate.extract(request.headers),
+            )
             record = _Record(request, span, self._calls)
             with trace.use_span(span, end_on_exit=False):
                 try:
@@ -205,8 +250,15 @@ class OpenAIApi:
 class _Events:
     """A request's output as OpenAI's chunks (`chunks`) or as one whole response (`whole`)."""
 
-    def __init__(self, engine: EngineClient, plan: Plan, handles: list[SessionHandle], head: dict[str, Any],
-                 chat: bool, record: _Record) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        plan: Plan,
+        handles: list[SessionHandle],
+        head: dict[str, Any],
+        chat: bool,
+        record: _Record,
+    ) -> None:
         self._engine, self._plan, self._handles, self._chat, self._record = engine, plan, handles, chat, record
         self._head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         self._choices = [choices.ChatChoice(plan) for _ in handles]
@@ -242,8 +294,13 @@ class _Events:
         if self._plan.include_usage:
             yield {**self._head, "choices": [], "usage": choices.usage(self.finals)}
 
-    def _chunk(self, index: int, delta: dict[str, Any] | str, logprobs: dict[str, Any] | None = None,
-               finish_reason: str | None = None) -> dict[str, Any]:
+    def _chunk(
+        self,
+        index: int,
+        delta: dict[str, Any] | str,
+        logprobs: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "delta": delta} if self._chat else {"index": index, "text": delta}
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         chunk = {**self._head, "choices": [choice]}
@@ -268,8 +325,9 @@ class _Events:
         for i in range(len(self._handles)):
             lp = _joined(logprobs[i]) if self._plan.logprobs else None
             if self._chat:
-                out.append({"index": i, "message": self._choices[i].message(), "logprobs": lp,
-                            "finish_reason": reasons[i]})
+                out.append(
+                    {"index": i, "message": self._choices[i].message(), "logprobs": lp, "finish_reason": reasons[i]}
+                )
             else:
                 out.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": reasons[i]})
         head = {**self._head, "object": "chat.completion" if self._chat else "text_completion"}
@@ -301,7 +359,9 @@ def _raise_failure(finished: Finished) -> None:
     if finished.reason is FinishReason.ERROR:
         raise ApiError(500, "internal_error", finished.error or "the engine failed")
     if finished.reason is FinishReason.INVALID_REQUEST:
-        raise openai_error(InvalidArgument(finished.error_field or "request", finished.error or "cannot be carried out"))
+        raise openai_error(
+            InvalidArgument(finished.error_field or "request", finished.error or "cannot be carried out")
+        )
 
 
 async def _sse(events: _Events, call: CallSessions) -> AsyncIterator[bytes]:
@@ -338,6 +398,7 @@ class _EventStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as group:
+
                 async def stream() -> None:
                     try:
                         await self.stream_response(send)
@@ -378,8 +439,9 @@ async def _parse(request: Request, model: type[Body], most_bytes: int) -> Body:
     async for chunk in request.stream():
         size += len(chunk)
         if size > most_bytes:
-            raise ApiError(413, "invalid_request_error", f"the body is over {most_bytes} bytes (--max-message-bytes)",
-                           "body")
+            raise ApiError(
+                413, "invalid_request_error", f"the body is over {most_bytes} bytes (--max-message-bytes)", "body"
+            )
         body.append(chunk)
     try:
         data = json.loads(b"".join(body))
@@ -400,8 +462,11 @@ def _param(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[str]", "list[ContentPart]", "function-after", "NamedToolChoice") \
-                or "literal" in str(part) or "[" in str(part):
+        elif (
+            part in ("str", "list[str]", "list[ContentPart]", "function-after", "NamedToolChoice")
+            or "literal" in str(part)
+            or "[" in str(part)
+        ):
             continue  # the branch of a union pydantic tried, not a field
         else:
             out += ("." if out else "") + str(part)
@@ -448,19 +513,26 @@ class _Record:
         level = logging.INFO if self.route.startswith("POST") else logging.DEBUG  # generations, as gRPC's Stream
         if not _LOGGER.isEnabledFor(level):
             return
-        line: dict[str, object] = {"request_id": self.request_id or None, "peer": self.peer, "route": self.route,
-                                   "status": self.status}
+        line: dict[str, object] = {
+            "request_id": self.request_id or None,
+            "peer": self.peer,
+            "route": self.route,
+            "status": self.status,
+        }
         if self.error is not None:
             line |= {"error": self.error.kind, "param": self.error.param}
         if self.user:
             line["user"] = self.user
         finals = self._finals
         if finals:
-            line |= {"finish": ",".join(sorted({f.reason.name.lower() for f in finals})),
-                     "prompt_tokens": finals[0].prompt_tokens, "cached_tokens": sum(f.cached_tokens for f in finals),
-                     "generated_tokens": sum(f.generated_tokens for f in finals),
-                     "queue_ms": min(f.timings.queue_ms for f in finals),
-                     "ttft_ms": min(f.timings.time_to_first_token_ms for f in finals),
-                     "tok_s": sum(f.timings.tokens_per_second for f in finals)}
+            line |= {
+                "finish": ",".join(sorted({f.reason.name.lower() for f in finals})),
+                "prompt_tokens": finals[0].prompt_tokens,
+                "cached_tokens": sum(f.cached_tokens for f in finals),
+                "generated_tokens": sum(f.generated_tokens for f in finals),
+                "queue_ms": min(f.timings.queue_ms for f in finals),
+                "ttft_ms": min(f.timings.time_to_first_token_ms for f in finals),
+                "tok_s": sum(f.timings.tokens_per_second for f in finals),
+            }
         line["total_ms"] = seconds * 1000
         _LOGGER.log(level, "HTTP %s", key_values(line), extra={FIELDS: line})

@@ -28,8 +28,12 @@ def usage(finals: list[Finished]) -> dict[str, Any]:
     """The usage of a request's choices: the prompt counted once, the completions summed."""
     prompt = finals[0].prompt_tokens if finals else 0
     completion = sum(f.generated_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens if finals else 0}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens if finals else 0},
+    }
 
 
 class ChatChoice:
@@ -57,7 +61,7 @@ class ChatChoice:
         if self._plan.tools == "auto":
             held = tools.held_from(self.text)
             if held > self._sent:
-                content, self._sent = self.text[self._sent:held], held
+                content, self._sent = self.text[self._sent : held], held
                 return {"content": content}
         return None
 
@@ -75,7 +79,7 @@ class ChatChoice:
             _, self.calls = tools.parse_tool_calls(self.text)
             if self.calls:
                 return {"tool_calls": [c.to_openai(i) for i, c in enumerate(self.calls)]}
-            rest, self._sent = self.text[self._sent:], len(self.text)
+            rest, self._sent = self.text[self._sent :], len(self.text)
             return {"content": rest} if rest else None
         return None
 
@@ -83,8 +87,7 @@ class ChatChoice:
         """The whole choice's message (a response that is not streamed), after `end`."""
         if self.calls:
             content, _ = tools.parse_tool_calls(self.text) if self._plan.tools == "auto" else ("", [])
-            return {"role": "assistant", "content": content or None,
-                    "tool_calls": [c.to_openai() for c in self.calls]}
+            return {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in self.calls]}
         return {"role": "assistant", "content": self.text}
 
 
@@ -108,8 +111,11 @@ def chat_logprobs(ids: list[int], lps: list[TokenLogprob], piece: dict[int, str]
         text = piece[token_id]
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
-                        for t, lp in zip(ids, lps)]}
+    return {
+        "content": [
+            {**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]} for t, lp in zip(ids, lps)
+        ]
+    }
 
 
 def completion_logprobs(ids: list[int], lps: list[TokenLogprob], piece: dict[int, str], offset: int) -> dict[str, Any]:
@@ -117,5 +123,9 @@ def completion_logprobs(ids: list[int], lps: list[TokenLogprob], piece: dict[int
     for t in ids:
         offsets.append(at)
         at += len(piece[t])
-    return {"tokens": [piece[t] for t in ids], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{piece[a]: v for a, v in lp.top} for lp in lps], "text_offset": offsets}
+    return {
+        "tokens": [piece[t] for t in ids],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{piece[a]: v for a, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }

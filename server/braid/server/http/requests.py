@@ -39,9 +39,16 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int) -
     if body.top_logprobs and not body.logprobs:
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
     max_tokens = _one_of_max(body)
-    req = _generate_request(body, max_tokens, default_max_new_tokens, vocab_size, is_chat=True,
-                            messages=[pb.Message(role=m.role, content=m.content) for m in messages],
-                            logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
+    req = _generate_request(
+        body,
+        max_tokens,
+        default_max_new_tokens,
+        vocab_size,
+        is_chat=True,
+        messages=[pb.Message(role=m.role, content=m.content) for m in messages],
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+    )
     mode, function = _tool_mode(body)
     constraint = _format_constraint(body.response_format)
     if mode == "forced":
@@ -71,8 +78,16 @@ def completion_plan(body: CompletionRequest, default_max_new_tokens: int, vocab_
         raise InvalidArgument("best_of", "is not supported; use n")
     if body.logprobs is not None and body.logprobs < 0:
         raise InvalidArgument("logprobs", f"{body.logprobs} is negative")
-    req = _generate_request(body, body.max_tokens, default_max_new_tokens, vocab_size, is_chat=False,
-                            prompt=prompt, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+    req = _generate_request(
+        body,
+        body.max_tokens,
+        default_max_new_tokens,
+        vocab_size,
+        is_chat=False,
+        prompt=prompt,
+        logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
+    )
     req = dataclasses.replace(req, constraint=_format_constraint(body.response_format))
     return Plan(req, include_usage=_include_usage(body), logprobs=body.logprobs is not None)
 
@@ -89,22 +104,39 @@ def _include_usage(body: ChatRequest | CompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _generate_request(body: ChatRequest | CompletionRequest, max_tokens: int | None, default_max_new_tokens: int,
-                      vocab_size: int, is_chat: bool, **fields: Any) -> GenerationRequest:
+def _generate_request(
+    body: ChatRequest | CompletionRequest,
+    max_tokens: int | None,
+    default_max_new_tokens: int,
+    vocab_size: int,
+    is_chat: bool,
+    **fields: Any,
+) -> GenerationRequest:
     """The body as a GenerateRequest, checked by convert.request_from_pb; its errors renamed."""
     if max_tokens is not None and max_tokens < 1:
         raise InvalidArgument(_max_name(body, is_chat), f"{max_tokens} is less than 1")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     message = pb.GenerateRequest(
-        max_new_tokens=max_tokens or 0, min_new_tokens=body.min_tokens,
+        max_new_tokens=max_tokens or 0,
+        min_new_tokens=body.min_tokens,
         temperature=OPENAI_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0, logit_bias=_logit_bias(body.logit_bias),
-        n=_samples(body.n), stop=stop, include_stop_sequence=body.include_stop_str_in_output,
-        stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, cache_salt=body.cache_salt,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(body.logit_bias),
+        n=_samples(body.n),
+        stop=stop,
+        include_stop_sequence=body.include_stop_str_in_output,
+        stop_token_ids=body.stop_token_ids or (),
+        ignore_eos=body.ignore_eos,
+        cache_salt=body.cache_salt,
         priority=pb.PRIORITY_BATCH if body.priority == "batch" else pb.PRIORITY_UNSPECIFIED,
-        request_id=("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex, **fields)
+        request_id=("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex,
+        **fields,
+    )
     if body.seed is not None:
         if body.seed < 0:
             raise InvalidArgument("seed", f"{body.seed} is negative")
@@ -125,8 +157,11 @@ def _max_name(body: ChatRequest | CompletionRequest, is_chat: bool) -> str:
 
 
 # braid's field names -> OpenAI's, where they differ
-_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-            "include_stop_sequence": "include_stop_str_in_output"}
+_RENAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "include_stop_sequence": "include_stop_str_in_output",
+}
 
 
 def openai_error(exc: InvalidArgument, max_name: str = "max_tokens", is_chat: bool = True) -> InvalidArgument:
@@ -208,7 +243,9 @@ def _format_constraint(fmt: ResponseFormat | None) -> Constraint | None:
         raise InvalidArgument("response_format.json_schema.schema", "is required for type json_schema")
     text = json.dumps(fmt.json_schema.schema_)
     if len(text.encode()) > convert.MAX_CONSTRAINT_BYTES:
-        raise InvalidArgument("response_format.json_schema.schema",
-                              f"is {len(text.encode())} bytes; at most {convert.MAX_CONSTRAINT_BYTES}")
+        raise InvalidArgument(
+            "response_format.json_schema.schema",
+            f"is {len(text.encode())} bytes; at most {convert.MAX_CONSTRAINT_BYTES}",
+        )
     # braid holds every schema strictly, strict: true or not: its output always validates
     return Constraint("json_schema", text, "response_format.json_schema.schema")

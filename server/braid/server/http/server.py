@@ -53,8 +53,9 @@ class HttpFrontEnd:
         """Binds --http-port on --host now: a port in use fails the start at once."""
         host = self._config.host.strip("[]") or None
         try:
-            family, kind, _, _, address = socket.getaddrinfo(host, self._config.http_port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+            family, kind, _, _, address = socket.getaddrinfo(
+                host, self._config.http_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
             sock = socket.socket(family, kind)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
@@ -62,9 +63,11 @@ class HttpFrontEnd:
             sock.bind(address)
             sock.listen(1024)
         except OSError as exc:
-            raise SettingError("http_port", self._config.http_port,
-                               f"cannot listen on {self._config.host}:{self._config.http_port}: "
-                               f"{(exc.strerror or str(exc)).lower()}") from None
+            raise SettingError(
+                "http_port",
+                self._config.http_port,
+                f"cannot listen on {self._config.host}:{self._config.http_port}: {(exc.strerror or str(exc)).lower()}",
+            ) from None
         sock.setblocking(False)
         self._socket = sock
         self.port = sock.getsockname()[1]
@@ -73,16 +76,26 @@ class HttpFrontEnd:
         """Serves OpenAI's API from the engine, on the running loop."""
         assert self._socket is not None
         self._api = OpenAIApi(engine, self._config, self._calls)
-        config = uvicorn.Config(self._api.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=_CLOSE_S, server_header=False)
+        config = uvicorn.Config(
+            self._api.app,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=_CLOSE_S,
+            server_header=False,
+        )
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
         while not self._server.started and not self._task.done():
             await asyncio.sleep(0.01)
         if self._task.done():
             self._task.result()  # its failure, raised
-        _LOGGER.info("OpenAI-compatible HTTP API on http://%s:%d/v1 (%s)", self._config.host, self.port,
-                     "API key required" if self._config.api_key else "no API key")
+        _LOGGER.info(
+            "OpenAI-compatible HTTP API on http://%s:%d/v1 (%s)",
+            self._config.host,
+            self.port,
+            "API key required" if self._config.api_key else "no API key",
+        )
 
     async def begin_drain(self) -> None:
         """New generation calls get 503 and /health turns 503; calls in flight go on."""

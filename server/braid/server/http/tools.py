@@ -29,8 +29,11 @@ class ToolCall:
     id: str = ""
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": self.id or new_call_id(), "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        call = {
+            "id": self.id or new_call_id(),
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return call if index is None else {"index": index, **call}
 
 
@@ -44,11 +47,23 @@ def forced_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool 
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if name is not None:
         return {**functions[name], **_COMPACT}
-    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params},
-              "required": ["name", "arguments"], "additionalProperties": False} for n, params in functions.items()]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": n}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for n, params in functions.items()
+    ]
     most = {} if parallel else {"maxItems": 1}
-    return {"type": "array", "minItems": 1, **most, "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
-            **_COMPACT}
+    return {
+        "type": "array",
+        "minItems": 1,
+        **most,
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        **_COMPACT,
+    }
 
 
 def forced_calls(text: str, name: str | None) -> list[ToolCall]:
@@ -70,7 +85,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     if HERMES_OPEN in text:
         calls = [_call(block) for block in _HERMES.findall(text)]
         if calls and all(calls):
-            return text[:text.index(HERMES_OPEN)].strip(), calls  # type: ignore[return-value]
+            return text[: text.index(HERMES_OPEN)].strip(), calls  # type: ignore[return-value]
         return text, []
     stripped = text.strip().removeprefix(_PYTHON_TAG).strip()
     if stripped.startswith("{"):

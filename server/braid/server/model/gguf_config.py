@@ -60,8 +60,11 @@ def restore(path: Path, config) -> list[str]:
         if config.query_pre_attn_scalar != scalar:
             config.query_pre_attn_scalar = scalar
             done.append(f"query_pre_attn_scalar {scalar}" + (" (27B)" if is_27b else " (the head size)"))
-    factors = {t.name: [float(x) for x in t.data] for t in reader.tensors
-               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")}
+    factors = {
+        t.name: [float(x) for x in t.data]
+        for t in reader.tensors
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
+    }
     done += _restore_rope(path, config, key, factors)
     return done
 
@@ -82,8 +85,11 @@ def _restore_rope(path: Path, config, key, factors: dict[str, list[float]]) -> l
     original = key("rope.scaling.original_context_length")
     kind = key("rope.scaling.type")
     if "rope_factors_long.weight" in factors:  # LongRoPE (Phi-3.5, Phi-4-mini): its factors are tensors
-        target.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
-                      short_factor=factors.get("rope_factors_short.weight", factors["rope_factors_long.weight"]))
+        target.update(
+            rope_type="longrope",
+            long_factor=factors["rope_factors_long.weight"],
+            short_factor=factors.get("rope_factors_short.weight", factors["rope_factors_long.weight"]),
+        )
         if original:
             config.original_max_position_embeddings = int(original)
             target["original_max_position_embeddings"] = int(original)
@@ -100,13 +106,15 @@ def _restore_rope(path: Path, config, key, factors: dict[str, list[float]]) -> l
         if kind == "yarn":
             if original:
                 target["original_max_position_embeddings"] = int(original)
-            for gguf_name, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                                    ("yarn_attn_factor", "attention_factor")):
+            for gguf_name, name in (
+                ("yarn_beta_fast", "beta_fast"),
+                ("yarn_beta_slow", "beta_slow"),
+                ("yarn_attn_factor", "attention_factor"),
+            ):
                 if key(f"rope.scaling.{gguf_name}") is not None:
                     target[name] = float(key(f"rope.scaling.{gguf_name}"))
         done.append(f"{kind} RoPE scaling x{target['factor']:g}")
     return done
-
 
 
 def _llama3_parameters(factors: list[float], theta: float, head_dim: int) -> dict[str, float] | None:
@@ -126,5 +134,8 @@ def _llama3_parameters(factors: list[float], theta: float, head_dim: int) -> dic
             smooth = (old / wavelen - low) / (high - low)
             expected.append(1 / ((1 - smooth) / factor + smooth))
     same = len(expected) == len(factors) and all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(expected, factors))
-    return dict(factor=factor, low_freq_factor=low, high_freq_factor=high,
-                original_max_position_embeddings=old) if same else None
+    return (
+        dict(factor=factor, low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=old)
+        if same
+        else None
+    )

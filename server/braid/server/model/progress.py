@@ -74,8 +74,13 @@ class Steps:
         if self._show and on_terminal():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=sum(self._weights.values()), desc=self._title, file=sys.stderr, leave=False,
-                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+            self._bar = tqdm(
+                total=sum(self._weights.values()),
+                desc=self._title,
+                file=sys.stderr,
+                leave=False,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}",
+            )
             self._redrawer.start()
         return self
 

@@ -112,8 +112,12 @@ def _unpack_k_quant(format: str, raw: np.ndarray) -> Blocks:
     d = d.view(np.float16).astype(np.float32) * sc.astype(np.float32)  # [n, 8]
     m = dmin.view(np.float16).astype(np.float32) * mn.astype(np.float32)
     q = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
-    return Blocks(format, torch.from_numpy(d.reshape(out, -1)), torch.from_numpy(m.reshape(out, -1)),
-                  torch.from_numpy(q.reshape(out, -1, 32)))
+    return Blocks(
+        format,
+        torch.from_numpy(d.reshape(out, -1)),
+        torch.from_numpy(m.reshape(out, -1)),
+        torch.from_numpy(q.reshape(out, -1, 32)),
+    )
 
 
 def quantize_q8_0(weight: torch.Tensor) -> Blocks:
@@ -144,8 +148,12 @@ def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
     architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_model.config.to_dict())
     params = dict(hf_model.named_parameters())
-    names = _gguf_names(get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == architecture),
-                                            hf_model.config.num_hidden_layers), hf_model.state_dict())
+    names = _gguf_names(
+        get_tensor_name_map(
+            next(k for k, v in MODEL_ARCH_NAMES.items() if v == architecture), hf_model.config.num_hidden_layers
+        ),
+        hf_model.state_dict(),
+    )
     blocks: dict[str, Blocks] = {}
     types: dict[str, str] = {}
     for tensor in reader.tensors:
@@ -164,8 +172,10 @@ def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
             b = b.rows(torch.from_numpy(order.copy()))
         expected = params[hf_name].detach()
         if b.shape != tuple(expected.shape) or not torch.equal(b.dequantize(), expected.float()):
-            raise ValueError(f"--model {path.name}: tensor {tensor.name} ({kind}) does not read back as transformers "
-                             "loads it; braid will not serve it in its own format (--quantization none does)")
+            raise ValueError(
+                f"--model {path.name}: tensor {tensor.name} ({kind}) does not read back as transformers "
+                "loads it; braid will not serve it in its own format (--quantization none does)"
+            )
         blocks[hf_name] = b
     if "lm_head.weight" not in types and "model.embed_tokens.weight" in types:
         types["lm_head.weight"] = types["model.embed_tokens.weight"]  # a tied head
@@ -177,8 +187,7 @@ def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
     running it on the row numbers; None where it does more than reorder them (GPT-2's Conv1D
     matrices, which it transposes; GPT-2's output.weight, which it stores as lm_head itself)."""
     numbers = np.arange(rows).reshape(-1, 1)
-    processed = processor.process(weights=numbers, name=name, parsed_parameters={"tensors": {}},
-                                  tensor_key_mapping={})
+    processed = processor.process(weights=numbers, name=name, parsed_parameters={"tensors": {}}, tensor_key_mapping={})
     order = np.asarray(processed.weights)
     if processed.name != name or order.shape != numbers.shape:
         return None

@@ -59,7 +59,7 @@ class ForwardBatch:
         width = max([len(c.pages) for c in self.prefills] + ([dec.tables.shape[1]] if dec is not None else []))
         tables = self.input_ids.new_zeros(len(self.input_ids), width)
         for c in self.prefills:
-            tables[c.offset:c.offset + c.length, :len(c.pages)] = c.pages
+            tables[c.offset : c.offset + c.length, : len(c.pages)] = c.pages
         if dec is not None:
-            tables[len(self.input_ids) - dec.count:, :dec.tables.shape[1]] = dec.tables
+            tables[len(self.input_ids) - dec.count :, : dec.tables.shape[1]] = dec.tables
         return tables, True

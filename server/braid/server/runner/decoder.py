@@ -48,8 +48,14 @@ class Decoder:
     """Llama-style decoders (RMSNorm, RoPE, GQA, SwiGLU), each family's differences read from its
     Family (runner/families.py): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3."""
 
-    def __init__(self, hf_model: torch.nn.Module, max_seq_len: int, ops: TorchOps, precision: Precision,
-                 family: Family = Family()) -> None:
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        max_seq_len: int,
+        ops: TorchOps,
+        precision: Precision,
+        family: Family = Family(),
+    ) -> None:
         cfg = hf_model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -69,14 +75,14 @@ class Decoder:
         self.one_call = self.fused_attention
         self.activation = family.activation
         self._act = self.ops.activation(family.activation)
-        self.embed_scale = cfg.hidden_size ** 0.5 if family.embed_scale else None
+        self.embed_scale = cfg.hidden_size**0.5 if family.embed_scale else None
         self.gemma_attention = family.gemma_attention
         if family.gemma_attention:
-            self.scale = cfg.query_pre_attn_scalar ** -0.5
+            self.scale = cfg.query_pre_attn_scalar**-0.5
             self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         else:
-            self.scale, self.attn_softcap, self.final_softcap = self.head_dim ** -0.5, None, None
+            self.scale, self.attn_softcap, self.final_softcap = self.head_dim**-0.5, None, None
         self._step: DecodeStep | None = None  # built on the first pass, for its cache
         self._step_cache: KVCache | None = None
 
@@ -85,7 +91,9 @@ class Decoder:
             `precision` serves it in."""
             weight = fuse([precision.matrix(f"{prefix}{n}.weight") for n in names])
             has_bias = f"{prefix}{names[0]}.bias" in precision.names
-            bias = torch.cat([precision.vector(f"{prefix}{n}.bias", dtype, device) for n in names]) if has_bias else None
+            bias = (
+                torch.cat([precision.vector(f"{prefix}{n}.bias", dtype, device) for n in names]) if has_bias else None
+            )
             return self.ops.linear(weight, bias)
 
         def vector(name: str) -> torch.Tensor:
@@ -109,25 +117,28 @@ class Decoder:
             layer, sandwich = f"model.layers.{i}.", family.sandwich_norms
             at, mlp = f"{layer}self_attn.", f"{layer}mlp."
             sliding = family.gemma_attention and layer_types[i] == "sliding_attention"
-            self.layers.append(LayerWeights(
-                input_norm=norm(f"{layer}input_layernorm.weight"),
-                qkv=linear(at, *family.qkv),
-                o=linear(at, "o_proj"),
-                post_norm=norm(f"{layer}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight"),
-                gate_up=linear(mlp, *family.gate_up),
-                down=linear(mlp, "down_proj"),
-                q_norm=norm(f"{at}q_norm.weight") if family.qk_norm else None,
-                k_norm=norm(f"{at}k_norm.weight") if family.qk_norm else None,
-                attn_out_norm=norm(f"{layer}post_attention_layernorm.weight") if sandwich else None,
-                mlp_out_norm=norm(f"{layer}post_feedforward_layernorm.weight") if sandwich else None,
-                window=cfg.sliding_window if sliding else None,
-                rope=layer_types[i] if per_type_rope else "",
-            ))
+            self.layers.append(
+                LayerWeights(
+                    input_norm=norm(f"{layer}input_layernorm.weight"),
+                    qkv=linear(at, *family.qkv),
+                    o=linear(at, "o_proj"),
+                    post_norm=norm(f"{layer}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight"),
+                    gate_up=linear(mlp, *family.gate_up),
+                    down=linear(mlp, "down_proj"),
+                    q_norm=norm(f"{at}q_norm.weight") if family.qk_norm else None,
+                    k_norm=norm(f"{at}k_norm.weight") if family.qk_norm else None,
+                    attn_out_norm=norm(f"{layer}post_attention_layernorm.weight") if sandwich else None,
+                    mlp_out_norm=norm(f"{layer}post_feedforward_layernorm.weight") if sandwich else None,
+                    window=cfg.sliding_window if sliding else None,
+                    rope=layer_types[i] if per_type_rope else "",
+                )
+            )
         self.lora_targets = self._lora_targets(family)
         # what the matrices multiply: int8 or bf16 rows (--activations), or float32 ones
         self.activations = activations_of(self._matrices())
         self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(
-            t.nbytes for t in [self.final_norm, *(v for w in self.layers for v in (w.input_norm, w.post_norm))])
+            t.nbytes for t in [self.final_norm, *(v for w in self.layers for v in (w.input_norm, w.post_norm))]
+        )
         # RoPE tables for every position, from transformers' own rotary module (it knows every
         # scaling variant: linear, dynamic, yarn, llama3).
         positions = torch.arange(max_seq_len).unsqueeze(0)
@@ -137,8 +148,10 @@ class Decoder:
         for kind in {w.rope for w in self.layers}:
             cos, sin = inner.rotary_emb(probe, positions, *([kind] if kind else []))
             # [max_seq, D]; sin with rotate_half's sign folded in: rope(x) = x * cos + roll(x, half) * signed_sin
-            self.rope[kind] = (cos[0].to(device=device, dtype=dtype),
-                               torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype))
+            self.rope[kind] = (
+                cos[0].to(device=device, dtype=dtype),
+                torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype),
+            )
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -158,9 +171,9 @@ class Decoder:
             if w.q_norm is not None:
                 self._head_norms(qkv, w)
             self.ops.rope_(qkv, heads + kv_heads, d, batch.positions, *tables[w.rope])
-            q = qkv[:, :heads * d].view(n, heads, d)
-            k = qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, d)
-            v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
+            q = qkv[:, : heads * d].view(n, heads, d)
+            k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
+            v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
             attn = self._attention(i, qkv, q, k, v, batch, cache)  # [N, H * D]
             self._add_output(x, attn, w.o, w.attn_out_norm, lora, i, "o")
             h = self._norm(x, w.post_norm)
@@ -170,8 +183,16 @@ class Decoder:
             self._add_output(x, self._act(gate_up), w.down, w.mlp_out_norm, lora, i, "down")
         return self._logits(x, batch.logit_rows)
 
-    def _add_output(self, x: torch.Tensor, inp: torch.Tensor, linear: Linear, out_norm: torch.Tensor | None,
-                    lora: LoraPass | None, layer: int, module: str) -> None:
+    def _add_output(
+        self,
+        x: torch.Tensor,
+        inp: torch.Tensor,
+        linear: Linear,
+        out_norm: torch.Tensor | None,
+        lora: LoraPass | None,
+        layer: int,
+        module: str,
+    ) -> None:
         """x += inp @ linear (its adapters' deltas, LoRA's `module`, added to the product), through
         the output's RMSNorm where the family has one (a sandwich norm, Gemma): the attention's and
         the MLP's outputs joining the residual stream, as csrc/decode_step.c's add_output."""
@@ -198,8 +219,12 @@ class Decoder:
         targets = {m: Target("qkv", b, e, hidden) for m, (b, e) in bounds.items()}
         targets["o_proj"] = Target("o", 0, hidden, q)
         if len(family.gate_up) == 2:
-            targets.update({family.gate_up[0]: Target("gate_up", 0, inner, hidden),
-                            family.gate_up[1]: Target("gate_up", inner, 2 * inner, hidden)})
+            targets.update(
+                {
+                    family.gate_up[0]: Target("gate_up", 0, inner, hidden),
+                    family.gate_up[1]: Target("gate_up", inner, 2 * inner, hidden),
+                }
+            )
         else:
             targets[family.gate_up[0]] = Target("gate_up", 0, 2 * inner, hidden)
         targets["down_proj"] = Target("down", 0, hidden, inner)
@@ -222,8 +247,19 @@ class Decoder:
         its rows' LoRA deltas included. Every row attends by itself through its page table, so a
         position gets the same numbers whichever kind of row computes it (batch.row_tables)."""
         if self._step is None or self._step_cache is not cache:
-            self._step = DecodeStep(self.layers, self.rope, self.num_heads, self.num_kv_heads, self.head_dim,
-                                    self.eps, self.scale, self.attn_softcap, self.activation, cache.k, cache.v)
+            self._step = DecodeStep(
+                self.layers,
+                self.rope,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.eps,
+                self.scale,
+                self.attn_softcap,
+                self.activation,
+                cache.k,
+                cache.v,
+            )
             self._step_cache = cache
         x = self._embed(batch.input_ids).contiguous()  # [N, hidden]
         lora = batch.lora.step_args(x.shape[0]) if batch.lora is not None else None
@@ -243,7 +279,7 @@ class Decoder:
         """Family.qk_norm, in place: RMSNorm over each head of q and of k in qkv [N, (H + 2 KVH) D]."""
         n, d, heads, kv_heads = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         for begin, count, weight in ((0, heads, w.q_norm), (heads, kv_heads, w.k_norm)):
-            part = qkv[:, begin * d:(begin + count) * d]
+            part = qkv[:, begin * d : (begin + count) * d]
             part.copy_(self._norm(part.reshape(n * count, d), weight).view(n, count * d))
 
     def _gemma_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -257,8 +293,16 @@ class Decoder:
         scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
-    def _attention(self, layer: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def _attention(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+    ) -> torch.Tensor:
         """q, k, v: [N, heads, D] views of qkv [N, (H + 2 KVH) D], after RoPE. Keys and values are
         written into the pages first, and attention always reads them back from there, so a prefix
         read from the cache and one just computed are the same numbers (in the cache's dtype)."""
@@ -269,8 +313,19 @@ class Decoder:
             tables, shared = batch.row_tables()
             if shared:  # rows read each other's keys: all written first
                 self._write_keys(k, v, batch.kv_index, k_cache, v_cache)
-            decode_attention(qkv, self.num_heads, k_cache, v_cache, tables, batch.positions, out, self.scale,
-                             self.attn_softcap, self.layers[layer].window, write=not shared)
+            decode_attention(
+                qkv,
+                self.num_heads,
+                k_cache,
+                v_cache,
+                tables,
+                batch.positions,
+                out,
+                self.scale,
+                self.attn_softcap,
+                self.layers[layer].window,
+                write=not shared,
+            )
             return out
         self._write_keys(k, v, batch.kv_index, k_cache, v_cache)
         dec = batch.decode
@@ -297,15 +352,17 @@ class Decoder:
             kd = gather(k_cache, dec.tables, dec.kv_len, q.dtype)  # [B, KVH, T, D]
             vd = gather(v_cache, dec.tables, dec.kv_len, q.dtype)
             if self.gemma_attention:
-                o = self._gemma_attend(qd, kd, vd, _decode_mask(batch.positions[rows], dec.kv_len,
-                                                                self.layers[layer].window))
+                o = self._gemma_attend(
+                    qd, kd, vd, _decode_mask(batch.positions[rows], dec.kv_len, self.layers[layer].window)
+                )
             else:
                 o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [B, KVH, G, D]
             out[rows] = o.reshape(dec.count, -1)
         return out
 
-    def _write_keys(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor) -> None:
+    def _write_keys(
+        self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
         """Every row's key and value (k, v: [N, KVH, D]) into the pages, at index (batch.kv_index).
         Rows of a flat view: an advanced-index assignment here would have torch copy the whole cache
         of the layer (measured: ~4 ms, against 6 us)."""
@@ -324,7 +381,7 @@ def gather(cache: torch.Tensor, tables: torch.Tensor, length: int, dtype: torch.
     run per head; braid's C kernel reads the pages in place)."""
     b = tables.shape[0]
     _, kv_heads, page_size, d = cache.shape
-    pages = cache[tables[:, :-(-length // page_size)]]  # [B, n, KVH, P, D]
+    pages = cache[tables[:, : -(-length // page_size)]]  # [B, n, KVH, P, D]
     return pages.transpose(1, 2).reshape(b, kv_heads, -1, d)[:, :, :length].to(dtype)
 
 

@@ -36,8 +36,9 @@ class Family:
     gemma_attention: bool = False
 
 
-_GEMMA = dict(norm_offset=True, embed_scale=True, activation="gelu_pytorch_tanh", sandwich_norms=True,
-              gemma_attention=True)
+_GEMMA = dict(
+    norm_offset=True, embed_scale=True, activation="gelu_pytorch_tanh", sandwich_norms=True, gemma_attention=True
+)
 FAMILIES = {
     "LlamaForCausalLM": Family(),
     "MistralForCausalLM": Family(),

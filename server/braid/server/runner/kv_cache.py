@@ -40,8 +40,16 @@ class KVCache:
     position t lives at offset t % page_size of page table[t // page_size]. The memory is reserved
     once at start (the OS commits it as pages are first written)."""
 
-    def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (num_pages, num_kv_heads, page_size, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
@@ -77,32 +85,53 @@ def head_dim(model_config) -> int:
     return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
 
 
-def fit_pages(config: EngineConfig, model_config, max_seq_len: int, device: torch.device,
-              dtype: torch.dtype, proc: Path = Path("/proc")) -> int:
+def fit_pages(
+    config: EngineConfig,
+    model_config,
+    max_seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    proc: Path = Path("/proc"),
+) -> int:
     """KV-cache pages the --kv-cache-memory budget holds. At least one session of --max-seq-len
     tokens must fit, so a session admitted alone can always run to its end."""
     kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads  # GPT-2: none
     per_page = config.kv_page_size * KVCache.bytes_per_token(
-        model_config.num_hidden_layers, kv_heads, head_dim(model_config), dtype)
+        model_config.num_hidden_layers, kv_heads, head_dim(model_config), dtype
+    )
     needed = -(-max_seq_len // config.kv_page_size)  # pages of one session of --max-seq-len
     budget, why, available = _budget(config, needed * per_page, device, proc)
     pages = int(budget // per_page)
     if pages < needed:
-        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory}: one session of --max-seq-len "
-                         f"{max_seq_len} tokens needs {needed * per_page / 2**20:.0f} MiB, and {why} "
-                         f"gives {budget / 2**20:.0f} MiB")
-    _LOGGER.info("KV cache: %d pages of %d tokens (%d tokens, %d sessions of --max-seq-len), %.0f MiB, %s; %s",
-                 pages, config.kv_page_size, pages * config.kv_page_size, pages // needed, pages * per_page / 2**20,
-                 str(dtype).removeprefix("torch."), why)
+        raise ValueError(
+            f"--kv-cache-memory {config.kv_cache_memory}: one session of --max-seq-len "
+            f"{max_seq_len} tokens needs {needed * per_page / 2**20:.0f} MiB, and {why} "
+            f"gives {budget / 2**20:.0f} MiB"
+        )
+    _LOGGER.info(
+        "KV cache: %d pages of %d tokens (%d tokens, %d sessions of --max-seq-len), %.0f MiB, %s; %s",
+        pages,
+        config.kv_page_size,
+        pages * config.kv_page_size,
+        pages // needed,
+        pages * per_page / 2**20,
+        str(dtype).removeprefix("torch."),
+        why,
+    )
     if available is not None and budget > available.available:
-        _LOGGER.warning("--kv-cache-memory %s is more than the %.0f MiB this process may still take (%s): as "
-                        "the prefix cache fills it, the process may be killed for want of memory",
-                        config.kv_cache_memory, available.available / 2**20, available.reason)
+        _LOGGER.warning(
+            "--kv-cache-memory %s is more than the %.0f MiB this process may still take (%s): as "
+            "the prefix cache fills it, the process may be killed for want of memory",
+            config.kv_cache_memory,
+            available.available / 2**20,
+            available.reason,
+        )
     return pages
 
 
-def _budget(config: EngineConfig, session_bytes: int, device: torch.device,
-            proc: Path) -> tuple[float, str, resources.Memory | None]:
+def _budget(
+    config: EngineConfig, session_bytes: int, device: torch.device, proc: Path
+) -> tuple[float, str, resources.Memory | None]:
     """The cache's bytes, why, and the memory free (None where it was not needed for the budget and
     is not worth checking: the GPU's)."""
     if config.kv_cache_memory == "auto":
@@ -110,9 +139,12 @@ def _budget(config: EngineConfig, session_bytes: int, device: torch.device,
         wanted = config.max_sessions * session_bytes
         if wanted <= AUTO_FRACTION * free.available:
             return wanted, f"auto: --max-sessions {config.max_sessions} sessions of --max-seq-len", free
-        return (AUTO_FRACTION * free.available,
-                f"auto: {AUTO_FRACTION:g} of {free.available / 2**20:.0f} MiB, {free.reason} (--max-sessions "
-                f"{config.max_sessions} sessions of --max-seq-len would take {wanted / 2**20:.0f} MiB)", free)
+        return (
+            AUTO_FRACTION * free.available,
+            f"auto: {AUTO_FRACTION:g} of {free.available / 2**20:.0f} MiB, {free.reason} (--max-sessions "
+            f"{config.max_sessions} sessions of --max-seq-len would take {wanted / 2**20:.0f} MiB)",
+            free,
+        )
     amount, is_fraction = parse_memory(config.kv_cache_memory)
     free = free_memory(device, proc) if is_fraction or device.type != "cuda" else None
     if is_fraction:

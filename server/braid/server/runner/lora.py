@@ -42,8 +42,10 @@ from braid.server.runner.rows import AdapterInfo
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # the decoder's fused projections, in a layer's order
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"
-                  r"\.weight$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"
+    r"\.weight$"
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,9 @@ class Adapter:
     layers: list[dict[str, _Stacked]]  # per layer, by group (GROUPS) it targets there
     bf16: bool = False  # whether its every value is a bf16 one: the C step reads them so
     table: torch.Tensor = field(init=False)  # the C decode step's view of it (_step_table)
-    panels: list[torch.Tensor] = field(init=False)  # its A^T and B^T as the step reads them, which the table points into
+    panels: list[torch.Tensor] = field(
+        init=False
+    )  # its A^T and B^T as the step reads them, which the table points into
     cols: int = field(init=False)  # its widest A^T's columns
 
     def __post_init__(self) -> None:
@@ -83,12 +87,20 @@ class Adapter:
 
     @property
     def nbytes(self) -> int:
-        return (sum(m.at.nbytes + sum(p[4].nbytes for p in m.parts) for layer in self.layers for m in layer.values())
-                + sum(p.nbytes for p in self.panels))
+        return sum(
+            m.at.nbytes + sum(p[4].nbytes for p in m.parts) for layer in self.layers for m in layer.values()
+        ) + sum(p.nbytes for p in self.panels)
 
 
-def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int, max_rank: int,
-              dtype: torch.dtype, device: torch.device) -> Adapter:
+def read_peft(
+    path: str,
+    name: str,
+    targets: dict[str, Target],
+    num_layers: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Adapter:
     """A PEFT adapter folder, checked against the base model's projections. Raises ValueError with
     one line naming the file, setting or tensor at fault."""
     from safetensors.torch import load_file
@@ -103,14 +115,25 @@ def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int,
         raise ValueError(f"{config_file}: unreadable: {exc}") from None
     rank, alpha = _setting(config, "r", int), _setting(config, "lora_alpha", (int, float))
     if not 0 < rank <= max_rank:
-        raise ValueError(f"{config_file}: rank r={rank} is past --max-lora-rank {max_rank}" if rank > 0
-                         else f"{config_file}: rank r={rank} must be positive")
-    for key, allowed in (("peft_type", ("LORA", None)), ("fan_in_fan_out", (False, None)), ("bias", ("none", None)),
-                         ("use_dora", (False, None)), ("modules_to_save", (None, [])), ("rank_pattern", ({}, None)),
-                         ("alpha_pattern", ({}, None))):
+        raise ValueError(
+            f"{config_file}: rank r={rank} is past --max-lora-rank {max_rank}"
+            if rank > 0
+            else f"{config_file}: rank r={rank} must be positive"
+        )
+    for key, allowed in (
+        ("peft_type", ("LORA", None)),
+        ("fan_in_fan_out", (False, None)),
+        ("bias", ("none", None)),
+        ("use_dora", (False, None)),
+        ("modules_to_save", (None, [])),
+        ("rank_pattern", ({}, None)),
+        ("alpha_pattern", ({}, None)),
+    ):
         if config.get(key) not in allowed:
-            raise ValueError(f"{config_file}: {key}={config.get(key)!r} is not supported (braid serves plain LoRA "
-                             f"on {', '.join(targets)})")
+            raise ValueError(
+                f"{config_file}: {key}={config.get(key)!r} is not supported (braid serves plain LoRA "
+                f"on {', '.join(targets)})"
+            )
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     try:
         tensors = load_file(str(weights_file))
@@ -141,8 +164,9 @@ def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int,
     if not a:
         raise ValueError(f"{weights_file}: holds no LoRA matrices")
     modules = tuple(m for m in targets if any(k[1] == m for k in a))
-    info = AdapterInfo(name=name, path=str(path), rank=rank, alpha=float(alpha), scale=float(scale),
-                       target_modules=modules)
+    info = AdapterInfo(
+        name=name, path=str(path), rank=rank, alpha=float(alpha), scale=float(scale), target_modules=modules
+    )
     # the C step reads an adapter whose every value (B's times the scale) is a bf16 one in bf16: the
     # same values in half the bytes, and bytes are most of what the deltas cost (docs/benchmarks.md).
     # An adapter saved in bf16 is so where its scale is a power of two; one in fp32 is not, and is not
@@ -151,8 +175,13 @@ def read_peft(path: str, name: str, targets: dict[str, Target], num_layers: int,
     return Adapter(info, [_stack(layer, a, b, targets, dtype) for layer in range(num_layers)], bf16)
 
 
-def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int, str], torch.Tensor],
-           targets: dict[str, Target], dtype: torch.dtype) -> dict[str, _Stacked]:
+def _stack(
+    layer: int,
+    a: dict[tuple[int, str], torch.Tensor],
+    b: dict[tuple[int, str], torch.Tensor],
+    targets: dict[str, Target],
+    dtype: torch.dtype,
+) -> dict[str, _Stacked]:
     """One layer's matrices, stacked per group (see the module's docstring)."""
     stacked = {}
     for group in GROUPS:
@@ -168,9 +197,10 @@ def _stack(layer: int, a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int
         begin, end = min(targets[m].begin for m in modules), max(targets[m].end for m in modules)
         bt = torch.zeros(rank * len(modules), end - begin, dtype=dtype, device=at.device)
         for j, m in enumerate(modules):
-            bt[j * rank:(j + 1) * rank, targets[m].begin - begin:targets[m].end - begin] = b[layer, m].t()
-        stacked[group] = _Stacked(at, [(0, rank * len(modules), begin, end, bt)], rank,
-                                  [(targets[m].begin, targets[m].end) for m in modules])
+            bt[j * rank : (j + 1) * rank, targets[m].begin - begin : targets[m].end - begin] = b[layer, m].t()
+        stacked[group] = _Stacked(
+            at, [(0, rank * len(modules), begin, end, bt)], rank, [(targets[m].begin, targets[m].end) for m in modules]
+        )
     return stacked
 
 
@@ -197,8 +227,9 @@ def _step_table(layers: list[dict[str, _Stacked]], dtype: torch.dtype) -> tuple[
             for j, (col_begin, col_end) in enumerate(m.modules):
                 first, last = col_begin // PANEL, (col_end - 1) // PANEL
                 packed = torch.zeros(m.rank, (last + 1 - first) * PANEL)  # [rank, the panels' columns]
-                packed[:, col_begin - first * PANEL:col_end - first * PANEL] = (
-                    bt[j * m.rank:(j + 1) * m.rank, col_begin - begin:col_end - begin])
+                packed[:, col_begin - first * PANEL : col_end - first * PANEL] = bt[
+                    j * m.rank : (j + 1) * m.rank, col_begin - begin : col_end - begin
+                ]
                 # [panels, rank, 32]
                 packed = packed.view(m.rank, -1, PANEL).transpose(0, 1).to(dtype).contiguous()
                 panels.append(packed)

@@ -67,4 +67,4 @@ class Masks:
 
     def unpack(self, bits: torch.Tensor) -> torch.Tensor:
         unpacked = (bits.unsqueeze(-1) >> self._shifts) & 1  # [C, W, 32]
-        return unpacked.view(bits.shape[0], -1)[:, :self.vocab_size].bool()
+        return unpacked.view(bits.shape[0], -1)[:, : self.vocab_size].bool()

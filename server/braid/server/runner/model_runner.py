@@ -73,10 +73,20 @@ def _spin_setting() -> str:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, device: torch.device, dtype: torch.dtype, num_pages: int,
-                 max_seq_len: int, allow_kernels: bool = True, weight_dtype: str = "auto",
-                 quantization: str = "auto", page_size: int = 16, kv_dtype: torch.dtype | None = None,
-                 activations: str = "float32") -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_pages: int,
+        max_seq_len: int,
+        allow_kernels: bool = True,
+        weight_dtype: str = "auto",
+        quantization: str = "auto",
+        page_size: int = 16,
+        kv_dtype: torch.dtype | None = None,
+        activations: str = "float32",
+    ) -> None:
         self.device, self.dtype = device, dtype
         self.max_seq_len = max_seq_len
         self.threads = torch.get_num_threads()  # the CPU pools' size (ModelInfo.threads)
@@ -88,15 +98,17 @@ class ModelRunner:
             ops = pick_ops(device, dtype, allow_kernels, activations)
             with _one_thread():
                 precision = Precision(model, weight_dtype, quantization)
-                self.decoder: Decoder | TransformersDecoder = Decoder(model.hf_model, max_seq_len, ops,
-                                                                                precision, family)
+                self.decoder: Decoder | TransformersDecoder = Decoder(
+                    model.hf_model, max_seq_len, ops, precision, family
+                )
             # kernels: the C kernels' instruction set, or torch's ops
             self.path, self.kernels, self.quantization = "braid", ops.isa or "torch", quantization
             self.activations = self.decoder.activations
             formats, ops_name = precision.formats, ops.name
         else:
-            _LOGGER.info("model path: transformers (%s runs through its own forward: %s)",
-                         type(model.hf_model).__name__, why_not)
+            _LOGGER.info(
+                "model path: transformers (%s runs through its own forward: %s)", type(model.hf_model).__name__, why_not
+            )
             if quantization == "q8_0":
                 _LOGGER.warning("--quantization q8_0: the transformers path serves the weights as they are")
             self.decoder = TransformersDecoder(model.hf_model, device, dtype)
@@ -104,16 +116,27 @@ class ModelRunner:
             self.activations = "float32"
             formats = Counter(FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for p in model.hf_model.parameters())
             ops_name = "torch, in the model's own modules"
-        self.cache = KVCache(self.decoder.num_layers, num_pages, self.decoder.num_kv_heads, page_size,
-                             self.decoder.head_dim, kv_dtype or dtype, device)
+        self.cache = KVCache(
+            self.decoder.num_layers,
+            num_pages,
+            self.decoder.num_kv_heads,
+            page_size,
+            self.decoder.head_dim,
+            kv_dtype or dtype,
+            device,
+        )
         self.vocab_size = self.decoder.vocab_size
         self.masks = Masks(self.vocab_size)
         self._adapters: dict[int, Adapter] = {}  # resident LoRA adapters by load id (Row.adapter)
 
         self.weight_formats = dict(formats)  # tensors served in each format
         self.weight_bytes = self.decoder.weight_bytes
-        _LOGGER.info("kernels: %s; weights: %s, %.0f MB", ops_name,
-                     ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common()), self.weight_bytes / 1e6)
+        _LOGGER.info(
+            "kernels: %s; weights: %s, %.0f MB",
+            ops_name,
+            ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common()),
+            self.weight_bytes / 1e6,
+        )
 
     @classmethod
     def build(cls, config: EngineConfig, model: LoadedModel) -> ModelRunner:
@@ -129,9 +152,19 @@ class ModelRunner:
         max_seq_len = min(config.max_seq_len, context, window or context)
         kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # auto: the compute dtype
         num_pages = fit_pages(config, model.hf_model.config, max_seq_len, device, kv_dtype)
-        runner = cls(model, device, dtype, num_pages, max_seq_len, allow_kernels=config.kernels == "auto",
-                     weight_dtype=config.dtype, quantization=config.quantization, page_size=config.kv_page_size,
-                     kv_dtype=kv_dtype, activations=config.activations)
+        runner = cls(
+            model,
+            device,
+            dtype,
+            num_pages,
+            max_seq_len,
+            allow_kernels=config.kernels == "auto",
+            weight_dtype=config.dtype,
+            quantization=config.quantization,
+            page_size=config.kv_page_size,
+            kv_dtype=kv_dtype,
+            activations=config.activations,
+        )
         # Only braid's kernels, whose results do not depend on the thread count; not under --threads.
         if config.threads == 0 and threads.count > 1 and device.type == "cpu" and runner.kernels != "torch":
             runner.governor = ThreadGovernor(threads.count)
@@ -165,12 +198,19 @@ class ModelRunner:
         model. Any thread: a pass running meanwhile keeps the stack it started with."""
         if not isinstance(self.decoder, Decoder):
             raise ValueError("LoRA adapters need braid's native decoder; this model runs through transformers")
-        adapter = read_peft(path, name, self.decoder.lora_targets, self.decoder.num_layers, max_rank, self.dtype,
-                            self.device)
+        adapter = read_peft(
+            path, name, self.decoder.lora_targets, self.decoder.num_layers, max_rank, self.dtype, self.device
+        )
         self._adapters = {**self._adapters, adapter_id: adapter}
-        _LOGGER.info("LoRA adapter %s loaded from %s: rank %d, scale %g, %s; %.1f MB", name, path,
-                     adapter.info.rank, adapter.info.scale, ", ".join(adapter.info.target_modules),
-                     adapter.nbytes / 1e6)
+        _LOGGER.info(
+            "LoRA adapter %s loaded from %s: rank %d, scale %g, %s; %.1f MB",
+            name,
+            path,
+            adapter.info.rank,
+            adapter.info.scale,
+            ", ".join(adapter.info.target_modules),
+            adapter.nbytes / 1e6,
+        )
         return adapter.info
 
     def unload_adapter(self, adapter_id: int) -> None:
@@ -187,23 +227,28 @@ class ModelRunner:
         verified = [i for i in sampled if rows[i].num_proposals]
         constrained = [k for k, i in enumerate(plain) if rows[i].matcher is not None]  # among `plain`
         filling = self.masks.start([rows[plain[k]].matcher for k in constrained])  # during the pass
-        walks = {i: self.masks.start_walk(rows[i].matcher, rows[i].token_ids[-rows[i].num_proposals:])
-                 for i in verified if rows[i].matcher is not None}
+        walks = {
+            i: self.masks.start_walk(rows[i].matcher, rows[i].token_ids[-rows[i].num_proposals :])
+            for i in verified
+            if rows[i].matcher is not None
+        }
         logits = self._forward(batch)  # [L, V], in batch.logit_rows order
         out: list[Sampled | None] = [None] * len(rows)
         if scored:  # the targets' rows come first; the sampled rows' logits are the rest
             for i, (begin, end) in scored.items():
-                out[i] = Sampled(None, targets=tuple(score(logits[begin:end], rows[i].targets,
-                                                           rows[i].sampling.logprobs or 0)))
-            logits = logits[max(end for _, end in scored.values()):]
+                out[i] = Sampled(
+                    None, targets=tuple(score(logits[begin:end], rows[i].targets, rows[i].sampling.logprobs or 0))
+                )
+            logits = logits[max(end for _, end in scored.values()) :]
         allowed = (constrained, self.masks.allowed(filling)) if filling is not None else None
-        for i, token in zip(plain, sample(logits[[first[i] for i in plain]] if verified else logits, [rows[i] for i in plain],
-                                                allowed)):
+        for i, token in zip(
+            plain, sample(logits[[first[i] for i in plain]] if verified else logits, [rows[i] for i in plain], allowed)
+        ):
             out[i] = token._replace(targets=out[i].targets) if out[i] else token
         for i in verified:
             k = rows[i].num_proposals
             masks = walks[i].result() if i in walks else None
-            out[i] = verify(logits[first[i]:first[i] + k + 1], rows[i], masks)
+            out[i] = verify(logits[first[i] : first[i] + k + 1], rows[i], masks)
         return out
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -221,8 +266,9 @@ class ModelRunner:
             switches = self.governor.num_switches
             self.governor.record(shape, count, time.perf_counter() - start)
             if self.governor.num_switches != switches:
-                _LOGGER.debug("threads: %d of %d, the faster for decode passes now", self.governor.current,
-                              self.threads)
+                _LOGGER.debug(
+                    "threads: %d of %d, the faster for decode passes now", self.governor.current, self.threads
+                )
         return logits
 
     def _build(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[int], dict[int, tuple[int, int]]]:
@@ -232,8 +278,9 @@ class ModelRunner:
         come before all of those."""
         # a speculating row's tokens go as decode rows of their own on braid's decoder (its decode
         # attention, the same numbers as plain steps), as a chunk on the transformers path
-        is_prefill = [r.is_prompt or (len(r.token_ids) > 1 and not (r.num_proposals and self.path == "braid"))
-                      for r in rows]
+        is_prefill = [
+            r.is_prompt or (len(r.token_ids) > 1 and not (r.num_proposals and self.path == "braid")) for r in rows
+        ]
         # grouped by LoRA adapter (stable: without adapters the order is the rows'), so that each
         # adapter's tokens are a run of the packed batch (runner/lora.py)
         prefills = sorted((i for i, r in enumerate(rows) if is_prefill[i]), key=lambda i: rows[i].adapter)
@@ -252,7 +299,7 @@ class ModelRunner:
             r = rows[i]
             end = r.start + len(r.token_ids)
             if is_prefill[i]:
-                table = torch.tensor(r.pages[:-(-end // page_size)], dtype=torch.long, device=dev)
+                table = torch.tensor(r.pages[: -(-end // page_size)], dtype=torch.long, device=dev)
                 chunks.append(PrefillChunk(pages=table, start=r.start, length=len(r.token_ids), offset=len(ids)))
             if r.targets:
                 scored[i] = (len(logit_rows), len(logit_rows) + len(r.targets))
@@ -266,15 +313,20 @@ class ModelRunner:
                 sampled.append(i)
         position_tensor = torch.tensor(positions, dtype=torch.long, device=dev)
         # [N * KVH]: the row of the cache viewed as [-1, D] each token's key of each head goes to
-        offsets = (torch.tensor(token_pages, dtype=torch.long, device=dev) * self.decoder.num_kv_heads * page_size
-                   + position_tensor % page_size)
+        offsets = (
+            torch.tensor(token_pages, dtype=torch.long, device=dev) * self.decoder.num_kv_heads * page_size
+            + position_tensor % page_size
+        )
         heads = torch.arange(self.decoder.num_kv_heads, device=dev) * page_size
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=position_tensor,
-            kv_index=(offsets.unsqueeze(1) + heads.unsqueeze(0)).flatten(), prefills=chunks,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=position_tensor,
+            kv_index=(offsets.unsqueeze(1) + heads.unsqueeze(0)).flatten(),
+            prefills=chunks,
             decode=self._decode_rows([rows[i] for i in decodes]) if decodes else None,
             logit_rows=torch.tensor(logit_rows + sample_at, dtype=torch.long, device=dev),
-            lora=self._lora_pass(adapters))
+            lora=self._lora_pass(adapters),
+        )
         return batch, sampled, scored
 
     def _lora_pass(self, adapters: list[int]) -> LoraPass | None:
@@ -301,11 +353,17 @@ class ModelRunner:
         owners = [r for r in decodes for _ in r.token_ids]
         kv_len = max(lengths)
         width = -(-kv_len // self.cache.page_size)
-        tables = torch.tensor([list(r.pages[:width]) + [0] * (width - len(r.pages[:width])) for r in owners],
-                              dtype=torch.long, device=self.device)
+        tables = torch.tensor(
+            [list(r.pages[:width]) + [0] * (width - len(r.pages[:width])) for r in owners],
+            dtype=torch.long,
+            device=self.device,
+        )
         mask = None
         if any(n != kv_len for n in lengths):
-            mask = (torch.arange(kv_len, device=self.device).unsqueeze(0)
-                    < torch.tensor(lengths, device=self.device).unsqueeze(1)).view(len(owners), 1, 1, kv_len)
-        return DecodeRows(count=len(owners), tables=tables, kv_len=kv_len, mask=mask,
-                          speculative=len(owners) > len(decodes))
+            mask = (
+                torch.arange(kv_len, device=self.device).unsqueeze(0)
+                < torch.tensor(lengths, device=self.device).unsqueeze(1)
+            ).view(len(owners), 1, 1, kv_len)
+        return DecodeRows(
+            count=len(owners), tables=tables, kv_len=kv_len, mask=mask, speculative=len(owners) > len(decodes)
+        )

@@ -40,13 +40,18 @@ class Precision:
         if blocks is not None and self.quantization != "none":
             return self._served(blocks, blocks.format)
         if own not in FLOAT_FORMATS.values() and own not in BLOCK_FORMATS:
-            self._tell(own, f"{own} tensors (e.g. {name}) run dequantized to float32: braid's kernels have no "
-                            f"{own} format (they run {', '.join(BLOCK_FORMATS)}, bf16, f16, f32)")
+            self._tell(
+                own,
+                f"{own} tensors (e.g. {name}) run dequantized to float32: braid's kernels have no "
+                f"{own} format (they run {', '.join(BLOCK_FORMATS)}, bf16, f16, f32)",
+            )
         if self.quantization == "q8_0":
             if value.shape[1] % QBLOCK == 0:
                 return self._served(quantize_q8_0(value), "q8_0")
-            self._tell("q8_0-shape", f"{name} stays float: Q8_0 needs its input size ({value.shape[1]}) to be a "
-                                     f"multiple of {QBLOCK}")
+            self._tell(
+                "q8_0-shape",
+                f"{name} stays float: Q8_0 needs its input size ({value.shape[1]}) to be a multiple of {QBLOCK}",
+            )
         # auto: its own float type (a GGUF's f16 tensor was widened to fp32 on loading: this is
         # exact); a quantized tensor dequantized: fp32
         target = DTYPES[self.dtype] if self.dtype != "auto" else DTYPE_FORMATS.get(own, torch.float32)
@@ -56,8 +61,9 @@ class Precision:
         """A norm's weight or a bias, in the compute dtype: a copy, since a view would keep the
         whole loaded checkpoint (a memory-mapped file) resident."""
         self.formats[FLOAT_FORMATS.get(dtype, "f32")] += 1
-        return self._params[name].detach().to(device=device, dtype=dtype, memory_format=torch.contiguous_format,
-                                               copy=True)
+        return (
+            self._params[name].detach().to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        )
 
     def _served(self, weight: Weight, fmt: str) -> Weight:
         self.formats[fmt] += 1
@@ -76,6 +82,8 @@ def fuse(weights: list[Weight]) -> Weight:
         return Blocks.cat(weights)
     if all(isinstance(w, torch.Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:
         return torch.cat(weights)
-    _LOGGER.warning("fusing matrices of formats %s in float32", sorted({getattr(w, "format", None) or
-                                                                       FLOAT_FORMATS.get(w.dtype) for w in weights}))
+    _LOGGER.warning(
+        "fusing matrices of formats %s in float32",
+        sorted({getattr(w, "format", None) or FLOAT_FORMATS.get(w.dtype) for w in weights}),
+    )
     return torch.cat([w.dequantize() if isinstance(w, Blocks) else w.float() for w in weights])

@@ -19,8 +19,9 @@ def random_state(sampling: Sampling, skip: int = 0) -> torch.Generator:
     return generator
 
 
-def sample(logits: torch.Tensor, rows: Sequence[Row],
-           allowed: tuple[list[int], torch.Tensor] | None = None) -> list[Sampled]:
+def sample(
+    logits: torch.Tensor, rows: Sequence[Row], allowed: tuple[list[int], torch.Tensor] | None = None
+) -> list[Sampled]:
     """logits: [R, V] float32, one row per sampled Row (modified in place). Returns R tokens, with
     their log probabilities for the rows that ask (of the raw logits, before anything below).
     allowed: the constrained rows' indices and [C, V] bool masks of the tokens each may pick
@@ -57,13 +58,13 @@ def verify(logits: torch.Tensor, row: Row, masks: torch.Tensor | None = None) ->
     last proposal): that sample is the token the model would have produced there instead. So the
     tokens, and the generator's state after them, are those of plain decoding, greedy or seeded.
     """
-    proposals = list(row.token_ids[len(row.token_ids) - row.num_proposals:])
+    proposals = list(row.token_ids[len(row.token_ids) - row.num_proposals :])
     history = list(row.history)
     picked: list[Sampled] = []
     for j in range(len(proposals) + 1):
         step = dataclasses.replace(row, history=history, num_proposals=0)
-        allowed = ([0], masks[j:j + 1]) if masks is not None else None
-        picked.append(sample(logits[j:j + 1], [step], allowed)[0])
+        allowed = ([0], masks[j : j + 1]) if masks is not None else None
+        picked.append(sample(logits[j : j + 1], [step], allowed)[0])
         if j == len(proposals) or picked[-1].token != proposals[j]:
             break
         history.append(picked[-1].token)
@@ -86,8 +87,10 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[
     best = raw.topk(most) if most else None
     values = best.values.tolist() if best is not None else [[] for _ in tops]
     ids = best.indices.tolist() if best is not None else values
-    return [TokenLogprob(logprob=lp, rank=rank, top=tuple(zip(ids[j][:k], values[j][:k])))
-            for j, (lp, rank, k) in enumerate(zip(chosen.squeeze(1).tolist(), ranks.tolist(), tops))]
+    return [
+        TokenLogprob(logprob=lp, rank=rank, top=tuple(zip(ids[j][:k], values[j][:k])))
+        for j, (lp, rank, k) in enumerate(zip(chosen.squeeze(1).tolist(), ranks.tolist(), tops))
+    ]
 
 
 def _penalise(logits: torch.Tensor, row: Row) -> None:
@@ -100,7 +103,7 @@ def _penalise(logits: torch.Tensor, row: Row) -> None:
         seen = torch.tensor(sorted(set(row.history)), dtype=torch.long, device=device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    generated = row.history[row.num_prompt:]
+    generated = row.history[row.num_prompt :]
     if (p.presence_penalty or p.frequency_penalty) and generated:
         counts = Counter(generated)
         ids = torch.tensor(list(counts), dtype=torch.long, device=device)
@@ -148,8 +151,15 @@ def _draw(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     return tokens
 
 
-def _pick(values: torch.Tensor, order: torch.Tensor, lse: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-          min_p: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _pick(
+    values: torch.Tensor,
+    order: torch.Tensor,
+    lse: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    u: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """values [R, C]: each row's C most likely scaled logits, sorted (order: their token ids); lse
     [R, 1]: the log normaliser of the whole row; u [R, 1]: each row's uniform draw. Returns the
     tokens drawn, and per row whether its kept tokens end within the C (where C is not the whole

@@ -106,10 +106,13 @@ class ThreadGovernor:
     def _ratios(self, samples: int) -> list[float]:
         """For each shape the trial's count has run `samples` passes of, and the current one
         MIN_SAMPLES: the trial's pass time over the current count's (medians)."""
-        return [statistics.median(times) / statistics.median(self._times[self.current, shape])
-                for (count, shape), times in self._times.items()
-                if count == self._trial and len(times) >= samples
-                and len(self._times.get((self.current, shape), ())) >= MIN_SAMPLES]
+        return [
+            statistics.median(times) / statistics.median(self._times[self.current, shape])
+            for (count, shape), times in self._times.items()
+            if count == self._trial
+            and len(times) >= samples
+            and len(self._times.get((self.current, shape), ())) >= MIN_SAMPLES
+        ]
 
     def _decide(self, ratios: list[float]) -> None:
         trial, self._trial = self._trial, None

@@ -47,13 +47,16 @@ class TransformersDecoder:
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         with torch.no_grad():  # one token: the cache's shape and the logits' width
             probe = self._new_cache()
-            logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                                past_key_values=probe, use_cache=True).logits
+            logits = self.model(
+                input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True
+            ).logits
         shapes = {tuple(getattr(layer, "keys", None).shape) if _is_plain(layer) else None for layer in probe.layers}
         if None in shapes or len(shapes) != 1:
-            raise ValueError(f"--model: architecture {architecture} keeps a cache braid cannot page (not one key and "
-                             "value tensor of one shape per layer)")
-        (_, self.num_kv_heads, _, self.head_dim), = shapes
+            raise ValueError(
+                f"--model: architecture {architecture} keeps a cache braid cannot page (not one key and "
+                "value tensor of one shape per layer)"
+            )
+        ((_, self.num_kv_heads, _, self.head_dim),) = shapes
         self.num_layers = len(probe.layers)
         self.vocab_size = logits.shape[-1]
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -85,17 +88,30 @@ class TransformersDecoder:
         longest = int(starts.max())
         past = self._new_cache()
         if longest:
-            past = self._new_cache(ddp_cache_data=[
-                (gather(k, dec.tables, longest, self.dtype), gather(v, dec.tables, longest, self.dtype))
-                for k, v in zip(cache.k, cache.v)])
+            past = self._new_cache(
+                ddp_cache_data=[
+                    (gather(k, dec.tables, longest, self.dtype), gather(v, dec.tables, longest, self.dtype))
+                    for k, v in zip(cache.k, cache.v)
+                ]
+            )
         keys = torch.arange(longest + 1, device=self.device)
         mask = ((keys.unsqueeze(0) < starts.unsqueeze(1)) | (keys == longest)).long()  # [B, T + 1]
         kwargs = {"logits_to_keep": 1} if self._keeps_logits else {}
-        logits = self.model(input_ids=batch.input_ids[first:].unsqueeze(1), position_ids=starts.unsqueeze(1),
-                            attention_mask=mask, past_key_values=past, use_cache=True, **kwargs).logits[:, -1]
+        logits = self.model(
+            input_ids=batch.input_ids[first:].unsqueeze(1),
+            position_ids=starts.unsqueeze(1),
+            attention_mask=mask,
+            past_key_values=past,
+            use_cache=True,
+            **kwargs,
+        ).logits[:, -1]
         # [B, KVH, T + 1, D] -> the new rows [B KVH, D]
-        self._store(past, cache, batch.kv_index[first * self.num_kv_heads:],
-                    lambda values: values[:, :, longest].reshape(-1, self.head_dim))
+        self._store(
+            past,
+            cache,
+            batch.kv_index[first * self.num_kv_heads :],
+            lambda values: values[:, :, longest].reshape(-1, self.head_dim),
+        )
         return logits.float()
 
     def _run(self, seq: _Sequence, batch: ForwardBatch, cache: KVCache, keep: torch.Tensor) -> torch.Tensor:
@@ -103,17 +119,24 @@ class TransformersDecoder:
         past = self._new_cache()
         if seq.start:
             table = seq.pages.unsqueeze(0)
-            past = self._new_cache(ddp_cache_data=[
-                (gather(k, table, seq.start, self.dtype), gather(v, table, seq.start, self.dtype))
-                for k, v in zip(cache.k, cache.v)])  # [1, KVH, start, D] per layer
+            past = self._new_cache(
+                ddp_cache_data=[
+                    (gather(k, table, seq.start, self.dtype), gather(v, table, seq.start, self.dtype))
+                    for k, v in zip(cache.k, cache.v)
+                ]
+            )  # [1, KVH, start, D] per layer
         rows = slice(seq.offset, seq.offset + seq.length)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-        logits = self.model(input_ids=batch.input_ids[rows].unsqueeze(0),
-                            position_ids=batch.positions[rows].unsqueeze(0),
-                            past_key_values=past, use_cache=True, **kwargs).logits[0]
+        logits = self.model(
+            input_ids=batch.input_ids[rows].unsqueeze(0),
+            position_ids=batch.positions[rows].unsqueeze(0),
+            past_key_values=past,
+            use_cache=True,
+            **kwargs,
+        ).logits[0]
         if not self._keeps_logits:
             logits = logits[keep]
-        index = batch.kv_index[seq.offset * self.num_kv_heads:(seq.offset + seq.length) * self.num_kv_heads]
+        index = batch.kv_index[seq.offset * self.num_kv_heads : (seq.offset + seq.length) * self.num_kv_heads]
         new = slice(seq.start, seq.start + seq.length)
         # [1, KVH, T, D] -> the new rows [L KVH, D]
         self._store(past, cache, index, lambda values: values[0, :, new].transpose(0, 1).reshape(-1, self.head_dim))

@@ -27,27 +27,40 @@ RPC_STATUS_CODE = "rpc.response.status_code"
 
 
 def _histogram(name: str, unit: str, buckets: tuple[float, ...], description: str) -> metrics.Histogram:
-    return _meter.create_histogram(name, unit=unit, description=description,
-                                   explicit_bucket_boundaries_advisory=buckets)
+    return _meter.create_histogram(
+        name, unit=unit, description=description, explicit_bucket_boundaries_advisory=buckets
+    )
 
 
-QUEUE_DURATION = _histogram("braid.request.queue.duration", "s", _LATENCY_S,
-                            "Time from a session's arrival to its first forward pass")
-TIME_TO_FIRST_TOKEN = _histogram("braid.request.time_to_first_token", "s", _LATENCY_S,
-                                 "Time from a session's arrival to its first generated token")
-TIME_PER_OUTPUT_TOKEN = _histogram("braid.request.time_per_output_token", "s", _TOKEN_LATENCY_S,
-                                   "Decode time per generated token after the first")
-REQUEST_DURATION = _histogram("braid.request.duration", "s", _LATENCY_S,
-                              "Time from a session's arrival to the end of its generation")
-PASS_SESSIONS = _histogram("braid.forward_pass.sessions", "{session}", _POWERS_OF_TWO,
-                           "Sessions in one forward pass (the batch size)")
-PASS_TOKENS = _histogram("braid.forward_pass.tokens", "{token}", _POWERS_OF_TWO,
-                         "Tokens fed to the model in one forward pass")
-CALL_DURATION = _histogram("rpc.server.call.duration", "s", _LATENCY_S,
-                           "Duration of braid's gRPC calls, by method and status code")
+QUEUE_DURATION = _histogram(
+    "braid.request.queue.duration", "s", _LATENCY_S, "Time from a session's arrival to its first forward pass"
+)
+TIME_TO_FIRST_TOKEN = _histogram(
+    "braid.request.time_to_first_token", "s", _LATENCY_S, "Time from a session's arrival to its first generated token"
+)
+TIME_PER_OUTPUT_TOKEN = _histogram(
+    "braid.request.time_per_output_token", "s", _TOKEN_LATENCY_S, "Decode time per generated token after the first"
+)
+REQUEST_DURATION = _histogram(
+    "braid.request.duration", "s", _LATENCY_S, "Time from a session's arrival to the end of its generation"
+)
+PASS_SESSIONS = _histogram(
+    "braid.forward_pass.sessions", "{session}", _POWERS_OF_TWO, "Sessions in one forward pass (the batch size)"
+)
+PASS_TOKENS = _histogram(
+    "braid.forward_pass.tokens", "{token}", _POWERS_OF_TWO, "Tokens fed to the model in one forward pass"
+)
+CALL_DURATION = _histogram(
+    "rpc.server.call.duration", "s", _LATENCY_S, "Duration of braid's gRPC calls, by method and status code"
+)
 
-_ENDED_BY_ITSELF = {FinishReason.MAX_TOKENS, FinishReason.EOS, FinishReason.STOP_SEQUENCE,
-                    FinishReason.STOP_TOKEN, FinishReason.CONSTRAINT}
+_ENDED_BY_ITSELF = {
+    FinishReason.MAX_TOKENS,
+    FinishReason.EOS,
+    FinishReason.STOP_SEQUENCE,
+    FinishReason.STOP_TOKEN,
+    FinishReason.CONSTRAINT,
+}
 
 
 class MetricsObserver:
@@ -81,51 +94,73 @@ def record_call(method: str, status_code: str, seconds: float) -> None:
 def observe_engine(stats: Callable[[], EngineStats]) -> None:
     """Gauges and counters read from the engine's own counts when a reader collects, so they cost
     the model thread nothing."""
+
     def pages(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
-        return [Observation(stats_now.kv_pages_used, {"braid.kv_page.state": "used"}),
-                Observation(stats_now.kv_pages_cached, {"braid.kv_page.state": "cached"})]
+        return [
+            Observation(stats_now.kv_pages_used, {"braid.kv_page.state": "used"}),
+            Observation(stats_now.kv_pages_cached, {"braid.kv_page.state": "cached"}),
+        ]
 
     def cache(name: str) -> Callable[[CallbackOptions], list[Observation]]:
         return lambda options: [Observation(getattr(stats(), name))]
 
     def sessions(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
-        return [Observation(stats_now.sessions_active, {"braid.session.state": "active"}),
-                Observation(stats_now.sessions_queued, {"braid.session.state": "queued"}),
-                Observation(stats_now.sessions_paused, {"braid.session.state": "paused"})]
+        return [
+            Observation(stats_now.sessions_active, {"braid.session.state": "active"}),
+            Observation(stats_now.sessions_queued, {"braid.session.state": "queued"}),
+            Observation(stats_now.sessions_paused, {"braid.session.state": "paused"}),
+        ]
 
     def requests(options: CallbackOptions) -> list[Observation]:
-        return [Observation(n, {FINISH_REASON: reason.name.lower()})
-                for reason, n in stats().finished.items()]
+        return [Observation(n, {FINISH_REASON: reason.name.lower()}) for reason, n in stats().finished.items()]
 
     def tokens(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
-        return [Observation(stats_now.prompt_tokens, {"braid.token.type": "prompt"}),
-                Observation(stats_now.prompt_tokens_cached, {"braid.token.type": "prompt_cached"}),
-                Observation(stats_now.tokens_generated, {"braid.token.type": "generated"})]
+        return [
+            Observation(stats_now.prompt_tokens, {"braid.token.type": "prompt"}),
+            Observation(stats_now.prompt_tokens_cached, {"braid.token.type": "prompt_cached"}),
+            Observation(stats_now.tokens_generated, {"braid.token.type": "generated"}),
+        ]
 
-    _meter.create_observable_gauge("braid.sessions", [sessions], unit="{session}",
-                                   description="Sessions running (holding KV-cache pages), queued, and paused (running, "
-                                               "their clients not reading)")
-    _meter.create_observable_counter("braid.requests", [requests], unit="{request}",
-                                     description="Finished sessions, by finish reason")
-    _meter.create_observable_counter("braid.tokens", [tokens], unit="{token}",
-                                     description="Prompt tokens computed (prompt), prompt tokens found in the prefix "
-                                                 "cache (prompt_cached), and tokens generated")
+    _meter.create_observable_gauge(
+        "braid.sessions",
+        [sessions],
+        unit="{session}",
+        description="Sessions running (holding KV-cache pages), queued, and paused (running, "
+        "their clients not reading)",
+    )
+    _meter.create_observable_counter(
+        "braid.requests", [requests], unit="{request}", description="Finished sessions, by finish reason"
+    )
+    _meter.create_observable_counter(
+        "braid.tokens",
+        [tokens],
+        unit="{token}",
+        description="Prompt tokens computed (prompt), prompt tokens found in the prefix "
+        "cache (prompt_cached), and tokens generated",
+    )
+
     def hit_ratio(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
         looked_up = stats_now.prompt_tokens_cached + stats_now.prompt_tokens
         return [Observation(stats_now.prompt_tokens_cached / looked_up if looked_up else 0.0)]
 
     _meter.create_observable_gauge(
-        "braid.prefix_cache.hit_ratio", [hit_ratio], unit="1",
+        "braid.prefix_cache.hit_ratio",
+        [hit_ratio],
+        unit="1",
         description="Share of prompt tokens found in the prefix cache since start (ServerStatus.prefix_hit_ratio); "
-                    "per replica, high where a proxy routes calls by their braid-route-key")
+        "per replica, high where a proxy routes calls by their braid-route-key",
+    )
+
     def speculation(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
-        return [Observation(stats_now.speculative_proposed_tokens, {"braid.speculative.outcome": "proposed"}),
-                Observation(stats_now.speculative_accepted_tokens, {"braid.speculative.outcome": "accepted"})]
+        return [
+            Observation(stats_now.speculative_proposed_tokens, {"braid.speculative.outcome": "proposed"}),
+            Observation(stats_now.speculative_accepted_tokens, {"braid.speculative.outcome": "accepted"}),
+        ]
 
     def acceptance(options: CallbackOptions) -> list[Observation]:
         stats_now = stats()
@@ -133,23 +168,39 @@ def observe_engine(stats: Callable[[], EngineStats]) -> None:
         return [Observation(stats_now.speculative_accepted_tokens / proposed if proposed else 0.0)]
 
     _meter.create_observable_counter(
-        "braid.speculative.tokens", [speculation], unit="{token}",
-        description="Speculative proposals verified (proposed) and confirmed by the model (accepted), --speculative")
+        "braid.speculative.tokens",
+        [speculation],
+        unit="{token}",
+        description="Speculative proposals verified (proposed) and confirmed by the model (accepted), --speculative",
+    )
     _meter.create_observable_gauge(
-        "braid.speculative.acceptance_rate", [acceptance], unit="1",
+        "braid.speculative.acceptance_rate",
+        [acceptance],
+        unit="1",
         description="Share of speculative proposals the model confirmed since start "
-                    "(ServerStatus.speculative_acceptance_rate)")
+        "(ServerStatus.speculative_acceptance_rate)",
+    )
     _meter.create_observable_gauge(
-        "braid.kv_cache.usage", [pages], unit="{page}",
-        description="KV-cache pages held by running sessions (used), and held by none but keeping a prefix (cached)")
+        "braid.kv_cache.usage",
+        [pages],
+        unit="{page}",
+        description="KV-cache pages held by running sessions (used), and held by none but keeping a prefix (cached)",
+    )
     _meter.create_observable_gauge(
-        "braid.kv_cache.limit", [cache("kv_pages_total")], unit="{page}", description="KV-cache pages in all")
+        "braid.kv_cache.limit", [cache("kv_pages_total")], unit="{page}", description="KV-cache pages in all"
+    )
     _meter.create_observable_counter(
-        "braid.kv_cache.evictions", [cache("kv_evictions")], unit="{page}",
-        description="Cached KV-cache pages taken back for other use")
+        "braid.kv_cache.evictions",
+        [cache("kv_evictions")],
+        unit="{page}",
+        description="Cached KV-cache pages taken back for other use",
+    )
     _meter.create_observable_counter(
-        "braid.preemptions", [cache("preemptions")], unit="{session}",
-        description="Running sessions whose KV-cache pages were taken back, to be recomputed when readmitted")
+        "braid.preemptions",
+        [cache("preemptions")],
+        unit="{session}",
+        description="Running sessions whose KV-cache pages were taken back, to be recomputed when readmitted",
+    )
 
 
 class CallMetrics:

@@ -49,8 +49,12 @@ class Telemetry:
 def start_telemetry(config: ServerConfig, port: int) -> Telemetry:
     """port: the gRPC port being served, which tells this replica apart from others on its host.
     The metrics endpoint is listening when this returns (a port in use fails the start)."""
-    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "braid"),
-                                SERVICE_INSTANCE_ID: f"{socket.gethostname()}:{port}"})
+    resource = Resource.create(
+        {
+            SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "braid"),
+            SERVICE_INSTANCE_ID: f"{socket.gethostname()}:{port}",
+        }
+    )
     readers: list[MetricReader] = []
     tracer_provider = None
     if config.metrics_port:
@@ -58,8 +62,11 @@ def start_telemetry(config: ServerConfig, port: int) -> Telemetry:
         try:
             start_http_server(config.metrics_port, addr=(config.metrics_host or config.host).strip("[]"))
         except OSError as exc:
-            raise SettingError("metrics_port", config.metrics_port, f"cannot listen on {config.metrics_host}:"
-                               f"{config.metrics_port}: {(exc.strerror or str(exc)).lower()}") from None
+            raise SettingError(
+                "metrics_port",
+                config.metrics_port,
+                f"cannot listen on {config.metrics_host}:{config.metrics_port}: {(exc.strerror or str(exc)).lower()}",
+            ) from None
     if config.otlp_endpoint:
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=config.otlp_endpoint)))
         tracer_provider = TracerProvider(resource=resource)

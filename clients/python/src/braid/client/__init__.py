@@ -10,12 +10,31 @@ OverloadedError (with retry_after), UnavailableError, DeadlineExceededError, ...
 """
 
 from braid.client.client import AsyncClient, Client
-from braid.client.errors import (BadRequestError, BraidError, CallCancelledError, DeadlineExceededError, InternalError,
-                                 NotFoundError, OverloadedError, PermissionDeniedError, UnauthenticatedError,
-                                 UnavailableError, describe, from_rpc_error)
+from braid.client.errors import (
+    BadRequestError,
+    BraidError,
+    CallCancelledError,
+    DeadlineExceededError,
+    InternalError,
+    NotFoundError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+    describe,
+    from_rpc_error,
+)
 from braid.client.generation import AsyncGeneration, Completion, Generation, finish_reason_name
-from braid.client.request import (GenerateParams, build_request, build_tokenize_request, choice, grammar, json_object,
-                                  json_schema, regex)
+from braid.client.request import (
+    GenerateParams,
+    build_request,
+    build_tokenize_request,
+    choice,
+    grammar,
+    json_object,
+    json_schema,
+    regex,
+)
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
 
 __all__ = [

@@ -45,8 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Stream text from a braid server.")
     parser.add_argument("--version", action="version", version=f"braid-client {_version()}")
     parser.add_argument("prompt", nargs="?", help="the prompt; '-' or absent (with piped stdin) reads stdin")
-    parser.add_argument("--target", default=os.environ.get("BRAID_TARGET", "localhost:50051"),
-                        help="host:port of the server (env BRAID_TARGET; default %(default)s)")
+    parser.add_argument(
+        "--target",
+        default=os.environ.get("BRAID_TARGET", "localhost:50051"),
+        help="host:port of the server (env BRAID_TARGET; default %(default)s)",
+    )
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user message of a chat")
     parser.add_argument("--system", metavar="TEXT", help="a system message first (implies --chat)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the call")
@@ -62,39 +65,81 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--repetition-penalty", type=float)
     sampling.add_argument("--presence-penalty", type=float, help="OpenAI's, over generated tokens: -2 to 2")
     sampling.add_argument("--frequency-penalty", type=float, help="OpenAI's, over generated tokens: -2 to 2")
-    sampling.add_argument("--logit-bias", type=_bias, action="append", metavar="ID=BIAS",
-                          help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
+    sampling.add_argument(
+        "--logit-bias",
+        type=_bias,
+        action="append",
+        metavar="ID=BIAS",
+        help="add BIAS (-100 to 100) to token ID's logit (repeatable)",
+    )
     sampling.add_argument("--seed", type=int)
     sampling.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
-    sampling.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", metavar="ID",
-                          help="a stop token id (repeatable)")
-    sampling.add_argument("--include-stop-sequence", action="store_true", default=None,
-                          help="send the stop string that ended the generation as text")
-    sampling.add_argument("--logprobs", action="store_true", default=None,
-                          help="ask for each token's log probability (shown by --stats)")
+    sampling.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        type=int,
+        action="append",
+        metavar="ID",
+        help="a stop token id (repeatable)",
+    )
+    sampling.add_argument(
+        "--include-stop-sequence",
+        action="store_true",
+        default=None,
+        help="send the stop string that ended the generation as text",
+    )
+    sampling.add_argument(
+        "--logprobs", action="store_true", default=None, help="ask for each token's log probability (shown by --stats)"
+    )
     sampling.add_argument("--top-logprobs", type=int, metavar="K", help="and the K (0-20) most likely tokens")
-    sampling.add_argument("--prompt-logprobs", action="store_true", default=None,
-                          help="ask for the prompt tokens' log probabilities (shown by --stats)")
-    sampling.add_argument("--truncate-input-tokens", type=int, metavar="N",
-                          help="keep at most the last N prompt tokens (a chat: drop its oldest turns first)")
-    sampling.add_argument("--bad-word", dest="bad_words", action="append", metavar="TEXT",
-                          help="a word never to generate (repeatable)")
-    sampling.add_argument("--report-queue", action="store_true", default=None,
-                          help="show the queue position while waiting (to stderr)")
+    sampling.add_argument(
+        "--prompt-logprobs",
+        action="store_true",
+        default=None,
+        help="ask for the prompt tokens' log probabilities (shown by --stats)",
+    )
+    sampling.add_argument(
+        "--truncate-input-tokens",
+        type=int,
+        metavar="N",
+        help="keep at most the last N prompt tokens (a chat: drop its oldest turns first)",
+    )
+    sampling.add_argument(
+        "--bad-word", dest="bad_words", action="append", metavar="TEXT", help="a word never to generate (repeatable)"
+    )
+    sampling.add_argument(
+        "--report-queue", action="store_true", default=None, help="show the queue position while waiting (to stderr)"
+    )
     sampling.add_argument("-n", type=int, metavar="N", help="N samples of the prompt (1-16), seeded seed + i")
-    sampling.add_argument("--resume-token-id", dest="resume_token_ids", type=int, action="append", metavar="ID",
-                          help="a token id a broken stream had delivered, to go on from (repeatable, in order; "
-                               "with that stream's --seed)")
-    sampling.add_argument("--disable-speculation", action="store_true", default=None,
-                          help="no speculative decoding for this request (the same tokens; --stats shows proposals)")
+    sampling.add_argument(
+        "--resume-token-id",
+        dest="resume_token_ids",
+        type=int,
+        action="append",
+        metavar="ID",
+        help="a token id a broken stream had delivered, to go on from (repeatable, in order; "
+        "with that stream's --seed)",
+    )
+    sampling.add_argument(
+        "--disable-speculation",
+        action="store_true",
+        default=None,
+        help="no speculative decoding for this request (the same tokens; --stats shows proposals)",
+    )
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
-    sampling.add_argument("--priority", type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
-                          metavar="interactive|batch", help="queue priority under load")
-    sampling.add_argument("--timeout-ms", type=int, metavar="MS",
-                          help="end the generation with finish reason DEADLINE after this long")
-    sampling.add_argument("--cache-salt", metavar="TEXT",
-                          help="share cached prompt prefixes only with requests of the same salt")
+    sampling.add_argument(
+        "--priority",
+        type=lambda v: pb.Priority.Value("PRIORITY_" + v.upper()),
+        metavar="interactive|batch",
+        help="queue priority under load",
+    )
+    sampling.add_argument(
+        "--timeout-ms", type=int, metavar="MS", help="end the generation with finish reason DEADLINE after this long"
+    )
+    sampling.add_argument(
+        "--cache-salt", metavar="TEXT", help="share cached prompt prefixes only with requests of the same salt"
+    )
     sampling.add_argument("--adapter", metavar="NAME", help="run with this loaded LoRA adapter (ModelInfo lists them)")
     # GenerateRequest.constraint: one of these (the parsed constraint is set in _generate)
     constraint = parser.add_argument_group("output constraint (GenerateRequest.constraint; one of)")
@@ -102,10 +147,12 @@ def _parser() -> argparse.ArgumentParser:
     constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema file")
     constraint.add_argument("--json-object", action="store_true", help="the output is any JSON object")
     constraint.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression")
-    constraint.add_argument("--choice", metavar="A,B,C",
-                            help="the output is exactly one of these comma-separated strings")
-    constraint.add_argument("--grammar", metavar="FILE",
-                            help="the output is a sentence of this grammar (--grammar-syntax)")
+    constraint.add_argument(
+        "--choice", metavar="A,B,C", help="the output is exactly one of these comma-separated strings"
+    )
+    constraint.add_argument(
+        "--grammar", metavar="FILE", help="the output is a sentence of this grammar (--grammar-syntax)"
+    )
     parser.add_argument("--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="--grammar's dialect")
     parser.set_defaults(constraint=None)
 
@@ -114,15 +161,13 @@ def _parser() -> argparse.ArgumentParser:
     security.add_argument("--ca-cert", metavar="PATH", help="PEM CA certificates (implies --tls)")
     security.add_argument("--client-cert", metavar="PATH", help="PEM client certificate for mTLS")
     security.add_argument("--client-key", metavar="PATH", help="PEM client key for mTLS")
-    security.add_argument("--api-key", default=os.environ.get("BRAID_API_KEY"),
-                          help="bearer token (env BRAID_API_KEY)")
+    security.add_argument("--api-key", default=os.environ.get("BRAID_API_KEY"), help="bearer token (env BRAID_API_KEY)")
 
     actions = parser.add_argument_group("instead of generating").add_mutually_exclusive_group()
     actions.add_argument("--info", action="store_true", help="print ModelInfo as JSON")
     actions.add_argument("--status", action="store_true", help="print ServerStatus as JSON")
     actions.add_argument("--tokenize", action="store_true", help="print the prompt's tokens as JSON")
-    actions.add_argument("--health", action="store_true",
-                         help="print the health status; exit 1 unless SERVING")
+    actions.add_argument("--health", action="store_true", help="print the health status; exit 1 unless SERVING")
     return parser
 
 
@@ -146,14 +191,13 @@ def _input(args: argparse.Namespace, text: str) -> Input:
 
 
 def _print_json(message: ProtoMessage) -> None:
-    print(json_format.MessageToJson(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    ))
+    print(
+        json_format.MessageToJson(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    )
 
 
 def _logprobs_line(logprobs: list[float]) -> str:
-    return (f"logprobs: {len(logprobs)} tokens, mean {sum(logprobs) / len(logprobs):.3f}, "
-            f"lowest {min(logprobs):.3f}")
+    return f"logprobs: {len(logprobs)} tokens, mean {sum(logprobs) / len(logprobs):.3f}, lowest {min(logprobs):.3f}"
 
 
 def _end_line() -> None:
@@ -173,8 +217,12 @@ def _print_stats(final: pb.GenerateResponse, logprobs: list[float], label: str) 
         f"{label}usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} from the cache, "
         f"{usage.truncated_tokens} cut), "
         f"{usage.generated_tokens} generated tokens"
-        + (f" ({usage.accepted_tokens} of {usage.proposed_tokens} speculative proposals accepted)"
-           if usage.proposed_tokens else "") + "\n"
+        + (
+            f" ({usage.accepted_tokens} of {usage.proposed_tokens} speculative proposals accepted)"
+            if usage.proposed_tokens
+            else ""
+        )
+        + "\n"
         f"{label}timings: queue {timings.queue_ms:.1f} ms, first token {timings.time_to_first_token_ms:.1f} ms, "
         f"total {timings.total_ms:.1f} ms, {timings.tokens_per_second:.1f} tokens/s",
         file=sys.stderr,
@@ -253,8 +301,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.client_cert is None) != (args.client_key is None):
         parser.error("--client-cert and --client-key go together")
     try:
-        client = Client(args.target, tls=args.tls, root_certificates=args.ca_cert, client_cert=args.client_cert,
-                        client_key=args.client_key, api_key=args.api_key)
+        client = Client(
+            args.target,
+            tls=args.tls,
+            root_certificates=args.ca_cert,
+            client_cert=args.client_cert,
+            client_key=args.client_key,
+            api_key=args.api_key,
+        )
     except OSError as error:  # an unreadable certificate
         parser.error(str(error))
     try:

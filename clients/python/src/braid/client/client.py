@@ -36,11 +36,18 @@ Metadata = tuple[tuple[str, str], ...]
 # duplicated. A stream that breaks later is resumed by Generation (resume_token_ids).
 SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
-    "methodConfig": [{
-        "name": [{"service": "braid.v1.Generate"}],
-        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s", "backoffMultiplier": 2,
-                        "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]},
-    }],
+    "methodConfig": [
+        {
+            "name": [{"service": "braid.v1.Generate"}],
+            "retryPolicy": {
+                "maxAttempts": 4,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
+            },
+        }
+    ],
 }
 # Prefix-affinity routing on the client, over several replicas (docs/deployment.md): gRPC's ring
 # hash picks each call's replica by its braid-route-key header. grpcio (1.85 checked) reads the
@@ -105,6 +112,7 @@ def _restart(
     request: pb.GenerateRequest, call: Callable[[pb.GenerateRequest], CallT]
 ) -> Callable[[list[int], int], CallT]:
     """How a broken stream of this request starts again from the tokens it delivered."""
+
     def restart(delivered: list[int], seed: int) -> CallT:
         resumed = pb.GenerateRequest()
         resumed.CopyFrom(request)
@@ -171,9 +179,7 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         credentials = None
         if tls or root_certificates is not None or client_cert is not None:
-            credentials = grpc.ssl_channel_credentials(
-                _read(root_certificates), _read(client_key), _read(client_cert)
-            )
+            credentials = grpc.ssl_channel_credentials(_read(root_certificates), _read(client_key), _read(client_cert))
         given = dict(options or ())
         merged = [(k, v) for k, v in DEFAULT_OPTIONS if k not in given] + list(given.items())
         self._connect(self.target, credentials, merged)
@@ -339,8 +345,7 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         Raises ValueError for n > 1: stream() and its completions() have every sample.
         """
         _check_one_sample(params)
-        async with self.stream(prompt, messages=messages, timeout=timeout, route_key=route_key,
-                               **params) as generation:
+        async with self.stream(prompt, messages=messages, timeout=timeout, route_key=route_key, **params) as generation:
             async for _ in generation:
                 pass
         return generation.completion()
@@ -379,8 +384,7 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
     async def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
         """Unloads a LoRA adapter, once the generations using it have finished."""
         with raising_braid_errors():
-            await self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout,
-                                           metadata=self._metadata)
+            await self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout, metadata=self._metadata)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""

@@ -89,8 +89,11 @@ class BadRequestError(BraidError):
     @property
     def violations(self) -> list[tuple[str, str]]:
         """Every (field, description) of the server's google.rpc.BadRequest, in its order."""
-        return [(v.field, v.description) for request in self._details_of(error_details_pb2.BadRequest)
-                for v in request.field_violations]
+        return [
+            (v.field, v.description)
+            for request in self._details_of(error_details_pb2.BadRequest)
+            for v in request.field_violations
+        ]
 
     @property
     def field(self) -> str | None:
@@ -187,7 +190,10 @@ def from_rpc_error(error: grpc.RpcError) -> BraidError:
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     debug = getattr(error, "debug_error_string", None)
     return ERRORS.get(code, BraidError)(
-        code, _metadata(error, "initial_metadata"), _metadata(error, "trailing_metadata"), details,
+        code,
+        _metadata(error, "initial_metadata"),
+        _metadata(error, "trailing_metadata"),
+        details,
         debug() if callable(debug) else None,
     )
 

@@ -26,8 +26,10 @@ def is_broken(error: grpc.RpcError) -> bool:
     """Whether a failed stream broke (its server or connection went away) rather than failed."""
     code, details = error.code(), error.details() or ""
     cut = code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
-        "RST_STREAM" in details or "Stream removed" in details)
+        "RST_STREAM" in details or "Stream removed" in details
+    )
     return code == grpc.StatusCode.UNAVAILABLE or cut
+
 
 # A call's metadata: (key, value) pairs, as both grpc and grpc.aio give them.
 Metadata = Iterable[tuple[str, str | bytes]]
@@ -148,8 +150,14 @@ class _Stream:
     def _resume_call(self, error: grpc.RpcError) -> Any:
         """A call that resumes this broken stream, or None if it cannot be resumed (then the error
         stands): not resumable, never started (gRPC's retry policy covers that), or resumed too often."""
-        if (self._restart is None or self._is_cancelled or self.final is not None or self._seed is None
-                or self.resumes >= MAX_RESUMES or not is_broken(error)):
+        if (
+            self._restart is None
+            or self._is_cancelled
+            or self.final is not None
+            or self._seed is None
+            or self.resumes >= MAX_RESUMES
+            or not is_broken(error)
+        ):
             return None
         self.resumes += 1
         return self._restart(list(self._token_ids[0]), self._seed)
@@ -212,9 +220,12 @@ class AsyncGeneration(_Stream):
     running when the block is left, and `cancel()` cancels it at once.
     """
 
-    def __init__(self, call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse], n: int = 1,
-                 restart: Callable[[list[int], int], aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]]
-                 | None = None) -> None:
+    def __init__(
+        self,
+        call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+        n: int = 1,
+        restart: Callable[[list[int], int], aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]] | None = None,
+    ) -> None:
         super().__init__(call, n, restart)
         self._call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] = call
 

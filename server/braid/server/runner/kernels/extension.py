@@ -10,18 +10,44 @@ _LOGGER = logging.getLogger(__name__)
 PANEL = 32  # columns per packed panel
 QBLOCK = 32  # rows of k per block of a panel
 # A layer's row of DecodeStep's table, in the C enum's order (csrc/kernels.h says what each holds)
-LAYER_FIELDS = ("input_norm", "qkv", "qkv_format", "qkv_bias", "o", "o_format", "post_norm", "gate_up",
-                "gate_up_format", "down", "down_format", "k_cache", "v_cache", "q_norm", "k_norm", "attn_out_norm",
-                "mlp_out_norm", "window", "cos", "sin")
+LAYER_FIELDS = (
+    "input_norm",
+    "qkv",
+    "qkv_format",
+    "qkv_bias",
+    "o",
+    "o_format",
+    "post_norm",
+    "gate_up",
+    "gate_up_format",
+    "down",
+    "down_format",
+    "k_cache",
+    "v_cache",
+    "q_norm",
+    "k_norm",
+    "attn_out_norm",
+    "mlp_out_norm",
+    "window",
+    "cos",
+    "sin",
+)
 # A LoRA adapter's row per layer and projection group in DecodeStep (csrc/kernels.h; runner/lora.py builds it)
-LORA_FIELDS = ("at", "cols", "rank", "b0", "begin0", "end0", "b1", "begin1", "end1", "b2", "begin2", "end2",
-               "fmt")
+LORA_FIELDS = ("at", "cols", "rank", "b0", "begin0", "end0", "b1", "begin1", "end1", "b2", "begin2", "end2", "fmt")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gating activations the C kernels run, in their enum's order
 KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim]
 # The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
 # of each block of 32 rows).
-FORMATS = {"f32": (128, 0), "bf16": (64, 0), "f16": (64, 0), "q8_0": (32, 64), "q4_0": (16, 64), "q4_1": (16, 128),
-           "q6_k": (32, 256), "q4_k": (16, 256)}
+FORMATS = {
+    "f32": (128, 0),
+    "bf16": (64, 0),
+    "f16": (64, 0),
+    "q8_0": (32, 64),
+    "q4_0": (16, 64),
+    "q4_1": (16, 128),
+    "q6_k": (32, 256),
+    "q4_k": (16, 256),
+}
 FORMAT_CODES = {name: code for code, name in enumerate(FORMATS)}
 ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512_bf16, avx512_vnni, avx512, avx2_vnni or avx2: that build, not the best
 BUILDS = "avx512_bf16, avx512_vnni, avx512, avx2_vnni, avx2"  # the kernels' builds, best first
@@ -32,12 +58,22 @@ try:
 except ImportError:  # built without a C compiler: torch's kernels do the work
     _cpu_kernels = None
 if _cpu_kernels is not None and (
-        (_cpu_kernels.PANEL, _cpu_kernels.QBLOCK, _cpu_kernels.LAYER_FIELDS, getattr(_cpu_kernels, "KV_LAYOUT", 1),
-         _cpu_kernels.FORMATS, getattr(_cpu_kernels, "ACTIVATIONS", None), getattr(_cpu_kernels, "LORA_FIELDS", None))
-        != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, tuple(FORMATS.values()), ACTIVATIONS, LORA_FIELDS)):
+    (
+        _cpu_kernels.PANEL,
+        _cpu_kernels.QBLOCK,
+        _cpu_kernels.LAYER_FIELDS,
+        getattr(_cpu_kernels, "KV_LAYOUT", 1),
+        _cpu_kernels.FORMATS,
+        getattr(_cpu_kernels, "ACTIVATIONS", None),
+        getattr(_cpu_kernels, "LORA_FIELDS", None),
+    )
+    != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, tuple(FORMATS.values()), ACTIVATIONS, LORA_FIELDS)
+):
     # A stale build of the extension: its memory layout is not this module's. Never run it.
-    _LOGGER.error("braid's C kernels were built for another layout than this code's (panels, blocks, table "
-                  "fields, KV cache, formats, activations or LoRA fields): rebuild them (make install); running torch's kernels")
+    _LOGGER.error(
+        "braid's C kernels were built for another layout than this code's (panels, blocks, table "
+        "fields, KV cache, formats, activations or LoRA fields): rebuild them (make install); running torch's kernels"
+    )
     _cpu_kernels = None
 # The format flags of the int8 and bf16 paths (csrc/kernels.h: F_INT8, F_BF16_ROWS); None in a build without it.
 INT8 = getattr(_cpu_kernels, "INT8", None)
@@ -47,4 +83,3 @@ BF16_ROWS = getattr(_cpu_kernels, "BF16_ROWS", None)
 def has_bf16_rows() -> bool:
     """Whether the selected build of the kernels runs the bf16 path (it needs AVX-512 BF16)."""
     return BF16_ROWS is not None and _cpu_kernels.isa() is not None and _cpu_kernels.bf16_rows()
-

@@ -46,18 +46,26 @@ class TorchOps:
         """The gated activation a family's MLP runs (Family.activation), as a function of gate_up."""
         return {"silu": self.swiglu, "gelu_pytorch_tanh": self.geglu}[name]
 
-    def rope_tables(self, cos: torch.Tensor, signed_sin: torch.Tensor,
-                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(
+        self, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What `rope_` takes for a pass: the pass's rows of the tables, [N, D], looked up once per
         pass, not once per layer."""
         return cos[positions], signed_sin[positions]
 
-    def rope_(self, qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
-              signed_sin: torch.Tensor) -> None:
+    def rope_(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> None:
         """Rotary embedding, in place, on the first `heads` heads of each row of qkv [N, ...]:
         x * cos[pos] + roll(x, D / 2) * signed_sin[pos]."""
         n = qkv.shape[0]
-        x = qkv[:, :heads * head_dim].view(n, heads, head_dim)
+        x = qkv[:, : heads * head_dim].view(n, heads, head_dim)
         c, s = cos.unsqueeze(1), signed_sin.unsqueeze(1)
         x.copy_(torch.addcmul(x * c, x.roll(head_dim // 2, dims=-1), s))
 
@@ -82,8 +90,9 @@ class CpuKernelOps(TorchOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = rows_of(x)
         out = torch.empty_like(x)
-        _cpu_kernels.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
-                              x.shape[0], x.shape[1], eps)
+        _cpu_kernels.rms_norm(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps
+        )
         return out
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -92,16 +101,32 @@ class CpuKernelOps(TorchOps):
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return _gated(_cpu_kernels.gelu_tanh_mul, gate_up)
 
-    def rope_tables(self, cos: torch.Tensor, signed_sin: torch.Tensor,
-                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(
+        self, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole tables [max_seq, D]: the C kernel looks positions up itself."""
         return cos, signed_sin
 
-    def rope_(self, qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
-              signed_sin: torch.Tensor) -> None:
+    def rope_(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> None:
         assert qkv.stride(-1) == 1 and positions.dtype == torch.long and positions.is_contiguous()
-        _cpu_kernels.rope(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, head_dim, positions.data_ptr(),
-                          cos.data_ptr(), signed_sin.data_ptr())
+        _cpu_kernels.rope(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            qkv.shape[0],
+            heads,
+            head_dim,
+            positions.data_ptr(),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+        )
 
 
 def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:

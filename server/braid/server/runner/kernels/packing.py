@@ -6,8 +6,15 @@ from __future__ import annotations
 import torch
 
 from braid.server.model.weights import FLOAT_FORMATS, Blocks, Weight
-from braid.server.runner.kernels.extension import (BF16_ROWS, FORMAT_CODES, INT8, PANEL, QBLOCK, _cpu_kernels,
-                                                   has_bf16_rows)
+from braid.server.runner.kernels.extension import (
+    BF16_ROWS,
+    FORMAT_CODES,
+    INT8,
+    PANEL,
+    QBLOCK,
+    _cpu_kernels,
+    has_bf16_rows,
+)
 
 
 def format_of(weight: Weight) -> str:
@@ -57,8 +64,9 @@ class PackedLinear(Linear):
         self.bf16 = bf16 and self.format == "bf16" and has_bf16_rows()
         self.rows = "int8" if self.int8 else "bf16" if self.bf16 else "float32"  # what x is multiplied as
         self.code = FORMAT_CODES[self.format] | (INT8 if self.int8 else 0) | (BF16_ROWS if self.bf16 else 0)
-        self.weight = (_pack_blocks(weight, self.int8) if isinstance(weight, Blocks)
-                       else _pack_dense(weight, pairs=self.bf16))
+        self.weight = (
+            _pack_blocks(weight, self.int8) if isinstance(weight, Blocks) else _pack_dense(weight, pairs=self.bf16)
+        )
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.nbytes = self.weight.nbytes
 
@@ -74,18 +82,37 @@ class PackedLinear(Linear):
     def columns(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.contiguous()
         out = torch.empty(ids.shape[0], self.in_features)
-        _cpu_kernels.columns(self.weight.data_ptr(), self.code, self.in_features, self.out_features,
-                             ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
+        _cpu_kernels.columns(
+            self.weight.data_ptr(),
+            self.code,
+            self.in_features,
+            self.out_features,
+            ids.data_ptr(),
+            ids.shape[0],
+            out.data_ptr(),
+            out.stride(0),
+        )
         return out
 
     def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
         x = rows_of(x)
         assert x.shape[1] == self.in_features and y.stride(-1) == 1
         if x.shape[0] == 0:  # no rows (a pass of prompt chunks that sample nothing): nothing to do,
-            return           # as torch.mm does; the C kernel rejects M < 1
-        _cpu_kernels.gemm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), self.code, y.data_ptr(), y.stride(0),
-                          x.shape[0], self.in_features, self.out_features, int(accumulate),
-                          None if self.bias is None else self.bias.data_ptr(), torch.get_num_threads())
+            return  # as torch.mm does; the C kernel rejects M < 1
+        _cpu_kernels.gemm(
+            x.data_ptr(),
+            x.stride(0),
+            self.weight.data_ptr(),
+            self.code,
+            y.data_ptr(),
+            y.stride(0),
+            x.shape[0],
+            self.in_features,
+            self.out_features,
+            int(accumulate),
+            None if self.bias is None else self.bias.data_ptr(),
+            torch.get_num_threads(),
+        )
 
 
 def _pack_dense(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
@@ -125,9 +152,9 @@ def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
     if interleaved:  # [panels, blocks, 8 groups, 32 columns, 4 rows]
         q = q.reshape(panels, blocks, QBLOCK // 4, 4, PANEL).transpose(3, 4)
         if b.format in ("q4_0", "q4_1", "q4_k"):
-            q = q[..., :PANEL // 2, :] | (q[..., PANEL // 2:, :] << 4)
+            q = q[..., : PANEL // 2, :] | (q[..., PANEL // 2 :, :] << 4)
     elif b.format in ("q4_0", "q4_1", "q4_k"):
-        q = q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)
+        q = q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)
     parts.append(q)
     return torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)
 

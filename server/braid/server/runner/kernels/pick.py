@@ -26,8 +26,10 @@ def kernels_isa() -> str | None:
     wanted = os.environ.get(ISA_VARIABLE, "").strip().lower()
     supported = _cpu_kernels.isas()
     if wanted and wanted not in supported:
-        raise ValueError(f"{ISA_VARIABLE}={wanted}: this CPU runs braid's kernels in "
-                         f"{', '.join(supported) or 'no instruction set'} (built: {BUILDS})")
+        raise ValueError(
+            f"{ISA_VARIABLE}={wanted}: this CPU runs braid's kernels in "
+            f"{', '.join(supported) or 'no instruction set'} (built: {BUILDS})"
+        )
     for isa in [wanted] if wanted else supported:
         _cpu_kernels.select_isa(isa)
         if passes_self_check(isa):
@@ -37,8 +39,9 @@ def kernels_isa() -> str | None:
     return None
 
 
-def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = True,
-             activations: str = "float32") -> TorchOps:
+def pick_ops(
+    device: torch.device, dtype: torch.dtype, allow_kernels: bool = True, activations: str = "float32"
+) -> TorchOps:
     """braid's C kernels where they run (and are allowed: --kernels auto), torch's elsewhere.
     dtype: the compute dtype torch's ops run in (the C kernels' is fp32). activations
     (--activations): int8 runs quantized matrices on int8 rows where the C kernels have that path;
@@ -48,12 +51,17 @@ def pick_ops(device: torch.device, dtype: torch.dtype, allow_kernels: bool = Tru
     isa = kernels_isa() if allow_kernels and device.type == "cpu" else None
     if isa is None or dtype != torch.float32:
         if activations in ("int8", "bf16"):
-            _LOGGER.warning("--activations %s: only braid's C kernels have an %s path; running float32", activations,
-                            activations)
+            _LOGGER.warning(
+                "--activations %s: only braid's C kernels have an %s path; running float32", activations, activations
+            )
         return TorchOps(dtype, device)
     if activations == "bf16" and not has_bf16_rows():
-        _LOGGER.warning("--activations bf16: braid's %s kernels have no bf16 path (it needs AVX-512 BF16); running "
-                        "float32", isa)
-    paths = [path for path, runs in (("int8", INT8 is not None), ("bf16", has_bf16_rows()))
-             if runs and activations in ("auto", path)]  # auto: each is the fastest its format has
+        _LOGGER.warning(
+            "--activations bf16: braid's %s kernels have no bf16 path (it needs AVX-512 BF16); running float32", isa
+        )
+    paths = [
+        path
+        for path, runs in (("int8", INT8 is not None), ("bf16", has_bf16_rows()))
+        if runs and activations in ("auto", path)
+    ]  # auto: each is the fastest its format has
     return CpuKernelOps(isa, "+".join(paths) or "float32")

@@ -14,9 +14,19 @@ def _kv_format(cache: torch.Tensor) -> int:
     return FORMAT_CODES[KV_FORMATS[cache.dtype]]
 
 
-def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     tables: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, scale: float,
-                     softcap: float | None = None, window: int | None = None, write: bool = True) -> None:
+def decode_attention(
+    qkv: torch.Tensor,
+    heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    write: bool = True,
+) -> None:
     """The C kernel for the rows of a pass. qkv: [B, (H + 2 KVH) D], one row per token, after RoPE.
     Writes each row's key and value at positions[b], through its page table tables[b] ([B, pages]
     long), into the paged cache [pages, KVH, P, D] (unless `write` is False: rows that read each
@@ -29,10 +39,30 @@ def decode_attention(qkv: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cac
     assert tables.dtype == positions.dtype == torch.long and tables.is_contiguous() and positions.is_contiguous()
     q = qkv.data_ptr()
     k, v = q + heads * d * qkv.element_size(), q + (heads + kv_heads) * d * qkv.element_size()
-    _cpu_kernels.decode_attention(q, k, v, qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                  _kv_format(k_cache), tables.data_ptr(), tables.shape[1],
-                                  positions.data_ptr(), b, heads, kv_heads, d, page_size, scale, softcap or 0.0,
-                                  window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads(), int(write))
+    _cpu_kernels.decode_attention(
+        q,
+        k,
+        v,
+        qkv.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        _kv_format(k_cache),
+        tables.data_ptr(),
+        tables.shape[1],
+        positions.data_ptr(),
+        b,
+        heads,
+        kv_heads,
+        d,
+        page_size,
+        scale,
+        softcap or 0.0,
+        window or 0,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+        int(write),
+    )
 
 
 class DecodeStep:
@@ -40,36 +70,77 @@ class DecodeStep:
     the layers' kernels. Holds the table of each layer's weight and cache pointers, and
     its own settings (LAYER_FIELDS); a field a layer does not have is 0."""
 
-    def __init__(self, layers, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], num_heads: int,
-                 num_kv_heads: int, head_dim: int, eps: float, scale: float, softcap: float | None,
-                 activation: str, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        layers,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        softcap: float | None,
+        activation: str,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> None:
         """layers: the decoder's LayerWeights; rope: (cos, signed sin) tables [max_seq, D] by
         LayerWeights.rope; scale, softcap: the attention's (softcap None: none)."""
+
         def ptr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
 
         def row(w, k: torch.Tensor, v: torch.Tensor) -> list[int]:
             cos, sin = rope[w.rope]
-            fields = dict(input_norm=ptr(w.input_norm), qkv=ptr(w.qkv.weight), qkv_format=w.qkv.code,
-                          qkv_bias=ptr(w.qkv.bias), o=ptr(w.o.weight), o_format=w.o.code, post_norm=ptr(w.post_norm),
-                          gate_up=ptr(w.gate_up.weight), gate_up_format=w.gate_up.code, down=ptr(w.down.weight),
-                          down_format=w.down.code, k_cache=ptr(k), v_cache=ptr(v), q_norm=ptr(w.q_norm),
-                          k_norm=ptr(w.k_norm), attn_out_norm=ptr(w.attn_out_norm), mlp_out_norm=ptr(w.mlp_out_norm),
-                          window=w.window or 0, cos=ptr(cos), sin=ptr(sin))
+            fields = dict(
+                input_norm=ptr(w.input_norm),
+                qkv=ptr(w.qkv.weight),
+                qkv_format=w.qkv.code,
+                qkv_bias=ptr(w.qkv.bias),
+                o=ptr(w.o.weight),
+                o_format=w.o.code,
+                post_norm=ptr(w.post_norm),
+                gate_up=ptr(w.gate_up.weight),
+                gate_up_format=w.gate_up.code,
+                down=ptr(w.down.weight),
+                down_format=w.down.code,
+                k_cache=ptr(k),
+                v_cache=ptr(v),
+                q_norm=ptr(w.q_norm),
+                k_norm=ptr(w.k_norm),
+                attn_out_norm=ptr(w.attn_out_norm),
+                mlp_out_norm=ptr(w.mlp_out_norm),
+                window=w.window or 0,
+                cos=ptr(cos),
+                sin=ptr(sin),
+            )
             return [fields[name] for name in LAYER_FIELDS]
 
         self.table = torch.tensor([row(w, k, v) for w, k, v in zip(layers, k_cache, v_cache)], dtype=torch.long)
         self._keep = (layers, k_cache, v_cache, rope)  # the memory the table points into
         self.hidden = layers[0].qkv.in_features
         self.intermediate = layers[0].down.in_features
-        self.shape = (num_heads, num_kv_heads, head_dim, self.intermediate, len(layers), k_cache[0].shape[2],
-                      _kv_format(k_cache[0]))
+        self.shape = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            self.intermediate,
+            len(layers),
+            k_cache[0].shape[2],
+            _kv_format(k_cache[0]),
+        )
         self.activation = ACTIVATIONS.index(activation)
         self.eps, self.scale, self.softcap = eps, scale, softcap or 0.0
         self._scratch: list[torch.Tensor] = []
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
-                 lora: tuple[torch.Tensor, torch.Tensor, int] | None = None, shared: bool = False) -> None:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        lora: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+        shared: bool = False,
+    ) -> None:
         """x: [B, hidden] embeddings, contiguous; tables: [B, pages] long, each row's page table;
         shared: whether rows read each other's keys (several rows of one sequence). lora: the rows' LoRA adapters (LoraPass.step_args: each row's index into the adapters'
         tables, or -1; the tables' addresses; their widest A^T), or None. On return x holds the last
@@ -81,9 +152,25 @@ class DecodeStep:
             widths = (self.hidden, (heads + 2 * kv_heads) * d, heads * d, 2 * inter, inter)
             self._scratch = [x.new_empty(b, w) for w in widths]
         h, qkv, attn, gate_up, act = self._scratch
-        _cpu_kernels.decode_step(b, self.hidden, *self.shape, self.activation, self.eps, self.scale, self.softcap,
-                                 self.table.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                 x.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-                                 act.data_ptr(), torch.get_num_threads(),
-                                 *((lora[0].data_ptr(), lora[1].data_ptr(), lora[2]) if lora else (None, None, 0)),
-                                 int(shared))
+        _cpu_kernels.decode_step(
+            b,
+            self.hidden,
+            *self.shape,
+            self.activation,
+            self.eps,
+            self.scale,
+            self.softcap,
+            self.table.data_ptr(),
+            positions.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            x.data_ptr(),
+            h.data_ptr(),
+            qkv.data_ptr(),
+            attn.data_ptr(),
+            gate_up.data_ptr(),
+            act.data_ptr(),
+            torch.get_num_threads(),
+            *((lora[0].data_ptr(), lora[1].data_ptr(), lora[2]) if lora else (None, None, 0)),
+            int(shared),
+        )
