@@ -131,16 +131,18 @@ def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tin
         if (tiny_dir / name).exists():
             (folder / name).write_bytes((tiny_dir / name).read_bytes())
     # 2 layers x (q, k, v, o, gate, up, down) + the tied embedding; 2 x 2 norms + the final norm.
-    for flags, formats in (([], {"bf16": 15, "f32": 5}), (["--quantization", "q8_0"], {"q8_0": 15, "f32": 5}),
-                           (["--dtype", "float16"], {"f16": 15, "f32": 5})):
-        server = tiny_server(folder, *flags)
-        try:
+    cases = (([], {"bf16": 15, "f32": 5}), (["--quantization", "q8_0"], {"q8_0": 15, "f32": 5}),
+             (["--dtype", "float16"], {"f16": 15, "f32": 5}))
+    started = start_together(*[functools.partial(tiny_server, folder, *flags) for flags, _ in cases])
+    try:
+        for server, (flags, formats) in zip(started, cases):
             with server.client() as client:
                 info = client.model_info()
                 done = client.generate("Hello there", max_new_tokens=8, ignore_eos=True)
             assert dict(info.weight_formats) == formats, flags
             assert len(done.token_ids) == 8
-        finally:
+    finally:
+        for server in started:
             server.stop()
 
 

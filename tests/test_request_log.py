@@ -33,11 +33,32 @@ def request_lines(log: Path) -> dict[str, str]:
     return found
 
 
-def test_every_finished_stream_is_one_line_with_its_figures_never_its_text(tiny_dir, tmp_path):
-    log = tmp_path / "server.log"
-    server = tiny_server(tiny_dir, "--mode", "continuous", log_path=log, env=SLOW)
+@pytest.fixture(scope="module")
+def logged(tiny_dir, tmp_path_factory):
+    """A server whose output goes to `logged.log_file`, with metrics, a KV cache size and an API key
+    set (what its start-up lines say), shared by the module's tests of one server's log."""
+    log, metrics_port = tmp_path_factory.mktemp("logged") / "server.log", free_port()
+    server = tiny_server(tiny_dir, "--mode", "continuous", "--metrics-port", str(metrics_port), "--kv-cache-memory",
+                         "64MiB", log_path=log, env={**SLOW, "BRAID_API_KEY": "k"})
+    server.log_file, server.metrics_port = log, metrics_port
+    yield server
+    server.stop()
+
+
+def test_the_start_says_what_is_on(logged):
+    # (the lines after "braid serving" may follow the health check's SERVING by a moment)
+    text = wait_for(lambda: "API key: " in (t := logged.log_file.read_text()) and t)
+    assert f"metrics: on, http://127.0.0.1:{logged.metrics_port}/metrics" in text
+    assert "OTLP: off" in text and "TLS: off" in text and "API key: on" in text
+    assert "KV cache: " in text and " pages of 16 tokens (" in text
+    assert "loaded " in text
+
+
+def test_every_finished_stream_is_one_line_with_its_figures_never_its_text(logged):
+    """(Its last check reads the whole log once the server has stopped: so it stops the module's server.)"""
+    log = logged.log_file
     try:
-        with server.client() as client:
+        with logged.client() as client:
             done = client.generate("secret-marker-4711", max_new_tokens=8, ignore_eos=True)
             with pytest.raises(grpc.RpcError):
                 list(client.stream("secret-marker-4712", top_p=7.0, request_id="refused"))
@@ -46,7 +67,7 @@ def test_every_finished_stream_is_one_line_with_its_figures_never_its_text(tiny_
             held.cancel()
             wait_for(lambda: "walked-away" in request_lines(log))
     finally:
-        server.stop()
+        logged.stop()
     lines = request_lines(log)
     ok = lines[done.final.request_id]  # named by the server, logged under the same id
     assert ok["peer"].startswith("ipv4:127.0.0.1:") and ok["mode"] == "continuous"
@@ -55,7 +76,9 @@ def test_every_finished_stream_is_one_line_with_its_figures_never_its_text(tiny_
     assert all(float(ok[k]) > 0 for k in ("ttft_ms", "tok_s", "total_ms")) and float(ok["queue_ms"]) >= 0
     assert (lines["refused"]["status"], lines["refused"]["finish"]) == ("INVALID_ARGUMENT", "-")
     assert lines["walked-away"]["status"] == "CANCELLED" and int(lines["walked-away"]["generated_tokens"]) > 0
-    assert "secret-marker" not in log.read_text() and done.text not in log.read_text()
+    text = log.read_text()
+    assert "braid serving" in text and "braid stopped" in text
+    assert "secret-marker" not in text and done.text not in text
 
 
 def test_json_log_lines_carry_the_request_figures_as_numbers(tiny_dir, tmp_path):
@@ -72,19 +95,6 @@ def test_json_log_lines_carry_the_request_figures_as_numbers(tiny_dir, tmp_path)
     request = next(r for r in records if r.get("request_id") == samples.request_id)
     assert request["level"] == "INFO" and request["status"] == "OK" and request["samples"] == 2
     assert request["generated_tokens"] == 8 and isinstance(request["tok_s"], float)
-
-
-def test_the_start_says_what_is_on(tiny_dir, tmp_path):
-    log = tmp_path / "server.log"
-    metrics_port = free_port()
-    server = tiny_server(tiny_dir, "--metrics-port", str(metrics_port), "--kv-cache-memory", "64MiB", log_path=log,
-                         env={"BRAID_API_KEY": "k"})
-    server.stop()
-    text = log.read_text()
-    assert f"metrics: on, http://127.0.0.1:{metrics_port}/metrics" in text
-    assert "OTLP: off" in text and "TLS: off" in text and "API key: on" in text
-    assert "KV cache: " in text and " pages of 16 tokens (" in text
-    assert "loaded " in text
 
 
 def test_sigterm_is_logged_and_a_second_signal_exits_at_once(tiny_dir, tmp_path):

@@ -75,10 +75,25 @@ def _greedy_requests() -> list[dict]:
             + [dict(messages=m, max_new_tokens=80) for m in (COPY, FIX)])
 
 
+@pytest.fixture(scope="module")
+def expected_greedy():
+    """expected_greedy(server): _greedy_requests() with top_logprobs=2 on a server without speculation,
+    run once per server and kept for the module (the tests of every mode, ngram and draft, compare
+    with the same plain run)."""
+    done: dict[str, list] = {}
+
+    def get(server: Server) -> list:
+        if server.target not in done:
+            done[server.target] = asyncio.run(_run(server.target, [dict(r, top_logprobs=2) for r in _greedy_requests()]))
+        return done[server.target]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_tiny_greedy_tokens_are_the_same_with_speculation_in_every_mode(servers, speculating, mode):
+def test_tiny_greedy_tokens_are_the_same_with_speculation_in_every_mode(servers, speculating, expected_greedy, mode):
     requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
-    expected = asyncio.run(_run(servers(mode).target, requests))
+    expected = expected_greedy(servers(mode))
     got = asyncio.run(_run(speculating(mode).target, requests))
     kernels = _kernels(servers(mode))
     for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected):
@@ -89,10 +104,10 @@ def test_tiny_greedy_tokens_are_the_same_with_speculation_in_every_mode(servers,
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_embedded_model_greedy_tokens_are_the_same_with_speculation_in_every_mode(smol_pair, smol_dir, mode):
+def test_embedded_model_greedy_tokens_are_the_same_with_speculation_in_every_mode(smol_pair, expected_greedy, mode):
     plain, fast = smol_pair
     requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
-    expected = asyncio.run(_run(plain.target, requests))
+    expected = expected_greedy(plain)
     server = fast if mode == "continuous" else Server(["--mode", mode, *SMOL, *SPECULATIVE])
     try:
         got = asyncio.run(_run(server.target, requests))
@@ -236,10 +251,11 @@ def other_tiny_dir(tmp_path_factory, smol_dir):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(servers, tiny_dir, other_tiny_dir, mode):
+def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(servers, tiny_dir, other_tiny_dir, expected_greedy,
+                                                                    mode):
     """The model drafting for itself: (nearly) every proposal accepted; a random draft: (nearly) none."""
     requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
-    expected = asyncio.run(_run(servers(mode).target, requests))
+    expected = expected_greedy(servers(mode))
     common = ["--model", str(tiny_dir), "--mode", mode, "--threads", "1", "--max-batch-size", "16", "--max-wait-ms",
               "5", "--speculative", "draft", "--speculative-tokens", "4"]
     same, other = start_together(lambda: Server([*common, "--draft-model", str(tiny_dir)]),
@@ -260,10 +276,10 @@ def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(servers, tin
         other.stop()
 
 
-def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, tiny_dir):
+def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, tiny_dir, expected_greedy):
     plain, _ = smol_pair
     requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
-    expected = asyncio.run(_run(plain.target, requests))
+    expected = expected_greedy(plain)
     drafted = Server(["--mode", "continuous", *SMOL, "--speculative", "draft", "--draft-model", str(tiny_dir)])
     try:
         got = asyncio.run(_run(drafted.target, requests))

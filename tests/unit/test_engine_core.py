@@ -202,3 +202,35 @@ def test_rows_carry_each_sessions_adapter_and_an_adapter_is_held_until_its_sessi
     with pytest.raises(NotFound, match="'nope'"):
         h.submit("1 2", adapter="nope")
     assert h.books.snapshot().sessions_queued == 0
+
+
+def test_sessions_that_end_admitted_but_before_their_first_pass_leave_the_queue(harness):
+    """Issue 10's leak, where it was hit: interleaved mode admits sessions at once and runs them in
+    turn, so sessions whose deadline passes, or that are cancelled, while they hold a slot and before
+    their first pass, stayed counted as queued for ever, until every call got RESOURCE_EXHAUSTED.
+    (The books alone: test_books.py.)"""
+    h = harness(mode="interleaved", max_queued=8)
+    hold = [h.submit(str(10 * i), max_new_tokens=300)[0] for i in range(1, 7)]
+    h.step()
+    ended_early = []
+    for _ in range(4):
+        short = [h.submit("500", max_new_tokens=50, deadline=h.now + 0.001 * (1 + i))[0] for i in range(4)]
+        cancelled = [h.submit("600", max_new_tokens=50)[0] for _ in range(4)]
+        h.step()
+        assert h.books.snapshot().sessions_queued == 0  # all admitted at once (interleaved), none waits
+        for handle in cancelled:
+            h.abort(handle, FinishReason.CANCELLED)
+        while any(h.finished(s) is None for s in short):
+            h.step()
+        ended_early += [s for s in short + cancelled if not h.tokens(s)]
+        assert all(h.finished(s).reason is FinishReason.DEADLINE for s in short)
+    assert len(ended_early) >= 16  # each round's cancels at least: admitted, never run
+    for handle in hold:
+        h.abort(handle, FinishReason.CANCELLED)
+    h.run()
+    stats = h.books.snapshot()
+    assert (stats.sessions_queued, stats.sessions_active) == (0, 0)
+    assert stats.sessions_submitted == sum(stats.finished.values()) == 6 + 4 * 8
+    after = h.submit("7", max_new_tokens=2)[0]  # and a new call still gets in, and runs
+    h.run()
+    assert h.finished(after).reason is FinishReason.MAX_TOKENS
