@@ -33,8 +33,11 @@ DEVICE = "cpu"  # pytest's --device: where every Server runs (braid serve --devi
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--device", default="cpu",
-                     help="braid serve --device for the servers the tests start: cpu (default), cuda or cuda:N")
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="braid serve --device for the servers the tests start: cpu (default), cuda or cuda:N",
+    )
 
 
 def pytest_configure(config) -> None:
@@ -68,16 +71,27 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 class Server(BraidProcess):
     """A running `braid serve` (braid_testing.process), and clients for it."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
-                 client_kw: dict | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        client_kw: dict | None = None,
+    ) -> None:
         """client_kw: how this server's clients connect (TLS settings, API key)."""
         self.client_kw = client_kw or {}
         if env and "BRAID_API_KEY" in env:
             self.client_kw.setdefault("api_key", env["BRAID_API_KEY"])
         if "--device" not in args:
             args = [*args, "--device", DEVICE]
-        super().__init__(args, env=env, log_path=log_path, show_output=bool(os.environ.get("BRAID_TEST_LOGS")),
-                         start_timeout=START_TIMEOUT_S, channel_credentials=_credentials(self.client_kw))
+        super().__init__(
+            args,
+            env=env,
+            log_path=log_path,
+            show_output=bool(os.environ.get("BRAID_TEST_LOGS")),
+            start_timeout=START_TIMEOUT_S,
+            channel_credentials=_credentials(self.client_kw),
+        )
 
     def client(self, **kw) -> Client:
         return Client(self.target, **{**self.client_kw, **kw})
@@ -88,8 +102,9 @@ def _credentials(client_kw: dict) -> grpc.ChannelCredentials | None:
     if roots is None:
         return None
     read = lambda p: None if p is None else Path(p).read_bytes()  # noqa: E731
-    return grpc.ssl_channel_credentials(read(roots), read(client_kw.get("client_key")),
-                                        read(client_kw.get("client_cert")))
+    return grpc.ssl_channel_credentials(
+        read(roots), read(client_kw.get("client_key")), read(client_kw.get("client_cert"))
+    )
 
 
 @pytest.fixture(scope="session")
@@ -107,11 +122,20 @@ def tiny_model(path: Path, smol_dir: Path, max_position_embeddings: int = 1024) 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2, tie_word_embeddings=True,
-                         initializer_range=0.3)  # peaked logits, so greedy decoding has few near-ties
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )  # peaked logits, so greedy decoding has few near-ties
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)
@@ -134,8 +158,20 @@ def servers(tiny_dir):
 
     def get(mode: str) -> Server:
         if mode not in started:
-            started[mode] = Server(["--model", str(tiny_dir), "--mode", mode, "--threads", "1",
-                                    "--max-batch-size", "16", "--max-wait-ms", "5"])
+            started[mode] = Server(
+                [
+                    "--model",
+                    str(tiny_dir),
+                    "--mode",
+                    mode,
+                    "--threads",
+                    "1",
+                    "--max-batch-size",
+                    "16",
+                    "--max-wait-ms",
+                    "5",
+                ]
+            )
         return started[mode]
 
     yield get
@@ -151,8 +187,7 @@ def smol(smol_dir):
     server.stop()
 
 
-def tiny_server(tiny_dir: Path, *args: str, env: dict[str, str] | None = None,
-                log_path: Path | None = None) -> Server:
+def tiny_server(tiny_dir: Path, *args: str, env: dict[str, str] | None = None, log_path: Path | None = None) -> Server:
     """A server of the tiny model on one torch thread, with more flags."""
     return Server(["--model", str(tiny_dir), "--threads", "1", *args], env=env, log_path=log_path)
 
@@ -183,8 +218,11 @@ def slow(tiny_dir):
 # grows (no BDP probing), and a connection of its own. With grpc's defaults the window can take a
 # whole stream of small messages without the client reading any of it, so the server never has a
 # backlog; with this one its writes wait at once and the session is paused.
-SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0),
-                ("grpc.use_local_subchannel_pool", 1)]
+SMALL_WINDOW = [
+    ("grpc.http2.lookahead_bytes", 1024),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
@@ -245,7 +283,8 @@ def assert_greedy(model_dir: Path, prompt_ids: list[int], generated: list[int], 
     it, for a near-tie: `near_tie`), given the prompt and braid's tokens before it: the near-tie
     rule. model_dir: a folder transformers loads in fp32, the reference whatever braid computes in
     (dtype: ModelInfo.dtype; None: compute_dtype())."""
-    logits = _reference_logits(model_dir, tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1:]
+    logits = _reference_logits(model_dir, tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1 :]
     for step, token in enumerate(generated):
         assert near_tie(logits[step], token, dtype), (
-            f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}")
+            f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}"
+        )

@@ -17,8 +17,14 @@ import numpy as np
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, RopeScalingType, get_tensor_name_map, quants
 
 # transformers' class -> GGUF's general.architecture
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
-                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "GPT2LMHeadModel": "gpt2"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "GPT2LMHeadModel": "gpt2",
+}
 # the block format of each layer's matrices, alternating; the embedding and the head are Q8_0
 LAYER_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 K_QUANTS = {"q6_k": 210, "q4_k": 144}  # bytes per super-block of 256 weights
@@ -61,8 +67,17 @@ def embedded_bpe(size: int) -> Vocab:
     kept = set(tokens)
     merges = [m for m in meta["tokenizer.ggml.merges"] if set(m.split(" ")) | {m.replace(" ", "")} <= kept]
     key = lambda name: meta[f"tokenizer.ggml.{name}"]  # noqa: E731
-    return Vocab("gpt2", key("pre"), tokens, key("token_type")[:size], key("bos_token_id"), key("eos_token_id"),
-                 key("unknown_token_id"), key("padding_token_id"), merges)
+    return Vocab(
+        "gpt2",
+        key("pre"),
+        tokens,
+        key("token_type")[:size],
+        key("bos_token_id"),
+        key("eos_token_id"),
+        key("unknown_token_id"),
+        key("padding_token_id"),
+        merges,
+    )
 
 
 def sentencepiece(text: str, specials: dict[str, str]) -> Vocab:
@@ -78,12 +93,27 @@ def sentencepiece(text: str, specials: dict[str, str]) -> Vocab:
     tokens = [*specials.values(), *(f"<0x{b:02X}>" for b in range(256)), *pieces]
     types = [UNKNOWN if role == "unk" else CONTROL for role in specials] + [BYTE] * 256 + [NORMAL] * len(pieces)
     ids = {role: i for i, role in enumerate(specials)}
-    return Vocab("llama", "default", tokens, types, ids["bos"], ids["eos"], ids.get("unk"), ids.get("pad"),
-                 scores=[0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))], add_bos=True)
+    return Vocab(
+        "llama",
+        "default",
+        tokens,
+        types,
+        ids["bos"],
+        ids["eos"],
+        ids.get("unk"),
+        ids.get("pad"),
+        scores=[0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))],
+        add_bos=True,
+    )
 
 
-def write_gguf(model, path: Path, vocab: Vocab, leave_out: tuple[str, ...] = (),
-               layer_formats: tuple[GGMLQuantizationType, ...] = LAYER_FORMATS) -> Path:
+def write_gguf(
+    model,
+    path: Path,
+    vocab: Vocab,
+    leave_out: tuple[str, ...] = (),
+    layer_formats: tuple[GGMLQuantizationType, ...] = LAYER_FORMATS,
+) -> Path:
     """Writes `model` (a transformers causal LM of ARCHITECTURES) with `vocab`'s tokenizer as a
     GGUF file at path, each layer's matrices in layer_formats (alternating); without the tensors
     named in leave_out (a broken file)."""
@@ -115,13 +145,23 @@ def _hparams(arch: str, cfg) -> dict[str, object]:
     """GGUFWriter.add_<key> -> value: the model metadata llama.cpp's converter writes for arch
     (its TextModel's, or the architecture's own set_gguf_parameters)."""
     if arch == "gpt2":
-        return dict(block_count=cfg.n_layer, context_length=cfg.n_positions, embedding_length=cfg.n_embd,
-                    feed_forward_length=cfg.n_inner or 4 * cfg.n_embd, head_count=cfg.n_head,
-                    layer_norm_eps=cfg.layer_norm_epsilon)
+        return dict(
+            block_count=cfg.n_layer,
+            context_length=cfg.n_positions,
+            embedding_length=cfg.n_embd,
+            feed_forward_length=cfg.n_inner or 4 * cfg.n_embd,
+            head_count=cfg.n_head,
+            layer_norm_eps=cfg.layer_norm_epsilon,
+        )
     hparams: dict[str, object] = dict(
-        context_length=cfg.max_position_embeddings, embedding_length=cfg.hidden_size,
-        block_count=cfg.num_hidden_layers, feed_forward_length=cfg.intermediate_size,
-        head_count=cfg.num_attention_heads, head_count_kv=cfg.num_key_value_heads, layer_norm_rms_eps=cfg.rms_norm_eps)
+        context_length=cfg.max_position_embeddings,
+        embedding_length=cfg.hidden_size,
+        block_count=cfg.num_hidden_layers,
+        feed_forward_length=cfg.intermediate_size,
+        head_count=cfg.num_attention_heads,
+        head_count_kv=cfg.num_key_value_heads,
+        layer_norm_rms_eps=cfg.rms_norm_eps,
+    )
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: its global layers'
     if arch != "gemma2":  # Gemma 2's converter writes no RoPE base (llama.cpp's default is its 10,000)
         hparams["rope_freq_base"] = rope["rope_theta"]
@@ -133,8 +173,11 @@ def _hparams(arch: str, cfg) -> dict[str, object]:
         hparams["rope_scaling_type"] = RopeScalingType.LONGROPE
     if arch == "phi3":  # Phi3MiniModel: LongRoPE's factors are tensors (_extra_tensors)
         rotated = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
-        return hparams | dict(rope_scaling_orig_ctx_len=cfg.original_max_position_embeddings,
-                              rope_dimension_count=rotated, sliding_window=cfg.sliding_window or 0)
+        return hparams | dict(
+            rope_scaling_orig_ctx_len=cfg.original_max_position_embeddings,
+            rope_dimension_count=rotated,
+            sliding_window=cfg.sliding_window or 0,
+        )
     hparams |= dict(key_length=cfg.head_dim, value_length=cfg.head_dim)
     if arch.startswith("gemma"):
         hparams["sliding_window"] = cfg.sliding_window
@@ -169,8 +212,9 @@ def _tensors(arch: str, model) -> Iterator[tuple[str, np.ndarray]]:
     """(GGUF name, fp32 values) of each tensor, transformed as llama.cpp's converter does: Gemma's
     RMSNorm weights stored as the factor they multiply by (w + 1), GPT-2's Conv1D matrices as
     [out, in] and its tied head written as output.weight, any other tied head left out."""
-    names = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch),
-                                model.config.num_hidden_layers)
+    names = get_tensor_name_map(
+        next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), model.config.num_hidden_layers
+    )
     tied = model.config.tie_word_embeddings
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
@@ -182,7 +226,11 @@ def _tensors(arch: str, model) -> Iterator[tuple[str, np.ndarray]]:
             value = value.T
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):  # LlamaModel.permute
             heads = model.config.num_attention_heads if "q_proj" in hf_name else model.config.num_key_value_heads
-            value = value.reshape(heads, 2, value.shape[0] // heads // 2, value.shape[1]).swapaxes(1, 2).reshape(value.shape)
+            value = (
+                value.reshape(heads, 2, value.shape[0] // heads // 2, value.shape[1])
+                .swapaxes(1, 2)
+                .reshape(value.shape)
+            )
         base, _, suffix = hf_name.rpartition(".")
         name = f"{names.get_name(base)}.{suffix}"
         yield name, np.ascontiguousarray(value)
@@ -206,8 +254,9 @@ def _extra_tensors(cfg) -> Iterator[tuple[str, np.ndarray]]:
         divisors = []
         for wavelen in 2 * math.pi / freqs:
             smooth = (old / wavelen - low) / (high - low)
-            divisors.append(1.0 if wavelen < old / high else factor if wavelen > old / low
-                            else 1 / ((1 - smooth) / factor + smooth))
+            divisors.append(
+                1.0 if wavelen < old / high else factor if wavelen > old / low else 1 / ((1 - smooth) / factor + smooth)
+            )
         yield "rope_freqs.weight", np.array(divisors, dtype=np.float32)
 
 

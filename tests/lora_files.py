@@ -10,8 +10,17 @@ from pathlib import Path
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_adapter(base_dir: Path, out_dir: Path, rank: int = 8, targets=ALL_TARGETS, seed: int = 1,
-                 alpha: float = 16.0, rslora: bool = False, spread: float = 0.1, dtype: str = "float32") -> Path:
+def make_adapter(
+    base_dir: Path,
+    out_dir: Path,
+    rank: int = 8,
+    targets=ALL_TARGETS,
+    seed: int = 1,
+    alpha: float = 16.0,
+    rslora: bool = False,
+    spread: float = 0.1,
+    dtype: str = "float32",
+) -> Path:
     """A random adapter for the model in base_dir, saved by PEFT into out_dir: A and B both random
     (B non-zero, unlike PEFT's default init), each entry N(0, spread); its matrices saved in dtype
     (bfloat16: as an adapter trained in it is, which braid's C step reads in half the bytes)."""
@@ -20,8 +29,15 @@ def make_adapter(base_dir: Path, out_dir: Path, rank: int = 8, targets=ALL_TARGE
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
-                        lora_dropout=0.0, init_lora_weights=False, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        use_rslora=rslora,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

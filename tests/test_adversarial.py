@@ -59,6 +59,7 @@ WORD = " hello"  # one token per repetition with the embedded model's tokenizer
 
 # ---- servers ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory, smol_dir) -> Path:
     """conftest's tiny random Llama, with max_position_embeddings=8192."""
@@ -88,8 +89,9 @@ def servers(request, long_dir, tmp_path_factory):
 
     def start(mode: str, kernels: str) -> Server:
         log_path = logs / f"{mode}-{kernels}.log"
-        server = Server(["--model", str(long_dir), "--mode", mode, "--kernels", kernels, *SERVER_ARGS],
-                        log_path=log_path)
+        server = Server(
+            ["--model", str(long_dir), "--mode", mode, "--kernels", kernels, *SERVER_ARGS], log_path=log_path
+        )
         server.log_path = log_path
         return server
 
@@ -112,6 +114,7 @@ def servers(request, long_dir, tmp_path_factory):
 
 # ---- the books ----------------------------------------------------------------------------------
 
+
 def status(server: Server) -> pb.ServerStatusResponse:
     with server.client() as client:
         return client.server_status(timeout=10)
@@ -123,14 +126,17 @@ def finished(s: pb.ServerStatusResponse) -> int:
 
 def delta(before: pb.ServerStatusResponse, after: pb.ServerStatusResponse) -> dict[str, int]:
     """What happened between two snapshots: sessions submitted, and finished per reason."""
-    out = {name: getattr(after.sessions_finished, name) - getattr(before.sessions_finished, name)
-           for name in FINISH_REASONS}
+    out = {
+        name: getattr(after.sessions_finished, name) - getattr(before.sessions_finished, name)
+        for name in FINISH_REASONS
+    }
     out["submitted"] = after.sessions_submitted - before.sessions_submitted
     return out
 
 
 def status_when(server: Server, predicate, timeout: float = 30.0) -> pb.ServerStatusResponse:
     """The first ServerStatus for which predicate(status) holds; fails after timeout."""
+
     def check():
         s = status(server)
         return s if predicate(s) else None
@@ -142,9 +148,15 @@ def assert_books_balance(server: Server, timeout: float = 20.0) -> pb.ServerStat
     """Waits until nothing is active or queued, every submitted session is counted once as
     finished and no KV-cache page is held (only cached ones); checks the log; then checks that a
     new small call succeeds. Returns the settled snapshot (taken before that small call)."""
+
     def settled(s: pb.ServerStatusResponse) -> bool:
-        return (s.sessions_active == 0 and s.sessions_queued == 0 and s.sessions_paused == 0
-                and s.sessions_submitted == finished(s) and s.kv_pages_used == 0)
+        return (
+            s.sessions_active == 0
+            and s.sessions_queued == 0
+            and s.sessions_paused == 0
+            and s.sessions_submitted == finished(s)
+            and s.kv_pages_used == 0
+        )
 
     try:
         snapshot = status_when(server, settled, timeout)
@@ -160,6 +172,7 @@ def assert_books_balance(server: Server, timeout: float = 20.0) -> pb.ServerStat
 
 
 # ---- 1. long prompts ----------------------------------------------------------------------------
+
 
 def sized_inputs(server: Server, num_tokens: int) -> dict[str, dict]:
     """A raw prompt and a one-turn chat of exactly num_tokens tokens, sized with the Tokenize RPC."""
@@ -177,8 +190,9 @@ def sized_inputs(server: Server, num_tokens: int) -> dict[str, dict]:
 def test_long_prompts_in_every_mode_and_backend(servers, long_dir, mode, kernels, record_property):
     server = servers(mode, kernels)
     # `--kernels auto` runs braid's AVX-512 kernels only on a CPU that has AVX-512; say which ran.
-    in_use = next(line.split("kernels: ", 1)[1] for line in server.log_path.read_text().splitlines()
-                  if "kernels: " in line)
+    in_use = next(
+        line.split("kernels: ", 1)[1] for line in server.log_path.read_text().splitlines() if "kernels: " in line
+    )
     record_property("kernels_in_use", in_use)
     print(f"\n--kernels {kernels}: {in_use}")
     with server.client() as client:
@@ -186,8 +200,11 @@ def test_long_prompts_in_every_mode_and_backend(servers, long_dir, mode, kernels
             for kind, inputs in sized_inputs(server, num_tokens).items():
                 prompt_ids = list(client.tokenize(inputs.get("prompt"), messages=inputs.get("messages")).token_ids)
                 done = client.generate(**inputs, max_new_tokens=4, ignore_eos=True, timeout=60)
-                assert (done.finish_reason, done.usage.prompt_tokens, len(done.token_ids)) == \
-                    ("MAX_TOKENS", num_tokens, 4), (kind, num_tokens)
+                assert (done.finish_reason, done.usage.prompt_tokens, len(done.token_ids)) == (
+                    "MAX_TOKENS",
+                    num_tokens,
+                    4,
+                ), (kind, num_tokens)
                 assert_greedy(long_dir, prompt_ids, done.token_ids)
                 if num_tokens == 4000:  # max_new_tokens left at 0: the default, clipped to the context
                     done = client.generate(**inputs, ignore_eos=True, timeout=60)
@@ -197,6 +214,7 @@ def test_long_prompts_in_every_mode_and_backend(servers, long_dir, mode, kernels
 
 
 # ---- 2. cancellations and timeouts at random moments ---------------------------------------------
+
 
 @dataclass
 class Plan:
@@ -234,8 +252,9 @@ def plans(rng: random.Random, count: int) -> list[Plan]:
 
 async def run_plan(client: AsyncClient, plan: Plan, gate: asyncio.Semaphore) -> None:
     async with gate:
-        stream = client.stream("cancel me, or not", max_new_tokens=plan.max_new_tokens, ignore_eos=True,
-                               timeout_ms=plan.timeout_ms or None)
+        stream = client.stream(
+            "cancel me, or not", max_new_tokens=plan.max_new_tokens, ignore_eos=True, timeout_ms=plan.timeout_ms or None
+        )
 
         def cancel():
             plan.cancelled = True
@@ -285,10 +304,12 @@ def test_random_cancellations_and_timeouts(servers, mode, record_property):
         outcomes[plan.kind][plan.outcome] += 1
     record_property("outcomes", outcomes)
     print(mode, outcomes, d)
-    allowed = {"finish": {"MAX_TOKENS", "RESOURCE_EXHAUSTED"},
-               "race": {"MAX_TOKENS", "cancelled", "RESOURCE_EXHAUSTED"},
-               "cancel": {"cancelled", "RESOURCE_EXHAUSTED"},
-               "timeout": {"MAX_TOKENS", "DEADLINE", "RESOURCE_EXHAUSTED"}}
+    allowed = {
+        "finish": {"MAX_TOKENS", "RESOURCE_EXHAUSTED"},
+        "race": {"MAX_TOKENS", "cancelled", "RESOURCE_EXHAUSTED"},
+        "cancel": {"cancelled", "RESOURCE_EXHAUSTED"},
+        "timeout": {"MAX_TOKENS", "DEADLINE", "RESOURCE_EXHAUSTED"},
+    }
     for kind, seen in outcomes.items():
         assert set(seen) <= allowed[kind], (kind, seen)
     for plan in todo:
@@ -311,6 +332,7 @@ def test_random_cancellations_and_timeouts(servers, mode, record_property):
 
 
 # ---- 3. a rapid-reset storm over raw HTTP/2 --------------------------------------------------------
+
 
 class RawH2:
     """A bare HTTP/2 connection (h2) that speaks just enough gRPC to open Stream calls and reset them."""
@@ -338,9 +360,17 @@ class RawH2:
         """Sends HEADERS and one DATA frame (the length-prefixed request, end of stream)."""
         body = request.SerializeToString()
         stream_id = self.conn.get_next_available_stream_id()
-        self.conn.send_headers(stream_id, [
-            (":method", "POST"), (":scheme", "http"), (":path", "/braid.v1.Generate/Stream"),
-            (":authority", self.target), ("content-type", "application/grpc"), ("te", "trailers")])
+        self.conn.send_headers(
+            stream_id,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/braid.v1.Generate/Stream"),
+                (":authority", self.target),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
+        )
         self.conn.send_data(stream_id, b"\x00" + len(body).to_bytes(4, "big") + body, end_stream=True)
         return stream_id
 
@@ -482,14 +512,14 @@ for message in client.stream("killed mid-stream", max_new_tokens=3000, ignore_eo
 def test_sigkilled_clients_sessions_are_cancelled(servers, mode):
     server = servers(mode)
     before = status(server)
-    children = [subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.target, how],
-                                 stdout=subprocess.PIPE, text=True)
-                for how in ("read", "stall", "read", "stall")]
+    children = [
+        subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.target, how], stdout=subprocess.PIPE, text=True)
+        for how in ("read", "stall", "read", "stall")
+    ]
     try:
         # Every stream is open (a session, running or queued) and at least one has read tokens.
         # (Not necessarily the first: batched mode runs whichever batch formed first to its end.)
-        wait_for(lambda: status(server).sessions_submitted - before.sessions_submitted == len(children),
-                 timeout=60)
+        wait_for(lambda: status(server).sessions_submitted - before.sessions_submitted == len(children), timeout=60)
         ready, _, _ = select.select([child.stdout for child in children], [], [], 60)
         assert ready and ready[0].readline().startswith("read")
     finally:
@@ -505,6 +535,7 @@ def test_sigkilled_clients_sessions_are_cancelled(servers, mode):
 
 
 # ---- 5. a flood of big prompts and Tokenize calls beside a small call ---------------------------------
+
 
 @pytest.mark.parametrize("mode", MODES)
 def test_flood_of_big_texts_beside_a_small_call(servers, mode, record_property):
@@ -523,8 +554,9 @@ def test_flood_of_big_texts_beside_a_small_call(servers, mode, record_property):
     assert set(codes["tokenize"]) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["tokenize"]["OK"], codes
     # Refused untokenized: "is at least N tokens" (from its size); tokenized: "is N tokens".
     assert all("is at least" in d for _, d in result.details["door"]), result.details["door"][:2]
-    assert all("is at least" not in d for code, d in result.details["prompt"] if code == "INVALID_ARGUMENT"), \
+    assert all("is at least" not in d for code, d in result.details["prompt"] if code == "INVALID_ARGUMENT"), (
         result.details["prompt"][:2]
+    )
     assert codes["small"]["OK"] == 1 and set(codes["small"]) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
     assert result.small_tokens == 4
     after = assert_books_balance(server)
@@ -534,12 +566,14 @@ def test_flood_of_big_texts_beside_a_small_call(servers, mode, record_property):
 
 # ---- 6. a client that never reads ----------------------------------------------------------------
 
+
 async def unread_stream(target: str, options, max_new_tokens: int, while_unread) -> list[pb.GenerateResponse]:
     """Opens a stream on a channel of its own and does not read it; runs while_unread() (in a
     thread), then reads the stream to its end and returns its messages."""
     async with grpc.aio.insecure_channel(target, options=options) as channel:
         call = generate_pb2_grpc.GenerateStub(channel).Stream(
-            pb.GenerateRequest(prompt="nobody reads this", max_new_tokens=max_new_tokens, ignore_eos=True))
+            pb.GenerateRequest(prompt="nobody reads this", max_new_tokens=max_new_tokens, ignore_eos=True)
+        )
         await call.initial_metadata()
         await asyncio.to_thread(while_unread)
         return [message async for message in call]
@@ -586,8 +620,9 @@ def test_with_grpcs_default_window_an_unread_stream_is_paused_or_absorbed(server
         seen["paused"] = s.sessions_paused == 1
         seen["generated_unread"] = s.tokens_generated - before.tokens_generated
 
-    messages = asyncio.run(unread_stream(server.target, [("grpc.use_local_subchannel_pool", 1)], max_new_tokens,
-                                         while_unread))
+    messages = asyncio.run(
+        unread_stream(server.target, [("grpc.use_local_subchannel_pool", 1)], max_new_tokens, while_unread)
+    )
     record_property("paused", seen["paused"])
     record_property("generated_unread", seen["generated_unread"])
     print(f"\ndefault window: paused={seen['paused']}, {seen['generated_unread']} tokens generated unread")
@@ -599,9 +634,11 @@ def test_with_grpcs_default_window_an_unread_stream_is_paused_or_absorbed(server
 
 # ---- 7. constraints, compiles and one connection's many calls -------------------------------------
 
+
 def constrained(constraint: pb.Constraint, **kw) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt="Answer in JSON:", max_new_tokens=kw.pop("max_new_tokens", 8),
-                              constraint=constraint, **kw)
+    return pb.GenerateRequest(
+        prompt="Answer in JSON:", max_new_tokens=kw.pop("max_new_tokens", 8), constraint=constraint, **kw
+    )
 
 
 def stream_error(server: Server, request: pb.GenerateRequest) -> grpc.RpcError:
@@ -645,7 +682,9 @@ NESTED_WIDE = _required_in(WIDE_SCHEMA, "outer")
 LETTERS_THEN_WIDE = "start: /[a-z]{40}/ obj\nobj: %json " + WIDE_SCHEMA
 
 
-@pytest.mark.parametrize("schema", [DEEP_SCHEMA, WIDE_SCHEMA, NESTED_WIDE], ids=["1000-deep", "500-wide", "nested-wide"])
+@pytest.mark.parametrize(
+    "schema", [DEEP_SCHEMA, WIDE_SCHEMA, NESTED_WIDE], ids=["1000-deep", "500-wide", "nested-wide"]
+)
 def test_a_constraint_past_the_matchers_limits_is_invalid_argument_naming_it(servers, schema):
     # 1,000 levels got INTERNAL (a RecursionError); 500 optional properties compiled, then failed the
     # session after its first token with INTERNAL and a 13-64 KB parser dump, which a default client
@@ -655,7 +694,9 @@ def test_a_constraint_past_the_matchers_limits_is_invalid_argument_naming_it(ser
     err = stream_error(server, constrained(pb.Constraint(json_schema=schema), max_new_tokens=64))
     assert_field_named(err, grpc.StatusCode.INVALID_ARGUMENT, "constraint.json_schema")
     d = delta(before, assert_books_balance(server))
-    assert d["error"] == 0 and d["submitted"] == d["invalid_request"], d  # refused first, or ended as the request's fault
+    assert d["error"] == 0 and d["submitted"] == d["invalid_request"], (
+        d
+    )  # refused first, or ended as the request's fault
 
 
 def test_a_constraint_that_goes_past_the_limits_mid_stream_ends_it_with_invalid_argument(servers):
@@ -664,8 +705,12 @@ def test_a_constraint_that_goes_past_the_limits_mid_stream_ends_it_with_invalid_
     received = []
     with grpc.insecure_channel(server.target) as channel:
         call = generate_pb2_grpc.GenerateStub(channel).Stream(
-            constrained(pb.Constraint(grammar=pb.Grammar(syntax=pb.GRAMMAR_SYNTAX_LARK, text=LETTERS_THEN_WIDE)),
-                        max_new_tokens=64), timeout=60)
+            constrained(
+                pb.Constraint(grammar=pb.Grammar(syntax=pb.GRAMMAR_SYNTAX_LARK, text=LETTERS_THEN_WIDE)),
+                max_new_tokens=64,
+            ),
+            timeout=60,
+        )
         with pytest.raises(grpc.RpcError) as err:
             for message in call:
                 received.append(message.text)
@@ -689,8 +734,11 @@ def test_resume_token_ids_the_constraint_forbids_are_invalid_argument(servers):
 def slow_compiles(long_dir, tmp_path_factory):
     """A server whose constraints each take 8 s longer to compile, and that queues many calls."""
     log_path = tmp_path_factory.mktemp("slow-compiles") / "server.log"
-    server = Server(["--model", str(long_dir), "--threads", "1", "--max-queued", "512", "--max-batch-size", "16"],
-                    env={"BRAID_INJECT_FAULT": "compile:8000"}, log_path=log_path)
+    server = Server(
+        ["--model", str(long_dir), "--threads", "1", "--max-queued", "512", "--max-batch-size", "16"],
+        env={"BRAID_INJECT_FAULT": "compile:8000"},
+        log_path=log_path,
+    )
     server.log_path = log_path
     yield server
     server.stop()
@@ -705,8 +753,10 @@ def test_compiles_do_not_hold_up_unconstrained_calls(slow_compiles):
     before = status(server)
     regexes = [f"(yes|no){i}" for i in range(4)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool, server.client() as client:
-        pending = [pool.submit(client.generate, "Answer:", max_new_tokens=4, constraint=pb.Constraint(regex=r),
-                               timeout=120) for r in regexes]
+        pending = [
+            pool.submit(client.generate, "Answer:", max_new_tokens=4, constraint=pb.Constraint(regex=r), timeout=120)
+            for r in regexes
+        ]
         wait_for(lambda: server.log_path.read_text().count("a compile held") == 2, timeout=60)
         small = client.generate("hi", max_new_tokens=2, ignore_eos=True, timeout=120)
         assert small.usage.generated_tokens == 2
@@ -727,8 +777,9 @@ def test_more_calls_than_the_default_streams_limit_once_got_through_on_one_chann
             stub = generate_pb2_grpc.GenerateStub(channel)
 
             async def stream(i: int) -> str:
-                request = pb.GenerateRequest(prompt=f"call {i}", max_new_tokens=16, ignore_eos=True,
-                                             request_id=f"many-{i}")
+                request = pb.GenerateRequest(
+                    prompt=f"call {i}", max_new_tokens=16, ignore_eos=True, request_id=f"many-{i}"
+                )
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     return f"stream {[m async for m in stub.Stream(request, timeout=120)][-1].finish_reason}"
                 return "stream failed"

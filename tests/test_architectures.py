@@ -28,33 +28,73 @@ GGUF_PROMPTS = ["The sea is calm and the land", "1 2 3 4 5 6"]  # 7 to 11 tokens
 # file and takes its default, 128 (every released Qwen3's)
 GGUF_CONFIG = {"qwen3": dict(head_dim=128)}
 # A model whose matrices can be K-quants (super-blocks of 256 inputs); gguf_files writes random blocks
-K_QUANT_MODEL = dict(hidden_size=256, intermediate_size=512,
-                     layer_formats=(GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K))
+K_QUANT_MODEL = dict(
+    hidden_size=256, intermediate_size=512, layer_formats=(GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+)
 # Settings stored in a GGUF file where transformers does not read them (model/gguf_config.py):
 # case -> (kind, its config beyond GGUF_CONFIG, the runner that serves it). Gemma 2's soft-caps
 # (KINDS: 20 and 10) are among them too; transformers' defaults are 50 and 30.
 GGUF_CASES = {
     # Gemma 3 4B and up: linear RoPE scaling on the global layers only (6 layers: the sixth is
     # global, in the pattern every Gemma 3 has and llama.cpp assumes, as no GGUF key holds it)
-    "gemma3-linear-rope": ("gemma3", dict(num_hidden_layers=6, rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}), "braid"),
-    "qwen3-yarn": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                                  "original_max_position_embeddings": 256}), "braid"),
+    "gemma3-linear-rope": (
+        "gemma3",
+        dict(
+            num_hidden_layers=6,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        ),
+        "braid",
+    ),
+    "qwen3-yarn": (
+        "qwen3",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 256,
+            }
+        ),
+        "braid",
+    ),
     # Llama 3.1 and up: its RoPE scaling as a tensor of divisors (Llama 3.2's parameters; 8,192
     # positions scaled, so that the tiny model's few frequencies fall in every band)
-    "llama-3-rope": ("llama", dict(rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), "braid"),
+    "llama-3-rope": (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        ),
+        "braid",
+    ),
     # Q4_K and Q6_K layers in each new family, served in their own format
     "qwen3-k-quants": ("qwen3", K_QUANT_MODEL, "braid"),
     "phi3-k-quants": ("phi3", K_QUANT_MODEL, "braid"),
     "gemma3-k-quants": ("gemma3", dict(K_QUANT_MODEL, head_dim=64, query_pre_attn_scalar=64), "braid"),
     # Phi-4-mini's kind: LongRoPE (length-dependent: transformers runs it) over 3/4 of each head
-    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=256, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-        "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0], "short_factor": [1.0, 1.2, 1.6, 2.5, 4.0, 9.0]}),
-        "transformers"),
+    "phi3-longrope": (
+        "phi3",
+        dict(
+            original_max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0],
+                "short_factor": [1.0, 1.2, 1.6, 2.5, 4.0, 9.0],
+            },
+        ),
+        "transformers",
+    ),
 }
 
 
@@ -68,8 +108,14 @@ def _save(path: Path, model, smol_dir: Path) -> Path:
 
 
 COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.3)
-LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024)
+LLAMA_LIKE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 # local layers of a 4-token window between global ones
 GEMMA = dict(LLAMA_LIKE, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)
 # kind -> transformers' model class, its config class, the config
@@ -77,14 +123,27 @@ KINDS = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", LLAMA_LIKE),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024)),
     # the issue's other example for the fallback: learned positions offset by 2, ReLU, no RoPE
-    "opt": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                                               word_embed_proj_dim=64, max_position_embeddings=1024)),
+    "opt": (
+        "OPTForCausalLM",
+        "OPTConfig",
+        dict(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            max_position_embeddings=1024,
+        ),
+    ),
     # head_dim stated, not hidden / heads, as Qwen3's own configs do
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(LLAMA_LIKE, head_dim=32, tie_word_embeddings=True)),
     "phi3": ("Phi3ForCausalLM", "Phi3Config", LLAMA_LIKE),
     # soft-capped attention scores and logits, caps low enough to bend them
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(GEMMA, attn_logit_softcapping=20.0,
-                                                         final_logit_softcapping=10.0)),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(GEMMA, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
+    ),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA),
 }
 
@@ -153,16 +212,22 @@ def served(folders):
         server.stop()
 
 
-async def _greedy_all(target: str, prompts: list[str] = PROMPTS, n: int = 12, logprobs: list | None = None
-                      ) -> list[tuple[list[int], list[int]]]:
+async def _greedy_all(
+    target: str, prompts: list[str] = PROMPTS, n: int = 12, logprobs: list | None = None
+) -> list[tuple[list[int], list[int]]]:
     """Every prompt at once (so continuous mode batches them): (prompt ids, generated ids) each;
     where `logprobs` is a list, each prompt's generated tokens' log-probabilities (a list each) are
     put in it, in the prompts' order."""
     async with AsyncClient(target) as client:
+
         async def one(prompt: str):
             ids = list((await client.tokenize(prompt)).token_ids)
-            messages = [m async for m in client.stream(prompt=prompt, max_new_tokens=n, ignore_eos=True,
-                                                       logprobs=logprobs is not None)]
+            messages = [
+                m
+                async for m in client.stream(
+                    prompt=prompt, max_new_tokens=n, ignore_eos=True, logprobs=logprobs is not None
+                )
+            ]
             return ids, [t for m in messages for t in m.token_ids], [lp.logprob for m in messages for lp in m.logprobs]
 
         results = await asyncio.gather(*(one(p) for p in prompts))
@@ -171,17 +236,20 @@ async def _greedy_all(target: str, prompts: list[str] = PROMPTS, n: int = 12, lo
     return [(ids, out) for ids, out, _ in results]
 
 
-@pytest.mark.parametrize("kind, mode, runner", [
-    ("gpt2", "continuous", "transformers"),
-    ("gpt2", "sequential", "transformers"),
-    ("gpt2", "interleaved", "transformers"),
-    ("gpt2", "batched", "transformers"),
-    ("opt", "continuous", "transformers"),
-    ("qwen3", "continuous", "braid"),
-    ("phi3", "continuous", "braid"),
-    ("gemma2", "continuous", "braid"),
-    ("gemma3", "continuous", "braid"),
-])
+@pytest.mark.parametrize(
+    "kind, mode, runner",
+    [
+        ("gpt2", "continuous", "transformers"),
+        ("gpt2", "sequential", "transformers"),
+        ("gpt2", "interleaved", "transformers"),
+        ("gpt2", "batched", "transformers"),
+        ("opt", "continuous", "transformers"),
+        ("qwen3", "continuous", "braid"),
+        ("phi3", "continuous", "braid"),
+        ("gemma2", "continuous", "braid"),
+        ("gemma3", "continuous", "braid"),
+    ],
+)
 def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner):
     """Greedy tokens and their logprobs, three prompts of different lengths at once (on the
     fallback, their decode rows run as one padded batch where the mode batches them)."""
@@ -194,7 +262,7 @@ def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner)
     for (prompt_ids, generated), chosen in zip(asyncio.run(_greedy_all(server.target, logprobs=logprobs)), logprobs):
         assert len(generated) == 12
         assert_greedy(folders(kind), prompt_ids, generated)
-        logits = _reference_logits(folders(kind), tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1:]
+        logits = _reference_logits(folders(kind), tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1 :]
         expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
         assert chosen == pytest.approx(expected.tolist(), abs=1e-3)
 
@@ -236,8 +304,9 @@ def _formats_in(path: Path) -> dict[str, int]:
 
     from braid.server.model.weights import gguf_type_name
 
-    return dict(Counter(gguf_type_name(t.tensor_type) for t in GGUFReader(str(path)).tensors
-                        if not t.name.startswith("rope_")))
+    return dict(
+        Counter(gguf_type_name(t.tensor_type) for t in GGUFReader(str(path)).tensors if not t.name.startswith("rope_"))
+    )
 
 
 def _gguf_reference(path: Path, config):
@@ -245,9 +314,12 @@ def _gguf_reference(path: Path, config):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 config=config).eval(),
-            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+    return (
+        AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, config=config
+        ).eval(),
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name),
+    )
 
 
 def _assert_greedy_on(model, prompt_ids: list[int], generated: list[int], logprobs: list[float] = ()) -> None:
@@ -257,13 +329,14 @@ def _assert_greedy_on(model, prompt_ids: list[int], generated: list[int], logpro
     import torch
 
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + generated[:-1]])).logits[0, len(prompt_ids) - 1:]
+        logits = model(torch.tensor([prompt_ids + generated[:-1]])).logits[0, len(prompt_ids) - 1 :]
     for step, token in enumerate(generated):
         best = logits[step].max()
         assert (best - logits[step][token]).item() <= 1e-4 * max(1.0, best.abs().item()), (
-            f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}")
+            f"step {step}: braid chose {token}, transformers {logits[step].argmax().item()}"
+        )
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
-    assert list(logprobs) == pytest.approx(expected.tolist()[:len(logprobs)], abs=1e-3)
+    assert list(logprobs) == pytest.approx(expected.tolist()[: len(logprobs)], abs=1e-3)
 
 
 def test_the_fallback_matches_transformers_generate(served, folders):
@@ -275,19 +348,22 @@ def test_the_fallback_matches_transformers_generate(served, folders):
     with served("gpt2").client() as client:
         ids = list(client.tokenize(PROMPTS[0]).token_ids)
         got = client.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True).token_ids
-    expected = _reference_model(folders("gpt2")).generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                                          min_new_tokens=12)[0, len(ids):].tolist()
+    expected = (
+        _reference_model(folders("gpt2"))
+        .generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, len(ids) :]
+        .tolist()
+    )
     assert list(got) == expected
 
 
 def test_the_fallback_stops_at_a_stop_string_and_is_cancelled(served):
     with served("gpt2").client() as client:
         full = client.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True)
-        stop = full.text[len(full.text) // 2:][:4]
+        stop = full.text[len(full.text) // 2 :][:4]
         assert stop.strip(), "need a visible stop string"
         stopped = client.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, stop=[stop])
         assert stopped.final.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
-        assert stopped.text == full.text[:full.text.find(stop)]
+        assert stopped.text == full.text[: full.text.find(stop)]
 
         before = client.server_status()
         stream = client.stream("Count with me:", max_new_tokens=900, ignore_eos=True)
@@ -296,16 +372,18 @@ def test_the_fallback_stops_at_a_stop_string_and_is_cancelled(served):
 
         def cancelled():
             s = client.server_status()
-            return s if s.sessions_active == 0 and s.sessions_finished.cancelled > before.sessions_finished.cancelled \
+            return (
+                s
+                if s.sessions_active == 0 and s.sessions_finished.cancelled > before.sessions_finished.cancelled
                 else None
+            )
 
         status = wait_for(cancelled)
         assert status.kv_pages_used == 0 and status.tokens_generated - before.tokens_generated < 900
 
 
 def test_an_architecture_transformers_cannot_load_is_one_line(tmp_path, smol_dir):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"],
-                                                      "model_type": "nosuch"}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}))
     shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     assert_one_line(braid("serve", "--model", str(tmp_path), "--port", "0"), "NoSuchForCausalLM", "cannot load")
 
@@ -319,8 +397,9 @@ def test_a_gemma_2_files_soft_caps_and_attention_scale_are_read_from_it(tmp_path
 
     from braid.server.model import gguf_config
 
-    model, vocab = _tiny_for_gguf("gemma2", num_hidden_layers=layers, head_dim=32, query_pre_attn_scalar=scalar,
-                                  layer_types=None)
+    model, vocab = _tiny_for_gguf(
+        "gemma2", num_hidden_layers=layers, head_dim=32, query_pre_attn_scalar=scalar, layer_types=None
+    )
     path = write_gguf(model, tmp_path / "gemma2.gguf", vocab)
     config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
     assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)  # transformers' own
@@ -333,8 +412,9 @@ def test_rope_divisors_that_are_not_llama_3s_scaling_are_not_taken_for_it():
     from braid.server.model.gguf_config import _llama3_parameters
 
     divisors = list(_divisors_of_llama_3_2(head_dim=64))
-    assert _llama3_parameters(divisors, 500000.0, 64) == dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                                              original_max_position_embeddings=8192)
+    assert _llama3_parameters(divisors, 500000.0, 64) == dict(
+        factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
     assert _llama3_parameters([d * 1.01 for d in divisors], 500000.0, 64) is None
     assert _llama3_parameters(divisors[:-1], 500000.0, 64) is None
 
@@ -345,10 +425,19 @@ def _divisors_of_llama_3_2(head_dim: int):
 
     from gguf_files import _extra_tensors
 
-    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    (name, divisors), = _extra_tensors(config)
+    config = LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    ((name, divisors),) = _extra_tensors(config)
     return divisors.tolist()
 
 

@@ -76,8 +76,9 @@ def _pip(*args: str | Path) -> subprocess.CompletedProcess[str]:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wheel of clients/python, built from a copy of the files git keeps (or would) in it and in protos/."""
     checkout = tmp_path_factory.mktemp("checkout")
-    listed = _run("git", "-C", REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard",
-                  "clients/python", "protos").stdout
+    listed = _run(
+        "git", "-C", REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard", "clients/python", "protos"
+    ).stdout
     for name in filter(None, listed.split("\0")):
         if (REPO / name).is_file():  # not a file deleted in the working tree
             (checkout / name).parent.mkdir(parents=True, exist_ok=True)

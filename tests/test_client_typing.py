@@ -33,10 +33,21 @@ def mypy(tmp_path_factory: pytest.TempPathFactory) -> Mypy:
     env = {**os.environ, "MYPYPATH": os.pathsep.join([str(CLIENT / "src"), str(DATA)])}
 
     def run(*modules: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "mypy", "--strict", "--python-version", "3.10", "--config-file",
-                   str(CLIENT / "pyproject.toml"), "--cache-dir", str(cache), "--no-pretty", *modules]
-        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
-                              check=False)
+        command = [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--python-version",
+            "3.10",
+            "--config-file",
+            str(CLIENT / "pyproject.toml"),
+            "--cache-dir",
+            str(cache),
+            "--no-pretty",
+            *modules,
+        ]
+        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=False)
 
     return run
 
@@ -49,17 +60,20 @@ def test_the_client_and_an_example_pass_mypy_strict(mypy: Mypy) -> None:
 def test_mistyped_and_unknown_keywords_are_errors(mypy: Mypy) -> None:
     result = mypy("-m", "mistyped_client")
     source = (DATA / "mistyped_client.py").read_text().splitlines()
-    expected = {number: match.group(1) for number, line in enumerate(source, 1)
-                if (match := re.search(r"# error: (.+)$", line))}
-    errors = {int(match.group(1)): match.group(2) for match in re.finditer(
-        r"^\S*mistyped_client\.py:(\d+): error: (.+)$", result.stdout, re.MULTILINE)}
+    expected = {
+        number: match.group(1) for number, line in enumerate(source, 1) if (match := re.search(r"# error: (.+)$", line))
+    }
+    errors = {
+        int(match.group(1)): match.group(2)
+        for match in re.finditer(r"^\S*mistyped_client\.py:(\d+): error: (.+)$", result.stdout, re.MULTILINE)
+    }
     assert result.returncode == 1 and len(expected) == 5, result.stdout + result.stderr
     assert errors.keys() == expected.keys(), result.stdout
     for number, start in expected.items():
         assert errors[number].startswith(start), (number, errors[number])
 
 
-TYPED_ERRORS = '''
+TYPED_ERRORS = """
 from __future__ import annotations
 
 import grpc
@@ -90,7 +104,7 @@ def run(client: Client) -> float | None:
     except grpc.RpcError as error:
         assert_type(from_rpc_error(error), BraidError)
     return None
-'''
+"""
 
 
 def test_typed_errors_pass_mypy_strict(mypy: Mypy, tmp_path: Path) -> None:

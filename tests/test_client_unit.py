@@ -25,10 +25,25 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from braid.client import (AsyncClient, AsyncGeneration, BadRequestError, BraidError, CallCancelledError, Client,
-                          DeadlineExceededError, GenerateParams, InternalError, NotFoundError, OverloadedError,
-                          PermissionDeniedError, UnauthenticatedError, UnavailableError, cli, describe,
-                          finish_reason_name)
+from braid.client import (
+    AsyncClient,
+    AsyncGeneration,
+    BadRequestError,
+    BraidError,
+    CallCancelledError,
+    Client,
+    DeadlineExceededError,
+    GenerateParams,
+    InternalError,
+    NotFoundError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+    cli,
+    describe,
+    finish_reason_name,
+)
 from braid.client.request import PARAMS, build_request, build_tokenize_request
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
 from braid.v1 import generate_pb2 as pb
@@ -59,9 +74,16 @@ def _samples(n: int) -> list[pb.GenerateResponse]:
     return [
         *(pb.GenerateResponse(index=i, text=f"s{i}", token_ids=[i]) for i in indexes),
         *(pb.GenerateResponse(index=i, text="!", token_ids=[9]) for i in indexes),
-        *(pb.GenerateResponse(index=i, finish_reason=pb.FINISH_REASON_EOS + i % 2, seed=7 + i,
-                              usage=pb.Usage(prompt_tokens=2, generated_tokens=2), request_id=REQUEST_ID)
-          for i in indexes),
+        *(
+            pb.GenerateResponse(
+                index=i,
+                finish_reason=pb.FINISH_REASON_EOS + i % 2,
+                seed=7 + i,
+                usage=pb.Usage(prompt_tokens=2, generated_tokens=2),
+                request_id=REQUEST_ID,
+            )
+            for i in indexes
+        ),
     ]
 
 
@@ -174,8 +196,14 @@ def target(fake: FakeGenerate) -> str:
 def test_build_request_maps_params_to_fields() -> None:
     chat = [("system", "s"), {"role": "user", "content": "u"}, pb.Message(role="assistant", content="a")]
     request = build_request(
-        messages=chat, max_new_tokens=8, temperature=0.5, seed=0, stop="\n", stop_token_ids=[5, 6],
-        ignore_eos=True, top_k=None,
+        messages=chat,
+        max_new_tokens=8,
+        temperature=0.5,
+        seed=0,
+        stop="\n",
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        top_k=None,
     )
     assert [m.role for m in request.messages] == ["system", "user", "assistant"]
     assert [m.content for m in request.messages] == ["s", "u", "a"]
@@ -239,7 +267,9 @@ def test_n_samples_accumulate_per_index(fake: FakeGenerate, target: str) -> None
     completions = generation.completions()
     assert [c.final.index for c in completions] == [0, 1, 2]
     assert [(c.text, c.token_ids, c.finish_reason) for c in completions] == [
-        ("s0!", [0, 9], "EOS"), ("s1!", [1, 9], "STOP_SEQUENCE"), ("s2!", [2, 9], "EOS"),
+        ("s0!", [0, 9], "EOS"),
+        ("s1!", [1, 9], "STOP_SEQUENCE"),
+        ("s2!", [2, 9], "EOS"),
     ]
     assert [c.final.seed for c in completions] == [7, 8, 9] and completions[1].usage.generated_tokens == 2
     assert (generation.text, generation.token_ids) == ("s0!", [0, 9])  # sample 0's
@@ -280,8 +310,10 @@ ROUTE_KEY_VECTORS = [
     (dict(prompt="The sea is"), "4d5efeb7493816fd"),
     (dict(prompt="The sea is", cache_salt="tenant-a"), "6e1419c97a310cb1"),
     (dict(prompt="é" * 600 + " and more"), "d6552e76fec2954d"),  # cut at 1,024 bytes, mid-character
-    (dict(messages=[("system", "You are terse."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Again")]),
-     "c27234034c1a4c49"),
+    (
+        dict(messages=[("system", "You are terse."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Again")]),
+        "c27234034c1a4c49",
+    ),
     (dict(messages=[("user", "日本語 🌊")]), "9311b7a87686bfd7"),
     (dict(prompt=""), "6e340b9cffb37a98"),
 ]
@@ -352,8 +384,9 @@ def test_grpcio_ring_hash_routes_by_the_route_key_only_when_opted_in(opt_in: boo
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"}
     if opt_in:
         env["GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"] = "true"
-    out = subprocess.run([sys.executable, "-c", RING_HASH_CHECK], env=env, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", RING_HASH_CHECK], env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     result = json.loads(out)
     if opt_in:
         assert result == {"replicas_per_key": [1], "used": 3}, result
@@ -470,10 +503,17 @@ def test_describe_leaves_out_details_of_another_status(target: str) -> None:
 
 
 TYPED = [
-    ("INVALID_ARGUMENT", BadRequestError), ("RESOURCE_EXHAUSTED", OverloadedError), ("UNAVAILABLE", UnavailableError),
-    ("DEADLINE_EXCEEDED", DeadlineExceededError), ("CANCELLED", CallCancelledError), ("NOT_FOUND", NotFoundError),
-    ("PERMISSION_DENIED", PermissionDeniedError), ("UNAUTHENTICATED", UnauthenticatedError),
-    ("INTERNAL", InternalError), ("UNIMPLEMENTED", BraidError), ("UNKNOWN", BraidError),
+    ("INVALID_ARGUMENT", BadRequestError),
+    ("RESOURCE_EXHAUSTED", OverloadedError),
+    ("UNAVAILABLE", UnavailableError),
+    ("DEADLINE_EXCEEDED", DeadlineExceededError),
+    ("CANCELLED", CallCancelledError),
+    ("NOT_FOUND", NotFoundError),
+    ("PERMISSION_DENIED", PermissionDeniedError),
+    ("UNAUTHENTICATED", UnauthenticatedError),
+    ("INTERNAL", InternalError),
+    ("UNIMPLEMENTED", BraidError),
+    ("UNKNOWN", BraidError),
 ]
 
 
@@ -568,8 +608,11 @@ def test_a_deadline_or_a_closed_channel_raises_its_error(fake: FakeGenerate, tar
 def test_every_method_raises_typed_errors(target: str) -> None:
     with Client(target, api_key="deny") as client:
         calls: list[Callable[[], object]] = [
-            lambda: client.generate("hello"), lambda: client.tokenize("ab"), client.model_info,
-            client.server_status, lambda: client.abort(["running-1"]),
+            lambda: client.generate("hello"),
+            lambda: client.tokenize("ab"),
+            client.model_info,
+            client.server_status,
+            lambda: client.abort(["running-1"]),
         ]
         for call in calls:
             with pytest.raises(UnauthenticatedError, match="^unauthenticated: wrong API key$"):
@@ -580,8 +623,13 @@ def test_every_method_raises_typed_errors(target: str) -> None:
     async def main() -> int:
         raised = 0
         async with AsyncClient(target, api_key="deny") as client:
-            for call in (client.generate("hello"), client.tokenize("ab"), client.model_info(), client.server_status(),
-                         client.abort(["running-1"])):
+            for call in (
+                client.generate("hello"),
+                client.tokenize("ab"),
+                client.model_info(),
+                client.server_status(),
+                client.abort(["running-1"]),
+            ):
                 with pytest.raises(UnauthenticatedError):
                     await call
                 raised += 1
@@ -631,25 +679,49 @@ def test_cli_stats_start_on_a_line_of_their_own(target: str) -> None:
     buffered (as it is unless PYTHONUNBUFFERED is set), stderr not."""
     env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
     for args in (["--stats"], ["--stats", "-n", "2"]):
-        result = subprocess.run([sys.executable, "-m", "braid.client.cli", "--target", target, *args, "hello"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60, check=True,
-                                env=env)
+        result = subprocess.run(
+            [sys.executable, "-m", "braid.client.cli", "--target", target, *args, "hello"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=60,
+            check=True,
+            env=env,
+        )
         first = "Hello\nfinish_reason: MAX_TOKENS" if "-n" not in args else "--- sample 0 ---\ns0!\n[sample 0] finish"
         assert result.stdout.startswith(first), result.stdout
 
 
-def test_cli_streams_text_and_stats(
-    fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["--target", target, "--chat", "--system", "sys", "--max-new-tokens", "3", "--temperature", "0.5",
-            "--stop", "a", "--stop", "b", "--stop-token-id", "9", "--stats", "hello"]
+def test_cli_streams_text_and_stats(fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "--target",
+        target,
+        "--chat",
+        "--system",
+        "sys",
+        "--max-new-tokens",
+        "3",
+        "--temperature",
+        "0.5",
+        "--stop",
+        "a",
+        "--stop",
+        "b",
+        "--stop-token-id",
+        "9",
+        "--stats",
+        "hello",
+    ]
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert out == "Hello\n"
     assert "finish_reason: MAX_TOKENS" in err and "3 generated tokens" in err
     assert fake.requests[-1] == pb.GenerateRequest(
         messages=[pb.Message(role="system", content="sys"), pb.Message(role="user", content="hello")],
-        max_new_tokens=3, stop=["a", "b"], stop_token_ids=[9], temperature=0.5,
+        max_new_tokens=3,
+        stop=["a", "b"],
+        stop_token_ids=[9],
+        temperature=0.5,
     )
 
 
@@ -663,11 +735,28 @@ def test_cli_sends_the_cache_salt_and_shows_cached_tokens(
 
 
 def test_cli_sends_penalties_bias_and_include_stop_sequence(fake: FakeGenerate, target: str) -> None:
-    argv = ["--target", target, "--presence-penalty", "0.5", "--frequency-penalty", "-1", "--logit-bias", "42=-100",
-            "--logit-bias", "7=2.5", "--include-stop-sequence", "hello"]
+    argv = [
+        "--target",
+        target,
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "-1",
+        "--logit-bias",
+        "42=-100",
+        "--logit-bias",
+        "7=2.5",
+        "--include-stop-sequence",
+        "hello",
+    ]
     assert cli.main(argv) == 0
-    assert fake.requests[-1] == pb.GenerateRequest(prompt="hello", presence_penalty=0.5, frequency_penalty=-1,
-                                                   logit_bias={42: -100.0, 7: 2.5}, include_stop_sequence=True)
+    assert fake.requests[-1] == pb.GenerateRequest(
+        prompt="hello",
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        logit_bias={42: -100.0, 7: 2.5},
+        include_stop_sequence=True,
+    )
     assert build_request("hi", logit_bias={3: 1.0}).logit_bias == {3: 1.0}
     with pytest.raises(SystemExit):
         cli.main(["--target", target, "--logit-bias", "forty-two", "hello"])
@@ -808,7 +897,7 @@ class Story(generate_pb2_grpc.GenerateServicer):
     def Stream(self, request: pb.GenerateRequest, context: Context) -> Iterator[pb.GenerateResponse]:
         self.requests.append(request)
         context.send_initial_metadata((("braid-seed", "42"),))
-        rest = STORY[len(request.resume_token_ids):]
+        rest = STORY[len(request.resume_token_ids) :]
         for i, token in enumerate(rest):
             if i == 2 and len(self.requests) <= len(CUTS):
                 context.abort(*CUTS[len(self.requests) - 1])
@@ -829,7 +918,7 @@ def story() -> Iterator[tuple[Story, str]]:
 
 def _raw_client_section() -> str:
     docs = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
-    return docs[docs.index("### A raw gRPC client"):docs.index("**Load reports.**")]
+    return docs[docs.index("### A raw gRPC client") : docs.index("**Load reports.**")]
 
 
 def test_the_deployment_docs_retry_policy_for_raw_clients_is_the_clients_own() -> None:
@@ -858,7 +947,9 @@ def test_a_raw_stub_sees_a_proxys_cut_and_the_deployment_docs_recipe_resumes_it(
         messages = list(stream(stub, pb.GenerateRequest(prompt="hi", resume_token_ids=[11])))
     assert [t for m in messages for t in m.token_ids] == STORY[1:]
     assert [(list(r.resume_token_ids), r.seed) for r in servicer.requests] == [
-        ([11], 0), ([11, 12, 13], 42), ([11, 12, 13, 14, 15], 42),  # each after the request's own
+        ([11], 0),
+        ([11, 12, 13], 42),
+        ([11, 12, 13, 14, 15], 42),  # each after the request's own
     ]
     servicer.requests.clear()
     with Client(target) as client, client.stream("hi") as generation:

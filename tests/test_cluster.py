@@ -47,18 +47,43 @@ SLOWER = {"BRAID_INJECT_FAULT": "delay:5"}
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):
-    install = subprocess.run([str(REPO / "deploy" / "install-tools.sh"), "haproxy", "prometheus"],
-                             capture_output=True, text=True, timeout=900, check=False)
+    install = subprocess.run(
+        [str(REPO / "deploy" / "install-tools.sh"), "haproxy", "prometheus"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert install.returncode == 0, (
         f"the cluster tests need HAProxy and Prometheus: `deploy/install-tools.sh haproxy prometheus` (as root: "
-        f"apt-get install -y haproxy prometheus) failed: {install.stderr.strip()}")
+        f"apt-get install -y haproxy prometheus) failed: {install.stderr.strip()}"
+    )
     replicas = [Replica(f"replica-{n}", free_port(), free_port()) for n in (1, 2, 3)]
-    cluster = Cluster(replicas, tmp_path_factory.mktemp("cluster"), port=free_port(), stats_port=free_port(),
-                      prometheus_port=free_port(), scrape_interval="1s", env=SLOWER, quiet=True,
-                      braid_args=["--model", str(tiny_dir), "--threads", "1", "--kv-cache-memory", "64MiB",
-                                  "--grace-period", "30", "--handover-grace", str(HANDOVER_GRACE_S),
-                                  # HAProxy's connections to a replica are replaced every 5 s or so (GOAWAY)
-                                  "--max-connection-age-ms", "5000"])
+    cluster = Cluster(
+        replicas,
+        tmp_path_factory.mktemp("cluster"),
+        port=free_port(),
+        stats_port=free_port(),
+        prometheus_port=free_port(),
+        scrape_interval="1s",
+        env=SLOWER,
+        quiet=True,
+        braid_args=[
+            "--model",
+            str(tiny_dir),
+            "--threads",
+            "1",
+            "--kv-cache-memory",
+            "64MiB",
+            "--grace-period",
+            "30",
+            "--handover-grace",
+            str(HANDOVER_GRACE_S),
+            # HAProxy's connections to a replica are replaced every 5 s or so (GOAWAY)
+            "--max-connection-age-ms",
+            "5000",
+        ],
+    )
     cluster.start()
     yield cluster
     cluster.stop()
@@ -112,10 +137,22 @@ def test_one_channels_concurrent_streams_spread_over_the_replicas(cluster):
 def test_trailers_come_through_the_proxy(cluster):
     """The ORCA load report a weighted balancer reads is a trailer (gRPC's own clients hand it to
     their balancer, not the caller: grpcurl shows it)."""
-    out = subprocess.run([str(GRPCURL), "-plaintext", "-v", "-d", '{"prompt": "The sea is", "max_new_tokens": 4}',
-                          cluster.target, "braid.v1.Generate/Stream"], capture_output=True, text=True, timeout=60,
-                         check=True).stdout
-    trailers = out[out.index("Response trailers received:"):]
+    out = subprocess.run(
+        [
+            str(GRPCURL),
+            "-plaintext",
+            "-v",
+            "-d",
+            '{"prompt": "The sea is", "max_new_tokens": 4}',
+            cluster.target,
+            "braid.v1.Generate/Stream",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    trailers = out[out.index("Response trailers received:") :]
     assert "endpoint-load-metrics-bin: " in trailers and "braid-total-ms: " in trailers
 
 
@@ -144,8 +181,10 @@ def test_prometheus_scrapes_each_replicas_generated_tokens(cluster):
     assert float(up[0]["value"][1]) == len(cluster.replicas)
 
 
-WORDS = ("sea river stone light garden window letter market winter summer music paper forest table "
-         "mountain bridge village morning evening silver orange yellow animal answer number story").split()
+WORDS = (
+    "sea river stone light garden window letter market winter summer music paper forest table "
+    "mountain bridge village morning evening silver orange yellow animal answer number story"
+).split()
 
 
 def system_prompt(name: str) -> str:
@@ -163,8 +202,9 @@ def cached_share(cluster: Cluster, run: str, route_keys: bool) -> tuple[float, i
     cached = total = 0
     with Client(cluster.target, route_keys=route_keys) as client:
         for system, question in calls:
-            usage = client.generate(f"{system}\nQuestion {question}:", max_new_tokens=1, ignore_eos=True,
-                                    timeout=60).usage
+            usage = client.generate(
+                f"{system}\nQuestion {question}:", max_new_tokens=1, ignore_eos=True, timeout=60
+            ).usage
             cached, total = cached + usage.cached_tokens, total + usage.prompt_tokens
     return cached / total, total // len(calls)
 
@@ -178,23 +218,32 @@ def test_calls_with_a_route_key_find_their_prefix_cached(cluster, record_propert
     without_key, _ = cached_share(cluster, "unkeyed", route_keys=False)
     record_property("cached_share_with_key", round(with_key, 3))
     record_property("cached_share_without_key", round(without_key, 3))
-    print(f"prefix cache, 48 calls of {prompt_tokens} prompt tokens over 3 replicas: {with_key:.0%} of prompt "
-          f"tokens cached with the routing key, {without_key:.0%} without")
+    print(
+        f"prefix cache, 48 calls of {prompt_tokens} prompt tokens over 3 replicas: {with_key:.0%} of prompt "
+        f"tokens cached with the routing key, {without_key:.0%} without"
+    )
     assert with_key >= 0.8
     assert without_key < with_key
     # Each replica's own ratio: in its ServerStatus, and in Prometheus with its replica label.
     books = {r.name: status(cluster, r) for r in cluster.replicas}
     ratios = {name: s.prefix_hit_ratio for name, s in books.items()}
-    assert all(ratio == pytest.approx(s.prompt_tokens_cached / (s.prompt_tokens_cached + s.prompt_tokens_computed))
-               for ratio, s in zip(ratios.values(), books.values()))
+    assert all(
+        ratio == pytest.approx(s.prompt_tokens_cached / (s.prompt_tokens_cached + s.prompt_tokens_computed))
+        for ratio, s in zip(ratios.values(), books.values())
+    )
     print(f"prefix hit ratio per replica: {', '.join(f'{name} {ratio:.2f}' for name, ratio in ratios.items())}")
 
     def scraped() -> dict[str, float]:
         result = prometheus_query(cluster, 'braid_prefix_cache_hit_ratio{job="braid"}')
         return {series["metric"]["replica"]: float(series["value"][1]) for series in result}
 
-    wait_for(lambda: scraped().keys() == ratios.keys()
-             and all(v == pytest.approx(ratios[k], abs=1e-6) for k, v in scraped().items()), timeout=30)
+    wait_for(
+        lambda: (
+            scraped().keys() == ratios.keys()
+            and all(v == pytest.approx(ratios[k], abs=1e-6) for k, v in scraped().items())
+        ),
+        timeout=30,
+    )
 
 
 def test_a_hot_prefix_spills_over_to_other_replicas(cluster):
@@ -205,8 +254,9 @@ def test_a_hot_prefix_spills_over_to_other_replicas(cluster):
     random.Random(7).shuffle(prompts)
     before = {r.name: status(cluster, r).sessions_submitted for r in cluster.replicas}
     with Client(cluster.target) as client:
-        streams = [client.stream(prompt, max_new_tokens=256, ignore_eos=True, temperature=0, timeout=120)
-                   for prompt in prompts]  # each call starts at once
+        streams = [
+            client.stream(prompt, max_new_tokens=256, ignore_eos=True, temperature=0, timeout=120) for prompt in prompts
+        ]  # each call starts at once
         finals = [list(stream)[-1] for stream in streams]
     assert [final.finish_reason for final in finals] == [MAX_TOKENS] * len(prompts)
     served = {r.name: status(cluster, r).sessions_submitted - before[r.name] for r in cluster.replicas}
@@ -260,8 +310,13 @@ def test_a_rolling_restart_hands_streams_over_and_fails_no_call(cluster, record_
                 threads = [threading.Thread(target=run, args=(i,)) for i in range(len(STORIES))]
                 for thread in threads:
                     thread.start()
-                wait_for(lambda: len(generations) == len(outcomes) + len(STORIES)
-                         and all(g.token_ids for g in generations[-len(STORIES):]), timeout=30)
+                wait_for(
+                    lambda: (
+                        len(generations) == len(outcomes) + len(STORIES)
+                        and all(g.token_ids for g in generations[-len(STORIES) :])
+                    ),
+                    timeout=30,
+                )
                 times.append(restart(cluster, replica))
                 for thread in threads:
                     thread.join(120)
@@ -271,10 +326,12 @@ def test_a_rolling_restart_hands_streams_over_and_fails_no_call(cluster, record_
         load.stop()
     resumed = sum(g.resumes for g in generations)
     record_property("restart_s", [[round(t, 1) for t in pair] for pair in times])
-    print(f"rolling restart with hand-over ({HANDOVER_GRACE_S} s): SIGTERM to exit "
-          f"{', '.join(f'{e:.1f}' for e, _ in times)} s, to UP again {', '.join(f'{u:.1f}' for _, u in times)} s; "
-          f"{resumed} of 24 long streams resumed; {load.completed['ok']} other calls ({load.resumed} resumed) in "
-          f"{time.monotonic() - began:.0f} s")
+    print(
+        f"rolling restart with hand-over ({HANDOVER_GRACE_S} s): SIGTERM to exit "
+        f"{', '.join(f'{e:.1f}' for e, _ in times)} s, to UP again {', '.join(f'{u:.1f}' for _, u in times)} s; "
+        f"{resumed} of 24 long streams resumed; {load.completed['ok']} other calls ({load.resumed} resumed) in "
+        f"{time.monotonic() - began:.0f} s"
+    )
     assert len(outcomes) == 24 and all(tokens == undisturbed[prompt] for prompt, tokens in outcomes)
     assert resumed >= 1  # some streams were handed over, not only waited for
     assert load.failures == []

@@ -18,33 +18,62 @@ from conftest import MODES
 
 SCHEMAS = {
     "nested objects": {
-        "type": "object", "additionalProperties": False, "required": ["person"],
-        "properties": {"person": {
-            "type": "object", "additionalProperties": False, "required": ["name", "address"],
-            "properties": {
-                "name": {"type": "string", "minLength": 1, "maxLength": 16},
-                "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
-                            "properties": {"city": {"type": "string", "maxLength": 16},
-                                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}}},
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["person"],
+        "properties": {
+            "person": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "address"],
+                "properties": {
+                    "name": {"type": "string", "minLength": 1, "maxLength": 16},
+                    "address": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["city", "zip"],
+                        "properties": {
+                            "city": {"type": "string", "maxLength": 16},
+                            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                        },
+                    },
+                },
+            }
+        },
+    },
     "arrays": {
-        "type": "object", "additionalProperties": False, "required": ["fruits", "primes"],
-        "properties": {"fruits": {"type": "array", "minItems": 1, "maxItems": 4,
-                                  "items": {"type": "string", "maxLength": 12}},
-                       "primes": {"type": "array", "maxItems": 3, "items": {"type": "integer", "minimum": 2,
-                                                                              "maximum": 97}}}},
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["fruits", "primes"],
+        "properties": {
+            "fruits": {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "string", "maxLength": 12}},
+            "primes": {"type": "array", "maxItems": 3, "items": {"type": "integer", "minimum": 2, "maximum": 97}},
+        },
+    },
     "enums and required": {
-        "type": "object", "additionalProperties": False, "required": ["color", "size"],
-        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]},
-                       "note": {"type": "string", "maxLength": 10}}},
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["color", "size"],
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "L"]},
+            "note": {"type": "string", "maxLength": 10},
+        },
+    },
     "bounded numbers": {
-        "type": "object", "additionalProperties": False, "required": ["age", "count", "price"],
-        "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
-                       "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 10},
-                       # (a number with no bound on its digits never has to end: with a maximum of 1
-                       # this model wrote "1.000..." until max_new_tokens, and with int8 rows
-                       # "199.999..."; multipleOf bounds the fraction, as a price's schema would, and
-                       # 0.25 is exact in binary, so jsonschema's check of it is too)
-                       "price": {"type": "number", "minimum": 0.5, "maximum": 999.99, "multipleOf": 0.25}}},
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["age", "count", "price"],
+        "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 10},
+            # (a number with no bound on its digits never has to end: with a maximum of 1
+            # this model wrote "1.000..." until max_new_tokens, and with int8 rows
+            # "199.999..."; multipleOf bounds the fraction, as a price's schema would, and
+            # 0.25 is exact in binary, so jsonschema's check of it is too)
+            "price": {"type": "number", "minimum": 0.5, "maximum": 999.99, "multipleOf": 0.25},
+        },
+    },
 }
 RUNS = 10  # of each schema greedy, and 10 more sampled: 20 runs of each
 MAX_NEW_TOKENS = 400  # a string of 12 emoji is some 40 tokens
@@ -101,8 +130,10 @@ def test_every_output_validates_against_its_schema_greedy_and_sampled(smol, name
     schema = SCHEMAS[name]
     constraint = json_schema(schema)
     calls = [(f"Example {i}. Answer in JSON: describe something.", {"constraint": constraint}) for i in range(RUNS)]
-    calls += [("Answer in JSON: describe something.", {"constraint": constraint, "temperature": 0.8, "seed": seed})
-              for seed in range(RUNS)]
+    calls += [
+        ("Answer in JSON: describe something.", {"constraint": constraint, "temperature": 0.8, "seed": seed})
+        for seed in range(RUNS)
+    ]
     results = asyncio.run(_constrained_beside_unconstrained(smol.target, calls))
     for text, final in results:
         assert final.finish_reason == pb.FINISH_REASON_CONSTRAINT, (text, final.finish_reason)
@@ -129,8 +160,12 @@ def test_regex_and_choice_outputs_match_in_every_mode(servers, mode):
 def test_json_object_and_grammars(servers):
     with servers("continuous").client() as client:
         obj = client.generate("Data:", constraint=json_object(), max_new_tokens=200, temperature=0.5, seed=3)
-        lark = client.generate("Say:", constraint=grammar('start: GREETING " " NAME\nGREETING: "hello" | "hi"\n'
-                                                           'NAME: /[a-z]{1,8}/'), temperature=1.0, seed=1)
+        lark = client.generate(
+            "Say:",
+            constraint=grammar('start: GREETING " " NAME\nGREETING: "hello" | "hi"\nNAME: /[a-z]{1,8}/'),
+            temperature=1.0,
+            seed=1,
+        )
         gbnf = client.generate("Say:", constraint=grammar('root ::= ("yes" | "no") "!"', syntax="gbnf"))
     if obj.finish_reason == "CONSTRAINT":  # a random model may write a long object: then it is a prefix
         assert isinstance(json.loads(obj.text), dict)

@@ -108,7 +108,10 @@ def envoy_http_connection_manager() -> dict:
 
 def cluster_addresses(cluster: dict) -> list[tuple[str, int]]:
     return [
-        (e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["address"]["socket_address"]["port_value"])
+        (
+            e["endpoint"]["address"]["socket_address"]["address"],
+            e["endpoint"]["address"]["socket_address"]["port_value"],
+        )
         for group in cluster["load_assignment"]["endpoints"]
         for e in group["lb_endpoints"]
     ]
@@ -148,9 +151,7 @@ def test_docker_compose_accepts_the_compose_files(files: list[Path]) -> None:
     args = [str(compose_binary())]
     for file in files:
         args += ["-f", str(file)]
-    result = subprocess.run(
-        [*args, "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
-    )
+    result = subprocess.run([*args, "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert not result.stderr.strip(), f"docker compose config warned: {result.stderr}"
 
@@ -216,7 +217,10 @@ def test_envoy_config_matches_envoys_api_schema() -> None:
     Envoy and the Kubernetes one (deploy/kubernetes-envoy.yaml)."""
     bootstrap = envoy_bootstrap(load("deploy/envoy.yaml"))
     assert {cluster.name for cluster in bootstrap.static_resources.clusters} == {
-        "braid", "braid_affinity", "otel_collector"}
+        "braid",
+        "braid_affinity",
+        "otel_collector",
+    }
     bootstrap = envoy_bootstrap(kubernetes_envoy_config())
     assert {cluster.name for cluster in bootstrap.static_resources.clusters} == {"braid", "braid_affinity"}
 
@@ -232,8 +236,9 @@ def test_envoy_routes_calls_by_their_route_key_with_bounded_load() -> None:
     without one to the least-loaded replica, as before. HAProxy does the same (deploy/haproxy.cfg)."""
     from braid.client.routing import ROUTE_KEY_HEADER
 
-    keyed, plain = [route for host in envoy_http_connection_manager()["route_config"]["virtual_hosts"]
-                    for route in host["routes"]]
+    keyed, plain = [
+        route for host in envoy_http_connection_manager()["route_config"]["virtual_hosts"] for route in host["routes"]
+    ]
     assert keyed["match"]["headers"] == [{"name": ROUTE_KEY_HEADER, "present_match": True}]
     assert keyed["route"]["hash_policy"] == [{"header": {"header_name": ROUTE_KEY_HEADER}}]
     assert keyed["route"]["retry_policy"] == plain["route"]["retry_policy"]
@@ -309,8 +314,11 @@ def test_envoy_takes_a_draining_replica_out_as_haproxy_does() -> None:
     assert outlier["consecutive_gateway_failure"] == 1 and outlier["enforcing_consecutive_gateway_failure"] == 100
     (check,) = envoy_cluster("braid")["health_checks"]
     haproxy = (ROOT / "deploy" / "haproxy.cfg").read_text()
-    assert re.search(rf"default-server check inter {seconds(check['interval']):g}s .*fall {check['unhealthy_threshold']}"
-                     rf" rise {check['healthy_threshold']}", haproxy)
+    assert re.search(
+        rf"default-server check inter {seconds(check['interval']):g}s .*fall {check['unhealthy_threshold']}"
+        rf" rise {check['healthy_threshold']}",
+        haproxy,
+    )
 
 
 def test_braid_accepts_the_keepalive_pings_envoy_sends() -> None:
@@ -322,7 +330,8 @@ def test_braid_accepts_the_keepalive_pings_envoy_sends() -> None:
     min_interval_ms = float(env.get("BRAID_MIN_PING_INTERVAL_MS", defaults.min_ping_interval_ms))
     permit = env.get("BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS", str(defaults.keepalive_permit_without_calls))
     options = envoy_cluster("braid")["typed_extension_protocol_options"][
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]["http2_protocol_options"]
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]["explicit_http_config"]["http2_protocol_options"]
     assert seconds(options["connection_keepalive"]["interval"]) * 1000 >= min_interval_ms
     assert permit.lower() in {"1", "true", "yes", "on"}
 
@@ -337,7 +346,9 @@ def test_envoy_references_resolve_to_clusters_and_compose_services() -> None:
     envoy = load("deploy/envoy.yaml")
     hcm = envoy_http_connection_manager()
     clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
-    referenced = {route["route"]["cluster"] for host in hcm["route_config"]["virtual_hosts"] for route in host["routes"]}
+    referenced = {
+        route["route"]["cluster"] for host in hcm["route_config"]["virtual_hosts"] for route in host["routes"]
+    }
     referenced.add(hcm["tracing"]["provider"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"])
     assert referenced <= clusters.keys()
 
@@ -419,8 +430,10 @@ def test_the_kv_cache_is_set_the_same_everywhere_and_fits_the_memory_limit() -> 
     compose = load("docker-compose.yml")["services"]["braid"]
     container = braid_container()
     kv = {compose_env(compose)["BRAID_KV_CACHE_MEMORY"], k8s_env(container)["BRAID_KV_CACHE_MEMORY"]["value"]}
-    limits = {memory_bytes(compose["deploy"]["resources"]["limits"]["memory"]),
-              memory_bytes(container["resources"]["limits"]["memory"])}
+    limits = {
+        memory_bytes(compose["deploy"]["resources"]["limits"]["memory"]),
+        memory_bytes(container["resources"]["limits"]["memory"]),
+    }
     assert len(kv) == 1 and len(limits) == 1, (kv, limits)
     kv_bytes, is_fraction = parse_memory(kv.pop())
     assert not is_fraction and kv_bytes <= limits.pop() / 2
@@ -542,8 +555,8 @@ def _pattern_test(pattern: str):
     while i < len(pattern):
         at_start, char = i == 0, pattern[i]
         i += 1
-        if char == "*" and pattern[i:i + 1] == "*":
-            i += 1 + (pattern[i + 1:i + 2] == "/")
+        if char == "*" and pattern[i : i + 1] == "*":
+            i += 1 + (pattern[i + 1 : i + 2] == "/")
             if i < len(pattern):
                 kind, regex = "regex", regex + "(.*/)?"
             elif kind == "exact":
@@ -597,7 +610,8 @@ def docker_context(root: Path) -> list[str]:
         relative = Path(folder).relative_to(root).as_posix()
         prefix = "" if relative == "." else relative + "/"
         subfolders[:] = sorted(
-            name for name in subfolders
+            name
+            for name in subfolders
             if not dockerignore_excludes(patterns, prefix + name)
             or not literal_exceptions
             or any((p + "/").startswith(prefix + name + "/") for p in exceptions)
@@ -634,8 +648,14 @@ def test_the_build_context_holds_what_the_image_is_built_from_and_nothing_built_
     for exception in (p[1:] for p in patterns if p.startswith("!")):
         assert (ROOT / exception).exists(), f".dockerignore lets in {exception}, which does not exist"
     context = docker_context(ROOT)
-    for needed in ("pyproject.toml", "setup.py", "README.md", "protos/braid/v1/generate.proto",
-                   "clients/python/setup.py", "server/braid/server/cli.py"):
+    for needed in (
+        "pyproject.toml",
+        "setup.py",
+        "README.md",
+        "protos/braid/v1/generate.proto",
+        "clients/python/setup.py",
+        "server/braid/server/cli.py",
+    ):
         assert needed in context, f"the image's build context lacks {needed}"
     csrc = ROOT / "server" / "braid" / "server" / "runner" / "csrc"
     assert {p.relative_to(ROOT).as_posix() for p in csrc.glob("*.[ch]")} <= set(context)
@@ -652,8 +672,13 @@ def image_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (context / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, context / name)
     dist = tmp_path_factory.mktemp("dist")
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dist), str(context)],
-                           capture_output=True, text=True, timeout=900, check=False)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dist), str(context)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = dist.glob("braid_llm_server-*.whl")
     (dist / "build.log").write_text(built.stdout + built.stderr)
@@ -674,12 +699,15 @@ def test_the_image_wheel_carries_braids_kernels(image_wheel: Path) -> None:
         (kernels,) = [n for n in archive.namelist() if re.fullmatch(r"braid/server/runner/_cpu_kernels\..*\.so", n)]
         library = archive.extract(kernels, image_wheel.parent / "unpacked")
     # The library loads beside torch (which loads the libgomp it links) and runs on this CPU.
-    script = ("import importlib.machinery as m, importlib.util as u, sys, torch; "
-              "name = 'braid.server.runner._cpu_kernels'; loader = m.ExtensionFileLoader(name, sys.argv[1]); "
-              "module = u.module_from_spec(u.spec_from_file_location(name, sys.argv[1], loader=loader)); "
-              "loader.exec_module(module); print(' '.join(module.isas()))")
-    loaded = subprocess.run([sys.executable, "-c", script, library], capture_output=True, text=True, timeout=120,
-                            check=False)
+    script = (
+        "import importlib.machinery as m, importlib.util as u, sys, torch; "
+        "name = 'braid.server.runner._cpu_kernels'; loader = m.ExtensionFileLoader(name, sys.argv[1]); "
+        "module = u.module_from_spec(u.spec_from_file_location(name, sys.argv[1], loader=loader)); "
+        "loader.exec_module(module); print(' '.join(module.isas()))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", script, library], capture_output=True, text=True, timeout=120, check=False
+    )
     assert loaded.returncode == 0, loaded.stderr
     assert re.match(r"(avx512|avx2)", loaded.stdout), loaded.stdout
 
@@ -687,13 +715,13 @@ def test_the_image_wheel_carries_braids_kernels(image_wheel: Path) -> None:
 def test_the_image_runs_only_where_the_kernels_load() -> None:
     instructions = dockerfile_instructions()
     keywords = [keyword for keyword, _ in instructions]
-    final_stage = instructions[len(keywords) - 1 - keywords[::-1].index("FROM"):]
+    final_stage = instructions[len(keywords) - 1 - keywords[::-1].index("FROM") :]
     runs = [args for keyword, args in final_stage if keyword == "RUN"]
     # The OpenMP runtime the kernels link, and a build that fails where they do not load.
     assert any("apt-get install" in run and "libgomp1" in run.split() for run in runs)
     check = 'python -c "import torch, braid.server.runner._cpu_kernels"'
     assert check in runs and runs.index(check) < runs.index("braid warmup")
-    env = " ".join(args for keyword, args in final_stage[:final_stage.index(("RUN", check))] if keyword == "ENV")
+    env = " ".join(args for keyword, args in final_stage[: final_stage.index(("RUN", check))] if keyword == "ENV")
     assert "PATH=/opt/venv/bin:$PATH" in env, "the check runs the venv's python"
 
 

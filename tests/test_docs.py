@@ -21,8 +21,9 @@ BIN = Path(sys.executable).parent
 def test_load_readme_quotes_only_figures_from_the_benchmarks():
     figures = re.findall(r"(\d[\d,]*(?:\.\d+)?) (?:tok/s|tokens/s|ms)\b", (REPO / "load" / "README.md").read_text())
     for figure in figures:
-        assert re.search(rf"(?<![\d.,]){re.escape(figure)}(?![\d])", BENCHMARKS), \
+        assert re.search(rf"(?<![\d.,]){re.escape(figure)}(?![\d])", BENCHMARKS), (
             f"load/README.md quotes {figure}, which docs/benchmarks.md does not have"
+        )
 
 
 def test_the_readme_pins_the_torch_of_the_makefile_and_the_dockerfile():
@@ -49,8 +50,9 @@ def test_the_readme_client_commands_run_against_a_server(smol):
     env = {**os.environ, "BRAID_TARGET": smol.target}
     # all at once, as many users would: the server batches their generations
     with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
-        results = list(pool.map(lambda c: subprocess.run(c, env=env, capture_output=True, text=True, timeout=180),
-                                commands))
+        results = list(
+            pool.map(lambda c: subprocess.run(c, env=env, capture_output=True, text=True, timeout=180), commands)
+        )
     for command, result in zip(commands, results):
         assert result.returncode == 0, f"{shlex.join(command[1:])}: {result.stderr[-2000:]}"
         assert result.stdout.strip(), f"{shlex.join(command[1:])} printed nothing"

@@ -56,8 +56,14 @@ def run(recipe: Recipe, target: str, timeout: float = 60) -> str:
     """Runs one recipe against target; returns stdout and stderr together after checking exit 0."""
     assert (BIN / "grpcurl").exists(), f"{BIN / 'grpcurl'} is missing: install the test extra"
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["bash", "-c", recipe.command.replace(DOC_TARGET, target)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        ["bash", "-c", recipe.command.replace(DOC_TARGET, target)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{recipe.id} exited {result.returncode}:\n{output}"
     return output
@@ -107,6 +113,7 @@ def one(check: Callable[[dict], bool]) -> Callable[[str], None]:
 
 def constrained(check: Callable[[str], object]) -> Callable[[str], None]:
     """A stream whose whole text passes check and that ends with FINISH_REASON_CONSTRAINT."""
+
     def run_check(output: str) -> None:
         messages = json_messages(output)
         text = "".join(m.get("text", "") for m in messages)
@@ -172,8 +179,9 @@ def test_cancellation_recipe(smol):
         assert "interrupted: 124" in output  # timeout's code: grpcurl was still streaming
         assert '"text"' in output and "finish_reason" not in output
         deadline = time.monotonic() + 20
-        while (status := client.server_status(timeout=5)).sessions_active or \
-                status.sessions_finished.cancelled == before:
+        while (
+            status := client.server_status(timeout=5)
+        ).sessions_active or status.sessions_finished.cancelled == before:
             assert time.monotonic() < deadline, "the session was not cancelled"
             time.sleep(0.05)
     status = json_messages(run(server_status, smol.target))[0]

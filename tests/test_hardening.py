@@ -19,6 +19,7 @@ from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 from conftest import LONG, SLOW, SMALL_WINDOW, Server, start_together, tiny_server, wait_for
 
+
 def _details(err: grpc.RpcError, kind):
     raw = dict(err.trailing_metadata())["grpc-status-details-bin"]
     detail = kind()
@@ -38,16 +39,19 @@ def _settled(client, **expected):
     def check():
         s = client.server_status()
         return s if all(getattr(s, k) == v for k, v in expected.items()) else None
+
     return wait_for(check)
 
 
 def test_invalid_utf8_is_invalid_argument_naming_the_field(servers):
     server = servers("continuous")
-    good = pb.GenerateRequest(messages=[pb.Message(role="user", content="ok"),
-                                        pb.Message(role="user", content="x")]).SerializeToString()
+    good = pb.GenerateRequest(
+        messages=[pb.Message(role="user", content="ok"), pb.Message(role="user", content="x")]
+    ).SerializeToString()
     with grpc.insecure_channel(server.target) as channel:
-        raw = channel.unary_stream("/braid.v1.Generate/Stream", request_serializer=None,
-                                   response_deserializer=pb.GenerateResponse.FromString)
+        raw = channel.unary_stream(
+            "/braid.v1.Generate/Stream", request_serializer=None, response_deserializer=pb.GenerateResponse.FromString
+        )
         with pytest.raises(grpc.RpcError) as err:
             list(raw(good.replace(b"x", b"\xff\xfe")))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -90,6 +94,7 @@ def test_the_default_client_retries_a_full_queue_after_the_delay_the_server_asks
 def _order_of_service(server: Server, priorities: list[int]) -> list[int]:
     """Holds the model with one stream, queues one request per priority (in order), releases the
     model, and returns the queued requests' indices in the order they got their first token."""
+
     async def run():
         async with AsyncClient(server.target) as client:
             hold = client.stream("hold", **LONG)
@@ -109,14 +114,28 @@ def _order_of_service(server: Server, priorities: list[int]) -> list[int]:
             hold.cancel()
             await asyncio.gather(*tasks)
             return order
+
     return asyncio.run(run())
 
 
 def test_interactive_goes_before_batch_and_batch_is_not_starved(tiny_dir):
     b, i = pb.PRIORITY_BATCH, pb.PRIORITY_INTERACTIVE
-    patient, aging = start_together(*[
-        functools.partial(tiny_server, tiny_dir, "--mode", "sequential", "--max-sessions", "1",
-                          "--batch-max-wait-ms", wait, env=SLOW) for wait in ("60000", "100")])
+    patient, aging = start_together(
+        *[
+            functools.partial(
+                tiny_server,
+                tiny_dir,
+                "--mode",
+                "sequential",
+                "--max-sessions",
+                "1",
+                "--batch-max-wait-ms",
+                wait,
+                env=SLOW,
+            )
+            for wait in ("60000", "100")
+        ]
+    )
     try:
         assert _order_of_service(patient, [b, b, i])[0] == 2
         # Once a batch session has waited --batch-max-wait-ms, it goes before newer interactive ones.
@@ -149,8 +168,7 @@ def test_a_deadline_that_passes_while_the_send_waits_is_counted_as_a_deadline(se
     with server.client() as client:
         before = client.server_status().sessions_finished
         with grpc.insecure_channel(server.target, options=SMALL_WINDOW) as channel:
-            call = pb_grpc.GenerateStub(channel).Stream(
-                pb.GenerateRequest(prompt="slow", **LONG), timeout=8)
+            call = pb_grpc.GenerateStub(channel).Stream(pb.GenerateRequest(prompt="slow", **LONG), timeout=8)
             call.initial_metadata()
             wait_for(lambda: client.server_status(timeout=10).sessions_paused == 1, timeout=7)
             assert call.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # (waits for the deadline)

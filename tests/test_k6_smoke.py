@@ -22,8 +22,13 @@ def test_load_script_smoke(smol, tmp_path):
     summary = tmp_path / "summary.json"
     # the time-to-first-token threshold is for a user's load run: no timing decides a test (it failed
     # one on a loaded machine), so here it is out of reach and only the error threshold counts
-    settings = {"BRAID_TARGET": smol.target, "BRAID_VUS": "2", "BRAID_DURATION": "3s", "BRAID_MAX_TOKENS": "4",
-                "BRAID_TTFT_P95_MS": "600000"}
+    settings = {
+        "BRAID_TARGET": smol.target,
+        "BRAID_VUS": "2",
+        "BRAID_DURATION": "3s",
+        "BRAID_MAX_TOKENS": "4",
+        "BRAID_TTFT_P95_MS": "600000",
+    }
     result = subprocess.run(
         [str(K6), "run", "--quiet", "--no-color", "--summary-export", str(summary),
          *(arg for name, value in settings.items() for arg in ("-e", f"{name}={value}")), str(SCRIPT)],

@@ -31,11 +31,16 @@ from braid.server.runner.kernels.pick import pick_ops
 CPU = torch.device("cpu")
 ISAS = extension._cpu_kernels.isas() if extension._cpu_kernels is not None else []
 TORCH = TorchOps()
-needs_kernels = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2: braid's C kernels "
-                                                   "do not run here")
-QUANTIZED = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-             "q4_1": GGMLQuantizationType.Q4_1, "q6_k": GGMLQuantizationType.Q6_K,
-             "q4_k": GGMLQuantizationType.Q4_K}
+needs_kernels = pytest.mark.skipif(
+    not ISAS, reason="this CPU has neither AVX-512 nor AVX2: braid's C kernels do not run here"
+)
+QUANTIZED = {
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q6_k": GGMLQuantizationType.Q6_K,
+    "q4_k": GGMLQuantizationType.Q4_K,
+}
 FLOATS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 # (in, out): the SmolLM2 shapes, the tiny test model's, and odd sizes that leave a partial panel.
@@ -140,7 +145,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch(isa, fmt):
     x = torch.randn(70, 512)
     together = layer(x)
     for row in (0, 1, 12, 13, 69):
-        assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), row
+        assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
     # and in a batch of another size, where the rows split into tiles differently
     assert torch.equal(layer(x[5:22]), together[5:22])
 
@@ -173,8 +178,9 @@ def test_int8_activations_in_every_quantized_format(isa, fmt):
             exact = quantized_rows(x) @ reference.double().t() + bias.double()
             scale = x.abs().amax(1, keepdim=True).double() * reference.abs().sum(1).double()  # [m, n]
             assert ((out.double() - exact).abs() <= 1e-5 * scale + 1e-5).all(), (shape, m)
-            assert ((out.double() - (x.double() @ reference.double().t() + bias.double())).abs()
-                    <= scale / 127 + 1e-5).all(), (shape, m)
+            assert (
+                (out.double() - (x.double() @ reference.double().t() + bias.double())).abs() <= scale / 127 + 1e-5
+            ).all(), (shape, m)
             y = torch.randn(m, n)
             expected = y.double() + quantized_rows(x) @ reference.double().t()
             assert plain.add_into(y, x) is y
@@ -188,13 +194,14 @@ def test_int8_activations_give_a_row_the_same_bits_alone_in_a_batch_and_in_every
     outs = {}
     for build in ISAS:  # every build the CPU runs computes the same integer sums and folds
         extension._cpu_kernels.select_isa(build)
-        layer = CpuKernelOps(build, activations="int8").linear(weight, torch.randn(100, generator=torch.Generator()
-                                                                                    .manual_seed(3)))
+        layer = CpuKernelOps(build, activations="int8").linear(
+            weight, torch.randn(100, generator=torch.Generator().manual_seed(3))
+        )
         outs[build] = together = layer(x)
         for row in (0, 1, 12, 13, 69):
-            assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), (build, row)
+            assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), (build, row)
         for rows in ((5, 22), (0, 3), (10, 26)):
-            assert torch.equal(layer(x[rows[0]:rows[1]]), together[rows[0]:rows[1]]), (build, rows)
+            assert torch.equal(layer(x[rows[0] : rows[1]]), together[rows[0] : rows[1]]), (build, rows)
     extension._cpu_kernels.select_isa(isa.isa)
     assert all(torch.equal(out, outs[ISAS[0]]) for out in outs.values()), list(outs)
 
@@ -235,8 +242,9 @@ def _bf16_builds() -> list[str]:
 
 
 BF16_BUILDS = _bf16_builds() if ISAS else []
-NO_BF16 = ("this CPU has no AVX-512 BF16: the bf16 path does not run here (where it does, the start-up self-check "
-           "covers it)")
+NO_BF16 = (
+    "this CPU has no AVX-512 BF16: the bf16 path does not run here (where it does, the start-up self-check covers it)"
+)
 
 
 @pytest.fixture(params=BF16_BUILDS or ["none"])
@@ -273,7 +281,7 @@ def test_bf16_activations_against_the_fp32_reference(bf16_isa):
             exact = bf16_rows(x) @ reference.double().t() + bias.double()
             assert ((out - exact).abs() <= 1e-5 * scale + 1e-5).all(), (shape, m)
             fp32 = x.double() @ reference.double().t() + bias.double()
-            assert ((out - fp32).abs() <= 2 ** -7 * scale + 1e-5).all(), (shape, m)
+            assert ((out - fp32).abs() <= 2**-7 * scale + 1e-5).all(), (shape, m)
             y = torch.randn(m, n)
             expected = y.double() + bf16_rows(x) @ reference.double().t()
             assert plain.add_into(y, x) is y
@@ -286,9 +294,9 @@ def test_bf16_activations_give_a_row_the_same_bits_alone_and_in_a_batch(bf16_isa
     x = torch.randn(70, 577)
     together = layer(x)
     for row in (0, 1, 12, 13, 69):
-        assert torch.equal(layer(x[row:row + 1]), together[row:row + 1]), row
+        assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
     for rows in ((5, 22), (0, 3), (10, 26)):  # other tile splits
-        assert torch.equal(layer(x[rows[0]:rows[1]]), together[rows[0]:rows[1]]), rows
+        assert torch.equal(layer(x[rows[0] : rows[1]]), together[rows[0] : rows[1]]), rows
 
 
 @pytest.mark.parametrize("k", [256, 255])
@@ -329,19 +337,49 @@ def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them():
     from braid.server.runner.model_runner import ModelRunner
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
-    loaded = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="tiny",
-                         architecture="LlamaForCausalLM", eos_token_ids=(2,))
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    loaded = LoadedModel(
+        hf_model=LlamaForCausalLM(config).eval(),
+        hf_tokenizer=None,
+        name="tiny",
+        architecture="LlamaForCausalLM",
+        eos_token_ids=(2,),
+    )
     extension._cpu_kernels.select_isa(BF16_BUILDS[0])
-    runner = ModelRunner(loaded, CPU, torch.float32, num_pages=4, max_seq_len=64, weight_dtype="bfloat16",
-                         quantization="none", activations="bf16")
+    runner = ModelRunner(
+        loaded,
+        CPU,
+        torch.float32,
+        num_pages=4,
+        max_seq_len=64,
+        weight_dtype="bfloat16",
+        quantization="none",
+        activations="bf16",
+    )
     assert runner.activations == "bf16"
     other = next(build for build in ISAS if build not in BF16_BUILDS)
     extension._cpu_kernels.select_isa(other)
     try:
-        decode_step = step.DecodeStep(runner.decoder.layers, runner.decoder.rope, 2, 1, 16, 1e-5, 0.25, None,
-                                      "silu", runner.cache.k, runner.cache.v)
+        decode_step = step.DecodeStep(
+            runner.decoder.layers,
+            runner.decoder.rope,
+            2,
+            1,
+            16,
+            1e-5,
+            0.25,
+            None,
+            "silu",
+            runner.cache.k,
+            runner.cache.v,
+        )
         with pytest.raises(ValueError, match="AVX-512 BF16"):
             decode_step(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     finally:
@@ -368,8 +406,7 @@ def test_swiglu_matches_torch(isa):
     for rows, width in ((1, 1536), (5, 64), (2, 100)):
         gate_up = torch.randn(rows, 2 * width) * 4
         gate, up = gate_up.chunk(2, dim=-1)
-        torch.testing.assert_close(isa.swiglu(gate_up), F.silu(gate) * up,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(isa.swiglu(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
 def test_rope_matches_torch(isa):
@@ -382,8 +419,8 @@ def test_rope_matches_torch(isa):
     TORCH.rope_(expected, heads, d, positions, *TORCH.rope_tables(cos, sin, positions))
     isa.rope_(qkv, heads, d, positions, *isa.rope_tables(cos, sin, positions))
     torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(qkv[:, heads * d:], original[:, heads * d:])  # only the first `heads` heads turn
-    assert not torch.equal(qkv[:, :heads * d], original[:, :heads * d])
+    assert torch.equal(qkv[:, heads * d :], original[:, heads * d :])  # only the first `heads` heads turn
+    assert not torch.equal(qkv[:, : heads * d], original[:, : heads * d])
 
 
 def test_geglu_matches_torch(isa):
@@ -396,7 +433,7 @@ def test_geglu_matches_torch(isa):
 
 # (scale, soft-cap, window): Llama's, Gemma 2's capped scores, a sliding window (which starts within a
 # page for some rows and covers a whole short row for another), and both
-ATTENTION = [(32 ** -0.5, None, None), (0.3, 2.0, None), (32 ** -0.5, None, 5), (0.2, 1.5, 18)]
+ATTENTION = [(32**-0.5, None, None), (0.3, 2.0, None), (32**-0.5, None, 5), (0.2, 1.5, 18)]
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -416,20 +453,26 @@ def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype, sc
     before_k = k_cache.clone()
     step.decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, scale, softcap, window)
     for b, pos in enumerate(positions.tolist()):
-        q = qkv[b, :heads * d].view(heads, 1, d)
-        k_new = qkv[b, heads * d:(heads + kv_heads) * d].view(kv_heads, d)
-        v_new = qkv[b, (heads + kv_heads) * d:].view(kv_heads, d)
+        q = qkv[b, : heads * d].view(heads, 1, d)
+        k_new = qkv[b, heads * d : (heads + kv_heads) * d].view(kv_heads, d)
+        v_new = qkv[b, (heads + kv_heads) * d :].view(kv_heads, d)
         where = tables[b, pos // page], pos % page
         assert torch.equal(k_cache[where[0], :, where[1]], k_new.to(kv_dtype))
         assert torch.equal(v_cache[where[0], :, where[1]], v_new.to(kv_dtype))
-        pages = tables[b, :pos // page + 1]
-        keys, values = (c[pages].transpose(0, 1).reshape(kv_heads, -1, d)[:, :pos + 1].float()
-                        .repeat_interleave(heads // kv_heads, dim=0) for c in (k_cache, v_cache))
+        pages = tables[b, : pos // page + 1]
+        keys, values = (
+            c[pages]
+            .transpose(0, 1)
+            .reshape(kv_heads, -1, d)[:, : pos + 1]
+            .float()
+            .repeat_interleave(heads // kv_heads, dim=0)
+            for c in (k_cache, v_cache)
+        )
         scores = q @ keys.transpose(1, 2) * scale  # [H, 1, T]
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         if window:
-            scores[..., :max(0, pos + 1 - window)] = float("-inf")
+            scores[..., : max(0, pos + 1 - window)] = float("-inf")
         expected = scores.softmax(dim=-1) @ values
         torch.testing.assert_close(out[b].view(heads, d), expected[:, 0], rtol=1e-5, atol=1e-5)
     untouched = torch.ones(num_pages, dtype=torch.bool)

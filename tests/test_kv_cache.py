@@ -16,8 +16,15 @@ def _rss_bytes() -> int:
 
 def test_a_fresh_page_commits_only_the_memory_it_writes():
     # SmolLM2-135M's cache shape: 30 layers, 3 KV heads of 64, 2048 pages of 16 positions (4.5 GiB).
-    cache = KVCache(num_layers=30, num_pages=2048, num_kv_heads=3, page_size=16, head_dim=64,
-                    dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(
+        num_layers=30,
+        num_pages=2048,
+        num_kv_heads=3,
+        page_size=16,
+        head_dim=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     before = _rss_bytes()
     for layer in range(30):  # a 40-token prompt in pages 5, 900 and 2000
         for page in (5, 900, 2000):

@@ -15,12 +15,18 @@ PATHS = ["server", "tests", "clients/python/src", "benchmarks", "load", "deploy"
 
 
 def test_ruff_finds_nothing():
-    out = subprocess.run([str(RUFF), "check", "--output-format", "concise", *PATHS], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [str(RUFF), "check", "--output-format", "concise", *PATHS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_ruff_format_changes_nothing():
-    out = subprocess.run([str(RUFF), "format", "--check", *PATHS], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [str(RUFF), "format", "--check", *PATHS], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr

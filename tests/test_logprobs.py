@@ -22,10 +22,13 @@ def _collect(generation) -> tuple[list, list[int], list]:
 def test_logprobs_are_transformers_log_softmax(servers, tiny_dir, mode, sampling):
     with servers(mode).client() as client:
         prompt_ids = list(client.tokenize("The weather today is").token_ids)
-        messages, ids, logprobs = _collect(client.stream("The weather today is", max_new_tokens=10, ignore_eos=True,
-                                                         logprobs=True, top_logprobs=5, **sampling))
+        messages, ids, logprobs = _collect(
+            client.stream(
+                "The weather today is", max_new_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=5, **sampling
+            )
+        )
     assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
-    reference = _reference_logits(tiny_dir, tuple(prompt_ids + ids[:-1]))[len(prompt_ids) - 1:].log_softmax(-1)
+    reference = _reference_logits(tiny_dir, tuple(prompt_ids + ids[:-1]))[len(prompt_ids) - 1 :].log_softmax(-1)
     for step, (token, lp) in enumerate(zip(ids, logprobs)):
         expected = reference[step]
         assert lp.logprob == pytest.approx(expected[token].item(), abs=1e-3)
@@ -57,8 +60,9 @@ def test_without_logprobs_there_are_none_and_the_eos_token_has_its_entry(servers
     with servers("continuous").client() as client:
         _, plain_ids, plain = _collect(client.stream("Hello", max_new_tokens=4, ignore_eos=True))
         # 2 is the tiny model's end-of-sequence token: forced, it ends the stream, sent as no text
-        messages, ids, logprobs = _collect(client.stream("Hello", max_new_tokens=3, logprobs=True,
-                                                         logit_bias={2: 100.0}))
+        messages, ids, logprobs = _collect(
+            client.stream("Hello", max_new_tokens=3, logprobs=True, logit_bias={2: 100.0})
+        )
     assert len(plain_ids) == 4 and plain == []
     assert ids == [2] and "".join(m.text for m in messages) == "" and len(logprobs) == 1
 
@@ -79,8 +83,14 @@ def test_prompt_logprobs_score_every_prompt_token_in_the_first_message(servers, 
     with servers(mode).client() as client:
         prompt_ids = list(client.tokenize(prompt).token_ids)
         assert len(prompt_ids) > 512  # more than one --prefill-chunk
-        runs = [list(client.stream(prompt, max_new_tokens=3, ignore_eos=True, prompt_logprobs=True, top_logprobs=2,
-                                   cache_salt="same")) for _ in range(2)]
+        runs = [
+            list(
+                client.stream(
+                    prompt, max_new_tokens=3, ignore_eos=True, prompt_logprobs=True, top_logprobs=2, cache_salt="same"
+                )
+            )
+            for _ in range(2)
+        ]
     reference = _reference_logits(tiny_dir, tuple(prompt_ids)).log_softmax(-1)
     for messages in runs:
         first, rest = messages[0], messages[1:]
@@ -94,8 +104,9 @@ def test_prompt_logprobs_score_every_prompt_token_in_the_first_message(servers, 
 
 def test_prompt_logprobs_with_n_come_once_on_sample_0(servers):
     with servers("continuous").client() as client:
-        messages = list(client.stream("The weather today is", max_new_tokens=2, ignore_eos=True, n=3,
-                                      prompt_logprobs=True, seed=1))
+        messages = list(
+            client.stream("The weather today is", max_new_tokens=2, ignore_eos=True, n=3, prompt_logprobs=True, seed=1)
+        )
     carrying = [m for m in messages if m.prompt_logprobs]
     assert len(carrying) == 1 and carrying[0].index == 0
     assert len(carrying[0].prompt_logprobs) == len(carrying[0].prompt_token_ids) - 1

@@ -22,9 +22,10 @@ from test_startup_errors import assert_one_line, braid
 
 PROMPTS = ["The sea is", "Once upon a time, in a land far away, there lived a", "1 2 3 4 5"]
 # two adapters per base: rank 8 on every projection, and rank 16 on a few (rsLoRA's scale)
-ADAPTERS = {"r8": dict(rank=8, targets=ALL_TARGETS, seed=1),
-            "r16": dict(rank=16, targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), seed=2,
-                        rslora=True)}
+ADAPTERS = {
+    "r8": dict(rank=8, targets=ALL_TARGETS, seed=1),
+    "r16": dict(rank=16, targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), seed=2, rslora=True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,12 @@ def _lora_args(adapters, kind: str) -> list[str]:
 async def _greedy(target: str, jobs: list[tuple[str, str]], n: int = 12) -> list[tuple[list[int], list[int]]]:
     """Every (prompt, adapter) at once: (prompt ids, greedy tokens) each."""
     async with AsyncClient(target) as client:
+
         async def one(prompt: str, adapter: str):
             ids = list((await client.tokenize(prompt)).token_ids)
-            messages = [m async for m in client.stream(prompt=prompt, max_new_tokens=n, ignore_eos=True,
-                                                       adapter=adapter)]
+            messages = [
+                m async for m in client.stream(prompt=prompt, max_new_tokens=n, ignore_eos=True, adapter=adapter)
+            ]
             return ids, [t for m in messages for t in m.token_ids]
 
         return await asyncio.gather(*(one(p, a) for p, a in jobs))
@@ -71,16 +74,37 @@ def test_peft_reference_merged_and_not_agree(bases, adapters):
         assert (unmerged - _reference_logits(bases[kind], tuple(ids))).abs().max() > 0.5, (kind, name)
 
 
-@pytest.mark.parametrize("kind, mode, extra", [
-    ("llama", "continuous", ()), ("llama", "sequential", ()), ("llama", "interleaved", ()), ("llama", "batched", ()),
-    ("llama", "continuous", ("--kernels", "torch")),  # CUDA's path: torch's ops
-    ("qwen3", "continuous", ()), ("qwen3", "sequential", ()), ("qwen3", "interleaved", ()), ("qwen3", "batched", ()),
-])
+@pytest.mark.parametrize(
+    "kind, mode, extra",
+    [
+        ("llama", "continuous", ()),
+        ("llama", "sequential", ()),
+        ("llama", "interleaved", ()),
+        ("llama", "batched", ()),
+        ("llama", "continuous", ("--kernels", "torch")),  # CUDA's path: torch's ops
+        ("qwen3", "continuous", ()),
+        ("qwen3", "sequential", ()),
+        ("qwen3", "interleaved", ()),
+        ("qwen3", "batched", ()),
+    ],
+)
 def test_greedy_tokens_with_an_adapter_are_transformers_and_pefts(bases, adapters, kind, mode, extra):
     """Each prompt with each adapter and with none, all at once: every token is the merged model's
     greedy one (conftest's near-tie rule), and the adapters' tokens are not the base's."""
-    server = Server(["--model", str(bases[kind]), "--threads", "1", "--mode", mode, "--max-batch-size", "16",
-                     *_lora_args(adapters, kind), *extra])
+    server = Server(
+        [
+            "--model",
+            str(bases[kind]),
+            "--threads",
+            "1",
+            "--mode",
+            mode,
+            "--max-batch-size",
+            "16",
+            *_lora_args(adapters, kind),
+            *extra,
+        ]
+    )
     try:
         with server.client() as client:
             info = client.model_info()
@@ -101,10 +125,10 @@ def test_greedy_tokens_with_an_adapter_are_transformers_and_pefts(bases, adapter
 def test_a_mixed_pass_gives_each_session_the_tokens_it_gets_alone(tmp_path, tiny_dir):
     """16 sessions over 4 adapters and the base model, all in the same passes, against each run
     alone."""
-    folders = {f"a{i}": make_adapter(tiny_dir, tmp_path / f"a{i}", rank=8 * (1 + i % 2), seed=10 + i)
-               for i in range(4)}
-    server = tiny_server(tiny_dir, "--max-batch-size", "16",
-                         *[a for name, f in folders.items() for a in ("--lora", f"{name}={f}")])
+    folders = {f"a{i}": make_adapter(tiny_dir, tmp_path / f"a{i}", rank=8 * (1 + i % 2), seed=10 + i) for i in range(4)}
+    server = tiny_server(
+        tiny_dir, "--max-batch-size", "16", *[a for name, f in folders.items() for a in ("--lora", f"{name}={f}")]
+    )
     try:
         names = ["", *folders]
         jobs = [(PROMPTS[i % 3] + " " * (i // 5), names[i % 5]) for i in range(16)]
@@ -125,8 +149,10 @@ def test_adapters_load_and_unload_while_generations_run(tmp_path, tiny_dir):
     loaded under the old name never reads the old one's cached prompt pages."""
     first = make_adapter(tiny_dir, tmp_path / "first", rank=8, seed=21)
     second = make_adapter(tiny_dir, tmp_path / "second", rank=16, seed=22)
-    references = {first: merged(tiny_dir, first, tmp_path / "first-merged"),
-                  second: merged(tiny_dir, second, tmp_path / "second-merged")}
+    references = {
+        first: merged(tiny_dir, first, tmp_path / "first-merged"),
+        second: merged(tiny_dir, second, tmp_path / "second-merged"),
+    }
     server = tiny_server(tiny_dir, "--max-batch-size", "16", env={"BRAID_INJECT_FAULT": "delay:20"})
     prompt = " ".join([PROMPTS[1]] * 3)  # 39 tokens: two full pages, cached for the next with the same adapter
 
@@ -176,7 +202,8 @@ async def _collect(client: AsyncClient, prompt: str, adapter: str, n: int) -> tu
     from braid.v1 import generate_pb2 as pb
 
     return pb.FinishReason.Name(messages[-1].finish_reason).removeprefix("FINISH_REASON_"), [
-        t for m in messages for t in m.token_ids]
+        t for m in messages for t in m.token_ids
+    ]
 
 
 def test_bad_adapters_and_names_get_clear_statuses_and_the_server_stays_up(tmp_path, tiny_dir, bases, adapters):
@@ -194,7 +221,11 @@ def test_bad_adapters_and_names_get_clear_statuses_and_the_server_stays_up(tmp_p
     try:
         with server.client() as client:
             code, details = status_of(lambda: client.load_adapter("x", str(qwen3_adapter)))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "layers.0.self_attn.k_proj.lora_B.weight: shape [64, 8], but this model with r=8 needs [32, 8]" in details
+            assert (
+                code == grpc.StatusCode.INVALID_ARGUMENT
+                and "layers.0.self_attn.k_proj.lora_B.weight: shape [64, 8], but this model with r=8 needs [32, 8]"
+                in details
+            )
             code, details = status_of(lambda: client.load_adapter("x", str(ranked)))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "r=16 is past --max-lora-rank 8" in details
             code, details = status_of(lambda: client.load_adapter("x", str(tmp_path / "nowhere")))
@@ -213,8 +244,20 @@ def test_bad_adapters_and_names_get_clear_statuses_and_the_server_stays_up(tmp_p
 
 
 def test_an_adapter_that_cannot_load_at_start_is_one_line(tmp_path, tiny_dir, adapters):
-    out = braid("serve", "--model", str(tiny_dir), "--device", "cpu", "--port", "0",
-                "--lora", f"other={adapters['qwen3', 'r8'][0]}", "--log-level", "warning", timeout=180)
+    out = braid(
+        "serve",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--lora",
+        f"other={adapters['qwen3', 'r8'][0]}",
+        "--log-level",
+        "warning",
+        timeout=180,
+    )
     assert_one_line(out, "--lora other=", "k_proj.lora_B.weight: shape [64, 8]")
 
 
@@ -226,8 +269,10 @@ def test_the_openai_model_names_an_adapter_and_models_lists_them(tiny_dir, adapt
             models = [m["id"] for m in http.get("/v1/models").json()["data"]]
             assert models[1:] == ["r16", "r8"]
             body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-            texts = {model: http.post("/v1/completions", json={**body, "model": model}).json()["choices"][0]["text"]
-                     for model in (models[0], "r8")}
+            texts = {
+                model: http.post("/v1/completions", json={**body, "model": model}).json()["choices"][0]["text"]
+                for model in (models[0], "r8")
+            }
         with server.client() as client:
             assert client.generate(PROMPTS[0], adapter="r8", max_new_tokens=8, ignore_eos=True).text == texts["r8"]
             assert client.generate(PROMPTS[0], max_new_tokens=8, ignore_eos=True).text == texts[models[0]]

@@ -10,13 +10,20 @@ import pytest
 from braid.client import AsyncClient
 from conftest import MODES, Server, near_tie, wait_for
 
-PROMPTS = ["Hi", "The weather today is", "Once upon a time, in a land far away, there lived a " * 3,
-           "1 2 3 4 5 6 7 8 9 10 11 12", "A much longer prompt that goes on " * 12, "Tell me"]
+PROMPTS = [
+    "Hi",
+    "The weather today is",
+    "Once upon a time, in a land far away, there lived a " * 3,
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "A much longer prompt that goes on " * 12,
+    "Tell me",
+]
 
 
 async def _run_all(target: str, requests: list[dict]) -> list[dict]:
     """Sends every request at once; returns per stream its tokens and client-side timings."""
     async with AsyncClient(target) as client:
+
         async def one(kw):
             start = time.monotonic()
             first = None
@@ -62,8 +69,9 @@ def test_greedy_tokens_match_sequential_mode(servers, tiny_dir, mode):
         if kernels != "torch":  # every row attends by itself in one C call: the same bits in any pass
             assert out["ids"] == ref["ids"], f"{mode} differs from sequential"
         elif out["ids"] != ref["ids"]:
-            assert _explained_by_a_near_tie(tiny_dir, servers("sequential"), req["prompt"], ref["ids"],
-                                            out["ids"]), f"{mode} differs from sequential beyond rounding"
+            assert _explained_by_a_near_tie(tiny_dir, servers("sequential"), req["prompt"], ref["ids"], out["ids"]), (
+                f"{mode} differs from sequential beyond rounding"
+            )
 
 
 def test_braids_kernels_give_torchs_greedy_tokens(servers, tiny_dir):
@@ -81,10 +89,12 @@ def test_braids_kernels_give_torchs_greedy_tokens(servers, tiny_dir):
 
 
 def test_a_seed_gives_the_same_tokens_in_every_mode_and_every_batch(servers):
-    sampled = dict(prompt="The weather today is", max_new_tokens=20, ignore_eos=True, temperature=1.0,
-                   top_p=0.9, seed=1234)
-    others = [dict(prompt=p, max_new_tokens=20, ignore_eos=True, temperature=1.0, seed=i)
-              for i, p in enumerate(PROMPTS)]
+    sampled = dict(
+        prompt="The weather today is", max_new_tokens=20, ignore_eos=True, temperature=1.0, top_p=0.9, seed=1234
+    )
+    others = [
+        dict(prompt=p, max_new_tokens=20, ignore_eos=True, temperature=1.0, seed=i) for i, p in enumerate(PROMPTS)
+    ]
     alone = asyncio.run(_run_all(servers("sequential").target, [sampled]))[0]["ids"]
     for mode in MODES:
         crowded = asyncio.run(_run_all(servers(mode).target, others[:3] + [sampled] + others[3:]))
@@ -145,5 +155,10 @@ def test_a_queued_session_can_be_cancelled_before_it_starts(servers):
         wait_for(lambda: client.server_status().sessions_queued == 1)
         queued.cancel()
         running.cancel()
-        wait_for(lambda: (lambda s: s.sessions_active == 0 and s.sessions_queued == 0
-                          and s.sessions_finished.cancelled == before + 2)(client.server_status()))
+        wait_for(
+            lambda: (
+                lambda s: (
+                    s.sessions_active == 0 and s.sessions_queued == 0 and s.sessions_finished.cancelled == before + 2
+                )
+            )(client.server_status())
+        )

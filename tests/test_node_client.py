@@ -70,8 +70,9 @@ def cli(node: str, server, *args: str) -> list[str]:
 
 
 def run_cli(node: str, server, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cli(node, server, *args), cwd=NODE_DIR, capture_output=True, text=True,
-                          timeout=STREAM_TIMEOUT_S)
+    return subprocess.run(
+        cli(node, server, *args), cwd=NODE_DIR, capture_output=True, text=True, timeout=STREAM_TIMEOUT_S
+    )
 
 
 def run_readme_command(node: str, server, flag: str) -> subprocess.CompletedProcess[str]:
@@ -79,8 +80,14 @@ def run_readme_command(node: str, server, flag: str) -> subprocess.CompletedProc
     readme = (NODE_DIR / "README.md").read_text()
     line = next(line for line in readme.splitlines() if line.startswith("node cli.js ") and flag in line)
     _, *args = shlex.split(line)
-    return subprocess.run([node, *args], cwd=NODE_DIR, env={**os.environ, "BRAID_TARGET": server.target},
-                          capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
+    return subprocess.run(
+        [node, *args],
+        cwd=NODE_DIR,
+        env={**os.environ, "BRAID_TARGET": server.target},
+        capture_output=True,
+        text=True,
+        timeout=STREAM_TIMEOUT_S,
+    )
 
 
 def test_cli_streams_a_generation(node, smol):
@@ -100,21 +107,36 @@ def test_cli_cancel_after_n_tokens_as_the_readme_shows(node, smol):
 
 
 def test_cli_prints_each_tokens_logprob_and_top_list(node, smol):
-    result = run_cli(node, smol, "--max-new-tokens", "3", "--ignore-eos", "--top-logprobs", "2",
-                     "The capital of France is")
+    result = run_cli(
+        node, smol, "--max-new-tokens", "3", "--ignore-eos", "--top-logprobs", "2", "The capital of France is"
+    )
     assert result.returncode == 0, result.stderr
     assert "logprobs: 3 tokens, mean -" in result.stderr
     # "   7042 " Paris"   -0.258  rank 1  top: 7042 -0.258, 260 -2.741": id, text, logprob, rank, top 2
-    rows = re.findall(r"^ +(\d+) .*? (-?\d+\.\d{3})  rank (\d+)  top: (\d+ -?\d+\.\d{3}), (\d+ -?\d+\.\d{3})$",
-                      result.stderr, re.M)
+    rows = re.findall(
+        r"^ +(\d+) .*? (-?\d+\.\d{3})  rank (\d+)  top: (\d+ -?\d+\.\d{3}), (\d+ -?\d+\.\d{3})$", result.stderr, re.M
+    )
     assert len(rows) == 3, result.stderr
     token, logprob, rank, best, _ = rows[0]
     assert rank == "1" and best == f"{token} {logprob}"  # greedy: the top token, first in the top list
 
 
 def test_cli_prints_n_samples_by_index(node, smol):
-    result = run_cli(node, smol, "-n", "2", "--temperature", "0.8", "--seed", "1", "--max-new-tokens", "4",
-                     "--ignore-eos", "--stats", "Once upon a time")
+    result = run_cli(
+        node,
+        smol,
+        "-n",
+        "2",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--stats",
+        "Once upon a time",
+    )
     assert result.returncode == 0, result.stderr
     assert re.fullmatch(r"--- sample 0 ---\n.+\n--- sample 1 ---\n.+\n", result.stdout, re.S), result.stdout
     for index in (0, 1):  # each sample's own final message, seeded seed + index
@@ -134,8 +156,12 @@ def test_a_bad_request_fails_alike_in_both_clients(node, smol):
     result = run_cli(node, smol, "--top-logprobs", "50", "hello")
     assert (result.returncode, result.stderr) == (1, f"braid-node: {line}")
     braid_client = Path(sys.executable).parent / "braid-client"
-    python = subprocess.run([braid_client, "--target", smol.target, "--top-logprobs", "50", "hello"],
-                            capture_output=True, text=True, timeout=STREAM_TIMEOUT_S)
+    python = subprocess.run(
+        [braid_client, "--target", smol.target, "--top-logprobs", "50", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=STREAM_TIMEOUT_S,
+    )
     assert (python.returncode, python.stderr) == (1, f"braid-client: {line}")
 
 
@@ -156,8 +182,13 @@ def test_cli_constrains_the_output(node, smol):
 
 def test_cli_ctrl_c_cancels_the_stream(node, smol):
     before = status(smol)
-    proc = subprocess.Popen(cli(node, smol, "--max-new-tokens", "500", "--ignore-eos", "Tell me a long story."),
-                            cwd=NODE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(node, smol, "--max-new-tokens", "500", "--ignore-eos", "Tell me a long story."),
+        cwd=NODE_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: status(smol).sessions_active == 1)  # streaming now
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -187,12 +218,17 @@ def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny
     killed with SIGKILL after some text, or drained with SIGTERM, which hands the stream over after
     --handover-grace (it ends UNAVAILABLE); the CLI goes on, on the other replica, and prints
     exactly the text of an unbroken run."""
-    replicas = start_together(*[functools.partial(tiny_server, tiny_dir, "--mode", "continuous",
-                                                  "--handover-grace", "0.3", env=SLOW)] * 2)
+    replicas = start_together(
+        *[functools.partial(tiny_server, tiny_dir, "--mode", "continuous", "--handover-grace", "0.3", env=SLOW)] * 2
+    )
     args = ["--max-new-tokens", "300", "--ignore-eos", "--stats", "The lighthouse keeper wrote in his log"]
     try:
-        proc = subprocess.Popen([node, "cli.js", "--target", ",".join(r.target for r in replicas), *args],
-                                cwd=NODE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [node, "cli.js", "--target", ",".join(r.target for r in replicas), *args],
+            cwd=NODE_DIR,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
             head = read_some(proc, 40)  # some messages in
             (serving,) = [r for r in replicas if status(r).sessions_active == 1]
@@ -203,8 +239,9 @@ def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny
                 proc.kill()
                 proc.wait()
         (survivor,) = [r for r in replicas if r is not serving]
-        unbroken = subprocess.run(cli(node, survivor, *args), cwd=NODE_DIR, capture_output=True,
-                                  timeout=STREAM_TIMEOUT_S)  # bytes: the text as printed, "\r" and all
+        unbroken = subprocess.run(
+            cli(node, survivor, *args), cwd=NODE_DIR, capture_output=True, timeout=STREAM_TIMEOUT_S
+        )  # bytes: the text as printed, "\r" and all
     finally:
         for r in replicas:
             r.stop()
@@ -219,8 +256,7 @@ def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny
 def test_the_service_config_is_the_python_clients(node):
     """Both clients balance, retry and keep alive alike: the same service config and channel options."""
     script = "const c = require('./index.js'); console.log(JSON.stringify(c.DEFAULT_CHANNEL_OPTIONS))"
-    result = subprocess.run([node, "-e", script], cwd=NODE_DIR, capture_output=True, text=True, check=True,
-                            timeout=60)
+    result = subprocess.run([node, "-e", script], cwd=NODE_DIR, capture_output=True, text=True, check=True, timeout=60)
     options = json.loads(result.stdout)
     assert json.loads(options.pop("grpc.service_config")) == SERVICE_CONFIG
     assert options == {k: v for k, v in DEFAULT_OPTIONS if k != "grpc.service_config"}
@@ -232,25 +268,49 @@ def test_both_clients_compute_the_same_route_key(node):
     from braid.client.request import build_request
     from braid.client.routing import route_key
 
-    chat = [{"role": "system", "content": "Réponds en une ligne. " * 60}, {"role": "user", "content": "Où? 🌊"},
-            {"role": "assistant", "content": "Ici."}, {"role": "user", "content": "Et là?"}]
-    requests = [{"prompt": "The capital of France is"}, {"prompt": "数" * 500, "cacheSalt": "tenant-b"},
-                {"messages": chat}, {"messages": chat[:2], "cacheSalt": "s"}, {"messages": [{"role": "user",
-                                                                                        "content": ""}]}]
-    script = ("const { routeKey } = require('./index.js');"
-              "process.stdout.write(JSON.stringify(JSON.parse(process.argv[1]).map(routeKey)));")
-    out = subprocess.run([node, "-e", script, json.dumps(requests)], cwd=NODE_DIR, capture_output=True, text=True,
-                         check=True, timeout=60).stdout
-    python = [route_key(build_request(r.get("prompt"), messages=[(m["role"], m["content"]) for m in r["messages"]]
-                                      if "messages" in r else None, cache_salt=r.get("cacheSalt")))
-              for r in requests]
+    chat = [
+        {"role": "system", "content": "Réponds en une ligne. " * 60},
+        {"role": "user", "content": "Où? 🌊"},
+        {"role": "assistant", "content": "Ici."},
+        {"role": "user", "content": "Et là?"},
+    ]
+    requests = [
+        {"prompt": "The capital of France is"},
+        {"prompt": "数" * 500, "cacheSalt": "tenant-b"},
+        {"messages": chat},
+        {"messages": chat[:2], "cacheSalt": "s"},
+        {"messages": [{"role": "user", "content": ""}]},
+    ]
+    script = (
+        "const { routeKey } = require('./index.js');"
+        "process.stdout.write(JSON.stringify(JSON.parse(process.argv[1]).map(routeKey)));"
+    )
+    out = subprocess.run(
+        [node, "-e", script, json.dumps(requests)], cwd=NODE_DIR, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    python = [
+        route_key(
+            build_request(
+                r.get("prompt"),
+                messages=[(m["role"], m["content"]) for m in r["messages"]] if "messages" in r else None,
+                cache_salt=r.get("cacheSalt"),
+            )
+        )
+        for r in requests
+    ]
     assert json.loads(out) == python
 
 
 def test_node_library_suite(node, smol):
     npm = shutil.which("npm")
-    result = subprocess.run([npm, "test"], cwd=NODE_DIR, env={**os.environ, "BRAID_TARGET": smol.target},
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [npm, "test"],
+        cwd=NODE_DIR,
+        env={**os.environ, "BRAID_TARGET": smol.target},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     # The summary lines of node:test's reporters: "# pass 6" (tap) or "ℹ pass 6" (spec).
     counts = dict(re.findall(r"^(?:#|ℹ) (tests|pass|fail|skipped|todo|cancelled) (\d+)$", result.stdout, re.M))
@@ -260,16 +320,29 @@ def test_node_library_suite(node, smol):
 def test_npm_pack_ships_the_proto(node, tmp_path):
     """The packed package lists generate.proto and loads it with no repository around it."""
     npm = shutil.which("npm")
-    listing = subprocess.run([npm, "pack", "--dry-run", "--json"], cwd=NODE_DIR, capture_output=True, text=True,
-                             check=True, timeout=120)
+    listing = subprocess.run(
+        [npm, "pack", "--dry-run", "--json"], cwd=NODE_DIR, capture_output=True, text=True, check=True, timeout=120
+    )
     assert "protos/braid/v1/generate.proto" in [f["path"] for f in json.loads(listing.stdout)[0]["files"]]
-    packed = subprocess.run([npm, "pack", "--json", "--pack-destination", str(tmp_path)], cwd=NODE_DIR,
-                            capture_output=True, text=True, check=True, timeout=120)
+    packed = subprocess.run(
+        [npm, "pack", "--json", "--pack-destination", str(tmp_path)],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     with tarfile.open(tmp_path / json.loads(packed.stdout)[0]["filename"]) as tar:
         tar.extractall(tmp_path, filter="data")
     assert not (NODE_DIR / "protos").exists()  # postpack removed the copy
     loads = "const c = require('./package/index.js'); console.log(c.PROTO_DIR); c.loadBraid().GenerateRequest"
-    result = subprocess.run([node, "-e", loads], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "NODE_PATH": str(NODE_DIR / "node_modules")})
+    result = subprocess.run(
+        [node, "-e", loads],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NODE_PATH": str(NODE_DIR / "node_modules")},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tmp_path / "package" / "protos")

@@ -19,9 +19,19 @@ from braid.v1 import generate_pb2 as pb
 KEY = "sk-test-key"
 TEMPLATE = "tests/data/hermes_tools.jinja"
 HI = [{"role": "user", "content": "Say hi."}]
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
-    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
-    "required": ["unit", "days"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
+            "required": ["unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +44,20 @@ def server(tmp_path_factory, smol_dir):
     path = tmp_path_factory.mktemp("tiny-qwen3")
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.3)
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.3,
+    )
     model = transformers.Qwen3ForCausalLM(config)
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)
@@ -44,9 +65,24 @@ def server(tmp_path_factory, smol_dir):
         shutil.copy(smol_dir / name, path / name)
     http_port = free_port()
     log = tmp_path_factory.mktemp("log") / "braid.log"
-    started = Server(["--model", str(path), "--threads", "1", "--max-batch-size", "16", "--max-wait-ms", "5",
-                      "--http-port", str(http_port), "--chat-template", TEMPLATE],
-                     env={**SLOW, "BRAID_API_KEY": KEY}, log_path=log)
+    started = Server(
+        [
+            "--model",
+            str(path),
+            "--threads",
+            "1",
+            "--max-batch-size",
+            "16",
+            "--max-wait-ms",
+            "5",
+            "--http-port",
+            str(http_port),
+            "--chat-template",
+            TEMPLATE,
+        ],
+        env={**SLOW, "BRAID_API_KEY": KEY},
+        log_path=log,
+    )
     started.http = f"http://127.0.0.1:{http_port}"
     started.log_file = log
     yield started
@@ -63,10 +99,15 @@ def test_chat_streamed_and_not_says_the_same_with_usage(client):
     whole = client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0)
     choice = whole.choices[0]
     assert choice.finish_reason in ("length", "stop") and choice.message.role == "assistant"
-    assert whole.usage.completion_tokens <= 8 and whole.usage.total_tokens == whole.usage.prompt_tokens + \
-        whole.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    assert (
+        whole.usage.completion_tokens <= 8
+        and whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=HI, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -80,16 +121,18 @@ def test_completions_streamed_and_not_with_n_and_logprobs(client):
         assert "".join(lp.tokens) == choice.text and len(lp.token_logprobs) == len(lp.tokens)
         assert all(len(top) <= 2 for top in lp.top_logprobs)
     streamed: dict[int, str] = {}
-    for chunk in client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, n=3, seed=5,
-                                           stream=True):
+    for chunk in client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=6, n=3, seed=5, stream=True
+    ):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {c.index: c.text for c in whole.choices}  # the seed makes it reproducible
 
 
 def test_chat_logprobs_name_each_token(client):
-    out = client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0, logprobs=True,
-                                         top_logprobs=3)
+    out = client.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     assert "".join(t.token for t in content) == out.choices[0].message.content
@@ -105,39 +148,71 @@ def test_a_seed_reproduces_a_sampled_chat(client):
 
 
 def test_json_schema_output_validates(client):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
-              "required": ["ok", "color"], "additionalProperties": False,
-              "x-guidance": {"whitespace_flexible": False}}  # llguidance's option: no whitespace for a random model
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
+        "required": ["ok", "color"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }  # llguidance's option: no whitespace for a random model
     out = client.chat.completions.create(
-        model="tiny", messages=HI, max_tokens=40, temperature=1.0, seed=1,
-        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+        model="tiny",
+        messages=HI,
+        max_tokens=40,
+        temperature=1.0,
+        seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+    )
     assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
 
 
 def test_a_named_function_call_has_arguments_that_validate_streamed_or_not(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                         tools=[WEATHER], tool_choice=named, max_tokens=40)
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER],
+        tool_choice=named,
+        max_tokens=40,
+    )
     (call,) = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
-                                        tools=[WEATHER], tool_choice=named, max_tokens=40) as stream:
+    with client.chat.completions.stream(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER],
+        tool_choice=named,
+        max_tokens=40,
+    ) as stream:
         final = stream.get_final_completion()
     (call,) = final.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    required = client.chat.completions.create(model="tiny", messages=HI, tools=[WEATHER], tool_choice="required",
-                                              parallel_tool_calls=False, max_tokens=40)
+    required = client.chat.completions.create(
+        model="tiny", messages=HI, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=40
+    )
     (call,) = required.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
 def test_a_conversation_with_tool_turns_renders_through_the_template(client):
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "c", "days": 1}'}}
-    out = client.chat.completions.create(model="tiny", max_tokens=4, tools=[WEATHER], tool_choice="auto", messages=[
-        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"unit": "c", "days": 1}'},
+    }
+    out = client.chat.completions.create(
+        model="tiny",
+        max_tokens=4,
+        tools=[WEATHER],
+        tool_choice="auto",
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
     assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
     assert out.usage.prompt_tokens > 100  # the tools' block and the tool turns were rendered
 
@@ -152,8 +227,9 @@ def test_a_repeated_prompt_reports_cached_tokens(client):
 def test_closing_the_sdks_stream_cancels_the_session(server, client):
     with server.client() as grpc_client:
         before = grpc_client.server_status().sessions_finished.cancelled
-        stream = client.chat.completions.create(model="tiny", messages=HI, max_tokens=900, stream=True,
-                                                extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model="tiny", messages=HI, max_tokens=900, stream=True, extra_body={"ignore_eos": True}
+        )
         for _, _ in zip(range(4), stream):
             pass
         stream.close()
@@ -166,23 +242,38 @@ def test_a_client_that_hangs_up_on_a_whole_response_cancels_its_session(server):
         before = grpc_client.server_status().sessions_finished.cancelled
         body = {"model": "tiny", "messages": HI, "max_tokens": 900, "ignore_eos": True}
         with pytest.raises(httpx.TimeoutException):  # SLOW: the 900 tokens take 2.7 s at least
-            httpx.post(server.http + "/v1/chat/completions", json=body, timeout=0.5,
-                       headers={"Authorization": f"Bearer {KEY}"})
+            httpx.post(
+                server.http + "/v1/chat/completions", json=body, timeout=0.5, headers={"Authorization": f"Bearer {KEY}"}
+            )
         wait_for(lambda: grpc_client.server_status().sessions_finished.cancelled == before + 1)
 
 
 BAD = [  # (body beside model and messages, the param OpenAI's error names): one per parameter family
-    (dict(temperature=-1), "temperature"), (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"),
-    (dict(n=99), "n"), (dict(stop=["x"] * 17), "stop"), (dict(seed="x"), "seed"),
-    (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
-    (dict(logit_bias={"999999": 1}), "logit_bias[999999]"), (dict(logprobs=True, top_logprobs=99), "top_logprobs"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=99), "n"),
+    (dict(stop=["x"] * 17), "stop"),
+    (dict(seed="x"), "seed"),
+    (dict(presence_penalty=3), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(logit_bias={"999999": 1}), "logit_bias[999999]"),
+    (dict(logprobs=True, top_logprobs=99), "top_logprobs"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
-     "response_format.json_schema.schema"),
-    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name"),
+    (
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+        "response_format.json_schema.schema",
+    ),
+    (
+        dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+        "tool_choice.function.name",
+    ),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
-    (dict(top_k=-1), "top_k"), (dict(min_p=2), "min_p"), (dict(repetition_penalty=-1), "repetition_penalty"),
-    (dict(priority="urgent"), "priority"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(top_k=-1), "top_k"),
+    (dict(min_p=2), "min_p"),
+    (dict(repetition_penalty=-1), "repetition_penalty"),
+    (dict(priority="urgent"), "priority"),
+    (dict(min_tokens=-1), "min_tokens"),
 ]
 
 
@@ -203,8 +294,9 @@ def test_the_api_key_guards_every_route_but_health(server):
     with httpx.Client(base_url=server.http) as http:
         assert http.get("/health").json() == {"status": "ok"}
         for path in ("/v1/models", "/v1/chat/completions"):
-            response = http.request("GET" if path == "/v1/models" else "POST", path, json={},
-                                    headers={"Authorization": "Bearer wrong"})
+            response = http.request(
+                "GET" if path == "/v1/models" else "POST", path, json={}, headers={"Authorization": "Bearer wrong"}
+            )
             assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.http + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -230,8 +322,9 @@ def test_greedy_text_over_http_is_greedy_text_over_grpc(server, client):
 def test_langchain_chat_openai_calls_it(server):
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(base_url=server.http + "/v1", api_key=KEY, model="tiny", temperature=0, max_tokens=6,
-                      max_retries=0)
+    chat = ChatOpenAI(
+        base_url=server.http + "/v1", api_key=KEY, model="tiny", temperature=0, max_tokens=6, max_retries=0
+    )
     reply = chat.invoke("Say hi.")
     assert isinstance(reply.content, str) and reply.usage_metadata["output_tokens"] <= 6
     assert "".join(chunk.content for chunk in chat.stream("Say hi.")) == reply.content

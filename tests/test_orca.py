@@ -23,11 +23,17 @@ GRPCURL = Path(sys.executable).parent / "grpcurl"
 
 def _report(target: str, method: str, request: dict) -> OrcaLoadReport:
     """The load report in the trailers of one call, made with grpcurl -v."""
-    out = subprocess.run([str(GRPCURL), "-plaintext", "-v", "-d", json.dumps(request), target,
-                          f"braid.v1.Generate/{method}"], capture_output=True, text=True, timeout=60, check=True).stdout
-    trailers = out[out.index("Response trailers received:"):]
-    (value,) = [line.split(": ", 1)[1] for line in trailers.splitlines()
-                if line.startswith("endpoint-load-metrics-bin: ")]
+    out = subprocess.run(
+        [str(GRPCURL), "-plaintext", "-v", "-d", json.dumps(request), target, f"braid.v1.Generate/{method}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    trailers = out[out.index("Response trailers received:") :]
+    (value,) = [
+        line.split(": ", 1)[1] for line in trailers.splitlines() if line.startswith("endpoint-load-metrics-bin: ")
+    ]
     return OrcaLoadReport.FromString(base64.b64decode(value))
 
 
@@ -41,14 +47,20 @@ def test_a_replica_with_a_long_queue_reports_it(tiny_dir):
         idle = _status_report(server.target)
         assert idle.named_metrics["queue_depth"] == 0 and idle.application_utilization == 0
         with server.client() as client:
-            threads = [threading.Thread(target=lambda kw=kw: client.generate("Hold the model", **kw), daemon=True)
-                       for kw in (LONG, {}, {}, {})]  # one runs, three wait
+            threads = [
+                threading.Thread(target=lambda kw=kw: client.generate("Hold the model", **kw), daemon=True)
+                for kw in (LONG, {}, {}, {})
+            ]  # one runs, three wait
             for thread in threads:
                 thread.start()
             wait_for(lambda: client.server_status().sessions_queued == 3)
             busy = _status_report(server.target)
-            busy_stream = threading.Thread(target=lambda: streamed.append(
-                _report(server.target, "Stream", {"prompt": "And one more", "max_new_tokens": 2})), daemon=True)
+            busy_stream = threading.Thread(
+                target=lambda: streamed.append(
+                    _report(server.target, "Stream", {"prompt": "And one more", "max_new_tokens": 2})
+                ),
+                daemon=True,
+            )
             streamed: list[OrcaLoadReport] = []
             busy_stream.start()
             threads.append(busy_stream)

@@ -78,7 +78,7 @@ def test_the_default_servers_greedy_tokens_are_float32_rows_but_for_near_ties(sm
         if info.activations != "int8":
             assert_greedy(smol_dir, prompt_ids, generated)
             continue
-        plain = _logits(embedded, prompt_ids + generated[:-1], "float32")[len(prompt_ids) - 1:]
+        plain = _logits(embedded, prompt_ids + generated[:-1], "float32")[len(prompt_ids) - 1 :]
         best = plain.max(1).values
         gap = best - plain[torch.arange(len(generated)), generated]
         assert (gap <= INT8_NEAR_TIE * best.abs().clamp(min=1)).all(), (prompt, gap.max())
@@ -131,8 +131,11 @@ def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tin
         if (tiny_dir / name).exists():
             (folder / name).write_bytes((tiny_dir / name).read_bytes())
     # 2 layers x (q, k, v, o, gate, up, down) + the tied embedding; 2 x 2 norms + the final norm.
-    cases = (([], {"bf16": 15, "f32": 5}), (["--quantization", "q8_0"], {"q8_0": 15, "f32": 5}),
-             (["--dtype", "float16"], {"f16": 15, "f32": 5}))
+    cases = (
+        ([], {"bf16": 15, "f32": 5}),
+        (["--quantization", "q8_0"], {"q8_0": 15, "f32": 5}),
+        (["--dtype", "float16"], {"f16": 15, "f32": 5}),
+    )
     started = start_together(*[functools.partial(tiny_server, folder, *flags) for flags, _ in cases])
     try:
         for server, (flags, formats) in zip(started, cases):
@@ -152,8 +155,7 @@ def test_an_unknown_flag_value_is_one_clear_line(flag, value):
     for how in ("flag", "env"):
         args = [BRAID, "serve", f"--{flag}", value] if how == "flag" else [BRAID, "serve"]
         env = {"BRAID_" + flag.upper(): value} if how == "env" else {}
-        out = subprocess.run(args, capture_output=True, text=True, timeout=60,
-                             env={**os.environ, **env})
+        out = subprocess.run(args, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
         assert out.returncode == 2, (how, out.stderr)
         assert f"--{flag}" in out.stderr and value in out.stderr, (how, out.stderr)
 
@@ -169,13 +171,19 @@ def test_the_isa_variable_picks_the_kernels_and_a_wrong_one_fails_the_start(tiny
             assert client.model_info().kernels == "avx2"
     finally:
         server.stop()
-    out = subprocess.run([BRAID, "serve", "--model", str(tiny_dir), "--port", "0"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, ISA_VARIABLE: "neon"})
+    out = subprocess.run(
+        [BRAID, "serve", "--model", str(tiny_dir), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, ISA_VARIABLE: "neon"},
+    )
     assert out.returncode != 0
     assert f"{ISA_VARIABLE}=neon" in out.stderr
 
 
 # ---- in process: perplexity, and formats braid does not run --------------------------------------
+
 
 @pytest.fixture(scope="module")
 def smol_fp32(smol_dir) -> LoadedModel:
@@ -189,13 +197,19 @@ def test_q8_0_costs_at_most_one_percent_of_perplexity(smol_fp32, dtype, record_p
     fixed text the repo ships (tests/data/perplexity.txt). docs/benchmarks.md quotes the figures."""
     model = smol_fp32
     if dtype == "bfloat16":
-        model = LoadedModel(hf_model=_bf16_copy(smol_fp32.hf_model), hf_tokenizer=smol_fp32.hf_tokenizer,
-                            name="bf16", architecture=smol_fp32.architecture, eos_token_ids=smol_fp32.eos_token_ids)
+        model = LoadedModel(
+            hf_model=_bf16_copy(smol_fp32.hf_model),
+            hf_tokenizer=smol_fp32.hf_tokenizer,
+            name="bf16",
+            architecture=smol_fp32.architecture,
+            eos_token_ids=smol_fp32.eos_token_ids,
+        )
     ids = smol_fp32.hf_tokenizer(TEXT)["input_ids"]
 
     def perplexity(quantization: str) -> float:
-        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048,
-                             quantization=quantization)
+        runner = ModelRunner(
+            model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048, quantization=quantization
+        )
         assert ("q8_0" in runner.weight_formats) == (quantization == "q8_0")
         return perplexity_of(runner, ids)
 
@@ -214,8 +228,9 @@ def test_int8_activations_cost_at_most_one_percent_of_perplexity(embedded, recor
     ids = model.hf_tokenizer(TEXT)["input_ids"]
 
     def perplexity(activations: str) -> float:
-        runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048,
-                             activations=activations)
+        runner = ModelRunner(
+            model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048, activations=activations
+        )
         assert runner.activations == (activations if runner.kernels != "torch" else "float32")
         return perplexity_of(runner, ids)
 
@@ -234,15 +249,25 @@ def test_bf16_activations_cost_at_most_one_percent_of_perplexity(embedded, recor
     ids = embedded.hf_tokenizer(TEXT)["input_ids"]
 
     def perplexity(activations: str) -> tuple[float, str]:
-        runner = ModelRunner(embedded, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048,
-                             weight_dtype="bfloat16", quantization="none", activations=activations)
+        runner = ModelRunner(
+            embedded,
+            torch.device("cpu"),
+            torch.float32,
+            num_pages=128,
+            max_seq_len=2048,
+            weight_dtype="bfloat16",
+            quantization="none",
+            activations=activations,
+        )
         assert set(runner.weight_formats) == {"bf16", "f32"}  # the matrices bf16, the norms f32
         return perplexity_of(runner, ids), runner.activations
 
     (plain, _), (bf16, rows) = perplexity("float32"), perplexity("bf16")
     record_property("perplexity", f"bf16 weights, float32 rows: {plain:.4f}, {rows} rows: {bf16:.4f}")
-    print(f"\nbf16 weights: perplexity with float32 rows {plain:.4f}, with {rows} rows {bf16:.4f} "
-          f"({bf16 / plain - 1:+.2%})")
+    print(
+        f"\nbf16 weights: perplexity with float32 rows {plain:.4f}, with {rows} rows {bf16:.4f} "
+        f"({bf16 / plain - 1:+.2%})"
+    )
     assert 5 < plain < 100
     assert bf16 <= plain * 1.01
 
@@ -257,10 +282,18 @@ INT8_NEAR_TIE = 0.05
 def _logits(model: LoadedModel, ids: list[int], activations: str, **weights: str) -> torch.Tensor:
     """The logits [len(ids), V] at every position of ids, one prompt pass of braid's decoder.
     weights: ModelRunner's weight_dtype and quantization."""
-    runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=64, max_seq_len=2048,
-                         activations=activations, **weights)
-    row = Row(pages=list(range(-(-len(ids) // 16))), start=0, token_ids=ids, sample=False, sampling=Sampling(),
-              rng=None, is_prompt=True)
+    runner = ModelRunner(
+        model, torch.device("cpu"), torch.float32, num_pages=64, max_seq_len=2048, activations=activations, **weights
+    )
+    row = Row(
+        pages=list(range(-(-len(ids) // 16))),
+        start=0,
+        token_ids=ids,
+        sample=False,
+        sampling=Sampling(),
+        rng=None,
+        is_prompt=True,
+    )
     batch, _, _ = runner._build([row])
     batch.logit_rows = torch.arange(len(ids))
     with torch.no_grad():
@@ -293,8 +326,10 @@ def test_bf16_activations_choose_float32_rows_tokens_but_for_near_ties(embedded)
     rows, plain = _logits(embedded, ids, "auto", **bf16), _logits(embedded, ids, "float32", **bf16)
     best = plain.max(1).values
     gap = best - plain.gather(1, rows.argmax(1, keepdim=True))[:, 0]
-    print(f"\n{int((gap > 0).sum())} of {len(ids)} positions flip, the largest gap "
-          f"{(gap / best.abs().clamp(min=1)).max():.4f} of the best logit")
+    print(
+        f"\n{int((gap > 0).sum())} of {len(ids)} positions flip, the largest gap "
+        f"{(gap / best.abs().clamp(min=1)).max():.4f} of the best logit"
+    )
     assert (gap <= BF16_NEAR_TIE * best.abs().clamp(min=1)).all(), gap.max()
 
 
@@ -309,12 +344,24 @@ def test_a_tensor_type_braid_does_not_run_is_dequantized_and_said_once(caplog):
     by transformers, and start-up logs one line per type."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     hf_model = LlamaForCausalLM(config).eval()
     formats = {n: ("q5_k" if "proj" in n else "f32") for n, _ in hf_model.named_parameters()}
-    model = LoadedModel(hf_model=hf_model, hf_tokenizer=None, name="k-quants", architecture="LlamaForCausalLM",
-                        eos_token_ids=(2,), formats=formats)
+    model = LoadedModel(
+        hf_model=hf_model,
+        hf_tokenizer=None,
+        name="k-quants",
+        architecture="LlamaForCausalLM",
+        eos_token_ids=(2,),
+        formats=formats,
+    )
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=4, max_seq_len=64)
     said = [r.getMessage() for r in caplog.records if "q5_k" in r.getMessage()]
@@ -325,10 +372,21 @@ def test_a_tensor_type_braid_does_not_run_is_dequantized_and_said_once(caplog):
 def test_q8_0_leaves_a_matrix_whose_rows_are_not_whole_blocks_in_float(caplog):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=40, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
-    model = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="odd",
-                        architecture="LlamaForCausalLM", eos_token_ids=(2,))
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = LoadedModel(
+        hf_model=LlamaForCausalLM(config).eval(),
+        hf_tokenizer=None,
+        name="odd",
+        architecture="LlamaForCausalLM",
+        eos_token_ids=(2,),
+    )
     precision = Precision(model, quantization="q8_0")
     with caplog.at_level(logging.WARNING):
         down = precision.matrix("model.layers.0.mlp.down_proj.weight")  # in = 40: not whole blocks
@@ -348,8 +406,12 @@ def test_every_mode_serves_q8_0_weights_and_a_row_ignores_its_batch(tiny_dir):
 
     prompts = ["The sea is", "Tell me a story about a fox", "1, 2, 3, 4,"]
     tokens: dict[str, list[list[int]]] = {}
-    started = start_together(*[functools.partial(tiny_server, tiny_dir, "--quantization", "q8_0", "--mode", mode,
-                                                 "--max-wait-ms", "5") for mode in MODES])
+    started = start_together(
+        *[
+            functools.partial(tiny_server, tiny_dir, "--quantization", "q8_0", "--mode", mode, "--max-wait-ms", "5")
+            for mode in MODES
+        ]
+    )
     try:
         for mode, server in zip(MODES, started):
             with server.client() as client:
@@ -357,8 +419,9 @@ def test_every_mode_serves_q8_0_weights_and_a_row_ignores_its_batch(tiny_dir):
             assert dict(info.weight_formats) == {"q8_0": 15, "f32": 5}
             assert info.activations == ("float32" if info.kernels == "torch" else "int8")  # --activations auto
             if info.kernels == "torch":
-                pytest.skip("braid's kernels do not run on this CPU; torch's ops may round a row "
-                            "differently in another batch")
+                pytest.skip(
+                    "braid's kernels do not run on this CPU; torch's ops may round a row differently in another batch"
+                )
 
             def run(prompt: str) -> list[int]:
                 with server.client() as client:

@@ -14,8 +14,10 @@ from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 from conftest import MODES, SLOW, tiny_server, wait_for
 
-SYSTEM = ("You are a careful assistant who answers questions about the sea, ships and the weather "
-          "in plain words, briefly, and never makes anything up. ") * 4  # about 100 tokens
+SYSTEM = (
+    "You are a careful assistant who answers questions about the sea, ships and the weather "
+    "in plain words, briefly, and never makes anything up. "
+) * 4  # about 100 tokens
 
 
 def _ask(client, question: str, salt: str, n: int = 12):
@@ -41,7 +43,9 @@ def test_a_cache_hit_gives_the_tokens_of_a_cold_run(servers, mode):
     assert warm.token_ids == cold.token_ids
     assert other.usage.cached_tokens >= 64 and other.token_ids == other_cold.token_ids
     assert other_cold.usage.cached_tokens == 0
-    assert after.prompt_tokens_cached - before.prompt_tokens_cached == warm.usage.cached_tokens + other.usage.cached_tokens
+    assert (
+        after.prompt_tokens_cached - before.prompt_tokens_cached == warm.usage.cached_tokens + other.usage.cached_tokens
+    )
     assert after.prompt_tokens_computed == after.prompt_tokens
 
 
@@ -87,6 +91,7 @@ def test_cancelling_a_session_that_shares_pages_frees_only_its_own(slow):
 
     async def run():
         async with AsyncClient(server.target) as client:
+
             def _ask_async(question: str, n: int):
                 return client.stream(SYSTEM + question, max_new_tokens=n, ignore_eos=True, cache_salt="shared")
 
@@ -125,13 +130,25 @@ def test_sessions_preempted_for_memory_resume_to_the_same_tokens(tiny_dir, serve
     with servers("sequential").client() as client:
         alone = [client.generate(q, max_new_tokens=300, ignore_eos=True).token_ids for q in questions]
     # the tiny model's keys and values: 2 layers x 2 heads x 16 x 4 bytes x 2 = 512 bytes a token
-    server = tiny_server(tiny_dir, "--mode", mode, "--max-seq-len", "512", "--kv-cache-memory",
-                         str(48 * 16 * 512) + "B", "--max-batch-size", "4", "--max-wait-ms", "5000")
+    server = tiny_server(
+        tiny_dir,
+        "--mode",
+        mode,
+        "--max-seq-len",
+        "512",
+        "--kv-cache-memory",
+        str(48 * 16 * 512) + "B",
+        "--max-batch-size",
+        "4",
+        "--max-wait-ms",
+        "5000",
+    )
 
     async def run():
         async with AsyncClient(server.target) as client:
-            return await asyncio.gather(*(_collect(client.stream(q, max_new_tokens=300, ignore_eos=True))
-                                          for q in questions))
+            return await asyncio.gather(
+                *(_collect(client.stream(q, max_new_tokens=300, ignore_eos=True)) for q in questions)
+            )
 
     try:
         results = asyncio.run(run())
@@ -146,13 +163,23 @@ def test_sessions_preempted_for_memory_resume_to_the_same_tokens(tiny_dir, serve
 
 def test_admission_is_by_the_pages_in_use_not_by_max_seq_len(tiny_dir):
     """A budget that holds two sessions of --max-seq-len runs eight short ones at once."""
-    server = tiny_server(tiny_dir, "--mode", "continuous", "--max-seq-len", "1024", "--kv-cache-memory",
-                         str(2 * 1024 * 512) + "B", env=SLOW)
+    server = tiny_server(
+        tiny_dir,
+        "--mode",
+        "continuous",
+        "--max-seq-len",
+        "1024",
+        "--kv-cache-memory",
+        str(2 * 1024 * 512) + "B",
+        env=SLOW,
+    )
 
     async def run():
         async with AsyncClient(server.target) as client:
-            streams = [asyncio.create_task(_collect(client.stream(f"Short prompt {i}", max_new_tokens=150,
-                                                                  ignore_eos=True))) for i in range(8)]
+            streams = [
+                asyncio.create_task(_collect(client.stream(f"Short prompt {i}", max_new_tokens=150, ignore_eos=True)))
+                for i in range(8)
+            ]
             peak = 0
             while not all(s.done() for s in streams):
                 peak = max(peak, (await client.server_status()).sessions_active)
@@ -193,13 +220,20 @@ def test_cancels_at_odd_moments_under_memory_pressure_leave_no_page_held(tiny_di
     import random
 
     log = tmp_path / "server.log"
-    server = tiny_server(tiny_dir, "--mode", "continuous", "--max-seq-len", "512", "--kv-cache-memory",
-                         str(64 * 16 * 512) + "B", log_path=log)
+    server = tiny_server(
+        tiny_dir,
+        "--mode",
+        "continuous",
+        "--max-seq-len",
+        "512",
+        "--kv-cache-memory",
+        str(64 * 16 * 512) + "B",
+        log_path=log,
+    )
     rng = random.Random(7)
 
     async def one(client, i: int):
-        generation = client.stream(SYSTEM + f"Question {i}.", max_new_tokens=200, ignore_eos=True,
-                                   cache_salt="storm")
+        generation = client.stream(SYSTEM + f"Question {i}.", max_new_tokens=200, ignore_eos=True, cache_salt="storm")
         if i % 2:
             task = asyncio.create_task(_collect(generation))
             await asyncio.sleep(rng.uniform(0, 1.5))
@@ -216,8 +250,9 @@ def test_cancels_at_odd_moments_under_memory_pressure_leave_no_page_held(tiny_di
         results = asyncio.run(run())
         assert results[::2] == [pb.FINISH_REASON_MAX_TOKENS] * 6
         with server.client() as client:
-            status = wait_for(lambda: (s := client.server_status()).sessions_active == 0
-                              and s.sessions_queued == 0 and s)
+            status = wait_for(
+                lambda: (s := client.server_status()).sessions_active == 0 and s.sessions_queued == 0 and s
+            )
         assert status.kv_pages_used == 0 and status.preemptions > 0
         assert "BOOKS DO NOT BALANCE" not in log.read_text() and "Traceback" not in log.read_text()
     finally:

@@ -46,8 +46,11 @@ def test_no_breaking_change_since_the_release():
 
 def test_lint_requires_comments(workspace: Path):
     proto = workspace / PROTO
-    proto.write_text(proto.read_text().replace("  string request_id = 14;\n",
-                                               "  string request_id = 14;\n  bool undocumented = 999;\n"))
+    proto.write_text(
+        proto.read_text().replace(
+            "  string request_id = 14;\n", "  string request_id = 14;\n  bool undocumented = 999;\n"
+        )
+    )
     result = buf("lint", cwd=workspace)
     assert result.returncode != 0
     assert 'Field "undocumented"' in result.stdout and "comment" in result.stdout

@@ -31,16 +31,28 @@ def test_the_readme_names_the_two_commands():
 
 def make_commands(target: str, venv: Path) -> list[str]:
     """The commands `make TARGET` runs from a fresh clone (every target out of date), not run."""
-    dry = subprocess.run(["make", "--no-print-directory", "-n", "-B", target, f"VENV={venv}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, check=True)
+    dry = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-B", target, f"VENV={venv}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return dry.stdout.splitlines()
 
 
 def make_echoes(target: str, venv: Path) -> list[str]:
     """What make itself prints for `make TARGET` from a fresh clone: each command is handed to a
     shell that does nothing, so only the lines make echoes are left (not the recipes' own output)."""
-    run = subprocess.run(["make", "--no-print-directory", "-B", target, f"VENV={venv}", "SHELL=/bin/true"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    run = subprocess.run(
+        ["make", "--no-print-directory", "-B", target, f"VENV={venv}", "SHELL=/bin/true"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return run.stdout.splitlines()
 
 
@@ -48,7 +60,9 @@ def test_make_serve_installs_what_serving_needs_and_make_test_adds_the_test_extr
     serve, test = make_commands("serve", tmp_path), make_commands("test", tmp_path)
     assert not [line for line in serve if "[test]" in line], "make serve installs the test extra"
     assert [line for line in test if "pip install" in line and "[test]" in line]
-    assert set(serve) - set(test) == {f"{tmp_path}/bin/braid serve --http-port 8000 "}  # make test: the same set-up, and more
+    assert set(serve) - set(test) == {
+        f"{tmp_path}/bin/braid serve --http-port 8000 "
+    }  # make test: the same set-up, and more
 
 
 def test_make_echoes_no_comment_and_no_set_up_command(tmp_path):

@@ -115,11 +115,16 @@ def test_metrics_listen_on_metrics_host(tiny_dir):
         # Metrics without OTLP: spans are not recorded, and a call that ends well still counts as OK.
         with server.client() as client:
             client.generate("Hello", max_new_tokens=2, ignore_eos=True)
+
         def calls() -> dict[str, float]:
             with urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=5) as response:
                 text = response.read().decode()
-            return {s.labels["rpc_response_status_code"]: s.value for family in text_string_to_metric_families(text)
-                    for s in family.samples if s.name == "rpc_server_call_duration_seconds_count"}
+            return {
+                s.labels["rpc_response_status_code"]: s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name == "rpc_server_call_duration_seconds_count"
+            }
 
         assert wait_for(calls) == {"OK": 1}
     finally:

@@ -38,8 +38,17 @@ def logged(tiny_dir, tmp_path_factory):
     """A server whose output goes to `logged.log_file`, with metrics, a KV cache size and an API key
     set (what its start-up lines say), shared by the module's tests of one server's log."""
     log, metrics_port = tmp_path_factory.mktemp("logged") / "server.log", free_port()
-    server = tiny_server(tiny_dir, "--mode", "continuous", "--metrics-port", str(metrics_port), "--kv-cache-memory",
-                         "64MiB", log_path=log, env={**SLOW, "BRAID_API_KEY": "k"})
+    server = tiny_server(
+        tiny_dir,
+        "--mode",
+        "continuous",
+        "--metrics-port",
+        str(metrics_port),
+        "--kv-cache-memory",
+        "64MiB",
+        log_path=log,
+        env={**SLOW, "BRAID_API_KEY": "k"},
+    )
     server.log_file, server.metrics_port = log, metrics_port
     yield server
     server.stop()
@@ -118,6 +127,7 @@ def test_sigterm_is_logged_and_a_second_signal_exits_at_once(tiny_dir, tmp_path)
 
 # ---- converting and loading a model ----------------------------------------------------------------
 
+
 def tiny_gguf(path: Path) -> Path:
     """A GGUF file of a tiny random Llama (Q8_0 matrices) with a 261-token byte-level vocabulary:
     converted in seconds, where the embedded model takes a minute."""
@@ -147,16 +157,22 @@ def tiny_gguf(path: Path) -> Path:
 
     def matrix(name: str, rows: int, cols: int) -> None:
         values = (rng.standard_normal((rows, cols)) * 0.3).astype(np.float32)
-        writer.add_tensor(name, quants.quantize(values, GGMLQuantizationType.Q8_0),
-                          raw_dtype=GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, quants.quantize(values, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
 
     matrix("token_embd.weight", len(tokens), 64)
     writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
     for i in range(2):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(64, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(64, np.float32))
-        for name, rows, cols in (("attn_q", 64, 64), ("attn_k", 32, 64), ("attn_v", 32, 64), ("attn_output", 64, 64),
-                                 ("ffn_gate", 128, 64), ("ffn_up", 128, 64), ("ffn_down", 64, 128)):
+        for name, rows, cols in (
+            ("attn_q", 64, 64),
+            ("attn_k", 32, 64),
+            ("attn_v", 32, 64),
+            ("attn_output", 64, 64),
+            ("ffn_gate", 128, 64),
+            ("ffn_up", 128, 64),
+            ("ffn_down", 64, 128),
+        ):
             matrix(f"blk.{i}.{name}.weight", rows, cols)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -184,8 +200,9 @@ def test_in_a_log_a_conversion_is_lines_not_bars(gguf_file, tmp_path):
 def test_on_a_terminal_a_conversion_has_one_bar_across_its_steps(gguf_file, tmp_path):
     main, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a width to draw in
-    proc = subprocess.Popen(warmup_args(gguf_file, tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=terminal)
+    proc = subprocess.Popen(
+        warmup_args(gguf_file, tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=terminal
+    )
     os.close(terminal)
     shown = b""
     while chunk := _read(main):

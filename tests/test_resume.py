@@ -16,8 +16,15 @@ from conftest import MODES, SLOW, start_together, tiny_server
 PROMPT = "The lighthouse keeper wrote in his log"
 CASES = {
     "greedy": dict(max_new_tokens=40, ignore_eos=True),
-    "sampled": dict(max_new_tokens=40, ignore_eos=True, temperature=1.0, top_k=50, seed=7,
-                    presence_penalty=0.5, frequency_penalty=0.3),
+    "sampled": dict(
+        max_new_tokens=40,
+        ignore_eos=True,
+        temperature=1.0,
+        top_k=50,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+    ),
     "stop string": dict(max_new_tokens=60, temperature=0.8, seed=3, stop=["e t", "ing "]),
 }
 
@@ -58,11 +65,14 @@ def test_the_seed_comes_in_the_headers(servers):
     assert headers["braid-seed"] == str(messages[-1].seed)
 
 
-@pytest.mark.parametrize("fields, field", [
-    (dict(resume_token_ids=[49152]), "resume_token_ids[0]"),
-    (dict(resume_token_ids=[5, 6], n=2), "resume_token_ids"),
-    (dict(resume_token_ids=[5] * 8, max_new_tokens=8), "resume_token_ids"),
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(resume_token_ids=[49152]), "resume_token_ids[0]"),
+        (dict(resume_token_ids=[5, 6], n=2), "resume_token_ids"),
+        (dict(resume_token_ids=[5] * 8, max_new_tokens=8), "resume_token_ids"),
+    ],
+)
 def test_bad_resume_token_ids_are_invalid_argument(servers, fields, field):
     with servers("continuous").client() as client, pytest.raises(grpc.RpcError) as err:
         _stream(client, **fields)

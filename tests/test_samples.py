@@ -50,8 +50,7 @@ def test_cancelling_the_stream_cancels_every_sample(servers):
             if message.token_ids:
                 break
         generation.cancel()
-        status = wait_for(lambda: (s := client.server_status()).sessions_active == 0
-                          and s.sessions_queued == 0 and s)
+        status = wait_for(lambda: (s := client.server_status()).sessions_active == 0 and s.sessions_queued == 0 and s)
     assert status.sessions_finished.cancelled - before == 3
 
 

@@ -22,15 +22,56 @@ def _openssl(*args: str) -> None:
 def pki(tmp_path_factory):
     """A CA, a server certificate for 127.0.0.1/localhost, and two client certificates."""
     d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=braid test CA",
-             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "extendedKeyUsage=clientAuth"),
-                      ("other", "extendedKeyUsage=clientAuth")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(d / f"{name}.key"),
-                 "-out", str(d / f"{name}.csr"))
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=braid test CA",
+        "-keyout",
+        str(d / "ca.key"),
+        "-out",
+        str(d / "ca.pem"),
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+        ("other", "extendedKeyUsage=clientAuth"),
+    ):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            str(d / f"{name}.key"),
+            "-out",
+            str(d / f"{name}.csr"),
+        )
         (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
-                 "-CAcreateserial", "-days", "2", "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"))
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(d / f"{name}.csr"),
+            "-CA",
+            str(d / "ca.pem"),
+            "-CAkey",
+            str(d / "ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(d / f"{name}.ext"),
+            "-out",
+            str(d / f"{name}.pem"),
+        )
     return d
 
 
@@ -38,10 +79,22 @@ def pki(tmp_path_factory):
 def mtls(tiny_dir, pki):
     """A server that asks for a client certificate signed by the test CA (SLOW: a LONG stream lasts
     long enough to abort), shared by the module; its clients present `client`'s."""
-    server = Server(["--model", str(tiny_dir), "--threads", "1", "--tls-cert", str(pki / "server.pem"),
-                     "--tls-key", str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.pem")],
-                    env=SLOW, client_kw=dict(root_certificates=pki / "ca.pem", client_cert=pki / "client.pem",
-                                             client_key=pki / "client.key"))
+    server = Server(
+        [
+            "--model",
+            str(tiny_dir),
+            "--threads",
+            "1",
+            "--tls-cert",
+            str(pki / "server.pem"),
+            "--tls-key",
+            str(pki / "server.key"),
+            "--tls-client-ca",
+            str(pki / "ca.pem"),
+        ],
+        env=SLOW,
+        client_kw=dict(root_certificates=pki / "ca.pem", client_cert=pki / "client.pem", client_key=pki / "client.key"),
+    )
     yield server
     server.stop()
 
@@ -66,8 +119,9 @@ def test_tls_and_mutual_tls(mtls):
 
 def _abort_as(server: Server, pki, name: str, request_id: str) -> list[str]:
     """Abort(request_id) over mutual TLS with client certificate `name`; what it aborted."""
-    credentials = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes(), (pki / f"{name}.key").read_bytes(),
-                                               (pki / f"{name}.pem").read_bytes())
+    credentials = grpc.ssl_channel_credentials(
+        (pki / "ca.pem").read_bytes(), (pki / f"{name}.key").read_bytes(), (pki / f"{name}.pem").read_bytes()
+    )
     with grpc.secure_channel(server.target, credentials) as channel:
         response = pb_grpc.GenerateStub(channel).Abort(pb.AbortRequest(request_ids=[request_id]), timeout=10)
     return list(response.aborted)
@@ -92,8 +146,11 @@ def test_with_mutual_tls_only_the_same_client_identity_aborts(mtls, pki):
 def test_api_key_guards_every_call_but_health(keyed):
     with keyed.client(api_key=None) as anonymous:
         assert anonymous.health() == "SERVING"
-        for call in (anonymous.model_info, anonymous.server_status,
-                     lambda: list(anonymous.stream("hi", max_new_tokens=2))):
+        for call in (
+            anonymous.model_info,
+            anonymous.server_status,
+            lambda: list(anonymous.stream("hi", max_new_tokens=2)),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -106,14 +163,14 @@ def test_api_key_guards_every_call_but_health(keyed):
 
 def test_the_api_key_scheme_is_case_insensitive_and_a_second_header_is_refused(keyed):
     """One of issue 10's defects, called as a user hit it (the parsing alone: tests/unit/test_auth.py)."""
-    stub_kw = dict(request_serializer=pb.ModelInfoRequest.SerializeToString,
-                   response_deserializer=pb.ModelInfoResponse.FromString)
+    stub_kw = dict(
+        request_serializer=pb.ModelInfoRequest.SerializeToString, response_deserializer=pb.ModelInfoResponse.FromString
+    )
     with grpc.insecure_channel(keyed.target) as channel:
         info = channel.unary_unary("/braid.v1.Generate/ModelInfo", **stub_kw)
         assert info(pb.ModelInfoRequest(), metadata=[("authorization", "bearer s3cret")]).vocab_size
         with pytest.raises(grpc.RpcError) as err:
-            info(pb.ModelInfoRequest(), metadata=[("authorization", "Bearer nope"),
-                                                  ("authorization", "Bearer s3cret")])
+            info(pb.ModelInfoRequest(), metadata=[("authorization", "Bearer nope"), ("authorization", "Bearer s3cret")])
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 

@@ -57,8 +57,12 @@ def test_reflection_lists_the_services_and_describes_them_with_their_comments(se
     target = servers("continuous").target
     listed = subprocess.run([grpcurl, "-plaintext", target, "list"], capture_output=True, text=True, timeout=30)
     assert {"braid.v1.Generate", "grpc.health.v1.Health"} <= set(listed.stdout.split())
-    described = subprocess.run([grpcurl, "-plaintext", target, "describe", "braid.v1.GenerateRequest"],
-                               capture_output=True, text=True, timeout=30)
+    described = subprocess.run(
+        [grpcurl, "-plaintext", target, "describe", "braid.v1.GenerateRequest"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert described.returncode == 0, described.stderr
     assert "max_new_tokens" in described.stdout
     assert "caps the number of generated tokens" in described.stdout  # the .proto's own comment

@@ -44,15 +44,20 @@ def test_presence_and_frequency_penalties_break_a_loop(smol):
     prompt = "apple, apple, apple, apple, apple, apple,"
     with smol.client() as client:
         plain = client.generate(prompt, max_new_tokens=16, ignore_eos=True)
-        penalised = client.generate(prompt, max_new_tokens=16, ignore_eos=True, presence_penalty=2.0,
-                                    frequency_penalty=2.0)
+        penalised = client.generate(
+            prompt, max_new_tokens=16, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
+        )
     most = lambda ids: max(ids.count(t) for t in ids)  # noqa: E731
     assert most(penalised.token_ids) < most(plain.token_ids)
 
 
 def test_cli_streams_a_chat_answer(smol):
-    out = subprocess.run([CLIENT, "--target", smol.target, "--chat", "--max-new-tokens", "48", "--stats",
-                          "Write a haiku about the sea"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [CLIENT, "--target", smol.target, "--chat", "--max-new-tokens", "48", "--stats", "Write a haiku about the sea"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.split()) >= 5
     assert "finish_reason" in out.stderr

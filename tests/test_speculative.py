@@ -15,12 +15,19 @@ from braid.client import AsyncClient, regex
 from braid.v1 import generate_pb2 as pb
 from conftest import MODES, Server, start_together, tiny_model, wait_for
 
-PASSAGE = ("The river rises in the hills above the town and runs for forty miles to the sea. In spring the "
-           "snow melts and the water comes down fast and brown, carrying branches and stones; in summer it "
-           "is slow and clear, and children swim in the pools below the old mill.")
+PASSAGE = (
+    "The river rises in the hills above the town and runs for forty miles to the sea. In spring the "
+    "snow melts and the water comes down fast and brown, carrying branches and stones; in summer it "
+    "is slow and clear, and children swim in the pools below the old mill."
+)
 COPY = [("user", "Repeat this passage exactly, word for word:\n\n" + PASSAGE)]
-FIX = [("user", "Fix the spelling in this passage and write it out again in full:\n\n"
-                + PASSAGE.replace("rises", "riseses").replace("water", "watter"))]
+FIX = [
+    (
+        "user",
+        "Fix the spelling in this passage and write it out again in full:\n\n"
+        + PASSAGE.replace("rises", "riseses").replace("water", "watter"),
+    )
+]
 RAW = [PASSAGE + "\n\n" + PASSAGE[:60], "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7", "Hi", "A list: apples, pears, apples,"]
 SPECULATIVE = ["--speculative", "ngram", "--speculative-tokens", "6"]
 SMOL = ["--kv-cache-memory", "256MiB", "--threads", "2"]
@@ -34,8 +41,23 @@ def speculating(tiny_dir):
 
     def get(mode: str) -> Server:
         if mode not in started:
-            started[mode] = Server(["--model", str(tiny_dir), "--mode", mode, "--threads", "1", "--max-batch-size",
-                                    "16", "--max-wait-ms", "5", *SPECULATIVE, "--ngram-min", "1"])
+            started[mode] = Server(
+                [
+                    "--model",
+                    str(tiny_dir),
+                    "--mode",
+                    mode,
+                    "--threads",
+                    "1",
+                    "--max-batch-size",
+                    "16",
+                    "--max-wait-ms",
+                    "5",
+                    *SPECULATIVE,
+                    "--ngram-min",
+                    "1",
+                ]
+            )
         return started[mode]
 
     yield get
@@ -57,6 +79,7 @@ def smol_pair(smol_dir):
 async def _run(target: str, requests: list[dict]) -> list[tuple[list[int], str, pb.GenerateResponse, list]]:
     """Every request at once: per request its tokens, text, final message and logprobs."""
     async with AsyncClient(target) as client:
+
         async def one(kw):
             ids, text, logprobs, final = [], "", [], None
             async for m in client.stream(**kw):
@@ -71,8 +94,9 @@ async def _run(target: str, requests: list[dict]) -> list[tuple[list[int], str, 
 
 
 def _greedy_requests() -> list[dict]:
-    return ([dict(prompt=p, max_new_tokens=40, ignore_eos=True) for p in RAW]
-            + [dict(messages=m, max_new_tokens=80) for m in (COPY, FIX)])
+    return [dict(prompt=p, max_new_tokens=40, ignore_eos=True) for p in RAW] + [
+        dict(messages=m, max_new_tokens=80) for m in (COPY, FIX)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +108,9 @@ def expected_greedy():
 
     def get(server: Server) -> list:
         if server.target not in done:
-            done[server.target] = asyncio.run(_run(server.target, [dict(r, top_logprobs=2) for r in _greedy_requests()]))
+            done[server.target] = asyncio.run(
+                _run(server.target, [dict(r, top_logprobs=2) for r in _greedy_requests()])
+            )
         return done[server.target]
 
     return get
@@ -146,16 +172,19 @@ def _kernels(server) -> str:
 
 
 def test_a_seed_gives_the_same_tokens_with_speculation(smol_pair, servers, speculating):
-    sampled = [dict(messages=COPY, max_new_tokens=60, temperature=t, seed=s, top_p=p, repetition_penalty=r)
-               for t, s, p, r in ((0.7, 1, 1.0, 1.0), (1.0, 2, 0.9, 1.0), (0.5, 3, 1.0, 1.2), (1.3, 4, 0.95, 1.0))]
+    sampled = [
+        dict(messages=COPY, max_new_tokens=60, temperature=t, seed=s, top_p=p, repetition_penalty=r)
+        for t, s, p, r in ((0.7, 1, 1.0, 1.0), (1.0, 2, 0.9, 1.0), (0.5, 3, 1.0, 1.2), (1.3, 4, 0.95, 1.0))
+    ]
     plain, fast = smol_pair
     expected = asyncio.run(_run(plain.target, sampled))
     got = asyncio.run(_run(fast.target, sampled))
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert sum(g[2].usage.accepted_tokens for g in got) > 0
     raw = [dict(prompt=RAW[1], max_new_tokens=30, temperature=1.0, seed=s, n=2) for s in range(3)]
-    assert ([sorted(r[0]) for r in asyncio.run(_run(speculating("continuous").target, raw))]
-            == [sorted(r[0]) for r in asyncio.run(_run(servers("continuous").target, raw))])
+    assert [sorted(r[0]) for r in asyncio.run(_run(speculating("continuous").target, raw))] == [
+        sorted(r[0]) for r in asyncio.run(_run(servers("continuous").target, raw))
+    ]
 
 
 def test_constraints_stop_strings_and_logprobs_with_speculation(smol_pair):
@@ -165,8 +194,13 @@ def test_constraints_stop_strings_and_logprobs_with_speculation(smol_pair):
         dict(messages=COPY, max_new_tokens=80, stop=["forty miles"], include_stop_sequence=True),
         dict(messages=COPY, max_new_tokens=30, logprobs=True, top_logprobs=3),
         dict(messages=COPY, max_new_tokens=60, constraint=regex(r"The river rises[a-z ,.]*")),
-        dict(messages=COPY, max_new_tokens=60, temperature=0.8, seed=5,
-             constraint=regex(r"The [a-z]+ rises in the hills[a-z ,.]*")),
+        dict(
+            messages=COPY,
+            max_new_tokens=60,
+            temperature=0.8,
+            seed=5,
+            constraint=regex(r"The [a-z]+ rises in the hills[a-z ,.]*"),
+        ),
         dict(messages=COPY, max_new_tokens=40, stop_token_ids=[4553], min_new_tokens=5),
         dict(messages=COPY, max_new_tokens=40, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={1: -2.0}),
         dict(messages=COPY, max_new_tokens=40, disable_speculation=True),
@@ -190,6 +224,7 @@ def test_cancelled_mid_generation_leaves_the_books_balanced_and_no_page_held(smo
 
     async def cancel_some() -> None:
         async with AsyncClient(fast.target) as client:
+
             async def cut(kw, after: int):
                 seen = 0
                 async for m in client.stream(**kw):
@@ -207,7 +242,8 @@ def test_cancelled_mid_generation_leaves_the_books_balanced_and_no_page_held(smo
     assert status.sessions_finished.cancelled >= 4
     assert status.speculative_accepted_tokens > 0
     assert status.speculative_acceptance_rate == pytest.approx(
-        status.speculative_accepted_tokens / status.speculative_proposed_tokens)
+        status.speculative_accepted_tokens / status.speculative_proposed_tokens
+    )
 
 
 def test_model_info_says_what_is_configured(smol_pair):
@@ -220,19 +256,24 @@ def test_model_info_says_what_is_configured(smol_pair):
     assert (info.speculative, info.speculative_tokens) == ("none", 0)
 
 
-@pytest.mark.parametrize("flags, line", [
-    (["--speculative-tokens", "17"], "--speculative-tokens 17: must be in [1, 16]"),
-    (["--speculative", "draft"], "--speculative draft: needs --draft-model"),
-    (["--draft-model", "x.gguf"], "--draft-model x.gguf: needs --speculative draft"),
-])
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--speculative-tokens", "17"], "--speculative-tokens 17: must be in [1, 16]"),
+        (["--speculative", "draft"], "--speculative draft: needs --draft-model"),
+        (["--draft-model", "x.gguf"], "--draft-model x.gguf: needs --speculative draft"),
+    ],
+)
 def test_bad_speculation_flags_fail_at_start_in_one_line(flags, line):  # before any model loads
-    result = subprocess.run([sys.executable, "-m", "braid.server.cli", "serve", *flags], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "braid.server.cli", "serve", *flags], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2
     assert line in result.stderr.strip().splitlines()[-1]
 
 
 # ---- a draft model (--speculative draft) ------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def other_tiny_dir(tmp_path_factory, smol_dir):
@@ -251,15 +292,32 @@ def other_tiny_dir(tmp_path_factory, smol_dir):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(servers, tiny_dir, other_tiny_dir, expected_greedy,
-                                                                    mode):
+def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(
+    servers, tiny_dir, other_tiny_dir, expected_greedy, mode
+):
     """The model drafting for itself: (nearly) every proposal accepted; a random draft: (nearly) none."""
     requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
     expected = expected_greedy(servers(mode))
-    common = ["--model", str(tiny_dir), "--mode", mode, "--threads", "1", "--max-batch-size", "16", "--max-wait-ms",
-              "5", "--speculative", "draft", "--speculative-tokens", "4"]
-    same, other = start_together(lambda: Server([*common, "--draft-model", str(tiny_dir)]),
-                                 lambda: Server([*common, "--draft-model", str(other_tiny_dir)]))
+    common = [
+        "--model",
+        str(tiny_dir),
+        "--mode",
+        mode,
+        "--threads",
+        "1",
+        "--max-batch-size",
+        "16",
+        "--max-wait-ms",
+        "5",
+        "--speculative",
+        "draft",
+        "--speculative-tokens",
+        "4",
+    ]
+    same, other = start_together(
+        lambda: Server([*common, "--draft-model", str(tiny_dir)]),
+        lambda: Server([*common, "--draft-model", str(other_tiny_dir)]),
+    )
     try:
         for server, accepted in ((same, 0.9), (other, 0.0)):
             got = asyncio.run(_run(server.target, requests))
@@ -300,19 +358,63 @@ def test_a_draft_of_another_vocabulary_fails_at_start_naming_both_sizes(tmp_path
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path)
     shutil.copy(tiny_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    missing = subprocess.run([sys.executable, "-m", "braid.server.cli", "serve", "--model", str(tiny_dir), "--port",
-                              "0", "--speculative", "draft", "--draft-model", str(tmp_path / "none")],
-                             capture_output=True, text=True, timeout=300)
-    assert missing.stderr.strip().splitlines()[-1] == f"braid: error: --draft-model {tmp_path / 'none'}: no such file or directory"
-    result = subprocess.run([sys.executable, "-m", "braid.server.cli", "serve", "--model", str(tiny_dir), "--port", "0",
-                             "--speculative", "draft", "--draft-model", str(tmp_path)], capture_output=True, text=True,
-                            timeout=300)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "braid.server.cli",
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--port",
+            "0",
+            "--speculative",
+            "draft",
+            "--draft-model",
+            str(tmp_path / "none"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        missing.stderr.strip().splitlines()[-1]
+        == f"braid: error: --draft-model {tmp_path / 'none'}: no such file or directory"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "braid.server.cli",
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--port",
+            "0",
+            "--speculative",
+            "draft",
+            "--draft-model",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
-        f"braid: error: --draft-model {tmp_path}: its vocabulary has 1000 tokens, the model's 49152")
+        f"braid: error: --draft-model {tmp_path}: its vocabulary has 1000 tokens, the model's 49152"
+    )
 
 
 def test_metrics_and_the_request_log_report_proposed_and_accepted_tokens(smol_dir, tmp_path):
@@ -324,17 +426,25 @@ def test_metrics_and_the_request_log_report_proposed_and_accepted_tokens(smol_di
     server = Server(["--mode", "continuous", *SMOL, *SPECULATIVE, "--metrics-port", str(metrics_port)], log_path=log)
     server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
-        [(_, _, final, _)] = asyncio.run(_run(server.target, [dict(messages=COPY, max_new_tokens=60,
-                                                                   request_id="copy")]))
+        [(_, _, final, _)] = asyncio.run(
+            _run(server.target, [dict(messages=COPY, max_new_tokens=60, request_id="copy")])
+        )
         samples = scrape(server)
         wait_for(lambda: "copy" in request_lines(log))
     finally:
         server.stop()
     usage = final.usage
     assert usage.accepted_tokens > 0
-    assert value(samples, "braid_speculative_tokens_total", braid_speculative_outcome="proposed") == usage.proposed_tokens
-    assert value(samples, "braid_speculative_tokens_total", braid_speculative_outcome="accepted") == usage.accepted_tokens
+    assert (
+        value(samples, "braid_speculative_tokens_total", braid_speculative_outcome="proposed") == usage.proposed_tokens
+    )
+    assert (
+        value(samples, "braid_speculative_tokens_total", braid_speculative_outcome="accepted") == usage.accepted_tokens
+    )
     rate = [v for (name, _), v in samples.items() if name.startswith("braid_speculative_acceptance_rate")]
     assert rate == [pytest.approx(usage.accepted_tokens / usage.proposed_tokens)]
     line = request_lines(log)["copy"]
-    assert (line["proposed_tokens"], line["accepted_tokens"]) == (str(usage.proposed_tokens), str(usage.accepted_tokens))
+    assert (line["proposed_tokens"], line["accepted_tokens"]) == (
+        str(usage.proposed_tokens),
+        str(usage.accepted_tokens),
+    )

@@ -15,8 +15,9 @@ from conftest import free_port
 
 
 def braid(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BRAID), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [str(BRAID), *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def lines(text: str) -> list[str]:
@@ -41,25 +42,31 @@ def assert_usage_error(out: subprocess.CompletedProcess, *wanted: str) -> str:
     return line
 
 
-@pytest.mark.parametrize("args, wanted", [
-    (["--port", "70000"], ["--port 70000", "[0, 65535]"]),
-    (["--http-port", "70000"], ["--http-port 70000", "[0, 65535]"]),
-    (["--chat-template", "/no/such.jinja"], ["--chat-template /no/such.jinja", "no such file"]),
-    (["--kv-cache-memory", "4XB"], ["--kv-cache-memory 4XB"]),
-    (["--log-level", "verbose"], ["--log-level", "verbose"]),
-    (["--device", "gpu"], ["--device gpu", "cuda:N"]),
-    (["--mode", "fast"], ["--mode", "fast", "continuous"]),
-])
+@pytest.mark.parametrize(
+    "args, wanted",
+    [
+        (["--port", "70000"], ["--port 70000", "[0, 65535]"]),
+        (["--http-port", "70000"], ["--http-port 70000", "[0, 65535]"]),
+        (["--chat-template", "/no/such.jinja"], ["--chat-template /no/such.jinja", "no such file"]),
+        (["--kv-cache-memory", "4XB"], ["--kv-cache-memory 4XB"]),
+        (["--log-level", "verbose"], ["--log-level", "verbose"]),
+        (["--device", "gpu"], ["--device gpu", "cuda:N"]),
+        (["--mode", "fast"], ["--mode", "fast", "continuous"]),
+    ],
+)
 def test_a_bad_flag_is_one_line_under_braid_serves_usage(args, wanted):
     assert_usage_error(braid("serve", *args), *wanted)
 
 
-@pytest.mark.parametrize("variable, value, wanted", [
-    ("BRAID_MODE", "fast", "invalid choice"),
-    ("BRAID_PORT", "abc", "invalid int value"),
-    ("BRAID_PORT", "70000", "[0, 65535]"),
-    ("BRAID_LOG_FORMAT", "xml", "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "variable, value, wanted",
+    [
+        ("BRAID_MODE", "fast", "invalid choice"),
+        ("BRAID_PORT", "abc", "invalid int value"),
+        ("BRAID_PORT", "70000", "[0, 65535]"),
+        ("BRAID_LOG_FORMAT", "xml", "invalid choice"),
+    ],
+)
 def test_a_bad_environment_variable_is_named(variable, value, wanted):
     assert_usage_error(braid("serve", env={variable: value}), f"{variable}={value}", wanted)
 
@@ -76,8 +83,9 @@ def test_version():
 
 
 def test_a_model_path_that_does_not_exist(tmp_path):
-    assert_one_line(braid("serve", "--model", str(tmp_path / "nope")), f"--model {tmp_path / 'nope'}",
-                    "no such file or directory")
+    assert_one_line(
+        braid("serve", "--model", str(tmp_path / "nope")), f"--model {tmp_path / 'nope'}", "no such file or directory"
+    )
 
 
 def test_a_folder_that_is_not_a_model(tmp_path):
@@ -97,8 +105,11 @@ def test_a_checkpoint_missing_a_tensor(tiny_dir, tmp_path):
     tensors = load_file(folder / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    assert_one_line(braid("serve", "--model", str(folder), "--port", "0"), "incomplete",
-                    "model.layers.1.mlp.down_proj.weight is not in the file")
+    assert_one_line(
+        braid("serve", "--model", str(folder), "--port", "0"),
+        "incomplete",
+        "model.layers.1.mlp.down_proj.weight is not in the file",
+    )
 
 
 def _spoil(folder, how: str) -> None:
@@ -115,20 +126,25 @@ def _spoil(folder, how: str) -> None:
         path = folder / "model.safetensors"
         data = path.read_bytes()
         if how == "weights truncated":
-            path.write_bytes(data[:len(data) // 2])
+            path.write_bytes(data[: len(data) // 2])
             return
         size = struct.unpack("<Q", data[:8])[0]
-        header = json.loads(data[8:8 + size])
+        header = json.loads(data[8 : 8 + size])
         name = next(k for k in header if k != "__metadata__")
         header[name]["shape"][0] *= 2
         raw = json.dumps(header).encode()
-        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + size:])
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + size :])
 
 
-@pytest.mark.parametrize("how, file", [("tokenizer not UTF-8", "tokenizer.json"),
-                                       ("config field of the wrong type", "config.json"),
-                                       ("weights shape past their bytes", "model.safetensors"),
-                                       ("weights truncated", "model.safetensors")])
+@pytest.mark.parametrize(
+    "how, file",
+    [
+        ("tokenizer not UTF-8", "tokenizer.json"),
+        ("config field of the wrong type", "config.json"),
+        ("weights shape past their bytes", "model.safetensors"),
+        ("weights truncated", "model.safetensors"),
+    ],
+)
 def test_a_damaged_model_file_is_named_in_the_one_line(tiny_dir, tmp_path, how, file):
     # These said a bare "UnicodeDecodeError: ..." or "SafetensorError: ...", naming no file.
     import shutil
@@ -163,8 +179,11 @@ def test_a_device_this_machine_does_not_have():
 
 def test_a_tls_file_that_does_not_exist(tiny_dir, tmp_path):
     missing = tmp_path / "cert.pem"
-    assert_one_line(braid("serve", "--model", str(tiny_dir), "--port", "0", "--tls-cert", str(missing),
-                          "--tls-key", str(missing)), f"--tls-cert {missing}", "no such file")
+    assert_one_line(
+        braid("serve", "--model", str(tiny_dir), "--port", "0", "--tls-cert", str(missing), "--tls-key", str(missing)),
+        f"--tls-cert {missing}",
+        "no such file",
+    )
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--http-port"])
@@ -173,11 +192,23 @@ def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, flag):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         busy = holder.getsockname()[1]
-        ports = {"--port": str(free_port()), "--metrics-port": str(free_port()), "--http-port": str(free_port()),
-                 flag: str(busy)}
+        ports = {
+            "--port": str(free_port()),
+            "--metrics-port": str(free_port()),
+            "--http-port": str(free_port()),
+            flag: str(busy),
+        }
         started = time.monotonic()
-        out = braid("serve", "--model", str(tiny_dir), "--host", "127.0.0.1", "--threads", "1",
-                    *[item for pair in ports.items() for item in pair])
+        out = braid(
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--host",
+            "127.0.0.1",
+            "--threads",
+            "1",
+            *[item for pair in ports.items() for item in pair],
+        )
         elapsed = time.monotonic() - started
     assert_one_line(out, f"{flag} {busy}", f"127.0.0.1:{busy}", "address already in use")
     assert elapsed < 10, f"{elapsed:.1f} s: the model was loaded first?"  # loading alone takes longer
@@ -187,8 +218,12 @@ def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, flag):
 def test_a_boolean_that_is_not_one_is_refused_naming_it(value):
     # BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS=ture was read as false, silently.
     out = braid("serve", env={"BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS": value}, timeout=60)
-    assert_usage_error(out, f"BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS={value}", "--keepalive-permit-without-calls",
-                       "invalid boolean value")
+    assert_usage_error(
+        out,
+        f"BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS={value}",
+        "--keepalive-permit-without-calls",
+        "invalid boolean value",
+    )
     out = braid("serve", "--keepalive-permit-without-calls", value or "''", timeout=60)
     assert_usage_error(out, "--keepalive-permit-without-calls", "invalid boolean value")
 

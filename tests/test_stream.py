@@ -33,8 +33,15 @@ def test_text_is_the_decoding_of_the_tokens_and_never_splits_a_character(servers
     with servers("continuous").client() as client:
         # Sampling hot from a random model visits many byte-level tokens: pieces of characters.
         for seed in range(6):
-            messages = list(client.stream("h\u00e9llo w\u00f6rld \u65e5\u672c \U0001f642", max_new_tokens=40,
-                                          ignore_eos=True, temperature=1.5, seed=seed))
+            messages = list(
+                client.stream(
+                    "h\u00e9llo w\u00f6rld \u65e5\u672c \U0001f642",
+                    max_new_tokens=40,
+                    ignore_eos=True,
+                    temperature=1.5,
+                    seed=seed,
+                )
+            )
             full = tok.decode([t for m in messages for t in m.token_ids])
             sent = ""
             for m in messages:
@@ -48,8 +55,7 @@ def test_greedy_is_deterministic_and_top_k_1_is_greedy(servers):
         greedy = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True)
         again = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True)
         top1 = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True, temperature=1.0, top_k=1, seed=5)
-        tiny_p = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True, temperature=1.0, top_p=1e-6,
-                                 seed=5)
+        tiny_p = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True, temperature=1.0, top_p=1e-6, seed=5)
         min_p = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True, temperature=1.0, min_p=1.0, seed=5)
     assert greedy.token_ids == again.token_ids == top1.token_ids == tiny_p.token_ids == min_p.token_ids
 
@@ -81,11 +87,13 @@ def test_logit_bias_forces_and_bans_tokens(servers, mode):
     """+100 on a token forces it at every step, sampled or greedy; -100 on the greedy tokens keeps
     them out."""
     with servers(mode).client() as client:
-        forced = client.generate("The sea is", max_new_tokens=6, ignore_eos=True, logit_bias={4242: 100.0},
-                                 temperature=1.0, seed=1)
+        forced = client.generate(
+            "The sea is", max_new_tokens=6, ignore_eos=True, logit_bias={4242: 100.0}, temperature=1.0, seed=1
+        )
         greedy = client.generate("The sea is", max_new_tokens=12, ignore_eos=True)
-        banned = client.generate("The sea is", max_new_tokens=12, ignore_eos=True,
-                                 logit_bias={t: -100.0 for t in set(greedy.token_ids)})
+        banned = client.generate(
+            "The sea is", max_new_tokens=12, ignore_eos=True, logit_bias={t: -100.0 for t in set(greedy.token_ids)}
+        )
     assert forced.token_ids == [4242] * 6
     assert banned.token_ids and not set(banned.token_ids) & set(greedy.token_ids)
 
@@ -103,18 +111,18 @@ def test_bad_words_are_never_generated(servers, smol_dir):
     for word in words:
         for variant in (word, " " + word):
             seq = tokenizer.encode(variant, add_special_tokens=False)
-            assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (word, avoided.text)
+            assert not any(ids[i : i + len(seq)] == seq for i in range(len(ids))), (word, avoided.text)
     assert avoided.token_ids != greedy.token_ids
 
 
 def test_stop_sequence_ends_the_stream_and_never_leaks(servers):
     with servers("continuous").client() as client:
         full = client.generate(PROMPT, max_new_tokens=30, ignore_eos=True)
-        stop = full.text[len(full.text) // 2:][:4]
+        stop = full.text[len(full.text) // 2 :][:4]
         assert stop.strip(), "need a visible stop string"
         stopped = client.stream(PROMPT, max_new_tokens=30, ignore_eos=True, stop=[stop])
         messages = list(stopped)
-    expected = full.text[:full.text.find(stop)]
+    expected = full.text[: full.text.find(stop)]
     sent = ""
     for m in messages:
         sent += m.text
@@ -126,11 +134,12 @@ def test_stop_sequence_ends_the_stream_and_never_leaks(servers):
 def test_include_stop_sequence_sends_the_matched_string(servers):
     with servers("continuous").client() as client:
         full = client.generate(PROMPT, max_new_tokens=30, ignore_eos=True)
-        stop = full.text[len(full.text) // 2:][:4]
+        stop = full.text[len(full.text) // 2 :][:4]
         other = "\u2603 never produced"
-        included = client.generate(PROMPT, max_new_tokens=30, ignore_eos=True, stop=[other, stop],
-                                   include_stop_sequence=True)
-    assert included.text == full.text[:full.text.find(stop) + len(stop)]
+        included = client.generate(
+            PROMPT, max_new_tokens=30, ignore_eos=True, stop=[other, stop], include_stop_sequence=True
+        )
+    assert included.text == full.text[: full.text.find(stop) + len(stop)]
     assert included.final.stop_sequence == stop
 
 
@@ -139,11 +148,10 @@ def test_stop_token_ids_and_min_new_tokens(servers):
         first = client.generate(PROMPT, max_new_tokens=10, ignore_eos=True)
         target = first.token_ids[5]
         stopped = client.generate(PROMPT, max_new_tokens=10, ignore_eos=True, stop_token_ids=[target])
-        held = client.generate(PROMPT, max_new_tokens=10, ignore_eos=True, stop_token_ids=[target],
-                               min_new_tokens=10)
+        held = client.generate(PROMPT, max_new_tokens=10, ignore_eos=True, stop_token_ids=[target], min_new_tokens=10)
     cut = first.token_ids.index(target)
     assert stopped.finish_reason == "STOP_TOKEN"
-    assert stopped.token_ids == first.token_ids[:cut + 1]
+    assert stopped.token_ids == first.token_ids[: cut + 1]
     assert held.finish_reason == "MAX_TOKENS" and target not in held.token_ids
 
 
@@ -157,24 +165,27 @@ def test_chat_messages_use_the_chat_template(servers):
     assert done.usage.prompt_tokens == len(ids)
 
 
-@pytest.mark.parametrize("request_kwargs, field", [
-    (dict(prompt=""), "prompt"),
-    (dict(prompt="x", messages=[pb.Message(role="user", content="y")]), "prompt"),
-    (dict(messages=[pb.Message(role="wizard", content="y")]), "messages[0].role"),
-    (dict(prompt="x", max_new_tokens=-1), "max_new_tokens"),
-    (dict(prompt="x", max_new_tokens=10_000_000), "max_new_tokens"),
-    (dict(prompt="x", temperature=-0.5), "temperature"),
-    (dict(prompt="x", top_p=1.5), "top_p"),
-    (dict(prompt="x", top_k=-3), "top_k"),
-    (dict(prompt="x", min_p=2.0), "min_p"),
-    (dict(prompt="x", repetition_penalty=-1.0), "repetition_penalty"),
-    (dict(prompt="x", stop=[""]), "stop[0]"),
-    (dict(prompt="x", stop_token_ids=[10**9]), "stop_token_ids[0]"),
-    (dict(prompt="x", min_new_tokens=9, max_new_tokens=3), "min_new_tokens"),
-    (dict(prompt="word " * 5000), "prompt"),
-    (dict(prompt="x", request_id="tab\there"), "request_id"),
-    (dict(prompt="x", priority=7), "priority"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="x", messages=[pb.Message(role="user", content="y")]), "prompt"),
+        (dict(messages=[pb.Message(role="wizard", content="y")]), "messages[0].role"),
+        (dict(prompt="x", max_new_tokens=-1), "max_new_tokens"),
+        (dict(prompt="x", max_new_tokens=10_000_000), "max_new_tokens"),
+        (dict(prompt="x", temperature=-0.5), "temperature"),
+        (dict(prompt="x", top_p=1.5), "top_p"),
+        (dict(prompt="x", top_k=-3), "top_k"),
+        (dict(prompt="x", min_p=2.0), "min_p"),
+        (dict(prompt="x", repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(prompt="x", stop=[""]), "stop[0]"),
+        (dict(prompt="x", stop_token_ids=[10**9]), "stop_token_ids[0]"),
+        (dict(prompt="x", min_new_tokens=9, max_new_tokens=3), "min_new_tokens"),
+        (dict(prompt="word " * 5000), "prompt"),
+        (dict(prompt="x", request_id="tab\there"), "request_id"),
+        (dict(prompt="x", priority=7), "priority"),
+    ],
+)
 def test_bad_requests_get_invalid_argument_naming_the_field(servers, request_kwargs, field):
     server = servers("continuous")
     with server.client() as client:

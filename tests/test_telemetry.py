@@ -58,7 +58,8 @@ class _MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
     def Export(self, request, context):
         with self._collector._lock:
             self._collector.metric_names.update(
-                m.name for rm in request.resource_metrics for scope in rm.scope_metrics for m in scope.metrics)
+                m.name for rm in request.resource_metrics for scope in rm.scope_metrics for m in scope.metrics
+            )
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
@@ -78,8 +79,19 @@ def server(tiny_dir, collector):
     metrics_port = free_port()
     # Export quickly, so the test need not wait for the SDK's default 5 s (spans) and 60 s (metrics).
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "500"}
-    server = Server(["--model", str(tiny_dir), "--threads", "1", "--metrics-port", str(metrics_port),
-                     "--otlp-endpoint", f"http://127.0.0.1:{collector.port}"], env=env)
+    server = Server(
+        [
+            "--model",
+            str(tiny_dir),
+            "--threads",
+            "1",
+            "--metrics-port",
+            str(metrics_port),
+            "--otlp-endpoint",
+            f"http://127.0.0.1:{collector.port}",
+        ],
+        env=env,
+    )
     server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield server
     server.stop()
@@ -101,15 +113,19 @@ def stream(target: str, request: pb.GenerateRequest, metadata=()):
 def assert_trailers_carry(t: pb.Timings, trailers: dict) -> None:
     """The final message's timings are in the trailing metadata too (rounded to the microsecond)."""
     assert [float(trailers[k]) for k in TIMING_KEYS] == pytest.approx(
-        [t.queue_ms, t.time_to_first_token_ms, t.total_ms, t.tokens_per_second], abs=1e-3)
+        [t.queue_ms, t.time_to_first_token_ms, t.total_ms, t.tokens_per_second], abs=1e-3
+    )
 
 
 def scrape(server) -> dict[tuple[str, frozenset], float]:
     """Every sample of /metrics: (name, labels) -> value."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples, name: str, **labels) -> float:
@@ -157,23 +173,25 @@ def test_a_refused_call_has_its_status_code_on_its_span_and_in_the_metrics(serve
     trace_id = os.urandom(16)
     before = scrape(server)
     with pytest.raises(grpc.RpcError) as err:
-        stream(server.target, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=-1),
-               metadata=(traceparent(trace_id),))
+        stream(server.target, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=-1), metadata=(traceparent(trace_id),))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     span = wait_for(lambda: collector.span(trace_id, SPAN))
     assert _attributes(span.attributes)["rpc.response.status_code"] == "INVALID_ARGUMENT"
     assert span.status.code == trace_pb2.Status.STATUS_CODE_UNSET  # the client's fault, not the server's
     calls = dict(rpc_method="braid.v1.Generate/Stream", rpc_response_status_code="INVALID_ARGUMENT")
-    assert value(scrape(server), "rpc_server_call_duration_seconds_count", **calls) == \
-        value(before, "rpc_server_call_duration_seconds_count", **calls) + 1
+    assert (
+        value(scrape(server), "rpc_server_call_duration_seconds_count", **calls)
+        == value(before, "rpc_server_call_duration_seconds_count", **calls) + 1
+    )
 
 
 def test_a_stream_the_client_closes_ends_its_span_as_cancelled(server, collector):
     trace_id = os.urandom(16)
     with grpc.insecure_channel(server.target) as channel:
         call = pb_grpc.GenerateStub(channel).Stream(
-            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=500, ignore_eos=True), metadata=(traceparent(trace_id),))
+            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=500, ignore_eos=True), metadata=(traceparent(trace_id),)
+        )
         next(call)
         call.cancel()
     span = wait_for(lambda: collector.span(trace_id, SPAN))
@@ -186,7 +204,8 @@ def test_a_stream_closed_while_its_send_waits_ends_its_span_as_cancelled(server,
     trace_id = os.urandom(16)
     with grpc.insecure_channel(server.target, options=SMALL_WINDOW) as channel:
         call = pb_grpc.GenerateStub(channel).Stream(
-            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=1000, ignore_eos=True), metadata=(traceparent(trace_id),))
+            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=1000, ignore_eos=True), metadata=(traceparent(trace_id),)
+        )
         call.initial_metadata()
         with server.client() as client:
             wait_for(lambda: client.server_status(timeout=10).sessions_paused == 1, timeout=60)
@@ -209,8 +228,12 @@ def test_metrics_move_with_a_stream(server):
     assert moved("braid_tokens_total", braid_token_type="generated") == 12
     assert moved("braid_tokens_total", braid_token_type="prompt") == prompt_tokens
     assert moved("braid_requests_total", braid_finish_reason="max_tokens") == 1
-    for histogram in ("braid_request_queue_duration_seconds", "braid_request_time_to_first_token_seconds",
-                      "braid_request_time_per_output_token_seconds", "braid_request_duration_seconds"):
+    for histogram in (
+        "braid_request_queue_duration_seconds",
+        "braid_request_time_to_first_token_seconds",
+        "braid_request_time_per_output_token_seconds",
+        "braid_request_duration_seconds",
+    ):
         assert moved(histogram + "_count") == 1, histogram
         assert moved(histogram + "_bucket", le="+Inf") == 1, histogram
     assert moved("braid_request_duration_seconds_sum") == pytest.approx(messages[-1].timings.total_ms / 1000)
@@ -221,8 +244,14 @@ def test_metrics_move_with_a_stream(server):
     # The call's duration is recorded as the server closes the call, which can be just after the
     # client has read its last message: poll for it.
     calls = dict(rpc_method="braid.v1.Generate/Stream", rpc_response_status_code="OK")
-    wait_for(lambda: value(scrape(server), "rpc_server_call_duration_seconds_count", **calls)
-             - value(before, "rpc_server_call_duration_seconds_count", **calls) == 1, timeout=5)
+    wait_for(
+        lambda: (
+            value(scrape(server), "rpc_server_call_duration_seconds_count", **calls)
+            - value(before, "rpc_server_call_duration_seconds_count", **calls)
+            == 1
+        ),
+        timeout=5,
+    )
 
     assert value(after, "braid_sessions", braid_session_state="active") == 0
     assert value(after, "braid_sessions", braid_session_state="queued") == 0
@@ -234,8 +263,14 @@ def test_metrics_move_with_a_stream(server):
 
 def test_metrics_also_go_to_the_collector(server, collector):
     stream(server.target, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=4))
-    wanted = {"braid.request.duration", "braid.request.time_to_first_token", "braid.tokens", "braid.sessions",
-              "braid.forward_pass.sessions", "rpc.server.call.duration"}
+    wanted = {
+        "braid.request.duration",
+        "braid.request.time_to_first_token",
+        "braid.tokens",
+        "braid.sessions",
+        "braid.forward_pass.sessions",
+        "rpc.server.call.duration",
+    }
     wait_for(lambda: wanted <= collector.metric_names)
 
 

@@ -26,16 +26,21 @@ def test_a_chat_keeps_its_system_message_and_drops_the_oldest_turns(servers):
     system = {"role": "system", "content": "You answer in one word."}
     turns = []
     for i in range(6):
-        turns += [{"role": "user", "content": f"Question {i}:" + " tell me more" * 20},
-                  {"role": "assistant", "content": f"Answer {i}."}]
+        turns += [
+            {"role": "user", "content": f"Question {i}:" + " tell me more" * 20},
+            {"role": "assistant", "content": f"Answer {i}."},
+        ]
     chat = [system, *turns, {"role": "user", "content": "And now?"}]
     with servers("continuous").client() as client:
         full = len(client.tokenize(messages=chat).token_ids)
         keep = full - 60  # some turns must go
         reply = client.generate(messages=chat, max_new_tokens=2, truncate_input_tokens=keep)
         # what the server should have kept: the system message and the fewest oldest turns dropped
-        expected = next(n for n in range(1, len(turns) + 1)
-                        if len(client.tokenize(messages=[system, *turns[n:], chat[-1]]).token_ids) <= keep)
+        expected = next(
+            n
+            for n in range(1, len(turns) + 1)
+            if len(client.tokenize(messages=[system, *turns[n:], chat[-1]]).token_ids) <= keep
+        )
         kept = len(client.tokenize(messages=[system, *turns[expected:], chat[-1]]).token_ids)
     assert reply.usage.prompt_tokens == kept <= keep
     assert reply.usage.truncated_tokens == full - kept

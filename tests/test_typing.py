@@ -23,8 +23,17 @@ STUBS = REPO / "clients" / "python" / "src" / "braid" / "v1"
 def test_the_server_passes_mypy_strict(tmp_path: Path) -> None:
     if not (STUBS / "generate_pb2.pyi").exists():
         pytest.fail("braid.v1 has no typed stubs: `make protos` generates them (delete generate_pb2.py first)")
-    command = [sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml"),
-               "--cache-dir", str(tmp_path / "mypy-cache"), "--no-pretty", "--no-error-summary"]
+    command = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(REPO / "pyproject.toml"),
+        "--cache-dir",
+        str(tmp_path / "mypy-cache"),
+        "--no-pretty",
+        "--no-error-summary",
+    ]
     # braid is found through the config's mypy_path alone: mypy keeps quiet about modules it finds on
     # PYTHONPATH, and would not report those braid modules it follows but is not told to check
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}

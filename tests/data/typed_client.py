@@ -9,24 +9,46 @@ import asyncio
 
 from typing_extensions import assert_type
 
-from braid.client import (AsyncClient, AsyncGeneration, Client, Completion, GenerateParams, Generation, choice,
-                          json_schema)
+from braid.client import (
+    AsyncClient,
+    AsyncGeneration,
+    Client,
+    Completion,
+    GenerateParams,
+    Generation,
+    choice,
+    json_schema,
+)
 from braid.v1 import generate_pb2 as pb
 
 
 def run(target: str) -> list[Completion]:
     with Client(target, api_key="k") as client:
-        with client.stream("Once upon a time", max_new_tokens=32, temperature=0.7, top_p=0.9, seed=1,
-                           stop="\n", stop_token_ids=[2], logit_bias={42: -100.0}, bad_words=["x"],
-                           priority=pb.PRIORITY_BATCH, logprobs=True, top_logprobs=None) as generation:
+        with client.stream(
+            "Once upon a time",
+            max_new_tokens=32,
+            temperature=0.7,
+            top_p=0.9,
+            seed=1,
+            stop="\n",
+            stop_token_ids=[2],
+            logit_bias={42: -100.0},
+            bad_words=["x"],
+            priority=pb.PRIORITY_BATCH,
+            logprobs=True,
+            top_logprobs=None,
+        ) as generation:
             assert_type(generation, Generation)
             for message in generation:
                 assert_type(message, pb.GenerateResponse)
                 print(message.text, end="", flush=True)
         final = generation.final
         assert_type(final, pb.GenerateResponse | None)
-        completion = client.generate(messages=[("system", "Be brief."), ("user", "What is gRPC?")], top_k=40,
-                                     constraint=json_schema({"type": "object"}))
+        completion = client.generate(
+            messages=[("system", "Be brief."), ("user", "What is gRPC?")],
+            top_k=40,
+            constraint=json_schema({"type": "object"}),
+        )
         assert_type(completion.token_ids, list[int])
         params: GenerateParams = {"n": 2, "cache_salt": "tenant-a", "ignore_eos": True}
         with client.stream("Hi", timeout=5.0, **params) as samples:
@@ -40,7 +62,9 @@ def run(target: str) -> list[Completion]:
 
 async def run_async(target: str) -> str:
     async with AsyncClient(target) as client:
-        async with client.stream("Once upon a time", n=2, max_new_tokens=8, constraint=choice(["a", "b"])) as generation:
+        async with client.stream(
+            "Once upon a time", n=2, max_new_tokens=8, constraint=choice(["a", "b"])
+        ) as generation:
             assert_type(generation, AsyncGeneration)
             async for message in generation:
                 assert_type(message.index, int)

@@ -28,9 +28,20 @@ class ScriptedRunner:
     """The Runner port, scripted: every row that samples gets `next_token(row)` (default: its last
     token + 1, skipping EOS). Records each pass's rows in `passes`."""
 
-    def __init__(self, num_pages: int = 256, page_size: int = 16, max_seq_len: int = 512, vocab_size: int = 1000,
-                 next_token: Callable[[Row], int] | None = None) -> None:
-        self.num_pages, self.page_size, self.max_seq_len, self.vocab_size = num_pages, page_size, max_seq_len, vocab_size
+    def __init__(
+        self,
+        num_pages: int = 256,
+        page_size: int = 16,
+        max_seq_len: int = 512,
+        vocab_size: int = 1000,
+        next_token: Callable[[Row], int] | None = None,
+    ) -> None:
+        self.num_pages, self.page_size, self.max_seq_len, self.vocab_size = (
+            num_pages,
+            page_size,
+            max_seq_len,
+            vocab_size,
+        )
         self.next_token = next_token or _count_up
         self.passes: list[list[Row]] = []
         self.adapters: set[int] = set()  # resident LoRA adapters' ids
@@ -47,18 +58,25 @@ class ScriptedRunner:
 
     def run(self, rows: Sequence[Row]) -> list[Sampled | None]:
         self.passes.append(list(rows))
-        return [self._verify(row) if row.num_proposals else Sampled(self.next_token(row)) if row.sample else None
-                for row in rows]
+        return [
+            self._verify(row) if row.num_proposals else Sampled(self.next_token(row)) if row.sample else None
+            for row in rows
+        ]
 
     def _verify(self, row: Row) -> Sampled:
         """A row with proposals, as the runner verifies it: the next token after each of its last
         num_proposals + 1 tokens, kept while it equals the next proposal."""
         k = row.num_proposals
-        own, proposals = list(row.token_ids[:len(row.token_ids) - k]), list(row.token_ids[len(row.token_ids) - k:])
+        own, proposals = list(row.token_ids[: len(row.token_ids) - k]), list(row.token_ids[len(row.token_ids) - k :])
         picked = []
         for j in range(k + 1):
-            picked.append(self.next_token(dataclasses.replace(row, token_ids=own + proposals[:j], num_proposals=0,
-                                                              history=list(row.history) + proposals[:j])))
+            picked.append(
+                self.next_token(
+                    dataclasses.replace(
+                        row, token_ids=own + proposals[:j], num_proposals=0, history=list(row.history) + proposals[:j]
+                    )
+                )
+            )
             if j == k or picked[-1] != proposals[j]:
                 break
         return Sampled(picked[0], more=tuple((t, None) for t in picked[1:]))
@@ -104,23 +122,48 @@ class Harness:
         self.config = EngineConfig(**{"max_wait_ms": 0, **config})
         self.books = Books(self.config.max_queued)
         self.adapters = Adapters(self.runner, self.config.max_loras, self.config.max_lora_rank)
-        self.core = EngineCore(self.config, self.runner, NumberTokenizer.eos_token_ids, self.books, self.adapters, draft)
+        self.core = EngineCore(
+            self.config, self.runner, NumberTokenizer.eos_token_ids, self.books, self.adapters, draft
+        )
         self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
-        self.admission = Admission(NumberTokenizer(), self.runner.max_seq_len, self.books, self.runner.random_state,
-                                   grammars=None, enqueue=self.core.add, abort=self.core.abort, wake=lambda: None,
-                                   is_open=lambda: None, adapters=self.adapters)
+        self.admission = Admission(
+            NumberTokenizer(),
+            self.runner.max_seq_len,
+            self.books,
+            self.runner.random_state,
+            grammars=None,
+            enqueue=self.core.add,
+            abort=self.core.abort,
+            wake=lambda: None,
+            is_open=lambda: None,
+            adapters=self.adapters,
+        )
         self.events: dict[int, list[Event]] = {}
         self.now = time.monotonic()  # the core's clock, advanced by step(): sessions arrive on the real one
 
     def close(self) -> None:
         self.loop.close()
 
-    def submit(self, prompt: str, n: int = 1, resume: Sequence[int] = (), deadline: float | None = None,
-               adapter: str = "", **params) -> list[SessionHandle]:
+    def submit(
+        self,
+        prompt: str,
+        n: int = 1,
+        resume: Sequence[int] = (),
+        deadline: float | None = None,
+        adapter: str = "",
+        **params,
+    ) -> list[SessionHandle]:
         """A request queued as the edge queues it (its sessions added to the core)."""
-        request = GenerationRequest(prompt=prompt, messages=(), params=SamplingParams(**params),
-                                    request_id=f"r{len(self.events)}", n=n, resume_token_ids=tuple(resume),
-                                    deadline=deadline, adapter=adapter)
+        request = GenerationRequest(
+            prompt=prompt,
+            messages=(),
+            params=SamplingParams(**params),
+            request_id=f"r{len(self.events)}",
+            n=n,
+            resume_token_ids=tuple(resume),
+            deadline=deadline,
+            adapter=adapter,
+        )
         handles = self.admission.submit(self.admission.admit(prompt, ()), request, self.loop)
         for h in handles:
             self.events.setdefault(h.session_id, [])
@@ -162,4 +205,3 @@ class Harness:
         ends = [e for e in self.events[handle.session_id] if isinstance(e, Finished)]
         assert len(ends) <= 1, ends
         return ends[0] if ends else None
-

@@ -16,16 +16,19 @@ def test_the_scheme_is_case_insensitive(value):
     assert AUTH._accepts([("authorization", value)])
 
 
-@pytest.mark.parametrize("metadata", [
-    [],
-    [("authorization", "Bearer wrong")],
-    [("authorization", "Basic s3cret")],
-    [("authorization", "s3cret")],
-    [("authorization", "Bearers3cret")],
-    [("x-api-key", "s3cret")],
-    # two headers: refused, not "the last one wins" (a proxy must not choose which key counts)
-    [("authorization", "Bearer wrong"), ("authorization", "Bearer s3cret")],
-    [("authorization", "Bearer s3cret"), ("authorization", "Bearer s3cret")],
-])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        [],
+        [("authorization", "Bearer wrong")],
+        [("authorization", "Basic s3cret")],
+        [("authorization", "s3cret")],
+        [("authorization", "Bearers3cret")],
+        [("x-api-key", "s3cret")],
+        # two headers: refused, not "the last one wins" (a proxy must not choose which key counts)
+        [("authorization", "Bearer wrong"), ("authorization", "Bearer s3cret")],
+        [("authorization", "Bearer s3cret"), ("authorization", "Bearer s3cret")],
+    ],
+)
 def test_anything_else_is_refused(metadata):
     assert not AUTH._accepts(metadata)

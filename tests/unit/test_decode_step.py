@@ -22,16 +22,26 @@ from braid.server.runner.rows import Row, Sampling
 
 pytestmark = pytest.mark.skipif(kernels_isa() is None, reason="braid's C kernels do not run on this CPU")
 
-SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+SHAPE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 # query_pre_attn_scalar is not head_dim, so Gemma's scale is not the default one
 GEMMA = dict(SHAPE, sliding_window=8, query_pre_attn_scalar=24)
 MODELS = {
     "qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(**SHAPE)),
-    "gemma2": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**GEMMA, attn_logit_softcapping=2.0,
-                                                         final_logit_softcapping=5.0)),
-    "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(**GEMMA, rope_local_base_freq=100.0,
-                                                             layer_types=["sliding_attention", "full_attention"] * 2)),
+    "gemma2": lambda: t.Gemma2ForCausalLM(
+        t.Gemma2Config(**GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)
+    ),
+    "gemma3": lambda: t.Gemma3ForCausalLM(
+        t.Gemma3TextConfig(**GEMMA, rope_local_base_freq=100.0, layer_types=["sliding_attention", "full_attention"] * 2)
+    ),
 }
 PROMPTS = [[(7 * i + 3 * b) % 500 + 3 for i in range(n)] for b, n in enumerate((3, 17, 30))]  # B = 3
 STEPS = 12  # the shortest row passes the window of 8 on its way
@@ -50,10 +60,12 @@ def _model(kind: str):
 
 
 def _runner(model, **kwargs) -> ModelRunner:
-    loaded = LoadedModel(hf_model=model, hf_tokenizer=None, name="tiny", architecture=type(model).__name__,
-                         eos_token_ids=(2,))
-    return ModelRunner(loaded, torch.device("cpu"), torch.float32, num_pages=PAGES * len(PROMPTS), max_seq_len=64,
-                       **kwargs)
+    loaded = LoadedModel(
+        hf_model=model, hf_tokenizer=None, name="tiny", architecture=type(model).__name__, eos_token_ids=(2,)
+    )
+    return ModelRunner(
+        loaded, torch.device("cpu"), torch.float32, num_pages=PAGES * len(PROMPTS), max_seq_len=64, **kwargs
+    )
 
 
 def _decode(runner: ModelRunner) -> torch.Tensor:
@@ -62,12 +74,15 @@ def _decode(runner: ModelRunner) -> torch.Tensor:
     sampling = Sampling()
     pages = [list(range(b * PAGES, (b + 1) * PAGES)) for b in range(len(PROMPTS))]
     for prompt, table in zip(PROMPTS, pages):
-        runner.run([Row(pages=table, start=0, token_ids=prompt, sample=False, sampling=sampling, rng=None,
-                        is_prompt=True)])
+        runner.run(
+            [Row(pages=table, start=0, token_ids=prompt, sample=False, sampling=sampling, rng=None, is_prompt=True)]
+        )
     logits = []
     for step, tokens in enumerate(TOKENS):
-        rows = [Row(pages=table, start=len(prompt) + step, token_ids=[token], sample=True, sampling=sampling, rng=None)
-                for prompt, table, token in zip(PROMPTS, pages, tokens)]
+        rows = [
+            Row(pages=table, start=len(prompt) + step, token_ids=[token], sample=True, sampling=sampling, rng=None)
+            for prompt, table, token in zip(PROMPTS, pages, tokens)
+        ]
         batch, _, _ = runner._build(rows)
         logits.append(runner.decoder.forward(batch, runner.cache))
     return torch.stack(logits)
@@ -129,18 +144,27 @@ def test_with_bf16_activations_the_step_gives_the_per_op_paths_logits(kind):
     logits move by the rows' rounding to bf16 only (2^-8 of each value): on these random models by
     about 1% of their spread on average, at most 3% of the largest (int8 rows: 2-5%, 8%)."""
     if not has_bf16_rows():
-        pytest.skip("this CPU has no AVX-512 BF16: the bf16 path does not run here (where it does, the start-up "
-                    "self-check covers it)")
-    logits, float_rows = _step_and_per_op(kind, dict(weight_dtype="bfloat16", quantization="none",
-                                                     activations="bf16"), "bf16")
+        pytest.skip(
+            "this CPU has no AVX-512 BF16: the bf16 path does not run here (where it does, the start-up "
+            "self-check covers it)"
+        )
+    logits, float_rows = _step_and_per_op(
+        kind, dict(weight_dtype="bfloat16", quantization="none", activations="bf16"), "bf16"
+    )
     difference = (logits - float_rows).abs()
     assert 0 < difference.mean() < 0.02 * float_rows.std()
     assert difference.max() < 0.04 * float_rows.abs().max()
 
 
-@pytest.mark.parametrize("weights", [{}, dict(quantization="q8_0", activations="int8"),
-                                     dict(quantization="q8_0", activations="float32"),
-                                     dict(weight_dtype="bfloat16", quantization="none", activations="auto")])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {},
+        dict(quantization="q8_0", activations="int8"),
+        dict(quantization="q8_0", activations="float32"),
+        dict(weight_dtype="bfloat16", quantization="none", activations="auto"),
+    ],
+)
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_the_step_gives_the_same_bits_on_any_number_of_threads(kind, weights):
     """The step runs in one parallel region, the matmuls' panels and the attention's tasks shared
@@ -194,6 +218,7 @@ def test_a_position_gets_the_same_logits_whichever_kind_of_row_computes_it(kind,
 def _clear(field: str):
     def clear(step: DecodeStep) -> None:
         step.table[:, LAYER_FIELDS.index(field)] = 0
+
     return clear
 
 
@@ -205,20 +230,27 @@ def _global_rope(step: DecodeStep) -> None:
 
 
 BREAKS = {
-    "q_norm": _clear("q_norm"), "k_norm": _clear("k_norm"), "attn_out_norm": _clear("attn_out_norm"),
-    "mlp_out_norm": _clear("mlp_out_norm"), "window": _clear("window"), "rope": _global_rope,
+    "q_norm": _clear("q_norm"),
+    "k_norm": _clear("k_norm"),
+    "attn_out_norm": _clear("attn_out_norm"),
+    "mlp_out_norm": _clear("mlp_out_norm"),
+    "window": _clear("window"),
+    "rope": _global_rope,
     "scale": lambda step: setattr(step, "scale", SHAPE["head_dim"] ** -0.5),
     "softcap": lambda step: setattr(step, "softcap", 0.0),
     "activation": lambda step: setattr(step, "activation", ACTIVATIONS.index("silu")),
 }
-USES = {"qwen3": ["q_norm", "k_norm"],
-        "gemma2": ["attn_out_norm", "mlp_out_norm", "window", "scale", "softcap", "activation"],
-        "gemma3": ["q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "window", "rope", "scale", "activation"]}
+USES = {
+    "qwen3": ["q_norm", "k_norm"],
+    "gemma2": ["attn_out_norm", "mlp_out_norm", "window", "scale", "softcap", "activation"],
+    "gemma3": ["q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "window", "rope", "scale", "activation"],
+}
 
 
 @pytest.mark.parametrize("kind, field", [(kind, field) for kind, fields in USES.items() for field in fields])
 def test_a_step_that_drops_a_field_is_caught(monkeypatch, kind, field):
     """What test_the_step_gives_the_per_op_paths_logits would see of a step that ignored the field."""
+
     def broken(*args, **kwargs) -> DecodeStep:
         step = DecodeStep(*args, **kwargs)
         BREAKS[field](step)

@@ -61,7 +61,6 @@ def test_overlapping_stop_strings_cut_at_the_earliest():
     assert d.stopped and "".join(pieces) == "Hel"
 
 
-
 def test_the_matched_stop_string_is_reported_and_can_be_kept():
     """The earliest of the stop strings found is reported; with include_stop the text ends after
     it. "Hel" "lo": "llo" starts at 2, "lo" at 3, "Hello" at 0 but is longer than the text."""

@@ -41,8 +41,9 @@ def test_every_mode_gives_each_session_its_own_tokens_and_balances_the_books(har
     assert h.core.pages.num_used == 0
 
 
-@pytest.mark.parametrize("mode, most_per_pass", [("sequential", 1), ("interleaved", 1), ("batched", 3),
-                                                 ("continuous", 3)])
+@pytest.mark.parametrize(
+    "mode, most_per_pass", [("sequential", 1), ("interleaved", 1), ("batched", 3), ("continuous", 3)]
+)
 def test_what_each_mode_puts_in_a_pass(harness, mode, most_per_pass):
     h = harness(mode=mode, max_batch_size=4)
     for i in range(3):

@@ -29,8 +29,9 @@ def test_a_constraint_compiles_once_and_each_session_gets_its_own_matcher(tokeni
 def test_a_compile_past_its_time_limit_is_invalid_argument_naming_the_field(tokenizer):
     grammars = Grammars(tokenizer, [2], 49152, compile_timeout_s=1e-6)
     grammars.tokenizer()  # built at start-up, not part of a request's compile
-    schema = Constraint("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}',
-                        "constraint.json_schema")
+    schema = Constraint(
+        "json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', "constraint.json_schema"
+    )
     with pytest.raises(InvalidArgument) as err:
         grammars.matcher(schema)
     assert err.value.field == "constraint.json_schema" and "did not compile within" in err.value.description

@@ -14,8 +14,7 @@ pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 
 def _handle(loop, wakes: list, aborts: list) -> SessionHandle:
-    return SessionHandle(1, "r", 0, 3, loop, lambda sid, reason: aborts.append((sid, reason)),
-                         lambda: wakes.append(1))
+    return SessionHandle(1, "r", 0, 3, loop, lambda sid, reason: aborts.append((sid, reason)), lambda: wakes.append(1))
 
 
 def _finished() -> Finished:
@@ -40,6 +39,7 @@ def test_backlog_pauses_and_reading_wakes_the_model_thread():
         assert handle.finished is not None
         handle.cancel()  # a no-op once finished
         assert not aborts
+
     asyncio.run(run())
 
 
@@ -54,6 +54,7 @@ def test_no_wake_without_a_pause():
         async for _ in handle.batches():
             pass
         assert not wakes
+
     asyncio.run(run())
 
 
@@ -63,4 +64,5 @@ def test_cancel_before_the_end_aborts_with_its_reason():
         handle = _handle(asyncio.get_running_loop(), [], aborts)
         handle.cancel(FinishReason.DEADLINE)
         assert aborts == [(1, FinishReason.DEADLINE)]
+
     asyncio.run(run())

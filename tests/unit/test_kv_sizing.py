@@ -32,8 +32,12 @@ def test_the_budget_is_cut_into_pages():
     per_page = 16 * PER_TOKEN
     config = EngineConfig(kv_cache_memory=f"{300 * per_page + 100}B")
     assert fit_pages(config, SMOL, 4096, CPU, torch.float32) == 300
-    assert fit_pages(EngineConfig(kv_cache_memory=f"{300 * per_page + 100}B", kv_page_size=32), SMOL, 4096, CPU,
-                     torch.float32) == 150
+    assert (
+        fit_pages(
+            EngineConfig(kv_cache_memory=f"{300 * per_page + 100}B", kv_page_size=32), SMOL, 4096, CPU, torch.float32
+        )
+        == 150
+    )
     assert fit_pages(config, SMOL, 4096, CPU, torch.bfloat16) == 600  # --kv-cache-dtype bfloat16: twice the pages
 
 
@@ -78,21 +82,27 @@ def test_auto_is_capped_by_half_of_what_the_cgroup_limit_leaves(tmp_path) -> Non
 def test_a_fraction_is_of_what_the_cgroup_limit_leaves(tmp_path) -> None:
     host = Host(tmp_path, available_kb=64 * GiB // 1024)
     (host.v1("memory", "/docker/x") / "memory.limit_in_bytes").write_text(str(GiB))
-    assert fit_pages(EngineConfig(kv_cache_memory="0.5"), SMOL, 512, CPU, torch.float32,
-                     host.proc) == int(0.5 * GiB // PER_PAGE)
+    assert fit_pages(EngineConfig(kv_cache_memory="0.5"), SMOL, 512, CPU, torch.float32, host.proc) == int(
+        0.5 * GiB // PER_PAGE
+    )
 
 
 def test_a_limit_too_small_for_one_session_names_it(tmp_path) -> None:
     host = Host(tmp_path, available_kb=64 * GiB // 1024)
     (host.v2() / "memory.max").write_text(str(300 * MiB))
-    with pytest.raises(ValueError, match="--kv-cache-memory auto: one session of --max-seq-len 4096 tokens needs "
-                                         "180 MiB, and auto: 0.5 of 300 MiB, cgroup memory limit 300 MiB"):
+    with pytest.raises(
+        ValueError,
+        match="--kv-cache-memory auto: one session of --max-seq-len 4096 tokens needs "
+        "180 MiB, and auto: 0.5 of 300 MiB, cgroup memory limit 300 MiB",
+    ):
         fit_pages(EngineConfig(), SMOL, 4096, CPU, torch.float32, host.proc)
 
 
 def test_bytes_past_the_limit_are_warned_of(tmp_path, caplog) -> None:
     host = Host(tmp_path, available_kb=64 * GiB // 1024)
     (host.v2() / "memory.max").write_text(str(GiB))
-    assert fit_pages(EngineConfig(kv_cache_memory="2GiB"), SMOL, 4096, CPU, torch.float32,
-                     host.proc) == 2 * GiB // PER_PAGE
+    assert (
+        fit_pages(EngineConfig(kv_cache_memory="2GiB"), SMOL, 4096, CPU, torch.float32, host.proc)
+        == 2 * GiB // PER_PAGE
+    )
     assert "more than the 1024 MiB this process may still take (cgroup memory limit" in caplog.text

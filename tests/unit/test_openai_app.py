@@ -28,8 +28,12 @@ def test_a_chat_streams_its_tokens_then_done():
     assert response.headers["content-type"].startswith("text/event-stream") and events[-1] == "data: [DONE]"
     whole = http.post("/v1/chat/completions", json=CHAT).json()
     assert whole["choices"][0]["message"]["content"] == " 5 6 7" and whole["choices"][0]["finish_reason"] == "length"
-    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert whole["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_a_full_queue_is_429_with_retry_after():
@@ -65,8 +69,9 @@ def test_the_api_key_is_one_bearer_header_and_health_stays_open():
     assert http.get("/health").status_code == 200
     assert http.get("/v1/models").status_code == 401
     assert http.get("/v1/models", headers={"Authorization": "bearer k"}).status_code == 200
-    assert http.get("/v1/models", headers={"Authorization": "Bearer x"}).json()["error"]["type"] == \
-        "authentication_error"
+    assert (
+        http.get("/v1/models", headers={"Authorization": "Bearer x"}).json()["error"]["type"] == "authentication_error"
+    )
 
 
 def test_a_body_over_max_message_bytes_is_refused_unread():
@@ -93,8 +98,9 @@ def test_a_call_is_one_span_child_of_its_traceparent_that_lasts_the_whole_stream
     trace.set_tracer_provider(provider)  # once per process; the app's tracer is a proxy that follows it
     _, http = serve(FakeEngine())
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True},
-                     headers={"traceparent": parent}) as response:
+    with http.stream(
+        "POST", "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"traceparent": parent}
+    ) as response:
         assert list(response.iter_lines())
     (span,) = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/chat/completions"]
     assert format(span.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"

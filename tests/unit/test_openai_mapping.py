@@ -14,8 +14,13 @@ from braid.server.http.requests import chat_plan, completion_plan
 
 pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -24,14 +29,36 @@ def chat(**body):
 
 
 def test_openai_fields_become_braids_sampling_params():
-    plan = chat(max_completion_tokens=9, temperature=0.5, top_p=0.9, stop="x", seed=3, n=2, presence_penalty=0.5,
-                frequency_penalty=-0.5, logit_bias={"7": 5.0}, logprobs=True, top_logprobs=2,
-                top_k=4, min_p=0.1, repetition_penalty=1.1, ignore_eos=True, min_tokens=1, cache_salt="s",
-                priority="batch")
+    plan = chat(
+        max_completion_tokens=9,
+        temperature=0.5,
+        top_p=0.9,
+        stop="x",
+        seed=3,
+        n=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logit_bias={"7": 5.0},
+        logprobs=True,
+        top_logprobs=2,
+        top_k=4,
+        min_p=0.1,
+        repetition_penalty=1.1,
+        ignore_eos=True,
+        min_tokens=1,
+        cache_salt="s",
+        priority="batch",
+    )
     p, req = plan.request.params, plan.request
     # as over gRPC, floats pass through the .proto's float32
-    assert (p.max_new_tokens, p.temperature, p.top_p, p.stop, p.seed, req.n) == (9, 0.5, pytest.approx(0.9), ("x",),
-                                                                                 3, 2)
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.stop, p.seed, req.n) == (
+        9,
+        0.5,
+        pytest.approx(0.9),
+        ("x",),
+        3,
+        2,
+    )
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.5, -0.5, ((7, 5.0),))
     assert (p.logprobs, p.top_logprobs, p.top_k) == (True, 2, 4)
     assert (p.min_p, p.repetition_penalty) == (pytest.approx(0.1), pytest.approx(1.1))
@@ -39,30 +66,57 @@ def test_openai_fields_become_braids_sampling_params():
     assert chat().request.params.temperature == 1.0  # OpenAI's default, not braid's greedy 0
 
 
-@pytest.mark.parametrize("body, param", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=2), "top_p"), (dict(top_p=0), "top_p"),
-    (dict(max_tokens=0), "max_tokens"), (dict(max_completion_tokens=0), "max_completion_tokens"),
-    (dict(n=100), "n"), (dict(n=0), "n"), (dict(stop=["s"] * 20), "stop"), (dict(seed=-1), "seed"),
-    (dict(presence_penalty=5), "presence_penalty"), (dict(frequency_penalty=-5), "frequency_penalty"),
-    (dict(logit_bias={"x": 1}), "logit_bias[x]"), (dict(logit_bias={"5000": 1}), "logit_bias[5000]"),
-    (dict(logprobs=True, top_logprobs=50), "top_logprobs"), (dict(top_logprobs=2), "top_logprobs"),
-    (dict(top_k=-1), "top_k"), (dict(min_p=2), "min_p"), (dict(repetition_penalty=-1), "repetition_penalty"),
-    (dict(min_tokens=-1), "min_tokens"), (dict(stream_options={"include_usage": True}), "stream_options"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema.schema"),
-    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
-     "tool_choice.function.name"),
-    (dict(tool_choice="required"), "tool_choice"),
-    (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content[0].type"),
-    (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=2), "top_p"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_completion_tokens=0), "max_completion_tokens"),
+        (dict(n=100), "n"),
+        (dict(n=0), "n"),
+        (dict(stop=["s"] * 20), "stop"),
+        (dict(seed=-1), "seed"),
+        (dict(presence_penalty=5), "presence_penalty"),
+        (dict(frequency_penalty=-5), "frequency_penalty"),
+        (dict(logit_bias={"x": 1}), "logit_bias[x]"),
+        (dict(logit_bias={"5000": 1}), "logit_bias[5000]"),
+        (dict(logprobs=True, top_logprobs=50), "top_logprobs"),
+        (dict(top_logprobs=2), "top_logprobs"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_p=2), "min_p"),
+        (dict(repetition_penalty=-1), "repetition_penalty"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(stream_options={"include_usage": True}), "stream_options"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+            "tool_choice.function.name",
+        ),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content[0].type"),
+        (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
+    ],
+)
 def test_a_bad_parameter_is_named_as_openai_names_it(body, param):
     with pytest.raises(InvalidArgument) as caught:
         chat(**body)
     assert caught.value.field == param
 
 
-@pytest.mark.parametrize("body, param", [(dict(echo=True), "echo"), (dict(logprobs=50), "logprobs"),
-                                         (dict(prompt=["a", "b"]), "prompt"), (dict(max_tokens=-2), "max_tokens")])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (dict(echo=True), "echo"),
+        (dict(logprobs=50), "logprobs"),
+        (dict(prompt=["a", "b"]), "prompt"),
+        (dict(max_tokens=-2), "max_tokens"),
+    ],
+)
 def test_a_bad_completion_parameter_is_named(body, param):
     with pytest.raises(InvalidArgument) as caught:
         completion_plan(CompletionRequest.model_validate({"prompt": "hi", **body}), 256, 1000)
@@ -75,8 +129,10 @@ def test_response_formats_and_forced_tools_become_constraints():
     c = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).request.constraint
     assert (c.kind, json.loads(c.text)) == ("json_schema", schema)
     named = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert json.loads(named.request.constraint.text) == {**WEATHER["function"]["parameters"],
-                                                         "x-guidance": {"whitespace_flexible": False}}
+    assert json.loads(named.request.constraint.text) == {
+        **WEATHER["function"]["parameters"],
+        "x-guidance": {"whitespace_flexible": False},
+    }
     assert (named.tools, named.function) == ("forced", "get_weather")
     assert json.loads(named.request.tools)[0]["function"]["name"] == "get_weather"  # rendered by the template
     required = chat(tools=[WEATHER], tool_choice="required")
@@ -87,15 +143,23 @@ def test_response_formats_and_forced_tools_become_constraints():
 
 def test_tool_turns_reach_the_template_with_their_calls_and_ids():
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    plan = chat(tools=[WEATHER], messages=[*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
-                                           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    plan = chat(
+        tools=[WEATHER],
+        messages=[
+            *CHAT,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
     assistant, tool = plan.request.messages[1:]
     assert json.loads(assistant.tool_calls) == [call] and (tool.role, tool.tool_call_id) == ("tool", "call_1")
 
 
 def test_hermes_tool_calls_are_parsed_with_the_content_before_them():
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
-            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
     content, calls = tools.parse_tool_calls(text)
     assert content == "Let me check."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
@@ -136,4 +200,5 @@ def test_a_named_call_streams_its_arguments_as_they_come():
     assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
     assert second["tool_calls"][0]["function"] == {"arguments": '"Oslo"}'} and "id" not in second["tool_calls"][0]
     assert choice.end() is None and json.loads(choice.message()["tool_calls"][0]["function"]["arguments"]) == {
-        "city": "Oslo"}
+        "city": "Oslo"
+    }

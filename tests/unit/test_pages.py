@@ -147,8 +147,15 @@ def test_admission_leaves_the_reserve_and_changes_nothing_when_it_does_not_fit()
 # ---- the property test ---------------------------------------------------------------------
 
 _PREFIXES = [list(range(1000, 1000 + n)) for n in (0, 16, 20, 48)]  # shared system prompts
-_ops = st.lists(st.tuples(st.sampled_from(["admit", "compute", "grow", "finish", "preempt"]),
-                          st.integers(0, 1000), st.integers(0, 3), st.integers(1, 40)), max_size=60)
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "compute", "grow", "finish", "preempt"]),
+        st.integers(0, 1000),
+        st.integers(0, 3),
+        st.integers(1, 40),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -38,13 +38,14 @@ class Host:
 
     def v1(self, controller: str, path: str = "/", mount_root: str = "/") -> Path:
         mount = self.root / f"sys/fs/cgroup/{controller}"
-        self.mounts.append(f"3{len(self.mounts)} 20 0:3{len(self.mounts)} {mount_root} {mount} rw - cgroup cgroup "
-                           f"rw,{controller}")
+        self.mounts.append(
+            f"3{len(self.mounts)} 20 0:3{len(self.mounts)} {mount_root} {mount} rw - cgroup cgroup rw,{controller}"
+        )
         self.groups.append(f"{len(self.groups) + 2}:{controller}:{path}")
         return self._dir(mount, path, mount_root)
 
     def _dir(self, mount: Path, path: str, mount_root: str) -> Path:
-        inner = path[len(mount_root):] if mount_root != "/" else path
+        inner = path[len(mount_root) :] if mount_root != "/" else path
         directory = mount / inner.lstrip("/")
         directory.mkdir(parents=True, exist_ok=True)
         (self.proc / "self/mountinfo").write_text("\n".join(self.mounts) + "\n")

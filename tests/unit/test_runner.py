@@ -15,18 +15,28 @@ from braid.server.runner.rows import Row, Sampling
 @pytest.fixture(scope="module")
 def tiny() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, initializer_range=0.3)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])
 def runner(request, tiny) -> ModelRunner:
-    model = LoadedModel(hf_model=tiny, hf_tokenizer=None, name="tiny", architecture="LlamaForCausalLM",
-                        eos_token_ids=(2,))
-    return ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=4 * PAGES, max_seq_len=2048,
-                       allow_kernels=request.param)
+    model = LoadedModel(
+        hf_model=tiny, hf_tokenizer=None, name="tiny", architecture="LlamaForCausalLM", eos_token_ids=(2,)
+    )
+    return ModelRunner(
+        model, torch.device("cpu"), torch.float32, num_pages=4 * PAGES, max_seq_len=2048, allow_kernels=request.param
+    )
 
 
 PAGES = 2048 // 16  # pages of one 2048-token sequence
@@ -42,9 +52,19 @@ def _feed(runner: ModelRunner, prompt: list[int], start: int, n: int, slot: int 
     token if that reaches the prompt's end."""
     sampling = Sampling()
     pages = _slot(slot) if isinstance(slot, int) else slot
-    [token] = runner.run([Row(pages=pages, start=start, token_ids=prompt[start:start + n],
-                              sample=start + n == len(prompt), sampling=sampling,
-                              rng=runner.random_state(sampling), is_prompt=True)])
+    [token] = runner.run(
+        [
+            Row(
+                pages=pages,
+                start=start,
+                token_ids=prompt[start : start + n],
+                sample=start + n == len(prompt),
+                sampling=sampling,
+                rng=runner.random_state(sampling),
+                is_prompt=True,
+            )
+        ]
+    )
     return token
 
 
@@ -63,10 +83,18 @@ def test_tokens_come_back_in_the_order_of_the_rows(runner):
     prompt = [5, 9, 14, 3]
     first = _feed(runner, prompt, 0, 4, slot=0).token  # sequence 0 now decodes from position 4
     other = [8, 8, 2]
-    decode = Row(pages=_slot(0), start=4, token_ids=[first], sample=True, sampling=sampling,
-                 rng=runner.random_state(sampling))
-    chunk = Row(pages=_slot(1), start=0, token_ids=other, sample=True, sampling=sampling, rng=runner.random_state(sampling),
-                is_prompt=True)
+    decode = Row(
+        pages=_slot(0), start=4, token_ids=[first], sample=True, sampling=sampling, rng=runner.random_state(sampling)
+    )
+    chunk = Row(
+        pages=_slot(1),
+        start=0,
+        token_ids=other,
+        sample=True,
+        sampling=sampling,
+        rng=runner.random_state(sampling),
+        is_prompt=True,
+    )
     mixed = runner.run([decode, chunk])  # the decode row first, packed last
     assert mixed[1] == _feed(runner, other, 0, 3, slot=1)
     assert mixed[0] == runner.run([decode])[0]
@@ -79,8 +107,18 @@ def _greedy(runner: ModelRunner, pages: list[int], prompt: list[int], start: int
     tokens = [_feed(runner, prompt, start, len(prompt) - start, pages).token]
     for _ in range(steps - 1):
         position = len(prompt) + len(tokens) - 1
-        [token] = runner.run([Row(pages=pages, start=position, token_ids=[tokens[-1]], sample=True,
-                                  sampling=sampling, rng=runner.random_state(sampling))])
+        [token] = runner.run(
+            [
+                Row(
+                    pages=pages,
+                    start=position,
+                    token_ids=[tokens[-1]],
+                    sample=True,
+                    sampling=sampling,
+                    rng=runner.random_state(sampling),
+                )
+            ]
+        )
         tokens.append(token.token)
     return tokens
 
@@ -118,10 +156,21 @@ def test_prompt_targets_score_as_transformers_in_chunks_beside_other_rows(runner
     sampling = Sampling(logprobs=3)
     scores = []
     for start, end in ((0, 25), (25, 40)):
-        rows = [Row(pages=_slot(0), start=start, token_ids=prompt[start:end], sample=end == 40, sampling=sampling,
-                    rng=runner.random_state(sampling), is_prompt=True, targets=prompt[start + 1:min(end, 39) + 1]),
-                Row(pages=_slot(1), start=3 + (start > 0), token_ids=[decoding], sample=True, sampling=Sampling(),
-                    rng=None)]
+        rows = [
+            Row(
+                pages=_slot(0),
+                start=start,
+                token_ids=prompt[start:end],
+                sample=end == 40,
+                sampling=sampling,
+                rng=runner.random_state(sampling),
+                is_prompt=True,
+                targets=prompt[start + 1 : min(end, 39) + 1],
+            ),
+            Row(
+                pages=_slot(1), start=3 + (start > 0), token_ids=[decoding], sample=True, sampling=Sampling(), rng=None
+            ),
+        ]
         scored, other_token = runner.run(rows)
         assert other_token.token is not None and not other_token.targets
         scores += scored.targets
@@ -132,7 +181,6 @@ def test_prompt_targets_score_as_transformers_in_chunks_beside_other_rows(runner
         assert abs(lp.logprob - expected[i, prompt[i + 1]].item()) < 1e-3
         assert lp.rank == int((expected[i] > expected[i, prompt[i + 1]]).sum()) + 1
         assert [t for t, _ in lp.top] == expected[i].topk(3).indices.tolist()
-
 
 
 def _peft_folder(path, rank: int, hidden: int = 64, kv: int = 32, seed: int = 0, dtype=torch.float32):
@@ -151,8 +199,9 @@ def _peft_folder(path, rank: int, hidden: int = 64, kv: int = 32, seed: int = 0,
             tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=generator) * 0.3).to(dtype)
     path.mkdir()
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "peft_type": "LORA",
-                                                          "target_modules": ["q_proj", "v_proj"]}))
+    (path / "adapter_config.json").write_text(
+        json.dumps({"r": rank, "lora_alpha": 2 * rank, "peft_type": "LORA", "target_modules": ["q_proj", "v_proj"]})
+    )
     return path
 
 
@@ -170,8 +219,16 @@ def test_rows_with_adapters_and_without_share_a_pass_and_an_unloaded_adapter_is_
     prompt = [5, 9, 33, 7, 100, 41]
 
     def row(i: int, adapter: int) -> Row:
-        return Row(pages=_slot(i), start=0, token_ids=prompt, sample=True, sampling=Sampling(), rng=None,
-                   is_prompt=True, adapter=adapter)
+        return Row(
+            pages=_slot(i),
+            start=0,
+            token_ids=prompt,
+            sample=True,
+            sampling=Sampling(),
+            rng=None,
+            is_prompt=True,
+            adapter=adapter,
+        )
 
     adapters = [101, 0, 102, 101]  # the runner has pages for 4 sequences
     together = _logits(runner, [row(i, a) for i, a in enumerate(adapters)])
@@ -190,8 +247,7 @@ def test_rows_with_adapters_and_without_share_a_pass_and_an_unloaded_adapter_is_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_layer_by_layer(runner, tmp_path,
-                                                                                              dtype):
+def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_layer_by_layer(runner, tmp_path, dtype):
     """A decode pass with rows of two adapters (q and v, not k: modules apart in the fused q/k/v)
     and of none: on braid's kernels the one C call adds each row's delta itself; its logits are
     the layer-by-layer path's, and each row's are those it gets alone. Adapters saved in bf16 (their
@@ -202,12 +258,36 @@ def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_l
     adapters = [301, 0, 302, 301]
     prompt = [5, 9, 33, 7, 100, 41]
     for i, adapter in enumerate(adapters):
-        _logits(runner, [Row(pages=_slot(i), start=0, token_ids=prompt, sample=True, sampling=Sampling(), rng=None,
-                             is_prompt=True, adapter=adapter)])
+        _logits(
+            runner,
+            [
+                Row(
+                    pages=_slot(i),
+                    start=0,
+                    token_ids=prompt,
+                    sample=True,
+                    sampling=Sampling(),
+                    rng=None,
+                    is_prompt=True,
+                    adapter=adapter,
+                )
+            ],
+        )
 
     def decode(slots: list[int]) -> list[Row]:
-        return [Row(pages=_slot(i), start=len(prompt), token_ids=[11 + i], sample=True, sampling=Sampling(),
-                    rng=None, is_prompt=False, adapter=adapters[i]) for i in slots]
+        return [
+            Row(
+                pages=_slot(i),
+                start=len(prompt),
+                token_ids=[11 + i],
+                sample=True,
+                sampling=Sampling(),
+                rng=None,
+                is_prompt=False,
+                adapter=adapters[i],
+            )
+            for i in slots
+        ]
 
     one_call = _logits(runner, decode([0, 1, 2, 3]))
     decoder = runner.decoder

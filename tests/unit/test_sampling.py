@@ -55,7 +55,9 @@ def test_the_repetition_penalty_lowers_seen_tokens():
     logits = torch.zeros(1, 10)
     logits[0, 3], logits[0, 4] = 2.0, 1.9
     sampling = Sampling(repetition_penalty=1.5)
-    row = Row(pages=[0], start=0, token_ids=[3], sample=True, sampling=sampling, rng=random_state(sampling), history=[3])
+    row = Row(
+        pages=[0], start=0, token_ids=[3], sample=True, sampling=sampling, rng=random_state(sampling), history=[3]
+    )
     assert sample(logits, [row]) == [4]
 
 
@@ -64,8 +66,16 @@ def test_presence_frequency_and_bias_as_openai_defines_them():
     logits = torch.tensor([[1.0, 2.0, 3.0, 4.0, 0.5]])
     sampling = Sampling(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((4, -10.0), (0, 2.0)))
     # prompt [2, 3]; generated 3, 3, 1: token 3 twice, token 1 once; token 2 only in the prompt
-    row = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling),
-              history=[2, 3, 3, 3, 1], num_prompt=2)
+    row = Row(
+        pages=[0],
+        start=0,
+        token_ids=[1],
+        sample=True,
+        sampling=sampling,
+        rng=random_state(sampling),
+        history=[2, 3, 3, 3, 1],
+        num_prompt=2,
+    )
     from braid.server.runner.sampler import _penalise
 
     _penalise(logits[0], row)
@@ -107,8 +117,9 @@ def test_a_constraint_mask_limits_greedy_and_sampled_rows_but_not_their_logprobs
     mask = torch.zeros(2, 64, dtype=torch.bool)
     mask[:, 5:10] = True
     rows = [_row(0.0, 0), _row(0.0, 0), _row(1.0, 3)]
-    rows = [Row(**{**vars(r), "sampling": Sampling(temperature=r.sampling.temperature, seed=3, logprobs=0)})
-            for r in rows]
+    rows = [
+        Row(**{**vars(r), "sampling": Sampling(temperature=r.sampling.temperature, seed=3, logprobs=0)}) for r in rows
+    ]
     raw = logits.log_softmax(dim=-1)
     out = sample_with_logprobs(logits.clone(), rows, allowed=([1, 2], mask))
     assert out[0].token == 0
@@ -118,8 +129,10 @@ def test_a_constraint_mask_limits_greedy_and_sampled_rows_but_not_their_logprobs
     assert out[1].logprob.rank > 1  # ranked in the raw distribution, where token 0 leads
 
 
-@pytest.mark.parametrize("params", [dict(top_p=0.9), dict(top_k=40), dict(min_p=0.05), dict(top_p=0.95, top_k=300),
-                                    dict(), dict(top_p=0.999)])
+@pytest.mark.parametrize(
+    "params",
+    [dict(top_p=0.9), dict(top_k=40), dict(min_p=0.05), dict(top_p=0.95, top_k=300), dict(), dict(top_p=0.999)],
+)
 def test_a_row_drawn_from_its_most_likely_tokens_gets_the_whole_sorted_rows_token(monkeypatch, params):
     """The sampler sorts only a row's CANDIDATES most likely tokens where its kept tokens (top-k,
     top-p, min-p) end among them, and the whole row where they do not (plain temperature, a wide
@@ -132,8 +145,10 @@ def test_a_row_drawn_from_its_most_likely_tokens_gets_the_whole_sorted_rows_toke
 
     def draw(first_seed: int) -> list[int]:
         samplings = [Sampling(temperature=0.8, seed=first_seed + i, **params) for i in range(6)]
-        return sample(logits.clone(), [Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=s,
-                                           rng=random_state(s)) for s in samplings])
+        return sample(
+            logits.clone(),
+            [Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=s, rng=random_state(s)) for s in samplings],
+        )
 
     for first_seed in range(0, 120, 6):
         fast = draw(first_seed)

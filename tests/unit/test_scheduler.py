@@ -15,13 +15,27 @@ pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 
 def _session(i: int, prompt_len: int = 4, arrived: float = 0.0) -> Session:
-    return Session(id=i, prompt_ids=list(range(1, prompt_len + 1)), params=SamplingParams(), handle=None,
-                   detokenizer=None, sampling=None, rng=None, arrived=arrived)
+    return Session(
+        id=i,
+        prompt_ids=list(range(1, prompt_len + 1)),
+        params=SamplingParams(),
+        handle=None,
+        detokenizer=None,
+        sampling=None,
+        rng=None,
+        arrived=arrived,
+    )
 
 
 def _scheduler(mode: Mode, sessions: int = 4, prefill_chunk: int = 512, pages: int = 256) -> Scheduler:
-    config = EngineConfig(mode=mode, max_batch_size=4, max_sessions=sessions, max_wait_ms=0.0,
-                          prefill_chunk=prefill_chunk, batch_max_wait_ms=5000.0)
+    config = EngineConfig(
+        mode=mode,
+        max_batch_size=4,
+        max_sessions=sessions,
+        max_wait_ms=0.0,
+        prefill_chunk=prefill_chunk,
+        batch_max_wait_ms=5000.0,
+    )
     return Scheduler(config, Pages(pages, page_size=16))
 
 
@@ -73,8 +87,9 @@ def test_a_pass_of_prompt_chunks_only_is_scheduled_whole():
     assert work.num_tokens == 512 and work.num_tokens < s.num_uncached
 
 
-@pytest.mark.parametrize("mode, admitted", [(Mode.SEQUENTIAL, 1), (Mode.INTERLEAVED, 4), (Mode.BATCHED, 4),
-                                            (Mode.CONTINUOUS, 4)])
+@pytest.mark.parametrize(
+    "mode, admitted", [(Mode.SEQUENTIAL, 1), (Mode.INTERLEAVED, 4), (Mode.BATCHED, 4), (Mode.CONTINUOUS, 4)]
+)
 def test_each_mode_admits_as_many_as_it_runs(mode, admitted):
     sched = _scheduler(mode, sessions=4)
     for i in range(6):

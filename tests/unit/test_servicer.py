@@ -25,9 +25,23 @@ from braid.v1 import generate_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
-INFO = ModelInfo(model_name="fake", architecture="Fake", context_length=64, vocab_size=100, dtype="float32",
-                 device="cpu", mode=Mode.CONTINUOUS, max_batch_size=4, eos_token_ids=(2,), has_chat_template=False,
-                 parameters=1, weight_formats={"f32": 1}, weight_bytes=4, quantization="auto", kernels="torch")
+INFO = ModelInfo(
+    model_name="fake",
+    architecture="Fake",
+    context_length=64,
+    vocab_size=100,
+    dtype="float32",
+    device="cpu",
+    mode=Mode.CONTINUOUS,
+    max_batch_size=4,
+    eos_token_ids=(2,),
+    has_chat_template=False,
+    parameters=1,
+    weight_formats={"f32": 1},
+    weight_bytes=4,
+    quantization="auto",
+    kernels="torch",
+)
 
 
 class FakeAdapterRunner:
@@ -93,8 +107,14 @@ class FakeEngine:
         return handles
 
     def _end(self, handle, reason, error=None, field=None) -> None:
-        done = Finished(reason=reason, prompt_tokens=3, generated_tokens=len(self.tokens),
-                        timings=Timings(1.0, 2.0, 3.0, 4.0), error=error, error_field=field)
+        done = Finished(
+            reason=reason,
+            prompt_tokens=3,
+            generated_tokens=len(self.tokens),
+            timings=Timings(1.0, 2.0, 3.0, 4.0),
+            error=error,
+            error_field=field,
+        )
         self.books.finish(reason, active=0)
         handle.loop.call_soon_threadsafe(handle.push, done)
 
@@ -155,9 +175,9 @@ def test_a_stream_sends_its_tokens_then_one_final_message_and_trailers(call):
     assert keys["braid-cached-tokens"] == "0" and keys["braid-total-ms"] == "3.000", sorted(keys)
 
 
-@pytest.mark.parametrize("field, request_kw", [("temperature", dict(temperature=-1.0)),
-                                               ("prompt", dict()),
-                                               ("n", dict(n=99))])
+@pytest.mark.parametrize(
+    "field, request_kw", [("temperature", dict(temperature=-1.0)), ("prompt", dict()), ("n", dict(n=99))]
+)
 def test_a_bad_field_is_invalid_argument_naming_it(call, field, request_kw):
     request = pb.GenerateRequest(**({"prompt": "hi"} if field != "prompt" else {}), **request_kw)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -216,8 +236,11 @@ def _code(call, engine, method, request) -> tuple[grpc.StatusCode, str]:
 def test_adapters_load_list_and_unload_and_each_mistake_has_its_status(call):
     engine = FakeEngine()
     loaded = call(engine, "LoadAdapter", pb.LoadAdapterRequest(name="sql", path="/adapters/sql"))
-    assert loaded.adapter.name == "sql" and loaded.adapter.rank == 8 and list(loaded.adapter.target_modules) == [
-        "q_proj", "v_proj"]
+    assert (
+        loaded.adapter.name == "sql"
+        and loaded.adapter.rank == 8
+        and list(loaded.adapter.target_modules) == ["q_proj", "v_proj"]
+    )
     info = call(engine, "ModelInfo", pb.ModelInfoRequest())
     assert [a.name for a in info.adapters] == ["sql"]
     assert call(engine, "Stream", pb.GenerateRequest(prompt="hi", adapter="sql"))[0][-1].finish_reason

@@ -51,6 +51,7 @@ def _generate(h: Harness, prompts: list[str], **params) -> list[list[int]]:
 
 # ---- the n-gram proposer ----------------------------------------------------------------------
 
+
 def test_the_proposer_copies_what_followed_the_latest_earlier_match():
     proposer = NgramProposer(1, 3)
     assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest, not the first
@@ -68,6 +69,7 @@ def test_the_proposer_matches_whole_tokens_only():
 
 # ---- the engine --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", MODES)
 def test_speculation_gives_the_same_tokens_in_fewer_passes(harness, mode):
     prompts = ["10 11 12 13 14 15 16 10", "12 13 14 15 16 10 11 12 13", "14 15"]
@@ -75,8 +77,7 @@ def test_speculation_gives_the_same_tokens_in_fewer_passes(harness, mode):
     expected = _generate(plain, prompts, max_new_tokens=20)
     fast = harness(mode=mode, max_batch_size=4, speculative="ngram", speculative_tokens=4)
     assert _generate(fast, prompts, max_new_tokens=20) == expected
-    assert len(fast.runner.passes) < len(plain.runner.passes) * 0.6, (len(fast.runner.passes),
-                                                                        len(plain.runner.passes))
+    assert len(fast.runner.passes) < len(plain.runner.passes) * 0.6, (len(fast.runner.passes), len(plain.runner.passes))
     stats = fast.books.snapshot()
     assert stats.speculative_accepted_tokens > 0
     assert stats.speculative_accepted_tokens == stats.speculative_proposed_tokens  # the cycle never misses
@@ -140,7 +141,7 @@ def test_no_page_holding_a_rejected_token_is_named_for_the_prefix_cache(harness)
 
     key = _root("")
     for i in range(len(tokens) // size):  # every named page is a page of the real tokens
-        key = _key(key, tokens[i * size:(i + 1) * size])
+        key = _key(key, tokens[i * size : (i + 1) * size])
         named.discard(key)
     assert not named
 
@@ -217,6 +218,7 @@ def test_preempted_speculating_sessions_resume_with_the_same_tokens(harness):
 
 # ---- a draft model -----------------------------------------------------------------------------
 
+
 def _drafted(h: Harness, draft: ScriptedRunner, prompts: list[str], **params) -> list[list[int]]:
     tokens = _generate(h, prompts, **params)
     assert h.core.speculator.proposer.pages.num_used == 0  # every session's draft pages given back
@@ -229,8 +231,15 @@ def test_a_right_draft_gives_the_same_tokens_in_fewer_passes(harness, mode):
     plain = harness(mode=mode, max_batch_size=4)
     expected = _generate(plain, prompts, max_new_tokens=24)
     draft = ScriptedRunner(next_token=_cycling)  # the draft agrees with the model
-    h = Harness(ScriptedRunner(next_token=_cycling), draft, mode=mode, max_batch_size=4, speculative="draft",
-                draft_model="draft", speculative_tokens=4)
+    h = Harness(
+        ScriptedRunner(next_token=_cycling),
+        draft,
+        mode=mode,
+        max_batch_size=4,
+        speculative="draft",
+        draft_model="draft",
+        speculative_tokens=4,
+    )
     try:
         assert _drafted(h, draft, prompts, max_new_tokens=24) == expected
         assert len(h.runner.passes) < len(plain.runner.passes) * 0.5
@@ -249,8 +258,9 @@ def test_a_wrong_draft_changes_no_token(harness):
     prompts = ["10 11", "12 13 14 15 16 10 11 12"]
     expected = _generate(harness(), prompts, max_new_tokens=30)
     draft = ScriptedRunner(next_token=_count_up)  # 12 13 14 15 16 17 ...: wrong after 16
-    h = Harness(ScriptedRunner(next_token=_cycling), draft, speculative="draft", draft_model="draft",
-                speculative_tokens=8)
+    h = Harness(
+        ScriptedRunner(next_token=_cycling), draft, speculative="draft", draft_model="draft", speculative_tokens=8
+    )
     try:
         assert _drafted(h, draft, prompts, max_new_tokens=30) == expected
         stats = h.books.snapshot()
@@ -273,12 +283,17 @@ def test_a_draft_session_cancelled_gives_its_draft_pages_back(harness):
         h.close()
 
 
-@pytest.mark.parametrize("settings, flag", [(dict(speculative_tokens=0), "--speculative-tokens"),
-                                            (dict(speculative_tokens=17), "--speculative-tokens"),
-                                            (dict(ngram_min=4, ngram_max=3), "--ngram-min"),
-                                            (dict(speculative="fast"), "--speculative"),
-                                            (dict(draft_model="x.gguf"), "--draft-model"),
-                                            (dict(speculative="draft"), "--speculative draft: needs --draft-model")])
+@pytest.mark.parametrize(
+    "settings, flag",
+    [
+        (dict(speculative_tokens=0), "--speculative-tokens"),
+        (dict(speculative_tokens=17), "--speculative-tokens"),
+        (dict(ngram_min=4, ngram_max=3), "--ngram-min"),
+        (dict(speculative="fast"), "--speculative"),
+        (dict(draft_model="x.gguf"), "--draft-model"),
+        (dict(speculative="draft"), "--speculative draft: needs --draft-model"),
+    ],
+)
 def test_bad_settings_name_their_flag(settings, flag):
     with pytest.raises(SettingError, match=flag):
         EngineConfig(**settings)

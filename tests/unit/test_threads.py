@@ -36,7 +36,7 @@ def test_on_quiet_cores_it_keeps_every_thread_and_tries_less_often() -> None:
     assert governor.current == 2 and governor.num_switches == 0
     trials = counts.count(1) // 4
     assert trials <= 2000 // (MAX_BACKOFF * 16) + 2  # the waits double: 16, 32, ... up to MAX_BACKOFF x 16
-    assert counts[-MAX_BACKOFF * 16:].count(1) <= 4  # at most one trial in the last full wait
+    assert counts[-MAX_BACKOFF * 16 :].count(1) <= 4  # at most one trial in the last full wait
 
 
 def test_beside_a_busy_process_it_moves_to_fewer_threads_and_back_when_it_ends() -> None:

@@ -25,7 +25,8 @@ def _texts(count: int) -> list[str]:
     rng = random.Random(0)
     alphabet = "ab cdé\n\t<|>_🎉中" + "<|im_start|>"
     return ["", "The sea is", "<|im_start|>user\nhi<|im_end|>", "x" * 3000] + [
-        "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(count)]
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(count)
+    ]
 
 
 def test_a_fast_tokenizer_is_shared_by_every_thread_never_copied(hf, monkeypatch):
@@ -45,14 +46,18 @@ def test_a_fast_tokenizer_is_shared_by_every_thread_never_copied(hf, monkeypatch
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(work, range(8)))
     chat = [Message(role="user", content="Hi")]
-    assert tok.encode(None, chat) == list(hf.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert tok.encode(None, chat) == list(
+        hf.apply_chat_template(
+            [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
     assert tok.pieces(expected[1]) == [hf.decode([t]) for t in expected[1]]
 
 
 def test_a_python_tokenizer_gets_a_copy_per_thread(hf):
     """A tokenizer with no Rust backend (here: the fast one with its backend hidden) is copied once
     per thread that uses it."""
+
     class Slow:
         def __init__(self, inner) -> None:
             self.inner, self.chat_template = inner, inner.chat_template

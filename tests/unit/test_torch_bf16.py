@@ -18,8 +18,14 @@ from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 from conftest import assert_greedy
 
-PROMPTS = ["Hi", "The weather today is", "Once upon a time, in a land far away, there lived a " * 3,
-           "1 2 3 4 5 6 7 8 9 10 11 12", "A much longer prompt that goes on " * 12, "Tell me"]
+PROMPTS = [
+    "Hi",
+    "The weather today is",
+    "Once upon a time, in a land far away, there lived a " * 3,
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "A much longer prompt that goes on " * 12,
+    "Tell me",
+]
 PAGES = 1024 // 16  # pages of one 1,024-token sequence
 STEPS = 12
 
@@ -31,8 +37,14 @@ def model(tiny_dir):
 
 @pytest.fixture(scope="module")
 def runner(model) -> ModelRunner:
-    return ModelRunner(model, torch.device(conftest.DEVICE), torch.bfloat16, num_pages=len(PROMPTS) * PAGES,
-                       max_seq_len=1024, allow_kernels=False)
+    return ModelRunner(
+        model,
+        torch.device(conftest.DEVICE),
+        torch.bfloat16,
+        num_pages=len(PROMPTS) * PAGES,
+        max_seq_len=1024,
+        allow_kernels=False,
+    )
 
 
 def _generate(runner: ModelRunner, prompts: list[list[int]], stagger: bool) -> list[list[int]]:
@@ -48,8 +60,17 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], stagger: bool) -> l
                 continue
             pages = range(i * PAGES, (i + 1) * PAGES)
             start, fed = (0, prompt) if not tokens else (len(prompt) + len(tokens) - 1, tokens[-1:])
-            rows.append(Row(pages=pages, start=start, token_ids=fed, sample=True, sampling=sampling,
-                            rng=runner.random_state(sampling), is_prompt=not tokens))
+            rows.append(
+                Row(
+                    pages=pages,
+                    start=start,
+                    token_ids=fed,
+                    sample=True,
+                    sampling=sampling,
+                    rng=runner.random_state(sampling),
+                    is_prompt=not tokens,
+                )
+            )
             which.append(i)
         for i, sampled in zip(which, runner.run(rows)):
             generated[i].append(sampled.token)

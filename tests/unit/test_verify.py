@@ -20,19 +20,46 @@ PROMPT = [5, 17, 99, 3, 250, 41, 41, 7, 300, 12, 5, 17]
 @pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])
 def runner(request) -> ModelRunner:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, initializer_range=0.3)
-    model = LoadedModel(hf_model=LlamaForCausalLM(config).eval(), hf_tokenizer=None, name="tiny",
-                        architecture="LlamaForCausalLM", eos_token_ids=(2,))
-    return ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=4 * PAGES, max_seq_len=512,
-                       allow_kernels=request.param)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )
+    model = LoadedModel(
+        hf_model=LlamaForCausalLM(config).eval(),
+        hf_tokenizer=None,
+        name="tiny",
+        architecture="LlamaForCausalLM",
+        eos_token_ids=(2,),
+    )
+    return ModelRunner(
+        model, torch.device("cpu"), torch.float32, num_pages=4 * PAGES, max_seq_len=512, allow_kernels=request.param
+    )
 
 
 def _prefill(runner, sampling, rng, slot: int) -> list[int]:
     pages = list(range(slot * PAGES, (slot + 1) * PAGES))
-    [first] = runner.run([Row(pages=pages, start=0, token_ids=PROMPT, sample=True, sampling=sampling, rng=rng,
-                              history=PROMPT, num_prompt=len(PROMPT), is_prompt=True)])
+    [first] = runner.run(
+        [
+            Row(
+                pages=pages,
+                start=0,
+                token_ids=PROMPT,
+                sample=True,
+                sampling=sampling,
+                rng=rng,
+                history=PROMPT,
+                num_prompt=len(PROMPT),
+                is_prompt=True,
+            )
+        ]
+    )
     return [first.token]
 
 
@@ -42,8 +69,20 @@ def _plain(runner, sampling, n: int) -> tuple[list[int], float]:
     pages = list(range(PAGES))
     while len(out) < n:
         seq = PROMPT + out
-        [s] = runner.run([Row(pages=pages, start=len(seq) - 1, token_ids=seq[-1:], sample=True, sampling=sampling,
-                              rng=rng, history=seq, num_prompt=len(PROMPT))])
+        [s] = runner.run(
+            [
+                Row(
+                    pages=pages,
+                    start=len(seq) - 1,
+                    token_ids=seq[-1:],
+                    sample=True,
+                    sampling=sampling,
+                    rng=rng,
+                    history=seq,
+                    num_prompt=len(PROMPT),
+                )
+            ]
+        )
         out.append(s.token)
     return out, torch.rand(1, generator=rng).item() if rng is not None else 0.0
 
@@ -56,13 +95,25 @@ def _speculative(runner, sampling, n: int, propose) -> tuple[list[int], float, i
     passes = 0
     while len(out) < n:
         seq = PROMPT + out
-        proposals = propose(len(out))[:n - len(out) - 1]
-        [s] = runner.run([Row(pages=pages, start=len(seq) - 1, token_ids=seq[-1:] + proposals, sample=True,
-                              sampling=sampling, rng=rng, history=seq, num_prompt=len(PROMPT),
-                              num_proposals=len(proposals))])
+        proposals = propose(len(out))[: n - len(out) - 1]
+        [s] = runner.run(
+            [
+                Row(
+                    pages=pages,
+                    start=len(seq) - 1,
+                    token_ids=seq[-1:] + proposals,
+                    sample=True,
+                    sampling=sampling,
+                    rng=rng,
+                    history=seq,
+                    num_prompt=len(PROMPT),
+                    num_proposals=len(proposals),
+                )
+            ]
+        )
         passes += 1
         kept = [s.token] + [t for t, _ in s.more]
-        assert kept[:-1] == proposals[:len(kept) - 1], "kept a token that is not its proposal"
+        assert kept[:-1] == proposals[: len(kept) - 1], "kept a token that is not its proposal"
         out += kept
     return out, torch.rand(1, generator=rng).item() if rng is not None else 0.0, passes
 
@@ -71,8 +122,14 @@ SAMPLINGS = {
     "greedy": Sampling(),
     "seeded": Sampling(temperature=1.0, seed=7),
     "truncated": Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3),
-    "penalised": Sampling(temperature=0.7, seed=11, repetition_penalty=1.3, presence_penalty=0.5,
-                          frequency_penalty=0.4, logit_bias=((41, 3.0),)),
+    "penalised": Sampling(
+        temperature=0.7,
+        seed=11,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.4,
+        logit_bias=((41, 3.0),),
+    ),
 }
 
 
@@ -81,9 +138,9 @@ def test_verified_rows_give_the_tokens_of_plain_steps(runner, name):
     sampling = SAMPLINGS[name]
     n = 24
     expected, next_draw = _plain(runner, sampling, n)
-    right = lambda i: expected[i:i + 4]  # noqa: E731
-    wrong = lambda i: [(t + 1) % 512 for t in expected[i:i + 4]]  # noqa: E731
-    half = lambda i: expected[i:i + 2] + [(t + 1) % 512 for t in expected[i + 2:i + 4]]  # noqa: E731
+    right = lambda i: expected[i : i + 4]  # noqa: E731
+    wrong = lambda i: [(t + 1) % 512 for t in expected[i : i + 4]]  # noqa: E731
+    half = lambda i: expected[i : i + 2] + [(t + 1) % 512 for t in expected[i + 2 : i + 4]]  # noqa: E731
     for propose in (right, wrong, half):
         tokens, draw, passes = _speculative(runner, sampling, n, propose)
         assert tokens == expected
@@ -98,8 +155,21 @@ def test_logprobs_of_kept_tokens_are_the_targets(runner):
     first = _prefill(runner, sampling, rng, 2)
     seq = PROMPT + first
     pages = list(range(2 * PAGES, 3 * PAGES))
-    [s] = runner.run([Row(pages=pages, start=len(seq) - 1, token_ids=seq[-1:] + expected[1:4], sample=True,
-                          sampling=sampling, rng=rng, history=seq, num_prompt=len(PROMPT), num_proposals=3)])
+    [s] = runner.run(
+        [
+            Row(
+                pages=pages,
+                start=len(seq) - 1,
+                token_ids=seq[-1:] + expected[1:4],
+                sample=True,
+                sampling=sampling,
+                rng=rng,
+                history=seq,
+                num_prompt=len(PROMPT),
+                num_proposals=3,
+            )
+        ]
+    )
     assert [s.token] + [t for t, _ in s.more] == expected[1:5]
-    for (token, logprob) in [(s.token, s.logprob), *s.more]:
+    for token, logprob in [(s.token, s.logprob), *s.more]:
         assert logprob.rank == 1 and len(logprob.top) == 2 and logprob.top[0][0] == token

@@ -51,8 +51,9 @@ class Faults:
                 return cls(where, int(value))
         except ValueError:
             pass
-        raise ValueError(f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms>, "
-                         "tokenize:<ms> or compile:<ms>")
+        raise ValueError(
+            f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms>, tokenize:<ms> or compile:<ms>"
+        )
 
     def runner(self, runner):
         return _FaultyRunner(runner, self) if self.where in ("pass", "thread", "delay") else runner

@@ -21,9 +21,17 @@ def perplexity(runner: ModelRunner, token_ids: Sequence[int], chunk: int = 512) 
     pages = list(range(-(-len(ids) // runner.page_size)))
     nll = 0.0
     for start in range(0, len(ids) - 1, chunk):
-        piece = ids[start:start + chunk]
-        row = Row(pages=pages, start=start, token_ids=piece, sample=False, sampling=Sampling(), rng=None,
-                  is_prompt=True, targets=ids[start + 1:start + len(piece) + 1])
+        piece = ids[start : start + chunk]
+        row = Row(
+            pages=pages,
+            start=start,
+            token_ids=piece,
+            sample=False,
+            sampling=Sampling(),
+            rng=None,
+            is_prompt=True,
+            targets=ids[start + 1 : start + len(piece) + 1],
+        )
         (scored,) = runner.run([row])
         nll -= sum(t.logprob for t in scored.targets)
     return math.exp(nll / (len(ids) - 1))

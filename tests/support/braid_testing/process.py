@@ -32,22 +32,34 @@ def free_port() -> int:
 class BraidProcess:
     """A running `braid serve`: `target` is its host:port, `proc` the process."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, log_path: Path | None = None,
-                 show_output: bool = False, host: str = "127.0.0.1", start_timeout: float = START_TIMEOUT_S,
-                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        show_output: bool = False,
+        host: str = "127.0.0.1",
+        start_timeout: float = START_TIMEOUT_S,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         """args: `braid serve` flags beyond --host and --port; log_path: where its output goes
         (default: nowhere, or this process's own output with show_output); channel_credentials: to
         health-check a TLS server."""
         self.port = free_port()
         self.target = f"{host}:{self.port}"
-        self.log = (open(log_path, "w") if log_path is not None else None if show_output else subprocess.DEVNULL)
+        self.log = open(log_path, "w") if log_path is not None else None if show_output else subprocess.DEVNULL
         env = {**os.environ, **(env or {})}
         command = [str(BRAID)]
         if env.get(FAULT_ENV):
             command = [sys.executable, "-m", "braid_testing.serve"]
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([*command, "serve", "--host", host, "--port", str(self.port), *args],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [*command, "serve", "--host", host, "--port", str(self.port), *args],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self._credentials = channel_credentials
         try:
             self._wait_serving(start_timeout)
@@ -61,15 +73,21 @@ class BraidProcess:
 
     def _wait_serving(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        channel = (grpc.secure_channel(self.target, self._credentials) if self._credentials is not None
-                   else grpc.insecure_channel(self.target))
+        channel = (
+            grpc.secure_channel(self.target, self._credentials)
+            if self._credentials is not None
+            else grpc.insecure_channel(self.target)
+        )
         with channel:
             check = health_pb2_grpc.HealthStub(channel).Check
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"braid serve exited with {self.proc.returncode}{self._last_words()}")
                 with contextlib.suppress(grpc.RpcError):
-                    if check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    if (
+                        check(health_pb2.HealthCheckRequest(), timeout=1).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    ):
                         return
                 time.sleep(0.2)
         raise TimeoutError(f"braid serve not healthy after {timeout:.0f} s")
