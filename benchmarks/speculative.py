@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one round, fewer prompts")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every server")
-    parser.add_argument("--speculative-tokens", type=int, default=4)
+    parser.add_argument("--speculative-tokens", type=int, default=8)
     parser.add_argument(
         "--systems",
         default="none,ngram,draft-random,draft-self",

@@ -119,7 +119,8 @@ def _speculative(runner, sampling, n: int, propose) -> tuple[list[int], float, i
 
 
 SAMPLINGS = {
-    "greedy": Sampling(),
+    "greedy": Sampling(),  # every position's argmax at once (sampler.verify's fast path)
+    "greedy, penalised": Sampling(repetition_penalty=1.3),  # position by position: the history grows
     "seeded": Sampling(temperature=1.0, seed=7),
     "truncated": Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3),
     "penalised": Sampling(

@@ -256,7 +256,7 @@ class SpeculationConfig:
         ),
     )
     speculative_tokens: int = field(
-        default=4, metadata=_opt(f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}")
+        default=8, metadata=_opt(f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}")
     )
     ngram_max: int = field(
         default=4, metadata=_opt("--speculative ngram: the longest run of last tokens looked up in the sequence so far")
