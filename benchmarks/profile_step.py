@@ -12,7 +12,7 @@ Python (scheduling, sessions, detokenizing, handing out tokens). The other threa
 gRPC edge (the asyncio loop: protobuf, grpc) and the rest. The shares are turned into milliseconds per
 step and per token with the step rate measured in the same window: N streams of long answers, so
 nearly every step is a decode step of N rows (a finished stream is sent again at once, and its
-prompt's prefill joins a pass: that pass runs layer by layer, the "prefill passes" bucket).
+prompt's prefill joins a pass, in the same one C call as the decode rows since every pass is one).
 
 The shares are samples, on a machine that may be shared: compare runs taken side by side.
 """
@@ -43,11 +43,11 @@ import workloads
 # Where the model thread's samples go, at Python level (the server, sampled without pausing it):
 # (bucket, frame fragments); a sample's bucket is the first here that one of its frames matches.
 SERVER_BUCKETS = [
-    ("layers (C: decode_step's matmuls, attention, norms)", ("DecodeStep.__call__",)),
+    ("layers (C: decode_step's matmuls, attention, norms; prompt chunks' rows too)", ("DecodeStep.__call__",)),
     ("LM head and final norm", ("_logits",)),
     ("embedding lookup", ("_embed",)),
-    ("decode pass, Python around the call", ("_decode_only",)),
-    ("prefill passes (a new stream's prompt: layer by layer, torch's attention)", ("Decoder.forward",)),
+    ("the pass's Python around the call", ("_one_call",)),
+    ("passes per op (torch's ops: no one C call)", ("Decoder.forward",)),
     ("sampling", ("sampler.py",)),
     ("batch building (runner)", ("ModelRunner._build", "rows.py")),
     ("runner, other", ("server/runner/",)),
