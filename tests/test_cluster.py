@@ -313,10 +313,17 @@ def test_a_rolling_restart_hands_streams_over_and_fails_no_call(cluster, record_
                 threads = [threading.Thread(target=run, args=(i,)) for i in range(len(STORIES))]
                 for thread in threads:
                     thread.start()
+                # SIGTERM once every story streams, or as soon as one is a quarter through: a story
+                # slow to start (its first try refused by a replica HAProxy has not yet seen go) must
+                # not let the others near their end, or those on this replica would end within the
+                # hand-over grace and none would be handed over (0 resumed, in loaded full runs)
                 wait_for(
                     lambda: (
                         len(generations) == len(outcomes) + len(STORIES)
-                        and all(g.token_ids for g in generations[-len(STORIES) :])
+                        and (
+                            all(g.token_ids for g in generations[-len(STORIES) :])
+                            or any(len(g.token_ids) >= 64 for g in generations[-len(STORIES) :])
+                        )
                     ),
                     timeout=30,
                 )
