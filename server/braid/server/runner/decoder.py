@@ -162,6 +162,7 @@ class Decoder:
         lora = batch.lora
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         tables = {kind: self.ops.rope_tables(cos, sin, batch.positions) for kind, (cos, sin) in self.rope.items()}
+        rows = batch.row_tables() if self.fused_attention else None  # once a pass, not once a layer
         x = self._embed(batch.input_ids)  # [N, hidden], the residual stream
         for i, w in enumerate(self.layers):
             h = self._norm(x, w.input_norm)
@@ -174,7 +175,7 @@ class Decoder:
             q = qkv[:, : heads * d].view(n, heads, d)
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
-            attn = self._attention(i, qkv, q, k, v, batch, cache)  # [N, H * D]
+            attn = self._attention(i, qkv, q, k, v, batch, cache, rows)  # [N, H * D]
             self._add_output(x, attn, w.o, w.attn_out_norm, lora, i, "o")
             h = self._norm(x, w.post_norm)
             gate_up = w.gate_up(h)
@@ -302,15 +303,17 @@ class Decoder:
         v: torch.Tensor,
         batch: ForwardBatch,
         cache: KVCache,
+        rows: tuple[torch.Tensor, bool] | None,
     ) -> torch.Tensor:
-        """q, k, v: [N, heads, D] views of qkv [N, (H + 2 KVH) D], after RoPE. Keys and values are
+        """q, k, v: [N, heads, D] views of qkv [N, (H + 2 KVH) D], after RoPE; rows: the pass's
+        batch.row_tables() where braid's C attention runs, else None. Keys and values are
         written into the pages first, and attention always reads them back from there, so a prefix
         read from the cache and one just computed are the same numbers (in the cache's dtype)."""
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [pages, KVH, P, D]
         n, d = q.shape[0], self.head_dim
         out = torch.empty(n, self.num_heads * d, dtype=q.dtype, device=q.device)
-        if self.fused_attention:  # braid's C attention, every row by itself (batch.row_tables)
-            tables, shared = batch.row_tables()
+        if rows is not None:  # braid's C attention, every row by itself (batch.row_tables)
+            tables, shared = rows
             if shared:  # rows read each other's keys: all written first
                 self._write_keys(k, v, batch.kv_index, k_cache, v_cache)
             decode_attention(
