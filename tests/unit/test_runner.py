@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from braid.server.model.loader import LoadedModel
+from braid.server.runner.kernels import step as kernel_step
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
@@ -247,7 +248,9 @@ def test_rows_with_adapters_and_without_share_a_pass_and_an_unloaded_adapter_is_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_layer_by_layer(runner, tmp_path, dtype):
+def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_layer_by_layer(
+    runner, tmp_path, dtype, monkeypatch
+):
     """A decode pass with rows of two adapters (q and v, not k: modules apart in the fused q/k/v)
     and of none: on braid's kernels the one C call adds each row's delta itself; its logits are
     the layer-by-layer path's, and each row's are those it gets alone. Adapters saved in bf16 (their
@@ -300,6 +303,10 @@ def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_l
     order = sorted(range(len(adapters)), key=lambda i: adapters[i])  # _build groups rows by adapter
     for k, i in enumerate(order):
         assert torch.allclose(one_call[k], _logits(runner, decode([i]))[0], atol=1e-4), (i, adapters[i])
+    if runner.decoder.one_call:  # x A^T shared out among the threads or done by each: the same bits
+        for alone in (0, 1 << 40):
+            monkeypatch.setattr(kernel_step, "LORA_ALONE_MACS", alone)
+            assert torch.equal(_logits(runner, decode([0, 1, 2, 3])), one_call), alone
     runner.unload_adapter(301)
     runner.unload_adapter(302)
 
@@ -310,3 +317,24 @@ def test_an_adapter_for_another_model_is_refused_naming_the_tensor(runner, tmp_p
     with pytest.raises(ValueError, match="r=16 is past --max-lora-rank 8"):
         runner.load_adapter(202, "y", str(_peft_folder(tmp_path / "y", 16)), 8)
     assert runner._adapters == {}
+
+
+def test_an_fp32_adapter_is_read_in_bf16_only_where_the_bases_rows_are_rounded_too(runner, tmp_path, monkeypatch):
+    """On fp32 rows an fp32 adapter keeps its every value (its tokens are PEFT's); where the base's
+    rows are rounded (--activations int8 or bf16), it is rounded to bf16, half the bytes to read,
+    and every path reads the rounded values."""
+    folder = str(_peft_folder(tmp_path / "a", 8, seed=5))
+    assert runner.activations == "float32"
+    runner.load_adapter(401, "exact", folder, 64)
+    monkeypatch.setattr(runner, "activations", "int8")
+    runner.load_adapter(402, "rounded", folder, 64)
+    exact, rounded = runner._adapters[401], runner._adapters[402]
+    assert (exact.bf16, rounded.bf16) == (False, True)
+    for group, stack in rounded.layers[0].items():
+        matrices = [stack.at, *(part[4] for part in stack.parts)]
+        originals = [exact.layers[0][group].at, *(part[4] for part in exact.layers[0][group].parts)]
+        for matrix, original in zip(matrices, originals):
+            assert torch.equal(matrix, original.to(torch.bfloat16).to(matrix.dtype)), group
+            assert not torch.equal(matrix, original), group
+    runner.unload_adapter(401)
+    runner.unload_adapter(402)

@@ -22,7 +22,7 @@ but multiplies every token by every adapter: measured slower from 4 adapters at 
 A pass with prompt chunks, or on torch's ops, runs these as torch matmuls. A decode-only pass on
 braid's C kernels keeps its one C call (csrc/decode_step.c): each adapter's `table` points that call
 at its matrices (in bf16 where every value is a bf16 one: half the bytes), the threads share out
-x A^T (one barrier per group targeted), and every row's delta is added panel by panel by the thread
+x A^T (one barrier per group targeted) or, for a few rows, each does it all itself, and every row's delta is added panel by panel by the thread
 that computed the panel, with no call or thread wake-up of its own (two torch matmuls per run and
 group cost more than the arithmetic: docs/benchmarks.md).
 """
@@ -100,9 +100,11 @@ def read_peft(
     max_rank: int,
     dtype: torch.dtype,
     device: torch.device,
+    round_bf16: bool = False,
 ) -> Adapter:
     """A PEFT adapter folder, checked against the base model's projections. Raises ValueError with
-    one line naming the file, setting or tensor at fault."""
+    one line naming the file, setting or tensor at fault. round_bf16: round A and B times the scale
+    to bf16 values (where the base's rows are rounded too: --activations int8 or bf16)."""
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -169,8 +171,14 @@ def read_peft(
     )
     # the C step reads an adapter whose every value (B's times the scale) is a bf16 one in bf16: the
     # same values in half the bytes, and bytes are most of what the deltas cost (docs/benchmarks.md).
-    # An adapter saved in bf16 is so where its scale is a power of two; one in fp32 is not, and is not
-    # rounded: its tokens are PEFT's in fp32 (tests/test_lora.py), bf16 would move them
+    # An adapter saved in bf16 is so where its scale is a power of two. One in fp32 is rounded to bf16
+    # only where the base model's rows are rounded anyway (int8 or bf16 rows: --activations), whose
+    # error is far larger than a delta's relative 2^-9; on fp32 rows it stays fp32, and its tokens
+    # are PEFT's (tests/test_lora.py). Every path (torch's matmuls, the C step) reads the same values.
+    if round_bf16:
+        for matrices in (a, b):
+            for key, value in matrices.items():
+                matrices[key] = value.to(torch.bfloat16).to(torch.float32)
     bf16 = all(torch.equal(v, v.to(torch.bfloat16).to(torch.float32)) for v in (*a.values(), *b.values()))
     return Adapter(info, [_stack(layer, a, b, targets, dtype) for layer in range(num_layers)], bf16)
 

@@ -199,17 +199,25 @@ class ModelRunner:
         if not isinstance(self.decoder, Decoder):
             raise ValueError("LoRA adapters need braid's native decoder; this model runs through transformers")
         adapter = read_peft(
-            path, name, self.decoder.lora_targets, self.decoder.num_layers, max_rank, self.dtype, self.device
+            path,
+            name,
+            self.decoder.lora_targets,
+            self.decoder.num_layers,
+            max_rank,
+            self.dtype,
+            self.device,
+            round_bf16=self.activations != "float32",
         )
         self._adapters = {**self._adapters, adapter_id: adapter}
         _LOGGER.info(
-            "LoRA adapter %s loaded from %s: rank %d, scale %g, %s; %.1f MB",
+            "LoRA adapter %s loaded from %s: rank %d, scale %g, %s; %.1f MB, read in %s",
             name,
             path,
             adapter.info.rank,
             adapter.info.scale,
             ", ".join(adapter.info.target_modules),
             adapter.nbytes / 1e6,
+            "bf16" if adapter.bf16 else "fp32",
         )
         return adapter.info
 

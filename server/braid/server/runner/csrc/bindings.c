@@ -158,14 +158,15 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
 }
 
 static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    arg_t a[28];
-    if (parse(args, nargs, "llllllllllfffppplpppppplppll", a) || selected()) return NULL;
+    arg_t a[29];
+    if (parse(args, nargs, "llllllllllfffppplpppppplpplll", a) || selected()) return NULL;
     step_t s = {.B = a[0].l, .hidden = a[1].l, .H = a[2].l, .KVH = a[3].l, .D = a[4].l, .I = a[5].l,
                 .layers = a[6].l, .page_size = a[7].l, .kv_fmt = (int)a[8].l, .activation = (int)a[9].l,
                 .eps = (float)a[10].f, .scale = (float)a[11].f, .softcap = (float)a[12].f, .table = a[13].p,
                 .positions = a[14].p, .tables = a[15].p, .table_stride = a[16].l, .x = a[17].p, .h = a[18].p,
                 .qkv = a[19].p, .attn = a[20].p, .gate_up = a[21].p, .act = a[22].p, .threads = (int)a[23].l,
-                .lora_rows = a[24].p, .lora_tables = a[25].p, .lora_cols = a[26].l, .shared = (int)a[27].l};
+                .lora_rows = a[24].p, .lora_tables = a[25].p, .lora_cols = a[26].l, .shared = (int)a[27].l,
+                .lora_alone = a[28].l};
     if (s.B < 1 || check_paging(s.H, s.KVH, s.D, s.page_size, s.kv_fmt, "decode_step")) return NULL;
     if (s.activation < 0 || s.activation >= A_ACTIVATIONS) {
         PyErr_Format(PyExc_ValueError, "decode_step: unknown activation %d", s.activation);
@@ -252,7 +253,7 @@ static PyMethodDef METHODS[] = {
     {"decode_step", (PyCFunction)(void (*)(void))py_decode_step, METH_FASTCALL,
      "decode_step(B, hidden, H, KVH, D, I, layers, page_size, kv_fmt, activation, eps, scale, softcap, table, "
      "positions, tables, table_stride, x, h, qkv, attn, gate_up, act, threads, lora_rows, lora_tables, lora_cols, "
-     "shared): every layer of a pass, with its rows' LoRA deltas (lora_rows None: none); shared: whether rows "
+     "shared, lora_alone): every layer of a pass, with its rows' LoRA deltas (lora_rows None: none); shared: whether rows "
      "read each other's keys"},
     {"isas", py_isas, METH_NOARGS, "the instruction sets this CPU runs the kernels in, best first"},
     {"select_isa", py_select_isa, METH_O, "select_isa(name): run the kernels built for that instruction set"},

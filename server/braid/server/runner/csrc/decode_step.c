@@ -13,9 +13,11 @@
 /* A thread's own scratch: the normed rows h [B, hidden], the gated activations act [B, I], what a
  * matmul computes from its rows first (int8 or bf16 rows, or the block sums of fp32 ones), room for
  * the rows' LoRA products x A^T [B, lora_cols], and the LoRA runs: where the rows of each run of one
- * adapter (up to 4) begin [B + 1]. lora_shared: the one thread's lora every thread reads (lora_down). */
+ * adapter (up to 4) begin [B + 1]. lora_shared: the one thread's lora every thread reads (lora_down);
+ * lora_own: this thread's own copy, where lora_down is cheaper done twice than met at a barrier;
+ * lora_u: which of the two the up half of the current matmul reads. */
 typedef struct {
-    float *h, *act, *sums, *lora, *lora_shared;
+    float *h, *act, *sums, *lora, *lora_shared, *lora_own, *lora_u;
     long *runs;
     qrows_t q;
     brows_t b;
@@ -26,10 +28,11 @@ static int alloc_scratch(scratch_t *t, long B, long hidden, long I, long kmax, l
     t->act = malloc(sizeof(float) * B * I);
     t->sums = malloc(sizeof(float) * B * (kmax / QBLOCK + 1));
     t->lora = malloc(sizeof(float) * B * (lora_cols > 0 ? lora_cols : 1));
-    t->lora_shared = NULL;
+    t->lora_own = malloc(sizeof(float) * B * (lora_cols > 0 ? lora_cols : 1));
+    t->lora_shared = t->lora_u = NULL;
     t->runs = malloc(sizeof(long) * (B + 1));
     const int failed = alloc_qrows(B, kmax, &t->q) | alloc_brows(B, kmax, &t->b);
-    return failed || !t->h || !t->act || !t->sums || !t->lora || !t->runs ? -1 : 0;
+    return failed || !t->h || !t->act || !t->sums || !t->lora || !t->lora_own || !t->runs ? -1 : 0;
 }
 
 static void free_scratch(scratch_t *t) {
@@ -37,6 +40,7 @@ static void free_scratch(scratch_t *t) {
     free(t->act);
     free(t->sums);
     free(t->lora);
+    free(t->lora_own);
     free(t->runs);
     free_qrows(&t->q);
     free(t->b.x);
@@ -102,45 +106,62 @@ static int same_adapter(const step_t *s, long b, long layer, int group, const in
     return n;
 }
 
-/* The first half of every row's LoRA delta, shared out among the threads: lora[b] = x[b] A^T, into
- * one thread's scratch that they all read (published once a pass), an item per run of rows of one
+/* The first half of every row's LoRA delta: lora[b] = x[b] A^T, an item per run of rows of one
  * adapter (up to 4: the runner packs an adapter's rows together, and A^T is read once for them) and
- * block of DOWN_VECS vectors of its columns; the items' end is a barrier, which the up half needs.
- * Each value is summed by the same code in the same order whichever thread takes its item and
- * however the rows fall into runs: a row's is the same alone, in any pass, on any threads. (Every
- * thread doing every row into its own scratch costs no barrier but does it all twice on 2 threads:
- * at 16 rows over 4 bf16 adapters its best pass was 0.73x the base's, this one's 0.78x, on a loaded
- * machine: docs/benchmarks.md.) */
+ * block of DOWN_VECS vectors of its columns. Each value is summed by the same code in the same order
+ * whichever thread takes its item and however the rows fall into runs: a row's is the same alone, in
+ * any pass, on any threads.
+ *
+ * Where the items hold more than s->lora_alone multiply-adds in all, the threads share them out into
+ * one thread's scratch that they all read (published once a pass), and the items' end is a barrier,
+ * which the up half needs. Below it, every thread does every item into its own scratch: a few
+ * rows' products take a microsecond or two, less than the barrier (and the wait for the slowest
+ * thread) they would otherwise cost, four matmuls a layer. (Every thread doing every row at 16 rows
+ * over 4 bf16 adapters: its best pass was 0.73x the base's, the shared one's 0.78x, on a loaded
+ * machine: docs/benchmarks.md. One row over every projection, the shared one cost 120 barriers a
+ * pass of the embedded model.) */
 #define DOWN_VECS 2
+static inline void down_item(const step_t *s, scratch_t *t, long layer, int group, const float *x, long ldx,
+                             long K, long item, long blocks, float *into) {
+    const long b = t->runs[item / blocks], c0 = item % blocks * DOWN_VECS * VEC, ldu = s->lora_cols;
+    const int64_t *f;
+    const int n = same_adapter(s, b, layer, group, &f);
+    const long cols = f[L_COLS], lda = (cols + 15) & ~15L, left = (cols - c0 + VEC - 1) / VEC;
+    if (c0 >= cols) return;
+    const void *at = (const void *)(intptr_t)f[L_AT];
+    const float *xb = x + b * ldx;
+    float *u = into + b * ldu;
+    WITH_BF16(f, BF, WITH_1_TO_4(n, ROWS, WITH_1_TO_4(left < DOWN_VECS ? left : DOWN_VECS, VECS,
+                                                      down_rows(xb, ldx, K, at, lda, cols, c0, u, ldu, ROWS, VECS, BF))));
+}
+
 static void lora_down(const step_t *s, scratch_t *t, long layer, int group, const float *x, long ldx, long K) {
-    long runs = 0;
+    long runs = 0, work = 0;
     for (long b = 0; b < s->B;) {
         const int64_t *f;
         const int n = same_adapter(s, b, layer, group, &f);
-        if (n) t->runs[runs++] = b;
+        if (n) {
+            t->runs[runs++] = b;
+            work += n * K * f[L_COLS];
+        }
         b += n ? n : 1;
     }
     if (!runs) return; /* every thread sees the same: none reaches the barrier */
+    const long blocks = (s->lora_cols + DOWN_VECS * VEC - 1) / (DOWN_VECS * VEC);
+    if (work <= s->lora_alone) {
+        for (long item = 0; item < runs * blocks; item++) down_item(s, t, layer, group, x, ldx, K, item, blocks, t->lora_own);
+        t->lora_u = t->lora_own;
+        return;
+    }
     if (!t->lora_shared) {
         float *shared;
 #pragma omp single copyprivate(shared)
         shared = t->lora;
         t->lora_shared = shared;
     }
-    const long ldu = s->lora_cols, blocks = (ldu + DOWN_VECS * VEC - 1) / (DOWN_VECS * VEC);
 #pragma omp for schedule(static)
-    for (long item = 0; item < runs * blocks; item++) {
-        const long b = t->runs[item / blocks], c0 = item % blocks * DOWN_VECS * VEC;
-        const int64_t *f;
-        const int n = same_adapter(s, b, layer, group, &f);
-        const long cols = f[L_COLS], lda = (cols + 15) & ~15L, left = (cols - c0 + VEC - 1) / VEC;
-        if (c0 >= cols) continue;
-        const void *at = (const void *)(intptr_t)f[L_AT];
-        const float *xb = x + b * ldx;
-        float *u = t->lora_shared + b * ldu;
-        WITH_BF16(f, BF, WITH_1_TO_4(n, ROWS, WITH_1_TO_4(left < DOWN_VECS ? left : DOWN_VECS, VECS,
-                                                          down_rows(xb, ldx, K, at, lda, cols, c0, u, ldu, ROWS, VECS, BF))));
-    }
+    for (long item = 0; item < runs * blocks; item++) down_item(s, t, layer, group, x, ldx, K, item, blocks, t->lora_shared);
+    t->lora_u = t->lora_shared;
 }
 #undef DOWN_VECS
 
@@ -186,7 +207,7 @@ static void lora_up(const step_t *s, const scratch_t *t, long layer, int group, 
             const long begin = part[1], lo = c0 > begin ? c0 : begin, hi = c1 < part[2] ? c1 : part[2];
             if (!part[0] || lo >= hi) continue;
             const long offset = (p - begin / PANEL) * rank * PANEL;
-            const float *u = t->lora_shared + b * ldu + m * rank;
+            const float *u = t->lora_u + b * ldu + m * rank;
             WITH_BF16(f, BF, WITH_1_TO_4(n, ROWS, up_rows(u, ldu, (const char *)(intptr_t)part[0] + offset * (BF ? 2 : 4),
                                                           rank, yb, ldy, c0, lo, hi, ROWS, BF)));
         }

@@ -137,9 +137,10 @@ typedef struct {
     int shared;
     /* LoRA: lora_rows [B], each row's adapter as an index into lora_tables (-1: none; NULL: no row
      * has one); lora_tables: pointers to each adapter's table [layers, L_GROUPS, L_FIELDS];
-     * lora_cols: the most COLS of any of them */
+     * lora_cols: the most COLS of any of them; lora_alone: the most multiply-adds a matmul's x A^T
+     * may take for every thread to do it all itself rather than share it out (decode_step.c) */
     const int64_t *lora_rows, *lora_tables;
-    long lora_cols;
+    long lora_cols, lora_alone;
 } step_t;
 
 /* One instruction set's build of every kernel (isa_avx512.c, isa_avx2.c). */

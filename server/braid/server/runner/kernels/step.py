@@ -6,6 +6,10 @@ import torch
 
 from braid.server.runner.kernels.extension import ACTIVATIONS, FORMAT_CODES, LAYER_FIELDS, _cpu_kernels
 
+# Up to this many multiply-adds, a matmul's LoRA x A^T is done by every thread for every row itself
+# instead of shared out and met at a barrier (decode_step.c, lora_down): one row's rank-16 products
+# over a projection group of the embedded model are 9k-28k, 16 rows' over 4 adapters 147k-442k.
+LORA_ALONE_MACS = 1 << 17
 KV_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # a KV cache's dtypes, in C
 
 
@@ -173,4 +177,5 @@ class DecodeStep:
             torch.get_num_threads(),
             *((lora[0].data_ptr(), lora[1].data_ptr(), lora[2]) if lora else (None, None, 0)),
             int(shared),
+            LORA_ALONE_MACS,
         )
