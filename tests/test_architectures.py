@@ -267,6 +267,12 @@ def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner)
         assert chosen == pytest.approx(expected.tolist(), abs=1e-3)
 
 
+# One GGUF file goes through a real server (conversion at start, Tokenize, Stream, ModelInfo); the
+# other cases check the same thing in this process, on the same loader and runner a server builds,
+# without a server's start each (issue 27's test tiers).
+SERVED_GGUF_CASE = "qwen3-yarn"
+
+
 @pytest.mark.parametrize("case", ["qwen3", "phi3", "gemma2", "gemma3", "gpt2", *GGUF_CASES])
 def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, case):
     """A GGUF file as llama.cpp's converter writes it: braid's decoder serves its matrices in their
@@ -278,24 +284,60 @@ def test_a_gguf_file_generates_the_tokens_transformers_does_from_it(tmp_path, ca
     model, vocab = _tiny_for_gguf(kind, **GGUF_CONFIG.get(kind, {}) | config)
     path = write_gguf(model, tmp_path / f"{kind}.gguf", vocab, layer_formats=formats)
     # float32 rows: transformers' rule (by default a quantized matrix multiplies int8 rows)
-    server = _serve(path, "--cache-dir", str(tmp_path), "--activations", "float32")  # stopped here
-    try:
-        with server.client() as client:
-            info = client.model_info()
-        logprobs: list[list[float]] = []
-        greedy = asyncio.run(_greedy_all(server.target, GGUF_PROMPTS, logprobs=logprobs))
-    finally:
-        server.stop()
-    assert info.runner == runner and info.activations == "float32"
-    if runner == "braid":  # each matrix in its block format, each norm and bias in f32
-        assert dict(info.weight_formats) == _formats_in(path)
+    if case == SERVED_GGUF_CASE:
+        server = _serve(path, "--cache-dir", str(tmp_path), "--activations", "float32")  # stopped here
+        try:
+            with server.client() as client:
+                info = client.model_info()
+            logprobs: list[list[float]] = []
+            greedy = asyncio.run(_greedy_all(server.target, GGUF_PROMPTS, logprobs=logprobs))
+        finally:
+            server.stop()
+        served_by, activations, weight_formats = info.runner, info.activations, dict(info.weight_formats)
     else:
-        assert set(info.weight_formats) == {"f32"}  # dequantized, as transformers loads them
+        served_by, activations, weight_formats, greedy, logprobs = _greedy_in_process(path, tmp_path, GGUF_PROMPTS)
+    assert served_by == runner and activations == "float32"
+    if runner == "braid":  # each matrix in its block format, each norm and bias in f32
+        assert weight_formats == _formats_in(path)
+    else:
+        assert set(weight_formats) == {"f32"}  # dequantized, as transformers loads them
     reference, tokenizer = _gguf_reference(path, model.config)
     for prompt, (prompt_ids, generated), chosen in zip(GGUF_PROMPTS, greedy, logprobs):
         assert prompt_ids == tokenizer(prompt).input_ids
         assert len(generated) == 12
         _assert_greedy_on(reference, prompt_ids, generated, chosen)
+
+
+def _greedy_in_process(path: Path, cache_dir: Path, prompts: list[str], n: int = 12):
+    """What `braid serve --model path --cache-dir cache_dir --activations float32` says of the
+    file and generates greedily, on the loader, tokenizer and runner it builds, in this process:
+    (runner path, activations, weight formats, [(prompt ids, generated ids)], [their logprobs])."""
+    import torch
+
+    from braid.server.engine.tokenizer import Tokenizer
+    from braid.server.model.loader import load
+    from braid.server.runner.model_runner import ModelRunner
+    from braid.server.runner.rows import Row, Sampling
+
+    loaded = load(str(path), cache_dir)
+    runner = ModelRunner(
+        loaded, torch.device("cpu"), torch.float32, num_pages=16, max_seq_len=64, activations="float32"
+    )
+    tokenizer, sampling = Tokenizer(loaded.hf_tokenizer, loaded.eos_token_ids), Sampling(logprobs=0)
+    greedy, logprobs = [], []
+    for prompt in prompts:
+        prompt_ids, generated, chosen = tokenizer.encode(prompt, ()), [], []
+        pages = list(range(-(-(len(prompt_ids) + n) // runner.page_size)))
+        row = Row(pages=pages, start=0, token_ids=prompt_ids, sample=True, sampling=sampling, rng=None, is_prompt=True)
+        for _ in range(n):
+            (sampled,) = runner.run([row])
+            generated.append(sampled.token)
+            chosen.append(sampled.logprob.logprob)
+            start = len(prompt_ids) + len(generated) - 1
+            row = Row(pages=pages, start=start, token_ids=[sampled.token], sample=True, sampling=sampling, rng=None)
+        greedy.append((prompt_ids, generated))
+        logprobs.append(chosen)
+    return runner.path, runner.activations, dict(runner.weight_formats), greedy, logprobs
 
 
 def _formats_in(path: Path) -> dict[str, int]:
