@@ -12,7 +12,7 @@ import pytest
 
 from braid.server.config import EngineConfig, SettingError
 from braid.server.engine.scheduler import SPECULATION_PASS_TOKENS
-from braid.server.engine.speculation import NgramProposer, Speculator
+from braid.server.engine.speculation import DraftProposer, NgramProposer, Speculator
 from braid.server.engine.types import FinishReason
 from engine_fakes import Harness, ScriptedRunner
 
@@ -54,17 +54,35 @@ def _generate(h: Harness, prompts: list[str], **params) -> list[list[int]]:
 
 def test_the_proposer_copies_what_followed_the_latest_earlier_match():
     proposer = NgramProposer(1, 3)
-    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest, not the first
-    assert proposer.propose([5, 6, 1, 2, 4, 2, 7, 1, 2], 3) == [4, 2, 7]  # the longest suffix: (1, 2), not (2,)
-    assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert proposer.propose([1, 2, 1], 8) == [2, 1]  # what followed, up to the end
-    assert NgramProposer(2, 3).propose([5, 1, 7, 1], 2) == []  # one token matching is below --ngram-min 2
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == ([7, 8], 7)  # the latest, not the first
+    assert proposer.propose([5, 6, 1, 2, 4, 2, 7, 1, 2], 3) == ([4, 2, 7], 4)  # the longest suffix: (1, 2), not (2,)
+    assert proposer.propose([1, 2, 3, 4], 3) == ([], -1)  # nothing repeats
+    assert proposer.propose([1, 2, 1], 8) == ([2, 1], 1)  # what followed, up to the end
+    assert NgramProposer(2, 3).propose([5, 1, 7, 1], 2) == ([], -1)  # one token matching is below --ngram-min 2
 
 
 def test_the_proposer_matches_whole_tokens_only():
     # 256 and 1 share bytes across a token boundary in the packed array: no false match
-    assert NgramProposer(1, 1).propose([1, 256, 0, 0, 7, 1], 2) == [256, 0]
-    assert NgramProposer(2, 2).propose([0, 1, 0, 0, 1, 5, 0, 1], 2) == [5, 0]
+    assert NgramProposer(1, 1).propose([1, 256, 0, 0, 7, 1], 2) == ([256, 0], 1)
+    assert NgramProposer(2, 2).propose([0, 1, 0, 0, 1, 5, 0, 1], 2) == ([5, 0], 5)
+    assert NgramProposer(2, 2).propose([0, 1, 0, 0, 1, 5, 0, 1], 2, copy_at=0) == ([0, 0], 2)
+
+
+def test_a_copy_goes_on_from_its_copy_point():
+    proposer = NgramProposer(2, 3)
+    # the passage holds "a b" twice (indices 0 and 6), and the output, copying from the start, has
+    # just written "a b" again: the match nearest after its copy point, not the latest
+    passage = [1, 2, 30, 3, 4, 5, 1, 2, 40, 6, 7]
+    tokens = [*passage, 9, 1, 2]
+    assert proposer.propose(tokens, 3) == ([40, 6, 7], 8)  # no copy point: the latest match
+    assert proposer.propose(tokens, 3, copy_at=0) == ([30, 3, 4], 2)
+    # a changed word ("rose" for "rises"): no run of two tokens matches, the last token alone
+    # does just after the copy point, and the copy goes on
+    passage = [20, 21, 22, 23, 24, 25]
+    tokens = passage + [20, 21, 99, 23]
+    assert proposer.propose(tokens, 2) == ([], -1)
+    assert proposer.propose(tokens, 2, copy_at=8) == ([], -1)  # past NEAR_COPY of any match
+    assert proposer.propose(tokens, 2, copy_at=2) == ([24, 25], 4)
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -107,26 +125,31 @@ def test_rejected_proposals_change_no_token_and_free_their_pages(harness):
     assert finished.proposed_tokens > 2 * finished.accepted_tokens, finished
 
 
-def test_a_session_whose_proposals_miss_rests_longer_each_time():
-    speculator = Speculator(NgramProposer(1, 3), 8, 512)
-    session = SimpleNamespace(num_proposed=0, num_accepted=0, misses=0, rest=0, window=0)
-    rests = []
-    for _ in range(8):
-        speculator.verified(session, 4, 0)
-        rests.append(session.rest)
-    assert rests == [1, 2, 4, 8, 16, 32, 32, 32]
-    speculator.verified(session, 4, 1)
-    assert (session.misses, session.num_proposed, session.num_accepted) == (0, 36, 1)
+def test_a_draft_session_whose_proposals_miss_rests_longer_each_time_and_an_ngram_one_never():
+    draft = Speculator(DraftProposer.__new__(DraftProposer), 8, 512)  # verified() needs no runner
+    ngram = Speculator(NgramProposer(1, 3), 8, 512)
+    for speculator, expected in ((draft, [1, 2, 4, 8, 16, 32, 32, 32]), (ngram, [0] * 8)):
+        session = SimpleNamespace(num_proposed=0, num_accepted=0, misses=0, rest=0, window=0, copy_at=None)
+        rests = []
+        for _ in range(8):
+            speculator.verified(session, 4, 0)
+            rests.append(session.rest)
+        assert rests == expected
+        speculator.verified(session, 4, 1)
+        assert (session.misses, session.num_proposed, session.num_accepted) == (0, 36, 1)
 
 
 def test_the_window_shrinks_after_a_rejection_and_doubles_after_a_full_acceptance():
     speculator = Speculator(NgramProposer(1, 3), 8, 512)
-    session = SimpleNamespace(num_proposed=0, num_accepted=0, misses=0, rest=0, window=0)
-    windows = []
-    for proposed, accepted in ((8, 2), (3, 3), (6, 6), (8, 8), (8, 0), (1, 1)):
+    session = SimpleNamespace(num_proposed=0, num_accepted=0, misses=0, rest=0, window=0, copy_at=3)
+    windows, copy_points = [], []
+    for proposed, accepted in ((8, 2), (3, 3), (6, 6), (8, 8), (8, 0), (2, 1)):
         speculator.verified(session, proposed, accepted)
         windows.append(session.window)
-    assert windows == [3, 6, 8, 8, 1, 2]
+        copy_points.append(session.copy_at)
+    assert windows == [3, 6, 8, 8, 2, 2]  # never below 2 after a rejection
+    assert copy_points == [6, 10, 17, 26, 27, 29]  # on past what was accepted and the token after
+    assert Speculator(NgramProposer(1, 3), 1, 512).verified(session, 1, 0) is None and session.window == 1
 
 
 def test_no_page_holding_a_rejected_token_is_named_for_the_prefix_cache(harness):

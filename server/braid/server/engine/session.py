@@ -59,6 +59,7 @@ class Session:
     misses: int = 0  # verifications in a row that confirmed no proposal
     window: int = 0  # the most it proposes next (0: --speculative-tokens)
     rest: int = 0
+    copy_at: int | None = None  # the n-gram's copy point: where in token_ids its next proposal would start
 
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens

@@ -6,19 +6,28 @@ transforms, one random draw per token), keeping proposals while each equals what
 (runner/model_runner.py, `_verify`). So the tokens are those of plain decoding, greedy or seeded;
 speculation only decides how many one pass yields.
 
-The n-gram proposer (prompt lookup, as vLLM's ngram_proposer and llama.cpp's lookup): find the
-latest earlier place where the session's last n tokens occurred, in its prompt or its output, and
-propose the tokens that followed there. It needs no second model and wins where the output copies
-the input: edits, extraction, code, answers quoting a passage.
+The n-gram proposer (prompt lookup, as vLLM's ngram_proposer and llama.cpp's lookup): find an
+earlier place where the session's last n tokens occurred, in its prompt or its output, and propose
+the tokens that followed there. It needs no second model and wins where the output copies the
+input: edits, extraction, code, answers quoting a passage. Which place: a copy goes on from where
+the last one left off, so the place nearest after the session's copy point (where its last
+proposals came from, moved on by what was accepted) goes first, then the latest anywhere; and where
+no run of --ngram-min tokens matches, the last token alone matching just after the copy point (a
+word the output changed, then the passage again: "rises" -> "rose", " in the hills").
 
 A session proposes only where every proposed position would be sampled as plain decoding samples
 it with the same bans: not while min_new_tokens still bans the end, and not with bad_words (whose
 bans depend on the tokens before each position). A constraint's matcher cuts proposals it forbids.
 A session proposes at most its *window* of tokens: --speculative-tokens at first, one more than it
-last had confirmed after a rejection, doubled after a verification that confirmed them all, so a
-long copy gets long proposals and paraphrase gets short ones (each rejected proposal is a row of
-the pass spent for nothing). A verification that confirms nothing rests the session's proposals
-for 1, 2, 4 ... 32 steps.
+last had confirmed (at least 2) after a rejection, doubled after a verification that confirmed them
+all, so a long copy gets long proposals and paraphrase gets short ones (each rejected proposal is a
+row of the pass spent for nothing). With a draft model, a verification that confirms nothing also
+rests the session's proposals for 1, 2, 4 ... 32 steps: a draft's proposals cost a draft pass. An
+n-gram's cost only their rows, and where the output copies its input again after a change, the
+very next lookup is the likeliest to hit, so an n-gram session never rests. (Replaying the
+copy-heavy benchmark's greedy outputs through both rules, with a pass's measured cost per proposal
+row: the copy point, the 2-token window floor and no rest for the n-gram each gave 3-4% more output
+tokens per second, together 9%; docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -39,26 +48,54 @@ GREEDY = Sampling()  # the draft proposes its most likely tokens
 MAX_REST = 32  # steps a session that keeps missing waits between tries
 
 
+NEAR_COPY = 4  # tokens after the copy point where the last token alone may match
+
+
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
-        `tokens` (max_n down to min_n tokens) that occurred before; [] if none did."""
-        if k <= 0 or len(tokens) < self.min_n + 1:
-            return []
+    def propose(self, tokens: Sequence[int], k: int, copy_at: int | None = None) -> tuple[list[int], int]:
+        """Up to k tokens that followed an earlier occurrence of the longest suffix of `tokens`
+        (max_n down to min_n tokens) that occurred before: the one ending nearest at or after
+        `copy_at` (an index into tokens), else the latest; else, the last token alone within
+        NEAR_COPY tokens after copy_at. Returns them and the index in tokens of the first; ([], -1)
+        if nothing matched."""
+        if k <= 0 or len(tokens) < 2:
+            return [], -1
         packed = array("i", tokens)
-        data, size = packed.tobytes(), packed.itemsize  # searched by bytes.rfind, in C
+        data, size = packed.tobytes(), packed.itemsize  # searched by bytes.find and rfind, in C
+        end = len(data) - size  # a match must end before the last token
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             suffix = data[-n * size :]
-            end = len(data) - size  # a match must end before the last token
-            while (at := data.rfind(suffix, 0, end)) >= 0:
-                if at % size == 0:
-                    follow = at // size + n
-                    return list(tokens[follow : follow + k])
-                end = at + len(suffix) - 1  # a match across token boundaries: look further back
-        return []
+            at = -1
+            if copy_at is not None:
+                at = _find(data, suffix, max(0, copy_at - n) * size, end, size)
+            if at < 0:
+                at = _rfind(data, suffix, end, size)
+            if at >= 0:
+                follow = at // size + n
+                return list(tokens[follow : follow + k]), follow
+        if copy_at is not None and self.min_n > 1:
+            at = _find(data, data[-size:], max(0, copy_at - 1) * size, min(end, (copy_at + NEAR_COPY) * size), size)
+            if at >= 0:
+                follow = at // size + 1
+                return list(tokens[follow : follow + k]), follow
+        return [], -1
+
+
+def _find(data: bytes, pattern: bytes, start: int, stop: int, size: int) -> int:
+    """The first whole-token occurrence of pattern in data[start:stop] (byte offsets), or -1."""
+    while (at := data.find(pattern, start, stop)) >= 0 and at % size:
+        start = at + 1  # a match across token boundaries: look further on
+    return at
+
+
+def _rfind(data: bytes, pattern: bytes, stop: int, size: int) -> int:
+    """The last whole-token occurrence of pattern in data[:stop] (byte offsets), or -1."""
+    while (at := data.rfind(pattern, 0, stop)) >= 0 and at % size:
+        stop = at + len(pattern) - 1  # a match across token boundaries: look further back
+    return at
 
 
 class DraftProposer:
@@ -192,7 +229,12 @@ class Speculator:
         if isinstance(self.proposer, DraftProposer):
             found = self.proposer.propose_all(asks)
         else:
-            found = [self.proposer.propose(s.token_ids, k) for s, k in asks]
+            found = []
+            for s, k in asks:
+                proposals, follow = self.proposer.propose(s.token_ids, k, s.copy_at)
+                if proposals:  # where it copies from now; where nothing matched, the copy point stays
+                    s.copy_at = follow
+                found.append(proposals)
         out = []
         for (s, _), proposals in zip(asks, found):
             if proposals and s.matcher is not None:  # the ones the constraint allows, in order
@@ -208,9 +250,13 @@ class Speculator:
     def verified(self, s: Session, proposed: int, accepted: int) -> None:
         s.num_proposed += proposed
         s.num_accepted += accepted
-        s.window = min(self.max_tokens, 2 * proposed) if accepted == proposed else accepted + 1
+        full = accepted == proposed
+        s.window = min(self.max_tokens, 2 * proposed if full else max(accepted + 1, 2))
+        if s.copy_at is not None:  # past what it copied, and the token sampled after
+            s.copy_at += accepted + 1
         if accepted:
             s.misses = 0
         else:
             s.misses += 1
-            s.rest = min(2 ** (s.misses - 1), MAX_REST)
+            if isinstance(self.proposer, DraftProposer):
+                s.rest = min(2 ** (s.misses - 1), MAX_REST)
