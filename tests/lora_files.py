@@ -85,7 +85,9 @@ def edit_config(adapter_dir: Path, **changes) -> None:
     path.write_text(json.dumps(config))
 
 
-def write_gguf_adapter(adapter_dir: Path, cfg, path: Path, outtype: str = "f32") -> Path:
+def write_gguf_adapter(
+    adapter_dir: Path, cfg, path: Path, outtype: str = "f32", leave_out: tuple[str, ...] = ()
+) -> Path:
     """The PEFT adapter in adapter_dir as llama.cpp's convert_lora_to_gguf.py writes it (--outtype:
     f32, its default, f16, bf16 or q8_0) for the base model whose transformers config is cfg:
     general.type "adapter", adapter.type "lora" and adapter.lora.alpha; blk.N.<projection>.weight.lora_a
@@ -94,7 +96,8 @@ def write_gguf_adapter(adapter_dir: Path, cfg, path: Path, outtype: str = "f32")
     matrix q8_0 cannot hold (a row not a multiple of 32) in F16, as the converter falls back.
     Compared once with the converter's own output (llama.cpp 0c1e57098b, the tiny Llama's rank-8
     adapter on every projection, f32, bf16 and q8_0): the same adapter keys, tensor names in the
-    same order, types and bytes; it adds only general.name and the base model's card."""
+    same order, types and bytes; it adds only general.name and the base model's card. Without the
+    tensors named in leave_out (a broken file)."""
     from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, QuantError, get_tensor_name_map, quants
     from safetensors.torch import load_file
 
@@ -113,6 +116,8 @@ def write_gguf_adapter(adapter_dir: Path, cfg, path: Path, outtype: str = "f32")
             heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
             value = value.reshape(heads, 2, value.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(value.shape)
         name = f"{names.get_name(module)}.weight.lora_{which[0].lower()}"
+        if name in leave_out:
+            continue
         try:
             raw, kind = quants.quantize(value, qtype), qtype
         except QuantError:
