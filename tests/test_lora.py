@@ -294,6 +294,11 @@ def _bad_gguf_adapters(tmp_path, tiny_dir, bases, adapters) -> list[tuple[Path, 
             "layer 1 up_proj: lora_B is missing",
         ),
         (write_gguf_adapter(ranked, llama, tmp_path / "r16.gguf"), "rank r=16 (blk.0."),
+        # a type llama.cpp reads but its converter never writes for an adapter
+        (
+            write_gguf_adapter(llama_adapter, llama, tmp_path / "q4.gguf", "q4_0"),
+            ".lora_a: type Q4_0; braid reads LoRA matrices in F32, F16, BF16 or Q8_0",
+        ),
     ]
 
 

@@ -82,9 +82,8 @@ def read_gguf_lora(
         fmt = gguf_type_name(tensor.tensor_type)
         if fmt not in READ_TYPES:
             raise ValueError(f"{tensor.name}: type {fmt.upper()}; braid reads LoRA matrices in F32, F16, BF16 or Q8_0")
-        value = np.array(
-            quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
-        )  # a copy: the file is mapped read-only
+        # [r, in] or [out, r]; a copy, as the file is mapped read-only
+        value = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if which == "B":
             order = row_order(processor, f"blk.{layer}.{match[2]}.weight", value.shape[0])
             if order is not None:
@@ -106,9 +105,7 @@ def _modules(base: LoraBase) -> dict[str, str]:
     down_proj, ...), by gguf-py's table for the architecture."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == base.gguf_architecture), None)
-    if arch is None:
-        return {}
+    arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == base.gguf_architecture)
     names = get_tensor_name_map(arch, 1)
     modules = {}
     for module in base.targets:
