@@ -1,5 +1,6 @@
-"""LoRA adapters on braid's decoder: PEFT's format read and checked against the base model, and the
-low-rank deltas of a pass's rows added to the projections they target.
+"""LoRA adapters on braid's decoder: PEFT's format read and checked against the base model (and
+llama.cpp's GGUF files, lora_gguf.py, checked by the same build_adapter), and the low-rank deltas
+of a pass's rows added to the projections they target.
 
 A PEFT adapter changes a projection W [out, in] to W + scale * B A, with A [r, in] and B [out, r]
 (scale: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora). The base weights stay as they are
