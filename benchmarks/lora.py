@@ -147,7 +147,9 @@ async def main(args: argparse.Namespace) -> None:
     requests = workloads.PromptMaker(tokenizer).batch(16, 30, 60)  # max_new_tokens: 64 (workloads.NEW_TOKENS)
     names = [f"tenant{i}" for i in range(NUM_ADAPTERS)]
     outtype = {"float32": "f32", "bfloat16": "bf16"}[args.adapter_dtype]
-    log_dir = Path(tempfile.mkdtemp(prefix="braid-lora-bench-"))
+    # the adapters (about 40 MB each, as PEFT's folder and as GGUF) and the servers' logs: gone at the end
+    work = tempfile.TemporaryDirectory(prefix="braid-lora-bench-")
+    log_dir = Path(work.name)
     config = AutoConfig.from_pretrained(base)
     ggufs = [
         write_gguf_adapter(
@@ -187,6 +189,7 @@ async def main(args: argparse.Namespace) -> None:
                     tps = await system.tokens_per_second(requests[:streams], adapters)
                     runs.setdefault((name, kind), []).append(tps)
         info = await client.model_info()
+    work.cleanup()
     report(args, info, systems, runs)
 
 
