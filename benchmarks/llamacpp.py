@@ -276,10 +276,11 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -
     raise TimeoutError(f"llama-server not healthy after {timeout_s:.0f} s")
 
 
-def sender(http, base_url: str, cache_prompt: bool = False):
+def sender(http, base_url: str, cache_prompt: bool = False, lora: list[dict] | None = None):
     """The `send` coroutine for drive.run: one streamed /completion call with the request's own token
     ids, greedy, ignore_eos; `cache_prompt`: reuse the prefix a slot already holds (off: every prompt
-    is computed in full). `http` is an httpx.AsyncClient."""
+    is computed in full); `lora`: the request's adapters and their scales ([{"id": 0, "scale": 1.0}];
+    those the server loaded and the list leaves out run at scale 0). `http` is an httpx.AsyncClient."""
 
     async def send(request: Request) -> StreamTiming:
         body = {
@@ -290,6 +291,7 @@ def sender(http, base_url: str, cache_prompt: bool = False):
             "stream": True,
             "cache_prompt": cache_prompt,
             "return_tokens": True,
+            **({"lora": lora} if lora else {}),
         }
         sent = time.perf_counter()
         first = last = 0.0

@@ -83,3 +83,48 @@ def edit_config(adapter_dir: Path, **changes) -> None:
     config = json.loads(path.read_text())
     config.update(changes)
     path.write_text(json.dumps(config))
+
+
+def write_gguf_adapter(
+    adapter_dir: Path, cfg, path: Path, outtype: str = "f32", leave_out: tuple[str, ...] = ()
+) -> Path:
+    """The PEFT adapter in adapter_dir as llama.cpp's convert_lora_to_gguf.py writes it (--outtype:
+    f32, its default, f16, bf16 or q8_0) for the base model whose transformers config is cfg:
+    general.type "adapter", adapter.type "lora" and adapter.lora.alpha; blk.N.<projection>.weight.lora_a
+    [r, in] and .lora_b
+    [out, r], B's rows of q and k permuted for Llama as the converter's LlamaModel.permute does; a
+    matrix q8_0 cannot hold (a row not a multiple of 32) in F16, as the converter falls back.
+    Compared once with the converter's own output (llama.cpp 0c1e57098b, the tiny Llama's rank-8
+    adapter on every projection, f32, bf16 and q8_0): the same adapter keys, tensor names in the
+    same order, types and bytes; it adds only general.name and the base model's card. Without the
+    tensors named in leave_out (a broken file)."""
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, QuantError, get_tensor_name_map, quants
+    from safetensors.torch import load_file
+
+    arch = cfg.model_type  # llama.cpp's name for the tests' models (llama, qwen3) is transformers' model_type
+    names = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers)
+    qtype = GGMLQuantizationType[outtype.upper()]
+    alpha = float(json.loads((adapter_dir / "adapter_config.json").read_text())["lora_alpha"])
+    writer = GGUFWriter(str(path), arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    for key, tensor in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
+        module, _, which = key.removeprefix("base_model.model.").rpartition(".lora_")
+        value = tensor.float().numpy()
+        if arch == "llama" and which.startswith("B") and module.endswith(("q_proj", "k_proj")):
+            heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
+            value = value.reshape(heads, 2, value.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(value.shape)
+        name = f"{names.get_name(module)}.weight.lora_{which[0].lower()}"
+        if name in leave_out:
+            continue
+        try:
+            raw, kind = quants.quantize(value, qtype), qtype
+        except QuantError:
+            raw, kind = quants.quantize(value, GGMLQuantizationType.F16), GGMLQuantizationType.F16
+        writer.add_tensor(name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

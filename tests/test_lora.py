@@ -16,8 +16,9 @@ import pytest
 from braid.client import AsyncClient
 from braid.client.errors import BraidError
 from conftest import Server, _reference_logits, assert_greedy, free_port, tiny_server
-from lora_files import ALL_TARGETS, make_adapter, merged, peft_logits
-from test_architectures import _save, _tiny
+from gguf_files import write_gguf
+from lora_files import ALL_TARGETS, make_adapter, merged, peft_logits, write_gguf_adapter
+from test_architectures import GGUF_CONFIG, _save, _tiny, _tiny_for_gguf
 from test_startup_errors import assert_one_line, braid
 
 PROMPTS = ["The sea is", "Once upon a time, in a land far away, there lived a", "1 2 3 4 5"]
@@ -120,6 +121,30 @@ def test_greedy_tokens_with_an_adapter_are_transformers_and_pefts(bases, adapter
         assert_greedy(reference, prompt_ids, generated)
     for adapter in ADAPTERS:
         assert any(by_job[p, adapter][1] != by_job[p, ""][1] for p in PROMPTS), adapter
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_gguf_adapter_on_a_gguf_base_gives_the_tokens_of_its_peft_folder(tmp_path, kind):
+    """A GGUF base model (Q4 layers) with the same adapter as a PEFT folder and as llama.cpp's
+    converter writes it (Llama's q and k rows of B permuted, Qwen3's not): each prompt's greedy
+    tokens are the same with either, and not the base model's."""
+    model, vocab = _tiny_for_gguf(kind, **GGUF_CONFIG.get(kind, {}))
+    base = write_gguf(model, tmp_path / f"{kind}.gguf", vocab)
+    model.save_pretrained(tmp_path / "hf")  # PEFT makes its adapter on the transformers model
+    folder = make_adapter(tmp_path / "hf", tmp_path / "peft", rank=8, seed=7, spread=0.2)
+    gguf = write_gguf_adapter(folder, model.config, tmp_path / "adapter.gguf")
+    server = Server(
+        ["--model", str(base), "--cache-dir", str(tmp_path), "--threads", "1"]
+        + ["--lora", f"peft={folder}", "--lora", f"gguf={gguf}"]
+    )
+    try:
+        jobs = [(p, a) for p in PROMPTS for a in ("", "peft", "gguf")]
+        by_job = dict(zip(jobs, [out for _, out in asyncio.run(_greedy(server.target, jobs))]))
+    finally:
+        server.stop()
+    for prompt in PROMPTS:
+        assert by_job[prompt, "gguf"] == by_job[prompt, "peft"], prompt
+    assert any(by_job[p, "gguf"] != by_job[p, ""] for p in PROMPTS)
 
 
 def test_a_mixed_pass_gives_each_session_the_tokens_it_gets_alone(tmp_path, tiny_dir):
@@ -230,6 +255,9 @@ def test_bad_adapters_and_names_get_clear_statuses_and_the_server_stays_up(tmp_p
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "r=16 is past --max-lora-rank 8" in details
             code, details = status_of(lambda: client.load_adapter("x", str(tmp_path / "nowhere")))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a PEFT adapter folder" in details
+            for path, message in _bad_gguf_adapters(tmp_path, tiny_dir, bases, adapters):
+                code, details = status_of(lambda: client.load_adapter("x", str(path)))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, (path, details)
             code, details = status_of(lambda: client.generate("hi", adapter="ghost", max_new_tokens=2))
             assert code == grpc.StatusCode.NOT_FOUND and "'ghost'" in details
             assert client.load_adapter("ok", str(fine)).rank == 8
@@ -241,6 +269,37 @@ def test_bad_adapters_and_names_get_clear_statuses_and_the_server_stays_up(tmp_p
             assert [a.name for a in client.model_info().adapters] == ["ok"]
     finally:
         server.stop()
+
+
+def _bad_gguf_adapters(tmp_path, tiny_dir, bases, adapters) -> list[tuple[Path, str]]:
+    """GGUF files that are not LoRA adapters of the tiny Llama, each with what its status says."""
+    from transformers import AutoConfig
+
+    from braid.server.model.loader import embedded_gguf
+
+    llama, qwen3 = (AutoConfig.from_pretrained(bases[k]) for k in ("llama", "qwen3"))
+    qwen3_adapter, llama_adapter = adapters["qwen3", "r8"][0], adapters["llama", "r8"][0]
+    ranked = make_adapter(tiny_dir, tmp_path / "rank16-for-gguf", rank=16, seed=3)
+    return [
+        (embedded_gguf(), "not a GGUF LoRA adapter (general.type is 'model'"),  # a base model, not an adapter
+        (tmp_path / "nowhere.gguf", "nowhere.gguf: no such file"),
+        (write_gguf_adapter(qwen3_adapter, qwen3, tmp_path / "q.gguf"), "an adapter of a qwen3 model"),
+        # another base's adapter, converted as if for this one (its k_proj is 64 -> 64, not 64 -> 32)
+        (
+            write_gguf_adapter(qwen3_adapter, llama, tmp_path / "q-as-l.gguf"),
+            "blk.0.attn_k.weight.lora_b: shape [64, 8], but this model with r=8 needs [32, 8]",
+        ),
+        (
+            write_gguf_adapter(llama_adapter, llama, tmp_path / "half.gguf", leave_out=("blk.1.ffn_up.weight.lora_b",)),
+            "layer 1 up_proj: lora_B is missing",
+        ),
+        (write_gguf_adapter(ranked, llama, tmp_path / "r16.gguf"), "rank r=16 (blk.0."),
+        # a type llama.cpp reads but its converter never writes for an adapter
+        (
+            write_gguf_adapter(llama_adapter, llama, tmp_path / "q4.gguf", "q4_0"),
+            ".lora_a: type Q4_0; braid reads LoRA matrices in F32, F16, BF16 or Q8_0",
+        ),
+    ]
 
 
 def test_an_adapter_that_cannot_load_at_start_is_one_line(tmp_path, tiny_dir, adapters):

@@ -338,3 +338,26 @@ def test_an_fp32_adapter_is_read_in_bf16_only_where_the_bases_rows_are_rounded_t
             assert not torch.equal(matrix, original), group
     runner.unload_adapter(401)
     runner.unload_adapter(402)
+
+
+@pytest.mark.parametrize("outtype, tolerance", [("f32", 0), ("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 8e-3)])
+def test_a_gguf_adapter_reads_as_its_peft_folder(runner, tiny, tmp_path, outtype, tolerance):
+    """The same adapter as a PEFT folder and as llama.cpp's converter writes it to GGUF, in each
+    type it writes: the same matrices (exactly from f32; within the type's rounding otherwise),
+    q's rows put back in transformers' order (the converter permutes them for Llama's RoPE)."""
+    from lora_files import write_gguf_adapter
+
+    folder = _peft_folder(tmp_path / "peft", 8, seed=5)
+    gguf = write_gguf_adapter(folder, tiny.config, tmp_path / "adapter.gguf", outtype)
+    peft_info = runner.load_adapter(401, "peft", str(folder), 64)
+    gguf_info = runner.load_adapter(402, "gguf", str(gguf), 64)
+    try:
+        assert (gguf_info.rank, gguf_info.scale, gguf_info.target_modules) == (8, 2.0, ("q_proj", "v_proj"))
+        assert (peft_info.rank, peft_info.scale, peft_info.target_modules) == (8, 2.0, ("q_proj", "v_proj"))
+        for want, got in zip(runner._adapters[401].layers, runner._adapters[402].layers):
+            m, n = want["qkv"], got["qkv"]  # A^T, and the block-diagonal B^T times the scale
+            for a, b in [(m.at, n.at), *((p[4], q[4]) for p, q in zip(m.parts, n.parts))]:
+                assert (a - b).abs().max() <= tolerance * a.abs().max(), outtype
+    finally:
+        runner.unload_adapter(401)
+        runner.unload_adapter(402)

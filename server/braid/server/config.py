@@ -296,9 +296,9 @@ class LoraConfig:
     lora: list[str] = field(
         default_factory=list,
         metadata=_opt(
-            "a LoRA adapter to load at start, NAME=PATH (a PEFT folder: adapter_config.json and "
-            "adapter_model.safetensors); repeat the flag for more (BRAID_LORA: comma-separated). Requests name it "
-            "in GenerateRequest.adapter (or the OpenAI `model`)",
+            "a LoRA adapter to load at start, NAME=PATH (a PEFT folder or a GGUF LoRA file); repeat the flag "
+            "for more (BRAID_LORA: comma-separated). Requests name it in GenerateRequest.adapter (or the OpenAI "
+            "`model`)",
             action="append",
             metavar="NAME=PATH",
         ),

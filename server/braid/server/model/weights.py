@@ -165,7 +165,7 @@ def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
         if kind not in BLOCK_FORMATS:
             continue
         b = unpack_gguf(kind, tensor.data)
-        order = _row_order(processor, tensor.name, b.shape[0])
+        order = row_order(processor, tensor.name, b.shape[0])
         if order is None:
             continue  # served as transformers loaded it
         if not np.array_equal(order, np.arange(b.shape[0])):
@@ -182,7 +182,7 @@ def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
     return blocks, types
 
 
-def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
+def row_order(processor, name: str, rows: int) -> np.ndarray | None:
     """The order transformers' tensor processor puts the rows of a matrix [rows, in] in, found by
     running it on the row numbers; None where it does more than reorder them (GPT-2's Conv1D
     matrices, which it transposes; GPT-2's output.weight, which it stores as lm_head itself)."""

@@ -24,7 +24,7 @@ from braid.server.runner.kernels.ops import activations_of, TorchOps
 from braid.server.runner.kernels.packing import Linear
 from braid.server.runner.kernels.step import decode_attention, DecodeStep
 from braid.server.runner.kv_cache import KVCache, head_dim
-from braid.server.runner.lora import LoraPass, Target
+from braid.server.runner.lora import LoraBase, LoraPass, Target
 from braid.server.runner.precision import Precision, fuse
 
 
@@ -133,7 +133,9 @@ class Decoder:
                     rope=layer_types[i] if per_type_rope else "",
                 )
             )
-        self.lora_targets = self._lora_targets(family)
+        self.lora_base = LoraBase(
+            self._lora_targets(family), self.num_layers, family.gguf_architecture, self.num_heads, self.num_kv_heads
+        )
         # what the matrices multiply: int8 or bf16 rows (--activations), or float32 ones
         self.activations = activations_of(self._matrices())
         self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(

@@ -34,6 +34,9 @@ class Family:
     # Gemma 2/3: query_pre_attn_scalar's scale, soft-capped attention scores and logits, and the
     # config's layer_types: sliding-window layers (with their own RoPE, Gemma 3) between global ones
     gemma_attention: bool = False
+    # what llama.cpp names the architecture (general.architecture of its GGUF files): a GGUF LoRA
+    # adapter of the model says it (runner/lora_gguf.py)
+    gguf_architecture: str = "llama"
 
 
 _GEMMA = dict(
@@ -42,11 +45,11 @@ _GEMMA = dict(
 FAMILIES = {
     "LlamaForCausalLM": Family(),
     "MistralForCausalLM": Family(),
-    "Qwen2ForCausalLM": Family(),
-    "Qwen3ForCausalLM": Family(qk_norm=True),
-    "Phi3ForCausalLM": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",)),
-    "Gemma2ForCausalLM": Family(**_GEMMA),
-    "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA),
+    "Qwen2ForCausalLM": Family(gguf_architecture="qwen2"),
+    "Qwen3ForCausalLM": Family(qk_norm=True, gguf_architecture="qwen3"),
+    "Phi3ForCausalLM": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",), gguf_architecture="phi3"),
+    "Gemma2ForCausalLM": Family(**_GEMMA, gguf_architecture="gemma2"),
+    "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA, gguf_architecture="gemma3"),
 }
 
 # RoPE variants whose tables depend on the length of the sequence (transformers recomputes them as

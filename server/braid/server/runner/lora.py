@@ -1,5 +1,6 @@
-"""LoRA adapters on braid's decoder: PEFT's format read and checked against the base model, and the
-low-rank deltas of a pass's rows added to the projections they target.
+"""LoRA adapters on braid's decoder: PEFT's format read and checked against the base model (and
+llama.cpp's GGUF files, lora_gguf.py, checked by the same build_adapter), and the low-rank deltas
+of a pass's rows added to the projections they target.
 
 A PEFT adapter changes a projection W [out, in] to W + scale * B A, with A [r, in] and B [out, r]
 (scale: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora). The base weights stay as they are
@@ -92,11 +93,23 @@ class Adapter:
         ) + sum(p.nbytes for p in self.panels)
 
 
+@dataclass(frozen=True)
+class LoraBase:
+    """The base model as an adapter is checked against and mapped onto: the projections it may
+    target, its layers, and what a GGUF adapter's rows depend on: the architecture llama.cpp names
+    the model by (general.architecture) and its heads (llama.cpp permutes Llama's q and k rows)."""
+
+    targets: dict[str, Target]
+    num_layers: int
+    gguf_architecture: str
+    num_heads: int
+    num_kv_heads: int
+
+
 def read_peft(
     path: str,
     name: str,
-    targets: dict[str, Target],
-    num_layers: int,
+    base: LoraBase,
     max_rank: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -116,12 +129,7 @@ def read_peft(
     except (OSError, ValueError) as exc:
         raise ValueError(f"{config_file}: unreadable: {exc}") from None
     rank, alpha = _setting(config, "r", int), _setting(config, "lora_alpha", (int, float))
-    if not 0 < rank <= max_rank:
-        raise ValueError(
-            f"{config_file}: rank r={rank} is past --max-lora-rank {max_rank}"
-            if rank > 0
-            else f"{config_file}: rank r={rank} must be positive"
-        )
+    check_rank(f"{config_file}: rank r={rank}", rank, max_rank)
     for key, allowed in (
         ("peft_type", ("LORA", None)),
         ("fan_in_fan_out", (False, None)),
@@ -134,38 +142,77 @@ def read_peft(
         if config.get(key) not in allowed:
             raise ValueError(
                 f"{config_file}: {key}={config.get(key)!r} is not supported (braid serves plain LoRA "
-                f"on {', '.join(targets)})"
+                f"on {', '.join(base.targets)})"
             )
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     try:
         tensors = load_file(str(weights_file))
     except Exception as exc:
         raise ValueError(f"{weights_file}: unreadable: {exc}") from None
-    a: dict[tuple[int, str], torch.Tensor] = {}
-    b: dict[tuple[int, str], torch.Tensor] = {}
+    matrices = []
     for key, value in sorted(tensors.items()):
         match = _KEY.match(key)
         if match is None:
-            raise ValueError(f"{key}: not a LoRA matrix of a projection braid serves ({', '.join(targets)})")
-        layer, module, which = int(match[1]), match[2], match[3]
-        target = targets.get(module)
+            raise ValueError(f"{key}: not a LoRA matrix of a projection braid serves ({', '.join(base.targets)})")
+        matrices.append(Matrix(key, int(match[1]), match[2], match[3], value))
+    return build_adapter(path, name, rank, alpha, scale, matrices, base, dtype, device, round_bf16)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One of an adapter file's matrices: its name in the file (for messages), the layer and the
+    projection (PEFT's module name) it belongs to, and which: A [r, in] or B [out, r], rows in
+    transformers' order."""
+
+    key: str
+    layer: int
+    module: str
+    which: str  # "A" or "B"
+    value: torch.Tensor
+
+
+def check_rank(what: str, rank: int, max_rank: int) -> None:
+    """Raises ValueError naming `what` unless 0 < rank <= max_rank."""
+    if not 0 < rank <= max_rank:
+        raise ValueError(f"{what} is past --max-lora-rank {max_rank}" if rank > 0 else f"{what} must be positive")
+
+
+def build_adapter(
+    path: str,
+    name: str,
+    rank: int,
+    alpha: float,
+    scale: float,
+    matrices: list[Matrix],
+    base: LoraBase,
+    dtype: torch.dtype,
+    device: torch.device,
+    round_bf16: bool,
+) -> Adapter:
+    """An adapter file's matrices (read_peft's, lora_gguf.py's), checked against the base model
+    (a module and layer it has, every A with its B, each of the shape rank r and the projection
+    need) and stacked. Raises ValueError with one line naming the tensor at fault."""
+    a: dict[tuple[int, str], torch.Tensor] = {}
+    b: dict[tuple[int, str], torch.Tensor] = {}
+    for m in matrices:
+        target = base.targets.get(m.module)
         if target is None:
-            raise ValueError(f"{key}: {module} is not a projection of this model ({', '.join(targets)})")
-        if layer >= num_layers:
-            raise ValueError(f"{key}: layer {layer}, but the model has {num_layers}")
-        want = (rank, target.in_features) if which == "A" else (target.end - target.begin, rank)
-        if tuple(value.shape) != want:
-            raise ValueError(f"{key}: shape {list(value.shape)}, but this model with r={rank} needs {list(want)}")
-        if not value.is_floating_point():
-            raise ValueError(f"{key}: dtype {value.dtype} is not a float type")
-        value = value.to(device=device, dtype=torch.float32)
-        (a if which == "A" else b)[layer, module] = value if which == "A" else value * scale
+            raise ValueError(f"{m.key}: {m.module} is not a projection of this model ({', '.join(base.targets)})")
+        if m.layer >= base.num_layers:
+            raise ValueError(f"{m.key}: layer {m.layer}, but the model has {base.num_layers}")
+        want = (rank, target.in_features) if m.which == "A" else (target.end - target.begin, rank)
+        if tuple(m.value.shape) != want:
+            raise ValueError(f"{m.key}: shape {list(m.value.shape)}, but this model with r={rank} needs {list(want)}")
+        if not m.value.is_floating_point():
+            raise ValueError(f"{m.key}: dtype {m.value.dtype} is not a float type")
+        value = m.value.to(device=device, dtype=torch.float32)
+        (a if m.which == "A" else b)[m.layer, m.module] = value if m.which == "A" else value * scale
     for key in set(a) ^ set(b):
         layer, module = key
         raise ValueError(f"layer {layer} {module}: lora_{'B' if key in a else 'A'} is missing")
     if not a:
-        raise ValueError(f"{weights_file}: holds no LoRA matrices")
-    modules = tuple(m for m in targets if any(k[1] == m for k in a))
+        raise ValueError(f"{path}: holds no LoRA matrices")
+    modules = tuple(m for m in base.targets if any(k[1] == m for k in a))
     info = AdapterInfo(
         name=name, path=str(path), rank=rank, alpha=float(alpha), scale=float(scale), target_modules=modules
     )
@@ -176,11 +223,11 @@ def read_peft(
     # error is far larger than a delta's relative 2^-9; on fp32 rows it stays fp32, and its tokens
     # are PEFT's (tests/test_lora.py). Every path (torch's matmuls, the C step) reads the same values.
     if round_bf16:
-        for matrices in (a, b):
-            for key, value in matrices.items():
-                matrices[key] = value.to(torch.bfloat16).to(torch.float32)
+        for stacked in (a, b):
+            for key, value in stacked.items():
+                stacked[key] = value.to(torch.bfloat16).to(torch.float32)
     bf16 = all(torch.equal(v, v.to(torch.bfloat16).to(torch.float32)) for v in (*a.values(), *b.values()))
-    return Adapter(info, [_stack(layer, a, b, targets, dtype) for layer in range(num_layers)], bf16)
+    return Adapter(info, [_stack(layer, a, b, base.targets, dtype) for layer in range(base.num_layers)], bf16)
 
 
 def _stack(

@@ -25,6 +25,7 @@ from braid.server.runner.families import attention_window, native_family
 from braid.server.runner.kernels.pick import pick_ops
 from braid.server.runner.kv_cache import KVCache, fit_pages
 from braid.server.runner.lora import Adapter, LoraPass, read_peft
+from braid.server.runner.lora_gguf import read_gguf_lora
 from braid.server.runner.batch import DecodeRows, ForwardBatch, PrefillChunk
 from braid.server.runner.decoder import Decoder
 from braid.server.runner.masks import Masks
@@ -193,16 +194,16 @@ class ModelRunner:
         return random_state(sampling, skip)
 
     def load_adapter(self, adapter_id: int, name: str, path: str, max_rank: int) -> AdapterInfo:
-        """Reads a PEFT adapter and makes it resident as `adapter_id` (Row.adapter). Raises
-        ValueError, one line naming what is wrong, for a folder that is not a LoRA adapter of this
-        model. Any thread: a pass running meanwhile keeps the stack it started with."""
+        """Reads a LoRA adapter (a PEFT folder, or a GGUF file: a path ending in .gguf) and makes it
+        resident as `adapter_id` (Row.adapter). Raises ValueError, one line naming what is wrong, for
+        a folder or file that is not a LoRA adapter of this model. Any thread: a pass running meanwhile keeps the stack it started with."""
         if not isinstance(self.decoder, Decoder):
             raise ValueError("LoRA adapters need braid's native decoder; this model runs through transformers")
-        adapter = read_peft(
+        read = read_gguf_lora if path.endswith(".gguf") else read_peft
+        adapter = read(
             path,
             name,
-            self.decoder.lora_targets,
-            self.decoder.num_layers,
+            self.decoder.lora_base,
             max_rank,
             self.dtype,
             self.device,

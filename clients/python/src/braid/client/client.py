@@ -283,7 +283,7 @@ class Client(_BaseClient[Generation]):
             return list(self._stub.Abort(request, timeout=timeout, metadata=self._metadata).aborted)
 
     def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> pb.AdapterInfo:
-        """Loads the LoRA adapter in the server's folder `path` (PEFT's format) as `name`."""
+        """Loads the LoRA adapter at the server's `path` (a PEFT folder, or a GGUF LoRA file) as `name`."""
         request = pb.LoadAdapterRequest(name=name, path=path)
         with raising_braid_errors():
             return self._stub.LoadAdapter(request, timeout=timeout, metadata=self._metadata).adapter
@@ -376,7 +376,7 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
             return list((await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)).aborted)
 
     async def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> pb.AdapterInfo:
-        """Loads the LoRA adapter in the server's folder `path` (PEFT's format) as `name`."""
+        """Loads the LoRA adapter at the server's `path` (a PEFT folder, or a GGUF LoRA file) as `name`."""
         request = pb.LoadAdapterRequest(name=name, path=path)
         with raising_braid_errors():
             return (await self._stub.LoadAdapter(request, timeout=timeout, metadata=self._metadata)).adapter
