@@ -44,6 +44,7 @@ from braid.client import (
     describe,
     finish_reason_name,
 )
+from braid.client.generation import MAX_RESUMES
 from braid.client.request import PARAMS, build_request, build_tokenize_request
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
 from braid.v1 import generate_pb2 as pb
@@ -954,3 +955,56 @@ def test_a_raw_stub_sees_a_proxys_cut_and_the_deployment_docs_recipe_resumes_it(
     servicer.requests.clear()
     with Client(target) as client, client.stream("hi") as generation:
         assert [t for m in generation for t in m.token_ids] == STORY and generation.resumes == 2
+
+
+class CutBeforeHeaders(Story):
+    """Cuts its first `cuts` calls before their headers, as HAProxy ends a stream whose replica exited
+    as the call reached it (the rolling-restart test's UNKNOWN "Stream removed"), then serves STORY."""
+
+    def __init__(self, cuts: int, code: grpc.StatusCode = CUTS[0][0], details: str = CUTS[0][1]) -> None:
+        super().__init__()
+        self.cuts, self.code, self.details = cuts, code, details
+
+    def Stream(self, request: pb.GenerateRequest, context: Context) -> Iterator[pb.GenerateResponse]:
+        self.requests.append(request)
+        if len(self.requests) <= self.cuts:
+            context.abort(self.code, self.details)
+        context.send_initial_metadata((("braid-seed", "42"),))
+        for i, token in enumerate(STORY):
+            reason = pb.FINISH_REASON_MAX_TOKENS if i == len(STORY) - 1 else pb.FINISH_REASON_UNSPECIFIED
+            yield pb.GenerateResponse(text=f"t{token} ", token_ids=[token], seed=42, finish_reason=reason)
+
+
+def _serve(servicer: generate_pb2_grpc.GenerateServicer) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_stream_cut_before_its_headers_is_sent_again_as_it_was() -> None:
+    """It delivered nothing, so the same request goes again (no resume_token_ids, the request's own
+    seed); it failed the rolling restart's load before. A server error before the headers is not
+    sent again, nor is a stream cut more often than the client resumes one."""
+    servicer = CutBeforeHeaders(cuts=1)
+    server, target = _serve(servicer)
+    try:
+        with Client(target) as client, client.stream("hi", seed=7) as generation:
+            assert [t for m in generation for t in m.token_ids] == STORY and generation.resumes == 1
+        assert [(r.prompt, list(r.resume_token_ids), r.seed) for r in servicer.requests] == [("hi", [], 7)] * 2
+        servicer.requests.clear()
+        servicer.cuts = 10**6
+        with Client(target) as client, pytest.raises(grpc.RpcError) as cut:
+            list(client.stream("hi"))
+        assert cut.value.details() == CUTS[0][1] and len(servicer.requests) == 1 + MAX_RESUMES
+    finally:
+        server.stop(0)
+    servicer = CutBeforeHeaders(cuts=1, code=grpc.StatusCode.INTERNAL, details="forward pass failed: boom")
+    server, target = _serve(servicer)
+    try:
+        with Client(target) as client, pytest.raises(grpc.RpcError):
+            list(client.stream("hi"))
+        assert len(servicer.requests) == 1
+    finally:
+        server.stop(0)

@@ -110,13 +110,15 @@ CallT = TypeVar("CallT")
 
 def _restart(
     request: pb.GenerateRequest, call: Callable[[pb.GenerateRequest], CallT]
-) -> Callable[[list[int], int], CallT]:
-    """How a broken stream of this request starts again from the tokens it delivered."""
+) -> Callable[[list[int], int | None], CallT]:
+    """How a broken stream of this request starts again from the tokens it delivered, with the
+    seed its server drew (None: the request's own, for a stream that never started)."""
 
-    def restart(delivered: list[int], seed: int) -> CallT:
+    def restart(delivered: list[int], seed: int | None) -> CallT:
         resumed = pb.GenerateRequest()
         resumed.CopyFrom(request)
-        resumed.seed = seed
+        if seed is not None:
+            resumed.seed = seed
         del resumed.resume_token_ids[:]
         resumed.resume_token_ids.extend(list(request.resume_token_ids) + delivered)
         return call(resumed)

@@ -22,13 +22,17 @@ SEED_KEY = "braid-seed"
 MAX_RESUMES = 3
 
 
-def is_broken(error: grpc.RpcError) -> bool:
-    """Whether a failed stream broke (its server or connection went away) rather than failed."""
+def is_cut(error: grpc.RpcError) -> bool:
+    """Whether a proxy or the network cut the stream: RST_STREAM, or an END_STREAM with no status."""
     code, details = error.code(), error.details() or ""
-    cut = code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
+    return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
         "RST_STREAM" in details or "Stream removed" in details
     )
-    return code == grpc.StatusCode.UNAVAILABLE or cut
+
+
+def is_broken(error: grpc.RpcError) -> bool:
+    """Whether a failed stream broke (its server or connection went away) rather than failed."""
+    return error.code() == grpc.StatusCode.UNAVAILABLE or is_cut(error)
 
 
 # A call's metadata: (key, value) pairs, as both grpc and grpc.aio give them.
@@ -71,10 +75,11 @@ class _Stream:
     carries its sample's index, and each sample ends with its own final message."""
 
     def __init__(
-        self, call: grpc.Call | aio.Call, n: int = 1, restart: Callable[[list[int], int], Any] | None = None
+        self, call: grpc.Call | aio.Call, n: int = 1, restart: Callable[[list[int], int | None], Any] | None = None
     ) -> None:
         self._call = call
-        # restart(delivered token ids, seed) -> a new call that resumes this one; None: never
+        # restart(delivered token ids, seed or None: the request's) -> a new call that resumes
+        # this one; None: never
         self._restart = restart if n <= 1 else None
         self._seed: int | None = None  # from the headers
         self.resumes = 0  # times the stream was resumed
@@ -149,15 +154,19 @@ class _Stream:
 
     def _resume_call(self, error: grpc.RpcError) -> Any:
         """A call that resumes this broken stream, or None if it cannot be resumed (then the error
-        stands): not resumable, never started (gRPC's retry policy covers that), or resumed too often."""
+        stands): not resumable, or resumed too often. A stream cut before its headers (a proxy
+        whose replica exited as the call reached it: the rolling-restart test saw UNKNOWN "Stream
+        removed") delivered nothing and is sent again as it was; gRPC's retry policy already sent
+        one refused with UNAVAILABLE again, and is left to."""
         if (
             self._restart is None
             or self._is_cancelled
             or self.final is not None
-            or self._seed is None
             or self.resumes >= MAX_RESUMES
             or not is_broken(error)
         ):
+            return None
+        if self._seed is None and (self._token_ids[0] or not is_cut(error)):
             return None
         self.resumes += 1
         return self._restart(list(self._token_ids[0]), self._seed)
@@ -174,7 +183,7 @@ class Generation(_Stream):
     """
 
     def __init__(
-        self, call: grpc.Call, n: int = 1, restart: Callable[[list[int], int], grpc.Call] | None = None
+        self, call: grpc.Call, n: int = 1, restart: Callable[[list[int], int | None], grpc.Call] | None = None
     ) -> None:
         super().__init__(call, n, restart)
         self._call: grpc.Call = call
@@ -224,7 +233,8 @@ class AsyncGeneration(_Stream):
         self,
         call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
         n: int = 1,
-        restart: Callable[[list[int], int], aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]] | None = None,
+        restart: Callable[[list[int], int | None], aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]]
+        | None = None,
     ) -> None:
         super().__init__(call, n, restart)
         self._call: aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] = call
