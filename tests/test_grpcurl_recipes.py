@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from lora_files import make_adapter
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "clients" / "grpcurl.md"
@@ -52,10 +53,11 @@ def parse_recipes(markdown: str) -> list[Recipe]:
 ALL = parse_recipes(RECIPES.read_text())
 
 
-def run(recipe: Recipe, target: str, timeout: float = 60) -> str:
-    """Runs one recipe against target; returns stdout and stderr together after checking exit 0."""
+def run(recipe: Recipe, target: str, timeout: float = 60, env: dict[str, str] | None = None) -> str:
+    """Runs one recipe against target, with env added to its environment; returns stdout and
+    stderr together after checking exit 0."""
     assert (BIN / "grpcurl").exists(), f"{BIN / 'grpcurl'} is missing: install the test extra"
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, **(env or {}), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(
         ["bash", "-c", recipe.command.replace(DOC_TARGET, target)],
         cwd=REPO,
@@ -111,6 +113,15 @@ def one(check: Callable[[dict], bool]) -> Callable[[str], None]:
     return run_check
 
 
+def adapter_round_trip(output: str) -> None:
+    """LoadAdapter's AdapterInfo, a stream with the adapter, then UnloadAdapter's empty answer."""
+    response, *streamed, unloaded = json_messages(output)
+    loaded = response["adapter"]
+    assert loaded["name"] == "sql" and loaded["rank"] == 8 and "q_proj" in loaded["target_modules"], loaded
+    assert streamed[-1]["finish_reason"].startswith("FINISH_REASON_") and streamed[-1]["usage"]["generated_tokens"] > 0
+    assert unloaded == {}
+
+
 def constrained(check: Callable[[str], object]) -> Callable[[str], None]:
     """A stream whose whole text passes check and that ends with FINISH_REASON_CONSTRAINT."""
 
@@ -155,6 +166,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "ServerStatus#0": one(lambda m: m["mode"].startswith("SCHEDULING_MODE_") and m["uptime_seconds"] > 0),
     "Health check#0": one(lambda m: m == {"status": "SERVING"}),
     "Health check#1": one(lambda m: m == {"status": "SERVING"}),
+    "Load, use and unload an adapter#0": adapter_round_trip,
 }  # fmt: skip
 
 
@@ -166,8 +178,11 @@ def test_every_recipe_is_checked():
 
 
 @pytest.mark.parametrize("recipe", [r for r in ALL if r.heading != CANCEL_SECTION], ids=lambda r: r.id)
-def test_recipe(recipe: Recipe, smol):
-    CHECKS[recipe.id](run(recipe, smol.target))
+def test_recipe(recipe: Recipe, smol, smol_dir, tmp_path):
+    env = {}
+    if "$ADAPTER" in recipe.command:  # a rank-8 adapter of the embedded model, made by PEFT
+        env["ADAPTER"] = str(make_adapter(smol_dir, tmp_path / "sql", rank=8))
+    CHECKS[recipe.id](run(recipe, smol.target, env=env))
 
 
 def test_cancellation_recipe(smol):
