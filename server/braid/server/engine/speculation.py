@@ -24,10 +24,12 @@ all, so a long copy gets long proposals and paraphrase gets short ones (each rej
 row of the pass spent for nothing). With a draft model, a verification that confirms nothing also
 rests the session's proposals for 1, 2, 4 ... 32 steps: a draft's proposals cost a draft pass. An
 n-gram's cost only their rows, and where the output copies its input again after a change, the
-very next lookup is the likeliest to hit, so an n-gram session never rests. (Replaying the
-copy-heavy benchmark's greedy outputs through both rules, with a pass's measured cost per proposal
-row: the copy point, the 2-token window floor and no rest for the n-gram each gave 3-4% more output
-tokens per second, together 9%; docs/benchmarks.md.)
+very next lookup is the likeliest to hit: its first miss in a row is free, and only from the
+second on does it rest, 1, 2, 4, then 8 steps at most (so output that never repeats its input,
+a random model's, wastes few rows). (Replaying the copy-heavy benchmark's greedy outputs through
+both rules, with a pass's measured cost per proposal row: the copy point, the 2-token window floor
+and the free first miss each gave 3-4% more output tokens per second, together 7%; end to end
+about 2%, within the runs' spread: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from braid.server.runner.rows import Row, Sampling
 _LOGGER = logging.getLogger(__name__)
 GREEDY = Sampling()  # the draft proposes its most likely tokens
 
-MAX_REST = 32  # steps a session that keeps missing waits between tries
+MAX_REST = 32  # steps a draft session that keeps missing waits between tries
+MAX_NGRAM_REST = 8  # and an n-gram one, whose misses cost only their rows
 
 
 NEAR_COPY = 4  # tokens after the copy point where the last token alone may match
@@ -256,7 +259,9 @@ class Speculator:
             s.copy_at += accepted + 1
         if accepted:
             s.misses = 0
-        else:
+        elif isinstance(self.proposer, DraftProposer):
             s.misses += 1
-            if isinstance(self.proposer, DraftProposer):
-                s.rest = min(2 ** (s.misses - 1), MAX_REST)
+            s.rest = min(2 ** (s.misses - 1), MAX_REST)
+        else:  # the first miss in a row is free: the next lookup is the likeliest to hit
+            s.misses += 1
+            s.rest = min(2 ** (s.misses - 2), MAX_NGRAM_REST) if s.misses > 1 else 0
