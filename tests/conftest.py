@@ -30,6 +30,13 @@ LONG = dict(max_new_tokens=900, ignore_eos=True)
 SLOW = {"BRAID_INJECT_FAULT": "delay:3"}
 START_TIMEOUT_S = 180
 DEVICE = "cpu"  # pytest's --device: where every Server runs (braid serve --device)
+# Under pytest-xdist (make test: two workers on a 2-core machine), a server the tests start runs on
+# one thread unless it names --threads: two workers' servers with a thread per core each, beside
+# the workers' own reference computations, left more runnable threads than cores, and every pass's
+# OpenMP barriers waited out other processes' time slices. The tests of the threaded kernels pass
+# --threads themselves (and the in-process ones use torch's threads).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("BRAID_THREADS", "1")
 
 
 def pytest_addoption(parser) -> None:
