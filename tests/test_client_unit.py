@@ -44,7 +44,7 @@ from braid.client import (
     describe,
     finish_reason_name,
 )
-from braid.client.generation import MAX_RESUMES
+from braid.client.generation import MAX_RESUMES, RESUME_BACKOFF_S
 from braid.client.request import PARAMS, build_request, build_tokenize_request
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
 from braid.v1 import generate_pb2 as pb
@@ -983,10 +983,15 @@ def _serve(servicer: generate_pb2_grpc.GenerateServicer) -> tuple[grpc.Server, s
     return server, f"127.0.0.1:{port}"
 
 
-def test_a_stream_cut_before_its_headers_is_sent_again_as_it_was() -> None:
+def test_a_stream_cut_before_its_headers_is_sent_again_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """It delivered nothing, so the same request goes again (no resume_token_ids, the request's own
     seed); it failed the rolling restart's load before. A server error before the headers is not
-    sent again, nor is a stream cut more often than the client resumes one."""
+    sent again, nor is a stream cut more often than the client resumes one; each resume waits
+    longer than the one before."""
+    import braid.client.generation as generation_module
+
+    waits: list[float] = []
+    monkeypatch.setattr(generation_module.time, "sleep", waits.append)
     servicer = CutBeforeHeaders(cuts=1)
     server, target = _serve(servicer)
     try:
@@ -998,6 +1003,9 @@ def test_a_stream_cut_before_its_headers_is_sent_again_as_it_was() -> None:
         with Client(target) as client, pytest.raises(grpc.RpcError) as cut:
             list(client.stream("hi"))
         assert cut.value.details() == CUTS[0][1] and len(servicer.requests) == 1 + MAX_RESUMES
+        assert waits == [
+            RESUME_BACKOFF_S * f for f in (1, 1, 2, 4)
+        ]  # the first stream's one resume, then the second's three
     finally:
         server.stop(0)
     servicer = CutBeforeHeaders(cuts=1, code=grpc.StatusCode.INTERNAL, details="forward pass failed: boom")

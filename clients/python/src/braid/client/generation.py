@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ SEED_KEY = "braid-seed"
 # server or the connection to it went away. RST_STREAM, or "Stream removed" (an END_STREAM with no
 # status): a proxy cut the stream when its replica died or drained.
 MAX_RESUMES = 3
+RESUME_BACKOFF_S = 0.25  # before the first resume; doubled before each further one
 
 
 def is_cut(error: grpc.RpcError) -> bool:
@@ -152,12 +154,11 @@ class _Stream:
         if isinstance(seed, str) and seed.isdigit():
             self._seed = int(seed)
 
-    def _resume_call(self, error: grpc.RpcError) -> Any:
-        """A call that resumes this broken stream, or None if it cannot be resumed (then the error
-        stands): not resumable, or resumed too often. A stream cut before its headers (a proxy
-        whose replica exited as the call reached it: the rolling-restart test saw UNKNOWN "Stream
-        removed") delivered nothing and is sent again as it was; gRPC's retry policy already sent
-        one refused with UNAVAILABLE again, and is left to."""
+    def _resumable(self, error: grpc.RpcError) -> bool:
+        """Whether this broken stream is resumed: not if it is not resumable, or was resumed too
+        often. A stream cut before its headers (a proxy whose replica exited as the call reached
+        it: the rolling-restart test saw UNKNOWN "Stream removed") delivered nothing and is sent
+        again as it was; gRPC's retry policy already sent one refused with UNAVAILABLE again."""
         if (
             self._restart is None
             or self._is_cancelled
@@ -165,9 +166,18 @@ class _Stream:
             or self.resumes >= MAX_RESUMES
             or not is_broken(error)
         ):
-            return None
-        if self._seed is None and (self._token_ids[0] or not is_cut(error)):
-            return None
+            return False
+        return self._seed is not None or (not self._token_ids[0] and is_cut(error))
+
+    def _resume_delay(self) -> float:
+        """How long to wait before the next resume: a proxy that balances by least connections
+        sends a call straight back to a replica that has just drained its streams until its health
+        check takes it out, and a call resumed at once was cut there again (three times running)."""
+        return float(RESUME_BACKOFF_S * 2**self.resumes)
+
+    def _resume_call(self) -> Any:
+        """A call that resumes this broken stream (_resumable) from the tokens it delivered."""
+        assert self._restart is not None
         self.resumes += 1
         return self._restart(list(self._token_ids[0]), self._seed)
 
@@ -202,9 +212,10 @@ class Generation(_Stream):
             except grpc.RpcError as error:
                 if self._is_cancelled and error.code() == grpc.StatusCode.CANCELLED:  # cancel() from a thread
                     raise StopIteration from None
-                resumed = self._resume_call(error)
-                if resumed is None:
+                if not self._resumable(error):
                     raise from_rpc_error(error) from error
+                time.sleep(self._resume_delay())
+                resumed = self._resume_call()
                 self._call, self._responses = resumed, cast(Iterator[pb.GenerateResponse], resumed)
         if self._header_request_id is None:
             self._record_headers(self._call.initial_metadata())
@@ -254,10 +265,10 @@ class AsyncGeneration(_Stream):
                     raise StopAsyncIteration from None
                 raise
             except grpc.RpcError as error:
-                resumed = self._resume_call(error)
-                if resumed is None:
+                if not self._resumable(error):
                     raise from_rpc_error(error) from error
-                self._call = resumed
+                await asyncio.sleep(self._resume_delay())
+                self._call = self._resume_call()
         if message is aio.EOF:
             raise StopAsyncIteration
         if self._header_request_id is None:
