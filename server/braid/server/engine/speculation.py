@@ -49,8 +49,6 @@ GREEDY = Sampling()  # the draft proposes its most likely tokens
 
 MAX_REST = 32  # steps a draft session that keeps missing waits between tries
 MAX_NGRAM_REST = 8  # and an n-gram one, whose misses cost only their rows
-
-
 NEAR_COPY = 4  # tokens after the copy point where the last token alone may match
 
 
@@ -68,23 +66,27 @@ class NgramProposer:
             return [], -1
         packed = array("i", tokens)
         data, size = packed.tobytes(), packed.itemsize  # searched by bytes.find and rfind, in C
+        at, n = self._match(data, size, copy_at)
+        if at < 0:
+            return [], -1
+        follow = at // size + n
+        return list(tokens[follow : follow + k]), follow
+
+    def _match(self, data: bytes, size: int, copy_at: int | None) -> tuple[int, int]:
+        """Where (a byte offset into data) the run of last tokens that proposes occurred before,
+        and its length in tokens; (-1, 0) if none did."""
         end = len(data) - size  # a match must end before the last token
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+        for n in range(min(self.max_n, len(data) // size - 1), self.min_n - 1, -1):
             suffix = data[-n * size :]
-            at = -1
-            if copy_at is not None:
-                at = _find(data, suffix, max(0, copy_at - n) * size, end, size)
+            at = -1 if copy_at is None else _find(data, suffix, max(0, copy_at - n) * size, end, size)
             if at < 0:
                 at = _rfind(data, suffix, end, size)
             if at >= 0:
-                follow = at // size + n
-                return list(tokens[follow : follow + k]), follow
+                return at, n
         if copy_at is not None and self.min_n > 1:
-            at = _find(data, data[-size:], max(0, copy_at - 1) * size, min(end, (copy_at + NEAR_COPY) * size), size)
-            if at >= 0:
-                follow = at // size + 1
-                return list(tokens[follow : follow + k]), follow
-        return [], -1
+            near = min(end, (copy_at + NEAR_COPY) * size)
+            return _find(data, data[-size:], max(0, copy_at - 1) * size, near, size), 1
+        return -1, 0
 
 
 def _find(data: bytes, pattern: bytes, start: int, stop: int, size: int) -> int:
@@ -207,6 +209,9 @@ class Speculator:
         self.proposer = proposer
         self.max_tokens = max_tokens  # --speculative-tokens
         self.max_seq_len = max_seq_len
+        # misses in a row that cost no rest, and the longest rest (the module's docstring)
+        draft = isinstance(proposer, DraftProposer)
+        self.free_misses, self.max_rest = (0, MAX_REST) if draft else (1, MAX_NGRAM_REST)
 
     def wants(self, s: Session, limit: int) -> int:
         """How many proposals the session may make for its next pass, at most `limit`: none while
@@ -253,15 +258,9 @@ class Speculator:
     def verified(self, s: Session, proposed: int, accepted: int) -> None:
         s.num_proposed += proposed
         s.num_accepted += accepted
-        full = accepted == proposed
-        s.window = min(self.max_tokens, 2 * proposed if full else max(accepted + 1, 2))
+        s.window = min(self.max_tokens, 2 * proposed if accepted == proposed else max(accepted + 1, 2))
         if s.copy_at is not None:  # past what it copied, and the token sampled after
             s.copy_at += accepted + 1
-        if accepted:
-            s.misses = 0
-        elif isinstance(self.proposer, DraftProposer):
-            s.misses += 1
-            s.rest = min(2 ** (s.misses - 1), MAX_REST)
-        else:  # the first miss in a row is free: the next lookup is the likeliest to hit
-            s.misses += 1
-            s.rest = min(2 ** (s.misses - 2), MAX_NGRAM_REST) if s.misses > 1 else 0
+        s.misses = 0 if accepted else s.misses + 1
+        paid = s.misses - self.free_misses  # misses that rest it: 1, 2, 4 ... steps
+        s.rest = min(2 ** (paid - 1), self.max_rest) if paid > 0 else 0

@@ -226,7 +226,7 @@ def build_adapter(
         for stacked in (a, b):
             for key, value in stacked.items():
                 stacked[key] = value.to(torch.bfloat16).to(torch.float32)
-    bf16 = all(torch.equal(v, v.to(torch.bfloat16).to(torch.float32)) for v in (*a.values(), *b.values()))
+    bf16 = round_bf16 or all(torch.equal(v, v.to(torch.bfloat16).to(torch.float32)) for v in (*a.values(), *b.values()))
     return Adapter(info, [_stack(layer, a, b, base.targets, dtype) for layer in range(base.num_layers)], bf16)
 
 
