@@ -33,6 +33,36 @@ static inline void kv_store(void *cache, int kv_fmt, long index, const float *x,
     }
 }
 
+/* The weighted sum of the values for NG query heads from g0 and NJ chunks (vectors of VEC) from j
+ * of their value vectors: out[g][j + c] = inv[g] * sum over positions [lo, L) of sc[g][t] V[t][j + c].
+ * Every value vector is read once for the NG heads, and the NG x NJ sums run side by side, each in its
+ * own register and over the positions in order: the same sums in the same order as one head and one
+ * chunk at a time, whose every multiply-add waited on the one before and which read the values once
+ * per head. NG (1 to 4) and NJ (4 or 1) are constants where attend calls it, so the loops unroll.
+ * sc: G rows of n_seen scores. At 600 positions this made a one-row pass of the embedded model 22%
+ * faster, and a verification of 8 proposals 27% (with the key sums below). */
+static inline __attribute__((always_inline)) void weigh_values(const void *v_cache, const int kv_fmt,
+                                                               const int64_t *table, long first_page, long lo,
+                                                               long L, long page_stride, long head, long D, long P,
+                                                               const float *sc, long n_seen, long g0, const int NG,
+                                                               long j, const int NJ, const float *inv, float *out) {
+    vf acc[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < NJ; c++) acc[g][c] = vzero();
+    for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
+        const long base = table[page] * page_stride + head + VEC * j, n = L - t0 < P ? L - t0 : P;
+        for (long i = t0 < lo ? lo - t0 : 0; i < n; i++) {
+            vf v[4], w[4];
+            for (int c = 0; c < NJ; c++) v[c] = kv_load(v_cache, kv_fmt, base + i * D + VEC * c);
+            for (int g = 0; g < NG; g++) w[g] = vset1(sc[(g0 + g) * n_seen + t0 + i - lo]);
+            for (int g = 0; g < NG; g++)
+                for (int c = 0; c < NJ; c++) acc[g][c] = vfmadd(w[g], v[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < NJ; c++) vstore(out + (g0 + g) * D + VEC * (j + c), vmul(acc[g][c], vset1(inv[g0 + g])));
+}
+
 /* One (sequence, KV head) task of decode_attention: writes the new key and value at position L - 1
  * (unless `write` is 0: they are in the cache already) and attends the head's G query heads over
  * positions [lo, L). Inlined once per kv_fmt, so the
@@ -50,6 +80,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         kv_store(v_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, v_new, D);
     }
     const long first_page = lo / P;
+    float inv[G]; /* per query head, 1 / the sum of its weights */
     for (long g = 0; g < G; g++) {
         const float *qg = q + g * D;
         float *sc = scores + g * n_seen, top = -INFINITY; /* sc[t - lo]: position t's score */
@@ -58,11 +89,13 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             long i = t0 < lo ? lo - t0 : 0;
             for (; i + VEC <= n; i += VEC) { /* VEC keys at a time, their sums in one transpose */
                 vf dots[VEC];
-                for (int r = 0; r < VEC; r++) {
-                    dots[r] = vzero();
-                    for (long j = 0; j < chunks; j++)
-                        dots[r] = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + (i + r) * D + VEC * j),
-                                         dots[r]);
+                for (int r = 0; r < VEC; r++) dots[r] = vzero();
+                /* chunk by chunk, the VEC keys' sums side by side: each key's is the same sum in the
+                 * same order as one key at a time, without each multiply-add waiting on the last */
+                for (long j = 0; j < chunks; j++) {
+                    const vf qj = vload(qg + VEC * j);
+                    for (int r = 0; r < VEC; r++)
+                        dots[r] = vfmadd(qj, kv_load(k_cache, kv_fmt, base + (i + r) * D + VEC * j), dots[r]);
                 }
                 vstore(sc + t0 + i - lo, vmul(vhsum(dots), vset1(scale)));
             }
@@ -88,17 +121,17 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             vstorem(k, sc + t, e);
             total = vadd(total, e);
         }
-        const vf inv = vset1(1.0f / vsum(total));
-        float *o = out + g * D;
-        for (long j = 0; j < chunks; j++) {
-            vf acc = vzero();
-            for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
-                const long base = table[page] * page_stride + head + VEC * j, n = L - t0 < P ? L - t0 : P;
-                for (long i = t0 < lo ? lo - t0 : 0; i < n; i++)
-                    acc = vfmadd(vset1(sc[t0 + i - lo]), kv_load(v_cache, kv_fmt, base + i * D), acc);
-            }
-            vstore(o + VEC * j, vmul(acc, inv));
-        }
+        inv[g] = 1.0f / vsum(total);
+    }
+    for (long g0 = 0; g0 < G; g0 += 4) {
+        const long heads = G - g0 < 4 ? G - g0 : 4;
+        long j = 0;
+        for (; j + 4 <= chunks; j += 4)
+            WITH_1_TO_4(heads, NG, weigh_values(v_cache, kv_fmt, table, first_page, lo, L, page_stride, head, D, P,
+                                                 scores, n_seen, g0, NG, j, 4, inv, out));
+        for (; j < chunks; j++)
+            WITH_1_TO_4(heads, NG, weigh_values(v_cache, kv_fmt, table, first_page, lo, L, page_stride, head, D, P,
+                                                 scores, n_seen, g0, NG, j, 1, inv, out));
     }
 #undef PAGE
 }
@@ -111,14 +144,14 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
  * softcap > 0, then softcap * tanh(score / softcap) (Gemma 2). Grouped-query: the H / KVH query
  * heads of a KV head share one pass over its keys and values. out: B rows (stride ldo) of H x D.
  * One task per (sequence, KV head); a sequence's result does not depend on the others in the
- * pass, nor on which pages it holds. D and P are multiples of 16. attention_task: the task of sequence
- * task / KVH and KV head task % KVH; with `write` 0 it attends over keys and values already written
- * (rows of one sequence that read each other's: decode_step.c writes them all first). */
+ * pass, nor on which pages it holds. D and P are multiples of 16. attention_task: the task of row b
+ * and KV head h; with `write` 0 it attends over keys and values already written (rows of one
+ * sequence that read each other's: decode_step.c writes them all first). */
 static void attention_task(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
                            void *v_cache, int kv_fmt, int write, const int64_t *tables, long table_stride,
                            const int64_t *positions, long H, long KVH, long D, long P, float scale, float softcap,
-                           long window, float *out, long ldo, long task) {
-    const long G = H / KVH, b = task / KVH, h = task % KVH, L = positions[b] + 1;
+                           long window, float *out, long ldo, long b, long h) {
+    const long G = H / KVH, L = positions[b] + 1;
     const long lo = window > 0 && L > window ? L - window : 0;
     const int64_t *table = tables + b * table_stride;
     const float *qb = q + b * ldq + h * G * D, *kb = k_new + b * ldq + h * D, *vb = v_new + b * ldq + h * D;
@@ -151,5 +184,5 @@ static void decode_attention(const float *q, const float *k_new, const float *v_
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && B * KVH > 1)
     for (long task = 0; task < B * KVH; task++)
         attention_task(q, k_new, v_new, ldq, k_cache, v_cache, kv_fmt, write, tables, table_stride, positions, H, KVH, D,
-                       P, scale, softcap, window, out, ldo, task);
+                       P, scale, softcap, window, out, ldo, task / KVH, task % KVH);
 }

@@ -81,16 +81,6 @@ static inline __attribute__((always_inline)) void down_rows(const float *x, long
         for (int j = 0; j < nv; j++) vstorem(vmask_n(cols - c0 - j * VEC), u + r * ldu + c0 + j * VEC, acc[r][j]);
 }
 
-/* CALL with NAME a constant: value, 1 to 4 (4 for more), so that the loops it runs unroll. */
-#define WITH_1_TO_4(value, NAME, CALL) do { \
-        switch (value) { \
-        case 1: { enum { NAME = 1 }; CALL; } break; \
-        case 2: { enum { NAME = 2 }; CALL; } break; \
-        case 3: { enum { NAME = 3 }; CALL; } break; \
-        default: { enum { NAME = 4 }; CALL; } break; \
-        } \
-    } while (0)
-
 /* CALL with NAME 1 where fields f hold bf16 matrices, else 0 (fp32), a constant as above. */
 #define WITH_BF16(f, NAME, CALL) do { \
         if ((f)[L_FMT] == F_BF16) { enum { NAME = 1 }; CALL; } \
@@ -214,7 +204,6 @@ static void lora_up(const step_t *s, const scratch_t *t, long layer, int group, 
         b += n;
     }
 }
-#undef WITH_1_TO_4
 #undef WITH_BF16
 
 /* gemm inside the step's parallel region, called by every thread with the same arguments: each
@@ -295,7 +284,7 @@ static void team_attention(const step_t *s, const int64_t *t) {
         else
             attention_task(s->qkv, k_new, v_new, width, k_cache, v_cache, s->kv_fmt, 1, s->tables,
                            s->table_stride, s->positions, s->H, KVH, D, s->page_size, s->scale, s->softcap,
-                           t[T_WINDOW], s->attn, qd, task);
+                           t[T_WINDOW], s->attn, qd, b, h);
     }
     if (!s->shared) return;
     /* the end of the loop above is the barrier: every key of the pass is in the cache */
@@ -303,7 +292,7 @@ static void team_attention(const step_t *s, const int64_t *t) {
     for (long task = 0; task < s->B * KVH; task++)
         attention_task(s->qkv, k_new, v_new, width, k_cache, v_cache, s->kv_fmt, 0, s->tables, s->table_stride,
                        s->positions, s->H, KVH, D, s->page_size, s->scale, s->softcap, t[T_WINDOW], s->attn, qd,
-                       task);
+                       task / KVH, task % KVH);
 }
 
 /* One thread's part of the pass. Returns 0, or -1 if it could not allocate a panel buffer. */

@@ -255,4 +255,14 @@ static inline vf vtanh(vf x) {
     return vselect_lt(a, vset1(0.625f), near, vwithsign(far, x));
 }
 
+/* CALL with NAME a constant: value, 1 to 4 (4 for more), so that the loops it runs unroll. */
+#define WITH_1_TO_4(value, NAME, CALL) do { \
+        switch (value) { \
+        case 1: { enum { NAME = 1 }; CALL; } break; \
+        case 2: { enum { NAME = 2 }; CALL; } break; \
+        case 3: { enum { NAME = 3 }; CALL; } break; \
+        default: { enum { NAME = 4 }; CALL; } break; \
+        } \
+    } while (0)
+
 #endif
