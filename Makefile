@@ -89,12 +89,21 @@ cluster: install
 # waits on a server it started; two at a time keep a 2-core machine busy (17.8 min -> 12.1 min here).
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
+# braid's own modules are compiled to bytecode first: an editable install leaves them as source, and
+# where PYTHONDONTWRITEBYTECODE is set (as in many containers and CI images) every process that
+# imports them compiles them again. The tests start over a hundred servers; each started 0.3-0.4 s
+# sooner (3.7 -> 3.3 s) once its imports were compiled. Python still checks every .pyc against its
+# source, so an edited file is compiled again in memory, never run stale.
+BYTECODE := $(PY) -m compileall -q -j 0 server clients/python/src tests > /dev/null
+
 test: install-test
+	@$(BYTECODE)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The fast tier: torch-free, in-process tests (marked unit; tests/unit/conftest.py imports nothing
 # else): the engine core with a scripted runner, the servicer over a fake engine client. Seconds.
 test-unit: install-test
+	@$(BYTECODE)
 	$(PY) -m pytest -q -m unit tests/unit
 
 # On a machine with a CUDA GPU (issue 18): the parity and mode-equivalence tests with their servers on
