@@ -16,6 +16,7 @@ import pytest
 from braid.client import AsyncClient
 from braid.client.errors import BraidError
 from conftest import Server, _reference_logits, assert_greedy, free_port, tiny_server
+from in_process import Model, generate, load_model
 from gguf_files import write_gguf
 from lora_files import ALL_TARGETS, make_adapter, merged, peft_logits, write_gguf_adapter
 from test_architectures import GGUF_CONFIG, _save, _tiny, _tiny_for_gguf
@@ -75,36 +76,13 @@ def test_peft_reference_merged_and_not_agree(bases, adapters):
         assert (unmerged - _reference_logits(bases[kind], tuple(ids))).abs().max() > 0.5, (kind, name)
 
 
-@pytest.mark.parametrize(
-    "kind, mode, extra",
-    [
-        ("llama", "continuous", ()),
-        ("llama", "sequential", ()),
-        ("llama", "interleaved", ()),
-        ("llama", "batched", ()),
-        ("llama", "continuous", ("--kernels", "torch")),  # CUDA's path: torch's ops
-        ("qwen3", "continuous", ()),
-        ("qwen3", "sequential", ()),
-        ("qwen3", "interleaved", ()),
-        ("qwen3", "batched", ()),
-    ],
-)
-def test_greedy_tokens_with_an_adapter_are_transformers_and_pefts(bases, adapters, kind, mode, extra):
-    """Each prompt with each adapter and with none, all at once: every token is the merged model's
-    greedy one (conftest's near-tie rule), and the adapters' tokens are not the base's."""
+def test_greedy_tokens_with_an_adapter_are_transformers_and_pefts(bases, adapters):
+    """Through a real server: each prompt with each adapter and with none, all at once, each call
+    naming its adapter; every token is the merged model's greedy one (conftest's near-tie rule), the
+    adapters' tokens are not the base's, and ModelInfo lists the adapters. (Every mode, Qwen3 and
+    torch's ops: the in-process test below.)"""
     server = Server(
-        [
-            "--model",
-            str(bases[kind]),
-            "--threads",
-            "1",
-            "--mode",
-            mode,
-            "--max-batch-size",
-            "16",
-            *_lora_args(adapters, kind),
-            *extra,
-        ]
+        ["--model", str(bases["llama"]), "--threads", "1", "--max-batch-size", "16", *_lora_args(adapters, "llama")]
     )
     try:
         with server.client() as client:
@@ -114,13 +92,61 @@ def test_greedy_tokens_with_an_adapter_are_transformers_and_pefts(bases, adapter
         results = asyncio.run(_greedy(server.target, jobs))
     finally:
         server.stop()
-    by_job = dict(zip(jobs, results))
+    _check_greedy(adapters, "llama", bases["llama"], dict(zip(jobs, results)))
+
+
+def _check_greedy(adapters, kind: str, base: Path, by_job: dict) -> None:
+    """by_job: (prompt, adapter) -> (prompt ids, greedy tokens), 12 of them; base: the base model."""
     for (prompt, adapter), (prompt_ids, generated) in by_job.items():
         assert len(generated) == 12
-        reference = adapters[kind, adapter][1] if adapter else bases[kind]
+        reference = adapters[kind, adapter][1] if adapter else base
         assert_greedy(reference, prompt_ids, generated)
     for adapter in ADAPTERS:
         assert any(by_job[p, adapter][1] != by_job[p, ""][1] for p in PROMPTS), adapter
+
+
+@pytest.fixture(scope="module")
+def loaded(bases):
+    """loaded(kind, kernels): the base's runner in this process (tests/in_process.py), built once."""
+    done: dict[tuple[str, str], Model] = {}
+
+    def get(kind: str, kernels: str) -> Model:
+        if (kind, kernels) not in done:
+            done[kind, kernels] = load_model(bases[kind], bases[kind].parent, kernels=kernels)
+        return done[kind, kernels]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "kind, mode, kernels",
+    [
+        ("llama", "continuous", "auto"),
+        ("llama", "sequential", "auto"),
+        ("llama", "interleaved", "auto"),
+        ("llama", "batched", "auto"),
+        ("llama", "continuous", "torch"),  # CUDA's path: torch's ops
+        ("qwen3", "continuous", "auto"),
+        ("qwen3", "sequential", "auto"),
+        ("qwen3", "interleaved", "auto"),
+        ("qwen3", "batched", "auto"),
+    ],
+)
+def test_greedy_tokens_with_an_adapter_in_every_mode(bases, adapters, loaded, kind, mode, kernels):
+    """In process, the engine in each mode over the base's runner with both adapters loaded
+    (--lora): each prompt with each adapter and with none, all at once, every token the merged
+    model's greedy one, the adapters' not the base's, and no page held after."""
+    model = loaded(kind, kernels)
+    jobs = [(p, a) for p in PROMPTS for a in ("", *ADAPTERS)]
+    outcomes = generate(
+        model,
+        [dict(prompt=p, adapter=a, max_new_tokens=12, ignore_eos=True) for p, a in jobs],
+        adapters=[(name, adapters[kind, name][0]) for name in ADAPTERS],
+        mode=mode,
+        max_batch_size=16,
+    )
+    by_job = {job: (model.tokenizer.encode_prompt(job[0]), o.token_ids) for job, o in zip(jobs, outcomes)}
+    _check_greedy(adapters, kind, bases[kind], by_job)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

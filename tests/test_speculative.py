@@ -14,6 +14,7 @@ import pytest
 from braid.client import AsyncClient, regex
 from braid.v1 import generate_pb2 as pb
 from conftest import MODES, Server, start_together, tiny_model, wait_for
+from in_process import Model, Outcome, generate, load_model
 
 PASSAGE = (
     "The river rises in the hills above the town and runs for forty miles to the sea. In spring the "
@@ -31,6 +32,8 @@ FIX = [
 RAW = [PASSAGE + "\n\n" + PASSAGE[:60], "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7", "Hi", "A list: apples, pears, apples,"]
 SPECULATIVE = ["--speculative", "ngram", "--speculative-tokens", "6"]
 SMOL = ["--kv-cache-memory", "256MiB", "--threads", "2"]
+# SPECULATIVE with --ngram-min 1, as EngineConfig fields (the in-process tests)
+_NGRAM = dict(speculative="ngram", speculative_tokens=6, ngram_min=1)
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +119,50 @@ def expected_greedy():
     return get
 
 
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_dir) -> Model:
+    """The tiny model's runner, in this process (tests/in_process.py): every mode's engine runs on it."""
+    return load_model(tiny_dir, tiny_dir.parent)
+
+
+@pytest.fixture(scope="module")
+def plain_in_process(tiny_loaded):
+    """plain_in_process(mode): _greedy_requests() with top_logprobs=2 through the tiny model without
+    speculation, once per mode for the module (the ngram and the draft tests compare with it)."""
+    done: dict[str, list[Outcome]] = {}
+
+    def get(mode: str) -> list[Outcome]:
+        if mode not in done:
+            done[mode] = generate(tiny_loaded, _tops_requested(), **_TINY, mode=mode)
+        return done[mode]
+
+    return get
+
+
+# As the tiny servers of this module run: --threads 1 --max-batch-size 16 --max-wait-ms 5.
+_TINY = dict(max_batch_size=16, max_wait_ms=5)
+
+
+def _tops_requested() -> list[dict]:
+    return [dict(r, top_logprobs=2) for r in _greedy_requests()]
+
+
+def _tops(logprobs) -> list[list[tuple[int, float]]]:
+    """Each token's most likely tokens as (id, logprob), from the engine's logprobs or the API's."""
+    return [[t if isinstance(t, tuple) else (t.token_id, t.logprob) for t in lp.top] for lp in logprobs]
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_tiny_greedy_tokens_are_the_same_with_speculation_in_every_mode(servers, speculating, expected_greedy, mode):
-    requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
-    expected = expected_greedy(servers(mode))
-    got = asyncio.run(_run(speculating(mode).target, requests))
-    kernels = _kernels(servers(mode))
-    for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected):
-        _same_but_for_a_near_tie(ids, e_ids, e_logprobs, kernels)
+def test_tiny_greedy_tokens_are_the_same_with_speculation_in_every_mode(tiny_loaded, plain_in_process, mode):
+    """In process: the engine in each mode with --speculative ngram (--speculative-tokens 6,
+    proposing after one token matches, so that there is much to reject) against the same without."""
+    expected = plain_in_process(mode)
+    got = generate(tiny_loaded, _tops_requested(), **_TINY, mode=mode, **_NGRAM)
+    for g, e in zip(got, expected):
+        _same_but_for_a_near_tie(g.token_ids, e.token_ids, _tops(e.logprobs), tiny_loaded.runner.kernels)
     # a random model seldom repeats itself: nearly every proposal is rejected, and changes nothing
-    assert sum(g[2].usage.proposed_tokens for g in got) > 0  # (9 to 30 in a run: sessions that miss rest)
-    assert all(e[2].usage.proposed_tokens == 0 for e in expected)
+    assert sum(g.final.proposed_tokens for g in got) > 0  # (9 to 30 in a run: sessions that miss rest)
+    assert all(e.final.proposed_tokens == 0 for e in expected)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,18 +178,18 @@ def test_embedded_model_greedy_tokens_are_the_same_with_speculation_in_every_mod
         if server is not fast:
             server.stop()
     for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected):
-        _same_but_for_a_near_tie(ids, e_ids, e_logprobs, kernels)
+        _same_but_for_a_near_tie(ids, e_ids, _tops(e_logprobs), kernels)
     copy = got[len(RAW)][2].usage  # the answer that repeats the passage
     assert copy.accepted_tokens > copy.generated_tokens / 5, copy  # (18 of 56 in one run: 1.5 tokens per pass)
 
 
-def _same_but_for_a_near_tie(ids: list[int], expected: list[int], logprobs: list, kernels: str) -> None:
+def _same_but_for_a_near_tie(ids: list[int], expected: list[int], tops: list, kernels: str) -> None:
     """The same greedy tokens. On braid's kernels (ModelInfo.kernels, not "torch"), exactly: every row
     of every pass attends by itself through its page table in the one C call, so a position's numbers
     are the same bits whether a prompt chunk, a proposal or a decode step computes it
     (tests/unit/test_decode_step.py). On torch's ops, passes of other shapes round differently: where
-    the tokens first differ, the two best of the plain run's step must be within 0.1 nats of each
-    other, as the modes' tests allow."""
+    the tokens first differ, the two best of the plain run's step (tops: each step's most likely
+    tokens as (id, logprob), _tops) must be within 0.1 nats of each other, as the modes' tests allow."""
     if kernels != "torch":
         assert ids == expected
         return
@@ -161,9 +197,9 @@ def _same_but_for_a_near_tie(ids: list[int], expected: list[int], logprobs: list
         return
     k = next((i for i, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))
     assert k < min(len(ids), len(expected)), f"one is a prefix of the other: {len(ids)} and {len(expected)} tokens"
-    best, second = logprobs[k].top[:2]
-    assert {ids[k], expected[k]} == {best.token_id, second.token_id}, (k, ids[k], expected[k], logprobs[k])
-    assert best.logprob - second.logprob < 0.1, (k, best, second)
+    (best, best_lp), (second, second_lp) = tops[k][:2]
+    assert {ids[k], expected[k]} == {best, second}, (k, ids[k], expected[k], tops[k])
+    assert best_lp - second_lp < 0.1, (k, tops[k])
 
 
 def _kernels(server) -> str:
@@ -291,47 +327,35 @@ def other_tiny_dir(tmp_path_factory, smol_dir):
     return path
 
 
+@pytest.fixture(scope="module")
+def drafts(tiny_dir, other_tiny_dir) -> dict[str, Model]:
+    """Draft runners of their own (each with its own KV cache), as --draft-model builds them: the tiny
+    model itself, and another tiny random model of the same vocabulary."""
+    return {"same": load_model(tiny_dir, tiny_dir.parent), "other": load_model(other_tiny_dir, other_tiny_dir.parent)}
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(
-    servers, tiny_dir, other_tiny_dir, expected_greedy, mode
-):
-    """The model drafting for itself: (nearly) every proposal accepted; a random draft: (nearly) none."""
-    requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
-    expected = expected_greedy(servers(mode))
-    common = [
-        "--model",
-        str(tiny_dir),
-        "--mode",
-        mode,
-        "--threads",
-        "1",
-        "--max-batch-size",
-        "16",
-        "--max-wait-ms",
-        "5",
-        "--speculative",
-        "draft",
-        "--speculative-tokens",
-        "4",
-    ]
-    same, other = start_together(
-        lambda: Server([*common, "--draft-model", str(tiny_dir)]),
-        lambda: Server([*common, "--draft-model", str(other_tiny_dir)]),
-    )
-    try:
-        for server, accepted in ((same, 0.9), (other, 0.0)):
-            got = asyncio.run(_run(server.target, requests))
-            for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected):
-                _same_but_for_a_near_tie(ids, e_ids, e_logprobs, _kernels(server))
-            proposed = sum(g[2].usage.proposed_tokens for g in got)
-            assert proposed > 0 and sum(g[2].usage.accepted_tokens for g in got) >= accepted * proposed
-            with server.client() as client:
-                status = wait_for(lambda: (s := client.server_status()).sessions_active == 0 and s)
-                assert status.kv_pages_used == 0
-                assert client.model_info().speculative == "draft"
-    finally:
-        same.stop()
-        other.stop()
+def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(tiny_loaded, drafts, plain_in_process, mode):
+    """In process, the engine in each mode with --speculative draft (--speculative-tokens 4): the
+    model drafting for itself has (nearly) every proposal accepted, a random draft (nearly) none; the
+    tokens are the same as without, and no page is held after (in_process.generate checks)."""
+    expected = plain_in_process(mode)
+    for name, accepted in (("same", 0.9), ("other", 0.0)):
+        draft = drafts[name]
+        got = generate(
+            tiny_loaded,
+            _tops_requested(),
+            draft,
+            **_TINY,
+            mode=mode,
+            speculative="draft",
+            draft_model=draft.path,
+            speculative_tokens=4,
+        )
+        for g, e in zip(got, expected):
+            _same_but_for_a_near_tie(g.token_ids, e.token_ids, _tops(e.logprobs), tiny_loaded.runner.kernels)
+        proposed = sum(g.final.proposed_tokens for g in got)
+        assert proposed > 0 and sum(g.final.accepted_tokens for g in got) >= accepted * proposed, name
 
 
 def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, tiny_dir, expected_greedy):

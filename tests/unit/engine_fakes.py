@@ -114,20 +114,22 @@ class NumberTokenizer:
 
 
 class Harness:
-    """An EngineCore over a ScriptedRunner, with sessions made by the real Admission."""
+    """An EngineCore over a ScriptedRunner, with sessions made by the real Admission. The tests of the
+    in-process tier (tests/in_process.py) give it a real model runner and tokenizer instead."""
 
-    def __init__(self, runner: ScriptedRunner | None = None, draft: ScriptedRunner | None = None, **config) -> None:
-        """draft: --speculative draft's runner (config: speculative="draft", draft_model="...")."""
+    def __init__(self, runner=None, draft=None, tokenizer=None, **config) -> None:
+        """runner: a ScriptedRunner (default) or any runner behind the engine's Runner port; draft:
+        --speculative draft's runner (config: speculative="draft", draft_model="..."); tokenizer:
+        engine/tokenizer.py's interface (default: NumberTokenizer)."""
         self.runner = runner or ScriptedRunner()
+        tokenizer = tokenizer or NumberTokenizer()
         self.config = EngineConfig(**{"max_wait_ms": 0, **config})
         self.books = Books(self.config.max_queued)
         self.adapters = Adapters(self.runner, self.config.max_loras, self.config.max_lora_rank)
-        self.core = EngineCore(
-            self.config, self.runner, NumberTokenizer.eos_token_ids, self.books, self.adapters, draft
-        )
+        self.core = EngineCore(self.config, self.runner, tokenizer.eos_token_ids, self.books, self.adapters, draft)
         self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
         self.admission = Admission(
-            NumberTokenizer(),
+            tokenizer,
             self.runner.max_seq_len,
             self.books,
             self.runner.random_state,
@@ -151,12 +153,13 @@ class Harness:
         resume: Sequence[int] = (),
         deadline: float | None = None,
         adapter: str = "",
+        messages: Sequence[Message] = (),
         **params,
     ) -> list[SessionHandle]:
         """A request queued as the edge queues it (its sessions added to the core)."""
         request = GenerationRequest(
             prompt=prompt,
-            messages=(),
+            messages=tuple(messages),
             params=SamplingParams(**params),
             request_id=f"r{len(self.events)}",
             n=n,
@@ -164,7 +167,7 @@ class Harness:
             deadline=deadline,
             adapter=adapter,
         )
-        handles = self.admission.submit(self.admission.admit(prompt, ()), request, self.loop)
+        handles = self.admission.submit(self.admission.admit(prompt, request.messages), request, self.loop)
         for h in handles:
             self.events.setdefault(h.session_id, [])
         self._collect(self.core.take_events())
