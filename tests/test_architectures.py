@@ -236,6 +236,30 @@ async def _greedy_all(
     return [(ids, out) for ids, out, _ in results]
 
 
+def test_greedy_tokens_are_transformers_own(served, folders):
+    """Through a real server, on transformers' fallback (GPT-2): greedy tokens and their logprobs,
+    three prompts of different lengths at once (their decode rows run as one padded batch). Every
+    mode and the other families: the in-process test below."""
+    server = served("gpt2", "continuous")
+    with server.client() as client:
+        assert client.model_info().runner == "transformers"
+    logprobs: list[list[float]] = []
+    results = asyncio.run(_greedy_all(server.target, logprobs=logprobs))
+    _check_greedy_and_logprobs(folders("gpt2"), [(ids, out, lp) for (ids, out), lp in zip(results, logprobs)])
+
+
+def _check_greedy_and_logprobs(folder: Path, results: list[tuple[list[int], list[int], list[float]]]) -> None:
+    """results: per prompt (prompt ids, 12 greedy tokens, their logprobs), against transformers'."""
+    import torch
+
+    for prompt_ids, generated, chosen in results:
+        assert len(generated) == 12
+        assert_greedy(folder, prompt_ids, generated)
+        logits = _reference_logits(folder, tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1 :]
+        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
+        assert chosen == pytest.approx(expected.tolist(), abs=1e-3)
+
+
 @pytest.mark.parametrize(
     "kind, mode, runner",
     [
@@ -250,21 +274,23 @@ async def _greedy_all(
         ("gemma3", "continuous", "braid"),
     ],
 )
-def test_greedy_tokens_are_transformers_own(served, folders, kind, mode, runner):
-    """Greedy tokens and their logprobs, three prompts of different lengths at once (on the
-    fallback, their decode rows run as one padded batch where the mode batches them)."""
-    import torch
+def test_greedy_tokens_are_transformers_own_in_every_mode(folders, kind, mode, runner):
+    """In process (tests/in_process.py), the engine in the mode over the runner a server builds:
+    greedy tokens and their logprobs, three prompts of different lengths at once (on the fallback,
+    their decode rows run as one padded batch where the mode batches them)."""
+    from in_process import generate, load_model
 
-    server = served(kind, mode)
-    with server.client() as client:
-        assert client.model_info().runner == runner
-    logprobs: list[list[float]] = []
-    for (prompt_ids, generated), chosen in zip(asyncio.run(_greedy_all(server.target, logprobs=logprobs)), logprobs):
-        assert len(generated) == 12
-        assert_greedy(folders(kind), prompt_ids, generated)
-        logits = _reference_logits(folders(kind), tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1 :]
-        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
-        assert chosen == pytest.approx(expected.tolist(), abs=1e-3)
+    model = load_model(folders(kind), folders(kind).parent)
+    assert model.runner.path == runner
+    requests = [dict(prompt=p, max_new_tokens=12, ignore_eos=True, logprobs=True) for p in PROMPTS]
+    outcomes = generate(model, requests, mode=mode, max_batch_size=8, max_wait_ms=5)
+    _check_greedy_and_logprobs(
+        folders(kind),
+        [
+            (model.tokenizer.encode_prompt(p), o.token_ids, [lp.logprob for lp in o.logprobs])
+            for p, o in zip(PROMPTS, outcomes)
+        ],
+    )
 
 
 # One GGUF file goes through a real server (conversion at start, Tokenize, Stream, ModelInfo); the

@@ -398,39 +398,20 @@ def test_q8_0_leaves_a_matrix_whose_rows_are_not_whole_blocks_in_float(caplog):
 
 def test_every_mode_serves_q8_0_weights_and_a_row_ignores_its_batch(tiny_dir):
     """--quantization q8_0 in all four modes, multiplying int8 rows (--activations auto): three
-    concurrent greedy streams get, in every mode, the tokens sequential mode gives each alone. braid's kernels compute a row the same whatever
-    shares its pass (torch's ops may not, so there this needs them)."""
-    import concurrent.futures
-
+    greedy requests at once get, in every mode, the tokens sequential mode gives each alone. braid's
+    kernels compute a row the same whatever shares its pass (torch's ops may not, so there this needs
+    them). In process (tests/in_process.py): every mode's engine over one q8_0 runner."""
     from conftest import MODES
+    from in_process import generate, load_model
 
+    model = load_model(tiny_dir, tiny_dir.parent, quantization="q8_0")
+    assert model.runner.weight_formats == {"q8_0": 15, "f32": 5}
+    assert model.runner.activations == ("float32" if model.runner.kernels == "torch" else "int8")  # auto
+    if model.runner.kernels == "torch":
+        pytest.skip("braid's kernels do not run on this CPU; torch's ops may round a row differently in another batch")
     prompts = ["The sea is", "Tell me a story about a fox", "1, 2, 3, 4,"]
-    tokens: dict[str, list[list[int]]] = {}
-    started = start_together(
-        *[
-            functools.partial(tiny_server, tiny_dir, "--quantization", "q8_0", "--mode", mode, "--max-wait-ms", "5")
-            for mode in MODES
-        ]
-    )
-    try:
-        for mode, server in zip(MODES, started):
-            with server.client() as client:
-                info = client.model_info()
-            assert dict(info.weight_formats) == {"q8_0": 15, "f32": 5}
-            assert info.activations == ("float32" if info.kernels == "torch" else "int8")  # --activations auto
-            if info.kernels == "torch":
-                pytest.skip(
-                    "braid's kernels do not run on this CPU; torch's ops may round a row differently in another batch"
-                )
-
-            def run(prompt: str) -> list[int]:
-                with server.client() as client:
-                    return list(client.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids)
-
-            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-                tokens[mode] = list(pool.map(run, prompts))
-    finally:
-        for server in started:
-            server.stop()
+    requests = [dict(prompt=p, max_new_tokens=16, ignore_eos=True) for p in prompts]
+    tokens = {mode: [o.token_ids for o in generate(model, requests, mode=mode, max_wait_ms=5)] for mode in MODES}
     for mode in MODES:
         assert tokens[mode] == tokens["sequential"], mode
+    assert all(len(t) == 16 for t in tokens["sequential"])

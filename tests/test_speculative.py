@@ -144,7 +144,8 @@ _TINY = dict(max_batch_size=16, max_wait_ms=5)
 
 
 def _tops_requested() -> list[dict]:
-    return [dict(r, top_logprobs=2) for r in _greedy_requests()]
+    """_greedy_requests() with top_logprobs=2, as the edge passes it on (logprobs with it)."""
+    return [dict(r, logprobs=True, top_logprobs=2) for r in _greedy_requests()]
 
 
 def _tops(logprobs) -> list[list[tuple[int, float]]]:
