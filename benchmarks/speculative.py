@@ -26,6 +26,7 @@ into docs/benchmarks.md (bench.py keeps it when it rewrites the page).
     .venv/bin/python benchmarks/speculative.py --quick --no-docs    # one round, fewer prompts
     .venv/bin/python benchmarks/speculative.py --quick --no-docs --requests 2 --max-new-tokens 24  # a smoke run
     .venv/bin/python benchmarks/speculative.py --systems ngram --speculative-tokens 8 --no-llama-cpp
+    .venv/bin/python benchmarks/speculative.py --systems ngram --no-llama-cpp --no-docs  # the copy-heavy target
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import bench
 import braid_server
+from braid.server.config import EngineConfig
 import llamacpp
 import report
 from workloads import PromptMaker
@@ -492,7 +494,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one round, fewer prompts")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every server")
-    parser.add_argument("--speculative-tokens", type=int, default=8)
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=EngineConfig.speculative_tokens,
+        help="K, for braid and llama.cpp alike (default: braid's own)",
+    )
     parser.add_argument(
         "--systems",
         default="none,ngram,draft-random,draft-self",
