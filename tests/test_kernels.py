@@ -48,7 +48,7 @@ FLOATS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 SHAPES = [(576, 960), (1536, 576), (64, 128), (577, 100), (3, 17), (64, 33)]
 BLOCK_SHAPES = [(576, 960), (1536, 577), (64, 33), (96, 17), (32, 1)]
 K_SHAPES = [(1536, 577), (256, 33), (512, 100)]
-ROWS = [1, 3, 16, 128]
+ROWS = [1, 3, 7, 12, 16, 128]
 
 
 @pytest.fixture(params=ISAS or ["none"])
@@ -161,7 +161,7 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", [*QUANTIZED])
 def test_int8_activations_in_every_quantized_format(isa, fmt):
-    """--activations int8 at 1, 3, 16 and 128 rows, with bias and accumulating: torch's answer on the
+    """--activations int8 at 1, 3, 7, 12, 16 and 128 rows, with bias and accumulating: torch's answer on the
     quantized rows to fp32 rounding (the integer sums are exact); and within the quantization's error
     of the fp32 answer: each x moves by at most half a step, max|x of its block| / 254, so an output
     by at most sum_k |W[n, k]| * max|x| / 254 (the tolerance is twice that)."""
@@ -200,7 +200,7 @@ def test_int8_activations_give_a_row_the_same_bits_alone_in_a_batch_and_in_every
         outs[build] = together = layer(x)
         for row in (0, 1, 12, 13, 69):
             assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), (build, row)
-        for rows in ((5, 22), (0, 3), (10, 26)):
+        for rows in ((5, 22), (0, 3), (10, 26), (2, 9), (30, 42), (40, 49)):  # 17, 3, 16, 7, 12, 9 rows
             assert torch.equal(layer(x[rows[0] : rows[1]]), together[rows[0] : rows[1]]), (build, rows)
     extension._cpu_kernels.select_isa(isa.isa)
     assert all(torch.equal(out, outs[ISAS[0]]) for out in outs.values()), list(outs)
