@@ -31,12 +31,14 @@ class Model:
     path: str
 
 
-def load_model(path: Path | str, cache_dir: Path, **config) -> Model:
-    """The runner `braid serve --model path` builds, on one thread; config: more EngineConfig
-    fields (kernels, activations, ...)."""
-    model = load(str(path), cache_dir)
-    engine_config = EngineConfig(model=str(path), threads=1, kv_cache_memory="128MiB", **config)
-    return Model(ModelRunner.build(engine_config, model), Tokenizer(model.hf_tokenizer, model.eos_token_ids), str(path))
+def load_model(path: Path | str | None, cache_dir: Path, **config) -> Model:
+    """The runner `braid serve --model path` builds (None: the embedded model), on one thread, with
+    a 128 MiB KV cache; config: other EngineConfig fields (kernels, activations, kv_cache_memory, ...)."""
+    name = None if path is None else str(path)
+    model = load(name, cache_dir)
+    engine_config = EngineConfig(**{"model": name, "threads": 1, "kv_cache_memory": "128MiB", **config})
+    runner = ModelRunner.build(engine_config, model)
+    return Model(runner, Tokenizer(model.hf_tokenizer, model.eos_token_ids), name or model.name)
 
 
 @dataclass

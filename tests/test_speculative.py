@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from braid.client import AsyncClient, regex
+from braid.server.model.loader import default_cache_dir
 from braid.v1 import generate_pb2 as pb
 from conftest import MODES, Server, start_together, tiny_model, wait_for
 from in_process import Model, Outcome, generate, load_model
@@ -166,22 +167,35 @@ def test_tiny_greedy_tokens_are_the_same_with_speculation_in_every_mode(tiny_loa
     assert all(e.final.proposed_tokens == 0 for e in expected)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_embedded_model_greedy_tokens_are_the_same_with_speculation_in_every_mode(smol_pair, expected_greedy, mode):
+def test_embedded_model_greedy_tokens_are_the_same_with_speculation(smol_pair, expected_greedy):
+    """Two servers, the embedded model without and with --speculative ngram, continuous mode: the
+    same tokens, and the answer that repeats the passage keeps proposals. (The other modes: below.)"""
     plain, fast = smol_pair
-    requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
-    expected = expected_greedy(plain)
-    server = fast if mode == "continuous" else Server(["--mode", mode, *SMOL, *SPECULATIVE])
-    try:
-        got = asyncio.run(_run(server.target, requests))
-        kernels = _kernels(server)
-    finally:
-        if server is not fast:
-            server.stop()
-    for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected):
-        _same_but_for_a_near_tie(ids, e_ids, _tops(e_logprobs), kernels)
+    got = asyncio.run(_run(fast.target, [dict(r, top_logprobs=2) for r in _greedy_requests()]))
+    for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected_greedy(plain)):
+        _same_but_for_a_near_tie(ids, e_ids, _tops(e_logprobs), _kernels(fast))
     copy = got[len(RAW)][2].usage  # the answer that repeats the passage
     assert copy.accepted_tokens > copy.generated_tokens / 5, copy  # (18 of 56 in one run: 1.5 tokens per pass)
+
+
+@pytest.fixture(scope="module")
+def smol_loaded() -> Model:
+    """The embedded model's runner, in this process (tests/in_process.py), as `braid serve` builds it."""
+    return load_model(None, default_cache_dir(), kv_cache_memory="256MiB")
+
+
+@pytest.mark.parametrize("mode", ["sequential", "interleaved", "batched"])
+def test_embedded_model_greedy_tokens_are_the_same_with_speculation_in_every_mode(
+    smol_pair, smol_loaded, expected_greedy, mode
+):
+    """In process, the engine in each other mode over the embedded model's runner, with --speculative
+    ngram (--speculative-tokens 6): the plain server's tokens, and proposals kept on the passage."""
+    expected = expected_greedy(smol_pair[0])
+    got = generate(smol_loaded, _tops_requested(), mode=mode, speculative="ngram", speculative_tokens=6)
+    for g, (e_ids, _, _, e_logprobs) in zip(got, expected):
+        _same_but_for_a_near_tie(g.token_ids, e_ids, _tops(e_logprobs), smol_loaded.runner.kernels)
+    copy = got[len(RAW)].final  # the answer that repeats the passage
+    assert copy.accepted_tokens > copy.generated_tokens / 5, copy
 
 
 def _same_but_for_a_near_tie(ids: list[int], expected: list[int], tops: list, kernels: str) -> None:
