@@ -983,6 +983,40 @@ def _serve(servicer: generate_pb2_grpc.GenerateServicer) -> tuple[grpc.Server, s
     return server, f"127.0.0.1:{port}"
 
 
+class CutAfterFinal(Story):
+    """Serves STORY, its final message included, then ends the stream with no status, as HAProxy
+    does when the replica exits just after its last message (the rolling-restart test's load)."""
+
+    def Stream(self, request: pb.GenerateRequest, context: Context) -> Iterator[pb.GenerateResponse]:
+        self.requests.append(request)
+        context.send_initial_metadata((("braid-seed", "42"),))
+        for i, token in enumerate(STORY):
+            reason = pb.FINISH_REASON_MAX_TOKENS if i == len(STORY) - 1 else pb.FINISH_REASON_UNSPECIFIED
+            yield pb.GenerateResponse(text=f"t{token} ", token_ids=[token], seed=42, finish_reason=reason)
+        context.abort(*CUTS[0])
+
+
+def test_a_stream_cut_after_its_final_message_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every token and the final message arrived: the cut lost only the status, so the stream ends
+    as it would have, with no error and no resume; sync and async alike. A stream cut before its
+    final message still resumes."""
+    servicer = CutAfterFinal()
+    server, target = _serve(servicer)
+    try:
+        with Client(target) as client, client.stream("hi") as generation:
+            assert [t for m in generation for t in m.token_ids] == STORY
+        assert (generation.finish_reason, generation.resumes, len(servicer.requests)) == ("MAX_TOKENS", 0, 1)
+
+        async def read() -> tuple[list[int], str | None]:
+            async with AsyncClient(target) as client:
+                streamed = client.stream("hi")
+                return [t async for m in streamed for t in m.token_ids], streamed.finish_reason
+
+        assert asyncio.run(read()) == (STORY, "MAX_TOKENS")
+    finally:
+        server.stop(0)
+
+
 def test_a_stream_cut_before_its_headers_is_sent_again_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """It delivered nothing, so the same request goes again (no resume_token_ids, the request's own
     seed); it failed the rolling restart's load before. A server error before the headers is not

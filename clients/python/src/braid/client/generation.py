@@ -154,6 +154,13 @@ class _Stream:
         if isinstance(seed, str) and seed.isdigit():
             self._seed = int(seed)
 
+    def _ended_but_for_its_status(self, error: grpc.RpcError) -> bool:
+        """Whether the stream broke after every sample's final message: a proxy whose replica exited
+        just then ends the stream with no status (the rolling-restart test's load saw UNKNOWN
+        "Stream removed" so). The final message says how it ended, and every token came before
+        it, so the stream has ended; only its OK status was lost."""
+        return self.final is not None and is_broken(error)
+
     def _resumable(self, error: grpc.RpcError) -> bool:
         """Whether this broken stream is resumed: not if it is not resumable, or was resumed too
         often. A stream cut before its headers (a proxy whose replica exited as the call reached
@@ -212,6 +219,8 @@ class Generation(_Stream):
             except grpc.RpcError as error:
                 if self._is_cancelled and error.code() == grpc.StatusCode.CANCELLED:  # cancel() from a thread
                     raise StopIteration from None
+                if self._ended_but_for_its_status(error):
+                    raise StopIteration from None
                 if not self._resumable(error):
                     raise from_rpc_error(error) from error
                 time.sleep(self._resume_delay())
@@ -265,6 +274,8 @@ class AsyncGeneration(_Stream):
                     raise StopAsyncIteration from None
                 raise
             except grpc.RpcError as error:
+                if self._ended_but_for_its_status(error):
+                    raise StopAsyncIteration from None
                 if not self._resumable(error):
                     raise from_rpc_error(error) from error
                 await asyncio.sleep(self._resume_delay())
