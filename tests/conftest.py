@@ -221,6 +221,24 @@ def slow(tiny_dir):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def in_process():
+    """in_process(path, **config): the model at `path`, its runner and tokenizer in this process
+    (tests/in_process.py), built once a module for each path and set of EngineConfig fields. One
+    engine at a time runs on it (a draft needs a runner of its own: in_process.load_model)."""
+    from in_process import Model, load_model  # torch: not at import, for make test-unit
+
+    made: dict[tuple, Model] = {}
+
+    def get(path: Path, **config) -> Model:
+        key = (str(path), tuple(sorted(config.items())))
+        if key not in made:
+            made[key] = load_model(path, path.parent, **config)
+        return made[key]
+
+    return get
+
+
 # Channel options for a client that stops reading: a 1 KiB receive window per stream that never
 # grows (no BDP probing), and a connection of its own. With grpc's defaults the window can take a
 # whole stream of small messages without the client reading any of it, so the server never has a

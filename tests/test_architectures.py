@@ -274,13 +274,13 @@ def _check_greedy_and_logprobs(folder: Path, results: list[tuple[list[int], list
         ("gemma3", "continuous", "braid"),
     ],
 )
-def test_greedy_tokens_are_transformers_own_in_every_mode(folders, kind, mode, runner):
+def test_greedy_tokens_are_transformers_own_in_every_mode(folders, in_process, kind, mode, runner):
     """In process (tests/in_process.py), the engine in the mode over the runner a server builds:
     greedy tokens and their logprobs, three prompts of different lengths at once (on the fallback,
     their decode rows run as one padded batch where the mode batches them)."""
-    from in_process import generate, load_model
+    from in_process import generate
 
-    model = load_model(folders(kind), folders(kind).parent)
+    model = in_process(folders(kind))
     assert model.runner.path == runner
     requests = [dict(prompt=p, max_new_tokens=12, ignore_eos=True, logprobs=True) for p in PROMPTS]
     outcomes = generate(model, requests, mode=mode, max_batch_size=8, max_wait_ms=5)

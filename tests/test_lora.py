@@ -16,7 +16,7 @@ import pytest
 from braid.client import AsyncClient
 from braid.client.errors import BraidError
 from conftest import Server, _reference_logits, assert_greedy, free_port, tiny_server
-from in_process import Model, generate, load_model
+from in_process import generate
 from gguf_files import write_gguf
 from lora_files import ALL_TARGETS, make_adapter, merged, peft_logits, write_gguf_adapter
 from test_architectures import GGUF_CONFIG, _save, _tiny, _tiny_for_gguf
@@ -105,19 +105,6 @@ def _check_greedy(adapters, kind: str, base: Path, by_job: dict) -> None:
         assert any(by_job[p, adapter][1] != by_job[p, ""][1] for p in PROMPTS), adapter
 
 
-@pytest.fixture(scope="module")
-def loaded(bases):
-    """loaded(kind, kernels): the base's runner in this process (tests/in_process.py), built once."""
-    done: dict[tuple[str, str], Model] = {}
-
-    def get(kind: str, kernels: str) -> Model:
-        if (kind, kernels) not in done:
-            done[kind, kernels] = load_model(bases[kind], bases[kind].parent, kernels=kernels)
-        return done[kind, kernels]
-
-    return get
-
-
 @pytest.mark.parametrize(
     "kind, mode, kernels",
     [
@@ -132,11 +119,11 @@ def loaded(bases):
         ("qwen3", "batched", "auto"),
     ],
 )
-def test_greedy_tokens_with_an_adapter_in_every_mode(bases, adapters, loaded, kind, mode, kernels):
+def test_greedy_tokens_with_an_adapter_in_every_mode(bases, adapters, in_process, kind, mode, kernels):
     """In process, the engine in each mode over the base's runner with both adapters loaded
     (--lora): each prompt with each adapter and with none, all at once, every token the merged
     model's greedy one, the adapters' not the base's, and no page held after."""
-    model = loaded(kind, kernels)
+    model = in_process(bases[kind], kernels=kernels)
     jobs = [(p, a) for p in PROMPTS for a in ("", *ADAPTERS)]
     outcomes = generate(
         model,
