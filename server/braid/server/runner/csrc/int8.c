@@ -108,19 +108,24 @@ INLINE void int8_fold(const int fmt, const uint8_t *blk, int half, long c0, cons
 }
 
 /* One tile: MR rows of x (quantized, from row r of q) times columns [c0, c0 + 2 VEC) of an
- * interleaved panel, every block, stored into y (+ bias, or added to y). */
-INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, const uint8_t *panel, long c0,
-                      float *y, long ldy, int accumulate, const float *bias, long width) {
+ * interleaved panel, blocks [b0, b1). Its sums start at zero (first) or from acc [MR][2 VEC], and end
+ * stored into y (+ bias, or added to y; last) or into acc: a row's sums are the same fp32 numbers in
+ * the same order either way, so its bits do not depend on how the blocks were split. */
+INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, const uint8_t *panel, long c0, long b0,
+                      long b1, float *acc, int first, int last, float *y, long ldy, int accumulate, const float *bias,
+                      long width) {
     const long bytes = block_bytes(fmt);
     vf a[MAX_ITILE][2];
-    for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = vzero();
-    for (long b = 0; b < q->blocks; b++) {
+    for (int m = 0; m < MR; m++)
+        for (int j = 0; j < 2; j++) a[m][j] = first ? vzero() : vload(acc + (2 * m + j) * VEC);
+    for (long b = b0; b < b1; b++) {
         const uint8_t *blk = panel + b * bytes, *quants = blk + HEAD_BYTES[fmt];
         const int8_t *xq = q->q + r * q->K + b * QBLOCK;
         vi s[MAX_ITILE][2];
         for (int half = 0; half < (fmt == F_Q6_K ? 2 : 1); half++) {
             for (int m = 0; m < MR; m++) s[m][0] = s[m][1] = vizero();
             const int g0 = fmt == F_Q6_K ? 4 * half : 0, g1 = fmt == F_Q6_K ? g0 + 4 : 8;
+#pragma GCC unroll 8 /* unrolled, the sums stay in their registers; looped, gcc moved them each turn */
             for (int g = g0; g < g1; g++) {
                 vi w[2], u[2];
                 group_quants(fmt, quants, g, c0, w, u);
@@ -143,6 +148,10 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
     }
     for (int m = 0; m < MR; m++)
         for (int j = 0; j < 2; j++) {
+            if (!last) {
+                vstore(acc + (2 * m + j) * VEC, a[m][j]);
+                continue;
+            }
             const long c = c0 + VEC * j;
             const vmask mask = vmask_n(width - c);
             vf v = bias ? vadd(a[m][j], vloadm(mask, bias + c)) : a[m][j];
@@ -153,7 +162,12 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
 
 /* The tiles compiled per format and per number of rows. */
 #define ITILE_ROWS(F, MR) \
-    case MR: itile_fmt(F, MR, q, r, panel, c0, y, ldy, accumulate, bias, width); break;
+    case MR: \
+        if (c0 == 0) /* a constant: which half of a byte each column's quants are (group_quants) */ \
+            itile_fmt(F, MR, q, r, panel, 0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
+        else \
+            itile_fmt(F, MR, q, r, panel, c0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
+        break;
 #if VEC == 16
 #define ITILE_WIDE(F) ITILE_ROWS(F, 3) ITILE_ROWS(F, 4) ITILE_ROWS(F, 5) ITILE_ROWS(F, 6)
 #else
@@ -161,8 +175,8 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
 #endif
 #define ITILE_FMT(F) switch (rows) { ITILE_ROWS(F, 1) ITILE_ROWS(F, 2) ITILE_WIDE(F) }
 
-static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *panel, long c0, float *y, long ldy,
-                  int accumulate, const float *bias, long width) {
+static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *panel, long c0, long b0, long b1,
+                  float *acc, int first, int last, float *y, long ldy, int accumulate, const float *bias, long width) {
     switch (fmt) {
     case F_Q8_0: ITILE_FMT(F_Q8_0); break;
     case F_Q4_0: ITILE_FMT(F_Q4_0); break;
@@ -173,22 +187,36 @@ static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *pa
 }
 
 /* Panel p of gemm_int8 below: columns [32p, 32p + 32) of y, for every row of q, in tiles of up to
- * MAX_ITILE rows (split evenly: 16 rows are 6 + 5 + 5), the panel read from memory by the first tile
- * and from cache by the rest. */
+ * MAX_ITILE rows (split evenly: 16 rows are 6 + 5 + 5). One tile reads the panel once, from memory.
+ * Two to TURN_TILES tiles (a verification's 7 rows are 4 + 3; a batch's 16 rows, three tiles) take
+ * turns on CHUNK_BLOCKS blocks at a time, their sums kept in acc between turns: the chunk the first
+ * tile brought from memory is still in L1 for the rest, and the stream from memory overlaps every
+ * tile's arithmetic. (Tile after tile over the whole panel left the later tiles' arithmetic after
+ * the stream: a 7th row cost a pass of 6 rows a third more, benchmarks/proposal_rows.py.) More
+ * tiles, a prompt's rows, go one after another over the whole panel, read from cache but the first
+ * time, where turns measured no faster. So do AVX2's tiles of 2 rows, where the turns cost more than
+ * they saved: there, tiles always go one after another. */
+#define CHUNK_BLOCKS 2
+#define TURN_TILES (VEC == 16 ? 4 : 1)
 static void int8_panel(const qrows_t *q, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                        int accumulate, const float *bias, long p) {
     const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
     const long tiles = (M + MAX_ITILE - 1) / MAX_ITILE;
+    const long step = tiles == 1 || tiles > TURN_TILES ? q->blocks : CHUNK_BLOCKS;
     const uint8_t *panel = (const uint8_t *)w + p * panel_bytes(fmt, K);
-    for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS) {
-        long row = 0;
-        for (long t = 0; t < tiles; t++) {
-            const long rows = (M - row + (tiles - t) - 1) / (tiles - t);
-            itile(fmt, (int)rows, q, row, panel, c0, y + row * ldy + col, ldy, accumulate, bias ? bias + col : NULL,
-                  width);
-            row += rows;
+    const float *b = bias ? bias + col : NULL;
+    float acc[TURN_TILES][MAX_ITILE * 2 * VEC] __attribute__((aligned(64)));
+    for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS)
+        for (long b0 = 0; b0 < q->blocks; b0 += step) {
+            const long b1 = b0 + step < q->blocks ? b0 + step : q->blocks;
+            long row = 0;
+            for (long t = 0; t < tiles; t++) {
+                const long rows = (M - row + (tiles - t) - 1) / (tiles - t);
+                itile(fmt, (int)rows, q, row, panel, c0, b0, b1, acc[t % TURN_TILES], b0 == 0, b1 == q->blocks,
+                      y + row * ldy + col, ldy, accumulate, b, width);
+                row += rows;
+            }
         }
-    }
 }
 
 /* y[M, N] (+)= x @ W + bias for W packed interleaved in a quantized format (fmt without F_INT8):
