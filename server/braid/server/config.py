@@ -255,9 +255,10 @@ class SpeculationConfig:
             choices=list(SPECULATIVE),
         ),
     )
-    # 5: on the embedded model a verification's 7th row costs a third of a pass more than its 6th
-    # (benchmarks/proposal_rows.py), and K = 5 gained 7% over 8 on copy-heavy text
-    # (docs/benchmarks.md, "Speculative decoding: what it costs")
+    # 5: K = 5 gained 7% over 8 on copy-heavy text when a verification's 7th row cost a third of a
+    # pass more than its 6th; with the int8 tiles taking turns it costs about two rows' worth, and
+    # K = 7 ran no faster than 5, which costs a loaded pass fewer rows (docs/benchmarks.md,
+    # "Speculative decoding: what it costs")
     speculative_tokens: int = field(
         default=5, metadata=_opt(f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}")
     )
