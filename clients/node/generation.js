@@ -56,6 +56,8 @@ class Generation extends Readable {
   #isCallDone = false; // #call has ended, or failed
   #seed = null; // from the first response headers
   #tokenIds = []; // delivered so far (one sample)
+  #samples; // the request's n
+  #finals = new Set(); // the samples whose final message came
   #isCancelled = false;
 
   /**
@@ -69,6 +71,7 @@ class Generation extends Readable {
     this.#start = start;
     this.#request = request;
     this.#canResume = resume && !(request.n > 1);
+    this.#samples = request.n > 1 ? request.n : 1;
     this.resumes = 0; // times the stream was resumed
     this.final = null; // the message that ended it (with n > 1: the last sample's)
     this.#follow(start(request));
@@ -92,7 +95,10 @@ class Generation extends Readable {
     call.on('data', (message) => {
       if (!isCurrent() || this.destroyed) return;
       if (this.#canResume) this.#tokenIds.push(...message.tokenIds);
-      if (message.finishReason !== 'FINISH_REASON_UNSPECIFIED') this.final = message;
+      if (message.finishReason !== 'FINISH_REASON_UNSPECIFIED') {
+        this.final = message;
+        this.#finals.add(message.index ?? 0);
+      }
       if (!this.push(message)) call.pause(); // until _read() asks for more
     });
     call.on('end', () => {
@@ -103,6 +109,10 @@ class Generation extends Readable {
     call.on('error', (error) => {
       if (!isCurrent()) return;
       this.#isCallDone = true;
+      if (this.#hasEnded(error)) {
+        this.push(null);
+        return;
+      }
       if (!this.#isResumable(error)) {
         this.destroy(fromServiceError(error)); // a BraidError by its status (errors.js)
         return;
@@ -114,6 +124,16 @@ class Generation extends Readable {
     call.on('status', (status) => {
       if (isCurrent()) this.emit('status', status);
     });
+  }
+
+  /**
+   * Whether the stream broke after every sample's final message: a proxy whose replica exited just
+   * then ends the stream with no status (the rolling-restart test saw so). The final messages say
+   * how it ended, and every token came before them, so the stream has ended; only its OK status was
+   * lost. (The Python client does the same.)
+   */
+  #hasEnded(error) {
+    return this.#finals.size >= this.#samples && isBroken(error);
   }
 
   /** Whether this broken call can be resumed: not cancelled, begun (gRPC retries the rest), not ended. */

@@ -165,12 +165,27 @@ test('a stream that breaks mid-way is resumed from the tokens it delivered, with
   assert.equal(events.at(-1)[1].code, grpc.status.OK);
 });
 
-test('a stream is not resumed when it failed, ended, was told not to, has n > 1, had no seed, or broke too often',
+test('a stream that breaks after its final message has ended: no error, and not resumed', async (t) => {
+  for (const failure of [UNAVAILABLE, RST_STREAM, { code: grpc.status.UNKNOWN, details: 'No status information received' }]) {
+    const { addresses, calls } = await replicas(t, [(call) => serveStory(call, { breakAfter: STORY.length, failure })]);
+    const { messages, error } = await read(connect(t, addresses).stream({ prompt: 'hi' }));
+    assert.equal(error, null, failure.details);
+    assert.deepEqual(messages.flatMap((m) => m.tokenIds), STORY);
+    assert.equal(messages.at(-1).finishReason, 'FINISH_REASON_MAX_TOKENS');
+    assert.equal(calls.length, 1);
+  }
+  // a failure, not a break, after the final message still fails the stream
+  const failed = { code: grpc.status.INTERNAL, details: 'boom' };
+  const { addresses } = await replicas(t, [(call) => serveStory(call, { breakAfter: STORY.length, failure: failed })]);
+  const { error } = await read(connect(t, addresses).stream({ prompt: 'hi' }));
+  assert.equal(error?.code, grpc.status.INTERNAL);
+});
+
+test('a stream is not resumed when it failed, was told not to, has n > 1, had no seed, or broke too often',
   async (t) => {
     const cases = [
       { name: 'failed', serve: { breakAfter: 1, failure: { code: grpc.status.INVALID_ARGUMENT, details: 'no' } },
         code: grpc.status.INVALID_ARGUMENT },
-      { name: 'ended, then broke', serve: { breakAfter: STORY.length } },
       { name: 'resume: false', serve: { breakAfter: 1 }, options: { resume: false } },
       { name: 'n > 1', serve: { breakAfter: 1 }, request: { n: 2 } },
       { name: 'no seed in the headers', serve: { breakAfter: 1, seed: '' } },
