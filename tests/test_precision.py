@@ -396,15 +396,15 @@ def test_q8_0_leaves_a_matrix_whose_rows_are_not_whole_blocks_in_float(caplog):
     assert sum("multiple of 32" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_every_mode_serves_q8_0_weights_and_a_row_ignores_its_batch(tiny_dir):
+def test_every_mode_serves_q8_0_weights_and_a_row_ignores_its_batch(tiny_dir, in_process):
     """--quantization q8_0 in all four modes, multiplying int8 rows (--activations auto): three
     greedy requests at once get, in every mode, the tokens sequential mode gives each alone. braid's
     kernels compute a row the same whatever shares its pass (torch's ops may not, so there this needs
     them). In process (tests/in_process.py): every mode's engine over one q8_0 runner."""
     from conftest import MODES
-    from in_process import generate, load_model
+    from in_process import generate
 
-    model = load_model(tiny_dir, tiny_dir.parent, quantization="q8_0")
+    model = in_process(tiny_dir, quantization="q8_0")
     assert model.runner.weight_formats == {"q8_0": 15, "f32": 5}
     assert model.runner.activations == ("float32" if model.runner.kernels == "torch" else "int8")  # auto
     if model.runner.kernels == "torch":

@@ -121,9 +121,9 @@ def expected_greedy():
 
 
 @pytest.fixture(scope="module")
-def tiny_loaded(tiny_dir) -> Model:
+def tiny_loaded(tiny_dir, in_process) -> Model:
     """The tiny model's runner, in this process (tests/in_process.py): every mode's engine runs on it."""
-    return load_model(tiny_dir, tiny_dir.parent)
+    return in_process(tiny_dir)
 
 
 @pytest.fixture(scope="module")
