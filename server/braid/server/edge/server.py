@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha.reflection import SERVICE_NAME as REFLECTION_SERVICE
 
 from braid.server.config import ServerConfig, SettingError
 from braid.server.edge import reflection
@@ -79,9 +78,7 @@ class GrpcFrontEnd:
         pb_grpc.add_GenerateServicer_to_server(self._servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION_SERVICE), self._server
-        )
+        reflection.enable((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self._server)
         if self._request_log is not None:
             self._request_log.mode = engine.info.mode.value
         await self._server.start()
