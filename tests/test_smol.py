@@ -22,7 +22,7 @@ def test_a_greedy_chat_answers_in_text(smol):
         info = client.model_info()
     assert len(done.text.split()) >= 3
     assert done.finish_reason in ("EOS", "MAX_TOKENS")
-    assert info.model_name == "SmolLM2-135M-Instruct"
+    assert info.model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id (--served-model-name)
     assert info.architecture == "LlamaForCausalLM"
     assert info.vocab_size == 49152 and info.context_length >= 2048
     assert info.dtype == compute_dtype() and info.device == DEVICE

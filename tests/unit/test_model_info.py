@@ -63,3 +63,27 @@ def test_model_info_reports_the_threads_the_process_may_use(tiny):
 def test_threads_flag_is_reported_and_fixes_the_count(tiny):
     runner, pb = info(EngineConfig(device="cpu", kv_cache_memory="16MiB", threads=3), tiny)
     assert pb.threads == 3 and runner.governor is None
+
+
+def test_model_info_reports_the_served_names_and_what_was_loaded(tiny):
+    config = EngineConfig(device="cpu", kv_cache_memory="16MiB", served_model_name=["smol", "gpt-4o-mini"])
+    runner = ModelRunner.build(config, tiny)
+    tokenizer = SimpleNamespace(eos_token_ids=(2,), has_chat_template=False, template_takes_tools=True)
+    pb = model_info_to_pb(describe(config, runner, tokenizer, tiny.name, tiny.architecture, "/models/tiny"))
+    assert pb.model_name == "smol" and list(pb.served_model_names) == ["smol", "gpt-4o-mini"]
+    assert pb.model_path == "/models/tiny"
+    # without the flag: the loader's short name
+    _, pb = info(EngineConfig(device="cpu", kv_cache_memory="16MiB"), tiny)
+    assert pb.model_name == "tiny" and list(pb.served_model_names) == ["tiny"]
+
+
+def test_a_folder_is_served_under_its_own_name_not_its_path(tmp_path, monkeypatch):
+    from braid.server.model.loader import resolve
+
+    folder = tmp_path / "models" / "SmolLM2-360M"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    monkeypatch.chdir(tmp_path / "models")
+    for given in (str(folder), f"{folder}/", "./SmolLM2-360M", "SmolLM2-360M/."):
+        assert resolve(given, tmp_path)[0] == "SmolLM2-360M", given

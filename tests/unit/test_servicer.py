@@ -71,7 +71,7 @@ class FakeEngine:
         self.finish, self.error, self.error_field = FinishReason.MAX_TOKENS, None, None
         self.hold = False  # sessions wait (for Abort) instead of streaming
         self.handles: dict[int, SessionHandle] = {}
-        self.adapters = Adapters(FakeAdapterRunner(), max_loras=2, max_rank=16, model_name="fake")
+        self.adapters = Adapters(FakeAdapterRunner(), max_loras=2, max_rank=16, model_names=("fake",))
 
     def load_lora(self, name, path):
         return self.adapters.load(name, path)

@@ -20,7 +20,16 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from braid.server import logs, resources
-from braid.server.config import EngineConfig, LogConfig, ServerConfig, SettingError, flag, lora_specs, parse_memory
+from braid.server.config import (
+    GROUPS,
+    EngineConfig,
+    LogConfig,
+    ServerConfig,
+    SettingError,
+    flag,
+    lora_specs,
+    parse_memory,
+)
 
 ENV_PREFIX = "BRAID_"
 _LOGGER = logging.getLogger(__name__)
@@ -31,21 +40,35 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-def _add_fields(parser: argparse.ArgumentParser, config_type: type) -> None:
-    """One flag per field. A flag left out is absent from the parsed namespace (SUPPRESS), so the
-    environment is read only after parsing: `--help` works whatever the environment holds."""
-    hints = typing.get_type_hints(config_type)
-    for f in dataclasses.fields(config_type):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+def _add_fields(parser: argparse.ArgumentParser, config_types: tuple[type, ...]) -> None:
+    """One flag per field, in the argument group its field names (config.GROUPS, in that order; a
+    group with no flag of this command is left out). A flag left out is absent from the parsed
+    namespace (SUPPRESS), so the environment is read only after parsing: `--help` works whatever the
+    environment holds."""
+    fields = [(f, typing.get_type_hints(t)[f.name]) for t in config_types for f in dataclasses.fields(t)]
+    for group_name, description in GROUPS.items():
+        members = [(f, hint) for f, hint in fields if (f.metadata["group"] or "serving") == group_name]
+        if members:
+            _add_group(parser.add_argument_group(f"{group_name} flags", description), members)
+
+
+def _add_group(group: argparse._ArgumentGroup, members: list[tuple[dataclasses.Field[Any], Any]]) -> None:
+    for f, hint in members:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         meta = dict(f.metadata)
         help_text = meta.pop("help")
+        meta.pop("group")
         shown = getattr(default, "value", default)
-        parser.add_argument(
+        if isinstance(default, list):
+            shown = ",".join(default) or "none"
+        # a help that says its default itself (--model's, --served-model-name's) is not told None
+        where = f"env {env_name(f.name)}" + ("" if "(default" in help_text else f"; default {shown}")
+        group.add_argument(
             flag(f.name),
             dest=f.name,
-            type=_converter(hints[f.name]),
+            type=_converter(hint),
             default=argparse.SUPPRESS,
-            help=f"{help_text} [env {env_name(f.name)}; default {shown}]",
+            help=f"{help_text} [{where}]",
             **meta,
         )
 
@@ -86,8 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         # A short usage: an error's line is not lost under thirty flags (--help lists them).
         command = commands.add_parser(name, help=helps[name], usage=f"braid {name} [--flag VALUE ...]")
         command.set_defaults(command_parser=command)  # its errors print its usage, not braid's
-        for config_type in config_types:
-            _add_fields(command, config_type)
+        _add_fields(command, config_types)
     return parser
 
 
@@ -202,7 +224,7 @@ def build_engine(config: EngineConfig, model=None, ports: Ports | None = None):
         config.constraint_compile_timeout,
         int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]),
     )
-    info = describe(config, runner, tokenizer, model.name, model.architecture)
+    info = describe(config, runner, tokenizer, model.name, model.architecture, model.path)
     if ports is not None:
         runner, tokenizer, grammars = ports.runner(runner), ports.tokenizer(tokenizer), ports.grammars(grammars)
     engine = Engine(config, runner, tokenizer, info, grammars, draft)
@@ -246,12 +268,17 @@ def _draft_runner(config: EngineConfig, target):
     return draft
 
 
-def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str):
-    """What ModelInfo reports: the model, the runner that runs it, and the settings in force."""
+def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str, model_path: str = ""):
+    """What ModelInfo reports: the model, the runner that runs it, and the settings in force.
+    model_name: the loader's short name, served unless --served-model-name says otherwise."""
     from braid.server.engine.types import ModelInfo
 
+    names = tuple(config.served_model_name) or (model_name,)
     return ModelInfo(
-        model_name=model_name,
+        model_name=names[0],
+        served_model_names=names,
+        model_path=model_path,
+        kv_cache_bytes=runner.cache.nbytes,
         architecture=architecture,
         context_length=runner.max_seq_len,
         vocab_size=runner.vocab_size,

@@ -49,9 +49,23 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _opt(help_text: str, **kw: object) -> dict[str, object]:
-    """A field's metadata: its flag's help, and argparse's other options for it (choices, metavar)."""
-    return {"help": help_text, **kw}
+# The groups `braid serve --help` lists the flags in, in this order (as vLLM's and llama.cpp's help
+# do): every field names its group, so a new flag lands where a user looks for it.
+GROUPS = {
+    "model": "what is served and how it runs: the model, its names, device, formats, threads, adapters, speculation",
+    "serving": "where and how calls are served: the ports, the scheduling mode, batches and the KV cache",
+    "limits": "bounds on requests, sessions and the memory they may take",
+    "security": "TLS and the API key",
+    "telemetry": "metrics, traces and logs",
+    "cluster": "behind a load balancer: drains, hand-overs, keepalives and connection age",
+}
+
+
+def _opt(help_text: str, group: str | None = None, **kw: object) -> dict[str, object]:
+    """A field's metadata: its flag's help, its --help group (one of GROUPS; tests/unit/test_cli.py
+    checks that every field names one), and argparse's other options for it (choices, metavar)."""
+    assert group is None or group in GROUPS, group
+    return {"help": help_text, "group": group, **kw}
 
 
 @dataclass
@@ -62,10 +76,25 @@ class ModelConfig:
         default=None,
         metadata=_opt(
             "model: a local Hugging Face folder, a hub id, or a .gguf file (default: the embedded "
-            "SmolLM2-135M-Instruct)"
+            "SmolLM2-135M-Instruct)",
+            group="model",
         ),
     )
-    device: str = field(default="auto", metadata=_opt("auto (CUDA where present, else the CPU), cpu, cuda or cuda:N"))
+    served_model_name: list[str] = field(
+        default_factory=list,
+        metadata=_opt(
+            "the model's names in the API, one or more (BRAID_SERVED_MODEL_NAME: comma-separated): the first is "
+            "the one /v1/models, responses' `model` and ModelInfo.model_name report, and requests may name any "
+            "(default: the model's short name: HuggingFaceTB/SmolLM2-135M-Instruct for the embedded model, a "
+            "folder's or a .gguf file's name, a hub id)",
+            group="model",
+            nargs="+",
+            metavar="NAME",
+        ),
+    )
+    device: str = field(
+        default="auto", metadata=_opt("auto (CUDA where present, else the CPU), cpu, cuda or cuda:N", group="model")
+    )
     dtype: str = field(
         default="auto",
         metadata=_opt(
@@ -73,6 +102,7 @@ class ModelConfig:
             "float32, bfloat16 or float16. On the CPU activations and sums stay float32; on CUDA it is also the "
             "compute dtype (auto: bfloat16)",
             choices=list(DTYPES),
+            group="model",
         ),
     )
     quantization: str = field(
@@ -82,6 +112,7 @@ class ModelConfig:
             "dequantized to --dtype (--dtype float32 --quantization none is plain fp32); q8_0: float matrices "
             "quantized to Q8_0 blocks at load",
             choices=list(QUANTIZATIONS),
+            group="model",
         ),
     )
     activations: str = field(
@@ -94,6 +125,7 @@ class ModelConfig:
             "auto (the fastest braid's kernels have: int8 for a quantized matrix, bf16 for a bf16 one, float32 "
             "rows elsewhere)",
             choices=list(ACTIVATIONS),
+            group="model",
         ),
     )
     threads: int = field(
@@ -101,7 +133,8 @@ class ModelConfig:
         metadata=_opt(
             "CPU threads of torch's and braid's kernels (0: the CPUs this process may use, its affinity mask cut by "
             "its cgroup's CPU quota, rounded down; decode passes then use fewer while other processes keep the "
-            "cores busy, where that is faster)"
+            "cores busy, where that is faster)",
+            group="model",
         ),
     )
     kernels: str = field(
@@ -110,14 +143,17 @@ class ModelConfig:
             "auto: braid's own kernels on a CPU with AVX-512 or AVX2 (BRAID_KERNELS_ISA=avx2 forces the AVX2 "
             "build), else torch's; torch: torch's always",
             choices=["auto", "torch"],
+            group="model",
         ),
     )
     cache_dir: Path = field(
-        default_factory=lambda: default_cache_dir(), metadata=_opt("where converted models are kept")
+        default_factory=lambda: default_cache_dir(), metadata=_opt("where converted models are kept", group="model")
     )
     chat_template: Path | None = field(
         default=None,
-        metadata=_opt("a Jinja chat template file that replaces the model's own (for chats, tools included)"),
+        metadata=_opt(
+            "a Jinja chat template file that replaces the model's own (for chats, tools included)", group="model"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -128,6 +164,12 @@ class ModelConfig:
         _one_of(self, "activations", ACTIVATIONS)
         _one_of(self, "kernels", ("auto", "torch"))
         _not_negative(self, "threads")
+        names = self.served_model_name
+        self.served_model_name = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if any(not name for name in self.served_model_name):
+            raise SettingError("served_model_name", ",".join(self.served_model_name), "a name is empty")
+        if len(set(self.served_model_name)) < len(self.served_model_name):
+            raise SettingError("served_model_name", ",".join(self.served_model_name), "a name is given twice")
         self.cache_dir = Path(self.cache_dir).expanduser()
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise SettingError("chat_template", self.chat_template, "no such file")
@@ -143,12 +185,15 @@ class CacheConfig:
             "KV cache budget: bytes with a unit (4GiB, 512MB), a fraction (0.5) of the memory this process may "
             "still take at start (what is left under its cgroup's memory limit, else the host's available "
             "memory), or auto: room for --max-sessions sessions of --max-seq-len, at most half that memory. "
-            "Cut into pages; a session holds pages for the tokens it has, and is admitted while pages are free"
+            "Cut into pages; a session holds pages for the tokens it has, and is admitted while pages are free",
+            group="serving",
         ),
     )
     kv_page_size: int = field(
         default=16,
-        metadata=_opt("tokens per KV-cache page, a multiple of 16: the unit of allocation and of prefix sharing"),
+        metadata=_opt(
+            "tokens per KV-cache page, a multiple of 16: the unit of allocation and of prefix sharing", group="serving"
+        ),
     )
     kv_cache_dtype: str = field(
         default="auto",
@@ -156,6 +201,7 @@ class CacheConfig:
             "dtype of the KV cache: auto (the compute dtype), float32, bfloat16 or float16 (half the "
             "memory, so twice the tokens, for a small loss of precision)",
             choices=list(DTYPES),
+            group="serving",
         ),
     )
     prefix_caching: str = field(
@@ -164,11 +210,14 @@ class CacheConfig:
             "on: sessions with the same prompt prefix share its KV-cache pages, and a finished session's "
             "pages stay cached until the memory is needed; off: every prompt is computed",
             choices=["on", "off"],
+            group="serving",
         ),
     )
     max_seq_len: int = field(
         default=4096,
-        metadata=_opt("most tokens (prompt + generated) per session, capped by the model's context length"),
+        metadata=_opt(
+            "most tokens (prompt + generated) per session, capped by the model's context length", group="limits"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -185,26 +234,35 @@ class CacheConfig:
 class SchedulerConfig:
     """What the scheduler may run: the mode, the batch and the sessions, the waits, the queue."""
 
-    mode: Mode = field(default=Mode.CONTINUOUS, metadata=_opt("scheduling mode", choices=[m.value for m in Mode]))
+    mode: Mode = field(
+        default=Mode.CONTINUOUS, metadata=_opt("scheduling mode", choices=[m.value for m in Mode], group="serving")
+    )
     max_batch_size: int = field(
-        default=32, metadata=_opt("most sessions in one forward pass (batched mode: the batch size)")
+        default=32, metadata=_opt("most sessions in one forward pass (batched mode: the batch size)", group="serving")
     )
     max_sessions: int = field(
-        default=0, metadata=_opt("most sessions running at once (0: --max-batch-size); more are queued")
+        default=0,
+        metadata=_opt("most sessions running at once (0: --max-batch-size); more are queued", group="serving"),
     )
     max_wait_ms: float = field(
-        default=20.0, metadata=_opt("batched mode: longest a waiting session waits for its batch to fill")
+        default=20.0,
+        metadata=_opt("batched mode: longest a waiting session waits for its batch to fill", group="serving"),
     )
     prefill_chunk: int = field(
         default=512,
-        metadata=_opt("most prompt tokens prefilled per forward pass; longer prompts are prefilled in chunks"),
+        metadata=_opt(
+            "most prompt tokens prefilled per forward pass; longer prompts are prefilled in chunks", group="serving"
+        ),
     )
     max_queued: int = field(
-        default=256, metadata=_opt("most sessions waiting to be admitted; past it new calls get RESOURCE_EXHAUSTED")
+        default=256,
+        metadata=_opt("most sessions waiting to be admitted; past it new calls get RESOURCE_EXHAUSTED", group="limits"),
     )
     batch_max_wait_ms: float = field(
         default=5000.0,
-        metadata=_opt("a batch-priority session that has waited this long is admitted before interactive ones"),
+        metadata=_opt(
+            "a batch-priority session that has waited this long is admitted before interactive ones", group="serving"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -224,14 +282,16 @@ class ConstraintConfig:
         default=5.0,
         metadata=_opt(
             "seconds a request's constraint (GenerateRequest.constraint) may take to compile; past it the "
-            "request gets INVALID_ARGUMENT"
+            "request gets INVALID_ARGUMENT",
+            group="limits",
         ),
     )
     constraint_cache_memory: str = field(
         default="256MiB",
         metadata=_opt(
             "memory the compiled constraints kept for reuse may hold, as bytes with a unit (an entry holds from "
-            "tens of KB to tens of MB); past it the least recently used are dropped"
+            "tens of KB to tens of MB); past it the least recently used are dropped",
+            group="limits",
         ),
     )
 
@@ -253,6 +313,7 @@ class SpeculationConfig:
             "are verified in the same packed passes: the tokens are exactly those of plain decoding, seeded or "
             "greedy",
             choices=list(SPECULATIVE),
+            group="model",
         ),
     )
     # 5: K = 5 gained 7% over 8 on copy-heavy text when a verification's 7th row cost a third of a
@@ -260,22 +321,30 @@ class SpeculationConfig:
     # K = 7 ran no faster than 5, which costs a loaded pass fewer rows (docs/benchmarks.md,
     # "Speculative decoding: what it costs")
     speculative_tokens: int = field(
-        default=5, metadata=_opt(f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}")
+        default=5,
+        metadata=_opt(
+            f"most tokens proposed per session and forward pass, 1 to {MAX_SPECULATIVE_TOKENS}", group="model"
+        ),
     )
     ngram_max: int = field(
-        default=4, metadata=_opt("--speculative ngram: the longest run of last tokens looked up in the sequence so far")
+        default=4,
+        metadata=_opt(
+            "--speculative ngram: the longest run of last tokens looked up in the sequence so far", group="model"
+        ),
     )
     ngram_min: int = field(
         default=2,
         metadata=_opt(
-            "--speculative ngram: the shortest run of last tokens that may propose (1 matches any repeated token)"
+            "--speculative ngram: the shortest run of last tokens that may propose (1 matches any repeated token)",
+            group="model",
         ),
     )
     draft_model: str | None = field(
         default=None,
         metadata=_opt(
             "--speculative draft: the draft model (a folder, hub id or .gguf file braid can serve) with the "
-            "model's vocabulary, on its own runner and KV cache (--kv-cache-memory each)"
+            "model's vocabulary, on its own runner and KV cache (--kv-cache-memory each)",
+            group="model",
         ),
     )
 
@@ -305,15 +374,17 @@ class LoraConfig:
             "`model`)",
             action="append",
             metavar="NAME=PATH",
+            group="model",
         ),
     )
     max_loras: int = field(
         default=8,
         metadata=_opt(
-            "most LoRA adapters loaded at once (--lora and LoadAdapter); a LoadAdapter past it gets RESOURCE_EXHAUSTED"
+            "most LoRA adapters loaded at once (--lora and LoadAdapter); a LoadAdapter past it gets RESOURCE_EXHAUSTED",
+            group="model",
         ),
     )
-    max_lora_rank: int = field(default=64, metadata=_opt("highest rank r of a LoRA adapter braid loads"))
+    max_lora_rank: int = field(default=64, metadata=_opt("highest rank r of a LoRA adapter braid loads", group="model"))
 
     def __post_init__(self) -> None:
         _positive(self, "max_loras", "max_lora_rank")
@@ -343,99 +414,120 @@ class EngineConfig(LoraConfig, SpeculationConfig, ConstraintConfig, SchedulerCon
 
 @dataclass
 class ServerConfig:
-    host: str = field(default="[::]", metadata=_opt("address to listen on"))
-    port: int = field(default=50051, metadata=_opt("port to listen on (0: any free port)"))
-    default_max_new_tokens: int = field(default=256, metadata=_opt("max_new_tokens of a request that leaves it at 0"))
-    grace_period: float = field(default=10.0, metadata=_opt("seconds in-flight streams get to finish after SIGTERM"))
+    host: str = field(default="[::]", metadata=_opt("address to listen on", group="serving"))
+    port: int = field(default=50051, metadata=_opt("port to listen on (0: any free port)", group="serving"))
+    default_max_new_tokens: int = field(
+        default=256, metadata=_opt("max_new_tokens of a request that leaves it at 0", group="serving")
+    )
+    grace_period: float = field(
+        default=10.0, metadata=_opt("seconds in-flight streams get to finish after SIGTERM", group="cluster")
+    )
     handover_grace: float = field(
         default=0.0,
         metadata=_opt(
             "seconds in-flight streams get after SIGTERM before those still running are handed over: ended "
             "UNAVAILABLE, for braid's clients to resume on another replica from the tokens they have (0: none; "
-            "they get --grace-period, then end with a final CANCELLED message)"
+            "they get --grace-period, then end with a final CANCELLED message)",
+            group="cluster",
         ),
     )
-    tls_cert: Path | None = field(default=None, metadata=_opt("PEM certificate chain: serve TLS"))
-    tls_key: Path | None = field(default=None, metadata=_opt("PEM private key of --tls-cert"))
+    tls_cert: Path | None = field(default=None, metadata=_opt("PEM certificate chain: serve TLS", group="security"))
+    tls_key: Path | None = field(default=None, metadata=_opt("PEM private key of --tls-cert", group="security"))
     tls_client_ca: Path | None = field(
-        default=None, metadata=_opt("PEM CA bundle: require client certificates signed by it (mutual TLS)")
+        default=None,
+        metadata=_opt("PEM CA bundle: require client certificates signed by it (mutual TLS)", group="security"),
     )
     api_key: str | None = field(
         default=None,
-        metadata=_opt("require `authorization: Bearer <key>` metadata on every braid call (health stays open)"),
+        metadata=_opt(
+            "require `authorization: Bearer <key>` metadata on every braid call (health stays open)", group="security"
+        ),
     )
-    max_message_bytes: int = field(default=4 * 1024 * 1024, metadata=_opt("largest request message accepted"))
+    max_message_bytes: int = field(
+        default=4 * 1024 * 1024, metadata=_opt("largest request message accepted", group="limits")
+    )
     max_concurrent_streams: int = field(
         default=1024,
         metadata=_opt(
             "most calls one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS). "
             "Calls past it are refused with UNAVAILABLE (RST_STREAM REFUSED_STREAM: never started, safe to retry; "
             "gRPC's clients do not reliably queue them). The work itself is bounded by --max-sessions and "
-            "--max-queued, whose excess gets RESOURCE_EXHAUSTED"
+            "--max-queued, whose excess gets RESOURCE_EXHAUSTED",
+            group="limits",
         ),
     )
     http_port: int = field(
         default=0,
         metadata=_opt(
             "also serve OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on this "
-            "port, on --host, from the same engine (0: off); --api-key guards it too"
+            "port, on --host, from the same engine (0: off); --api-key guards it too",
+            group="serving",
         ),
     )
     metrics_port: int = field(
         default=0,
         metadata=_opt(
-            "serve Prometheus metrics on http://<metrics-host>:<port>/metrics (0: off); they need no API key"
+            "serve Prometheus metrics on http://<metrics-host>:<port>/metrics (0: off); they need no API key",
+            group="telemetry",
         ),
     )
     metrics_host: str | None = field(
         default=None,
         metadata=_opt(
-            "address the metrics endpoint listens on (default: --host), e.g. 127.0.0.1 to keep it off the network"
+            "address the metrics endpoint listens on (default: --host), e.g. 127.0.0.1 to keep it off the network",
+            group="telemetry",
         ),
     )
     otlp_endpoint: str | None = field(
         default=None,
         metadata=_opt(
             "send traces and metrics over OTLP/gRPC to this collector, e.g. http://otel-collector:4317 "
-            "(http:// plaintext, https:// TLS; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else off)"
+            "(http:// plaintext, https:// TLS; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else off)",
+            group="telemetry",
         ),
     )
     keepalive_time_ms: int = field(
         default=30_000,
         metadata=_opt(
             "ping a client connection after this long without hearing from it, to find peers that vanished "
-            "without closing it (their sessions are then cancelled); 0: gRPC's default, 2 hours"
+            "without closing it (their sessions are then cancelled); 0: gRPC's default, 2 hours",
+            group="cluster",
         ),
     )
     keepalive_timeout_ms: int = field(
-        default=10_000, metadata=_opt("close a connection whose keepalive ping is not answered within this long")
+        default=10_000,
+        metadata=_opt("close a connection whose keepalive ping is not answered within this long", group="cluster"),
     )
     keepalive_permit_without_calls: bool = field(
         default=True,
         metadata=_opt(
             "keepalive pings on connections with no call open: braid sends its own, and accepts a client's "
-            "(a proxy's) every --min-ping-interval-ms; false: at most one every 2 hours, as gRPC's default"
+            "(a proxy's) every --min-ping-interval-ms; false: at most one every 2 hours, as gRPC's default",
+            group="cluster",
         ),
     )
     min_ping_interval_ms: int = field(
         default=10_000,
         metadata=_opt(
             "shortest interval between a client's pings accepted while no data flows; a client pinging more "
-            "often is sent GOAWAY too_many_pings after 2 strikes (gRPC's default: 300000)"
+            "often is sent GOAWAY too_many_pings after 2 strikes (gRPC's default: 300000)",
+            group="cluster",
         ),
     )
     max_connection_age_ms: int = field(
         default=0,
         metadata=_opt(
             "send a client connection GOAWAY after this long (gRPC adds +-10%% jitter), so clients balancing over "
-            "DNS find new replicas; calls in flight go on; 0: never"
+            "DNS find new replicas; calls in flight go on; 0: never",
+            group="cluster",
         ),
     )
     max_connection_age_grace_ms: int = field(
         default=0,
         metadata=_opt(
             "after --max-connection-age-ms, how long calls in flight get before the connection is closed; "
-            "0: as long as they run"
+            "0: as long as they run",
+            group="cluster",
         ),
     )
 
@@ -461,12 +553,15 @@ class ServerConfig:
 class LogConfig:
     """How braid logs, for `braid serve` and `braid warmup` alike."""
 
-    log_level: str = field(default="info", metadata=_opt("debug, info, warning or error", choices=list(LOG_LEVELS)))
+    log_level: str = field(
+        default="info", metadata=_opt("debug, info, warning or error", choices=list(LOG_LEVELS), group="telemetry")
+    )
     log_format: str = field(
         default="text",
         metadata=_opt(
             "text: one line per record; json: one JSON object per record, every field of a request's line its own key",
             choices=list(LOG_FORMATS),
+            group="telemetry",
         ),
     )
 

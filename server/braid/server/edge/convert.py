@@ -303,6 +303,9 @@ def model_info_to_pb(info: ModelInfo, adapters: Sequence[AdapterInfo] = ()) -> p
         speculative=info.speculative,
         speculative_tokens=info.speculative_tokens,
         draft_model=info.draft_model,
+        served_model_names=info.served_model_names or (info.model_name,),
+        model_path=info.model_path,
+        kv_cache_bytes=info.kv_cache_bytes,
     )
 
 

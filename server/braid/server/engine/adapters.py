@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
 from braid.server.engine.types import AlreadyExists, Busy, InvalidArgument, LimitReached, NotFound
 from braid.server.runner.rows import AdapterInfo
@@ -40,11 +40,12 @@ class _Entry:
 
 
 class Adapters:
-    def __init__(self, runner: AdapterRunner, max_loras: int, max_rank: int, model_name: str = "") -> None:
-        """model_name: the served model's name, which no adapter may take (the OpenAI `model`)."""
+    def __init__(self, runner: AdapterRunner, max_loras: int, max_rank: int, model_names: Iterable[str] = ()) -> None:
+        """model_names: the served model's names (--served-model-name), which no adapter may take
+        (the OpenAI `model`)."""
         self._runner = runner
         self.max_loras, self.max_rank = max_loras, max_rank
-        self._model_name = model_name
+        self._model_names = frozenset(model_names)
         self._changed = threading.Condition()
         self._by_name: dict[str, _Entry] = {}
         self._loading: set[str] = set()
@@ -60,8 +61,8 @@ class Adapters:
         naming the tensor), AlreadyExists, LimitReached (--max-loras resident). Blocking."""
         if not _NAME.fullmatch(name):
             raise InvalidArgument("name", f"{name!r} must be 1 to 128 letters, digits or ._:/-")
-        if name == self._model_name:
-            raise InvalidArgument("name", f"{name!r} is the served model's own name")
+        if name in self._model_names:
+            raise InvalidArgument("name", f"{name!r} is a name of the served model (--served-model-name)")
         if not path:
             raise InvalidArgument("path", "must not be empty")
         with self._changed:

@@ -80,7 +80,9 @@ class Engine:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None], Callable[[], bool]]] = []
         self._waiters_lock = threading.Lock()
         self.books = Books(config.max_queued, on_change=self._notify)
-        self.adapters = Adapters(runner, config.max_loras, config.max_lora_rank, info.model_name)
+        self.adapters = Adapters(
+            runner, config.max_loras, config.max_lora_rank, info.served_model_names or (info.model_name,)
+        )
         self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books, self.adapters, draft)
         self.grammars = grammars
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request

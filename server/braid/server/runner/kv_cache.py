@@ -57,6 +57,11 @@ class KVCache:
         self.page_size = page_size
         self.dtype = dtype
 
+    @property
+    def nbytes(self) -> int:
+        """The memory reserved for the pages, keys and values of every layer."""
+        return sum(t.nbytes for t in (*self.k, *self.v))
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,81 @@
+"""`braid serve`'s flags as a user meets them, in process: --help's groups, and
+--served-model-name from the command line and the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from braid.server.cli import _configs, build_parser, main
+from braid.server.config import GROUPS, EngineConfig, LogConfig, ServerConfig
+
+pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
+
+
+def _command(name: str = "serve"):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def _help(capsys, command: str = "serve") -> str:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return capsys.readouterr().out
+
+
+def test_serve_help_lists_its_flags_in_groups_in_order_with_model_first(capsys):
+    text = _help(capsys)
+    titles = re.findall(r"^(\w+) flags:$", text, re.M)
+    assert titles == ["model", "serving", "limits", "security", "telemetry", "cluster"] == list(GROUPS)
+    first = re.search(r"^model flags:\n.*?\n\n  (--[\w-]+)", text, re.M | re.S)[1]
+    assert first == "--model"
+    # every flag is in one of them: none left under argparse's own "options"
+    options = _command()._action_groups[1]
+    assert [a.option_strings for a in options._group_actions] == [["-h", "--help"]]
+
+
+def test_every_setting_names_its_group():
+    for config_type in (ServerConfig, EngineConfig, LogConfig):
+        for f in dataclasses.fields(config_type):
+            assert f.metadata["group"] in GROUPS, f"{f.name} names no --help group (config.GROUPS)"
+
+
+def test_each_group_holds_the_flags_a_user_looks_for_there():
+    groups = {g.title: {a.dest for a in g._group_actions} for g in _command()._action_groups}
+    assert {"model", "served_model_name", "device", "quantization", "activations", "lora"} <= groups["model flags"]
+    assert {"host", "port", "http_port", "mode", "kv_cache_memory"} <= groups["serving flags"]
+    assert {"max_seq_len", "max_queued", "max_message_bytes"} <= groups["limits flags"]
+    assert {"api_key", "tls_cert", "tls_key", "tls_client_ca"} == groups["security flags"]
+    assert {"metrics_port", "metrics_host", "otlp_endpoint", "log_level", "log_format"} <= groups["telemetry flags"]
+    assert {"grace_period", "handover_grace", "keepalive_time_ms"} <= groups["cluster flags"]
+
+
+def test_warmup_help_has_only_the_groups_of_its_flags(capsys):
+    assert re.findall(r"^(\w+) flags:$", _help(capsys, "warmup"), re.M) == [
+        "model",
+        "serving",
+        "limits",
+        "telemetry",
+    ]
+
+
+def _engine_config(argv: list[str]) -> EngineConfig:
+    args = build_parser().parse_args(["serve", *argv])
+    return _configs(args.command_parser, args, (EngineConfig,))[EngineConfig]
+
+
+def test_served_model_name_takes_one_or_more_names(monkeypatch):
+    monkeypatch.delenv("BRAID_SERVED_MODEL_NAME", raising=False)
+    assert _engine_config([]).served_model_name == []
+    assert _engine_config(["--served-model-name", "smol"]).served_model_name == ["smol"]
+    assert _engine_config(["--served-model-name", "smol", "gpt-4o-mini"]).served_model_name == ["smol", "gpt-4o-mini"]
+    monkeypatch.setenv("BRAID_SERVED_MODEL_NAME", "smol, HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert _engine_config([]).served_model_name == ["smol", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
+@pytest.mark.parametrize("names, wanted", [(["a", "a"], "given twice"), (["a", ""], "empty")])
+def test_served_model_names_given_twice_or_empty_are_refused_naming_the_flag(names, wanted, capsys):
+    with pytest.raises(SystemExit):
+        _engine_config(["--served-model-name", *names])
+    assert f"--served-model-name {','.join(names)}: a name" in capsys.readouterr().err
