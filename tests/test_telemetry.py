@@ -3,8 +3,10 @@ receiver) and serving Prometheus /metrics, called as a client would."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import urllib.error
 import urllib.request
 from concurrent import futures
 
@@ -117,9 +119,11 @@ def assert_trailers_carry(t: pb.Timings, trailers: dict) -> None:
     )
 
 
-def scrape(server) -> dict[tuple[str, frozenset], float]:
+def scrape(server, headers: dict[str, str] | None = None) -> dict[tuple[str, frozenset], float]:
     """Every sample of /metrics: (name, labels) -> value."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+    with urllib.request.urlopen(
+        urllib.request.Request(server.metrics_url, headers=headers or {}), timeout=10
+    ) as response:
         text = response.read().decode()
     return {
         (s.name, frozenset(s.labels.items())): s.value
@@ -259,6 +263,39 @@ def test_metrics_move_with_a_stream(server):
     # No page is held by a session; pages kept for the prefix cache (state "cached") may remain.
     assert value(after, "braid_kv_cache_usage", braid_kv_page_state="used") == 0
     assert value(after, "braid_kv_cache_limit") > 0
+
+
+def test_the_http_port_serves_the_same_metrics_behind_the_api_key(tiny_dir):
+    """/metrics beside the OpenAI API, as vLLM serves it, with no --metrics-port: the Prometheus
+    page with braid's names, moved by an HTTP call; the API key guards it as it guards /v1."""
+    http_port = free_port()
+    server = Server(
+        ["--model", str(tiny_dir), "--threads", "1", "--http-port", str(http_port)], env={"BRAID_API_KEY": "k"}
+    )
+    base, key = f"http://127.0.0.1:{http_port}", {"Authorization": "Bearer k"}
+    try:
+        server.metrics_url = base + "/metrics"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(server.metrics_url, timeout=10)
+        assert refused.value.code == 401
+        before = scrape(server, key)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            base + "/v1/completions", body, {**key, "Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+        after = scrape(server, key)
+    finally:
+        server.stop()
+    assert (
+        value(after, "braid_tokens_total", braid_token_type="generated")
+        - value(before, "braid_tokens_total", braid_token_type="generated")
+        == 5
+    )
+    assert value(after, "braid_kv_cache_limit") > 0
+    calls = dict(rpc_method="http POST /v1/completions", rpc_response_status_code="200")
+    assert value(after, "rpc_server_call_duration_seconds_count", **calls) == 1
 
 
 def test_metrics_also_go_to_the_collector(server, collector):

@@ -168,3 +168,20 @@ def test_a_request_naming_an_adapter_runs_it_and_is_answered_under_its_name():
     assert http.post("/v1/chat/completions", json={**CHAT, "model": "sql"}).json()["model"] == "sql"
     assert http.post("/v1/chat/completions", json={**CHAT, "model": "smol"}).json()["model"] == "smol"
     assert adapters == ["sql", ""]
+
+
+def test_metrics_are_served_on_the_http_port_behind_the_api_key_and_only_when_given():
+    asked = []
+
+    def page(accept: str) -> tuple[bytes, str]:
+        asked.append(accept)
+        return b"# TYPE braid_sessions gauge\nbraid_sessions 0.0\n", "text/plain; version=0.0.4; charset=utf-8"
+
+    http = TestClient(OpenAIApi(FakeEngine(), ServerConfig(api_key="k"), metrics=page).app)
+    assert http.get("/metrics").json()["error"]["type"] == "authentication_error"
+    response = http.get("/metrics", headers={"Authorization": "Bearer k", "Accept": "application/openmetrics-text"})
+    assert response.status_code == 200 and response.text.startswith("# TYPE braid_sessions gauge")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert asked == ["application/openmetrics-text"]  # the scraper's Accept chooses the format
+    _, without = serve(FakeEngine())
+    assert without.get("/metrics").status_code == 404

@@ -58,7 +58,7 @@ def serve(config: ServerConfig, build_engine: Callable[[], Engine]) -> int:
     """Binds the ports, builds the engine (loads the model), then serves it until SIGTERM/SIGINT
     (exit 0) or until the model loop dies (exit 1). A start that fails raises."""
     calls: CallObserver | None = None
-    if config.metrics_port or config.otlp_endpoint:
+    if telemetry_wanted(config):
         from braid.server.telemetry.metrics import CallMetrics
 
         calls = CallMetrics()
@@ -66,8 +66,9 @@ def serve(config: ServerConfig, build_engine: Callable[[], Engine]) -> int:
     front_ends: list[FrontEnd] = []
     if config.http_port:
         from braid.server.http.server import HttpFrontEnd
+        from braid.server.telemetry.setup import prometheus_page
 
-        front_ends.append(HttpFrontEnd(config, calls))
+        front_ends.append(HttpFrontEnd(config, calls, prometheus_page))
     front_ends.append(grpc_front_end)  # started last: its health says SERVING once every port answers
     serving = _Serving(config, front_ends, grpc_front_end)
     signals = _Signals(serving)
@@ -87,6 +88,12 @@ def serve(config: ServerConfig, build_engine: Callable[[], Engine]) -> int:
         _LOGGER.error("the model loop died; shutting down")
     serving.join()
     return serving.exit_code
+
+
+def telemetry_wanted(config: ServerConfig) -> bool:
+    """Whether telemetry is on: metrics to serve (--metrics-port, or --http-port's /metrics, as
+    vLLM serves them on its API's port) or to send (OTLP). Off, braid starts no SDK at all."""
+    return bool(config.metrics_port or config.http_port or config.otlp_endpoint)
 
 
 class _Signals:
@@ -177,7 +184,7 @@ class _Serving(threading.Thread):
             for front_end in reversed(self._front_ends):  # started last, bound first: gRPC, then HTTP
                 front_end.bind()
                 bound.append(front_end)
-            if self._config.metrics_port or self._config.otlp_endpoint:
+            if telemetry_wanted(self._config):
                 from braid.server.telemetry.setup import start_telemetry  # the SDK and exporters: only when asked for
 
                 telemetry = start_telemetry(self._config, self._grpc.port)

@@ -459,8 +459,9 @@ class ServerConfig:
     http_port: int = field(
         default=0,
         metadata=_opt(
-            "also serve OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on this "
-            "port, on --host, from the same engine (0: off); --api-key guards it too",
+            "also serve OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) and "
+            "Prometheus' /metrics on this port, on --host, from the same engine (0: off); --api-key guards it "
+            "too",
             group="serving",
         ),
     )

@@ -140,12 +140,13 @@ def _connection_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 def _log_settings(config: ServerConfig) -> None:
     """One line each for what an operator must know is on or off."""
-    metrics = (
-        f"on, http://{config.metrics_host}:{config.metrics_port}/metrics (no API key guards it)"
-        if config.metrics_port
-        else "off"
-    )
-    _LOGGER.info("metrics: %s", metrics)
+    pages = []
+    if config.metrics_port:
+        pages.append(f"http://{config.metrics_host}:{config.metrics_port}/metrics (no API key guards it)")
+    if config.http_port:
+        guard = "the API key guards it" if config.api_key else "no API key"
+        pages.append(f"http://{config.host}:{config.http_port}/metrics (beside the HTTP API; {guard})")
+    _LOGGER.info("metrics: %s", f"on, {' and '.join(pages)}" if pages else "off")
     _LOGGER.info("OTLP: %s", f"on, traces and metrics to {config.otlp_endpoint}" if config.otlp_endpoint else "off")
     if config.tls_cert is None:
         tls = "off, plaintext"

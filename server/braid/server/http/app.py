@@ -91,8 +91,20 @@ class ApiError(Exception):
         return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
+# /metrics' page for a scraper's Accept header: (body, content type). Blocking.
+MetricsPage = Callable[[str], tuple[bytes, str]]
+
+
 class OpenAIApi:
-    def __init__(self, engine: EngineClient, config: ServerConfig, calls: CallObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        config: ServerConfig,
+        calls: CallObserver | None = None,
+        metrics: MetricsPage | None = None,
+    ) -> None:
+        """metrics: serves GET /metrics where given (telemetry's Prometheus page, which the root
+        passes in: the front end never imports telemetry)."""
         self._engine = engine
         self._config = config
         self._calls = calls or NoCalls()
@@ -100,8 +112,10 @@ class OpenAIApi:
         self._api_key = config.api_key.encode() if config.api_key else None
         self.draining = False
         self.created = int(time.time())
+        self._metrics = metrics
         self.app = Starlette(
             routes=[
+                *([Route("/metrics", self.metrics, methods=["GET"])] if metrics is not None else []),
                 Route("/v1/chat/completions", self._observed(self.chat), methods=["POST"]),
                 Route("/v1/completions", self._observed(self.completions), methods=["POST"]),
                 Route("/v1/models", self._observed(self.models), methods=["GET"]),
@@ -120,6 +134,18 @@ class OpenAIApi:
         if self.draining:
             return JSONResponse({"status": "draining"}, 503)
         return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus' page, as --metrics-port serves it; with --api-key, only to a scraper that
+        sends the key (Prometheus: `authorization: {credentials: <key>}`), as every route but
+        /health. A scrape is no call: it has no span, log line or call metric, as health checks."""
+        assert self._metrics is not None
+        try:
+            self._authorize(request)
+        except ApiError as exc:
+            return exc.response()
+        body, content_type = await asyncio.to_thread(self._metrics, request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     async def models(self, request: Request, record: _Record) -> Response:
         return JSONResponse({"object": "list", "data": self._model_cards()})

@@ -18,7 +18,7 @@ import uvicorn
 
 from braid.server.config import ServerConfig, SettingError
 from braid.server.edge.observer import CallObserver
-from braid.server.http.app import OpenAIApi
+from braid.server.http.app import MetricsPage, OpenAIApi
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
@@ -40,9 +40,13 @@ class HttpFrontEnd:
     """OpenAI's API on --http-port, a front end beside gRPC on its event loop: bound, started and
     drained with it by the composition root (braid/server/app.py)."""
 
-    def __init__(self, config: ServerConfig, calls: CallObserver | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, calls: CallObserver | None = None, metrics: MetricsPage | None = None
+    ) -> None:
+        """metrics: what serves /metrics (the root passes telemetry's Prometheus page)."""
         self._config = config
         self._calls = calls
+        self._metrics = metrics
         self._socket: socket.socket | None = None
         self._api: OpenAIApi | None = None
         self._server: _Server | None = None
@@ -75,7 +79,7 @@ class HttpFrontEnd:
     async def start(self, engine: EngineClient) -> None:
         """Serves OpenAI's API from the engine, on the running loop."""
         assert self._socket is not None
-        self._api = OpenAIApi(engine, self._config, self._calls)
+        self._api = OpenAIApi(engine, self._config, self._calls, self._metrics)
         config = uvicorn.Config(
             self._api.app,
             lifespan="off",

@@ -1,7 +1,8 @@
 """Turns telemetry on: the OpenTelemetry SDK's providers, Prometheus /metrics and OTLP export.
 
-Called only when --metrics-port or an OTLP endpoint is set. Metrics go to every reader asked for
-(Prometheus, OTLP); traces go over OTLP only, through a BatchSpanProcessor off the event loop.
+Called only when --metrics-port, --http-port (which serves /metrics too, as vLLM's port does) or an
+OTLP endpoint is set. Metrics go to every reader asked for (Prometheus, OTLP); traces go over OTLP
+only, through a BatchSpanProcessor off the event loop.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from prometheus_client import start_http_server
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.exposition import choose_encoder
 
 from braid.server.config import ServerConfig, SettingError
 from braid.server.telemetry.metrics import MetricsObserver, observe_engine
@@ -57,8 +59,9 @@ def start_telemetry(config: ServerConfig, port: int) -> Telemetry:
     )
     readers: list[MetricReader] = []
     tracer_provider = None
+    if config.metrics_port or config.http_port:
+        readers.append(PrometheusMetricReader())  # into prometheus_client's registry, which both pages read
     if config.metrics_port:
-        readers.append(PrometheusMetricReader())
         try:
             start_http_server(config.metrics_port, addr=(config.metrics_host or config.host).strip("[]"))
         except OSError as exc:
@@ -75,3 +78,11 @@ def start_telemetry(config: ServerConfig, port: int) -> Telemetry:
     meter_provider = MeterProvider(metric_readers=readers, resource=resource)
     metrics.set_meter_provider(meter_provider)
     return Telemetry(meter_provider, tracer_provider)
+
+
+def prometheus_page(accept: str) -> tuple[bytes, str]:
+    """/metrics on the HTTP port: the page --metrics-port serves (the same registry, and
+    prometheus_client's own choice of format by the scraper's Accept header), and its content
+    type. Blocking: it collects every instrument."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(REGISTRY), content_type
