@@ -1,5 +1,5 @@
-"""`braid serve`'s flags as a user meets them, in process: --help's groups, and
---served-model-name from the command line and the environment."""
+"""`braid serve` as a user meets it, in process: --help's groups, --served-model-name from the
+command line and the environment, and the start-up line."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 
 from braid.server.cli import _configs, build_parser, main
 from braid.server.config import GROUPS, EngineConfig, LogConfig, ServerConfig
+from braid.server.edge.server import running
+from braid.server.engine.types import Mode, ModelInfo
 
 pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
@@ -79,3 +81,33 @@ def test_served_model_names_given_twice_or_empty_are_refused_naming_the_flag(nam
     with pytest.raises(SystemExit):
         _engine_config(["--served-model-name", *names])
     assert f"--served-model-name {','.join(names)}: a name" in capsys.readouterr().err
+
+
+def test_the_start_up_line_says_what_runs_not_just_the_compute_dtype():
+    """`(cpu, continuous mode, float32)` hid the int8 rows and the KV cache: the line names them."""
+    info = ModelInfo(
+        model_name="HuggingFaceTB/SmolLM2-135M-Instruct",
+        architecture="LlamaForCausalLM",
+        context_length=4096,
+        vocab_size=49152,
+        dtype="float32",
+        device="cpu",
+        mode=Mode.CONTINUOUS,
+        max_batch_size=32,
+        eos_token_ids=(2,),
+        has_chat_template=True,
+        parameters=134515008,
+        weight_formats={"f32": 61, "q4_1": 210, "q8_0": 1},
+        weight_bytes=97_000_000,
+        quantization="auto",
+        kernels="avx2",
+        kv_cache_dtype="float32",
+        activations="int8",
+        kv_cache_bytes=720 * 2**20,
+    )
+    assert running(info) == (
+        "cpu, avx2 kernels, weights 210 q4_1 + 61 f32 + 1 q8_0 (97 MB), int8 rows, KV cache float32 720 MiB, "
+        "continuous mode"
+    )
+    on_gpu = dataclasses.replace(info, device="cuda:0", kernels="torch", dtype="bfloat16", weight_formats={"bf16": 3})
+    assert running(on_gpu).startswith("cuda:0, torch's ops, weights 3 bf16 (97 MB), bfloat16 compute, KV cache")

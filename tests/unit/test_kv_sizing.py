@@ -68,15 +68,41 @@ def test_auto_holds_every_session_at_full_length_where_memory_allows(tmp_path) -
     assert fit_pages(config, SMOL, 4096, CPU, torch.float32, host.proc) == 4 * 256
     # not the host's memory: before, half of it (32 GiB, 46,603 pages)
     assert fit_pages(EngineConfig(max_sessions=1), SMOL, 1024, CPU, torch.float32, host.proc) == 64
+    # the tests' servers: 16 sessions of the tiny model's 1,024 tokens, 16,384 tokens, all of them
+    assert fit_pages(EngineConfig(max_batch_size=16), SMOL, 1024, CPU, torch.float32, host.proc) == 16 * 64
+
+
+def test_auto_holds_at_most_16384_tokens_and_at_least_one_session_of_max_seq_len(tmp_path) -> None:
+    """The embedded model's default, 32 sessions of 4,096 fp32 tokens, reserved 5,760 MiB for 97 MB
+    of weights: auto now holds 4 of them (16,384 tokens, 720 MiB), where 32 sessions of 500 tokens
+    run unpreempted."""
+    host = Host(tmp_path, available_kb=64 * GiB // 1024)
+    pages = fit_pages(EngineConfig(), SMOL, 4096, CPU, torch.float32, host.proc)
+    assert pages == 16384 // 16 and pages * PER_PAGE == 720 * MiB
+    assert fit_pages(EngineConfig(), SMOL, 4096, CPU, torch.bfloat16, host.proc) == 1024  # the same tokens
+    assert fit_pages(EngineConfig(max_sessions=64), SMOL, 512, CPU, torch.float32, host.proc) == 1024
+    assert fit_pages(EngineConfig(max_sessions=2), SMOL, 4096, CPU, torch.float32, host.proc) == 2 * 256
+    # a context past the cap: one session of it, whatever --max-sessions says
+    assert fit_pages(EngineConfig(), SMOL, 32768, CPU, torch.float32, host.proc) == 32768 // 16
+
+
+def test_auto_says_why_it_holds_fewer_sessions_than_max_sessions(tmp_path, caplog) -> None:
+    caplog.set_level("INFO", logger="braid.server.runner.kv_cache")
+    fit_pages(EngineConfig(), SMOL, 4096, CPU, torch.float32, Host(tmp_path, available_kb=64 * GiB // 1024).proc)
+    assert (
+        "KV cache: 1024 pages of 16 tokens (16384 tokens, 4 sessions of --max-seq-len), 720 MiB, float32; "
+        "auto: 4 sessions of --max-seq-len, at most 16384 tokens (all --max-sessions 32 at full length would "
+        "take 5760 MiB)" in caplog.text
+    )
 
 
 def test_auto_is_capped_by_half_of_what_the_cgroup_limit_leaves(tmp_path) -> None:
     host = Host(tmp_path, available_kb=64 * GiB // 1024)
     group = host.v2("/kubepods/pod1/braid")
-    (group / "memory.max").write_text(str(2 * GiB))
-    (group / "memory.current").write_text(str(512 * MiB))
-    config = EngineConfig(max_sessions=32)  # 32 sessions of 4096 tokens: 5.6 GiB
-    assert fit_pages(config, SMOL, 4096, CPU, torch.float32, host.proc) == int(0.5 * 1.5 * GiB // PER_PAGE)
+    (group / "memory.max").write_text(str(1 * GiB))
+    (group / "memory.current").write_text(str(256 * MiB))
+    config = EngineConfig(max_sessions=32)  # 4 sessions of 4096 tokens: 720 MiB, over half of 768 MiB
+    assert fit_pages(config, SMOL, 4096, CPU, torch.float32, host.proc) == int(0.5 * 768 * MiB // PER_PAGE)
 
 
 def test_a_fraction_is_of_what_the_cgroup_limit_leaves(tmp_path) -> None:

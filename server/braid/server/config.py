@@ -184,7 +184,8 @@ class CacheConfig:
         metadata=_opt(
             "KV cache budget: bytes with a unit (4GiB, 512MB), a fraction (0.5) of the memory this process may "
             "still take at start (what is left under its cgroup's memory limit, else the host's available "
-            "memory), or auto: room for --max-sessions sessions of --max-seq-len, at most half that memory. "
+            "memory), or auto: room for --max-sessions sessions of --max-seq-len but 16384 tokens at most (one "
+            "session of --max-seq-len at least), and half that memory at most. "
             "Cut into pages; a session holds pages for the tokens it has, and is admitted while pages are free",
             group="serving",
         ),

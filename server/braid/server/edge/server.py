@@ -28,6 +28,7 @@ from braid.v1 import generate_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
+    from braid.server.engine.types import ModelInfo
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generate"].full_name
@@ -85,13 +86,7 @@ class GrpcFrontEnd:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         _LOGGER.info(
-            "braid serving %s (%s, %s mode, %s) on %s:%d",
-            engine.info.model_name,
-            engine.info.device,
-            engine.info.mode.value,
-            engine.info.dtype,
-            self._config.host,
-            self.port,
+            "braid serving %s on %s:%d (%s)", engine.info.model_name, self._config.host, self.port, running(engine.info)
         )
         _log_settings(self._config)
 
@@ -117,6 +112,23 @@ class GrpcFrontEnd:
         """A start that failed: closes the port."""
         if self._server is not None:
             await self._server.stop(0)
+
+
+def running(info: ModelInfo) -> str:
+    """What runs, for the start-up line: the device and kernels, the weights as served, what they
+    multiply (int8 rows, say, where the dtype alone would say float32), the KV cache and the mode.
+    `cpu, avx2 kernels, weights 210 q4_1 + 61 f32 + 1 q8_0 (97 MB), int8 rows, KV cache float32
+    720 MiB, continuous mode`."""
+    formats = " + ".join(f"{n} {fmt}" for fmt, n in sorted(info.weight_formats.items(), key=lambda kv: -kv[1]))
+    kernels = "torch's ops" if info.kernels == "torch" else f"{info.kernels} kernels"
+    if info.runner != "braid":
+        kernels += f", the {info.runner} path"
+    # on a GPU the rows are the compute dtype's (--dtype); on the CPU, --activations says
+    rows = f"{info.activations} rows" if info.device == "cpu" else f"{info.dtype} compute"
+    return (
+        f"{info.device}, {kernels}, weights {formats} ({info.weight_bytes / 1e6:.0f} MB), {rows}, "
+        f"KV cache {info.kv_cache_dtype} {info.kv_cache_bytes / 2**20:.0f} MiB, {info.mode.value} mode"
+    )
 
 
 def _connection_options(config: ServerConfig) -> list[tuple[str, int]]:

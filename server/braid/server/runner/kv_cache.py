@@ -68,13 +68,26 @@ class KVCache:
 
 
 # --kv-cache-memory auto (the default) sizes the cache for the model and --max-sessions, not the
-# machine: pages enough for every session to reach --max-seq-len, so no session is ever preempted for
-# want of them. The prefix cache keeps finished sessions' pages until they are needed, so whatever
-# the budget, it is in the end resident: it is capped at AUTO_FRACTION of the memory the process may
-# still take (what is left under its cgroup's limit, else the host's available memory), leaving the
-# rest for the constraint cache, activations, the tokenizer and gRPC's buffers, and for the memory
-# the first passes take (the kernels' packed weights are made after the budget is read).
+# machine: pages for --max-sessions sessions of --max-seq-len, but for AUTO_TOKENS tokens at most, and
+# for one session of --max-seq-len at least. Pages go to the tokens sessions have, not to their
+# --max-seq-len, so the cap still runs 32 sessions of about 500 tokens (or 4 of the full 4,096) with
+# none preempted, and past it the scheduler preempts, never fails. Without the cap, the embedded model's
+# 32 sessions of 4,096 tokens reserved 5,760 MiB of fp32 keys and values for 97 MB of weights; with
+# it, 720 MiB. llama.cpp's server shares one context (4,096 or the model's 8,192 tokens, f16) among
+# its slots; vLLM takes 90% of a GPU (on a CPU, VLLM_CPU_KVCACHE_SPACE). The keys and values stay fp32 by
+# default (--kv-cache-dtype auto), the tokens braid's tests and figures pin; float16 halves them.
+# The prefix cache keeps finished sessions' pages until they are needed, so whatever the budget, it
+# is in the end resident: it is capped at AUTO_FRACTION of the memory the process may still take
+# (what is left under its cgroup's limit, else the host's available memory), leaving the rest for
+# the constraint cache, activations, the tokenizer and gRPC's buffers, and for the memory the first
+# passes take (the kernels' packed weights are made after the budget is read).
+AUTO_TOKENS = 16384
 AUTO_FRACTION = 0.5
+
+
+def auto_sessions(max_sessions: int, max_seq_len: int) -> int:
+    """How many sessions of --max-seq-len --kv-cache-memory auto makes room for."""
+    return max(1, min(max_sessions, AUTO_TOKENS // max_seq_len))
 
 
 def free_memory(device: torch.device, proc: Path = Path("/proc")) -> resources.Memory:
@@ -105,7 +118,7 @@ def fit_pages(
         model_config.num_hidden_layers, kv_heads, head_dim(model_config), dtype
     )
     needed = -(-max_seq_len // config.kv_page_size)  # pages of one session of --max-seq-len
-    budget, why, available = _budget(config, needed * per_page, device, proc)
+    budget, why, available = _budget(config, needed * per_page, max_seq_len, device, proc)
     pages = int(budget // per_page)
     if pages < needed:
         raise ValueError(
@@ -135,19 +148,27 @@ def fit_pages(
 
 
 def _budget(
-    config: EngineConfig, session_bytes: int, device: torch.device, proc: Path
+    config: EngineConfig, session_bytes: int, max_seq_len: int, device: torch.device, proc: Path
 ) -> tuple[float, str, resources.Memory | None]:
     """The cache's bytes, why, and the memory free (None where it was not needed for the budget and
     is not worth checking: the GPU's)."""
     if config.kv_cache_memory == "auto":
         free = free_memory(device, proc)
-        wanted = config.max_sessions * session_bytes
+        sessions = auto_sessions(config.max_sessions, max_seq_len)
+        wanted = sessions * session_bytes
+        if sessions == config.max_sessions:
+            why = f"auto: --max-sessions {sessions} sessions of --max-seq-len"
+        else:
+            why = (
+                f"auto: {sessions} sessions of --max-seq-len, at most {AUTO_TOKENS} tokens (all --max-sessions "
+                f"{config.max_sessions} at full length would take {config.max_sessions * session_bytes / 2**20:.0f} MiB)"
+            )
         if wanted <= AUTO_FRACTION * free.available:
-            return wanted, f"auto: --max-sessions {config.max_sessions} sessions of --max-seq-len", free
+            return wanted, why, free
         return (
             AUTO_FRACTION * free.available,
-            f"auto: {AUTO_FRACTION:g} of {free.available / 2**20:.0f} MiB, {free.reason} (--max-sessions "
-            f"{config.max_sessions} sessions of --max-seq-len would take {wanted / 2**20:.0f} MiB)",
+            f"auto: {AUTO_FRACTION:g} of {free.available / 2**20:.0f} MiB, {free.reason} ({sessions} "
+            f"sessions of --max-seq-len would take {wanted / 2**20:.0f} MiB)",
             free,
         )
     amount, is_fraction = parse_memory(config.kv_cache_memory)
