@@ -160,7 +160,9 @@ class OpenAIApi:
 
     def _model_cards(self) -> list[dict[str, Any]]:
         """What /v1/models lists, as vLLM lists it: a card per served name (--served-model-name),
-        then one per LoRA adapter, whose root and parent are the model's first name."""
+        then one per LoRA adapter, whose parent is the model's first name. The root is that name too,
+        where vLLM puts --model: a path would tell every caller where the server keeps its files
+        (ModelInfo.model_path says it over gRPC)."""
         info = self._engine.info
 
         def card(name: str, root: str, parent: str | None = None) -> dict[str, Any]:
@@ -174,7 +176,7 @@ class OpenAIApi:
                 "max_model_len": info.context_length,
             }
 
-        served = [card(name, info.model_path or name) for name in self._served_names()]
+        served = [card(name, info.model_name) for name in self._served_names()]
         return served + [card(a.name, info.model_name, info.model_name) for a in self._engine.loras()]
 
     def _served_names(self) -> tuple[str, ...]:
