@@ -48,7 +48,7 @@ def _torch_threads_kept():
 
 def info(config: EngineConfig, model: LoadedModel):
     runner = ModelRunner.build(config, model)
-    tokenizer = SimpleNamespace(eos_token_ids=(2,), has_chat_template=False)
+    tokenizer = SimpleNamespace(eos_token_ids=(2,), has_chat_template=False, template_takes_tools=True)
     return runner, model_info_to_pb(describe(config, runner, tokenizer, model.name, model.architecture))
 
 

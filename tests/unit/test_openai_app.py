@@ -170,6 +170,36 @@ def test_a_request_naming_an_adapter_runs_it_and_is_answered_under_its_name():
     assert adapters == ["sql", ""]
 
 
+def _requests_of(engine: FakeEngine) -> list:
+    """The GenerationRequests the engine is given, from now on."""
+    seen, submit = [], engine.submit
+    engine.submit = lambda ticket, request, *rest, **kw: seen.append(request) or submit(ticket, request, *rest, **kw)
+    return seen
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_tool_call_with_finish_reason_length():
+    """As OpenAI answers: the call as far as it got (its arguments unfinished JSON), never content,
+    so that a client (LangChain's with_structured_output) fails to parse it instead of finding none."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    _, http = serve(FakeEngine())  # its " 5 6 7" then max_tokens: a call cut short
+    body = {**CHAT, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    (choice,) = http.post("/v1/chat/completions", json=body).json()["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": "5 6 7"}
+
+
+def test_tools_reach_a_template_that_does_not_render_them_through_the_system_message():
+    engine = FakeEngine()
+    engine.info = dataclasses.replace(engine.info, chat_template_takes_tools=False)
+    seen = _requests_of(engine)
+    _, http = serve(engine)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    http.post("/v1/chat/completions", json={**CHAT, "tools": [tool]})
+    (request,) = seen
+    assert request.messages[0].role == "system" and "get_weather" in request.messages[0].content
+    assert request.tools == ""
+
+
 def test_metrics_are_served_on_the_http_port_behind_the_api_key_and_only_when_given():
     asked = []
 

@@ -202,3 +202,103 @@ def test_a_named_call_streams_its_arguments_as_they_come():
     assert choice.end() is None and json.loads(choice.message()["tool_calls"][0]["function"]["arguments"]) == {
         "city": "Oslo"
     }
+
+
+# A tool whose parameters refer to their own $defs, and to their own root: pydantic writes such
+# schemas for nested models (issue 39, item 15)
+ORDER = {
+    "type": "function",
+    "function": {
+        "name": "order",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
+                "then": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+            },
+            "required": ["items"],
+            "$defs": {"Item": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+        },
+    },
+}
+
+
+def _compile_error(constraint) -> str:
+    """llguidance's error for the constraint ("" when it compiles), as the engine compiles it."""
+    import llguidance
+
+    from braid.server.engine.grammars import grammar_text
+
+    return llguidance.LLMatcher.validate_grammar(grammar_text(constraint))
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "order"}}], ids=["required", "named"]
+)
+def test_a_forced_call_of_a_tool_whose_parameters_use_defs_compiles_and_means_the_same(choice):
+    import jsonschema
+
+    plan = chat(tools=[WEATHER, ORDER], tool_choice=choice)
+    assert _compile_error(plan.request.constraint) == ""
+    schema = json.loads(plan.request.constraint.text)
+    good = {"items": [{"x": 1}], "then": {"items": []}}
+    bad = {"items": [{"x": 1}], "then": {"items": [{"x": "one"}]}}  # the nested order's item is no Item
+    if choice == "required":
+        good, bad = [{"name": "order", "arguments": good}], [{"name": "order", "arguments": bad}]
+    jsonschema.validate(good, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+    assert chat(tools=[WEATHER, ORDER]).request.constraint is None  # auto: no constraint at all
+
+
+def test_a_forced_schema_leaves_refs_inside_data_and_tools_without_refs_as_they_are():
+    enum = {"type": "object", "properties": {"a": {"enum": [{"$ref": "#/x"}]}}}
+    tool = {"type": "function", "function": {"name": "e", "parameters": enum}}
+    schema = tools.forced_schema([WEATHER, tool], None)
+    assert "$defs" not in schema and schema["items"]["anyOf"][1]["properties"]["arguments"] == enum
+
+
+def test_a_forced_call_cut_short_comes_back_as_its_calls_so_far_never_as_content():
+    names = ("get_weather", "order")
+    required = ChatChoice(chat(tools=[WEATHER, ORDER], tool_choice="required"))
+    required.feed('[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"order","arguments":{"items":[{"x"')
+    last = required.end()
+    assert [c["function"] for c in last["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"name": "order", "arguments": '{"items":[{"x"'},
+    ]
+    assert not required.has_calls  # finish_reason length, not tool_calls
+    message = required.message()
+    assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == list(names)
+    # cut inside a name: the one tool it can begin; inside the first key: the only tool
+    for text, expected in [('[{"name":"ord', "order"), ('[{"name":"get_weather"', "get_weather")]:
+        assert [c.name for c in tools.cut_calls(text, None, names)] == [expected]
+    assert [c.name for c in tools.cut_calls('[{"na', None, ("get_weather",))] == []
+    deep = '[{"name":"order","arguments":{"items":' + "[" * 5000  # past json's recursion limit: cut all the same
+    assert [(c.name, c.arguments) for c in tools.cut_calls(deep, None, names)] == [("order", deep[29:])]
+    named = ChatChoice(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    streamed = named.feed('{"city": "Os')
+    assert named.end() is None and not named.has_calls  # its arguments went out as they came
+    assert named.message()["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Os'}
+    assert streamed["tool_calls"][0]["id"] == named.message()["tool_calls"][0]["id"]
+
+
+def test_tools_go_into_the_system_message_where_the_template_does_not_render_them():
+    body = ChatRequest.model_validate({"model": "m", "messages": CHAT, "tools": [WEATHER]})
+    plan = chat_plan(body, 256, 1000, takes_tools=False)
+    system, user = plan.request.messages
+    assert system.role == "system" and plan.request.tools == "" and user.content == "hi"
+    assert json.dumps(WEATHER["function"]["parameters"], separators=(",", ":")) in system.content
+    assert "<tool_call>" in system.content  # the shape parse_tool_calls reads back
+    _, calls = tools.parse_tool_calls(
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    assert calls[0].name == "get_weather"
+    own = ChatRequest.model_validate(
+        {"messages": [{"role": "system", "content": "Be brief."}, *CHAT], "tools": [WEATHER], "tool_choice": "required"}
+    )
+    system, _ = chat_plan(own, 256, 1000, takes_tools=False).request.messages
+    assert system.content.startswith("Be brief.\n\n") and "get_weather" in system.content
+    assert chat_plan(body, 256, 1000).request.messages == (plan.request.messages[1],)  # a template that takes them
+    none = ChatRequest.model_validate({"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"})
+    assert len(chat_plan(none, 256, 1000, takes_tools=False).request.messages) == 1

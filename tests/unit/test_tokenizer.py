@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -81,3 +82,13 @@ def test_a_python_tokenizer_gets_a_copy_per_thread(hf):
         results = list(pool.map(tok.encode_prompt, ["The sea is"] * 30))
     assert results == [list(hf.encode("The sea is"))] * 30
     assert 1 <= len(copies) <= 3
+
+
+def test_a_template_that_drops_tools_is_told_from_one_that_renders_them(smol_dir):
+    """SmolLM2's template renders the same prompt with tools or without (issue 39: 37 tokens
+    either way); the HTTP front end then puts them into the system message."""
+    smol = Tokenizer(AutoTokenizer.from_pretrained(smol_dir), [2])
+    assert smol.has_chat_template and not smol.template_takes_tools
+    hermes = AutoTokenizer.from_pretrained(smol_dir)
+    hermes.chat_template = (Path(__file__).parents[1] / "data" / "hermes_tools.jinja").read_text()
+    assert Tokenizer(hermes, [2]).template_takes_tools

@@ -288,6 +288,7 @@ def describe(config: EngineConfig, runner, tokenizer, model_name: str, architect
         max_batch_size=min(config.max_batch_size, config.max_sessions),
         eos_token_ids=tokenizer.eos_token_ids,
         has_chat_template=tokenizer.has_chat_template,
+        chat_template_takes_tools=tokenizer.template_takes_tools,
         parameters=runner.num_parameters,
         weight_formats=runner.weight_formats,
         weight_bytes=runner.weight_bytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import threading
 from typing import TYPE_CHECKING, Any, Sequence, TypeAlias
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 # transformers (which would bring torch in): to mypy it is Any.
 HfTokenizer: TypeAlias = Any
 
+_LOGGER = logging.getLogger(__name__)
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
@@ -39,6 +41,9 @@ class Tokenizer:
         self._local = threading.local()
         self.eos_token_ids = tuple(eos_token_ids)
         self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+        self.template_takes_tools = not self.has_chat_template or _renders_tools(hf_tokenizer)
+        if not self.template_takes_tools:
+            _LOGGER.info("the chat template does not render tools: requests' tools go into their system message")
         self.max_token_bytes = _longest_token_bytes(hf_tokenizer)
 
     @property
@@ -106,6 +111,36 @@ class Tokenizer:
             return self._backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
         tok = self._own()
         return [tok.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+_PROBE_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "braid_probe_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def _renders_tools(hf_tokenizer: HfTokenizer) -> bool:
+    """Whether the chat template writes `tools` into the prompt: a chat rendered with a tool and
+    without it differ (as minja's capability probe does for llama.cpp). A template that fails
+    without tools is left to say why on a real request."""
+    try:
+        without = hf_tokenizer.apply_chat_template(_PROBE_CHAT, add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return True
+    try:
+        rendered = hf_tokenizer.apply_chat_template(
+            _PROBE_CHAT, tools=_PROBE_TOOLS, add_generation_prompt=True, tokenize=False
+        )
+    except Exception:  # one that refuses tools does not take them
+        return False
+    return bool(rendered != without)
 
 
 def _turn(m: Message) -> dict[str, Any]:

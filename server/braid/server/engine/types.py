@@ -240,6 +240,9 @@ class ModelInfo:
     speculative: str = "none"  # --speculative: none, ngram or draft
     speculative_tokens: int = 0  # the most proposals per session and pass; 0 with none
     draft_model: str = ""  # the draft model loaded, "" with none
+    # whether the chat template renders `tools` (SmolLM2's does not: the HTTP front end describes
+    # them in the system message instead); engine/tokenizer.py finds out once per model
+    chat_template_takes_tools: bool = True
     # --served-model-name: every name the model answers to; model_name is the first
     served_model_names: tuple[str, ...] = ()
     model_path: str = ""  # what was loaded: --model as given, or the embedded model's file

@@ -193,8 +193,10 @@ class OpenAIApi:
     async def chat(self, request: Request, record: _Record) -> Response:
         body = await _parse(request, ChatRequest, self._config.max_message_bytes)
         record.user = body.user
+        info = self._engine.info
         plan = self._with_adapter(
-            chat_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size), body.model
+            chat_plan(body, self._config.default_max_new_tokens, info.vocab_size, info.chat_template_takes_tools),
+            body.model,
         )
         return await self._generate(request, plan, record, body.stream, chat=True)
 
@@ -320,7 +322,7 @@ class _Events:
                     tracing.on_finished(handle)
                 self.finals.append(handle.finished)
                 last = self._choices[index].end() if self._chat else None
-                has_calls = bool(self._choices[index].calls)
+                has_calls = self._choices[index].has_calls
                 if last is not None:
                     yield self._chunk(index, last)
                 reason = choices.finish_reason(handle.finished, has_calls)

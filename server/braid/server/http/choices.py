@@ -16,9 +16,9 @@ _LENGTH = {FinishReason.MAX_TOKENS}
 
 
 def finish_reason(finished: Finished, has_calls: bool) -> str:
-    """OpenAI's name for how a choice ended: `length` where max_tokens cut it, `tool_calls` where it
-    holds calls, else `stop` (an end of sequence, a stop string or token, a completed constraint,
-    a cancel)."""
+    """OpenAI's name for how a choice ended: `length` where max_tokens cut it (a forced tool call
+    included, its calls sent as far as they got), `tool_calls` where it holds whole calls, else
+    `stop` (an end of sequence, a stop string or token, a completed constraint, a cancel)."""
     if finished.reason in _LENGTH:
         return "length"
     return "tool_calls" if has_calls else "stop"
@@ -46,7 +46,13 @@ class ChatChoice:
         self.text = ""
         self._sent = 0  # characters of text sent as content (auto) or as arguments (a named call)
         self.calls: list[tools.ToolCall] = []
+        self.cut = False  # a forced call cut short: its calls are as far as they got
         self._call_id = tools.new_call_id()
+
+    @property
+    def has_calls(self) -> bool:
+        """Whether the choice ends in whole tool calls (finish_reason `tool_calls`)."""
+        return bool(self.calls) and not self.cut
 
     def feed(self, text: str) -> dict[str, Any] | None:
         self.text += text
@@ -70,10 +76,12 @@ class ChatChoice:
         plan = self._plan
         if plan.tools == "forced":
             self.calls = tools.forced_calls(self.text, plan.function)
+            self.cut = not self.calls
+            if self.cut:  # by max_tokens, say: sent as tool calls all the same, as OpenAI does, never as content
+                self.calls = tools.cut_calls(self.text, plan.function, plan.tool_names)
             if plan.function is not None:
-                if self.calls:
-                    self.calls = [tools.ToolCall(plan.function, self.calls[0].arguments, self._call_id)]
-                return None if self._sent or not self.calls else {"tool_calls": [self.calls[0].to_openai(0)]}
+                self.calls = [tools.ToolCall(plan.function, self.calls[0].arguments, self._call_id)]
+                return None if self._sent else {"tool_calls": [self.calls[0].to_openai(0)]}
             return {"tool_calls": [c.to_openai(i) for i, c in enumerate(self.calls)]} if self.calls else None
         if plan.tools == "auto":
             _, self.calls = tools.parse_tool_calls(self.text)

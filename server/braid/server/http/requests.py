@@ -30,9 +30,12 @@ class Plan:
     function: str | None = None
     include_usage: bool = False
     logprobs: bool = False
+    tool_names: tuple[str, ...] = ()
 
 
-def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int) -> Plan:
+def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int, takes_tools: bool = True) -> Plan:
+    """takes_tools: whether the model's chat template renders `tools` (ModelInfo's
+    chat_template_takes_tools); where it does not, they go into the system message."""
     messages = tuple(_message(i, m) for i, m in enumerate(body.messages))
     if not messages:
         raise InvalidArgument("messages", "must not be empty")
@@ -50,18 +53,35 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int) -
         top_logprobs=body.top_logprobs or 0,
     )
     mode, function = _tool_mode(body)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and mode else []
     constraint = _format_constraint(body.response_format)
     if mode == "forced":
         if constraint is not None:
             raise InvalidArgument("tool_choice", "a forced tool call and response_format cannot go together")
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         schema = tool_calls.forced_schema(tools, function, parallel=body.parallel_tool_calls is not False)
         constraint = Constraint("json_schema", json.dumps(schema), "tools")
         if len(constraint.text.encode()) > convert.MAX_CONSTRAINT_BYTES:
             raise InvalidArgument("tools", f"the tools' schemas are over {convert.MAX_CONSTRAINT_BYTES} bytes")
-    tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools and mode else ""
-    req = dataclasses.replace(req, messages=messages, constraint=constraint, tools=tools_json)
-    return Plan(req, mode, function, _include_usage(body), body.logprobs)
+    tools_json = json.dumps(tools) if tools else ""
+    if tools and not takes_tools:  # the template would drop them without a word
+        messages, tools_json = _with_system(messages, tool_calls.tools_prompt(tools)), ""
+    req = dataclasses.replace(
+        req,
+        messages=messages,
+        constraint=constraint,
+        tools=tools_json,
+    )
+    names = tuple(t.function.name for t in body.tools or ())
+    return Plan(req, mode, function, _include_usage(body), body.logprobs, names)
+
+
+def _with_system(messages: tuple[Message, ...], text: str) -> tuple[Message, ...]:
+    """The chat with `text` at the end of its system message, or in a new one first."""
+    if messages[0].role == "system":
+        first = messages[0]
+        content = f"{first.content}\n\n{text}" if first.content else text
+        return (dataclasses.replace(first, content=content), *messages[1:])
+    return (Message(role="system", content=text), *messages)
 
 
 def completion_plan(body: CompletionRequest, default_max_new_tokens: int, vocab_size: int) -> Plan:

@@ -4,6 +4,11 @@ blocks, as Qwen's templates ask for, and Llama 3's bare JSON.
 
 As vLLM does, a forced call is generated as plain JSON under a JSON schema: for a named function,
 its arguments object; for `required`, a list of {"name", "arguments"} objects, one of the tools each.
+A forced call cut short (max_tokens) is read back as OpenAI sends one: the calls as far as they got,
+their arguments unfinished JSON (`cut_calls`).
+
+A chat template that does not render tools (SmolLM2's; engine/tokenizer.py finds out once per model)
+gets them in a system message instead (`tools_prompt`), as llama.cpp's generic tool format does.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 HERMES_OPEN = "<tool_call>"
@@ -43,27 +48,78 @@ def new_call_id() -> str:
 
 def forced_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool = True) -> dict[str, Any]:
     """The JSON schema a forced call is generated under: the named function's parameters, or (for
-    `required`) a non-empty list of calls to any of the tools (one, without parallel calls)."""
+    `required`) a non-empty list of calls to any of the tools (one, without parallel calls).
+
+    In the list, a tool's parameters are no longer the schema's root, so their local references
+    (`#/$defs/Item`, `#`) would point into the list's schema. Such a tool's parameters move to the
+    root's `$defs` (`tool_<i>`), their references rebased there, and its call refers to them."""
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if name is not None:
         return {**functions[name], **_COMPACT}
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": n}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for n, params in functions.items()
-    ]
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, (n, params) in enumerate(functions.items()):
+        rebased, refers = _rebased(params, f"/$defs/tool_{i}")
+        if refers:
+            defs[f"tool_{i}"] = rebased
+            params = {"$ref": f"#/$defs/tool_{i}"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": n}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     most = {} if parallel else {"maxItems": 1}
-    return {
+    schema = {
         "type": "array",
         "minItems": 1,
         **most,
         "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
         **_COMPACT,
     }
+    return {**schema, "$defs": defs} if defs else schema
+
+
+# keywords whose values are data, not schemas: a "$ref" inside them is left as it is
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: dict[str, Any], base: str) -> tuple[dict[str, Any], bool]:
+    """A copy of `schema` whose local references ("#", "#/...") point under the JSON pointer
+    `base`, and whether it has any. Iterative, not recursive: a schema nested deeper than Python's
+    recursion limit is the constraint compiler's to refuse, naming the field."""
+    root = dict(schema)
+    refers = False
+    stack: list[Any] = [root]  # copies of the schema's objects and arrays, their members still the originals
+    while stack:
+        node = stack.pop()
+        is_object = isinstance(node, dict)
+        for key, value in list(node.items() if is_object else enumerate(node)):
+            if is_object and key in _DATA_KEYWORDS:
+                continue
+            if is_object and key == "$ref" and isinstance(value, str) and value[:2] in ("#", "#/"):
+                node[key], refers = "#" + base + value[1:], True
+            elif isinstance(value, (dict, list)):
+                node[key] = copied = type(value)(value)
+                stack.append(copied)
+    return root, refers
+
+
+def tools_prompt(tools: list[dict[str, Any]]) -> str:
+    """A system message that tells the model the tools and how to call them, for a chat template
+    that does not render `tools` itself. braid's own, in the spirit of llama.cpp's generic tool
+    format (common/chat.cpp) and minja's tools polyfill: the functions as JSON, then the shape of
+    a call, which is the Hermes block that parse_tool_calls reads back."""
+    functions = "\n".join(json.dumps(t["function"], separators=(",", ":")) for t in tools)
+    return (
+        "You can call these functions (each with a JSON Schema of its arguments):\n"
+        f"{functions}\n\n"
+        "To call one, answer with a block for each call, and nothing after the blocks:\n"
+        f'{HERMES_OPEN}\n{{"name": <the function\'s name>, "arguments": <its arguments, a JSON object>}}\n</tool_call>\n'
+        "Otherwise, answer the user directly."
+    )
 
 
 def forced_calls(text: str, name: str | None) -> list[ToolCall]:
@@ -75,6 +131,43 @@ def forced_calls(text: str, name: str | None) -> list[ToolCall]:
     if name is not None:
         return [ToolCall(name, text.strip())]  # the arguments as generated (and as streamed)
     return [ToolCall(c["name"], json.dumps(c["arguments"])) for c in value]
+
+
+_CALL_HEAD = re.compile(r'(?:\s*,)?\s*\{\s*"name"\s*:\s*')  # linear: a comma parts its runs of spaces
+_ARGUMENTS_HEAD = re.compile(r'\s*,\s*"arguments"\s*:\s*')
+
+
+def cut_calls(text: str, name: str | None, names: Sequence[str]) -> list[ToolCall]:
+    """The calls of a forced call's output that was cut short, as OpenAI returns a call cut by
+    max_tokens: each as far as it got, the last one's arguments an unfinished JSON text (a client
+    that parses them fails, and finish_reason says why). For a named function, its one call; for
+    `required` (compact JSON: `[{"name":"f","arguments":{...}},...`), the calls begun, a name cut
+    short completed where only one of `names` begins so."""
+    if name is not None:
+        return [ToolCall(name, text.strip())]
+    calls, decoder = [], json.JSONDecoder()
+    at = text.find("[") + 1
+    while at:
+        head = _CALL_HEAD.match(text, at)
+        if head is None:
+            break
+        try:  # a call generated whole
+            value, at = decoder.raw_decode(text, head.start() + head.group().index("{"))
+            calls.append(ToolCall(value["name"], json.dumps(value["arguments"])))
+            continue
+        except (ValueError, RecursionError):  # cut short (or nested past json's recursion: cut all the same)
+            pass
+        try:  # the call that was cut: its name, then its arguments so far
+            called, end = decoder.raw_decode(text, head.end())
+        except ValueError:  # its name itself was cut
+            begun = text[head.end() + 1 :]
+            matching = [n for n in names if n.startswith(begun)]
+            calls.append(ToolCall(matching[0] if len(matching) == 1 else begun, ""))
+            break
+        arguments = _ARGUMENTS_HEAD.match(text, end)
+        calls.append(ToolCall(called, text[arguments.end() :] if arguments else ""))
+        break
+    return calls
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
