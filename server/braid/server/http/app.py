@@ -239,9 +239,10 @@ class OpenAIApi:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            return JSONResponse(await _unless_disconnected(request, events.whole()))
+            whole = await _unless_disconnected(request, events.whole())
         finally:
             call.end()
+        return await asyncio.to_thread(JSONResponse, whole)  # its JSON grows with the output: off the event loop
 
     # ---- around every call: the API key, errors, the log line, the span and the metric ---------
 
@@ -321,7 +322,8 @@ class _Events:
                 with trace.use_span(self._record.span, end_on_exit=False):
                     tracing.on_finished(handle)
                 self.finals.append(handle.finished)
-                last = self._choices[index].end() if self._chat else None
+                # the choice's whole text, read for tool calls: off the event loop (it grows with the output)
+                last = await asyncio.to_thread(self._choices[index].end) if self._chat else None
                 has_calls = self._choices[index].has_calls
                 if last is not None:
                     yield self._chunk(index, last)
@@ -357,6 +359,10 @@ class _Events:
                 if not self._chat:
                     texts[i] += choice["text"]
                 reasons[i] = choice["finish_reason"] or reasons[i]
+        # assembled off the event loop: messages (read for tool calls again) and logprobs grow with the output
+        return await asyncio.to_thread(self._whole, texts, logprobs, reasons)
+
+    def _whole(self, texts: list[str], logprobs: list[list[dict[str, Any]]], reasons: list[str]) -> dict[str, Any]:
         out = []
         for i in range(len(self._handles)):
             lp = _joined(logprobs[i]) if self._plan.logprobs else None

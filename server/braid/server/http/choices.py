@@ -48,6 +48,7 @@ class ChatChoice:
         self.calls: list[tools.ToolCall] = []
         self.cut = False  # a forced call cut short: its calls are as far as they got
         self._call_id = tools.new_call_id()
+        self._held = tools.HeldBack()  # where a tool call may begin, read as the text grows
 
     @property
     def has_calls(self) -> bool:
@@ -65,7 +66,7 @@ class ChatChoice:
             self._sent += len(text)
             return {"tool_calls": [{"index": 0, **head, "function": function}]}
         if self._plan.tools == "auto":
-            held = tools.held_from(self.text)
+            held = self._held(self.text)
             if held > self._sent:
                 content, self._sent = self.text[self._sent : held], held
                 return {"content": content}
