@@ -122,3 +122,77 @@ def test_tool_calls_are_read_off_the_event_loop(monkeypatch):
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
         assert response.status_code == 200 and list(response.iter_lines())
     assert on_loop and not any(on_loop), on_loop
+
+
+# ---- 14: bad input is 400 naming the parameter, never a 500 -----------------------------------------
+
+
+def deep_schema(levels: int) -> str:
+    return '{"type": "object", "properties": {"a": ' * (levels // 2) + "{}" + "}}" * (levels // 2)
+
+
+CHAT = '{"messages": [{"role": "user", "content": "hi"}], '
+PROMPT = '{"prompt": "hi", '
+BAD = [  # (route, body, the param named)
+    ("chat", "[" * 100_000, "body"),
+    ("chat", "{" + '"a": {' * 100_000, "body"),
+    (
+        "chat",
+        CHAT + '"tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]}' % deep_schema(900),
+        "tools[0].function.parameters",
+    ),
+    (
+        "chat",
+        CHAT
+        + '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}' % deep_schema(900),
+        "response_format.json_schema.schema",
+    ),
+    ("chat", CHAT + '"user": ' + "[" * 200 + "]" * 200 + "}", "user"),
+    ("chat", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    (
+        "chat",
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',
+        "messages[0].content[0].text",
+    ),
+    ("chat", '{"messages": [{"role": "\\ud800", "content": "hi"}]}', "messages[0].role"),
+    ("chat", CHAT + '"stop": "\\ud800"}', "stop"),
+    ("chat", CHAT + '"stop": ["x", "\\ud800"]}', "stop[1]"),
+    ("chat", CHAT + '"logit_bias": {"\\ud800": 1}}', "logit_bias"),
+    ("chat", CHAT + '"max_tokens": 2147483648}', "max_tokens"),
+    ("chat", CHAT + '"max_completion_tokens": 2147483648}', "max_completion_tokens"),
+    ("chat", CHAT + '"n": 1e10}', "n"),
+    ("chat", CHAT + '"seed": 18446744073709551616}', "seed"),
+    ("chat", CHAT + '"logprobs": true, "top_logprobs": -1}', "top_logprobs"),
+    ("chat", CHAT + '"logit_bias": {"2147483648": 1}}', "logit_bias[2147483648]"),
+    ("chat", CHAT + '"min_tokens": 2147483648}', "min_tokens"),
+    ("chat", CHAT + '"top_k": 2147483648}', "top_k"),
+    ("chat", CHAT + '"top_k": -2147483649}', "top_k"),
+    ("chat", CHAT + '"stop_token_ids": [1, 2147483648]}', "stop_token_ids[1]"),
+    ("completions", "[" * 100_000, "body"),
+    (
+        "completions",
+        PROMPT
+        + '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}' % deep_schema(900),
+        "response_format.json_schema.schema",
+    ),
+    ("completions", '{"prompt": "\\ud800"}', "prompt"),
+    ("completions", '{"prompt": ["\\ud800"]}', "prompt[0]"),
+    ("completions", PROMPT + '"stop": "\\udc00"}', "stop"),
+    ("completions", PROMPT + '"max_tokens": 2147483648}', "max_tokens"),
+    ("completions", PROMPT + '"n": 1e10}', "n"),
+    ("completions", PROMPT + '"seed": 18446744073709551616}', "seed"),
+    ("completions", PROMPT + '"logprobs": 4294967296}', "logprobs"),
+    ("completions", PROMPT + '"logit_bias": {"2147483648": 1}}', "logit_bias[2147483648]"),
+    ("completions", PROMPT + '"min_tokens": 2147483648}', "min_tokens"),
+    ("completions", PROMPT + '"top_k": 2147483648}', "top_k"),
+    ("completions", PROMPT + '"stop_token_ids": [-2147483649]}', "stop_token_ids[0]"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", BAD, ids=[f"{r}:{p}:{i}" for i, (r, _, p) in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_parameter(route, body, param):
+    http = app()
+    response = http.post(f"/v1/{route.replace('chat', 'chat/completions')}", content=body.encode())
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and response.json()["error"]["type"] == "invalid_request_error"
+    assert http.post("/v1/chat/completions", json={"messages": HI}).status_code == 200  # and the app goes on

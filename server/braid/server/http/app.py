@@ -22,7 +22,7 @@ import anyio
 import pydantic
 from opentelemetry import propagate, trace
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -43,6 +43,7 @@ from braid.server.engine.types import (
     Overloaded,
 )
 from braid.server.http import choices
+from braid.server.http.body import decode
 from braid.server.http.protocol import ChatRequest, CompletionRequest
 from braid.server.http.requests import Plan, chat_plan, completion_plan, openai_error
 from braid.server.logs import FIELDS, key_values
@@ -85,7 +86,8 @@ class ApiError(Exception):
         return cls(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": capped(self.message), "type": self.kind, "param": self.param, "code": None}}
+        param = None if self.param is None else capped(self.param)  # it may hold a client's own keys
+        return {"error": {"message": capped(self.message), "type": self.kind, "param": param, "code": None}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), self.status, headers=self.headers)
@@ -476,43 +478,20 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _parse(request: Request, model: type[Body], most_bytes: int) -> Body:
-    """The body as `model`, read up to `most_bytes` (--max-message-bytes, as over gRPC)."""
+    """The body as `model`, read up to `most_bytes` (--max-message-bytes, as over gRPC), then
+    decoded and checked (http/body.py) off the event loop: that work grows with the body."""
     body, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > most_bytes:
-            raise ApiError(
-                413, "invalid_request_error", f"the body is over {most_bytes} bytes (--max-message-bytes)", "body"
-            )
-        body.append(chunk)
     try:
-        data = json.loads(b"".join(body))
-    except ValueError as exc:
-        raise InvalidArgument("body", f"is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidArgument("body", "must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        raise InvalidArgument(_param(first["loc"]), first["msg"]) from None
-
-
-def _param(loc: tuple[int | str, ...]) -> str:
-    """pydantic's location of an error as OpenAI names a parameter: messages[0].role."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif (
-            part in ("str", "list[str]", "list[ContentPart]", "function-after", "NamedToolChoice")
-            or "literal" in str(part)
-            or "[" in str(part)
-        ):
-            continue  # the branch of a union pydantic tried, not a field
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "body"
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > most_bytes:
+                raise ApiError(
+                    413, "invalid_request_error", f"the body is over {most_bytes} bytes (--max-message-bytes)", "body"
+                )
+            body.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by --http-body-timeout (http/connection.py)
+        raise ApiError(499, "client_closed_request", "the client disconnected before its body was sent") from None
+    return await asyncio.to_thread(decode, b"".join(body), model)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

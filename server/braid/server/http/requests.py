@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
+
 from braid.server.edge import convert
 from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Message
 from braid.server.http import tools as tool_calls
@@ -135,40 +137,70 @@ def _generate_request(
     """The body as a GenerateRequest, checked by convert.request_from_pb; its errors renamed."""
     if max_tokens is not None and max_tokens < 1:
         raise InvalidArgument(_max_name(body, is_chat), f"{max_tokens} is less than 1")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-    message = pb.GenerateRequest(
-        max_new_tokens=max_tokens or 0,
-        min_new_tokens=body.min_tokens,
-        temperature=OPENAI_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 0.0,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        logit_bias=_logit_bias(body.logit_bias),
-        n=_samples(body.n),
-        stop=stop,
-        include_stop_sequence=body.include_stop_str_in_output,
-        stop_token_ids=body.stop_token_ids or (),
-        ignore_eos=body.ignore_eos,
-        cache_salt=body.cache_salt,
-        priority=pb.PRIORITY_BATCH if body.priority == "batch" else pb.PRIORITY_UNSPECIFIED,
-        request_id=("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex,
-        **fields,
-    )
-    if body.seed is not None:
-        if body.seed < 0:
-            raise InvalidArgument("seed", f"{body.seed} is negative")
-        message.seed = body.seed
     if body.top_p == 0.0:  # OpenAI's top_p is in (0, 1]; braid's 0 means 'unset'
         raise InvalidArgument("top_p", "0.0 is outside (0.0, 1.0]")
-    try:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+    logit_bias, n = _logit_bias(body.logit_bias), _samples(body.n)
+    for param, field, value in (
+        (_max_name(body, is_chat), "max_new_tokens", max_tokens or 0),
+        ("min_tokens", "min_new_tokens", body.min_tokens),
+        ("top_k", "top_k", body.top_k or 0),
+        ("n", "n", n),
+        ("seed", "seed", body.seed or 0),
+        ("top_logprobs" if is_chat else "logprobs", "top_logprobs", fields.get("top_logprobs", 0)),
+        *((f"stop_token_ids[{i}]", "stop_token_ids", t) for i, t in enumerate(body.stop_token_ids or ())),
+    ):
+        _fits(param, _FIELDS[field], value)
+    try:  # protobuf's own errors (a string it cannot encode, say) are the request's, not the server's
+        message = pb.GenerateRequest(
+            max_new_tokens=max_tokens or 0,
+            min_new_tokens=body.min_tokens,
+            temperature=OPENAI_TEMPERATURE if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=logit_bias,
+            n=n,
+            stop=stop,
+            include_stop_sequence=body.include_stop_str_in_output,
+            stop_token_ids=body.stop_token_ids or (),
+            ignore_eos=body.ignore_eos,
+            cache_salt=body.cache_salt,
+            priority=pb.PRIORITY_BATCH if body.priority == "batch" else pb.PRIORITY_UNSPECIFIED,
+            request_id=("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex,
+            **fields,
+        )
+        if body.seed is not None:
+            message.seed = body.seed
         return convert.request_from_pb(message, default_max_new_tokens, vocab_size, None)
     except InvalidArgument as exc:
         raise openai_error(exc, _max_name(body, is_chat), is_chat) from None
-    except ValueError as exc:  # protobuf's range checks (an int past 64 bits)
+    except ValueError as exc:  # what _fits and http/body.py did not foresee: still the request's fault
         raise InvalidArgument("request", str(exc)) from None
+
+
+_FIELDS = pb.GenerateRequest.DESCRIPTOR.fields_by_name
+_LOGIT_BIAS_KEY = pb.GenerateRequest.LogitBiasEntry.DESCRIPTOR.fields_by_name["key"]  # map<int32, float>'s key
+_INT_RANGES = {
+    FieldDescriptor.CPPTYPE_INT32: (-(1 << 31), (1 << 31) - 1),
+    FieldDescriptor.CPPTYPE_UINT32: (0, (1 << 32) - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-(1 << 63), (1 << 63) - 1),
+    FieldDescriptor.CPPTYPE_UINT64: (0, (1 << 64) - 1),
+}
+
+
+def _fits(param: str, field: FieldDescriptor, value: int) -> int:
+    """value, if the .proto's integer type of `field` holds it; else an error naming `param`
+    (protobuf's own, "Value out of range", names no field). JSON's integers have no bound."""
+    lo, hi = _INT_RANGES[field.cpp_type]
+    if value < lo:
+        raise InvalidArgument(param, f"{value} is less than {lo}")
+    if value > hi:
+        raise InvalidArgument(param, f"{value} is more than {hi}")
+    return value
 
 
 def _max_name(body: ChatRequest | CompletionRequest, is_chat: bool) -> str:
@@ -203,6 +235,8 @@ def openai_error(exc: InvalidArgument, max_name: str = "max_tokens", is_chat: bo
 def _samples(n: int | None) -> int:
     if n is not None and n < 1:
         raise InvalidArgument("n", f"{n} is less than 1")
+    if n is not None and n > convert.MAX_SAMPLES:  # (before protobuf's uint32 sees 1e10)
+        raise InvalidArgument("n", f"{n} samples; at most {convert.MAX_SAMPLES}")
     return n or 1
 
 
@@ -210,9 +244,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out = {}
     for key, value in (bias or {}).items():
         try:
-            out[int(key)] = value
+            token = int(key)
         except ValueError:
             raise InvalidArgument(f"logit_bias[{key}]", f"{key!r} is not a token id") from None
+        out[_fits(f"logit_bias[{key}]", _LOGIT_BIAS_KEY, token)] = value
     return out
 
 
