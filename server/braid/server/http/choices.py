@@ -49,7 +49,6 @@ class ChatChoice:
         self.cut = False  # a forced call cut short: its calls are as far as they got
         self._call_id = tools.new_call_id()
         self._held = tools.HeldBack()  # where a tool call may begin, read as the text grows
-        self._held = tools.HeldBack()  # where a tool call may begin, read as the text grows
 
     @property
     def has_calls(self) -> bool:

@@ -26,10 +26,6 @@ _PYTHON_TAG = "<|python_tag|>"
 # (output of `[` x 1,000 is JSON cut short; its parse must not end the call with a 500)
 _UNREADABLE = (ValueError, RecursionError)
 _NON_SPACE = re.compile(r"\S")
-# what reading a model's JSON may raise: not JSON, or nested deeper than json's recursion allows
-# (output of `[` x 1,000 is JSON cut short; its parse must not end the call with a 500)
-_UNREADABLE = (ValueError, RecursionError)
-_NON_SPACE = re.compile(r"\S")
 # A call's JSON is written compactly, as OpenAI's are: no room for a model to loop on whitespace
 # between its tokens (llguidance's option; the schema itself is unchanged)
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
@@ -139,8 +135,6 @@ def forced_calls(text: str, name: str | None) -> list[ToolCall]:
         return [ToolCall(c["name"], json.dumps(c["arguments"])) for c in value]
     except _UNREADABLE:
         return []
-    except _UNREADABLE:
-        return []
 
 
 _CALL_HEAD = re.compile(r'(?:\s*,)?\s*\{\s*"name"\s*:\s*')  # linear: a comma parts its runs of spaces
@@ -196,24 +190,6 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         if calls and all(calls):
             return "", calls  # type: ignore[return-value]
     return text, []
-
-
-def _hermes_blocks(text: str) -> list[str]:
-    """The bodies of text's `<tool_call>` blocks, each up to its `</tool_call>` (or the end), found
-    in one pass: every search starts where the last one stopped, so each character is read once.
-    (The regex this replaces, `<tool_call>\\s*(.*?)\\s*(?:</tool_call>|$)`, rescanned a run of
-    spaces from each of its positions: 64,000 spaces in a call held the event loop for 78 s.)"""
-    blocks = []
-    at = text.find(HERMES_OPEN)
-    while at >= 0:
-        start = at + len(HERMES_OPEN)
-        end = text.find(HERMES_CLOSE, start)
-        if end < 0:
-            blocks.append(text[start:].strip())
-            break
-        blocks.append(text[start:end].strip())
-        at = text.find(HERMES_OPEN, end + len(HERMES_CLOSE))
-    return blocks
 
 
 def _hermes_blocks(text: str) -> list[str]:
