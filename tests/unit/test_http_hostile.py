@@ -6,15 +6,22 @@ reads that never timed out."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
+import grpc
 import pytest
 from starlette.testclient import TestClient
 from test_servicer import FakeEngine
 
 from braid.server.config import ServerConfig
+from braid.server.edge.errors import ErrorInterceptor
+from braid.server.edge.request_log import MAX_ECHO_CHARS, RequestLogInterceptor, echoed
+from braid.server.edge.servicer import GenerateServicer
 from braid.server.http import tools
 from braid.server.http.app import OpenAIApi
+from braid.v1 import generate_pb2 as pb
+from braid.v1 import generate_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
@@ -196,3 +203,49 @@ def test_bad_input_is_400_naming_the_parameter(route, body, param):
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param and response.json()["error"]["type"] == "invalid_request_error"
     assert http.post("/v1/chat/completions", json={"messages": HI}).status_code == 200  # and the app goes on
+
+
+# ---- 17: the request log echoes at most MAX_ECHO_CHARS of what a client wrote ---------------------
+
+
+def test_echoed_cuts_a_string_with_a_marker_and_escapes_what_would_break_the_line():
+    assert echoed("alice") == "alice"
+    long = echoed("u" * 1_000_000)
+    assert long == "u" * MAX_ECHO_CHARS + f"…[{1_000_000 - MAX_ECHO_CHARS} more chars]"
+    assert echoed("a\nb\x00\ud800") == "a\\nb\\x00\\ud800"
+
+
+def test_a_megabyte_user_field_is_a_short_log_line(caplog):
+    http = app()
+    with caplog.at_level(logging.INFO, logger="braid.server.http.app"):
+        assert http.post("/v1/chat/completions", json={"messages": HI, "user": "u" * 1_000_000}).status_code == 200
+        http.post("/v1/chat/completions", json={"messages": HI, "logit_bias": {"7" * 1_000_000: 1}})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HTTP ")]
+    assert len(lines) == 2 and all(len(line) < 2 * MAX_ECHO_CHARS + 500 for line in lines), [len(x) for x in lines]
+    assert "user=" + "u" * MAX_ECHO_CHARS + "…[" in lines[0] and "param=logit_bias[777" in lines[1]
+    fields = [r.fields for r in caplog.records if r.getMessage().startswith("HTTP ")]
+    assert fields[0]["user"].endswith(f"…[{1_000_000 - MAX_ECHO_CHARS} more chars]")
+
+
+def test_a_megabyte_grpc_request_id_is_a_short_log_line(caplog):
+    async def go():
+        server = grpc.aio.server(interceptors=[RequestLogInterceptor(), ErrorInterceptor()])
+        pb_grpc.add_GenerateServicer_to_server(GenerateServicer(FakeEngine(), ServerConfig()), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError):  # refused (over 128 bytes), and logged all the same
+                    [
+                        m
+                        async for m in pb_grpc.GenerateStub(channel).Stream(
+                            pb.GenerateRequest(prompt="hi", request_id="r" * 1_000_000)
+                        )
+                    ]
+        finally:
+            await server.stop(0)
+
+    with caplog.at_level(logging.INFO, logger="braid.server.edge.request_log"):
+        asyncio.run(go())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Stream ")]
+    assert len(line) < MAX_ECHO_CHARS + 500 and "r" * MAX_ECHO_CHARS + "…[" in line

@@ -32,6 +32,7 @@ from braid.server.edge import tracing
 from braid.server.edge.errors import capped
 from braid.server.edge.lanes import TokenizerLanes
 from braid.server.edge.observer import CallObserver, NoCalls
+from braid.server.edge.request_log import echoed
 from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.types import (
     Delta,
@@ -537,13 +538,13 @@ class _Record:
         line: dict[str, object] = {
             "request_id": self.request_id or None,
             "peer": self.peer,
-            "route": self.route,
+            "route": echoed(self.route),  # what the client wrote is echoed capped: its path, user, keys
             "status": self.status,
         }
         if self.error is not None:
-            line |= {"error": self.error.kind, "param": self.error.param}
+            line |= {"error": self.error.kind, "param": None if self.error.param is None else echoed(self.error.param)}
         if self.user:
-            line["user"] = self.user
+            line["user"] = echoed(self.user)
         finals = self._finals
         if finals:
             line |= {
