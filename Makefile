@@ -96,9 +96,18 @@ TEST_WORKERS ?= 2
 # source, so an edited file is compiled again in memory, never run stale.
 BYTECODE := $(PY) -m compileall -q -j 0 server clients/python/src tests > /dev/null
 
+# Where the CPU runs a better build than avx2 (AVX-512, AVX-VNNI), the kernel and precision tests run
+# once more with the avx2 build forced, as an AVX2-only machine runs them: a bound tuned on one build
+# fails there, not on the next developer's machine (issue 39).
+BEST_ISA := $(PY) -c "from braid.server.runner.kernels.extension import _cpu_kernels as k; print(k.isas()[0] if k else 'none')"
+AVX2_TESTS := tests/test_kernels.py tests/test_precision.py
+
 test: install-test
 	@$(BYTECODE)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	@best=$$($(BEST_ISA)); if [ "$$best" != avx2 ] && [ "$$best" != none ]; then \
+		echo "braid: the kernel and precision tests again with the avx2 build forced (this CPU's best: $$best)"; \
+		BRAID_KERNELS_ISA=avx2 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(AVX2_TESTS); fi
 
 # The fast tier: torch-free, in-process tests (marked unit; tests/unit/conftest.py imports nothing
 # else): the engine core with a scripted runner, the servicer over a fake engine client. Seconds.

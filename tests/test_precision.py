@@ -5,9 +5,10 @@ Served natively with `--activations float32`, a model runs the same weights as t
 their dequantized fp32 values (braid applies a block's scale once per block, so its sums round
 differently, within fp32 rounding), so its greedy tokens obey the near-tie rule against transformers
 (conftest.assert_greedy), as those of `--dtype float32 --quantization none` do. By default
-(`--activations auto`), a quantized matrix multiplies int8 rows where braid's kernels run: its greedy
-tokens are float32 rows' but for near-ties within INT8_NEAR_TIE, a looser rule that the perplexity
-figure below (+0.44%) justifies.
+(`--activations auto`), a quantized matrix multiplies int8 rows where braid's kernels run: their
+quality against float32 rows is measured as llama.cpp measures a quantized model against its base,
+mean KL divergence and same-top-token rate (braid_testing.perplexity.divergence), and bounded by
+llama.cpp's own figures on the same file (LLAMA_CPP_Q4_1 below).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from braid.server.runner.kernels.extension import ISA_VARIABLE
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
 from braid.server.runner.rows import Row, Sampling
+from braid_testing.perplexity import divergence
 from braid_testing.perplexity import perplexity as perplexity_of
-from conftest import REPO, Server, assert_greedy, compute_dtype, start_together, tiny_server
+from conftest import REPO, Server, assert_greedy, compute_dtype, near_tie, start_together, tiny_server
 
 BRAID = str(Path(sys.executable).parent / "braid")
 EMBEDDED_FORMATS = {"q4_1": 210, "q8_0": 1, "f32": 61}  # SmolLM2-135M-Instruct.Q4_1.gguf's tensors
@@ -66,10 +68,12 @@ def embedded() -> LoadedModel:
     return load(None, default_cache_dir())
 
 
-def test_the_default_servers_greedy_tokens_are_float32_rows_but_for_near_ties(smol, smol_dir, embedded):
-    """By default (--activations auto) the embedded model's Q4_1/Q8_0 matrices multiply int8 rows:
-    each greedy token is the one float32 rows rank first, given braid's tokens before it, or within
-    INT8_NEAR_TIE of it (the rule below). Where braid's kernels do not run, auto is float32 rows,
+def test_the_default_servers_greedy_tokens_are_int8_rows_own(smol, smol_dir, embedded):
+    """By default (--activations auto) the embedded model's Q4_1/Q8_0 matrices multiply int8 rows.
+    Along each of the server's greedy continuations, every token is the one int8 rows rank first in
+    process (to fp32 rounding: the server runs the same kernels, a step at a time), so the server's
+    quality is int8 rows' own, which the test below bounds by llama.cpp's figures (mean KL divergence
+    and same top token against float32 rows). Where braid's kernels do not run, auto is float32 rows,
     and transformers' own rule holds."""
     with smol.client() as client:
         info = client.model_info()
@@ -78,10 +82,12 @@ def test_the_default_servers_greedy_tokens_are_float32_rows_but_for_near_ties(sm
         if info.activations != "int8":
             assert_greedy(smol_dir, prompt_ids, generated)
             continue
-        plain = _logits(embedded, prompt_ids + generated[:-1], "float32")[len(prompt_ids) - 1 :]
-        best = plain.max(1).values
-        gap = best - plain[torch.arange(len(generated)), generated]
-        assert (gap <= INT8_NEAR_TIE * best.abs().clamp(min=1)).all(), (prompt, gap.max())
+        path = prompt_ids + generated[:-1]
+        int8 = _logits(embedded, path, "auto")[len(prompt_ids) - 1 :]
+        for step, token in enumerate(generated):
+            assert near_tie(int8[step], token, "float32"), (prompt, step, token, int8[step].argmax().item())
+        kld, same_top = divergence(_logits(embedded, path, "float32")[len(prompt_ids) - 1 :], int8)
+        print(f"\n{prompt!r}: against float32 rows, mean KLD {kld:.4f}, same top {same_top:.1%}")
 
 
 @pytest.fixture(scope="module")
@@ -272,11 +278,13 @@ def test_bf16_activations_cost_at_most_one_percent_of_perplexity(embedded, recor
     assert bf16 <= plain * 1.01
 
 
-# int8 rows (--activations int8, and auto's default): a greedy token within 5% of max(1, |best logit|)
-# of float32 rows' best. int8 rows cost the embedded model 0.44% of perplexity (the test above), and
-# on its fixed text rank another token first at 19 of 512 positions, each within 1.7% of the best:
-# 5% keeps room for other prompts and still accepts only a step's few best tokens.
-INT8_NEAR_TIE = 0.05
+# int8 rows' bounds, against float32 rows: llama.cpp's own figures for the same file. On a 2-core AMD
+# EPYC (Zen 3, AVX2), `llama-perplexity --kl-divergence` of SmolLM2-135M-Instruct.Q4_1.gguf against
+# its F32 conversion gave a mean KL divergence of 0.0045 and the same top token at 94.5% of its scored
+# positions (issue 39). braid's int8 rows add rounding to the same Q4_1 weights and must cost no more
+# than llama.cpp's whole quantization does. Measured on the fixed text's first 512 positions: AVX2
+# 0.0035 and 95.5% (23 positions differ); AVX-512 VNNI: 19 differ.
+LLAMA_CPP_Q4_1 = {"kld": 0.0045, "same_top": 0.945}
 
 
 def _logits(model: LoadedModel, ids: list[int], activations: str, **weights: str) -> torch.Tensor:
@@ -300,15 +308,15 @@ def _logits(model: LoadedModel, ids: list[int], activations: str, **weights: str
         return runner.decoder.forward(batch, runner.cache).float()
 
 
-def test_int8_activations_choose_float32_rows_tokens_but_for_near_ties(embedded):
-    """The near-tie rule for --activations int8 (and auto, which runs it): at every position of
-    the fixed text, the token int8 rows rank first is the one float32 rows rank first (which obey
-    transformers' rule, above), or within INT8_NEAR_TIE of it."""
+def test_int8_activations_diverge_from_float32_rows_as_little_as_llama_cpps(embedded, record_property):
+    """--activations int8 (and auto, which runs it) against float32 rows, over the first 512
+    positions of the fixed text: mean KL divergence and same-top-token rate within llama.cpp's own
+    figures for the same file (LLAMA_CPP_Q4_1). docs/benchmarks.md quotes the figures."""
     ids = embedded.hf_tokenizer(TEXT)["input_ids"][:512]
-    int8, plain = _logits(embedded, ids, "auto"), _logits(embedded, ids, "float32")
-    best = plain.max(1).values
-    gap = best - plain.gather(1, int8.argmax(1, keepdim=True))[:, 0]
-    assert (gap <= INT8_NEAR_TIE * best.abs().clamp(min=1)).all(), gap.max()
+    kld, same_top = divergence(_logits(embedded, ids, "float32"), _logits(embedded, ids, "auto"))
+    record_property("divergence", f"int8 rows against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}")
+    print(f"\nint8 rows against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}")
+    assert kld <= LLAMA_CPP_Q4_1["kld"] and same_top >= LLAMA_CPP_Q4_1["same_top"], (kld, same_top)
 
 
 # bf16 rows (--activations bf16, and auto's for bf16 weights where the CPU has AVX-512 BF16): the same

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import torch
+
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
@@ -35,3 +37,13 @@ def perplexity(runner: ModelRunner, token_ids: Sequence[int], chunk: int = 512) 
         (scored,) = runner.run([row])
         nll -= sum(t.logprob for t in scored.targets)
     return math.exp(nll / (len(ids) - 1))
+
+
+def divergence(base: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
+    """(mean KL divergence, same-top-token rate) of logits [N, V] against base [N, V], position by
+    position: what llama.cpp's `llama-perplexity --kl-divergence` reports of a quantized model against
+    its base (KL(base || logits), in nats, the mean over the N positions; and the share of positions
+    whose most likely token is the base's)."""
+    base_lp, lp = torch.log_softmax(base.double(), -1), torch.log_softmax(logits.double(), -1)
+    kld = (base_lp.exp() * (base_lp - lp)).sum(-1)
+    return kld.mean().item(), (base.argmax(-1) == logits.argmax(-1)).double().mean().item()
