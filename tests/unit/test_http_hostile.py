@@ -6,20 +6,26 @@ reads that never timed out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import random
+import select
+import socket
+import threading
 
 import grpc
 import pytest
 from starlette.testclient import TestClient
 from test_servicer import FakeEngine
 
-from braid.server.config import ServerConfig
+from braid.server.config import ServerConfig, SettingError
 from braid.server.edge.errors import ErrorInterceptor
 from braid.server.edge.request_log import MAX_ECHO_CHARS, RequestLogInterceptor, echoed
 from braid.server.edge.servicer import GenerateServicer
 from braid.server.http import tools
 from braid.server.http.app import OpenAIApi
+from braid.server.http.server import HttpFrontEnd
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
@@ -249,3 +255,122 @@ def test_a_megabyte_grpc_request_id_is_a_short_log_line(caplog):
         asyncio.run(go())
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Stream ")]
     assert len(line) < MAX_ECHO_CHARS + 500 and "r" * MAX_ECHO_CHARS + "…[" in line
+
+
+# ---- 16: bounds on a connection's head and its read times, over real sockets ----------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["http_max_header_bytes", "http_max_headers", "http_header_timeout", "http_body_timeout"]
+)
+def test_each_bound_is_a_flag_that_must_be_positive(name):
+    assert getattr(ServerConfig(), name) > 0
+    with pytest.raises(SettingError, match=f"--{name.replace('_', '-')} 0: must be positive"):
+        ServerConfig(**{name: 0})
+
+
+@contextlib.contextmanager
+def serving(**config):
+    """uvicorn as braid serves it (http/server.py), in this process on 127.0.0.1, over the fake engine."""
+    front = HttpFrontEnd(ServerConfig(host="127.0.0.1", **config))
+    front.bind()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(front.start(FakeEngine()), loop).result(30)
+        yield front.port
+    finally:
+        asyncio.run_coroutine_threadsafe(front.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=30)
+
+
+def answer(sock: socket.socket) -> bytes:
+    """All the server sends until it closes the connection (the socket's timeout fails the test);
+    what came before a reset, if it resets it."""
+    out = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            out += chunk
+    return out
+
+
+def trickle(sock: socket.socket, data: bytes, most: int) -> tuple[int, bytes]:
+    """Sends data a byte at a time, 50 ms apart, until the server closes the connection (or `most`
+    bytes): the bytes it took and what it answered."""
+    for sent in range(min(most, len(data))):
+        try:
+            sock.sendall(data[sent : sent + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            return sent, b""
+        ready, _, _ = select.select([sock], [], [], 0.05)
+        if ready:
+            return sent + 1, answer(sock)
+    return most, b""
+
+
+POST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+
+
+def test_a_head_over_the_bound_is_431_and_closed():
+    with serving(http_max_header_bytes=8192, http_max_headers=20) as port:
+        with connect(port) as sock:  # one huge header, sent as fast as the server takes it
+            sock.sendall(POST)
+            sent = 0
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                while sent < 50 << 20:
+                    sock.sendall(b"x-big: " + b"a" * 65536)
+                    sent += 65536
+            assert sent < 50 << 20  # refused long before 50 MiB
+            head = answer(sock).split(b"\r\n", 1)[0]
+            assert head in (b"HTTP/1.1 431 Request Header Fields Too Large", b"")  # (a reset may drop it)
+        with connect(port) as sock:  # a head just over the bound, in one write
+            sock.sendall(POST + b"x-big: " + b"a" * 8192 + b"\r\n\r\n")
+            response = answer(sock)
+            assert (
+                response.startswith(b"HTTP/1.1 431 ")
+                and json.loads(response.split(b"\r\n\r\n")[1])["error"]["param"] == "headers"
+            )
+        with connect(port) as sock:  # too many small headers
+            sock.sendall(POST + b"".join(b"x-%d: 1\r\n" % i for i in range(21)) + b"\r\n")
+            assert answer(sock).startswith(b"HTTP/1.1 431 ")
+        with connect(port) as sock:  # and within both bounds, a call goes through
+            body = json.dumps({"messages": HI}).encode()
+            sock.sendall(
+                POST
+                + b"".join(b"x-%d: 1\r\n" % i for i in range(16))
+                + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+                + body
+            )
+            assert answer(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_slow_head_is_408_and_closed():
+    with serving(http_header_timeout=0.3) as port:
+        with connect(port) as sock:
+            sent, response = trickle(sock, POST + b"x-slow: 1\r\n" * 100, most=400)
+            assert sent < 400 and response.startswith(b"HTTP/1.1 408 ")
+        with connect(port) as sock:  # a connection that sends nothing is closed too
+            assert answer(sock) == b""
+
+
+def test_a_slow_body_is_408_and_closed_and_the_server_goes_on():
+    with serving(http_body_timeout=0.3) as port:
+        with connect(port) as sock:
+            sock.sendall(POST + b"content-length: 4000000\r\n\r\n")
+            sent, response = trickle(sock, b"[" * 400, most=400)
+            assert sent < 400 and response.startswith(b"HTTP/1.1 408 ")
+            assert json.loads(response.split(b"\r\n\r\n")[1])["error"]["param"] == "body"
+        with connect(port) as sock:  # a body that stalls
+            sock.sendall(POST + b"content-length: 100\r\n\r\n{")
+            assert answer(sock).startswith(b"HTTP/1.1 408 ")
+        with connect(port) as sock:
+            body = json.dumps({"messages": HI}).encode()
+            sock.sendall(POST + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+            assert answer(sock).startswith(b"HTTP/1.1 200 ")

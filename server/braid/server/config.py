@@ -466,6 +466,34 @@ class ServerConfig:
             group="serving",
         ),
     )
+    http_max_header_bytes: int = field(
+        default=64 * 1024,
+        metadata=_opt(
+            "largest head (request line and headers) of an HTTP request; a bigger one gets 431 and the "
+            "connection is closed",
+            group="limits",
+        ),
+    )
+    http_max_headers: int = field(
+        default=100,
+        metadata=_opt("most headers an HTTP request may have; past it: 431, the connection closed", group="limits"),
+    )
+    http_header_timeout: float = field(
+        default=10.0,
+        metadata=_opt(
+            "seconds an HTTP request's head may take to arrive, from the connection's start or the request's "
+            "first byte; a slower one gets 408 and the connection is closed",
+            group="limits",
+        ),
+    )
+    http_body_timeout: float = field(
+        default=60.0,
+        metadata=_opt(
+            "seconds an HTTP request's body may take to arrive, in all, from the end of its head; a slower one "
+            "gets 408 and the connection is closed",
+            group="limits",
+        ),
+    )
     metrics_port: int = field(
         default=0,
         metadata=_opt(
@@ -535,6 +563,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "default_max_new_tokens", "max_message_bytes", "max_concurrent_streams")
+        _positive(self, "http_max_header_bytes", "http_max_headers", "http_header_timeout", "http_body_timeout")
         self.metrics_host = self.metrics_host or self.host
         self.otlp_endpoint = self.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -19,6 +19,7 @@ import uvicorn
 from braid.server.config import ServerConfig, SettingError
 from braid.server.edge.observer import CallObserver
 from braid.server.http.app import MetricsPage, OpenAIApi
+from braid.server.http.connection import bounded
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
@@ -82,6 +83,7 @@ class HttpFrontEnd:
         self._api = OpenAIApi(engine, self._config, self._calls, self._metrics)
         config = uvicorn.Config(
             self._api.app,
+            http=bounded(self._config),  # httptools, with bounds on heads and read times (http/connection.py)
             lifespan="off",
             log_config=None,
             access_log=False,
