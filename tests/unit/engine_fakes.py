@@ -97,10 +97,12 @@ class NumberTokenizer:
     def min_tokens(self, text_bytes: int) -> int:
         return 0
 
-    def encode(self, prompt: str | None, messages: Sequence[Message], tools: str = "") -> list[int]:
+    def encode(
+        self, prompt: str | None, messages: Sequence[Message], tools: str = "", template_kwargs: str = ""
+    ) -> list[int]:
         return [int(t) for t in (prompt or " ".join(m.content for m in messages)).split()]
 
-    def encode_chat(self, messages: Sequence[Message], tools: str = "") -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], tools: str = "", template_kwargs: str = "") -> list[int]:
         return self.encode(None, messages)
 
     def encode_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:

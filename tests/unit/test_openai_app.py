@@ -200,6 +200,29 @@ def test_tools_reach_a_template_that_does_not_render_them_through_the_system_mes
     assert request.tools == ""
 
 
+def test_an_unknown_field_is_named_in_a_header_and_logged_once_and_strict_refuses_it(caplog):
+    engine = FakeEngine()
+    seen = _requests_of(engine)
+    _, http = serve(engine)
+    body = {**CHAT, "max_tokns": 3, "chat_template_kwargs": {"enable_thinking": False}}
+    with caplog.at_level("WARNING", logger="braid.server.http.app"):
+        first = http.post("/v1/chat/completions", json=body)
+        again = http.post("/v1/chat/completions", json=body)
+    assert first.status_code == 200 and first.headers["braid-ignored-fields"] == "max_tokns"
+    assert again.headers["braid-ignored-fields"] == "max_tokns"
+    assert [r.getMessage() for r in caplog.records if "max_tokns" in r.getMessage()] == [
+        "HTTP POST /v1/chat/completions: ignoring fields braid does not know: max_tokns"
+    ]
+    assert json.loads(seen[0].chat_template_kwargs) == {"enable_thinking": False}
+    with http.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True, "echoo": 1}) as response:
+        assert response.headers["braid-ignored-fields"] == "echoo"
+    assert "braid-ignored-fields" not in http.post("/v1/chat/completions", json=CHAT).headers
+    _, strict = serve(FakeEngine(), strict_request_fields=True)
+    refused = strict.post("/v1/chat/completions", json={**CHAT, "messages": [{**CHAT["messages"][0], "nam": "x"}]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages[0].nam"
+    assert strict.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {}}).status_code == 200
+
+
 def test_metrics_are_served_on_the_http_port_behind_the_api_key_and_only_when_given():
     asked = []
 

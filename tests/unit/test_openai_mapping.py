@@ -9,7 +9,7 @@ import pytest
 from braid.server.engine.types import InvalidArgument
 from braid.server.http import tools
 from braid.server.http.choices import ChatChoice
-from braid.server.http.protocol import ChatRequest, CompletionRequest
+from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
 from braid.server.http.requests import chat_plan, completion_plan
 
 pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
@@ -302,3 +302,18 @@ def test_tools_go_into_the_system_message_where_the_template_does_not_render_the
     assert chat_plan(body, 256, 1000).request.messages == (plan.request.messages[1],)  # a template that takes them
     none = ChatRequest.model_validate({"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"})
     assert len(chat_plan(none, 256, 1000, takes_tools=False).request.messages) == 1
+
+
+def test_unknown_fields_are_named_at_any_depth_and_chat_template_kwargs_is_known():
+    body = ChatRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi", "refusal": None, "cache_control": {"type": "x"}}],
+            "max_tokns": 9,
+            "tools": [{"type": "function", "function": {"name": "f", "strictt": True}}],
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+    )
+    assert unknown_fields(body) == ["max_tokns", "messages[0].cache_control", "tools[0].function.strictt"]
+    assert json.loads(chat_plan(body, 256, 1000).request.chat_template_kwargs) == {"enable_thinking": False}
+    assert chat(max_tokens=3).request.chat_template_kwargs == ""
+    assert shown("a\n\u00e9" + "x" * 200) == "a\\n\\u00e9" + "x" * 88 + "..."

@@ -6,6 +6,7 @@ start took 0.6 to 2.4 s, where the next took 0.02 s)."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from transformers import AutoTokenizer
 
 from braid.server.engine import tokenizer as tokenizer_module
 from braid.server.engine.tokenizer import Tokenizer
-from braid.server.engine.types import Message
+from braid.server.engine.types import InvalidArgument, Message
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +93,18 @@ def test_a_template_that_drops_tools_is_told_from_one_that_renders_them(smol_dir
     hermes = AutoTokenizer.from_pretrained(smol_dir)
     hermes.chat_template = (Path(__file__).parents[1] / "data" / "hermes_tools.jinja").read_text()
     assert Tokenizer(hermes, [2]).template_takes_tools
+
+
+def test_chat_template_kwargs_reach_the_template_but_not_its_own_arguments(smol_dir):
+    hf = AutoTokenizer.from_pretrained(smol_dir)
+    hf.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if think is defined %}/{{ think }}{% endif %}"
+    )
+    tok = Tokenizer(hf, [2])
+    chat = [Message(role="user", content="hi")]
+    assert tok.decode(tok.encode(None, chat, template_kwargs='{"think": "no"}')) == "hi/no"
+    assert tok.decode(tok.encode(None, chat)) == "hi"
+    for own in ("tokenize", "messages", "chat_template"):
+        with pytest.raises(InvalidArgument) as caught:
+            tok.encode(None, chat, template_kwargs=json.dumps({own: "x"}))
+        assert caught.value.field == f"chat_template_kwargs.{own}"

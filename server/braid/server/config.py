@@ -466,6 +466,16 @@ class ServerConfig:
             group="serving",
         ),
     )
+    strict_request_fields: bool = field(
+        default=False,
+        metadata=_opt(
+            "refuse an HTTP request with a field braid does not know (400 naming it); off: such a field is "
+            "ignored, logged, and named in the response's braid-ignored-fields header",
+            group="limits",
+            nargs="?",
+            const=True,
+        ),
+    )
     http_max_header_bytes: int = field(
         default=64 * 1024,
         metadata=_opt(

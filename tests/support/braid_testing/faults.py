@@ -97,9 +97,9 @@ class _SlowTokenizer(_Wrapped):
         super().__init__(tokenizer)
         self._delay_s = delay_s
 
-    def encode(self, prompt, messages, tools=""):
+    def encode(self, prompt, messages, tools="", template_kwargs=""):
         time.sleep(self._delay_s)
-        return self._inner.encode(prompt, messages, tools)
+        return self._inner.encode(prompt, messages, tools, template_kwargs)
 
 
 class _SlowGrammars(_Wrapped):

@@ -211,17 +211,19 @@ class Admission:
 
     def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
         """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""
-        ids = self.tokenizer.encode(request.prompt, request.messages, request.tools)
+        ids = self.tokenizer.encode(request.prompt, request.messages, request.tools, request.chat_template_kwargs)
         keep = request.params.truncate_input_tokens
         if not keep or len(ids) <= keep:
             return ids, 0
         if request.messages:
-            kept = self._drop_oldest_turns(request.messages, keep, request.tools)
+            kept = self._drop_oldest_turns(request.messages, keep, request.tools, request.chat_template_kwargs)
             if kept is not None:
                 return kept, len(ids) - len(kept)
         return ids[-keep:], len(ids) - keep
 
-    def _drop_oldest_turns(self, messages: Sequence[Message], keep: int, tools: str = "") -> list[int] | None:
+    def _drop_oldest_turns(
+        self, messages: Sequence[Message], keep: int, tools: str = "", template_kwargs: str = ""
+    ) -> list[int] | None:
         """The chat without its oldest non-system messages, as few dropped as make it fit in
         `keep` tokens (a rendering the template rejects is passed over); None if only the last
         message left still does not fit."""
@@ -229,7 +231,8 @@ class Admission:
         for n in range(1, len(others)):
             dropped = set(others[:n])
             try:
-                ids = self.tokenizer.encode_chat([m for i, m in enumerate(messages) if i not in dropped], tools=tools)
+                kept = [m for i, m in enumerate(messages) if i not in dropped]
+                ids = self.tokenizer.encode_chat(kept, tools=tools, template_kwargs=template_kwargs)
             except InvalidArgument:
                 continue
             if len(ids) <= keep:

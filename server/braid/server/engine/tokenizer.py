@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import threading
@@ -74,7 +75,12 @@ class Tokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return self._encode(text, add_special_tokens=True)
 
-    def encode_chat(self, messages: Sequence[Message], field_name: str = "messages", tools: str = "") -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Message], field_name: str = "messages", tools: str = "", template_kwargs: str = ""
+    ) -> list[int]:
+        """template_kwargs: a JSON object of more variables for the template (OpenAI's
+        chat_template_kwargs, as vLLM takes them: {"enable_thinking": false}); none may be one of
+        apply_chat_template's own arguments."""
         if not self.has_chat_template:
             raise InvalidArgument(field_name, "this model has no chat template; send a prompt instead")
         for i, m in enumerate(messages):
@@ -83,9 +89,10 @@ class Tokenizer:
                     f"{field_name}[{i}].role", f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}"
                 )
         chat = [_turn(m) for m in messages]
+        extra = self._template_kwargs(template_kwargs) if template_kwargs else {}
         try:
             text = self._original.apply_chat_template(
-                chat, tools=json.loads(tools) if tools else None, add_generation_prompt=True, tokenize=False
+                chat, tools=json.loads(tools) if tools else None, add_generation_prompt=True, tokenize=False, **extra
             )
         except Exception as exc:  # jinja templates raise their own errors for chats they reject
             raise InvalidArgument(field_name, f"the chat template rejected it: {exc}") from exc
@@ -96,8 +103,20 @@ class Tokenizer:
         sequences = {tuple(self._encode(text, add_special_tokens=False)) for w in words for text in (w, " " + w)}
         return tuple(sorted(s for s in sequences if s))
 
-    def encode(self, prompt: str | None, messages: Sequence[Message], tools: str = "") -> list[int]:
-        return self.encode_chat(messages, tools=tools) if messages else self.encode_prompt(prompt or "")
+    def _template_kwargs(self, text: str) -> dict[str, Any]:
+        kwargs: dict[str, Any] = json.loads(text)
+        own = set(inspect.signature(self._original.apply_chat_template).parameters) | {"messages"}
+        for key in kwargs:
+            if key in own:
+                raise InvalidArgument(f"chat_template_kwargs.{key}", "is the chat template's own argument")
+        return kwargs
+
+    def encode(
+        self, prompt: str | None, messages: Sequence[Message], tools: str = "", template_kwargs: str = ""
+    ) -> list[int]:
+        if messages:
+            return self.encode_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        return self.encode_prompt(prompt or "")
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._backend is not None:

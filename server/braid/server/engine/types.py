@@ -151,6 +151,7 @@ class GenerationRequest:
     constraint: Constraint | None = None
     resume_token_ids: tuple[int, ...] = ()  # tokens a broken stream delivered: computed, not sent again
     tools: str = ""  # a JSON list of OpenAI tool definitions the chat template renders ("": none)
+    chat_template_kwargs: str = ""  # a JSON object of more variables for the chat template ("": none)
     adapter: str = ""  # the LoRA adapter's name ("": the base model)
 
 

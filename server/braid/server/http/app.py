@@ -45,7 +45,7 @@ from braid.server.engine.types import (
 )
 from braid.server.http import choices
 from braid.server.http.body import decode
-from braid.server.http.protocol import ChatRequest, CompletionRequest
+from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
 from braid.server.http.requests import Plan, chat_plan, completion_plan, openai_error
 from braid.server.logs import FIELDS, key_values
 
@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 _TRACER = trace.get_tracer("braid.server.http")
 _OPEN_PATHS = ("/health",)
+IGNORED_HEADER = "braid-ignored-fields"  # the request's fields braid does not know, and so ignored
+_MOST_NAMED = 8  # unknown fields named per request (a header, a log line): the first ones
+_MOST_WARNED = 1024  # distinct unknown fields logged as warnings, once each, in a process's life
 T = TypeVar("T")
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 
@@ -114,6 +117,7 @@ class OpenAIApi:
         self._lanes = TokenizerLanes()
         self._api_key = config.api_key.encode() if config.api_key else None
         self.draining = False
+        self._warned: set[str] = set()  # unknown fields already logged
         self.created = int(time.time())
         self._metrics = metrics
         self.app = Starlette(
@@ -195,21 +199,37 @@ class OpenAIApi:
 
     async def chat(self, request: Request, record: _Record) -> Response:
         body = await _parse(request, ChatRequest, self._config.max_message_bytes)
+        await self._unknown_fields(body, record)
         record.user = body.user
         info = self._engine.info
         plan = self._with_adapter(
             chat_plan(body, self._config.default_max_new_tokens, info.vocab_size, info.chat_template_takes_tools),
             body.model,
         )
-        return await self._generate(request, plan, record, body.stream, chat=True)
+        return _naming_ignored(await self._generate(request, plan, record, body.stream, chat=True), record)
 
     async def completions(self, request: Request, record: _Record) -> Response:
         body = await _parse(request, CompletionRequest, self._config.max_message_bytes)
+        await self._unknown_fields(body, record)
         record.user = body.user
         plan = self._with_adapter(
             completion_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size), body.model
         )
-        return await self._generate(request, plan, record, body.stream, chat=False)
+        return _naming_ignored(await self._generate(request, plan, record, body.stream, chat=False), record)
+
+    async def _unknown_fields(self, body: pydantic.BaseModel, record: _Record) -> None:
+        """The body's fields braid does not know (a misspelled option, another server's extra):
+        refused under --strict-request-fields, naming the first; else ignored, each name logged
+        once as a warning, and named in the request's log line and the response's header. Found
+        off the event loop: the walk grows with the body."""
+        names = [shown(name) for name in await asyncio.to_thread(unknown_fields, body)]
+        if names and self._config.strict_request_fields:
+            raise InvalidArgument(names[0], "is not a field braid knows (--strict-request-fields)")
+        record.ignored = names[:_MOST_NAMED]
+        new = [n for n in record.ignored if n not in self._warned]
+        if new and len(self._warned) < _MOST_WARNED:
+            self._warned.update(new)
+            _LOGGER.warning("HTTP %s: ignoring fields braid does not know: %s", record.route, ", ".join(new))
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -409,6 +429,13 @@ def _raise_failure(finished: Finished) -> None:
         )
 
 
+def _naming_ignored(response: Response, record: _Record) -> Response:
+    """The response, with a header naming the request's fields braid ignored (if any)."""
+    if record.ignored:
+        response.headers[IGNORED_HEADER] = ", ".join(record.ignored)
+    return response
+
+
 async def _sse(events: _Events, call: CallSessions) -> AsyncIterator[bytes]:
     """Server-sent events: a chunk per batch of tokens, `data: [DONE]` at the end. An error after
     the stream has begun is sent as a last event in OpenAI's error shape."""
@@ -518,6 +545,7 @@ class _Record:
         self.status = 0
         self.error: ApiError | None = None
         self.streamed = False
+        self.ignored: list[str] = []  # fields of the request braid does not know
         self._finals: list[Finished] = []
         self._logged = False
 
@@ -545,6 +573,8 @@ class _Record:
             line |= {"error": self.error.kind, "param": None if self.error.param is None else echoed(self.error.param)}
         if self.user:
             line["user"] = echoed(self.user)
+        if self.ignored:
+            line["ignored"] = echoed(",".join(self.ignored))
         finals = self._finals
         if finals:
             line |= {

@@ -1,10 +1,12 @@
 """OpenAI's request bodies, as braid reads them (pydantic): the fields of OpenAI's API that braid
-serves, and braid's own extras beside them (top_k, min_p, ...), as vLLM accepts them. Fields braid
-does not know are ignored, as OpenAI's clients send some of their own; a field braid cannot honour
-(echo, suffix, best_of > 1, non-text content) is refused naming it."""
+serves, and braid's own extras beside them (top_k, min_p, chat_template_kwargs, ...), as vLLM
+accepts them. A field braid does not know is named by `unknown_fields`: the front end logs it and
+answers with it in a header (vLLM logs them), or refuses it under --strict-request-fields; a field
+braid cannot honour (echo, suffix, best_of > 1, non-text content) is refused naming it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -111,6 +113,8 @@ class ChatRequest(_Generation):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extra: more variables for the chat template ({"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Generation):
@@ -120,3 +124,29 @@ class CompletionRequest(_Generation):
     suffix: str | None = None
     best_of: int | None = None
     response_format: ResponseFormat | None = None  # braid's extra: JSON output for completions too
+
+
+def unknown_fields(body: BaseModel) -> list[str]:
+    """The fields of a body, at any depth, that braid does not know, named as OpenAI names a
+    parameter (`messages[0].refusal`), first to last. A field sent as null is not among them:
+    leaving it out means the same. Walked with a stack, not recursion: a body's models nest only as
+    deep as braid's declared fields do, but a walk should never depend on that."""
+    found: list[str] = []
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, BaseModel):
+            prefix = f"{path}." if path else ""
+            found.extend(prefix + key for key, extra in (value.model_extra or {}).items() if extra is not None)
+            declared = type(value).model_fields
+            stack.extend((prefix + name, getattr(value, name)) for name in reversed(list(declared)))
+    return found
+
+
+def shown(name: str) -> str:
+    """A field's name as a log line or an HTTP header may carry it: ASCII, escaped, at most 100
+    characters (a client chooses it)."""
+    text = json.dumps(name)[1:-1]
+    return text if len(text) <= 100 else text[:97] + "..."

@@ -72,6 +72,7 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int, t
         messages=messages,
         constraint=constraint,
         tools=tools_json,
+        chat_template_kwargs=json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else "",
     )
     names = tuple(t.function.name for t in body.tools or ())
     return Plan(req, mode, function, _include_usage(body), body.logprobs, names)
