@@ -211,6 +211,15 @@ def test_bad_input_is_400_naming_the_parameter(route, body, param):
     assert http.post("/v1/chat/completions", json={"messages": HI}).status_code == 200  # and the app goes on
 
 
+def test_a_body_not_in_utf8_is_400_naming_the_body():
+    http = app()
+    for raw in ('{"prompt": "\\ud800"}'.encode("utf-16"), b'{"prompt": "\xff"}'):
+        response = http.post("/v1/completions", content=raw)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "body", response.text
+    with_bom = b'\xef\xbb\xbf{"prompt": "hi"}'  # a BOM is let through
+    assert http.post("/v1/completions", content=with_bom).status_code == 200
+
+
 # ---- 17: the request log echoes at most MAX_ECHO_CHARS of what a client wrote ---------------------
 
 

@@ -25,6 +25,7 @@ Body = TypeVar("Body", bound=pydantic.BaseModel)
 # than any real schema or message, and well inside what json, pydantic and protobuf can take
 MAX_JSON_DEPTH = 128
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how one gets into JSON text: raw UTF-8 cannot hold it
 # where a client's own JSON schema begins: a fault below one is named by the schema's field
 _SCHEMA_ROOTS = (("tools", int, "function", "parameters"), ("response_format", "json_schema", "schema"))
 
@@ -34,14 +35,21 @@ Path = tuple[Any, ...]  # a linked list, (key, parent path) or (): one tuple per
 def decode(raw: bytes, model: type[Body]) -> Body:
     """The body as `model`, or InvalidArgument naming the field at fault."""
     try:
-        data = json.loads(raw)
+        text = raw.decode("utf-8-sig")  # JSON between systems is UTF-8 (RFC 8259); a BOM is let through
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument("body", f"is not UTF-8: {exc}") from None
+    try:
+        data = json.loads(text)
     except RecursionError:
         raise InvalidArgument("body", f"is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as exc:  # UnicodeDecodeError (not UTF-8) included
+    except ValueError as exc:
         raise InvalidArgument("body", f"is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidArgument("body", "must be a JSON object")
-    check(data)
+    # walked only where the text could hold what the walk looks for: deep enough, or a surrogate's escape
+    strings = _SURROGATE_ESCAPE.search(text) is not None
+    if strings or text.count("[") + text.count("{") > MAX_JSON_DEPTH:
+        check(data, strings)
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
@@ -49,28 +57,27 @@ def decode(raw: bytes, model: type[Body]) -> Body:
         raise InvalidArgument(param(first["loc"]), first["msg"]) from None
 
 
-def check(data: dict[str, Any]) -> None:
-    """Refuses JSON nested past MAX_JSON_DEPTH and strings (keys too) that hold a lone surrogate,
-    naming the field: one pass over the values, without recursion."""
+def check(data: dict[str, Any], strings: bool = True) -> None:
+    """Refuses JSON nested past MAX_JSON_DEPTH and (with `strings`) strings, keys too, that hold a
+    lone surrogate, naming the field: one pass over the containers, without recursion."""
     stack: list[tuple[Any, int, Path]] = [(data, 1, ())]
     while stack:
         value, depth, path = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii() and _SURROGATE.search(value):
-                raise InvalidArgument(_name(path), "holds a lone surrogate (\\ud800 to \\udfff), which is not text")
-            continue
         if depth > MAX_JSON_DEPTH:
             raise InvalidArgument(_name(path, whole=False), f"is nested more than {MAX_JSON_DEPTH} levels deep")
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not key.isascii() and _SURROGATE.search(key):
-                    raise InvalidArgument(_name(path), "has a key that holds a lone surrogate, which is not text")
-                if isinstance(item, (str, dict, list)):
-                    stack.append((item, depth + 1, (key, path)))
-        elif isinstance(value, list):
-            stack.extend(
-                (item, depth + 1, (i, path)) for i, item in enumerate(value) if isinstance(item, (str, dict, list))
-            )
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1, (key, path)))
+            elif strings and isinstance(item, str) and _has_surrogate(item):
+                raise InvalidArgument(
+                    _name((key, path)), "holds a lone surrogate (\\ud800 to \\udfff), which is not text"
+                )
+            if strings and isinstance(key, str) and _has_surrogate(key):
+                raise InvalidArgument(_name(path), "has a key that holds a lone surrogate, which is not text")
+
+
+def _has_surrogate(text: str) -> bool:
+    return not text.isascii() and _SURROGATE.search(text) is not None
 
 
 def _name(path: Path, whole: bool = True) -> str:
