@@ -177,6 +177,33 @@ def _requests_of(engine: FakeEngine) -> list:
     return seen
 
 
+def test_a_stream_a_drain_cuts_ends_with_an_error_event_not_done_and_a_whole_response_is_503():
+    """The drain's cancel (its grace, or --handover-grace, over) reaches the sessions after they
+    began: a stream ends with OpenAI's error event, so that a client sees it was cut."""
+    engine = FakeEngine()
+    engine.finish = FinishReason.CANCELLED
+    api, http = serve(engine)
+    submit = engine.submit
+
+    def submit_then_drain(*args, **kw):
+        handles = submit(*args, **kw)
+        api.draining = True  # the server drains while the sessions run: their tokens, then the cancel
+        return handles
+
+    engine.submit = submit_then_drain
+    with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert "[DONE]" not in events and not any(c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"])
+    assert "".join(c["delta"].get("content", "") for e in events[:-1] for c in json.loads(e)["choices"]) == " 5 6 7"
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "service_unavailable" and "draining" in error["message"]
+    api.draining = False
+    whole = http.post("/v1/chat/completions", json=CHAT)
+    assert whole.status_code == 503 and whole.json()["error"]["type"] == "service_unavailable"
+    engine.submit, api.draining = submit, False  # a cancel while not draining (Abort, say) stays a normal end
+    assert http.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["finish_reason"] == "stop"
+
+
 def test_a_forced_call_cut_by_max_tokens_is_a_tool_call_with_finish_reason_length():
     """As OpenAI answers: the call as far as it got (its arguments unfinished JSON), never content,
     so that a client (LangChain's with_structured_output) fails to parse it instead of finding none."""

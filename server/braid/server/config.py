@@ -466,16 +466,6 @@ class ServerConfig:
             group="serving",
         ),
     )
-    strict_request_fields: bool = field(
-        default=False,
-        metadata=_opt(
-            "refuse an HTTP request with a field braid does not know (400 naming it); off: such a field is "
-            "ignored, logged, and named in the response's braid-ignored-fields header",
-            group="limits",
-            nargs="?",
-            const=True,
-        ),
-    )
     http_max_header_bytes: int = field(
         default=64 * 1024,
         metadata=_opt(
@@ -502,6 +492,16 @@ class ServerConfig:
             "seconds an HTTP request's body may take to arrive, in all, from the end of its head; a slower one "
             "gets 408 and the connection is closed",
             group="limits",
+        ),
+    )
+    strict_request_fields: bool = field(
+        default=False,
+        metadata=_opt(
+            "refuse an HTTP request with a field braid does not know (400 naming it); off: such a field is "
+            "ignored, logged, and named in the response's braid-ignored-fields header",
+            group="limits",
+            nargs="?",
+            const=True,
         ),
     )
     metrics_port: int = field(

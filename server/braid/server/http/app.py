@@ -247,7 +247,7 @@ class OpenAIApi:
         tracing.on_session(handles[0], self._engine.info.mode)
         # the model's first served name, or the adapter the request runs with (as vLLM answers)
         head = {"id": req.request_id, "created": int(time.time()), "model": req.adapter or self._engine.info.model_name}
-        events = _Events(self._engine, plan, handles, head, chat, record)
+        events = _Events(self._engine, plan, handles, head, chat, record, lambda: self.draining)
         if stream:
             record.streamed = True
 
@@ -318,8 +318,10 @@ class _Events:
         head: dict[str, Any],
         chat: bool,
         record: _Record,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self._engine, self._plan, self._handles, self._chat, self._record = engine, plan, handles, chat, record
+        self._draining = draining
         self._head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         self._choices = [choices.ChatChoice(plan) for _ in handles]
         self._offsets = [0] * len(handles)
@@ -340,7 +342,7 @@ class _Events:
             elif text or logprobs is not None:
                 yield self._chunk(index, text, logprobs=logprobs)
             if handle.finished is not None:
-                _raise_failure(handle.finished)
+                _raise_failure(handle.finished, self._draining())
                 self._record.finished(handle.finished)
                 with trace.use_span(self._record.span, end_on_exit=False):
                     tracing.on_finished(handle)
@@ -419,8 +421,18 @@ def _joined(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {key: [v for p in parts for v in p[key]] for key in parts[0]}
 
 
-def _raise_failure(finished: Finished) -> None:
-    """A session that failed ends its call with an error, as over gRPC (servicer._failure_status)."""
+def _raise_failure(finished: Finished, draining: bool = False) -> None:
+    """A session that failed ends its call with an error, as over gRPC (servicer._failure_status).
+    So does one a draining server cancelled (its grace, or --handover-grace, over): 503, where gRPC
+    ends UNAVAILABLE, so that an OpenAI client sees an error (mid-stream: an error event and no
+    [DONE]), never a completion that only looks whole."""
+    if finished.reason is FinishReason.CANCELLED and draining:
+        raise ApiError(
+            503,
+            "service_unavailable",
+            f"the server is draining: this generation was cut after {finished.generated_tokens} tokens; "
+            "send it again to another replica",
+        )
     if finished.reason is FinishReason.ERROR:
         raise ApiError(500, "internal_error", finished.error or "the engine failed")
     if finished.reason is FinishReason.INVALID_REQUEST:

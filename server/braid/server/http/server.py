@@ -118,7 +118,8 @@ class HttpFrontEnd:
         self._close_socket()
 
     def hand_over(self) -> None:
-        """Nothing to hand over: an HTTP stream the engine cancels ends as OpenAI's streams do."""
+        """Nothing to hand over: OpenAI's clients do not resume. A call the drain cancels ends with
+        an error all the same, grace or hand-over (http/app.py), so that its client sees the cut."""
 
     async def close(self) -> None:
         """A start that failed: closes the port."""
