@@ -265,3 +265,19 @@ def test_metrics_are_served_on_the_http_port_behind_the_api_key_and_only_when_gi
     assert asked == ["application/openmetrics-text"]  # the scraper's Accept chooses the format
     _, without = serve(FakeEngine())
     assert without.get("/metrics").status_code == 404
+
+
+def test_a_calls_metric_is_labelled_by_its_route_never_by_the_path_a_client_wrote():
+    """Every id a client asks /v1/models/{id} for is one series of the calls metric, not a new one."""
+    calls: list[tuple[str, str]] = []
+
+    class Calls:
+        def on_call(self, method: str, status_code: str, seconds: float) -> None:
+            calls.append((method, status_code))
+
+    api = OpenAIApi(FakeEngine(), ServerConfig(), calls=Calls())
+    http = TestClient(api.app)
+    for wanted in ("a", "b/c", "x" * 300):
+        assert http.get(f"/v1/models/{wanted}").status_code == 404
+    http.post("/v1/chat/completions", json=CHAT)
+    assert calls == [("http GET /v1/models/{id}", "404")] * 3 + [("http POST /v1/chat/completions", "200")]

@@ -123,10 +123,10 @@ class OpenAIApi:
         self.app = Starlette(
             routes=[
                 *([Route("/metrics", self.metrics, methods=["GET"])] if metrics is not None else []),
-                Route("/v1/chat/completions", self._observed(self.chat), methods=["POST"]),
-                Route("/v1/completions", self._observed(self.completions), methods=["POST"]),
-                Route("/v1/models", self._observed(self.models), methods=["GET"]),
-                Route("/v1/models/{id:path}", self._observed(self.model), methods=["GET"]),
+                self._route("/v1/chat/completions", self.chat, methods=["POST"]),
+                self._route("/v1/completions", self.completions, methods=["POST"]),
+                self._route("/v1/models", self.models, methods=["GET"]),
+                self._route("/v1/models/{id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
             exception_handlers={404: _not_found, 405: _not_allowed},
@@ -269,18 +269,26 @@ class OpenAIApi:
 
     # ---- around every call: the API key, errors, the log line, the span and the metric ---------
 
+    def _route(self, path: str, route: Callable[[Request, _Record], Awaitable[Response]], methods: list[str]) -> Route:
+        """An observed route: its span and its metric are named by the route's template (OpenTelemetry's
+        http.route, e.g. "GET /v1/models/{id}"), never by the path a client wrote, which would make a
+        new metric series and span name of every id a client sends."""
+        template = path.replace(":path}", "}")
+        return Route(path, self._observed(route, template), methods=methods)
+
     def _observed(
-        self, route: Callable[[Request, _Record], Awaitable[Response]]
+        self, route: Callable[[Request, _Record], Awaitable[Response]], template: str
     ) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
             # the span, a child of the caller's W3C trace context, lasts until the call's end: a
             # stream's last event, not the handler's return
             span = _TRACER.start_span(
-                f"{request.method} {request.url.path}",
+                f"{request.method} {template}",
                 kind=trace.SpanKind.SERVER,
                 context=propagate.extract(request.headers),
+                attributes={"http.route": template},
             )
-            record = _Record(request, span, self._calls)
+            record = _Record(request, span, self._calls, f"{request.method} {template}")
             with trace.use_span(span, end_on_exit=False):
                 try:
                     self._authorize(request)
@@ -545,11 +553,13 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
 class _Record:
     """One HTTP call's request log line (as edge/request_log.py writes gRPC's) and its metric."""
 
-    def __init__(self, request: Request, span: trace.Span, calls: CallObserver) -> None:
+    def __init__(self, request: Request, span: trace.Span, calls: CallObserver, route: str) -> None:
+        """route: the method and the route's template, which the metric is labelled with."""
         self.span = span
         self.calls = calls
         self.started = time.perf_counter()
         client = request.client
+        self.template = route
         self.route = f"{request.method} {request.url.path}"
         self.peer = f"{client.host}:{client.port}" if client else ""
         self.request_id = ""
@@ -571,7 +581,7 @@ class _Record:
         seconds = time.perf_counter() - self.started
         self.span.set_attribute("http.response.status_code", self.status)
         self.span.end()
-        self.calls.on_call("http " + self.route, str(self.status), seconds)
+        self.calls.on_call("http " + self.template, str(self.status), seconds)
         level = logging.INFO if self.route.startswith("POST") else logging.DEBUG  # generations, as gRPC's Stream
         if not _LOGGER.isEnabledFor(level):
             return
