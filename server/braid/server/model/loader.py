@@ -9,6 +9,7 @@ also serve them in their own format.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -19,7 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from braid.server.config import SettingError, default_cache_dir  # noqa: F401 (where callers have found it)
 
@@ -38,8 +39,16 @@ BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # The steps of a first conversion, each weighed by the seconds it took for the embedded model (two
-# CPUs): most of it is gguf-py and transformers parsing the file's 49,152-token vocabulary again.
-CONVERSION_STEPS = {"tokenizer": 6, "weights": 16, "saving": 1, "quantized blocks": 21}
+# CPUs): reading the file is gguf-py parsing it (its 49,152-token vocabulary) once for all of them;
+# the weights and the quantized blocks move the bar tensor by tensor.
+CONVERSION_STEPS = {
+    "reading the file": 7,
+    "tokenizer": 4,
+    "config": 1,
+    "weights": 7,
+    "saving": 1,
+    "quantized blocks": 7,
+}
 
 
 @dataclass
@@ -283,14 +292,16 @@ def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks],
     return blocks, json.loads(meta["formats"])
 
 
-def _write_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
+def _write_blocks(
+    gguf: Path, folder: Path, hf_model, advance: Callable[[float], None] = lambda fraction: None
+) -> tuple[dict[str, Blocks], dict[str, str]]:
     """Reads the GGUF file's block matrices and tensor types (slow: gguf-py parses the whole file)
-    and keeps them in folder."""
+    and keeps them in folder; advance: told how far through the tensors the reading is."""
     from safetensors.torch import save_file
 
     from braid.server.model.weights import BLOCK_FORMATS, read_gguf
 
-    blocks, formats = read_gguf(gguf, hf_model)
+    blocks, formats = read_gguf(gguf, hf_model, advance)
     tensors = {
         f"{n}.{part}": t for n, b in blocks.items() for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None
     }
@@ -353,18 +364,23 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
     try:
         with (
             progress.Steps(f"converting {gguf.name}", CONVERSION_STEPS) as bar,
-            progress.gguf_bar_off(),
+            progress.gguf_tensors(bar),
+            _parsed_once(gguf),
             _reading(str(gguf), str(gguf.parent), (gguf.name,)),
         ):
+            with bar.step("reading the file"):
+                _parse(gguf)  # once, for every step after (_parsed_once)
             with bar.step("tokenizer"):
                 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            with bar.step("config"):
+                config = _gguf_config(gguf)
             with bar.step("weights"):
-                hf_model = _from_gguf(gguf)
+                hf_model = _from_gguf(gguf, config)
             with bar.step("saving"):
                 hf_model.save_pretrained(staging)
                 tokenizer.save_pretrained(staging)
             with bar.step("quantized blocks"):
-                _write_blocks(gguf, staging, hf_model)
+                _write_blocks(gguf, staging, hf_model, bar.advance)
         os.replace(staging, target)  # atomic: a concurrent or interrupted start never sees half
     except OSError:
         if not (target / "config.json").is_file():
@@ -375,9 +391,43 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def _from_gguf(gguf: Path):
-    """transformers' model of a GGUF file, dequantized to fp32 (checked as _complete_model checks),
-    with the config keys transformers drops read from the file (model/gguf_config.py)."""
+@contextlib.contextmanager
+def _parsed_once(gguf: Path) -> Iterator[None]:
+    """For the length of a conversion, gguf-py parses the file once, and builds its tensor name
+    map once per architecture. Each reader (the tokenizer's, the config's, braid's metadata, the
+    weights', braid's blocks) made a GGUFReader of its own, each parsing the whole 49,152-token
+    vocabulary again (15-20 s each on two busy cores), and transformers builds gguf-py's name map
+    once per submodule (397 times for SmolLM2); neither library lets a caller share them, so the
+    two gguf-py functions are swapped for sharing ones (transformers and braid import them at call
+    time) and put back after."""
+    import gguf as gguf_py
+
+    make_reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
+    readers: dict[Path, object] = {}
+
+    def reader(path, mode="r"):
+        if mode != "r" or Path(path).resolve() != gguf.resolve():
+            return make_reader(path, mode)
+        if gguf not in readers:
+            readers[gguf] = make_reader(path, mode)
+        return readers[gguf]
+
+    gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = make_reader, name_map
+
+
+def _parse(gguf: Path) -> None:
+    import gguf as gguf_py
+
+    gguf_py.GGUFReader(str(gguf))
+
+
+def _gguf_config(gguf: Path):
+    """transformers' config of a GGUF file, with the keys transformers drops read from the file
+    (model/gguf_config.py)."""
     from transformers import AutoConfig
 
     from braid.server.model import gguf_config
@@ -388,6 +438,11 @@ def _from_gguf(gguf: Path):
         _LOGGER.info(
             "%s: from the file's metadata, which transformers does not read: %s", gguf.name, ", ".join(restored)
         )
+    return config
+
+
+def _from_gguf(gguf: Path, config):
+    """transformers' model of a GGUF file, dequantized to fp32 (checked as _complete_model checks)."""
     hf_model = _complete_model(str(gguf), "GGUF file", gguf.parent, gguf_file=gguf.name, dtype="float32", config=config)
     # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
     hf_model.hf_quantizer = None

@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
+
+from braid.server.model import progress
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -135,12 +138,15 @@ def gguf_type_name(tensor_type) -> str:
     return {"f32": "f32", "f16": "f16", "bf16": "bf16"}.get(name, name)
 
 
-def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
+def read_gguf(
+    path: Path, hf_model, advance: Callable[[float], None] = lambda fraction: None
+) -> tuple[dict[str, Blocks], dict[str, str]]:
     """The block matrices of a GGUF file, keyed by the Hugging Face parameter name transformers
     gives them, and every tensor's GGUF type by the same name. Rows come in transformers' order:
     the permutation its tensor processor applies (Llama's q and k) is applied to the blocks too; a
     matrix it does more to (transposes, stores under another name: GPT-2's) keeps no blocks.
-    Slow (gguf-py parses the whole vocabulary): the loader does it once per file and keeps the result."""
+    Slow (gguf-py parses the whole vocabulary): the loader does it once per file and keeps the result;
+    advance is told how far through the tensors it is (model/progress.py's bar)."""
     from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -156,7 +162,7 @@ def read_gguf(path: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
     )
     blocks: dict[str, Blocks] = {}
     types: dict[str, str] = {}
-    for tensor in reader.tensors:
+    for tensor in progress.counted(reader.tensors, advance):
         hf_name = names.get(tensor.name)
         if hf_name is None:
             continue
