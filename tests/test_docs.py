@@ -71,3 +71,19 @@ def test_a_new_benchmark_run_keeps_every_section_it_does_not_write(monkeypatch):
     for heading in report.headings(BENCHMARKS):
         if heading not in ("## How to reproduce", "## Results"):
             assert report.section(page, heading) == report.section(BENCHMARKS, heading), heading
+
+
+def test_the_readmes_python_example_answers_what_its_comment_says_with_the_defaults(smol):
+    """The README's first example, run as written against the default server (int8 rows): it answers
+    right, word for word as the README shows it. Its question was "What is the capital of France?",
+    which the default answers "L'Étoile, ..." (a near-tie that int8 rows flip)."""
+    block = re.search(r"^```python\n(from braid\.client import Client\n.*?)^```$", README, re.M | re.S)[1]
+    answer = re.search(r"^# (.+)\n\Z", block, re.M)[1]
+    run = subprocess.run(
+        [sys.executable, "-c", block.replace("localhost:50051", smol.target)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == answer
