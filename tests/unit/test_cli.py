@@ -7,11 +7,11 @@ import dataclasses
 import re
 
 import pytest
+from test_servicer import INFO
 
 from braid.server.cli import _configs, build_parser, main
 from braid.server.config import GROUPS, EngineConfig, LogConfig, ServerConfig
 from braid.server.edge.server import running
-from braid.server.engine.types import Mode, ModelInfo
 
 pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
@@ -85,23 +85,11 @@ def test_served_model_names_given_twice_or_empty_are_refused_naming_the_flag(nam
 
 def test_the_start_up_line_says_what_runs_not_just_the_compute_dtype():
     """`(cpu, continuous mode, float32)` hid the int8 rows and the KV cache: the line names them."""
-    info = ModelInfo(
-        model_name="HuggingFaceTB/SmolLM2-135M-Instruct",
-        architecture="LlamaForCausalLM",
-        context_length=4096,
-        vocab_size=49152,
-        dtype="float32",
-        device="cpu",
-        mode=Mode.CONTINUOUS,
-        max_batch_size=32,
-        eos_token_ids=(2,),
-        has_chat_template=True,
-        parameters=134515008,
+    info = dataclasses.replace(
+        INFO,
         weight_formats={"f32": 61, "q4_1": 210, "q8_0": 1},
         weight_bytes=97_000_000,
-        quantization="auto",
         kernels="avx2",
-        kv_cache_dtype="float32",
         activations="int8",
         kv_cache_bytes=720 * 2**20,
     )
