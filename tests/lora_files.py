@@ -128,3 +128,62 @@ def write_gguf_adapter(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_gguf_lora(
+    path: Path,
+    shapes: dict[str, tuple[int, ...]],
+    values: dict | None = None,
+    alpha: object = 16.0,
+    arch: str = "llama",
+    fill: bool = True,
+) -> Path:
+    """A GGUF LoRA file declaring F32 tensors of these shapes (numpy's order), its header as gguf-py's
+    GGUFWriter writes it; each tensor's data the array in `values` where given, zeros elsewhere (a
+    sparse file: a declared gigabyte takes no disk); fill=False: the file ends with its header, every
+    tensor's data past the end. alpha: adapter.lora.alpha, a float32 (a str: written as a string)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    values = values or {}
+    writer = GGUFWriter(str(path), arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    if isinstance(alpha, str):
+        writer.add_string("adapter.lora.alpha", alpha)
+    else:
+        writer.add_float32("adapter.lora.alpha", float(alpha))
+    for name, shape in shapes.items():
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    if fill:
+        with open(path, "r+b") as f:
+            at = -(-f.seek(0, 2) // 32) * 32  # the data, aligned as GGUFWriter aligns it
+            for name, shape in shapes.items():
+                if name in values:
+                    f.seek(at)
+                    f.write(np.asarray(values[name], dtype=np.float32).tobytes())
+                at += -(-4 * int(np.prod(shape)) // 32) * 32
+            f.truncate(at)
+    return path
+
+
+def write_safetensors_header(path: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
+    """A safetensors file declaring F32 tensors of these shapes, its data all zeros and sparse (a
+    declared gigabyte takes no disk): the format's 8-byte header length, JSON header, then data."""
+    import math
+    import struct
+
+    header, at = {}, 0
+    for name, shape in shapes.items():
+        nbytes = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + at)
+    return path

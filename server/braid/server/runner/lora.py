@@ -43,6 +43,13 @@ from braid.server.runner.rows import AdapterInfo
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # the decoder's fused projections, in a layer's order
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT writes an adapter_config.json of about 1 KB (tens of KB with a rank_pattern for every layer):
+# a bigger one is refused by its size, before it is read
+MAX_CONFIG_BYTES = 1 << 20
+# lora_alpha's bounds: PEFT's adapters use 8 to a few hundred; past this the deltas swamp the model
+# (and at 1e308 overflow to inf: every greedy token id 0, every logprob NaN)
+MAX_ALPHA = 65536.0
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the float types a matrix may be in
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"
     r"\.weight$"
@@ -118,18 +125,20 @@ def read_peft(
     """A PEFT adapter folder, checked against the base model's projections. Raises ValueError with
     one line naming the file, setting or tensor at fault. round_bf16: round A and B times the scale
     to bf16 values (where the base's rows are rounded too: --activations int8 or bf16)."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     folder = Path(path)
     config_file, weights_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     if not config_file.is_file() or not weights_file.is_file():
         raise ValueError(f"{path}: not a PEFT adapter folder (it needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{config_file}: unreadable: {exc}") from None
-    rank, alpha = _setting(config, "r", int), _setting(config, "lora_alpha", (int, float))
+    config = _read_config(config_file)
+    rank = _setting(config_file, config, "r", int)
     check_rank(f"{config_file}: rank r={rank}", rank, max_rank)
+    alpha = _setting(config_file, config, "lora_alpha", (int, float))
+    check_alpha(f"{config_file}: lora_alpha", alpha, zero_allowed=False)
+    rslora = config.get("use_rslora")
+    if rslora is not None and not isinstance(rslora, bool):
+        raise ValueError(f"{config_file}: use_rslora is {_shown(rslora)}, expected true or false")
     for key, allowed in (
         ("peft_type", ("LORA", None)),
         ("fan_in_fan_out", (False, None)),
@@ -141,20 +150,27 @@ def read_peft(
     ):
         if config.get(key) not in allowed:
             raise ValueError(
-                f"{config_file}: {key}={config.get(key)!r} is not supported (braid serves plain LoRA "
+                f"{config_file}: {key}={_shown(config.get(key))} is not supported (braid serves plain LoRA "
                 f"on {', '.join(base.targets)})"
             )
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
     try:
-        tensors = load_file(str(weights_file))
-    except Exception as exc:
+        tensors = safe_open(str(weights_file), framework="pt")  # its header: no matrix is read yet
+    except Exception as exc:  # safetensors' own error: a header that is not one, data past the end
         raise ValueError(f"{weights_file}: unreadable: {exc}") from None
-    matrices = []
-    for key, value in sorted(tensors.items()):
-        match = _KEY.match(key)
-        if match is None:
-            raise ValueError(f"{key}: not a LoRA matrix of a projection braid serves ({', '.join(base.targets)})")
-        matrices.append(Matrix(key, int(match[1]), match[2], match[3], value))
+    with tensors:
+        found = []
+        for key in sorted(tensors.keys()):
+            match = _KEY.fullmatch(key)
+            if match is None:
+                raise ValueError(f"{key}: not a LoRA matrix of a projection braid serves ({', '.join(base.targets)})")
+            header = tensors.get_slice(key)
+            if header.get_dtype() not in FLOAT_DTYPES:
+                raise ValueError(f"{key}: dtype {header.get_dtype()} is not a float type")
+            check_matrix(key, int(match[1]), match[2], match[3], header.get_shape(), rank, base)
+            found.append((key, int(match[1]), match[2], match[3]))
+        # every matrix checked: now read
+        matrices = [Matrix(*where, tensors.get_tensor(where[0])) for where in found]
     return build_adapter(path, name, rank, alpha, scale, matrices, base, dtype, device, round_bf16)
 
 
@@ -177,6 +193,29 @@ def check_rank(what: str, rank: int, max_rank: int) -> None:
         raise ValueError(f"{what} is past --max-lora-rank {max_rank}" if rank > 0 else f"{what} must be positive")
 
 
+def check_alpha(what: str, alpha: float, zero_allowed: bool) -> None:
+    """Raises ValueError naming `what` unless alpha is a number in (0, MAX_ALPHA] (NaN is in no
+    range), or 0 where zero_allowed (llama.cpp's "none": scale 1; in PEFT 0 would undo the adapter)."""
+    if not (0 <= alpha <= MAX_ALPHA and (alpha > 0 or zero_allowed)):
+        bounds = f"{'[' if zero_allowed else '('}0, {MAX_ALPHA:g}]"
+        raise ValueError(f"{what} is {_shown(alpha)}; it must be a finite number in {bounds}")
+
+
+def check_matrix(key: str, layer: int, module: str, which: str, shape, rank: int, base: LoraBase) -> None:
+    """Raises ValueError naming the matrix `key` (lora_A [r, in] or lora_B [out, r] of `module` in
+    `layer`, as its file's header declares it) unless the base model has that projection and layer
+    and `shape` is what they and rank r need. The readers call it before they read the matrix: a
+    header may declare any size."""
+    target = base.targets.get(module)
+    if target is None:
+        raise ValueError(f"{key}: {module} is not a projection of this model ({', '.join(base.targets)})")
+    if layer >= base.num_layers:
+        raise ValueError(f"{key}: layer {layer}, but the model has {base.num_layers}")
+    want = (rank, target.in_features) if which == "A" else (target.end - target.begin, rank)
+    if tuple(shape) != want:
+        raise ValueError(f"{key}: shape {list(shape)}, but this model with r={rank} needs {list(want)}")
+
+
 def build_adapter(
     path: str,
     name: str,
@@ -189,24 +228,19 @@ def build_adapter(
     device: torch.device,
     round_bf16: bool,
 ) -> Adapter:
-    """An adapter file's matrices (read_peft's, lora_gguf.py's), checked against the base model
-    (a module and layer it has, every A with its B, each of the shape rank r and the projection
-    need) and stacked. Raises ValueError with one line naming the tensor at fault."""
+    """An adapter file's matrices (read_peft's, lora_gguf.py's), each checked by check_matrix
+    before it was read, checked together (every A with its B, every value finite) and stacked.
+    Raises ValueError with one line naming the tensor at fault."""
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
     for m in matrices:
-        target = base.targets.get(m.module)
-        if target is None:
-            raise ValueError(f"{m.key}: {m.module} is not a projection of this model ({', '.join(base.targets)})")
-        if m.layer >= base.num_layers:
-            raise ValueError(f"{m.key}: layer {m.layer}, but the model has {base.num_layers}")
-        want = (rank, target.in_features) if m.which == "A" else (target.end - target.begin, rank)
-        if tuple(m.value.shape) != want:
-            raise ValueError(f"{m.key}: shape {list(m.value.shape)}, but this model with r={rank} needs {list(want)}")
-        if not m.value.is_floating_point():
-            raise ValueError(f"{m.key}: dtype {m.value.dtype} is not a float type")
         value = m.value.to(device=device, dtype=torch.float32)
-        (a if m.which == "A" else b)[m.layer, m.module] = value if m.which == "A" else value * scale
+        if m.which == "B":
+            value = value * scale
+        if not bool(torch.isfinite(value).all()):
+            scaled = f" times the scale {scale:g}" if m.which == "B" else ""
+            raise ValueError(f"{m.key}: not every value{scaled} is a finite float32 number")
+        (a if m.which == "A" else b)[m.layer, m.module] = value
     for key in set(a) ^ set(b):
         layer, module = key
         raise ValueError(f"layer {layer} {module}: lora_{'B' if key in a else 'A'} is missing")
@@ -294,11 +328,42 @@ def _step_table(layers: list[dict[str, _Stacked]], dtype: torch.dtype) -> tuple[
     return table, panels
 
 
-def _setting(config: dict, key: str, kind) -> int | float:
+def _read_config(config_file: Path) -> dict:
+    """adapter_config.json's object, its size checked before it is read (and no more than the cap
+    read: a file may grow, or say 0 bytes and hold more). Raises ValueError naming the file."""
+    too_big = f"a LoRA adapter's config is at most {MAX_CONFIG_BYTES} bytes"
+    try:
+        size = config_file.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{config_file}: {size} bytes; {too_big}")
+        with config_file.open("rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{config_file}: unreadable: {exc}") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{config_file}: more than {MAX_CONFIG_BYTES} bytes; {too_big}")
+    try:
+        config = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{config_file}: JSON nested too deep") from None
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: a JSON {type(config).__name__}, expected an object")
+    return config
+
+
+def _setting(config_file: Path, config: dict, key: str, kind) -> int | float:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{CONFIG_FILE}: {key} is {value!r}, expected a number")
+        raise ValueError(f"{config_file}: {key} is {_shown(value)}, expected a number")
     return value
+
+
+def _shown(value: object) -> str:
+    """A config value in an error message, cut short (a value may be a megabyte)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
