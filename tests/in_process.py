@@ -75,5 +75,5 @@ def generate(model: Model, requests: list[dict], draft: Model | None = None, ada
         return outcomes
     finally:
         for info in harness.adapters.list():  # the runner outlives this engine
-            harness.adapters.unload(info.name, timeout=0)
+            harness.adapters.unload(info.name)  # none holds it: freed at once
         harness.close()

@@ -165,10 +165,8 @@ def test_queue_positions_are_reported_to_waiting_sessions_that_asked(harness):
 
 def test_rows_carry_each_sessions_adapter_and_an_adapter_is_held_until_its_sessions_end(harness):
     """Sessions with two adapters and none share passes, each row naming its own adapter's load;
-    an unload waits for the sessions holding it, and a new request for it is NOT_FOUND at once."""
-    import threading
-    import time
-
+    an unload waits for the sessions holding it (its future done once the last ends), and a new
+    request for it is NOT_FOUND at once."""
     from braid.server.engine.types import NotFound
 
     h = harness(max_batch_size=8)
@@ -184,20 +182,13 @@ def test_rows_carry_each_sessions_adapter_and_an_adapter_is_held_until_its_sessi
     assert by_prompt[10] == 1 and by_prompt[20] == 2 and by_prompt[30] == 0
     assert len(h.runner.passes[0]) == 3  # a's second sample waits for the prompt, then shares the pass
 
-    unloaded = threading.Event()
-    waiter = threading.Thread(target=lambda: (h.adapters.unload("a", timeout=10), unloaded.set()))
-    waiter.start()
-    for _ in range(1000):  # until the unload has begun: the list leaves it out
-        if [i.name for i in h.adapters.list()] == ["b"]:
-            break
-        time.sleep(0.005)
+    freed = h.adapters.unload("a")  # begun: the list leaves it out, new sessions cannot take it
+    assert [i.name for i in h.adapters.list()] == ["b"]
     with pytest.raises(NotFound, match="'a' is not loaded"):
         h.submit("10 11", adapter="a")
-    time.sleep(0.05)
-    assert not unloaded.is_set() and 1 in h.runner.adapters
+    assert not freed.done() and 1 in h.runner.adapters  # its two sessions still run with it
     h.run()
-    waiter.join(5)
-    assert unloaded.is_set() and h.runner.adapters == {2}
+    assert freed.done() and h.runner.adapters == {2}  # the last session to finish freed it
     assert [t for handle in ha for t in h.tokens(handle)] == [12, 13, 14] * 2 and h.tokens(hb[0]) == [22, 23, 24]
     assert h.tokens(base) == [32, 33, 34] and h.adapters.users() == {"b": 0}
     with pytest.raises(NotFound, match="'nope'"):

@@ -5,7 +5,10 @@ What a real server adds (signals, TLS, HTTP/2 abuse) is tested end to end elsewh
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
+from typing import AsyncIterator
 
 import grpc
 import pytest
@@ -64,20 +67,23 @@ class FakeEngine:
     """The EngineClient port, scripted: every session streams `tokens` (token t as text " t") and
     ends with `finish` (and `error`, `error_field`); aborted sessions end CANCELLED."""
 
-    def __init__(self, max_queued: int = 8) -> None:
+    def __init__(self, max_queued: int = 8, max_loras: int = 2) -> None:
         self.info, self.started_at, self.max_sessions = INFO, time.monotonic(), 4
         self.books = Books(max_queued)
         self.tokens = [5, 6, 7]
         self.finish, self.error, self.error_field = FinishReason.MAX_TOKENS, None, None
         self.hold = False  # sessions wait (for Abort) instead of streaming
         self.handles: dict[int, SessionHandle] = {}
-        self.adapters = Adapters(FakeAdapterRunner(), max_loras=2, max_rank=16, model_names=("fake",))
+        self.adapters = Adapters(FakeAdapterRunner(), max_loras=max_loras, max_rank=16, model_names=("fake",))
 
     def load_lora(self, name, path):
         return self.adapters.load(name, path)
 
-    def unload_lora(self, name, timeout):
-        self.adapters.unload(name, timeout)
+    def unload_lora(self, name):
+        return self.adapters.unload(name)
+
+    def keep_lora(self, name, waited):
+        self.adapters.keep(name, waited)
 
     def loras(self):
         return self.adapters.list()
@@ -133,30 +139,36 @@ class FakeEngine:
         return self.books.is_idle
 
 
+@contextlib.asynccontextmanager
+async def _served(engine: FakeEngine) -> AsyncIterator[pb_grpc.GenerateStub]:
+    """A stub of a fresh in-process server over `engine`, for the calls of one test."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    pb_grpc.add_GenerateServicer_to_server(GenerateServicer(engine, ServerConfig()), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield pb_grpc.GenerateStub(channel)
+    finally:
+        await server.stop(0)
+
+
 @pytest.fixture
 def call():
     """call(engine, method, request, **kw): runs one call against a fresh in-process server."""
 
     def run(engine: FakeEngine, method: str, request, **kw):
         async def go():
-            server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-            pb_grpc.add_GenerateServicer_to_server(GenerateServicer(engine, ServerConfig()), server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            try:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    stub = pb_grpc.GenerateStub(channel)
-                    if method == "Stream":
-                        rpc = stub.Stream(request, **kw)
-                        return [m async for m in rpc], await rpc.trailing_metadata()
-                    if method == "StreamAndAbort":
-                        rpc = stub.Stream(request, **kw)
-                        await rpc.initial_metadata()
-                        aborted = await stub.Abort(pb.AbortRequest(request_ids=[request.request_id]))
-                        return [m async for m in rpc], aborted
-                    return await getattr(stub, method)(request, **kw)
-            finally:
-                await server.stop(0)
+            async with _served(engine) as stub:
+                if method == "Stream":
+                    rpc = stub.Stream(request, **kw)
+                    return [m async for m in rpc], await rpc.trailing_metadata()
+                if method == "StreamAndAbort":
+                    rpc = stub.Stream(request, **kw)
+                    await rpc.initial_metadata()
+                    aborted = await stub.Abort(pb.AbortRequest(request_ids=[request.request_id]))
+                    return [m async for m in rpc], aborted
+                return await getattr(stub, method)(request, **kw)
 
         return asyncio.run(go())
 
@@ -271,3 +283,38 @@ def test_adapters_load_list_and_unload_and_each_mistake_has_its_status(call):
     assert len(engine.adapters._runner.resident) == 1  # sql's matrices are freed
     code, details = _code(call, engine, "UnloadAdapter", pb.UnloadAdapterRequest(name="sql"))
     assert code == grpc.StatusCode.NOT_FOUND and "'sql'" in details
+
+
+def test_unloads_waiting_for_busy_adapters_hold_no_thread_a_load_needs():
+    """Issue 39 item 20: a LoadAdapter waited 44 s behind six UnloadAdapter calls that were waiting
+    for busy adapters, as each wait held one of the six threads of asyncio's default pool (on 2
+    cores). With more unloads waiting than that pool has threads, on as many busy adapters, a load
+    of another completes while every unload still waits; then the sessions end and every unload
+    succeeds."""
+    pool = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's threads
+    busy = [f"busy{i}" for i in range(pool + 1)]
+    engine = FakeEngine(max_loras=len(busy) + 1)
+    for name in busy:
+        engine.adapters.load(name, f"/adapters/{name}")
+        engine.adapters.acquire(name)  # a session runs with it
+
+    async def scenario():
+        async with _served(engine) as stub:
+            unloads = [
+                asyncio.ensure_future(stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=60))
+                for name in busy
+            ]
+            # until every unload has begun and waits (or, where they wait on threads, some have given up)
+            while engine.adapters.list() and not any(u.done() for u in unloads):
+                await asyncio.sleep(0.01)
+            loaded = await stub.LoadAdapter(pb.LoadAdapterRequest(name="new", path="/adapters/new"))
+            waiting = sum(not u.done() for u in unloads)
+            for adapter_id in range(1, len(busy) + 1):
+                engine.adapters.release(adapter_id)  # the sessions end
+            return loaded, waiting, await asyncio.gather(*unloads, return_exceptions=True)
+
+    loaded, waiting, unloaded = asyncio.run(scenario())
+    assert loaded.adapter.name == "new" and waiting == len(busy)
+    assert all(isinstance(u, pb.UnloadAdapterResponse) for u in unloaded), unloaded
+    assert [a.name for a in engine.adapters.list()] == ["new"]
+    assert engine.adapters._runner.resident == {len(busy) + 1}  # every busy one freed, the new one there

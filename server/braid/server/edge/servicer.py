@@ -7,6 +7,8 @@ generation to the model thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import hashlib
 import time
 from typing import TYPE_CHECKING, AsyncIterator
@@ -21,7 +23,7 @@ from braid.server.edge.lanes import TokenizerLanes
 from braid.server.edge.orca import LoadReporter
 from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Delta, Event, Finished, FinishReason, InvalidArgument, Queued
+from braid.server.engine.types import Busy, Delta, Event, Finished, FinishReason, InvalidArgument, Queued
 from braid.server.edge import tracing
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
 MAX_ABORT_IDS = 256
 MAX_UNLOAD_WAIT_S = 600.0  # longest UnloadAdapter waits for the generations using the adapter
+ADAPTER_LOAD_THREADS = 2  # LoadAdapter calls reading files at once; more wait their turn
 # The trailer a stream handed over by a draining server ends with (status UNAVAILABLE): resume it
 # on another replica from the tokens it delivered (resume_token_ids, and the braid-seed header).
 HANDOVER_TRAILER = ("braid-handover", "resume")
@@ -42,6 +45,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._engine = engine
         self._config = config
         self._tokenizers = TokenizerLanes()
+        self._adapter_loads = concurrent.futures.ThreadPoolExecutor(
+            ADAPTER_LOAD_THREADS, thread_name_prefix="braid-adapter-load"
+        )
         # Running Stream calls by request_id, with the credentials they came with (for Abort). A
         # request_id is the caller's: two calls may share one.
         self._by_request_id: dict[str, list[tuple[SessionHandle, _Credentials]]] = {}
@@ -60,8 +66,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._handing_over = True
 
     def close(self) -> None:
-        """Drops the tokenizations still waiting for a thread (after the server has stopped)."""
+        """Drops the tokenizations and adapter loads still waiting for a thread (after the server
+        has stopped)."""
         self._tokenizers.shutdown()
+        self._adapter_loads.shutdown(wait=False, cancel_futures=True)
 
     async def Stream(self, request: pb.GenerateRequest, context: Context) -> AsyncIterator[pb.GenerateResponse]:
         req = convert.request_from_pb(
@@ -144,16 +152,27 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         return convert.model_info_to_pb(self._engine.info, self._engine.loras())
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:
-        # reading the files and stacking the matrices takes a while: off the event loop
-        info = await asyncio.to_thread(self._engine.load_lora, request.name, request.path)
+        # reading the files and stacking the matrices takes a while: off the event loop, on threads
+        # of its own, so that loads neither wait behind other work in asyncio's default pool nor fill it
+        loop = asyncio.get_running_loop()
+        info = await loop.run_in_executor(self._adapter_loads, self._engine.load_lora, request.name, request.path)
         self._trailers(context)
         return pb.LoadAdapterResponse(adapter=convert.adapter_to_pb(info))
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
-        # waits for the generations still using it, until the call's deadline (at most 600 s)
+        # waits for the generations still using it, until the call's deadline (at most 600 s), on the
+        # event loop: the engine completes the future when the last lets go, and no thread waits
         remaining = context.time_remaining()
         timeout = max(0.0, min(MAX_UNLOAD_WAIT_S, remaining - 0.1 if remaining is not None else MAX_UNLOAD_WAIT_S))
-        await asyncio.to_thread(self._engine.unload_lora, request.name, timeout)
+        freed = self._engine.unload_lora(request.name)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(freed)), timeout)
+        except TimeoutError:
+            self._engine.keep_lora(request.name, timeout)  # Busy: it stays (unless freed meanwhile)
+        except asyncio.CancelledError:  # the caller gave up: the unload is called off too
+            with contextlib.suppress(Busy):
+                self._engine.keep_lora(request.name, timeout)
+            raise
         self._trailers(context)
         return pb.UnloadAdapterResponse()
 

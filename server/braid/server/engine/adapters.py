@@ -4,16 +4,19 @@ request, held by the sessions that run with them, and unloaded once none does.
 Each load gets a new id, never reused: the rows of a pass name their adapter by it (Row.adapter),
 and it is part of the prefix cache's keys (Session.adapter_key), so a reloaded adapter under the same
 name never meets pages its predecessor computed. Any thread may call in; loading reads files and
-runs torch in the runner, so it is blocking and done off the event loop.
+runs torch in the runner, so it is blocking and done off the event loop. Unloading never blocks: it
+gives a future that the last session to let the adapter go completes, and a front end awaits it
+without holding a thread (six unloads waiting in asyncio's default pool once kept a LoadAdapter
+waiting behind them).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import re
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 from braid.server.engine.types import AlreadyExists, Busy, InvalidArgument, LimitReached, NotFound
@@ -37,6 +40,8 @@ class _Entry:
     info: AdapterInfo
     users: int = 0  # sessions holding it (admitted, not yet finished)
     unloading: bool = False  # new sessions may no longer take it
+    # done once it is freed, after an unload began and its last session let it go (Adapters.unload)
+    freed: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 
 class Adapters:
@@ -46,14 +51,14 @@ class Adapters:
         self._runner = runner
         self.max_loras, self.max_rank = max_loras, max_rank
         self._model_names = frozenset(model_names)
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
         self._by_name: dict[str, _Entry] = {}
         self._loading: set[str] = set()
         self._ids = itertools.count(1)
 
     def list(self) -> list[AdapterInfo]:
         """The loaded adapters (not those being unloaded), by name."""
-        with self._changed:
+        with self._lock:
             return [e.info for name, e in sorted(self._by_name.items()) if not e.unloading]
 
     def load(self, name: str, path: str) -> AdapterInfo:
@@ -65,7 +70,7 @@ class Adapters:
             raise InvalidArgument("name", f"{name!r} is a name of the served model (--served-model-name)")
         if not path:
             raise InvalidArgument("path", "must not be empty")
-        with self._changed:
+        with self._lock:
             if name in self._by_name or name in self._loading:
                 raise AlreadyExists(f"adapter {name!r} is already loaded (unload it first)")
             if len(self._by_name) + len(self._loading) >= self.max_loras:
@@ -79,9 +84,9 @@ class Adapters:
         except ValueError as exc:
             raise InvalidArgument("path", str(exc).splitlines()[0] if str(exc) else "is not a LoRA adapter") from None
         finally:
-            with self._changed:
+            with self._lock:
                 self._loading.discard(name)
-        with self._changed:
+        with self._lock:
             self._by_name[name] = _Entry(adapter_id, info)
         return info
 
@@ -90,7 +95,7 @@ class Adapters:
         ("" is the base model: (0, "").) Raises NotFound naming it."""
         if not name:
             return 0, ""
-        with self._changed:
+        with self._lock:
             entry = self._by_name.get(name)
             if entry is None or entry.unloading:
                 raise NotFound(f"adapter {name!r} is not loaded" + (" (it is being unloaded)" if entry else ""))
@@ -100,41 +105,58 @@ class Adapters:
     def retain(self, adapter_id: int) -> None:
         """One more hold on an adapter held already (another sample of the same request)."""
         if adapter_id:
-            with self._changed:
+            with self._lock:
                 self._entry(adapter_id).users += 1
 
     def release(self, adapter_id: int) -> None:
-        """A session holding the adapter has finished."""
+        """A session holding the adapter has finished; the last to let go of one being unloaded
+        frees it."""
         if adapter_id:
-            with self._changed:
-                self._entry(adapter_id).users -= 1
-                self._changed.notify_all()
+            with self._lock:
+                entry = self._entry(adapter_id)
+                entry.users -= 1
+                if entry.users or not entry.unloading:
+                    return
+                del self._by_name[entry.info.name]
+            self._free(entry)
 
-    def unload(self, name: str, timeout: float) -> None:
-        """Unloads `name` once no session holds it: new sessions get NotFound from now on, those
-        running finish with it. Raises NotFound, or Busy (the adapter stays) if they are still
-        running after `timeout` seconds. Blocking."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
+    def unload(self, name: str) -> concurrent.futures.Future[None]:
+        """Begins unloading `name`: new sessions get NotFound from now on, those running finish with
+        it. The future is done once the last has and the adapter is freed (at once where none holds
+        it); until then keep(name) calls the unload off. Raises NotFound. Never blocks."""
+        with self._lock:
             entry = self._by_name.get(name)
             if entry is None or entry.unloading:
                 raise NotFound(f"adapter {name!r} is not loaded" + (" (it is being unloaded)" if entry else ""))
             entry.unloading = True
-            while entry.users and self._changed.wait(max(0.0, deadline - time.monotonic())):
-                pass
             if entry.users:
-                entry.unloading = False
-                raise Busy(
-                    f"adapter {name!r} is still used by {entry.users} generation(s) after {timeout:g} s; "
-                    "it stays loaded"
-                )
+                return entry.freed
             del self._by_name[name]
-        self._runner.unload_adapter(entry.id)
+        self._free(entry)
+        return entry.freed
+
+    def keep(self, name: str, waited: float) -> None:
+        """Calls off the unload of `name` begun by unload() (its caller waited `waited` seconds):
+        it stays loaded, and Busy says how many sessions still hold it. Nothing where the unload
+        has finished meanwhile (the adapter is gone, or another has been loaded under its name)."""
+        with self._lock:
+            entry = self._by_name.get(name)
+            if entry is None or not entry.unloading:
+                return
+            entry.unloading, entry.freed = False, concurrent.futures.Future()  # for a later unload
+            users = entry.users
+        raise Busy(f"adapter {name!r} is still used by {users} generation(s) after {waited:g} s; it stays loaded")
 
     def users(self) -> dict[str, int]:
         """Sessions holding each adapter now."""
-        with self._changed:
+        with self._lock:
             return {name: e.users for name, e in self._by_name.items()}
 
     def _entry(self, adapter_id: int) -> _Entry:
         return next(e for e in self._by_name.values() if e.id == adapter_id)
+
+    def _free(self, entry: _Entry) -> None:
+        """Frees an adapter no session holds and no new one can take (out of _by_name)."""
+        self._runner.unload_adapter(entry.id)
+        if entry.freed.set_running_or_notify_cancel():  # False: its waiter has given up (cancelled it)
+            entry.freed.set_result(None)

@@ -6,6 +6,7 @@ servicer depends on this and nothing else of the engine's; so will the next fron
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from braid.server.engine.books import Ticket
@@ -57,9 +58,14 @@ class EngineClient(Protocol):
         """Loads a LoRA adapter under `name` (engine/adapters.py). Raises InvalidArgument,
         AlreadyExists, LimitReached. Blocking: off the event loop."""
 
-    def unload_lora(self, name: str, timeout: float) -> None:
-        """Unloads it once the sessions using it have finished; NotFound, or Busy after `timeout`
-        seconds. Blocking: off the event loop."""
+    def unload_lora(self, name: str) -> concurrent.futures.Future[None]:
+        """Begins unloading it: new requests for it get NotFound now; the future is done once the
+        sessions using it have finished and it is freed. Raises NotFound. Never blocks: await the
+        future (asyncio.wrap_future), holding no thread; keep_lora calls the unload off."""
+
+    def keep_lora(self, name: str, waited: float) -> None:
+        """Calls off an unload whose caller has waited `waited` seconds: Busy (it stays loaded),
+        or nothing where it has been freed meanwhile."""
 
     def loras(self) -> list[AdapterInfo]:
         """The LoRA adapters loaded now."""

@@ -13,6 +13,7 @@ which telemetry implements.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -187,8 +188,11 @@ class Engine:
     def load_lora(self, name: str, path: str) -> AdapterInfo:
         return self.adapters.load(name, path)
 
-    def unload_lora(self, name: str, timeout: float) -> None:
-        self.adapters.unload(name, timeout)
+    def unload_lora(self, name: str) -> concurrent.futures.Future[None]:
+        return self.adapters.unload(name)
+
+    def keep_lora(self, name: str, waited: float) -> None:
+        self.adapters.keep(name, waited)
 
     def loras(self) -> list[AdapterInfo]:
         return self.adapters.list()
