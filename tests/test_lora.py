@@ -5,8 +5,8 @@ same weights; loaded and unloaded at run time while generations run; every mista
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -268,7 +268,10 @@ def test_bad_adapters_and_names_get_clear_statuses_and_the_server_stays_up(tmp_p
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "r=16 is past --max-lora-rank 8" in details
             code, details = status_of(lambda: client.load_adapter("x", str(tmp_path / "nowhere")))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a PEFT adapter folder" in details
-            for path, message in _bad_gguf_adapters(tmp_path, tiny_dir, bases, adapters):
+            for path, message in [
+                *_bad_gguf_adapters(tmp_path, tiny_dir, bases, adapters),
+                *_bad_configs(tmp_path, fine),
+            ]:
                 code, details = status_of(lambda: client.load_adapter("x", str(path)))
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, (path, details)
             code, details = status_of(lambda: client.generate("hi", adapter="ghost", max_new_tokens=2))
@@ -282,6 +285,30 @@ def test_bad_adapters_and_names_get_clear_statuses_and_the_server_stays_up(tmp_p
             assert [a.name for a in client.model_info().adapters] == ["ok"]
     finally:
         server.stop()
+
+
+def _bad_configs(tmp_path: Path, fine: Path) -> list[tuple[Path, str]]:
+    """Copies of a good adapter with a bad adapter_config.json (issue 39 items 18 and 19: these loaded,
+    got INTERNAL, or OOM-killed the server), each with what its status says. Every kind, against the
+    reader alone: tests/unit/test_lora_reading.py."""
+    configs = {
+        "list": ("[1, 2]", "a JSON list, expected an object"),
+        "deep": ("[" * 100_000, "JSON nested too deep"),
+        "nan": ('{"r": 8, "lora_alpha": NaN}', "lora_alpha is nan"),
+        "huge-alpha": ('{"r": 8, "lora_alpha": 1e308}', "lora_alpha is 1e+308"),
+        "huge": (None, f"{20 << 30} bytes; a LoRA adapter's config is at most"),
+    }
+    made = []
+    for name, (text, message) in configs.items():
+        folder = Path(shutil.copytree(fine, tmp_path / f"config-{name}"))
+        with open(folder / "adapter_config.json", "r+") as f:
+            if text is None:
+                f.truncate(20 << 30)  # sparse: no disk
+            else:
+                f.truncate(0)
+                f.write(text)
+        made.append((folder, message))
+    return made
 
 
 def _bad_gguf_adapters(tmp_path, tiny_dir, bases, adapters) -> list[tuple[Path, str]]:
@@ -353,8 +380,10 @@ def test_the_openai_model_names_an_adapter_and_models_lists_them(tiny_dir, adapt
         server.stop()
 
 
-def test_an_unload_waits_on_a_thread_not_the_event_loop(tiny_dir, adapters):
-    """While an unload waits for a long generation, the server still answers other calls."""
+def test_an_unload_waits_without_holding_up_other_calls(tiny_dir, adapters):
+    """While an unload waits for a long generation, the server still answers other calls, and the
+    unload ends once the generation has. (More unloads waiting than asyncio has threads, and a load
+    meanwhile: tests/unit/test_servicer.py.)"""
     server = tiny_server(tiny_dir, *_lora_args(adapters, "llama"), env={"BRAID_INJECT_FAULT": "delay:50"})
     try:
         with server.client() as client:
@@ -363,8 +392,7 @@ def test_an_unload_waits_on_a_thread_not_the_event_loop(tiny_dir, adapters):
             done = threading.Event()
             waiter = threading.Thread(target=lambda: (client.unload_adapter("r8", timeout=60), done.set()))
             waiter.start()
-            start = time.monotonic()
-            assert client.model_info().model_name and time.monotonic() - start < 1.0
+            assert client.model_info().model_name
             assert not done.is_set()
             list(stream)
             assert stream.finish_reason == "MAX_TOKENS"
