@@ -109,17 +109,18 @@ test: install-test
 		echo "braid: the kernel and precision tests again with the avx2 build forced (this CPU's best: $$best)"; \
 		BRAID_KERNELS_ISA=avx2 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(AVX2_TESTS); fi
 
-# The fast tier: torch-free, in-process tests (marked unit; tests/unit/conftest.py imports nothing
-# else): the engine core with a scripted runner, the servicer over a fake engine client. Seconds.
+# The fast tier: tests/unit/, torch-free and in process (the engine core with a scripted runner, the
+# servicer and the HTTP app over a fake engine client). The folder is the tier: the run fails if a
+# module under it imports torch (those belong in tests/inprocess/). Seconds.
 test-unit: install-test
 	@$(BYTECODE)
-	$(PY) -m pytest -q -m unit tests/unit
+	$(PY) -m pytest -q tests/unit
 
 # On a machine with a CUDA GPU (issue 18): the parity and mode-equivalence tests with their servers on
 # CUDA (bf16), then benchmarks/gpu_check.py, the CUDA targets on a random model of Llama-3.2-1B's shape,
 # written to docs/benchmarks.md; GPU_CHECK_ARGS go to it, e.g. "--bandwidth-gbs 1555" for a GPU its table
 # lacks. Both parts run; the target fails if either does. Elsewhere it stops at once, saying why.
-GPU_TESTS := tests/test_modes.py tests/test_smol.py tests/unit/test_torch_bf16.py \
+GPU_TESTS := tests/test_modes.py tests/test_smol.py tests/inprocess/test_torch_bf16.py \
 	tests/test_architectures.py::test_greedy_tokens_are_transformers_own \
 	tests/test_precision.py::test_the_embedded_model_is_served_in_its_own_formats \
 	tests/test_precision.py::test_float32_and_none_is_the_plain_fp32_path

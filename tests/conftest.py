@@ -52,27 +52,34 @@ def pytest_configure(config) -> None:
     DEVICE = config.getoption("--device")
 
 
-# `make test-unit` (pytest -m unit): only the modules marked unit are even imported, and none of
-# them may bring torch in (the engine and the edge are torch-free; a unit test that needs torch
-# belongs to the full suite). (These hooks live here: a tests/unit/conftest.py would shadow this
-# module for the tests that import from it.)
-_UNIT_MARK = "pytestmark = pytest.mark.unit"
+# The tiers are folders. tests/unit/ is the fast tier (`make test-unit`): torch-free and in process,
+# no server; every test under it is marked unit, whatever its module says. tests/inprocess/ holds the
+# in-process tests that need torch (a real runner, tokenizer or model file), and tests/ itself the
+# end-to-end ones. (These hooks live here: a tests/unit/conftest.py would shadow this module for the
+# tests that import from it.)
+UNIT_DIR = REPO / "tests" / "unit"
 
 
 def _unit_run(config) -> bool:
-    return config.getoption("markexpr", "") == "unit"
+    """Whether this run is the fast tier alone: every path it was given lies under tests/unit/."""
+    paths = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    return bool(paths) and all(path.is_relative_to(UNIT_DIR) for path in paths)
 
 
-def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
-    if _unit_run(config) and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
-        return _UNIT_MARK not in collection_path.read_text()
-    return None
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.is_relative_to(UNIT_DIR):
+            item.add_marker(pytest.mark.unit)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     if _unit_run(session.config) and "torch" in sys.modules:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        print("\nmake test-unit: a unit test imported torch (unit tests are torch-free)", file=sys.stderr)
+        print(
+            "\nmake test-unit: a module under tests/unit/ imported torch (the fast tier is torch-free: "
+            "move it to tests/inprocess/)",
+            file=sys.stderr,
+        )
 
 
 class Server(BraidProcess):
@@ -282,7 +289,7 @@ def _reference_logits(model_dir: Path, ids: tuple[int, ...]):
 # The near-tie rule's tolerance, a fraction of the best logit (at least 1), by the dtype braid computes
 # in. float32 (a CPU's): braid sums in another order than transformers does. bfloat16 (CUDA's default)
 # keeps 8 significant bits of every activation, and the rounding grows through the layers: on the tests'
-# tiny random models, run through the CUDA path's torch ops in bf16 on a CPU (tests/unit/test_torch_bf16.py),
+# tiny random models, run through the CUDA path's torch ops in bf16 on a CPU (tests/inprocess/test_torch_bf16.py),
 # the token braid chose was up to 5% of the best logit below it, against fp32 transformers. 12.5% (16 of
 # bf16's epsilons) leaves room for CUDA's own kernels and still accepts only the few best tokens of a
 # step (7 of 49,152 on average, on the tiny Llama), so a wrong computation does not pass by chance.

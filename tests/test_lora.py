@@ -290,7 +290,7 @@ def test_bad_adapters_and_names_get_clear_statuses_and_the_server_stays_up(tmp_p
 def _bad_configs(tmp_path: Path, fine: Path) -> list[tuple[Path, str]]:
     """Copies of a good adapter with a bad adapter_config.json (issue 39 items 18 and 19: these loaded,
     got INTERNAL, or OOM-killed the server), each with what its status says. Every kind, against the
-    reader alone: tests/unit/test_lora_reading.py."""
+    reader alone: tests/inprocess/test_lora_reading.py."""
     configs = {
         "list": ("[1, 2]", "a JSON list, expected an object"),
         "deep": ("[" * 100_000, "JSON nested too deep"),

@@ -202,7 +202,7 @@ def _same_but_for_a_near_tie(ids: list[int], expected: list[int], tops: list, ke
     """The same greedy tokens. On braid's kernels (ModelInfo.kernels, not "torch"), exactly: every row
     of every pass attends by itself through its page table in the one C call, so a position's numbers
     are the same bits whether a prompt chunk, a proposal or a decode step computes it
-    (tests/unit/test_decode_step.py). On torch's ops, passes of other shapes round differently: where
+    (tests/inprocess/test_decode_step.py). On torch's ops, passes of other shapes round differently: where
     the tokens first differ, the two best of the plain run's step (tops: each step's most likely
     tokens as (id, logprob), _tops) must be within 0.1 nats of each other, as the modes' tests allow."""
     if kernels != "torch":

@@ -6,7 +6,6 @@ import pytest
 
 from braid.server.edge.auth import ApiKeyInterceptor
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 AUTH = ApiKeyInterceptor("s3cret")
 

@@ -7,8 +7,6 @@ import pytest
 from braid.server.engine.books import BIG_TEXT_BYTES, Books, Ticket
 from braid.server.engine.types import FinishReason, Overloaded
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
-
 
 def _identity_holds(books: Books) -> bool:
     s = books.snapshot()

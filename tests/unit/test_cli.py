@@ -13,8 +13,6 @@ from braid.server.cli import _configs, build_parser, main
 from braid.server.config import GROUPS, EngineConfig, LogConfig, ServerConfig
 from braid.server.edge.server import running
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
-
 
 def _command(name: str = "serve"):
     return build_parser()._subparsers._group_actions[0].choices[name]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 
 from braid.server.engine.detokenizer import IncrementalDetokenizer
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 # A byte-level toy vocabulary: token i decodes to BYTES[i]; a sequence decodes to its bytes as UTF-8.
 BYTES = [b"", b"Hel", b"lo", b" w", b"orld", "é".encode()[:1], "é".encode()[1:], b"!", b"STO", b"P", b"S"]

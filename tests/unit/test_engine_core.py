@@ -9,7 +9,6 @@ import pytest
 from braid.server.engine.types import FinishReason
 from engine_fakes import EOS, Harness, ScriptedRunner
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 MODES = ("sequential", "interleaved", "batched", "continuous")
 

@@ -3,14 +3,11 @@ again wakes the model thread."""
 
 from __future__ import annotations
 
-import pytest
 
 import asyncio
 
 from braid.server.engine.handle import MAX_UNSENT_TOKENS, SessionHandle
 from braid.server.engine.types import Delta, FinishReason, Finished, Timings
-
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 
 def _handle(loop, wakes: list, aborts: list) -> SessionHandle:

@@ -29,7 +29,6 @@ from braid.server.http.server import HttpFrontEnd
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 HI = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

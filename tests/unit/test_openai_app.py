@@ -14,7 +14,6 @@ from braid.server.config import ServerConfig
 from braid.server.engine.types import FinishReason
 from braid.server.http.app import OpenAIApi
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 

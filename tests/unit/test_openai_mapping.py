@@ -12,7 +12,6 @@ from braid.server.http.choices import ChatChoice
 from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
 from braid.server.http.requests import chat_plan, completion_plan
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 WEATHER = {
     "type": "function",

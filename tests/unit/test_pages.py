@@ -3,7 +3,6 @@ admit, grow, share, cancel and finish sequences keep every reference count exact
 
 from __future__ import annotations
 
-import pytest
 
 from dataclasses import dataclass, field
 
@@ -12,7 +11,6 @@ from hypothesis import strategies as st
 
 from braid.server.engine.pages import Pages
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 P = 16
 

@@ -14,7 +14,6 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from braid.server.edge import reflection
 from braid.server.edge.server import SERVICE_NAME
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 HEALTH = "grpc.health.v1.Health"
 

@@ -12,7 +12,6 @@ import pytest
 
 from braid.server import resources
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 GiB, MiB = 2**30, 2**20
 V1_NO_LIMIT = "9223372036854771712"

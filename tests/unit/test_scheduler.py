@@ -11,8 +11,6 @@ from braid.server.engine.scheduler import Scheduler
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.types import Mode, SamplingParams
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
-
 
 def _session(i: int, prompt_len: int = 4, arrived: float = 0.0) -> Session:
     return Session(

@@ -26,7 +26,6 @@ from braid.server.runner.rows import AdapterInfo
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 INFO = ModelInfo(
     model_name="fake",

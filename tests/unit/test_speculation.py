@@ -16,7 +16,6 @@ from braid.server.engine.speculation import DraftProposer, NgramProposer, Specul
 from braid.server.engine.types import FinishReason
 from engine_fakes import Harness, ScriptedRunner
 
-pytestmark = pytest.mark.unit
 
 MODES = ("sequential", "interleaved", "batched", "continuous")
 CYCLE = [10, 11, 12, 13, 14, 15, 16]

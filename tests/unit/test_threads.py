@@ -3,11 +3,8 @@ times (no clock)."""
 
 from __future__ import annotations
 
-import pytest
 
 from braid.server.runner.threads import MAX_BACKOFF, ThreadGovernor
-
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 
 def run(governor: ThreadGovernor, passes: int, seconds: dict[int, float], shape: int = 1) -> list[int]:

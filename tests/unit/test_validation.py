@@ -8,7 +8,6 @@ from braid.server.edge import convert
 from braid.server.engine.types import InvalidArgument, Priority
 from braid.v1 import generate_pb2 as pb
 
-pytestmark = pytest.mark.unit  # torch-free and in-process: make test-unit
 
 VOCAB = 1000
 

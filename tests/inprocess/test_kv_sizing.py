@@ -10,7 +10,7 @@ import torch
 
 from braid.server.config import EngineConfig
 from braid.server.runner.kv_cache import KVCache, fit_pages, head_dim
-from test_resources import GiB, MiB, Host
+from unit.test_resources import GiB, MiB, Host
 
 CPU = torch.device("cpu")
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 (576 / 9).

@@ -10,8 +10,6 @@ from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
 from braid.server.model import loader, progress
 
-pytestmark = pytest.mark.unit  # in process (with torch): make test-unit
-
 
 @pytest.fixture
 def terminal(monkeypatch):
