@@ -23,10 +23,40 @@ SUPPORT = Path(__file__).resolve().parent.parent  # tests/support: where braid_t
 START_TIMEOUT_S = 180.0
 
 
+# free_port's ports lie below the kernel's ephemeral range, the ports it gives bind(0) and the
+# source ports of outgoing connections. A port bind(0) picked and released, handed to a server that
+# binds it seconds later, could meanwhile become the source port of any connection on the machine
+# (a gRPC client of the other test worker's): the server then fails "address already in use" (a
+# cluster replica's --metrics-port did, issue 39). Each pytest-xdist worker (and any other process)
+# takes ports from a band of its own, so two processes never pick the same one at once.
+_BAND = 2000
+_FIRST = 10000
+_next_port: dict[int, int] = {}
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing listens on now and that no outgoing connection will take."""
+    bands = max(1, (_ephemeral_low() - _FIRST) // _BAND)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    slot = (int(worker.removeprefix("gw")) if worker.startswith("gw") else os.getpid()) % bands
+    first = _FIRST + slot * _BAND
+    for _ in range(_BAND):
+        port = _next_port.get(slot, first)
+        _next_port[slot] = first + (port + 1 - first) % _BAND
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + _BAND - 1}")
 
 
 class BraidProcess:
