@@ -91,3 +91,17 @@ def test_greedy_tokens_alone_and_batched_obey_the_near_tie_rule(runner, model, t
     for prompt, *runs in zip(prompts, alone, together, staggered):
         for generated in runs:
             assert_greedy(tiny_dir, prompt, generated, dtype="bfloat16")
+
+
+def test_one_tokens_embedding_row_has_the_row_stride_cublas_needs():
+    """A tied head's embedding lookup of one token (every decode step of one stream) was a [1, hidden]
+    transpose with strides (1, 1): contiguous() keeps those, and cuBLASLt refused the in-place addmm_
+    into that residual row with CUBLAS_STATUS_INVALID_VALUE (found on an H200: every one-stream step
+    on CUDA failed)."""
+    from braid.server.runner.kernels.packing import Linear
+
+    linear = Linear(torch.randn(100, 64), None, torch.float32, torch.device("cpu"))
+    for ids in ([3], [3, 7]):
+        rows = linear.columns(torch.tensor(ids))
+        assert rows.stride() == (64, 1)
+        assert torch.equal(rows, linear.weight.t()[ids])

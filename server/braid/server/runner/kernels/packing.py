@@ -46,7 +46,10 @@ class Linear:
         return y.addmm_(x, self.weight) if self.bias is None else y.addmm_(x, self.weight).add_(self.bias)
 
     def columns(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.index_select(1, ids).t().contiguous()
+        # clone, not contiguous(): for one id the transpose [1, in] has strides (1, 1), which
+        # counts as contiguous and stays, and cuBLASLt refuses a row stride of 1 (an in-place
+        # addmm_ into the residual stream failed on CUDA: CUBLAS_STATUS_INVALID_VALUE).
+        return self.weight.index_select(1, ids).t().clone(memory_format=torch.contiguous_format)
 
 
 class PackedLinear(Linear):
