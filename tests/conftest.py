@@ -294,6 +294,10 @@ def _reference_logits(model_dir: Path, ids: tuple[int, ...]):
 # bf16's epsilons) leaves room for CUDA's own kernels and still accepts only the few best tokens of a
 # step (7 of 49,152 on average, on the tiny Llama), so a wrong computation does not pass by chance.
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.125}
+# A chosen token's logprob against fp32 transformers', by the same dtype: float32 to summation order;
+# bfloat16 to 8 of its epsilons (2**-8 each) of the logprob, since every logit it comes from keeps 8
+# significant bits (on an H200, GPT-2 through transformers' fallback in bf16: up to 1.7% off).
+LOGPROB_TOLERANCE = {"float32": {"abs": 1e-3}, "bfloat16": {"abs": 1e-3, "rel": 2**-5}}
 
 
 def compute_dtype() -> str:

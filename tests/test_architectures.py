@@ -17,7 +17,7 @@ import pytest
 
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
-from conftest import Server, _reference_logits, assert_greedy, wait_for
+from conftest import LOGPROB_TOLERANCE, Server, _reference_logits, assert_greedy, compute_dtype, wait_for
 from gguf import GGMLQuantizationType
 from gguf_files import GEMMA_SPECIALS, LAYER_FORMATS, PHI3_SPECIALS, embedded_bpe, sentencepiece, write_gguf
 from test_startup_errors import assert_one_line, braid
@@ -257,7 +257,7 @@ def _check_greedy_and_logprobs(folder: Path, results: list[tuple[list[int], list
         assert_greedy(folder, prompt_ids, generated)
         logits = _reference_logits(folder, tuple(prompt_ids + generated[:-1]))[len(prompt_ids) - 1 :]
         expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
-        assert chosen == pytest.approx(expected.tolist(), abs=1e-3)
+        assert chosen == pytest.approx(expected.tolist(), **LOGPROB_TOLERANCE[compute_dtype()])
 
 
 @pytest.mark.parametrize(
