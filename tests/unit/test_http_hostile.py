@@ -21,8 +21,9 @@ from test_servicer import FakeEngine
 
 from braid.server.config import ServerConfig, SettingError
 from braid.server.edge.errors import ErrorInterceptor
-from braid.server.edge.request_log import MAX_ECHO_CHARS, RequestLogInterceptor, echoed
+from braid.server.edge.request_log import RequestLogInterceptor
 from braid.server.edge.servicer import GenerateServicer
+from braid.server.frontend.request_log import MAX_ECHO_CHARS, echoed
 from braid.server.http import tools
 from braid.server.http.app import OpenAIApi
 from braid.server.http.server import HttpFrontEnd

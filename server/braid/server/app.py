@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from braid.server.config import ServerConfig
-from braid.server.edge.observer import CallObserver
+from braid.server.frontend.observer import CallObserver
 from braid.server.edge.server import GrpcFrontEnd
 
 if TYPE_CHECKING:

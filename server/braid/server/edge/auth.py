@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Any, AsyncIterator
 
 import grpc
 
 from braid.server.edge.calls import Context, Continuation, Handler
+from braid.server.frontend.auth import bearer_matches
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes from load balancers and orchestrators
 
@@ -47,12 +47,4 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return _deny_like(handler)
 
     def _accepts(self, metadata: grpc.aio.Metadata | tuple[tuple[str, str | bytes], ...]) -> bool:
-        """Exactly one `authorization` header, `Bearer <key>`, the scheme in any case (RFC 9110
-        11.1: auth schemes are case-insensitive). Two headers are refused rather than one picked:
-        a proxy that adds its own must not decide which key counts."""
-        given = [value for key, value in metadata if key == "authorization"]
-        if len(given) != 1:
-            return False
-        value = given[0].encode() if isinstance(given[0], str) else given[0]
-        scheme, _, key = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(b" "), self._expected)
+        return bearer_matches([value for key, value in metadata if key == "authorization"], self._expected)

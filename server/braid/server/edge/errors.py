@@ -28,17 +28,9 @@ from braid.server.engine.types import (
     NotFound,
     Overloaded,
 )
+from braid.server.frontend.errors import capped
 
 _LOGGER = logging.getLogger(__name__)
-# The most characters of a status message (and of a field's description) braid sends: a default
-# gRPC client takes at most 8 KB of trailers, and past that it sees RESOURCE_EXHAUSTED "received
-# metadata size exceeds limit" instead of braid's status; the message goes there twice (grpc-message
-# and, in the details, grpc-status-details-bin).
-MAX_MESSAGE_CHARS = 1000
-
-
-def capped(text: str) -> str:
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
 
 
 def status(code: grpc.StatusCode, message: str) -> grpc.Status:

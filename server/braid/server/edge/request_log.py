@@ -8,9 +8,8 @@ arrives and one per other braid call. Who called and how it went, never what was
 proposed_tokens and accepted_tokens count speculative decoding's proposals (--speculative). The figures are those of the call's final message (summed over its samples with `n`); a call that
 ended before one (cancelled by its client, refused) has its status, and the tokens it was sent.
 
-What the line echoes of a request (a request_id it named, and over HTTP its `user`, its path and
-the parameter an error names) goes through `echoed`: at most MAX_ECHO_CHARS of it, with a marker
-where it was cut, so a client cannot write a megabyte (or a second line) into the log.
+The request_id a client named is echoed capped (frontend/request_log.py), as the HTTP front end's
+line echoes what a client wrote.
 """
 
 from __future__ import annotations
@@ -24,22 +23,11 @@ from typing import Any, AsyncIterator, AsyncContextManager, Callable
 import grpc
 
 from braid.server.edge.calls import Context, Continuation, Handler, Seen, wrap_calls
+from braid.server.frontend.request_log import echoed
 from braid.server.logs import FIELDS, key_values
 from braid.v1 import generate_pb2 as pb
 
 _LOGGER = logging.getLogger(__name__)
-MAX_ECHO_CHARS = 256
-# control characters (a newline would begin a forged line of the text log) shown escaped, as repr shows them
-_ESCAPED = {c: repr(chr(c))[1:-1] for c in (*range(0x20), 0x7F)}
-
-
-def echoed(text: str) -> str:
-    """A client's string as the log echoes it: its first MAX_ECHO_CHARS characters, control
-    characters and lone surrogates escaped, and `…[N more chars]` where it was cut."""
-    cut = len(text) - MAX_ECHO_CHARS
-    shown = text[:MAX_ECHO_CHARS].translate(_ESCAPED)
-    shown = shown.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate, which no log stream encodes
-    return shown + f"…[{cut} more chars]" if cut > 0 else shown
 
 
 class RequestLogInterceptor(grpc.aio.ServerInterceptor):

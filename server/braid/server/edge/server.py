@@ -19,7 +19,7 @@ from braid.server.config import ServerConfig, SettingError
 from braid.server.edge import reflection
 from braid.server.edge.auth import ApiKeyInterceptor
 from braid.server.edge.errors import ErrorInterceptor
-from braid.server.edge.observer import CallObserver
+from braid.server.frontend.observer import CallObserver
 from braid.server.edge.request_log import RequestLogInterceptor
 from braid.server.edge.servicer import GenerateServicer
 from braid.server.edge.tracing import TracingInterceptor

@@ -19,12 +19,12 @@ from braid.server.config import ServerConfig
 from braid.server.edge import convert
 from braid.server.edge.calls import Context
 from braid.server.edge.errors import abort_with, status, status_for, with_trailers
-from braid.server.edge.lanes import TokenizerLanes
 from braid.server.edge.orca import LoadReporter
-from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Busy, Delta, Event, Finished, FinishReason, InvalidArgument, Queued
-from braid.server.edge import tracing
+from braid.server.frontend import spans
+from braid.server.frontend.lanes import TokenizerLanes
+from braid.server.frontend.sessions import CallSessions, merged, submit
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
@@ -82,7 +82,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         call = CallSessions(req)
         context.add_done_callback(call.end)  # type: ignore[arg-type]  # grpc-stubs: a class, where any callable will do
         handles = await submit(self._engine, self._tokenizers, req, call)
-        tracing.on_session(handles[0], self._engine.info.mode)
+        spans.on_session(handles[0], self._engine.info.mode)
         entries = [(h, _credentials(context)) for h in handles]
         self._by_request_id.setdefault(req.request_id, []).extend(entries)
         try:
@@ -95,7 +95,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 if len(handles) > 1:
                     message.index = index
                 if handle.finished is not None:
-                    tracing.on_finished(handle)
+                    spans.on_finished(handle)
                     failure = _failure_status(handle.finished, context, self._handing_over)
                     if failure is not None:
                         if message.text or message.token_ids:

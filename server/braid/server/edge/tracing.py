@@ -1,12 +1,12 @@
-"""One SERVER span per braid call (opentelemetry-instrumentation-grpc's), its duration by status code
-to the call observer, and a session's life on its call's span.
+"""One SERVER span per braid gRPC call (opentelemetry-instrumentation-grpc's), and its duration by
+status code to the call observer.
 
 The library's interceptor makes the span, a child of the caller's W3C trace context (`traceparent`
-metadata), and makes it current for the handler; the front ends add the session's life to it
-(`on_session`, `on_finished`). The interceptor is installed only when telemetry is on; until the
-root's telemetry sets a tracer provider (only with an OTLP endpoint) the tracer hands out
-non-recording spans, and the hooks return at once. Only OpenTelemetry's API is used here: braid's
-telemetry package, the SDK and its exporters, is wired in by the composition root alone.
+metadata), and makes it current for the handler; the servicer adds the session's life to it
+(frontend/spans.py, as the HTTP front end does to its own). The interceptor is installed only when
+telemetry is on; until the root's telemetry sets a tracer provider (only with an OTLP endpoint) the
+tracer hands out non-recording spans. Only OpenTelemetry's API is used here: braid's telemetry
+package, the SDK and its exporters, is wired in by the composition root alone.
 """
 
 from __future__ import annotations
@@ -19,45 +19,14 @@ from typing import AsyncIterator
 
 import grpc
 from braid.server.edge.calls import Context, Continuation, Handler, wrap_calls
-from braid.server.edge.observer import CallObserver
-from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Mode
+from braid.server.frontend.observer import CallObserver
 from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from opentelemetry.instrumentation.grpc.filters import service_prefix
 
 
-# OpenTelemetry's attribute names (the metrics use the same ones, in telemetry/metrics.py).
+# OpenTelemetry's attribute name (the metrics use the same one, in telemetry/metrics.py).
 RPC_STATUS_CODE = "rpc.response.status_code"
-FINISH_REASON = "braid.finish_reason"
-
-
-def on_session(handle: SessionHandle, mode: Mode) -> None:
-    """The current call's span gets its session: request id, mode, prompt tokens."""
-    span = trace.get_current_span()
-    if span.is_recording():
-        span.set_attributes(
-            {
-                "braid.request_id": handle.request_id,
-                "braid.mode": mode.value,
-                "braid.prompt_tokens": handle.prompt_tokens,
-            }
-        )
-
-
-def on_finished(handle: SessionHandle) -> None:
-    """The session's end on its span: counts, finish reason, and one event per milestone (queued,
-    prefill, first_token, finish) at the engine's own times."""
-    span = trace.get_current_span()
-    finished = handle.finished
-    if finished is None or not span.is_recording():
-        return
-    span.set_attributes(
-        {"braid.generated_tokens": finished.generated_tokens, FINISH_REASON: finished.reason.name.lower()}
-    )
-    arrived_ns = time.time_ns() - round((time.monotonic() - handle.arrived) * 1e9)
-    for name, seconds in finished.milestones().items():
-        span.add_event(name, timestamp=arrived_ns + round(seconds * 1e9))
 
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):

@@ -1,17 +1,16 @@
 """OpenAI's HTTP API on braid's engine (Starlette): /v1/chat/completions and /v1/completions,
 streamed as server-sent events or not, /v1/models and /health.
 
-Like the gRPC servicer, it reaches the engine only through EngineClient, runs on the edge's event
-loop and never blocks it: admission, compiling and tokenizing go through the same lanes and the
-same `submit` (edge/sessions.py). A call's sessions are cancelled however it ends: a client that
-disconnects mid-stream or while waiting for a whole response ends them at once.
+Like the gRPC servicer, it reaches the engine only through EngineClient, runs on the gRPC server's
+event loop and never blocks it: admission, compiling and tokenizing go through the same lanes and
+the same `submit` (frontend/sessions.py). A call's sessions are cancelled however it ends: a
+client that disconnects mid-stream or while waiting for a whole response ends them at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import math
@@ -28,12 +27,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from braid.server.config import ServerConfig
-from braid.server.edge import tracing
-from braid.server.edge.errors import capped
-from braid.server.edge.lanes import TokenizerLanes
-from braid.server.edge.observer import CallObserver, NoCalls
-from braid.server.edge.request_log import echoed
-from braid.server.edge.sessions import CallSessions, merged, submit
 from braid.server.engine.types import (
     Delta,
     EngineUnavailable,
@@ -43,6 +36,13 @@ from braid.server.engine.types import (
     NotFound,
     Overloaded,
 )
+from braid.server.frontend import spans
+from braid.server.frontend.auth import bearer_matches
+from braid.server.frontend.errors import capped
+from braid.server.frontend.lanes import TokenizerLanes
+from braid.server.frontend.observer import CallObserver, NoCalls
+from braid.server.frontend.request_log import echoed
+from braid.server.frontend.sessions import CallSessions, merged, submit
 from braid.server.http import choices
 from braid.server.http.body import decode
 from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
@@ -244,7 +244,7 @@ class OpenAIApi:
         except BaseException:
             call.end()
             raise
-        tracing.on_session(handles[0], self._engine.info.mode)
+        spans.on_session(handles[0], self._engine.info.mode)
         # the model's first served name, or the adapter the request runs with (as vLLM answers)
         head = {"id": req.request_id, "created": int(time.time()), "model": req.adapter or self._engine.info.model_name}
         events = _Events(self._engine, plan, handles, head, chat, record, lambda: self.draining)
@@ -306,12 +306,10 @@ class OpenAIApi:
         return handle
 
     def _authorize(self, request: Request) -> None:
-        """With --api-key: exactly one `Authorization: Bearer <key>`, as over gRPC (edge/auth.py)."""
+        """With --api-key: exactly one `Authorization: Bearer <key>`, as over gRPC (frontend/auth.py)."""
         if self._api_key is None:
             return
-        given = request.headers.getlist("authorization")
-        scheme, _, key = given[0].partition(" ") if len(given) == 1 else ("", "", "")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(" ").encode(), self._api_key):
+        if not bearer_matches(request.headers.getlist("authorization"), self._api_key):
             raise ApiError(401, "authentication_error", "missing or wrong `Authorization: Bearer <api key>` header")
 
 
@@ -353,7 +351,7 @@ class _Events:
                 _raise_failure(handle.finished, self._draining())
                 self._record.finished(handle.finished)
                 with trace.use_span(self._record.span, end_on_exit=False):
-                    tracing.on_finished(handle)
+                    spans.on_finished(handle)
                 self.finals.append(handle.finished)
                 # the choice's whole text, read for tool calls: off the event loop (it grows with the output)
                 last = await asyncio.to_thread(self._choices[index].end) if self._chat else None

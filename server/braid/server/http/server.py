@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator
 import uvicorn
 
 from braid.server.config import ServerConfig, SettingError
-from braid.server.edge.observer import CallObserver
+from braid.server.frontend.observer import CallObserver
 from braid.server.http.app import MetricsPage, OpenAIApi
 from braid.server.http.connection import bounded
 

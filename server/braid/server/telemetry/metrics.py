@@ -204,7 +204,7 @@ def observe_engine(stats: Callable[[], EngineStats]) -> None:
 
 
 class CallMetrics:
-    """The front ends' call observer (edge/observer.py): each call's duration by method and status."""
+    """The front ends' call observer (frontend/observer.py): each call's duration by method and status."""
 
     @staticmethod
     def on_call(method: str, status_code: str, seconds: float) -> None:

@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from braid.server.edge.lanes import TokenizerLanes
+from braid.server.frontend.lanes import TokenizerLanes
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Event, FinishReason, GenerationRequest
 

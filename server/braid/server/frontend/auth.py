@@ -1,0 +1,19 @@
+"""The API key (--api-key) as every front end checks it: gRPC's `authorization` metadata and
+HTTP's `Authorization` header are read by the same parser."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Sequence
+
+
+def bearer_matches(authorization: Sequence[str | bytes], api_key: bytes) -> bool:
+    """Whether the call's `authorization` values are exactly one `Bearer <api_key>`, the scheme in
+    any case (RFC 9110 11.1: auth schemes are case-insensitive). Two values are refused rather than
+    one picked: a proxy that adds its own must not decide which key counts."""
+    if len(authorization) != 1:
+        return False
+    given = authorization[0]
+    value = given.encode() if isinstance(given, str) else given
+    scheme, _, key = value.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(b" "), api_key)
