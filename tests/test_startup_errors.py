@@ -3,21 +3,17 @@ variables (with `braid serve`'s usage), a model, device or port braid cannot use
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import time
 
 import pytest
 
-from braid_testing.process import BRAID
+from braid_testing.process import run_braid
 from conftest import free_port
 
 
-def braid(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(BRAID), *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+braid = run_braid
 
 
 def lines(text: str) -> list[str]:

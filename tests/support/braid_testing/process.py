@@ -10,12 +10,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from braid_testing import zygote
 from braid_testing.faults import ENV as FAULT_ENV
 
 BRAID = Path(sys.executable).with_name("braid")
@@ -59,6 +61,25 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {first}-{first + _BAND - 1}")
 
 
+def run_braid(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`braid <args>` run to its end, its output and errors captured as text, as subprocess.run's
+    would be; forked from the zygote where its environment allows."""
+    command, env = [str(BRAID), *args], {**os.environ, **(env or {})}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = zygote.spawn(list(args), env, out.fileno(), err.fileno())
+        if proc is None:
+            return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, code, out.read().decode(), err.read().decode())
+
+
 class BraidProcess:
     """A running `braid serve`: `target` is its host:port, `proc` the process."""
 
@@ -80,22 +101,28 @@ class BraidProcess:
         self.target = f"{host}:{self.port}"
         self.log = open(log_path, "w") if log_path is not None else None if show_output else subprocess.DEVNULL
         env = {**os.environ, **(env or {})}
-        command = [str(BRAID)]
-        if env.get(FAULT_ENV):
-            command = [sys.executable, "-m", "braid_testing.serve"]
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [*command, "serve", "--host", host, "--port", str(self.port), *args],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+        argv = ["serve", "--host", host, "--port", str(self.port), *args]
+        self.proc = self._fork(argv, env) or self._popen(argv, env)
         self._credentials = channel_credentials
         try:
             self._wait_serving(start_timeout)
         except BaseException:
             self.stop()
             raise
+
+    def _fork(self, argv: list[str], env: dict[str, str]) -> zygote.ForkedProcess | None:
+        """braid serve forked from this process's zygote (zygote.py), where its environment allows."""
+        if self.log is subprocess.DEVNULL:
+            with open(os.devnull, "wb") as devnull:
+                return zygote.spawn(argv, env, devnull.fileno())
+        return zygote.spawn(argv, env, None if self.log is None else self.log.fileno())
+
+    def _popen(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        command = [str(BRAID)]
+        if env.get(FAULT_ENV):
+            command = [sys.executable, "-m", "braid_testing.serve"]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), env.get("PYTHONPATH")]))
+        return subprocess.Popen([*command, *argv], env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     @property
     def pid(self) -> int:

@@ -1,0 +1,309 @@
+"""`braid serve` forked from a process that has already imported it: the tests start well over a
+hundred servers, and each spent most of its start (seconds of CPU on a slow core) importing torch,
+transformers and llguidance. A zygote (the name Android gives its pre-imported app parent) imports
+them once per test process; each server is a fork of it, which then runs `braid serve`'s own main
+with its own arguments, environment, working directory and output, as the child process would.
+
+The zygote runs on one thread (torch's import adds an idle one) and never runs a tensor op or opens
+a channel before it forks: a fork copies only the calling thread, so a lock another thread held, or
+an OpenMP pool, would be copied broken. It reseeds the random generators in each child. A variable
+read when a module loads (libgomp's OMP_*/GOMP_*, huggingface_hub's HF_*, ...) cannot differ in a
+fork: a server given one that this process lacks (any but RUNTIME_VARIABLES) is started as a plain
+subprocess instead (`spawn` returns None), and once this process's own environment changes in one,
+a new zygote imports under it. BRAID_TEST_FORK=0 turns the zygote off.
+
+Protocol, one Unix-socket connection per server: the client sends one JSON line (argv, env, cwd)
+with the fds for the server's stdout and stderr attached; the zygote answers one line with the
+child's pid, and a second with its exit status once it has exited."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+from braid_testing.faults import ENV as FAULT_ENV
+
+# Read by braid at run time, not when a module loads: they may differ between the zygote and a fork.
+RUNTIME_VARIABLES = ("BRAID_", "OTEL_", "PYTEST_", "XDG_CACHE_HOME", "COVERAGE_")
+SWITCH = "BRAID_TEST_FORK"
+
+
+class ForkedProcess:
+    """A forked server, as much of subprocess.Popen as the tests use: pid, returncode, poll, wait,
+    send_signal, terminate, kill."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self._conn = conn
+        self._file = conn.makefile("r")
+        self.pid = pid
+        self.returncode: int | None = None
+        self.args = ["braid"]
+
+    def poll(self) -> int | None:
+        return self._read(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._read(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def _read(self, timeout: float | None) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], timeout)[0]:
+            line = self._file.readline()
+            self.returncode = int(line) if line else -signal.SIGKILL  # the zygote died: so did its way to tell
+            self._file.close()
+            self._conn.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Client:
+    """This process's zygote: started on first use, and again whenever this process's own environment
+    has changed since in a variable read at import (the tests' loading of a model sets HF_HUB_OFFLINE,
+    for one); every zygote ends with this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._path = ""
+        self._imported_with: dict[str, str] = {}
+        self._all: list[subprocess.Popen] = []
+        self._failed = False
+
+    def spawn(
+        self, argv: list[str], env: dict[str, str], stdout: int | None, stderr: int | None = None
+    ) -> ForkedProcess | None:
+        """`braid <argv>` forked with env, its output to the fd stdout (None: this process's) and its
+        errors to stderr (None: where its output goes); None where it must be a plain subprocess."""
+        if os.environ.get(SWITCH, "1") == "0" or _read_at_import(env) != _read_at_import(os.environ):
+            return None  # a server's own variable that a fork could not honour
+        with self._lock:
+            if not self._started():
+                return None
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self._path)
+                message = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n"
+                out = sys.stdout.fileno() if stdout is None else stdout
+                socket.send_fds(conn, [message], [out, out if stderr is None else stderr])
+                line = conn.makefile("r").readline()
+                if not line:
+                    raise OSError("the zygote closed the connection")
+                return ForkedProcess(conn, int(line))
+            except BaseException:
+                conn.close()
+                raise
+
+    def _started(self) -> bool:
+        """A zygote that imported what it did under this process's environment, started if need be;
+        an older one stays until this process ends, reporting its forks' exits."""
+        if self._proc is not None and self._imported_with != _read_at_import(os.environ):
+            self._proc = None
+        if self._proc is None and not self._failed:
+            self._start()
+        return self._proc is not None and self._proc.poll() is None
+
+    def _start(self) -> None:
+        folder = tempfile.mkdtemp(prefix="braid-zygote-")
+        self._path = os.path.join(folder, "socket")
+        self._imported_with = _read_at_import(os.environ)
+        support = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(filter(None, [support, os.environ.get("PYTHONPATH")]))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "braid_testing.zygote", self._path],
+            env={**os.environ, "PYTHONPATH": path},
+            stdin=subprocess.PIPE,
+        )
+        # It creates <socket>.ready once it listens.
+        ready = Path(self._path + ".ready")
+        while not ready.exists():
+            if proc.poll() is not None:
+                self._failed = True  # the tests go on with plain subprocesses, as before the zygote
+                return
+            threading.Event().wait(0.05)
+        self._proc = proc
+        if not self._all:
+            atexit.register(self._stop)
+        self._all.append(proc)
+
+    def _stop(self) -> None:
+        for proc in self._all:
+            if proc.poll() is None:
+                proc.stdin.close()  # its end: it exits when its stdin closes
+        for proc in self._all:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of env that a module may have read when it loaded."""
+    return {k: v for k, v in env.items() if not k.startswith(RUNTIME_VARIABLES)}
+
+
+_client = _Client()
+
+
+def spawn(argv: list[str], env: dict[str, str], stdout: int | None, stderr: int | None = None) -> ForkedProcess | None:
+    return _client.spawn(argv, env, stdout, stderr)
+
+
+# The zygote itself.
+
+
+def _preload() -> None:
+    """What `braid serve` imports before it serves, imported once here."""
+    from braid.server import resources
+
+    resources.bound_spinning()  # as braid's main does, before torch loads libgomp
+    import braid.server.app  # noqa: F401
+    import braid.server.cli  # noqa: F401
+    import braid.server.engine.engine  # noqa: F401
+    import braid.server.engine.grammars  # noqa: F401
+    import braid.server.engine.tokenizer  # noqa: F401
+    import braid.server.model.loader  # noqa: F401
+    import braid.server.runner.model_runner  # noqa: F401
+    import braid_testing.faults  # noqa: F401
+    import transformers
+
+    # transformers imports lazily, on first use: what loading a checkpoint uses, with the modules
+    # of the architectures the tests build (each's own is small once the shared ones are in).
+    for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "PreTrainedTokenizerFast", "GenerationConfig"):
+        getattr(transformers, name)
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        with contextlib.suppress(ImportError, AttributeError):
+            getattr(transformers, name)
+
+
+def _child(conn: socket.socket, request: dict, out: int, err: int) -> int:
+    """In the fork: becomes `braid <argv>` and returns its exit code."""
+    import random
+
+    import numpy
+    import torch
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in {out, err, devnull}:
+        os.close(fd)
+    conn.close()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()
+    numpy.random.seed()
+    torch.seed()
+    sys.argv = ["braid", *request["argv"]]
+    from braid.server.cli import main
+    from braid_testing.faults import Faults
+
+    ports = None
+    if os.environ.get(FAULT_ENV):
+        try:
+            ports = Faults.from_env()
+        except ValueError as exc:
+            print(f"braid: error: {exc}", file=sys.stderr)
+            return 2
+    return main(request["argv"], ports=ports)
+
+
+def _exit_in_child(code: int) -> None:
+    """Ends the fork as an interpreter's exit would: non-daemon threads joined, atexit handlers run
+    (OpenTelemetry flushes there), output flushed; never returns into the zygote's loop."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _serve(path: str) -> None:
+    # Python 3.12 warns at each fork of a process with more than one thread: torch's import starts
+    # one, which stays idle (no lock of it is taken by the child's code).
+    warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded", DeprecationWarning)
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    Path(path + ".ready").touch()
+    children: dict[int, socket.socket] = {}
+    while True:
+        readable = select.select([listener, sys.stdin], [], [], 0.05)[0]
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            return  # the test process has gone
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                conn.close()
+        if listener in readable:
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+            while not message.endswith(b"\n"):
+                more = conn.recv(1 << 16)
+                if not more:
+                    raise OSError("a client closed its connection mid-request")
+                message += more
+            request = json.loads(message)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in children.values():
+                    other.close()
+                code = 1
+                try:
+                    code = _child(conn, request, *fds)
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                _exit_in_child(code)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            children[pid] = conn
+
+
+if __name__ == "__main__":
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the test process
+    _serve(sys.argv[1])

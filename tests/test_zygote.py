@@ -1,0 +1,52 @@
+"""The tests' servers are forks of a process that has imported braid (braid_testing/zygote.py): a
+fork must behave as `braid` in a subprocess would, and what a fork cannot honour must not be forked."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from braid_testing import zygote
+from braid_testing.process import run_braid
+from conftest import tiny_server
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("serve", "--port", "abc"),  # argparse's usage error, exit 2
+        ("serve", "--model", "/nonexistent/model", "--port", "0"),  # a start that fails loading, exit 1
+        ("--version",),
+    ],
+    ids=["bad flag", "bad model", "version"],
+)
+def test_a_forked_braid_answers_as_a_spawned_one(monkeypatch, args):
+    forked = run_braid(*args)
+    monkeypatch.setenv(zygote.SWITCH, "0")
+    spawned = run_braid(*args)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (spawned.returncode, spawned.stdout, spawned.stderr)
+
+
+def test_a_variable_read_when_a_module_loads_is_honoured(monkeypatch):
+    with open(os.devnull, "wb") as devnull:
+        # a server's own: a plain subprocess
+        assert zygote.spawn(["--version"], {**os.environ, "OMP_NUM_THREADS": "3"}, devnull.fileno()) is None
+        forked = zygote.spawn(["--version"], {**os.environ, "BRAID_LOG_LEVEL": "debug"}, devnull.fileno())
+        assert forked is not None and forked.wait(60) == 0
+    # this process's own, changed after its zygote imported (loading a model sets HF_HUB_OFFLINE): a
+    # new zygote imports under it, and the servers are forks still
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    with open(os.devnull, "wb") as devnull:
+        forked = zygote.spawn(["--version"], dict(os.environ), devnull.fileno())
+        assert forked is not None and forked.wait(60) == 0
+
+
+def test_a_forked_server_drains_on_sigterm_and_reports_a_kill_as_popen_does(tiny_dir):
+    server = tiny_server(tiny_dir)
+    assert isinstance(server.proc, zygote.ForkedProcess)
+    assert server.stop() == 0  # SIGTERM: a graceful drain, exit 0
+    server = tiny_server(tiny_dir)
+    server.proc.send_signal(signal.SIGKILL)
+    assert server.proc.wait(30) == -signal.SIGKILL
