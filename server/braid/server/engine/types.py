@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from braid.server.config import Mode as Mode  # re-exported: the engine's types include the modes
 
-if TYPE_CHECKING:
-    from braid.server.runner.rows import TokenLogprob
+# re-exported: the runner's row types a front end reads (a token's logprobs, a LoRA adapter's card),
+# so that the front ends import the engine's types and never the runner
+from braid.server.runner.rows import AdapterInfo as AdapterInfo
+from braid.server.runner.rows import TokenLogprob as TokenLogprob
 
 
 class Priority(enum.Enum):

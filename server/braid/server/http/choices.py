@@ -3,14 +3,11 @@ tool calls, its finish reason, its logprobs, and its usage."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from braid.server.engine.types import Delta, Finished, FinishReason
+from braid.server.engine.types import Delta, Finished, FinishReason, TokenLogprob
 from braid.server.http import tools
 from braid.server.http.requests import Plan
-
-if TYPE_CHECKING:
-    from braid.server.runner.rows import TokenLogprob
 
 _LENGTH = {FinishReason.MAX_TOKENS}
 
@@ -101,7 +98,7 @@ class ChatChoice:
 
 
 def token_logprobs(deltas: list[Delta]) -> tuple[list[int], list[TokenLogprob]]:
-    """The tokens of these deltas and their runner.rows.TokenLogprob, in order."""
+    """The tokens of these deltas and their TokenLogprob, in order."""
     ids: list[int] = []
     lps: list[TokenLogprob] = []
     for d in deltas:
