@@ -6,6 +6,7 @@ import pytest
 
 from braid.server.edge import convert
 from braid.server.engine.types import InvalidArgument, Priority
+from braid.server.frontend import checks
 from braid.v1 import generate_pb2 as pb
 
 
@@ -23,14 +24,14 @@ def _check(**fields):
     [
         (dict(), "prompt"),
         (dict(prompt="a", messages=[pb.Message(role="user", content="b")]), "prompt"),
-        (dict(prompt="x" * (convert.MAX_TEXT_BYTES + 1)), "prompt"),
+        (dict(prompt="x" * (checks.MAX_TEXT_BYTES + 1)), "prompt"),
         (dict(messages=[pb.Message(role="", content="b")]), "messages[0].role"),
         (dict(prompt="a", max_new_tokens=-1), "max_new_tokens"),
         (dict(prompt="a", min_new_tokens=-1), "min_new_tokens"),
         (dict(prompt="a", max_new_tokens=5, min_new_tokens=6), "min_new_tokens"),
         (dict(prompt="a", min_new_tokens=257), "min_new_tokens"),  # past the default max
         (dict(prompt="a", temperature=-0.1), "temperature"),
-        (dict(prompt="a", temperature=convert.MAX_TEMPERATURE + 1), "temperature"),
+        (dict(prompt="a", temperature=checks.MAX_TEMPERATURE + 1), "temperature"),
         (dict(prompt="a", temperature=float("nan")), "temperature"),
         (dict(prompt="a", top_p=1.5), "top_p"),
         (dict(prompt="a", top_p=-0.5), "top_p"),
@@ -38,27 +39,27 @@ def _check(**fields):
         (dict(prompt="a", top_k=VOCAB + 1), "top_k"),
         (dict(prompt="a", min_p=2.0), "min_p"),
         (dict(prompt="a", repetition_penalty=-1.0), "repetition_penalty"),
-        (dict(prompt="a", repetition_penalty=convert.MAX_REPETITION_PENALTY + 1), "repetition_penalty"),
-        (dict(prompt="a", stop=["x"] * (convert.MAX_STOP_STRINGS + 1)), "stop"),
+        (dict(prompt="a", repetition_penalty=checks.MAX_REPETITION_PENALTY + 1), "repetition_penalty"),
+        (dict(prompt="a", stop=["x"] * (checks.MAX_STOP_STRINGS + 1)), "stop"),
         (dict(prompt="a", stop=["ok", ""]), "stop[1]"),
-        (dict(prompt="a", stop=["x" * (convert.MAX_STOP_BYTES + 1)]), "stop[0]"),
-        (dict(prompt="a", stop_token_ids=[1] * (convert.MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
+        (dict(prompt="a", stop=["x" * (checks.MAX_STOP_BYTES + 1)]), "stop[0]"),
+        (dict(prompt="a", stop_token_ids=[1] * (checks.MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
         (dict(prompt="a", stop_token_ids=[3, VOCAB]), "stop_token_ids[1]"),
-        (dict(prompt="a", request_id="x" * (convert.MAX_REQUEST_ID_BYTES + 1)), "request_id"),
+        (dict(prompt="a", request_id="x" * (checks.MAX_REQUEST_ID_BYTES + 1)), "request_id"),
         (dict(prompt="a", request_id="tab\there"), "request_id"),
         (dict(prompt="a", priority=7), "priority"),
-        (dict(prompt="a", cache_salt="x" * (convert.MAX_CACHE_SALT_BYTES + 1)), "cache_salt"),
+        (dict(prompt="a", cache_salt="x" * (checks.MAX_CACHE_SALT_BYTES + 1)), "cache_salt"),
         (dict(prompt="a", presence_penalty=2.5), "presence_penalty"),
         (dict(prompt="a", frequency_penalty=-2.5), "frequency_penalty"),
         (dict(prompt="a", frequency_penalty=float("nan")), "frequency_penalty"),
         (dict(prompt="a", logit_bias={5: 101.0}), "logit_bias[5]"),
         (dict(prompt="a", logit_bias={VOCAB: 1.0}), f"logit_bias[{VOCAB}]"),
         (dict(prompt="a", logit_bias={-1: 1.0}), "logit_bias[-1]"),
-        (dict(prompt="a", logit_bias={i: 1.0 for i in range(convert.MAX_LOGIT_BIAS_ENTRIES + 1)}), "logit_bias"),
-        (dict(prompt="a", top_logprobs=convert.MAX_TOP_LOGPROBS + 1), "top_logprobs"),
+        (dict(prompt="a", logit_bias={i: 1.0 for i in range(checks.MAX_LOGIT_BIAS_ENTRIES + 1)}), "logit_bias"),
+        (dict(prompt="a", top_logprobs=checks.MAX_TOP_LOGPROBS + 1), "top_logprobs"),
         (dict(prompt="a", bad_words=["ok", ""]), "bad_words[1]"),
-        (dict(prompt="a", bad_words=["x" * (convert.MAX_STOP_BYTES + 1)]), "bad_words[0]"),
-        (dict(prompt="a", bad_words=["x"] * (convert.MAX_BAD_WORDS + 1)), "bad_words"),
+        (dict(prompt="a", bad_words=["x" * (checks.MAX_STOP_BYTES + 1)]), "bad_words[0]"),
+        (dict(prompt="a", bad_words=["x"] * (checks.MAX_BAD_WORDS + 1)), "bad_words"),
     ],
 )
 def test_a_bad_field_is_named(fields, field):
@@ -72,9 +73,9 @@ def test_defaults_and_edges_pass():
         prompt="a",
         top_k=VOCAB,
         top_p=1.0,
-        temperature=convert.MAX_TEMPERATURE,
+        temperature=checks.MAX_TEMPERATURE,
         min_p=1.0,
-        stop=["x" * convert.MAX_STOP_BYTES],
+        stop=["x" * checks.MAX_STOP_BYTES],
         priority=pb.PRIORITY_BATCH,
     )
     p = req.params

@@ -1,22 +1,21 @@
-"""OpenAI's requests to braid's GenerationRequest. Each is written as the GenerateRequest the .proto
-defines and checked by the edge's own conversion (edge/convert.py), so a field means the same over
-HTTP as over gRPC and is checked once; an error is renamed to the OpenAI parameter it came from."""
+"""OpenAI's requests to braid's GenerationRequest, built directly and checked by the checks every
+front end shares (frontend/checks.py), so a field means the same over HTTP as over gRPC and is checked
+once; an error names the OpenAI parameter it came from."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import secrets
+import struct
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
-from google.protobuf.descriptor import FieldDescriptor
-
-from braid.server.edge import convert
-from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Message
+from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Message, Priority, SamplingParams
+from braid.server.frontend import checks
 from braid.server.http import tools as tool_calls
 from braid.server.http.protocol import ChatMessage, ChatRequest, CompletionRequest, ResponseFormat
-from braid.v1 import generate_pb2 as pb
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default where a request leaves it out (braid's gRPC default: 0, greedy)
 
@@ -44,13 +43,13 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int, t
     if body.top_logprobs and not body.logprobs:
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
     max_tokens = _one_of_max(body)
-    req = _generate_request(
+    req = _generation_request(
         body,
         max_tokens,
         default_max_new_tokens,
         vocab_size,
         is_chat=True,
-        messages=[pb.Message(role=m.role, content=m.content) for m in messages],
+        messages=messages,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
     )
@@ -62,8 +61,8 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int, t
             raise InvalidArgument("tool_choice", "a forced tool call and response_format cannot go together")
         schema = tool_calls.forced_schema(tools, function, parallel=body.parallel_tool_calls is not False)
         constraint = Constraint("json_schema", json.dumps(schema), "tools")
-        if len(constraint.text.encode()) > convert.MAX_CONSTRAINT_BYTES:
-            raise InvalidArgument("tools", f"the tools' schemas are over {convert.MAX_CONSTRAINT_BYTES} bytes")
+        if len(constraint.text.encode()) > checks.MAX_CONSTRAINT_BYTES:
+            raise InvalidArgument("tools", f"the tools' schemas are over {checks.MAX_CONSTRAINT_BYTES} bytes")
     tools_json = json.dumps(tools) if tools else ""
     if tools and not takes_tools:  # the template would drop them without a word
         messages, tools_json = _with_system(messages, tool_calls.tools_prompt(tools)), ""
@@ -101,7 +100,7 @@ def completion_plan(body: CompletionRequest, default_max_new_tokens: int, vocab_
         raise InvalidArgument("best_of", "is not supported; use n")
     if body.logprobs is not None and body.logprobs < 0:
         raise InvalidArgument("logprobs", f"{body.logprobs} is negative")
-    req = _generate_request(
+    req = _generation_request(
         body,
         body.max_tokens,
         default_max_new_tokens,
@@ -127,81 +126,91 @@ def _include_usage(body: ChatRequest | CompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _generate_request(
+def _generation_request(
     body: ChatRequest | CompletionRequest,
     max_tokens: int | None,
     default_max_new_tokens: int,
     vocab_size: int,
     is_chat: bool,
-    **fields: Any,
+    logprobs: bool,
+    top_logprobs: int,
+    prompt: str = "",
+    messages: tuple[Message, ...] = (),
 ) -> GenerationRequest:
-    """The body as a GenerateRequest, checked by convert.request_from_pb; its errors renamed."""
+    """The body as braid's request, checked as gRPC's is (frontend/checks.py), its errors named as
+    OpenAI names the parameter."""
+    max_name = _max_name(body, is_chat)
     if max_tokens is not None and max_tokens < 1:
-        raise InvalidArgument(_max_name(body, is_chat), f"{max_tokens} is less than 1")
+        raise InvalidArgument(max_name, f"{max_tokens} is less than 1")
     if body.top_p == 0.0:  # OpenAI's top_p is in (0, 1]; braid's 0 means 'unset'
         raise InvalidArgument("top_p", "0.0 is outside (0.0, 1.0]")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     logit_bias, n = _logit_bias(body.logit_bias), _samples(body.n)
-    for param, field, value in (
-        (_max_name(body, is_chat), "max_new_tokens", max_tokens or 0),
-        ("min_tokens", "min_new_tokens", body.min_tokens),
-        ("top_k", "top_k", body.top_k or 0),
-        ("n", "n", n),
-        ("seed", "seed", body.seed or 0),
-        ("top_logprobs" if is_chat else "logprobs", "top_logprobs", fields.get("top_logprobs", 0)),
-        *((f"stop_token_ids[{i}]", "stop_token_ids", t) for i, t in enumerate(body.stop_token_ids or ())),
+    for param, bounds, value in (
+        (max_name, _INT32, max_tokens or 0),
+        ("min_tokens", _INT32, body.min_tokens),
+        ("top_k", _INT32, body.top_k or 0),
+        ("n", _UINT32, n),
+        ("seed", _UINT64, body.seed or 0),
+        ("top_logprobs" if is_chat else "logprobs", _UINT32, top_logprobs),
+        *((f"stop_token_ids[{i}]", _INT32, t) for i, t in enumerate(body.stop_token_ids or ())),
     ):
-        _fits(param, _FIELDS[field], value)
-    try:  # protobuf's own errors (a string it cannot encode, say) are the request's, not the server's
-        message = pb.GenerateRequest(
-            max_new_tokens=max_tokens or 0,
-            min_new_tokens=body.min_tokens,
-            temperature=OPENAI_TEMPERATURE if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=body.repetition_penalty or 0.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            logit_bias=logit_bias,
-            n=n,
-            stop=stop,
-            include_stop_sequence=body.include_stop_str_in_output,
-            stop_token_ids=body.stop_token_ids or (),
-            ignore_eos=body.ignore_eos,
-            cache_salt=body.cache_salt,
-            priority=pb.PRIORITY_BATCH if body.priority == "batch" else pb.PRIORITY_UNSPECIFIED,
-            request_id=("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex,
-            **fields,
-        )
-        if body.seed is not None:
-            message.seed = body.seed
-        return convert.request_from_pb(message, default_max_new_tokens, vocab_size, None)
-    except InvalidArgument as exc:
-        raise openai_error(exc, _max_name(body, is_chat), is_chat) from None
-    except ValueError as exc:  # what _fits and http/body.py did not foresee: still the request's fault
-        raise InvalidArgument("request", str(exc)) from None
+        _fits(param, bounds, value)
+    params = SamplingParams(
+        max_new_tokens=max_tokens or default_max_new_tokens,
+        min_new_tokens=body.min_tokens,
+        temperature=_float32(OPENAI_TEMPERATURE if body.temperature is None else body.temperature),
+        top_p=_float32(1.0 if body.top_p is None else body.top_p) or 1.0,
+        top_k=body.top_k or 0,
+        min_p=_float32(body.min_p or 0.0),
+        repetition_penalty=_float32(body.repetition_penalty or 0.0) or 1.0,
+        presence_penalty=_float32(body.presence_penalty or 0.0),
+        frequency_penalty=_float32(body.frequency_penalty or 0.0),
+        logit_bias=tuple(sorted((token, _float32(bias)) for token, bias in logit_bias.items())),
+        seed=secrets.randbits(63) if body.seed is None else body.seed,
+        stop=tuple(stop),
+        include_stop_sequence=body.include_stop_str_in_output,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+        clip_max_new_tokens=not max_tokens,
+    )
+    req = GenerationRequest(
+        prompt=prompt or None,
+        messages=messages,
+        params=params,
+        request_id=("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex,
+        priority=Priority.BATCH if body.priority == "batch" else Priority.INTERACTIVE,
+        cache_salt=body.cache_salt,
+        n=n,
+    )
+    checks.check_request(req, vocab_size, functools.partial(openai_name, max_name=max_name, is_chat=is_chat))
+    return req
 
 
-_FIELDS = pb.GenerateRequest.DESCRIPTOR.fields_by_name
-_LOGIT_BIAS_KEY = pb.GenerateRequest.LogitBiasEntry.DESCRIPTOR.fields_by_name["key"]  # map<int32, float>'s key
-_INT_RANGES = {
-    FieldDescriptor.CPPTYPE_INT32: (-(1 << 31), (1 << 31) - 1),
-    FieldDescriptor.CPPTYPE_UINT32: (0, (1 << 32) - 1),
-    FieldDescriptor.CPPTYPE_INT64: (-(1 << 63), (1 << 63) - 1),
-    FieldDescriptor.CPPTYPE_UINT64: (0, (1 << 64) - 1),
-}
+# The .proto's types, as gRPC's wire holds each field: an integer out of its type is refused naming
+# the parameter (JSON's integers have no bound), and a float is the .proto's float32, so a value
+# means over HTTP what it means over gRPC.
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_UINT32 = (0, (1 << 32) - 1)
+_UINT64 = (0, (1 << 64) - 1)
 
 
-def _fits(param: str, field: FieldDescriptor, value: int) -> int:
-    """value, if the .proto's integer type of `field` holds it; else an error naming `param`
-    (protobuf's own, "Value out of range", names no field). JSON's integers have no bound."""
-    lo, hi = _INT_RANGES[field.cpp_type]
+def _fits(param: str, bounds: tuple[int, int], value: int) -> int:
+    """value, if it is within `bounds`; else an error naming `param`."""
+    lo, hi = bounds
     if value < lo:
         raise InvalidArgument(param, f"{value} is less than {lo}")
     if value > hi:
         raise InvalidArgument(param, f"{value} is more than {hi}")
     return value
+
+
+def _float32(value: float) -> float:
+    """value as a float32 holds it (past float32's range: infinity)."""
+    rounded: float = struct.unpack("f", struct.pack("f", value))[0]
+    return rounded
 
 
 def _max_name(body: ChatRequest | CompletionRequest, is_chat: bool) -> str:
@@ -217,27 +226,30 @@ _RENAMES = {
 }
 
 
-def openai_error(exc: InvalidArgument, max_name: str = "max_tokens", is_chat: bool = True) -> InvalidArgument:
-    """An InvalidArgument about a GenerateRequest field, renamed to the OpenAI parameter."""
-    head, dot, rest = exc.field.partition(".")
+def openai_name(field: str, max_name: str = "max_tokens", is_chat: bool = True) -> str:
+    """braid's name of a request field as OpenAI names the parameter (a checks.Spelling)."""
+    head, dot, rest = field.partition(".")
     if head == "max_new_tokens":
-        name = max_name
-    elif head == "top_logprobs" and not is_chat:
-        name = "logprobs"
-    elif head == "constraint":
-        name = "response_format"
-    elif head == "prompt" and is_chat:
-        name = "messages"
-    else:
-        name = _RENAMES.get(head, head) + dot + rest
-    return InvalidArgument(name, exc.description)
+        return max_name
+    if head == "top_logprobs" and not is_chat:
+        return "logprobs"
+    if head == "constraint":
+        return "response_format"
+    if head == "prompt" and is_chat:
+        return "messages"
+    return _RENAMES.get(head, head) + dot + rest
+
+
+def openai_error(exc: InvalidArgument) -> InvalidArgument:
+    """An InvalidArgument about a field of braid's request (the engine's), named as OpenAI names it."""
+    return InvalidArgument(openai_name(exc.field), exc.description)
 
 
 def _samples(n: int | None) -> int:
     if n is not None and n < 1:
         raise InvalidArgument("n", f"{n} is less than 1")
-    if n is not None and n > convert.MAX_SAMPLES:  # (before protobuf's uint32 sees 1e10)
-        raise InvalidArgument("n", f"{n} samples; at most {convert.MAX_SAMPLES}")
+    if n is not None and n > checks.MAX_SAMPLES:  # (before _fits sees 1e10)
+        raise InvalidArgument("n", f"{n} samples; at most {checks.MAX_SAMPLES}")
     return n or 1
 
 
@@ -248,7 +260,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
             token = int(key)
         except ValueError:
             raise InvalidArgument(f"logit_bias[{key}]", f"{key!r} is not a token id") from None
-        out[_fits(f"logit_bias[{key}]", _LOGIT_BIAS_KEY, token)] = value
+        out[_fits(f"logit_bias[{key}]", _INT32, token)] = value  # the .proto's map<int32, float>
     return out
 
 
@@ -297,11 +309,5 @@ def _format_constraint(fmt: ResponseFormat | None) -> Constraint | None:
         return Constraint("json_object", "", "response_format")
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise InvalidArgument("response_format.json_schema.schema", "is required for type json_schema")
-    text = json.dumps(fmt.json_schema.schema_)
-    if len(text.encode()) > convert.MAX_CONSTRAINT_BYTES:
-        raise InvalidArgument(
-            "response_format.json_schema.schema",
-            f"is {len(text.encode())} bytes; at most {convert.MAX_CONSTRAINT_BYTES}",
-        )
     # braid holds every schema strictly, strict: true or not: its output always validates
-    return Constraint("json_schema", text, "response_format.json_schema.schema")
+    return checks.constraint("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")

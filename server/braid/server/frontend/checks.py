@@ -1,0 +1,158 @@
+"""The checks every front end makes of a request, on the engine's GenerationRequest (as TGI's router
+checks one request for every route): exactly one of prompt and messages, sizes and counts, ranges,
+strings, the logit bias, token ids. A front end translates its own request into a GenerationRequest
+as it came (defaults applied, nothing clipped), then calls `check_request`; a constraint is checked
+as it is made (`constraint`, `choice`). The engine checks the prompt's length once it is tokenized.
+
+The checks name braid's fields (the engine's, which the .proto shares); `spelling` names each as the
+calling front end does (over OpenAI's HTTP API, max_new_tokens is max_tokens). What a field's error
+says is the same from every front end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Callable, Sequence
+
+from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Turn, text_bytes
+
+MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 64
+MAX_STOP_BYTES = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_BYTES = 128
+MAX_CACHE_SALT_BYTES = 256
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI's
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_TOP_LOGPROBS = 20
+MAX_SAMPLES = 16
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
+MAX_CONSTRAINT_BYTES = 64 << 10  # a schema, regex or grammar
+MAX_CHOICES = 1024
+MAX_CHOICE_BYTES = 1024
+
+# braid's name of a field (`max_new_tokens`, `stop[1]`, `messages[0].role`) -> the front end's
+Spelling = Callable[[str], str]
+
+
+def braids(field: str) -> str:
+    """braid's own spelling, the .proto's: a field as the checks name it."""
+    return field
+
+
+def check_request(req: GenerationRequest, vocab_size: int, spelling: Spelling = braids) -> None:
+    """Checks every field of the request but its constraint; an error names the field in `spelling`."""
+    try:
+        _check(req, vocab_size)
+    except InvalidArgument as exc:
+        raise InvalidArgument(spelling(exc.field), exc.description) from None
+
+
+def _check(req: GenerationRequest, vocab_size: int) -> None:
+    p = req.params
+    check_text(req.prompt or "", req.messages, "prompt")
+    if p.max_new_tokens < 0:
+        raise InvalidArgument("max_new_tokens", f"{p.max_new_tokens} is negative")
+    if p.min_new_tokens < 0:
+        raise InvalidArgument("min_new_tokens", f"{p.min_new_tokens} is negative")
+    if p.min_new_tokens > p.max_new_tokens:
+        raise InvalidArgument("min_new_tokens", f"{p.min_new_tokens} is more than max_new_tokens ({p.max_new_tokens})")
+    in_range("temperature", p.temperature, 0.0, MAX_TEMPERATURE)
+    in_range("top_p", p.top_p, 0.0, 1.0)
+    in_range("top_k", p.top_k, 0, vocab_size)
+    in_range("min_p", p.min_p, 0.0, 1.0)
+    in_range("repetition_penalty", p.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+    in_range("presence_penalty", p.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    in_range("frequency_penalty", p.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _logit_bias(p.logit_bias, vocab_size)
+    if req.n > MAX_SAMPLES:
+        raise InvalidArgument("n", f"{req.n} samples; at most {MAX_SAMPLES}")
+    if p.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument("top_logprobs", f"{p.top_logprobs} is more than {MAX_TOP_LOGPROBS}")
+    _strings("stop", p.stop, MAX_STOP_STRINGS)
+    _strings("bad_words", p.bad_words, MAX_BAD_WORDS)
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument("stop_token_ids", f"{len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+    _in_vocabulary("stop_token_ids", p.stop_token_ids, vocab_size)
+    if len(req.request_id) > MAX_REQUEST_ID_BYTES or not all(" " <= c <= "~" for c in req.request_id):
+        # it travels back as gRPC metadata, which holds printable ASCII only
+        raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} printable ASCII characters")
+    if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidArgument("cache_salt", f"is {len(req.cache_salt.encode())} bytes; at most {MAX_CACHE_SALT_BYTES}")
+    if req.resume_token_ids and req.n > 1:
+        raise InvalidArgument("resume_token_ids", "resume one sample at a time (n = 1)")
+    _in_vocabulary("resume_token_ids", req.resume_token_ids, vocab_size)
+
+
+def check_text(text: str, messages: Sequence[Turn], text_field: str) -> None:
+    """Exactly one of a text (`text_field`: a prompt, Tokenize's text) and messages, of at most
+    MAX_TEXT_BYTES, and every message with its role."""
+    if text and messages:
+        raise InvalidArgument(text_field, f"set either {text_field} or messages, not both")
+    if not text and not messages:
+        raise InvalidArgument(text_field, f"set {text_field} or messages")
+    size = text_bytes(text, messages)
+    if size > MAX_TEXT_BYTES:
+        raise InvalidArgument(text_field if text else "messages", f"is {size} bytes; at most {MAX_TEXT_BYTES}")
+    for i, m in enumerate(messages):
+        if not m.role:
+            raise InvalidArgument(f"messages[{i}].role", "is required")
+
+
+def in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
+    if math.isnan(value) or value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise InvalidArgument(name, f"{value} is outside {bracket}{lo}, {hi}]")
+
+
+def constraint(kind: str, text: str, field: str) -> Constraint:
+    """A constraint whose text is a schema, a regex or a grammar (`kind`), from the request's
+    `field` (the front end's name), its size checked (the engine's compiler checks the rest)."""
+    if not text:
+        raise InvalidArgument(field, "is empty")
+    size = len(text.encode())
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidArgument(field, f"is {size} bytes; at most {MAX_CONSTRAINT_BYTES}")
+    return Constraint(kind, text, field)
+
+
+def choice(choices: Sequence[str], field: str) -> Constraint:
+    """A constraint to one of `choices`, from the request's `field` (the front end's name)."""
+    if not choices or len(choices) > MAX_CHOICES:
+        raise InvalidArgument(field, f"{len(choices)} choices; 1 to {MAX_CHOICES}")
+    for i, text in enumerate(choices):
+        if not text or len(text.encode()) > MAX_CHOICE_BYTES:
+            raise InvalidArgument(f"{field}[{i}]", f"must be 1 to {MAX_CHOICE_BYTES} bytes")
+    return Constraint("choice", json.dumps(list(choices)), field)
+
+
+def _strings(name: str, values: Sequence[str], most: int) -> None:
+    """A list of strings (stop, bad_words): at most `most`, none empty or over MAX_STOP_BYTES."""
+    if len(values) > most:
+        raise InvalidArgument(name, f"{len(values)} strings; at most {most}")
+    for i, value in enumerate(values):
+        if not value:
+            raise InvalidArgument(f"{name}[{i}]", "is empty")
+        if len(value.encode()) > MAX_STOP_BYTES:
+            raise InvalidArgument(f"{name}[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
+
+
+def _in_vocabulary(name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"{name}[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _logit_bias(bias: Sequence[tuple[int, float]], vocab_size: int) -> None:
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument("logit_bias", f"{len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    for token, value in bias:
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(
+                f"logit_bias[{token}]", f"token id {token} is outside the vocabulary [0, {vocab_size})"
+            )
+        in_range(f"logit_bias[{token}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
