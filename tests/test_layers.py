@@ -1,5 +1,7 @@
-"""The layer rules hold (pyproject.toml's import-linter contracts): edge -> engine -> runner -> model
-with nothing importing upward, telemetry a leaf, no torch in the edge or the engine."""
+"""The layer rules hold (pyproject.toml's import-linter contracts): http | edge -> frontend -> engine ->
+runner -> model with nothing importing upward and the two front ends never importing each other, grpc
+and the .proto in the gRPC edge alone, the runner's types reached only through the engine's,
+telemetry a leaf, no torch in the front ends or the engine."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The server's torch-free layers under `mypy --strict` ([tool.mypy] in pyproject.toml): the gRPC edge,
-the OpenAI front end, the engine, telemetry, the composition root and the configuration, and the
-modules of braid they import (logs, the runner's row types). A type error fails the suite, listed as
+the OpenAI front end, what the front ends share, the engine, telemetry, the composition root and the
+configuration, and the modules of braid they import (logs, the runner's row types). A type error fails the suite, listed as
 mypy writes it.
 
 mypy reads braid.v1 through the stubs mypy-protobuf writes (make protos), as tests/test_client_typing.py
