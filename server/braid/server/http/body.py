@@ -1,7 +1,7 @@
 """A request's body, from bytes to its pydantic model: JSON, an object, no deeper than
 MAX_JSON_DEPTH, with no lone surrogate in any string, and pydantic's errors named as OpenAI names a
 parameter (`messages[0].role`). Everything here grows with the body (up to --max-message-bytes), so
-app.py runs it off the event loop.
+`read` runs it off the event loop.
 
 Why by hand: json.loads has no depth option (past about 1,000 levels it raises RecursionError, and
 json.dumps and pydantic give up at their own depths later), and a lone surrogate (`"\\ud800"`, valid
@@ -11,13 +11,16 @@ raised on one. One iterative walk refuses both, naming the field.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, TypeVar
 
 import pydantic
+from starlette.requests import ClientDisconnect, Request
 
 from braid.server.engine.types import InvalidArgument
+from braid.server.http.errors import ApiError
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 
@@ -30,6 +33,23 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how one gets into JSON t
 _SCHEMA_ROOTS = (("tools", int, "function", "parameters"), ("response_format", "json_schema", "schema"))
 
 Path = tuple[Any, ...]  # a linked list, (key, parent path) or (): one tuple per value walked, not a copy per depth
+
+
+async def read(request: Request, model: type[Body], most_bytes: int) -> Body:
+    """The body as `model`, read up to `most_bytes` (--max-message-bytes, as over gRPC), then
+    decoded and checked off the event loop: that work grows with the body."""
+    body, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > most_bytes:
+                raise ApiError(
+                    413, "invalid_request_error", f"the body is over {most_bytes} bytes (--max-message-bytes)", "body"
+                )
+            body.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by --http-body-timeout (http/connection.py)
+        raise ApiError(499, "client_closed_request", "the client disconnected before its body was sent") from None
+    return await asyncio.to_thread(decode, b"".join(body), model)
 
 
 def decode(raw: bytes, model: type[Body]) -> Body:

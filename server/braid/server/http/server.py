@@ -119,7 +119,7 @@ class HttpFrontEnd:
 
     def hand_over(self) -> None:
         """Nothing to hand over: OpenAI's clients do not resume. A call the drain cancels ends with
-        an error all the same, grace or hand-over (http/app.py), so that its client sees the cut."""
+        an error all the same, grace or hand-over (http/errors.py), so that its client sees the cut."""
 
     async def close(self) -> None:
         """A start that failed: closes the port."""
