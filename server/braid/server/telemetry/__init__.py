@@ -1,7 +1,7 @@
 """braid's telemetry: OpenTelemetry metrics, Prometheus /metrics, OTLP export. Only the composition
 root (app.py) imports it; it implements the observers the engine (engine/observer.py) and the
 front ends (frontend/observer.py) define. The spans themselves are the front ends' (edge/tracing.py's
-gRPC instrumentation, http/app.py's, and frontend/spans.py, OpenTelemetry's API), recorded once
+gRPC instrumentation, http/observed.py's, and frontend/spans.py, OpenTelemetry's API), recorded once
 setup.py sets a tracer provider.
 
     metrics.py   every instrument, the engine's and the calls' observers that record them
