@@ -32,10 +32,9 @@ import machine
 from braid.server.model.loader import LoadedModel, default_cache_dir, embedded_gguf, load
 from braid.server.runner.kernels.extension import ISA_VARIABLE, _cpu_kernels
 from braid.server.runner.model_runner import ModelRunner
-from braid.server.runner.rows import Row, Sampling
 
 sys.path.insert(0, str(machine.REPO / "tests" / "support"))
-from braid_testing.perplexity import divergence  # noqa: E402
+from braid_testing.perplexity import divergence, prompt_logits  # noqa: E402
 
 TEXT = machine.REPO / "tests" / "data" / "perplexity.txt"
 ROWS = {"float32": "float32", "int8": "auto"}  # what the logits are named by: --activations
@@ -90,26 +89,14 @@ def random_model(positions: int) -> tuple[LoadedModel, list[int]]:
 
 
 def logits(model: LoadedModel, ids: list[int], activations: str, isa: str) -> tuple[torch.Tensor, str]:
-    """[len(ids), V] logits at every position of ids, one prompt pass (as tests/test_precision.py's
-    _logits), and the activations the runner ran."""
+    """[len(ids), V] logits at every position of ids, one prompt pass (braid_testing.perplexity's
+    prompt_logits), and the activations the runner ran."""
     pages = list(range(-(-len(ids) // 16)))
     runner = ModelRunner(
         model, torch.device("cpu"), torch.float32, num_pages=len(pages), max_seq_len=len(ids), activations=activations
     )
     assert runner.kernels == isa, f"{ISA_VARIABLE}={isa} ran {runner.kernels}"
-    row = Row(
-        pages=pages,
-        start=0,
-        token_ids=ids,
-        sample=False,
-        sampling=Sampling(),
-        rng=None,
-        is_prompt=True,
-    )
-    batch, _, _ = runner._build([row])
-    batch.logit_rows = torch.arange(len(ids))
-    with torch.no_grad():
-        return runner.decoder.forward(batch, runner.cache).float(), runner.activations
+    return prompt_logits(runner, ids), runner.activations
 
 
 def run_build(model_path: Path, isa: str, out: Path) -> None:

@@ -28,8 +28,7 @@ from braid.server.model.loader import LoadedModel, default_cache_dir, load
 from braid.server.runner.kernels.extension import ISA_VARIABLE
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
-from braid.server.runner.rows import Row, Sampling
-from braid_testing.perplexity import divergence
+from braid_testing.perplexity import divergence, prompt_logits
 from braid_testing.perplexity import perplexity as perplexity_of
 from conftest import REPO, Server, assert_greedy, compute_dtype, near_tie, start_together, tiny_server
 
@@ -291,19 +290,7 @@ def _logits(model: LoadedModel, ids: list[int], activations: str, **weights: str
     runner = ModelRunner(
         model, torch.device("cpu"), torch.float32, num_pages=64, max_seq_len=2048, activations=activations, **weights
     )
-    row = Row(
-        pages=list(range(-(-len(ids) // 16))),
-        start=0,
-        token_ids=ids,
-        sample=False,
-        sampling=Sampling(),
-        rng=None,
-        is_prompt=True,
-    )
-    batch, _, _ = runner._build([row])
-    batch.logit_rows = torch.arange(len(ids))
-    with torch.no_grad():
-        return runner.decoder.forward(batch, runner.cache).float()
+    return prompt_logits(runner, ids)
 
 
 def test_int8_activations_diverge_from_float32_rows_as_little_as_llama_cpps(embedded, record_property):

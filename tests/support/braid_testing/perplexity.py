@@ -39,6 +39,25 @@ def perplexity(runner: ModelRunner, token_ids: Sequence[int], chunk: int = 512) 
     return math.exp(nll / (len(ids) - 1))
 
 
+def prompt_logits(runner: ModelRunner, token_ids: Sequence[int]) -> torch.Tensor:
+    """The logits [len(token_ids), V] at every position of token_ids, in fp32: one prompt pass of the
+    runner's decoder into the cache's first pages. On an idle runner (it writes them)."""
+    ids = list(token_ids)
+    row = Row(
+        pages=list(range(-(-len(ids) // runner.page_size))),
+        start=0,
+        token_ids=ids,
+        sample=False,
+        sampling=Sampling(),
+        rng=None,
+        is_prompt=True,
+    )
+    batch, _, _ = runner._build([row])
+    batch.logit_rows = torch.arange(len(ids))
+    with torch.no_grad():
+        return runner.decoder.forward(batch, runner.cache).float()
+
+
 def divergence(base: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
     """(mean KL divergence, same-top-token rate) of logits [N, V] against base [N, V], position by
     position: what llama.cpp's `llama-perplexity --kl-divergence` reports of a quantized model against
