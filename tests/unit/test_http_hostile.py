@@ -24,7 +24,7 @@ from braid.server.edge.errors import ErrorInterceptor
 from braid.server.edge.request_log import RequestLogInterceptor
 from braid.server.edge.servicer import GenerateServicer
 from braid.server.frontend.request_log import MAX_ECHO_CHARS, echoed
-from braid.server.http import tools
+from braid.server.frontend import tools
 from braid.server.http.app import OpenAIApi
 from braid.server.http.server import HttpFrontEnd
 from braid.v1 import generate_pb2 as pb

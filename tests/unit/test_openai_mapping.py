@@ -7,7 +7,7 @@ import json
 import pytest
 
 from braid.server.engine.types import InvalidArgument
-from braid.server.http import tools
+from braid.server.frontend import tools
 from braid.server.http.choices import ChatChoice
 from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
 from braid.server.http.requests import chat_plan, completion_plan

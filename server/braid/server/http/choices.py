@@ -3,13 +3,28 @@ tool calls, its finish reason, its logprobs, and its usage."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from braid.server.engine.types import Delta, Finished, FinishReason, TokenLogprob
-from braid.server.http import tools
+from braid.server.frontend import tools
 from braid.server.http.requests import Plan
 
 _LENGTH = {FinishReason.MAX_TOKENS}
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def openai_call(call: tools.ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A tool call as OpenAI sends one (with its index, in a stream's delta)."""
+    sent = {
+        "id": call.id or new_call_id(),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return sent if index is None else {"index": index, **sent}
 
 
 def finish_reason(finished: Finished, has_calls: bool) -> str:
@@ -44,7 +59,7 @@ class ChatChoice:
         self._sent = 0  # characters of text sent as content (auto) or as arguments (a named call)
         self.calls: list[tools.ToolCall] = []
         self.cut = False  # a forced call cut short: its calls are as far as they got
-        self._call_id = tools.new_call_id()
+        self._call_id = new_call_id()
         self._held = tools.HeldBack()  # where a tool call may begin, read as the text grows
 
     @property
@@ -79,12 +94,12 @@ class ChatChoice:
                 self.calls = tools.cut_calls(self.text, plan.function, plan.tool_names)
             if plan.function is not None:
                 self.calls = [tools.ToolCall(plan.function, self.calls[0].arguments, self._call_id)]
-                return None if self._sent else {"tool_calls": [self.calls[0].to_openai(0)]}
-            return {"tool_calls": [c.to_openai(i) for i, c in enumerate(self.calls)]} if self.calls else None
+                return None if self._sent else {"tool_calls": [openai_call(self.calls[0], 0)]}
+            return {"tool_calls": [openai_call(c, i) for i, c in enumerate(self.calls)]} if self.calls else None
         if plan.tools == "auto":
             _, self.calls = tools.parse_tool_calls(self.text)
             if self.calls:
-                return {"tool_calls": [c.to_openai(i) for i, c in enumerate(self.calls)]}
+                return {"tool_calls": [openai_call(c, i) for i, c in enumerate(self.calls)]}
             rest, self._sent = self.text[self._sent :], len(self.text)
             return {"content": rest} if rest else None
         return None
@@ -93,7 +108,7 @@ class ChatChoice:
         """The whole choice's message (a response that is not streamed), after `end`."""
         if self.calls:
             content, _ = tools.parse_tool_calls(self.text) if self._plan.tools == "auto" else ("", [])
-            return {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in self.calls]}
+            return {"role": "assistant", "content": content or None, "tool_calls": [openai_call(c) for c in self.calls]}
         return {"role": "assistant", "content": self.text}
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Message, Priority, SamplingParams
 from braid.server.frontend import checks
-from braid.server.http import tools as tool_calls
+from braid.server.frontend import tools as tool_calls
 from braid.server.http.protocol import ChatMessage, ChatRequest, CompletionRequest, ResponseFormat
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default where a request leaves it out (braid's gRPC default: 0, greedy)

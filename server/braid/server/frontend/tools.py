@@ -1,6 +1,9 @@
-"""Tool calls: the constraint that forces a valid call (tool_choice `required` or a named function),
-and the parsers that find calls in free output (tool_choice `auto`): Hermes-style `<tool_call>`
-blocks, as Qwen's templates ask for, and Llama 3's bare JSON.
+"""Tool calls, whatever API asked for them: the constraint that forces a valid call (OpenAI's
+tool_choice `required` or a named function, Anthropic's `any` or `tool`), and the parsers that find
+calls in free output (`auto`): Hermes-style `<tool_call>` blocks, as Qwen's templates ask for, and
+Llama 3's bare JSON. Tools are given as the chat templates take them (OpenAI's definitions,
+{"type": "function", "function": {"name", "description", "parameters"}}); each front end renders
+the calls found in its own API's shape.
 
 As vLLM does, a forced call is generated as plain JSON under a JSON schema: for a named function,
 its arguments object; for `required`, a list of {"name", "arguments"} objects, one of the tools each.
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,18 +38,6 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object's text, as OpenAI sends it
     id: str = ""
-
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {
-            "id": self.id or new_call_id(),
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return call if index is None else {"index": index, **call}
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 def forced_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool = True) -> dict[str, Any]:
