@@ -1,8 +1,10 @@
 """OpenAI's HTTP API on braid's engine (Starlette): /v1/chat/completions and /v1/completions,
-streamed as server-sent events or not, /v1/models and /health. This module holds the routes; each
-job around them has its own: observed.py (the API key, errors, the span, the log line and the
-metric around every call), generation.py (the one path chat and completions share), events.py
-(their output in OpenAI's shape), streaming.py (SSE and disconnects), errors.py, body.py.
+streamed as server-sent events or not, /v1/models and /health; and Anthropic's Messages API,
+/v1/messages and /v1/messages/count_tokens. This module holds the routes; each job around them has
+its own: observed.py (the API key, errors, the span, the log line and the metric around every
+call), generation.py (the one path every generating route shares), events.py (OpenAI's output),
+anthropic_*.py (Anthropic's requests and output), streaming.py (SSE and disconnects), errors.py,
+body.py.
 
 Like the gRPC servicer, it reaches the engine only through EngineClient, runs on the gRPC server's
 event loop and never blocks it: admission, compiling and tokenizing go through the same lanes and
@@ -24,14 +26,19 @@ from starlette.routing import Route
 from braid.server.config import ServerConfig
 from braid.server.frontend.observer import CallObserver, NoCalls
 from braid.server.http import observed
+from braid.server.http.anthropic_events import MessageEvents
+from braid.server.http.anthropic_protocol import CountTokensRequest, MessagesRequest
+from braid.server.http.anthropic_requests import messages_plan
 from braid.server.http.errors import ApiError, not_allowed, not_found
 from braid.server.http.generation import Generations, served_names
 from braid.server.http.observed import Handler, Record
 from braid.server.http.protocol import ChatRequest, CompletionRequest
 from braid.server.http.requests import chat_plan, completion_plan
+from braid.server.http.streaming import Output
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
+    from braid.server.engine.handle import SessionHandle
 
 # /metrics' page for a scraper's Accept header: (body, content type). Blocking.
 MetricsPage = Callable[[str], tuple[bytes, str]]
@@ -60,6 +67,8 @@ class OpenAIApi:
                 *([Route("/metrics", self.metrics, methods=["GET"])] if metrics is not None else []),
                 self._route("/v1/chat/completions", self.chat, methods=["POST"]),
                 self._route("/v1/completions", self.completions, methods=["POST"]),
+                self._route("/v1/messages", self.messages, methods=["POST"]),
+                self._route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 self._route("/v1/models", self.models, methods=["GET"]),
                 self._route("/v1/models/{id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -131,6 +140,26 @@ class OpenAIApi:
         body = await self._generations.body(request, CompletionRequest, record)
         plan = completion_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size)
         return await self._generations.respond(request, record, plan, body)
+
+    async def messages(self, request: Request, record: Record) -> Response:
+        """Anthropic's Messages API, as a chat (http/anthropic_requests.py)."""
+        body = await self._generations.body(request, MessagesRequest, record)
+        info = self._engine.info
+        plan = messages_plan(body, self._config.default_max_new_tokens, info.vocab_size, info.chat_template_takes_tools)
+
+        def anthropic(handles: list[SessionHandle], model: str) -> Output:
+            return MessageEvents(plan, handles[0], model, record, lambda: self.draining)
+
+        return await self._generations.run(request, record, plan, body.model, body.stream, anthropic)
+
+    async def count_tokens(self, request: Request, record: Record) -> Response:
+        """The tokens of a message's prompt, as the chat template renders it, tools included. The
+        engine's tokenize renders no `tools` (EngineClient.tokenize takes messages alone), so they
+        are counted as a template that does not take them gets them: in the system message
+        (tools_prompt). Exact for such a template; for one that renders tools itself, close."""
+        body = await self._generations.body(request, CountTokensRequest, record)
+        plan = messages_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size, False)
+        return JSONResponse({"input_tokens": await self._generations.count(request, plan)})
 
     def _route(self, path: str, handler: Handler, methods: list[str]) -> Route:
         return observed.route(path, handler, methods, self._calls, self._api_key)

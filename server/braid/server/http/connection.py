@@ -12,17 +12,20 @@ byte a second. Here, as nginx and Envoy bound them:
 - a head not in --http-header-timeout after the connection opened or after the request's first
   byte, or a body not in --http-body-timeout after its head, gets 408 (where no response has begun)
   and the connection is closed, so the handler reading the body sees the client gone.
+
+The error is in OpenAI's shape, or in Anthropic's for a path under /v1/messages (as far as the path
+has arrived: a head cut before its path ends is answered in OpenAI's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from braid.server.config import ServerConfig
+from braid.server.http.errors import error_body, is_anthropic
 
 
 class BoundedHttp(HttpToolsProtocol):
@@ -125,7 +128,8 @@ class BoundedHttp(HttpToolsProtocol):
             cycle.disconnected = True  # its handler's reads end, its writes go nowhere
             cycle.message_event.set()
         if not answered and not self.transport.is_closing():
-            self.transport.write(_response(status, message, param))
+            anthropic = is_anthropic(getattr(self, "url", b"").decode("latin-1").partition("?")[0])
+            self.transport.write(_response(status, message, param, anthropic))
         self.transport.close()
 
 
@@ -134,9 +138,8 @@ def bounded(settings: ServerConfig) -> type[BoundedHttp]:
     return type("BoundedHttp", (BoundedHttp,), {"settings": settings})
 
 
-def _response(status: int, message: str, param: str | None) -> bytes:
-    error: dict[str, Any] = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
-    body = json.dumps({"error": error}).encode()
+def _response(status: int, message: str, param: str | None, anthropic: bool) -> bytes:
+    body = json.dumps(error_body(status, "invalid_request_error", message, param, anthropic)).encode()
     head = [
         b"content-type: application/json",
         b"content-length: " + str(len(body)).encode(),

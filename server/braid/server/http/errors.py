@@ -1,6 +1,7 @@
-"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: braid's exceptions
-mapped to an HTTP status, a finished session's failure raised as one, and the 404 and 405 that
-Starlette answers before any route runs."""
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, and on Anthropic's
+routes (/v1/messages...) in Anthropic's, {"type": "error", "error": {"type", "message"}}: braid's
+exceptions mapped to an HTTP status, a finished session's failure raised as one, and the 404 and
+405 that Starlette answers before any route runs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,31 @@ from braid.server.frontend.errors import capped
 from braid.server.http.requests import openai_error
 
 _LOGGER = logging.getLogger("braid.server.http.app")  # the HTTP API's one logger name, in every line it writes
+ANTHROPIC_ROUTES = "/v1/messages"  # the paths under it answer errors in Anthropic's shape
+# Anthropic's error type for each status (its API's list); any other is invalid_request_error, or
+# api_error from 500 on. A draining server's 503 is overloaded_error: Anthropic's SDK retries it.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
+
+
+def error_body(status: int, kind: str, message: str, param: str | None, anthropic: bool = False) -> dict[str, Any]:
+    """An error's JSON in OpenAI's shape, or in Anthropic's (whose message names the parameter)."""
+    if anthropic:
+        fallback = "api_error" if status >= 500 else "invalid_request_error"
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, fallback), "message": capped(message)}}
+    param = None if param is None else capped(param)  # it may hold a client's own keys
+    return {"error": {"message": capped(message), "type": kind, "param": param, "code": None}}
 
 
 class ApiError(Exception):
@@ -44,12 +70,11 @@ class ApiError(Exception):
         _LOGGER.exception("unexpected error in an HTTP handler")
         return cls(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
 
-    def body(self) -> dict[str, Any]:
-        param = None if self.param is None else capped(self.param)  # it may hold a client's own keys
-        return {"error": {"message": capped(self.message), "type": self.kind, "param": param, "code": None}}
+    def body(self, anthropic: bool = False) -> dict[str, Any]:
+        return error_body(self.status, self.kind, self.message, self.param, anthropic)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status, headers=self.headers)
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        return JSONResponse(self.body(anthropic), self.status, headers=self.headers)
 
 
 def raise_failure(finished: Finished, draining: bool = False) -> None:
@@ -73,8 +98,12 @@ def raise_failure(finished: Finished, draining: bool = False) -> None:
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
-    return ApiError(404, "not_found_error", f"no route {request.url.path}").response()
+    path = request.url.path
+    return ApiError(404, "not_found_error", f"no route {path}").response(is_anthropic(path))
 
 
 async def not_allowed(request: Request, exc: Exception) -> Response:
-    return ApiError(405, "invalid_request_error", f"{request.method} is not allowed on {request.url.path}").response()
+    path = request.url.path
+    return ApiError(405, "invalid_request_error", f"{request.method} is not allowed on {path}").response(
+        is_anthropic(path)
+    )

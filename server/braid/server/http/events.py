@@ -1,10 +1,11 @@
 """A request's output in OpenAI's shape: its sessions' deltas as chunks (a chat's or a
-completion's), or gathered into one whole response. Chat and completions differ here only in the
-shape of a choice; everything else is one path."""
+completion's), sent as server-sent events, or gathered into one whole response. Chat and
+completions differ here only in the shape of a choice; everything else is one path."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from opentelemetry import trace
@@ -13,7 +14,7 @@ from braid.server.engine.types import Delta, Finished
 from braid.server.frontend import spans
 from braid.server.frontend.sessions import merged
 from braid.server.http import choices
-from braid.server.http.errors import raise_failure
+from braid.server.http.errors import ApiError, raise_failure
 from braid.server.http.requests import Plan
 
 if TYPE_CHECKING:
@@ -42,6 +43,16 @@ class Events:
         self._offsets = [0] * len(handles)
         self.finals: list[Finished] = []
 
+    async def frames(self) -> AsyncIterator[bytes]:
+        """The chunks as server-sent events, then `data: [DONE]`."""
+        async for chunk in self.chunks():
+            yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def error_frame(self, error: ApiError) -> bytes:
+        """The last event of a stream an error cuts: the error in OpenAI's shape, and no [DONE]."""
+        return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         if self._chat:
             for i in range(len(self._handles)):
@@ -57,11 +68,7 @@ class Events:
             elif text or logprobs is not None:
                 yield self._chunk(index, text, logprobs=logprobs)
             if handle.finished is not None:
-                raise_failure(handle.finished, self._draining())
-                self.record.finished(handle.finished)
-                with trace.use_span(self.record.span, end_on_exit=False):
-                    spans.on_finished(handle)
-                self.finals.append(handle.finished)
+                self.finals.append(ended(handle, self.record, self._draining()))
                 # the choice's whole text, read for tool calls: off the event loop (it grows with the output)
                 last = await asyncio.to_thread(self._choices[index].end) if self._chat else None
                 has_calls = self._choices[index].has_calls
@@ -126,6 +133,18 @@ class Events:
         out = choices.completion_logprobs(ids, lps, piece, self._offsets[index])
         self._offsets[index] += sum(len(piece[t]) for t in ids)
         return out
+
+
+def ended(handle: SessionHandle, record: Record, draining: bool) -> Finished:
+    """A session's end, as every API's output reads it: its failure raised (http/errors.py), else
+    its Finished noted on the call's record and span."""
+    finished = handle.finished
+    assert finished is not None
+    raise_failure(finished, draining)
+    record.finished(finished)
+    with trace.use_span(record.span, end_on_exit=False):
+        spans.on_finished(handle)
+    return finished
 
 
 def _joined(parts: list[dict[str, Any]]) -> dict[str, Any] | None:

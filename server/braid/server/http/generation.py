@@ -1,7 +1,8 @@
-"""The one path every generating route takes (chat, completions): its body read and checked, the
-fields braid does not know named, the engine's request submitted through the lanes, and its
-output streamed as server-sent events or sent whole, the call's sessions ended however it ends.
-A route adds only how its body becomes a Plan (http/requests.py)."""
+"""The one path every generating route takes (chat, completions, Anthropic's messages): its body
+read and checked, the fields braid does not know named, the engine's request submitted through the
+lanes, and its output streamed as server-sent events or sent whole, the call's sessions ended
+however it ends. A route adds only how its body becomes a Plan (http/requests.py) and the shape of
+its output (streaming.Output)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -19,21 +21,25 @@ from braid.server.engine.types import EngineUnavailable, InvalidArgument
 from braid.server.frontend import spans
 from braid.server.frontend.lanes import TokenizerLanes
 from braid.server.frontend.sessions import CallSessions, submit
+from braid.server.http.anthropic_protocol import CountTokensRequest, MessagesRequest
 from braid.server.http.body import read
 from braid.server.http.events import Events
 from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
 from braid.server.http.requests import Plan
-from braid.server.http.streaming import EventStream, sse, unless_disconnected
+from braid.server.http.streaming import EventStream, Output, sse, unless_disconnected
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
+    from braid.server.engine.handle import SessionHandle
     from braid.server.http.observed import Record
 
 _LOGGER = logging.getLogger("braid.server.http.app")  # the HTTP API's one logger name, in every line it writes
 IGNORED_HEADER = "braid-ignored-fields"  # the request's fields braid does not know, and so ignored
 _MOST_NAMED = 8  # unknown fields named per request (a header, a log line): the first ones
 _MOST_WARNED = 1024  # distinct unknown fields logged as warnings, once each, in a process's life
-Body = TypeVar("Body", ChatRequest, CompletionRequest)
+Body = TypeVar("Body", ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest)
+# a call's output in its API's shape, from its sessions and the model name it answers under
+OutputOf = Callable[["list[SessionHandle]", str], Output]
 
 
 def served_names(engine: EngineClient) -> tuple[str, ...]:
@@ -67,14 +73,34 @@ class Generations:
     async def respond(
         self, request: Request, record: Record, plan: Plan, body: ChatRequest | CompletionRequest
     ) -> Response:
-        """The plan run: streamed where the body asks, else one whole response."""
-        plan = self._with_adapter(plan, body.model)
-        response = await self._generate(request, plan, record, body.stream, chat=isinstance(body, ChatRequest))
+        """An OpenAI plan run: its output as chat's or completions' chunks."""
+        chat = isinstance(body, ChatRequest)
+
+        def openai(handles: list[SessionHandle], model: str) -> Output:
+            head = {"id": plan.request.request_id, "created": int(time.time()), "model": model}
+            return Events(self._engine, plan, handles, head, chat, record, self._draining)
+
+        return await self.run(request, record, plan, body.model, body.stream, openai)
+
+    async def run(
+        self, request: Request, record: Record, plan: Plan, model: str | None, stream: bool, output: OutputOf
+    ) -> Response:
+        """The plan run, under the adapter `model` names: streamed where the body asks, else one
+        whole response, each in `output`'s shape."""
+        plan = self._with_adapter(plan, model)
+        response = await self._generate(request, plan, record, stream, output)
         if record.ignored:  # a header naming the request's fields braid ignored
             response.headers[IGNORED_HEADER] = ", ".join(record.ignored)
         return response
 
-    async def _unknown_fields(self, body: ChatRequest | CompletionRequest, record: Record) -> None:
+    async def count(self, request: Request, plan: Plan) -> int:
+        """The tokens of the plan's prompt, as its chat template renders it (a Tokenize call's work)."""
+        req = plan.request
+        ticket = self._engine.admit(req.prompt, req.messages, for_session=False)
+        tokenized = self._lanes.run(ticket, self._engine.tokenize, req.prompt, req.messages)
+        return len((await unless_disconnected(request, tokenized))[0])  # (ids, pieces, ...)
+
+    async def _unknown_fields(self, body: BaseModel, record: Record) -> None:
         """The body's fields braid does not know (a misspelled option, another server's extra):
         refused under --strict-request-fields, naming the first; else ignored, each name logged
         once as a warning, and named in the request's log line and the response's header. Found
@@ -95,7 +121,7 @@ class Generations:
             return dataclasses.replace(plan, request=dataclasses.replace(plan.request, adapter=model))
         return plan
 
-    async def _generate(self, request: Request, plan: Plan, record: Record, stream: bool, chat: bool) -> Response:
+    async def _generate(self, request: Request, plan: Plan, record: Record, stream: bool, output: OutputOf) -> Response:
         if self._draining():
             raise EngineUnavailable("the server is draining; retry on another replica")
         req = plan.request
@@ -108,8 +134,7 @@ class Generations:
             raise
         spans.on_session(handles[0], self._engine.info.mode)
         # the model's first served name, or the adapter the request runs with (as vLLM answers)
-        head = {"id": req.request_id, "created": int(time.time()), "model": req.adapter or self._engine.info.model_name}
-        events = Events(self._engine, plan, handles, head, chat, record, self._draining)
+        events = output(handles, req.adapter or self._engine.info.model_name)
         if stream:
             record.streamed = True
 
@@ -118,7 +143,7 @@ class Generations:
                 record.done()
 
             return EventStream(
-                sse(events, call),
+                sse(events, record, call),
                 on_close=closed,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

@@ -1,5 +1,5 @@
-"""Around every HTTP call: the API key, errors in OpenAI's shape, the span, the request-log line
-and the call's metric. A route is a handler of (request, record); `route` wraps it in all of these."""
+"""Around every HTTP call: the API key, errors in its API's shape (OpenAI's, or Anthropic's on
+/v1/messages), the span, the request-log line and the call's metric. A route is a handler of (request, record); `route` wraps it in all of these."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from braid.server.engine.types import Finished
-from braid.server.frontend.auth import bearer_matches
+from braid.server.frontend.auth import bearer_matches, key_matches
 from braid.server.frontend.observer import CallObserver
 from braid.server.frontend.request_log import echoed
-from braid.server.http.errors import ApiError
+from braid.server.http.errors import ApiError, is_anthropic
 from braid.server.logs import FIELDS, key_values
 
 _LOGGER = logging.getLogger("braid.server.http.app")  # the HTTP API's one logger name, in every line it writes
@@ -93,6 +93,7 @@ def route(path: str, handler: Handler, methods: list[str], calls: CallObserver, 
     http.route, e.g. "GET /v1/models/{id}"), never by the path a client wrote, which would make a
     new metric series and span name of every id a client sends."""
     template = path.replace(":path}", "}")
+    anthropic = is_anthropic(path)
 
     async def handle(request: Request) -> Response:
         # the span, a child of the caller's W3C trace context, lasts until the call's end: a
@@ -112,7 +113,7 @@ def route(path: str, handler: Handler, methods: list[str], calls: CallObserver, 
                 error = ApiError.of(exc)
                 record.status, record.error = error.status, error
                 record.done()
-                return error.response()
+                return error.response(anthropic)
         record.status = response.status_code
         if not record.streamed:
             record.done()
@@ -122,8 +123,14 @@ def route(path: str, handler: Handler, methods: list[str], calls: CallObserver, 
 
 
 def authorize(request: Request, api_key: bytes | None) -> None:
-    """With --api-key: exactly one `Authorization: Bearer <key>`, as over gRPC (frontend/auth.py)."""
+    """With --api-key: exactly one `Authorization: Bearer <key>`, as over gRPC (frontend/auth.py),
+    or exactly one `x-api-key: <key>`, as Anthropic's clients send it, on every route; a call that
+    sends both must have the key in both."""
     if api_key is None:
         return
-    if not bearer_matches(request.headers.getlist("authorization"), api_key):
-        raise ApiError(401, "authentication_error", "missing or wrong `Authorization: Bearer <api key>` header")
+    bearer, keys = request.headers.getlist("authorization"), request.headers.getlist("x-api-key")
+    matches = (not bearer or bearer_matches(bearer, api_key)) and (not keys or key_matches(keys, api_key))
+    if not (bearer or keys) or not matches:
+        raise ApiError(
+            401, "authentication_error", "missing or wrong `Authorization: Bearer <api key>` or `x-api-key` header"
+        )

@@ -5,8 +5,7 @@ a stream (`sse`, `EventStream`), and a watch on the connection while a whole res
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -15,19 +14,32 @@ from starlette.types import Receive, Scope, Send
 
 from braid.server.frontend.sessions import CallSessions
 from braid.server.http.errors import ApiError
-from braid.server.http.events import Events
+
+if TYPE_CHECKING:
+    from braid.server.http.observed import Record
 
 T = TypeVar("T")
 
 
-async def sse(events: Events, call: CallSessions) -> AsyncIterator[bytes]:
-    """Server-sent events: a chunk per batch of tokens, `data: [DONE]` at the end. An error after
-    the stream has begun is sent as a last event in OpenAI's error shape."""
-    record = events.record
+class Output(Protocol):
+    """A call's output in its API's shape (OpenAI's: events.py; Anthropic's: anthropic_events.py)."""
+
+    def frames(self) -> AsyncIterator[bytes]:
+        """The output as server-sent events, as they come."""
+
+    def error_frame(self, error: ApiError) -> bytes:
+        """The last event of a stream that an error cuts."""
+
+    async def whole(self) -> dict[str, Any]:
+        """The output gathered into one response (not streamed)."""
+
+
+async def sse(output: Output, record: Record, call: CallSessions) -> AsyncIterator[bytes]:
+    """Server-sent events, as they come. An error after the stream has begun is sent as a last
+    event, in the API's own shape."""
     try:
-        async for chunk in events.chunks():
-            yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+        async for frame in output.frames():
+            yield frame
     except asyncio.CancelledError:  # the client went away: its sessions end now
         call.end()
         record.status = 499
@@ -35,7 +47,7 @@ async def sse(events: Events, call: CallSessions) -> AsyncIterator[bytes]:
     except Exception as exc:
         error = ApiError.of(exc)
         record.status, record.error = error.status, error
-        yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+        yield output.error_frame(error)
     finally:
         call.end()
         record.done()

@@ -1,0 +1,163 @@
+"""A message's output in Anthropic's shape: its session's deltas as the Messages API's events
+(message_start, content_block_start/delta/stop, message_delta, message_stop), sent as server-sent
+events with their `event:` lines, or gathered into one whole message.
+
+Its text is read exactly as a chat's (choices.ChatChoice: content streamed as it comes, the text
+that may begin a tool call held back, forced calls' arguments streamed as they are generated), and
+each of the chat's deltas becomes Anthropic's: content a text block's text_delta, a call a tool_use
+block whose input streams as input_json_delta."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
+
+from braid.server.engine.types import Delta, Finished, FinishReason
+from braid.server.http.choices import ChatChoice
+from braid.server.http.errors import ApiError
+from braid.server.http.events import ended
+from braid.server.http.requests import Plan
+
+if TYPE_CHECKING:
+    from braid.server.engine.handle import SessionHandle
+    from braid.server.http.observed import Record
+
+Event = tuple[str, dict[str, Any]]  # (its name, its data)
+
+
+def stop_reason(finished: Finished, has_calls: bool) -> str:
+    """Anthropic's name for how a message ended; a forced call cut by max_tokens is `max_tokens`."""
+    if finished.reason is FinishReason.MAX_TOKENS:
+        return "max_tokens"
+    if has_calls:
+        return "tool_use"
+    return "stop_sequence" if finished.reason is FinishReason.STOP_SEQUENCE else "end_turn"
+
+
+class MessageEvents:
+    """One message's output (Anthropic has no n: one session) as events, frames or a whole message."""
+
+    def __init__(
+        self, plan: Plan, handle: SessionHandle, model: str, record: Record, draining: Callable[[], bool]
+    ) -> None:
+        self._handle, self._record, self._draining = handle, record, draining
+        self._choice = ChatChoice(plan)
+        self._message: dict[str, Any] = {
+            "id": plan.request.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+        }
+        self._blocks = 0  # content blocks begun
+        self._open: tuple[str, int] | None = None  # the open block: ("text", 0) or ("tool_use", its call's index)
+
+    async def events(self) -> AsyncIterator[Event]:
+        usage = {"input_tokens": self._handle.prompt_tokens, "output_tokens": 0}
+        start: dict[str, Any] = {
+            **self._message,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        yield "message_start", {"type": "message_start", "message": start}
+        yield "ping", {"type": "ping"}
+        async for batch in self._handle.batches():
+            text = "".join(e.text for e in batch if isinstance(e, Delta))
+            for event in self._converted(self._choice.feed(text)):
+                yield event
+            if self._handle.finished is None:
+                continue
+            finished = ended(self._handle, self._record, self._draining())
+            # the whole text, read for tool calls: off the event loop (it grows with the output)
+            for event in self._converted(await asyncio.to_thread(self._choice.end)):
+                yield event
+            for event in self._closed():
+                yield event
+            reason = stop_reason(finished, self._choice.has_calls)
+            delta = {"stop_reason": reason, "stop_sequence": finished.stop_sequence or None}
+            yield (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": delta,
+                    "usage": {"output_tokens": finished.generated_tokens},
+                },
+            )
+            yield "message_stop", {"type": "message_stop"}
+
+    def _converted(self, delta: dict[str, Any] | None) -> Iterator[Event]:
+        """A chat delta (content, or tool calls: each begun with its id, then arguments) as events."""
+        if delta is None:
+            return
+        if delta.get("content"):
+            if self._open != ("text", 0):
+                yield from self._started(("text", 0), {"type": "text", "text": ""})
+            yield self._delta({"type": "text_delta", "text": delta["content"]})
+        for call in delta.get("tool_calls", ()):
+            function = call["function"]
+            if self._open != ("tool_use", call["index"]):
+                block = {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": function["name"]}
+                yield from self._started(("tool_use", call["index"]), {**block, "input": {}})
+            if function.get("arguments"):
+                yield self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})
+
+    def _started(self, kind: tuple[str, int], block: dict[str, Any]) -> Iterator[Event]:
+        yield from self._closed()
+        self._open = kind
+        yield "content_block_start", {"type": "content_block_start", "index": self._blocks, "content_block": block}
+
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return "content_block_delta", {"type": "content_block_delta", "index": self._blocks, "delta": delta}
+
+    def _closed(self) -> Iterator[Event]:
+        if self._open is not None:
+            yield "content_block_stop", {"type": "content_block_stop", "index": self._blocks}
+            self._open, self._blocks = None, self._blocks + 1
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        async for name, data in self.events():
+            yield _frame(name, data)
+
+    def error_frame(self, error: ApiError) -> bytes:
+        """An `error` event, in Anthropic's error shape; no message_stop follows."""
+        return _frame("error", error.body(anthropic=True))
+
+    async def whole(self) -> dict[str, Any]:
+        """The message not streamed: its events gathered, each tool_use's input parsed (a call cut
+        short by max_tokens, its JSON unfinished, has the input {}: stop_reason says why)."""
+        content: list[dict[str, Any]] = []
+        arguments: list[str] = []  # each block's input's JSON text, as streamed
+        message: dict[str, Any] = {}
+        async for name, data in self.events():
+            if name == "message_start":
+                message = data["message"]
+            elif name == "content_block_start":
+                content.append(dict(data["content_block"]))
+                arguments.append("")
+            elif name == "content_block_delta":
+                delta = data["delta"]
+                if delta["type"] == "text_delta":
+                    content[-1]["text"] += delta["text"]
+                else:
+                    arguments[-1] += delta["partial_json"]
+            elif name == "message_delta":
+                message = {**message, **data["delta"], "usage": {**message["usage"], **data["usage"]}}
+        for block, text in zip(content, arguments):
+            if block["type"] == "tool_use":
+                block["input"] = _object(text)
+        return {**message, "content": content}
+
+
+def _object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _frame(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
