@@ -209,6 +209,14 @@ def test_tool_choice_maps_onto_chats_modes_and_any_and_tool_are_constrained():
     assert json.loads(named.request.constraint.text)["required"] == ["city"]
 
 
+def test_output_config_format_is_a_json_schema_constraint_and_thinking_is_off_or_adaptive():
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    constrained = plan(output_config={"format": {"type": "json_schema", "schema": schema}}).request.constraint
+    assert constrained.kind == "json_schema" and json.loads(constrained.text) == schema
+    assert plan(thinking={"type": "disabled"}).request.constraint is None
+    assert plan(thinking={"type": "adaptive"}).tools is None  # the model decides; braid's decides not to think
+
+
 def test_a_forced_tool_call_streams_its_input_as_input_json_deltas():
     engine = saying(FakeEngine(), '{"city": "Oslo"}')
     engine.finish = FinishReason.CONSTRAINT  # a whole call
@@ -313,6 +321,8 @@ BAD = [  # (body beside model, max_tokens and messages; the parameter the messag
     ({"system": [{"type": "image"}]}, "system[0].type"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "regex", "schema": {}}}}, "output_config.format.type"),
     ({"stop_sequences": ["x"] * 17}, "stop_sequences"),
     ({"stop_sequences": ["ok", ""]}, "stop_sequences[1]"),
     ({"temperature": -1}, "temperature"),

@@ -1,6 +1,7 @@
 """Anthropic's Messages API request bodies, as braid reads them (pydantic), beside OpenAI's
 (protocol.py): the fields braid serves, and the ones it knows only to refuse by name (an image's
-`source`, `thinking` enabled). A field braid does not know is treated as over OpenAI's API
+`source`, `thinking` enabled). Sampling fields (temperature, top_p, top_k), which Anthropic's newer
+SDKs no longer send, are taken from the clients that do. A field braid does not know is treated as over OpenAI's API
 (protocol.unknown_fields): named and ignored, or refused under --strict-request-fields.
 
 A content block is one model whatever its type, so that a block braid does not take (image,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
@@ -54,8 +55,17 @@ class ToolChoice(_Body):
 
 
 class Thinking(_Body):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "disabled", "adaptive"]  # adaptive: the model decides (braid's: not to)
     budget_tokens: int | None = None
+
+
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None  # (effort is not known: it tunes thinking, which braid does not serve)
 
 
 class Metadata(_Body):
@@ -71,6 +81,8 @@ class CountTokensRequest(_Body):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None  # a prompt-caching hint, known and ignored (as a block's)
 
     @property
     def user(self) -> str | None:

@@ -3,9 +3,10 @@ chat takes (requests.chat_plan): so a field means the same and is checked the sa
 tools and tool calls included. Only the names differ: an error about a chat request's field is
 named as Anthropic's body names it (`stop_sequences[1]`, `messages[2].content[0].content`).
 
-The turns map as Anthropic's own docs pair them with OpenAI's: the system prompt is a system
-message; an assistant's tool_use blocks are its tool_calls; a user's tool_result blocks are `tool`
-messages (before the user's text, where Anthropic puts them)."""
+Structured output (output_config.format) is chat's json_schema response_format. The turns map as
+Anthropic's own docs pair them with OpenAI's: the system prompt is a system message; an assistant's
+tool_use blocks are its tool_calls; a user's tool_result blocks are `tool` messages (before the
+user's text, where Anthropic puts them)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from typing import Any
 
 from braid.server.engine.types import InvalidArgument
 from braid.server.http.anthropic_protocol import Block, CountTokensRequest, MessageParam, MessagesRequest, ToolChoice
-from braid.server.http.protocol import ChatMessage, ChatRequest, Function, NamedToolChoice, Tool
+from braid.server.http.protocol import ChatMessage, ChatRequest, Function, NamedToolChoice, ResponseFormat, Tool
 from braid.server.http.requests import Plan, chat_plan
 
 _TAKEN = "braid takes text, tool_use and tool_result blocks"
 # a chat request's names -> Anthropic's, where they differ
 _RENAMES = {
+    "response_format.json_schema.schema": "output_config.format.schema",
+    "response_format": "output_config.format",
     "stop": "stop_sequences",
     "tool_choice.function.name": "tool_choice.name",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
@@ -78,6 +81,9 @@ def _chat(body: MessagesRequest | CountTokensRequest) -> tuple[ChatRequest, list
         fields["tool_choice"] = _tool_choice(body.tool_choice)
         if body.tool_choice.disable_parallel_tool_use:
             fields["parallel_tool_calls"] = False
+    if body.output_config is not None and body.output_config.format is not None:
+        schema = {"name": "output", "schema": body.output_config.format.schema_}
+        fields["response_format"] = ResponseFormat.model_validate({"type": "json_schema", "json_schema": schema})
     if isinstance(body, MessagesRequest):
         fields |= {
             "max_tokens": body.max_tokens,
