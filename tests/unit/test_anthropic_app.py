@@ -79,8 +79,8 @@ def test_a_message_whole_and_streamed():
     streamed = events(http, BODY)
     assert [name for name, _ in streamed] == [
         "message_start",
-        "ping",
         "content_block_start",
+        "ping",
         "content_block_delta",
         "content_block_stop",
         "message_delta",
@@ -88,7 +88,7 @@ def test_a_message_whole_and_streamed():
     ]
     start = streamed[0][1]["message"]
     assert start["content"] == [] and start["usage"] == {"input_tokens": 3, "output_tokens": 0}
-    assert streamed[2][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert streamed[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert streamed[3][1]["delta"] == {"type": "text_delta", "text": " 5 6 7"}
     assert streamed[5][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert streamed[5][1]["usage"] == {"output_tokens": 3}
@@ -223,8 +223,8 @@ def test_a_forced_tool_call_streams_its_input_as_input_json_deltas():
     _, http = serve(engine)
     body = {**BODY, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
     streamed = events(http, body)
-    assert [n for n, _ in streamed][2:5] == ["content_block_start", "content_block_delta", "content_block_stop"]
-    start = streamed[2][1]["content_block"]
+    assert [n for n, _ in streamed][1:5] == ["content_block_start", "ping", "content_block_delta", "content_block_stop"]
+    start = streamed[1][1]["content_block"]
     assert (start["type"], start["name"], start["input"]) == ("tool_use", "get_weather", {})
     assert start["id"].startswith("toolu_")
     assert streamed[3][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Oslo"}'}

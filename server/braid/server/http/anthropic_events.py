@@ -63,7 +63,6 @@ class MessageEvents:
             "usage": usage,
         }
         yield "message_start", {"type": "message_start", "message": start}
-        yield "ping", {"type": "ping"}
         async for batch in self._handle.batches():
             text = "".join(e.text for e in batch if isinstance(e, Delta))
             for event in self._converted(self._choice.feed(text)):
@@ -108,6 +107,8 @@ class MessageEvents:
         yield from self._closed()
         self._open = kind
         yield "content_block_start", {"type": "content_block_start", "index": self._blocks, "content_block": block}
+        if self._blocks == 0:  # where Anthropic's own stream pings
+            yield "ping", {"type": "ping"}
 
     def _delta(self, delta: dict[str, Any]) -> Event:
         return "content_block_delta", {"type": "content_block_delta", "index": self._blocks, "delta": delta}
