@@ -350,33 +350,47 @@ def test_bad_input_is_400_in_anthropics_shape_naming_the_parameter(extra, param)
     assert http.post("/v1/messages", json=BODY).status_code == 200  # and the app goes on
 
 
-HOSTILE = [
-    "[" * 100_000,
-    '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}',
-    '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',
-    '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "system": '
-    + "[" * 300
-    + "]" * 300
-    + "}",
-    '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": '
-    + '{"type": "object", "properties": {"a": ' * 450
-    + "{}"
-    + "}}" * 450
-    + "}]}",
-    '{"model": "m", "max_tokens": 1e400, "messages": []}',
-    '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": ['
-    + '{"type": "text", "text": "x"},' * 2000
-    + "7]}]}",
-    b'{"model": "\xff"}',
+ASKED = '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], '
+HOSTILE = [  # (body, the parameter its error names)
+    ("[" * 100_000, "body"),
+    ('{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    (
+        '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',
+        "messages[0].content[0].text",
+    ),
+    (ASKED + '"system": ' + "[" * 300 + "]" * 300 + "}", "system"),
+    (
+        ASKED
+        + '"tools": [{"name": "f", "input_schema": '
+        + '{"type": "object", "properties": {"a": ' * 450
+        + "{}"
+        + "}}" * 450
+        + "}]}",
+        "tools[0].input_schema",
+    ),
+    (ASKED + '"tools": [{"name": "f", "input_schema": {"properties": {"\\ud800": {}}}}]}', "tools[0].input_schema"),
+    (
+        ASKED + '"output_config": {"format": {"type": "json_schema", "schema": {"enum": ["\\udc00"]}}}}',
+        "output_config.format.schema",
+    ),
+    ('{"model": "m", "max_tokens": 1e400, "messages": []}', "max_tokens"),
+    (
+        '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": ['
+        + '{"type": "text", "text": "x"},' * 2000
+        + "7]}]}",
+        "messages[0].content",
+    ),
+    (b'{"model": "\xff"}', "body"),
 ]
 
 
-@pytest.mark.parametrize("body", HOSTILE, ids=range(len(HOSTILE)))
-def test_a_hostile_body_is_400_never_500(body):
+@pytest.mark.parametrize("body, param", HOSTILE, ids=[f"{p}:{i}" for i, (_, p) in enumerate(HOSTILE)])
+def test_a_hostile_body_is_400_naming_the_parameter_never_500(body, param):
     _, http = serve()
     response = http.post("/v1/messages", content=body if isinstance(body, bytes) else body.encode())
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["type"] == "invalid_request_error"
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(param + ": "), error
 
 
 def test_errors_before_and_around_generation_answer_in_anthropics_shape():

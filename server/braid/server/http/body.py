@@ -30,7 +30,12 @@ MAX_JSON_DEPTH = 128
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how one gets into JSON text: raw UTF-8 cannot hold it
 # where a client's own JSON schema begins: a fault below one is named by the schema's field
-_SCHEMA_ROOTS = (("tools", int, "function", "parameters"), ("response_format", "json_schema", "schema"))
+_SCHEMA_ROOTS = (
+    ("tools", int, "function", "parameters"),
+    ("response_format", "json_schema", "schema"),
+    ("tools", int, "input_schema"),  # Anthropic's
+    ("output_config", "format", "schema"),
+)
 
 Path = tuple[Any, ...]  # a linked list, (key, parent path) or (): one tuple per value walked, not a copy per depth
 
