@@ -272,9 +272,10 @@ def test_count_tokens_counts_the_rendered_prompt_tools_included():
         seen.append(messages) or tokenize(ticket, prompt, messages, *rest)
     )
     _, http = serve(engine)
-    body = {"model": "fake", "messages": HI, "system": "Be brief.", "tools": [WEATHER]}
+    body = {"model": "fake", "messages": HI, "system": "Be brief.", "tools": [WEATHER], "max_tokns": 1}
     response = http.post("/v1/messages/count_tokens", json=body)
     assert response.status_code == 200 and response.json() == {"input_tokens": 2}  # the fake's two tokens
+    assert response.headers["braid-ignored-fields"] == "max_tokns"
     (messages,) = seen
     assert messages[0].role == "system" and "Be brief." in messages[0].content and "get_weather" in messages[0].content
     refused = http.post(

@@ -50,7 +50,7 @@ class MessageEvents:
             "role": "assistant",
             "model": model,
         }
-        self._blocks = 0  # content blocks begun
+        self._blocks = 0  # the open (or the next) block's index
         self._open: tuple[str, int] | None = None  # the open block: ("text", 0) or ("tool_use", its call's index)
 
     async def events(self) -> AsyncIterator[Event]:

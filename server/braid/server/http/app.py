@@ -30,7 +30,7 @@ from braid.server.http.anthropic_events import MessageEvents
 from braid.server.http.anthropic_protocol import CountTokensRequest, MessagesRequest
 from braid.server.http.anthropic_requests import messages_plan
 from braid.server.http.errors import ApiError, not_allowed, not_found
-from braid.server.http.generation import Generations, served_names
+from braid.server.http.generation import Generations, served_names, with_ignored
 from braid.server.http.observed import Handler, Record
 from braid.server.http.protocol import ChatRequest, CompletionRequest
 from braid.server.http.requests import chat_plan, completion_plan
@@ -159,7 +159,7 @@ class OpenAIApi:
         (tools_prompt). Exact for such a template; for one that renders tools itself, close."""
         body = await self._generations.body(request, CountTokensRequest, record)
         plan = messages_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size, False)
-        return JSONResponse({"input_tokens": await self._generations.count(request, plan)})
+        return with_ignored(JSONResponse({"input_tokens": await self._generations.count(request, plan)}), record)
 
     def _route(self, path: str, handler: Handler, methods: list[str]) -> Route:
         return observed.route(path, handler, methods, self._calls, self._api_key)

@@ -48,6 +48,13 @@ def served_names(engine: EngineClient) -> tuple[str, ...]:
     return info.served_model_names or (info.model_name,)
 
 
+def with_ignored(response: Response, record: Record) -> Response:
+    """The response, with a header naming the request's fields braid ignored, if it ignored any."""
+    if record.ignored:
+        response.headers[IGNORED_HEADER] = ", ".join(record.ignored)
+    return response
+
+
 class Generations:
     """The generating routes' shared path, and what it keeps between calls: the tokenizer lanes and
     the unknown fields already warned of."""
@@ -88,10 +95,7 @@ class Generations:
         """The plan run, under the adapter `model` names: streamed where the body asks, else one
         whole response, each in `output`'s shape."""
         plan = self._with_adapter(plan, model)
-        response = await self._generate(request, plan, record, stream, output)
-        if record.ignored:  # a header naming the request's fields braid ignored
-            response.headers[IGNORED_HEADER] = ", ".join(record.ignored)
-        return response
+        return with_ignored(await self._generate(request, plan, record, stream, output), record)
 
     async def count(self, request: Request, plan: Plan) -> int:
         """The tokens of the plan's prompt, as its chat template renders it (a Tokenize call's work)."""
