@@ -13,20 +13,16 @@ import jsonschema
 import pytest
 
 from conftest import wait_for
-from test_openai import KEY, server  # noqa: F401  (server: the module's fixture)
+from test_openai import ANSWER, KEY, logged, server  # noqa: F401  (server: the module's fixture)
+from test_openai import WEATHER as OPENAI_WEATHER
 
 HI = [{"role": "user", "content": "Say hi."}]
 # Greedy: Anthropic's newer SDKs no longer have a temperature argument; braid takes the field all the same
 GREEDY = {"extra_body": {"temperature": 0}}
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
-        "required": ["unit", "days"],
-        "additionalProperties": False,
-    },
+WEATHER = {  # test_openai's function, as Anthropic defines a tool
+    "name": OPENAI_WEATHER["function"]["name"],
+    "description": OPENAI_WEATHER["function"]["description"],
+    "input_schema": OPENAI_WEATHER["function"]["parameters"],
 }
 
 
@@ -95,13 +91,7 @@ def test_a_forced_tool_call_has_input_that_validates_streamed_or_not(client):
 
 
 def test_output_config_json_schema_output_validates(client):
-    schema = {
-        "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
-        "required": ["ok", "color"],
-        "additionalProperties": False,
-        "x-guidance": {"whitespace_flexible": False},
-    }  # llguidance's option: no whitespace for a random model
+    schema = ANSWER
     message = client.messages.create(
         model="tiny",
         max_tokens=60,
@@ -179,9 +169,5 @@ def test_every_call_has_its_request_log_line(server, client):  # noqa: F811
     client.messages.create(model="tiny", max_tokens=2, messages=HI)
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="tiny", max_tokens=2, messages=HI, extra_body={"temperature": -1})
-
-    def logged(*wanted: str) -> bool:
-        return any(all(w in line for w in wanted) for line in server.log_file.read_text().splitlines())
-
-    wait_for(lambda: logged(" HTTP request_id=msg_", "route=POST /v1/messages", "status=200", "finish="))
-    assert logged("route=POST /v1/messages", "status=400", "error=invalid_request_error param=temperature")
+    wait_for(lambda: logged(server, " HTTP request_id=msg_", "route=POST /v1/messages", "status=200", "finish="))
+    assert logged(server, "route=POST /v1/messages", "status=400", "error=invalid_request_error param=temperature")

@@ -33,6 +33,19 @@ WEATHER = {
     },
 }
 
+ANSWER = {  # a JSON schema for structured output
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},  # llguidance's option: no whitespace for a random model
+}
+
+
+def logged(server: Server, *wanted: str) -> bool:
+    """Whether a line of the server's log holds every one of `wanted`."""
+    return any(all(w in line for w in wanted) for line in server.log_file.read_text().splitlines())
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smol_dir):
@@ -148,13 +161,7 @@ def test_a_seed_reproduces_a_sampled_chat(client):
 
 
 def test_json_schema_output_validates(client):
-    schema = {
-        "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
-        "required": ["ok", "color"],
-        "additionalProperties": False,
-        "x-guidance": {"whitespace_flexible": False},
-    }  # llguidance's option: no whitespace for a random model
+    schema = ANSWER
     out = client.chat.completions.create(
         model="tiny",
         messages=HI,
@@ -335,11 +342,10 @@ def test_every_call_has_its_request_log_line(server, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=HI, temperature=-1)
 
-    def logged(*wanted: str) -> bool:
-        return any(all(w in line for w in wanted) for line in server.log_file.read_text().splitlines())
-
-    wait_for(lambda: logged(" HTTP request_id=chatcmpl-", "route=POST /v1/chat/completions", "status=200", "finish="))
-    assert logged(" HTTP request_id=", "status=400", "error=invalid_request_error param=temperature")
+    wait_for(
+        lambda: logged(server, " HTTP request_id=chatcmpl-", "route=POST /v1/chat/completions", "status=200", "finish=")
+    )
+    assert logged(server, " HTTP request_id=", "status=400", "error=invalid_request_error param=temperature")
 
 
 def test_sigterm_lets_an_http_stream_finish_while_new_calls_get_503(tiny_dir):
