@@ -148,6 +148,12 @@ class Harness:
     def close(self) -> None:
         self.loop.close()
 
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def submit(
         self,
         prompt: str,
@@ -156,20 +162,25 @@ class Harness:
         deadline: float | None = None,
         adapter: str = "",
         messages: Sequence[Message] = (),
+        prompt_token_ids: Sequence[int] = (),
+        cache_salt: str = "",
         **params,
     ) -> list[SessionHandle]:
         """A request queued as the edge queues it (its sessions added to the core)."""
         request = GenerationRequest(
             prompt=prompt,
             messages=tuple(messages),
+            prompt_token_ids=tuple(prompt_token_ids),
             params=SamplingParams(**params),
             request_id=f"r{len(self.events)}",
             n=n,
             resume_token_ids=tuple(resume),
             deadline=deadline,
             adapter=adapter,
+            cache_salt=cache_salt,
         )
-        handles = self.admission.submit(self.admission.admit(prompt, request.messages), request, self.loop)
+        ticket = self.admission.admit(prompt, request.messages, token_ids=request.prompt_token_ids)
+        handles = self.admission.submit(ticket, request, self.loop)
         for h in handles:
             self.events.setdefault(h.session_id, [])
         self._collect(self.core.take_events())

@@ -87,8 +87,8 @@ class FakeEngine:
     def loras(self):
         return self.adapters.list()
 
-    def admit(self, prompt, messages, for_session=True, truncated=False) -> Ticket:
-        return Ticket(self.books, len(prompt or ""))
+    def admit(self, prompt, messages, for_session=True, truncated=False, token_ids=()) -> Ticket:
+        return Ticket(self.books, len(prompt or "") + len(token_ids))
 
     def compile(self, request):
         return None
@@ -126,9 +126,13 @@ class FakeEngine:
     def _abort(self, session_id, reason) -> None:
         self._end(self.handles[session_id], reason)
 
-    def tokenize(self, ticket, prompt, messages):
+    def tokenize(self, ticket, prompt, messages, offsets=False):
         ticket.release()
-        return [1, 2], ["a", "b"]
+        return [1, 2], ["a", "b"], [(0, 1), (1, 2)] if offsets else []
+
+    def detokenize(self, ticket, token_ids):
+        ticket.release()
+        return "".join(f" {t}" for t in token_ids), 0
 
     def stats(self):
         return self.books.snapshot()

@@ -63,6 +63,7 @@ def request_from_pb(
         prompt_logprobs=req.prompt_logprobs,
         clip_max_new_tokens=req.max_new_tokens == 0,
         disable_speculation=req.disable_speculation,
+        skip_detokenize=req.skip_detokenize,
     )
     request = GenerationRequest(
         prompt=req.prompt or None,
@@ -75,6 +76,7 @@ def request_from_pb(
         n=req.n or 1,
         resume_token_ids=tuple(req.resume_token_ids),
         adapter=req.adapter,
+        prompt_token_ids=tuple(req.prompt_token_ids),
     )
     checks.check_request(request, vocab_size)
     if req.priority not in (pb.PRIORITY_UNSPECIFIED, pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH):
@@ -109,6 +111,18 @@ def tokenize_args_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, tuple[Me
     messages = messages_from_pb(req.messages)
     checks.check_text(req.text, messages, "text")
     return req.text or None, messages
+
+
+def tokenize_to_pb(ids: list[int], pieces: list[str], offsets: list[tuple[int, int]]) -> pb.TokenizeResponse:
+    return pb.TokenizeResponse(
+        token_ids=ids, pieces=pieces, offsets=[pb.TokenOffset(start=start, end=end) for start, end in offsets]
+    )
+
+
+def detokenize_args_from_pb(req: pb.DetokenizeRequest, vocab_size: int) -> list[int]:
+    ids = list(req.token_ids)
+    checks.check_token_ids("token_ids", ids, vocab_size)
+    return ids
 
 
 def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateResponse:

@@ -143,9 +143,16 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
         text, messages = convert.tokenize_args_from_pb(request)
         ticket = self._engine.admit(text, messages, for_session=False)
-        ids, pieces = await self._tokenizers.run(ticket, self._engine.tokenize, text, messages)
+        tokenized = await self._tokenizers.run(ticket, self._engine.tokenize, text, messages, request.return_offsets)
         self._trailers(context)
-        return pb.TokenizeResponse(token_ids=ids, pieces=pieces)
+        return convert.tokenize_to_pb(*tokenized)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: Context) -> pb.DetokenizeResponse:
+        ids = convert.detokenize_args_from_pb(request, self._engine.info.vocab_size)
+        ticket = self._engine.admit(None, (), for_session=False, token_ids=ids)
+        text, held_back = await self._tokenizers.run(ticket, self._engine.detokenize, ids)
+        self._trailers(context)
+        return pb.DetokenizeResponse(text=text, held_back_tokens=held_back)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
         self._trailers(context)

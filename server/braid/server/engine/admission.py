@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from braid.server.engine.adapters import Adapters
 from braid.server.engine.books import Books, Ticket
-from braid.server.engine.detokenizer import IncrementalDetokenizer
+from braid.server.engine.detokenizer import IdsOnly, IncrementalDetokenizer, detokenize
 from braid.server.engine.grammars import Grammars, Matcher
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
@@ -31,6 +31,8 @@ from braid.server.engine.types import (
     text_bytes,
 )
 from braid.server.runner.rows import Sampling
+
+TOKEN_BYTES = 4  # a token id weighs as much as a text's token does (books.BIG_TEXT_BYTES: about 4 bytes)
 
 
 class Admission:
@@ -60,16 +62,24 @@ class Admission:
         self.adapters = adapters
 
     def admit(
-        self, prompt: str | None, messages: Sequence[Message], for_session: bool = True, truncated: bool = False
+        self,
+        prompt: str | None,
+        messages: Sequence[Message],
+        for_session: bool = True,
+        truncated: bool = False,
+        token_ids: Sequence[int] = (),
     ) -> Ticket:
         """Takes a place for a call before its text is tokenized: cheap, so the event loop calls it
         the moment a call arrives. A Stream prompt that cannot fit in the context even at the most
-        bytes per token is refused here, without tokenizing it (unless it is to be truncated)."""
+        bytes per token is refused here, without tokenizing it (unless it is to be truncated).
+        token_ids: a prompt already tokenized (prompt_token_ids), or Detokenize's ids."""
         closed = self._is_open()
         if closed is not None:
             raise EngineUnavailable(closed)
-        size = text_bytes(prompt, messages)
-        if for_session and not truncated:
+        size = text_bytes(prompt, messages) + len(token_ids) * TOKEN_BYTES
+        if token_ids and for_session and not truncated:
+            self._check_length("prompt_token_ids", len(token_ids))
+        elif for_session and not truncated:
             at_least = self.tokenizer.min_tokens(size)
             if at_least >= self.max_seq_len:
                 raise InvalidArgument(
@@ -128,9 +138,7 @@ class Admission:
             sampling=sampling,
             rng=self._random_state(sampling, 0),
             handle=handle,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer.decode, first.prompt_ids, params.stop, params.include_stop_sequence
-            ),
+            detokenizer=self._detokenizer(first.prompt_ids, params),
             parent=first,
             arrived=handle.arrived,
             token_ids=[],
@@ -142,13 +150,34 @@ class Admission:
             matcher=first.matcher.deep_copy() if first.matcher else None,
         )
 
-    def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
-        """A Tokenize call's work; gives the ticket back. Blocking: call it off the event loop."""
+    def tokenize(
+        self, ticket: Ticket, prompt: str | None, messages: Sequence[Message], offsets: bool = False
+    ) -> tuple[list[int], list[str], list[tuple[int, int]]]:
+        """A Tokenize call's work: ids, pieces, and with `offsets` each token's characters in the
+        prompt ([] without); gives the ticket back. Blocking: call it off the event loop."""
         try:
-            ids = self.tokenizer.encode(prompt, messages)
-            return ids, self.tokenizer.pieces(ids)
+            if offsets:
+                if messages:
+                    raise InvalidArgument("return_offsets", "offsets are of a text: send text, not messages")
+                ids, spans = self.tokenizer.prompt_offsets(prompt or "")
+            else:
+                ids, spans = self.tokenizer.encode(prompt, messages), []
+            return ids, self.tokenizer.pieces(ids), spans
         finally:
             ticket.release()
+
+    def detokenize(self, ticket: Ticket, token_ids: Sequence[int]) -> tuple[str, int]:
+        """A Detokenize call's work: the ids' text and how many of the last ids it leaves out (they
+        end in part of a character); gives the ticket back. Blocking: call it off the event loop."""
+        try:
+            return detokenize(self.tokenizer.decode, token_ids)
+        finally:
+            ticket.release()
+
+    def _detokenizer(self, prompt_ids: Sequence[int], params: SamplingParams) -> IncrementalDetokenizer:
+        if params.skip_detokenize:
+            return IdsOnly()
+        return IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop, params.include_stop_sequence)
 
     def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, matcher: Matcher | None) -> Session:
         prompt_ids, truncated = self._encode(request)
@@ -185,9 +214,7 @@ class Admission:
             sampling=sampling,
             rng=self._random_state(sampling, len(resumed)),
             handle=handle,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer.decode, prompt_ids, params.stop, params.include_stop_sequence
-            ),
+            detokenizer=self._detokenizer(prompt_ids, params),
             resumed=list(resumed),
             deadline=request.deadline,
             priority=request.priority,
@@ -210,8 +237,12 @@ class Admission:
         return self.adapters.acquire(name)
 
     def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
-        """The prompt's tokens, cut to truncate_input_tokens, and how many were cut."""
-        ids = self.tokenizer.encode(request.prompt, request.messages, request.tools, request.chat_template_kwargs)
+        """The prompt's tokens (prompt_token_ids as they are), cut to truncate_input_tokens, and how
+        many were cut."""
+        if request.prompt_token_ids:
+            ids = list(request.prompt_token_ids)
+        else:
+            ids = self.tokenizer.encode(request.prompt, request.messages, request.tools, request.chat_template_kwargs)
         keep = request.params.truncate_input_tokens
         if not keep or len(ids) <= keep:
             return ids, 0
@@ -243,12 +274,11 @@ class Admission:
         """The request's parameters checked against its tokenized prompt; a default max_new_tokens
         clipped to what fits."""
         params = request.params
-        field = "messages" if request.messages else "prompt"
+        field = _prompt_field(request)
         n = len(prompt_ids)
         if not prompt_ids:
             raise InvalidArgument(field, "must not be empty")
-        if n >= self.max_seq_len:
-            raise InvalidArgument(field, f"is {n} tokens; the context length is {self.max_seq_len}")
+        self._check_length(field, n)
         room = self.max_seq_len - n
         if params.max_new_tokens > room and params.clip_max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=room)
@@ -266,6 +296,18 @@ class Admission:
                 f"(context length {self.max_seq_len})",
             )
         return params
+
+    def _check_length(self, field: str, n: int) -> None:
+        """A prompt of n tokens leaves room in the context for one more."""
+        if n >= self.max_seq_len:
+            raise InvalidArgument(field, f"is {n} tokens; the context length is {self.max_seq_len}")
+
+
+def _prompt_field(request: GenerationRequest) -> str:
+    """The field that holds the request's prompt, for errors."""
+    if request.prompt_token_ids:
+        return "prompt_token_ids"
+    return "messages" if request.messages else "prompt"
 
 
 def _check_resumed(request: GenerationRequest, matcher: Matcher, eos_token_ids: Sequence[int]) -> None:

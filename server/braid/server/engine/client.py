@@ -27,10 +27,16 @@ class EngineClient(Protocol):
         """Most sessions running at once (--max-sessions), for load reports."""
 
     def admit(
-        self, prompt: str | None, messages: Sequence[Message], for_session: bool = True, truncated: bool = False
+        self,
+        prompt: str | None,
+        messages: Sequence[Message],
+        for_session: bool = True,
+        truncated: bool = False,
+        token_ids: Sequence[int] = (),
     ) -> Ticket:
         """A call's place in the queue, taken the moment it arrives (cheap: on the event loop).
-        Raises Overloaded, EngineUnavailable, or InvalidArgument for a prompt too big to fit."""
+        token_ids: a prompt already tokenized, or Detokenize's ids. Raises Overloaded,
+        EngineUnavailable, or InvalidArgument for a prompt too big to fit."""
 
     def compile(self, request: GenerationRequest) -> Matcher | None:
         """The request's constraint compiled (None without one). Blocking: off the event loop."""
@@ -45,8 +51,15 @@ class EngineClient(Protocol):
         """Tokenizes and queues the request's sessions, their events delivered on `loop`; gives the
         ticket back. Blocking: off the event loop."""
 
-    def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
-        """A Tokenize call's token ids and pieces; gives the ticket back. Blocking: off the event loop."""
+    def tokenize(
+        self, ticket: Ticket, prompt: str | None, messages: Sequence[Message], offsets: bool = False
+    ) -> tuple[list[int], list[str], list[tuple[int, int]]]:
+        """A Tokenize call's token ids, pieces and (with `offsets`, of a prompt) each token's
+        characters [start, end); gives the ticket back. Blocking: off the event loop."""
+
+    def detokenize(self, ticket: Ticket, token_ids: Sequence[int]) -> tuple[str, int]:
+        """The ids' text, ending on a whole character, and how many of the last ids it leaves out;
+        gives the ticket back. Blocking: off the event loop."""
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's own text (for logprobs over HTTP, which name tokens by text). Thread-safe;

@@ -1,4 +1,5 @@
-"""Turns a session's tokens into text that is safe to send: whole characters, no stop-string leaks."""
+"""Turns a session's tokens into text that is safe to send: whole characters, no stop-string leaks;
+and a list of ids into text by the same rules (Detokenize)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Callable, Sequence
 # Tokens of context decoded before the new ones, so tokenizers that drop a leading space when a
 # piece starts the text (SentencePiece) still produce it mid-stream.
 _CONTEXT_TOKENS = 4
+# Tokens decoded before a cut to tell whether the text ends there on a whole character (Detokenize).
+_CUT_WINDOW = 8
 
 
 class IncrementalDetokenizer:
@@ -75,3 +78,30 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self._stop):
                 return n
         return 0
+
+
+class IdsOnly(IncrementalDetokenizer):
+    """The detokenizer of a session that sends token ids only (skip_detokenize): it decodes nothing
+    and its text stays empty. Such a session has no stop strings (the request checks refuse them)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda ids: "", (), ())
+
+    def add(self, token_id: int) -> None:
+        pass
+
+
+def detokenize(decode: Callable[[Sequence[int]], str], token_ids: Sequence[int]) -> tuple[str, int]:
+    """The ids' text as a stream would send it, and how many of the last ids it leaves out because
+    they end in part of a character (what a stream holds back until the character's next byte).
+    Decodes the ids once where the text ends on a whole character, as it usually does; else steps
+    back over the last ids, looking at a few ids' text before each cut (no character is longer than
+    4 bytes, nor a token shorter than 1, but for special tokens)."""
+    text = decode(token_ids)
+    if not text.endswith("\ufffd"):
+        return text, 0
+    n = len(token_ids)
+    cut = next(
+        (k for k in range(1, n) if not decode(token_ids[max(0, n - k - _CUT_WINDOW) : n - k]).endswith("\ufffd")), n
+    )
+    return decode(token_ids[: n - cut]), cut

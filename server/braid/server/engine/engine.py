@@ -163,9 +163,14 @@ class Engine:
         return self.books.is_idle
 
     def admit(
-        self, prompt: str | None, messages: Sequence[Message], for_session: bool = True, truncated: bool = False
+        self,
+        prompt: str | None,
+        messages: Sequence[Message],
+        for_session: bool = True,
+        truncated: bool = False,
+        token_ids: Sequence[int] = (),
     ) -> Ticket:
-        return self.admission.admit(prompt, messages, for_session, truncated)
+        return self.admission.admit(prompt, messages, for_session, truncated, token_ids)
 
     def compile(self, request: GenerationRequest) -> Matcher | None:
         return self.admission.compile(request)
@@ -179,8 +184,13 @@ class Engine:
     ) -> list[SessionHandle]:
         return self.admission.submit(ticket, request, loop, matcher)
 
-    def tokenize(self, ticket: Ticket, prompt: str | None, messages: Sequence[Message]) -> tuple[list[int], list[str]]:
-        return self.admission.tokenize(ticket, prompt, messages)
+    def tokenize(
+        self, ticket: Ticket, prompt: str | None, messages: Sequence[Message], offsets: bool = False
+    ) -> tuple[list[int], list[str], list[tuple[int, int]]]:
+        return self.admission.tokenize(ticket, prompt, messages, offsets)
+
+    def detokenize(self, ticket: Ticket, token_ids: Sequence[int]) -> tuple[str, int]:
+        return self.admission.detokenize(ticket, token_ids)
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
         return self.admission.tokenizer.pieces(token_ids)

@@ -75,6 +75,14 @@ class Tokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return self._encode(text, add_special_tokens=True)
 
+    def prompt_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A prompt's tokens, as encode_prompt's, and each token's characters [start, end) in the
+        text (a token the tokenizer added: (0, 0)). Only a fast (Rust) tokenizer knows them."""
+        if self._backend is None:
+            raise InvalidArgument("return_offsets", "this model's tokenizer has no offsets (it has no fast tokenizer)")
+        encoding = self._backend.encode(text, add_special_tokens=True)
+        return encoding.ids, [(start, end) for start, end in encoding.offsets]
+
     def encode_chat(
         self, messages: Sequence[Message], field_name: str = "messages", tools: str = "", template_kwargs: str = ""
     ) -> list[int]:

@@ -97,6 +97,7 @@ class SamplingParams:
     report_queue: bool = False  # send Queued events while waiting
     prompt_logprobs: bool = False  # score the prompt's tokens, sent with the first Delta
     disable_speculation: bool = False  # no speculative proposals for this session (--speculative)
+    skip_detokenize: bool = False  # token ids only: no text, no per-token detokenizing (no stop strings)
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False
@@ -140,7 +141,8 @@ def text_bytes(prompt: str | None, messages: Sequence[Turn]) -> int:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One Stream call, decoded and checked by the edge: exactly one of prompt and messages."""
+    """One Stream call, decoded and checked by the edge: exactly one of prompt, messages and
+    prompt_token_ids."""
 
     prompt: str | None
     messages: tuple[Message, ...]
@@ -155,6 +157,7 @@ class GenerationRequest:
     tools: str = ""  # a JSON list of OpenAI tool definitions the chat template renders ("": none)
     chat_template_kwargs: str = ""  # a JSON object of more variables for the chat template ("": none)
     adapter: str = ""  # the LoRA adapter's name ("": the base model)
+    prompt_token_ids: tuple[int, ...] = ()  # a prompt already tokenized, taken as it is (no BOS added)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The checks every front end makes of a request, on the engine's GenerationRequest (as TGI's router
-checks one request for every route): exactly one of prompt and messages, sizes and counts, ranges,
-strings, the logit bias, token ids. A front end translates its own request into a GenerationRequest
-as it came (defaults applied, nothing clipped), then calls `check_request`; a constraint is checked
-as it is made (`constraint`, `choice`). The engine checks the prompt's length once it is tokenized.
+checks one request for every route): exactly one of prompt, messages and prompt_token_ids, sizes and
+counts, ranges, strings, the logit bias, token ids. A front end translates its own request into a
+GenerationRequest as it came (defaults applied, nothing clipped), then calls `check_request`; a
+constraint is checked as it is made (`constraint`, `choice`). The engine checks the prompt's length
+once it is tokenized.
 
 The checks name braid's fields (the engine's, which the .proto shares); `spelling` names each as the
 calling front end does (over OpenAI's HTTP API, max_new_tokens is max_tokens). What a field's error
@@ -31,6 +32,7 @@ MAX_SAMPLES = 16
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
+MAX_TOKEN_IDS = MAX_TEXT_BYTES  # prompt_token_ids, Detokenize's ids: what a text of MAX_TEXT_BYTES may hold
 MAX_CONSTRAINT_BYTES = 64 << 10  # a schema, regex or grammar
 MAX_CHOICES = 1024
 MAX_CHOICE_BYTES = 1024
@@ -54,7 +56,7 @@ def check_request(req: GenerationRequest, vocab_size: int, spelling: Spelling = 
 
 def _check(req: GenerationRequest, vocab_size: int) -> None:
     p = req.params
-    check_text(req.prompt or "", req.messages, "prompt")
+    _prompt(req, vocab_size)
     if p.max_new_tokens < 0:
         raise InvalidArgument("max_new_tokens", f"{p.max_new_tokens} is negative")
     if p.min_new_tokens < 0:
@@ -74,6 +76,8 @@ def _check(req: GenerationRequest, vocab_size: int) -> None:
     if p.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidArgument("top_logprobs", f"{p.top_logprobs} is more than {MAX_TOP_LOGPROBS}")
     _strings("stop", p.stop, MAX_STOP_STRINGS)
+    if p.stop and p.skip_detokenize:
+        raise InvalidArgument("stop", "stop strings match text, and skip_detokenize makes none: use stop_token_ids")
     _strings("bad_words", p.bad_words, MAX_BAD_WORDS)
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument("stop_token_ids", f"{len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
@@ -86,6 +90,27 @@ def _check(req: GenerationRequest, vocab_size: int) -> None:
     if req.resume_token_ids and req.n > 1:
         raise InvalidArgument("resume_token_ids", "resume one sample at a time (n = 1)")
     _in_vocabulary("resume_token_ids", req.resume_token_ids, vocab_size)
+
+
+def _prompt(req: GenerationRequest, vocab_size: int) -> None:
+    """Exactly one of prompt, messages and prompt_token_ids, each within its limits."""
+    ids = req.prompt_token_ids
+    if not ids:
+        if not req.prompt and not req.messages:
+            raise InvalidArgument("prompt", "set one of prompt, messages and prompt_token_ids")
+        check_text(req.prompt or "", req.messages, "prompt")
+        return
+    if req.prompt or req.messages:
+        raise InvalidArgument("prompt_token_ids", "set one of prompt, messages and prompt_token_ids, not more")
+    check_token_ids("prompt_token_ids", ids, vocab_size)
+
+
+def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """Ids given instead of a text (a prompt's, Detokenize's): as many as a text of MAX_TEXT_BYTES
+    could have at most (a token covers a byte or more), each inside the vocabulary."""
+    if len(token_ids) > MAX_TOKEN_IDS:
+        raise InvalidArgument(name, f"{len(token_ids)} ids; at most {MAX_TOKEN_IDS}")
+    _in_vocabulary(name, token_ids, vocab_size)
 
 
 def check_text(text: str, messages: Sequence[Turn], text_field: str) -> None:

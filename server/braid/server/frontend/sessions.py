@@ -91,7 +91,9 @@ async def submit(
     """Admits the request, compiles its constraint and queues its sessions, the blocking parts in
     the lanes' threads; `call` adopts the sessions the moment they exist."""
     # The place in the queue is taken here, before the call waits for a compile or a tokenizer thread.
-    ticket = engine.admit(req.prompt, req.messages, truncated=req.params.truncate_input_tokens > 0)
+    ticket = engine.admit(
+        req.prompt, req.messages, truncated=req.params.truncate_input_tokens > 0, token_ids=req.prompt_token_ids
+    )
     try:
         matcher = await lanes.compile(engine.compile, req) if req.constraint else None
     except BaseException:
