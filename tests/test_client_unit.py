@@ -152,7 +152,11 @@ class FakeGenerate(generate_pb2_grpc.GenerateServicer):
             detail = error_details_pb2.BadRequest(field_violations=violations)
             context.abort_with_status(_status(code_pb2.INVALID_ARGUMENT, "text: too long", detail))
         text = request.text or "".join(m.content for m in request.messages)
-        return pb.TokenizeResponse(token_ids=[ord(c) for c in text], pieces=list(text))
+        offsets = [pb.TokenOffset(start=i, end=i + 1) for i in range(len(text))] if request.return_offsets else []
+        return pb.TokenizeResponse(token_ids=[ord(c) for c in text], pieces=list(text), offsets=offsets)
+
+    def Detokenize(self, request: pb.DetokenizeRequest, context: Context) -> pb.DetokenizeResponse:
+        return pb.DetokenizeResponse(text="".join(chr(t) for t in request.token_ids), held_back_tokens=1)
 
     def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
         _check_api_key(context)
@@ -317,6 +321,8 @@ ROUTE_KEY_VECTORS = [
     ),
     (dict(messages=[("user", "日本語 🌊")]), "9311b7a87686bfd7"),
     (dict(prompt=""), "6e340b9cffb37a98"),
+    (dict(prompt_token_ids=[1, 400, 49151]), "e7b52d33f5ae94b9"),
+    (dict(prompt_token_ids=list(range(300)), cache_salt="tenant-a"), "bf95a4d8e7a45eb1"),  # the first 256 ids
 ]
 
 
@@ -770,6 +776,29 @@ def test_cli_sends_resume_token_ids(fake: FakeGenerate, target: str) -> None:
     assert list(build_request("hi", resume_token_ids=7).resume_token_ids) == [7]
 
 
+def test_cli_sends_token_ids_and_prints_ids_without_text(
+    fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["--target", target, "--ids", "--skip-detokenize", "[5, 6,7]"]) == 0
+    assert fake.requests[-1] == pb.GenerateRequest(prompt_token_ids=[5, 6, 7], skip_detokenize=True)
+    assert capsys.readouterr().out == "1 2 3 \n"  # the fake's token ids
+    for argv in (["--ids", "five"], ["--ids", "--chat", "5"], ["--detokenize", "--tokenize", "5"]):
+        with pytest.raises(SystemExit):
+            cli.main(["--target", target, *argv])
+
+
+def test_token_ids_are_a_third_kind_of_input(fake: FakeGenerate, target: str) -> None:
+    assert list(build_request(prompt_token_ids=[1, 2]).prompt_token_ids) == [1, 2]
+    for kw in (dict(prompt="a", prompt_token_ids=[1]), dict(messages=[("user", "a")], prompt_token_ids=[1]), {}):
+        with pytest.raises(ValueError, match="prompt_token_ids" if kw else "prompt and messages"):
+            build_request(**kw)
+    with Client(target) as client:
+        assert client.generate(prompt_token_ids=[3], skip_detokenize=True).token_ids == [1, 2, 3]
+        assert client.detokenize([104, 105]) == pb.DetokenizeResponse(text="hi", held_back_tokens=1)
+        assert [o.end for o in client.tokenize("ab", return_offsets=True).offsets] == [1, 2]
+    assert fake.requests[-1].prompt_token_ids == [3] and fake.requests[-1].skip_detokenize
+
+
 def test_cli_prints_each_sample(fake: FakeGenerate, target: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--target", target, "-n", "2", "--stats", "hello"]) == 0
     out, err = capsys.readouterr()
@@ -815,7 +844,11 @@ def test_cli_json_actions(target: str, capsys: pytest.CaptureFixture[str]) -> No
     assert cli.main(["--target", target, "--status"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens_generated"] == "5"  # proto3 JSON: uint64 as a string
     assert cli.main(["--target", target, "--tokenize", "ab"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"token_ids": [97, 98], "pieces": ["a", "b"]}
+    assert json.loads(capsys.readouterr().out) == {"token_ids": [97, 98], "pieces": ["a", "b"], "offsets": []}
+    assert cli.main(["--target", target, "--offsets", "ab"]) == 0
+    assert json.loads(capsys.readouterr().out)["offsets"] == [{"start": 0, "end": 1}, {"start": 1, "end": 2}]
+    assert cli.main(["--target", target, "--detokenize", "104, 105"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"text": "hi", "held_back_tokens": 1}
     assert cli.main(["--target", target, "--health"]) == 0
     assert capsys.readouterr().out == "SERVING\n"
 

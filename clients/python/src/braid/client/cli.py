@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
         help="host:port of the server (env BRAID_TARGET; default %(default)s)",
     )
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user message of a chat")
+    parser.add_argument(
+        "--ids",
+        action="store_true",
+        help="the prompt is token ids ('1 2 3' or '1,2,3', as --tokenize prints them): sent as prompt_token_ids",
+    )
     parser.add_argument("--system", metavar="TEXT", help="a system message first (implies --chat)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the call")
     parser.add_argument("--stats", action="store_true", help="print finish reason, usage, timings to stderr")
@@ -126,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="no speculative decoding for this request (the same tokens; --stats shows proposals)",
     )
+    sampling.add_argument(
+        "--skip-detokenize",
+        action="store_true",
+        default=None,
+        help="receive token ids only, no text: prints the ids (stop strings are refused with it)",
+    )
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--request-id")
     sampling.add_argument(
@@ -154,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
         "--grammar", metavar="FILE", help="the output is a sentence of this grammar (--grammar-syntax)"
     )
     parser.add_argument("--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="--grammar's dialect")
-    parser.set_defaults(constraint=None)
+    parser.set_defaults(constraint=None, prompt_token_ids=None)  # the ids: --ids's prompt, set in _run
 
     security = parser.add_argument_group("security")
     security.add_argument("--tls", action="store_true", help="connect with TLS (system CAs unless --ca-cert)")
@@ -167,6 +178,10 @@ def _parser() -> argparse.ArgumentParser:
     actions.add_argument("--info", action="store_true", help="print ModelInfo as JSON")
     actions.add_argument("--status", action="store_true", help="print ServerStatus as JSON")
     actions.add_argument("--tokenize", action="store_true", help="print the prompt's tokens as JSON")
+    actions.add_argument("--offsets", action="store_true", help="as --tokenize, with each token's character offsets")
+    actions.add_argument(
+        "--detokenize", action="store_true", help="print the text of the prompt's token ids (as --ids) as JSON"
+    )
     actions.add_argument("--health", action="store_true", help="print the health status; exit 1 unless SERVING")
     return parser
 
@@ -188,6 +203,14 @@ def _input(args: argparse.Namespace, text: str) -> Input:
         return text, None
     system = [("system", args.system)] if args.system else []
     return None, [*system, ("user", text)]
+
+
+def _token_ids(text: str, parser: argparse.ArgumentParser) -> list[int]:
+    """The ids in '1 2 3', '1,2,3' or '[1, 2, 3]'."""
+    try:
+        return [int(t) for t in text.replace(",", " ").strip("[] \n").split()]
+    except ValueError:
+        parser.error(f"--ids: expected token ids separated by spaces or commas, got {text[:40]!r}")
 
 
 def _print_json(message: ProtoMessage) -> None:
@@ -254,7 +277,9 @@ def _generate(client: Client, args: argparse.Namespace, prompt: str | None, mess
         try:
             for message in generation:
                 if generation.n == 1:  # n > 1: each sample is printed whole once all have ended
-                    sys.stdout.write(message.text)
+                    sys.stdout.write(
+                        "".join(f"{t} " for t in message.token_ids) if args.skip_detokenize else message.text
+                    )
                     sys.stdout.flush()
                 logprobs[message.index] += [lp.logprob for lp in message.logprobs]
                 prompt_logprobs += [lp.logprob for lp in message.prompt_logprobs]
@@ -286,11 +311,20 @@ def _run(client: Client, args: argparse.Namespace, parser: argparse.ArgumentPars
         status = client.health(timeout=args.timeout)
         print(status)
         return 0 if status == "SERVING" else 1
+    elif args.ids or args.detokenize:
+        if args.chat or args.system or args.tokenize or args.offsets:
+            parser.error("token ids (--ids, --detokenize) go with none of --chat, --system, --tokenize, --offsets")
+        ids = _token_ids(_read_prompt(args, parser), parser)
+        if args.detokenize:
+            _print_json(client.detokenize(ids, timeout=args.timeout))
+            return 0
+        args.prompt_token_ids = ids
+        return _generate(client, args, None, None)
     else:
         prompt, messages = _input(args, _read_prompt(args, parser))
-        if not args.tokenize:
+        if not (args.tokenize or args.offsets):
             return _generate(client, args, prompt, messages)
-        _print_json(client.tokenize(prompt, messages=messages, timeout=args.timeout))
+        _print_json(client.tokenize(prompt, messages=messages, return_offsets=args.offsets, timeout=args.timeout))
     return 0
 
 

@@ -213,8 +213,8 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
         route_key: the `braid-route-key` header, e.g. a conversation id; default: the request's
         own (braid.client.routing.route_key), unless the client's route_keys is False.
 
-        Raises ValueError unless exactly one of prompt and messages is given, and TypeError
-        for a param that is not a GenerateRequest field.
+        Raises ValueError unless exactly one of prompt, messages and params' prompt_token_ids
+        is given, and TypeError for a param that is not a GenerateRequest field.
         """
         request = build_request(prompt, messages=messages, **params)
         return self._start(request, timeout, self._stream_metadata(request, route_key))
@@ -260,12 +260,26 @@ class Client(_BaseClient[Generation]):
         return generation.completion()
 
     def tokenize(
-        self, text: str | None = None, *, messages: Chat | None = None, timeout: float | None = None
+        self,
+        text: str | None = None,
+        *,
+        messages: Chat | None = None,
+        return_offsets: bool = False,
+        timeout: float | None = None,
     ) -> pb.TokenizeResponse:
-        """Returns the tokens the model would see for a text or a chat."""
-        request = build_tokenize_request(text, messages=messages)
+        """Returns the tokens the model would see for a text or a chat; with return_offsets, each
+        token's characters [start, end) in the text too (offsets)."""
+        request = build_tokenize_request(text, messages=messages, return_offsets=return_offsets)
         with raising_braid_errors():
             return self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+
+    def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> pb.DetokenizeResponse:
+        """Returns the ids' text, as a stream would send it: ending on a whole character, with
+        held_back_tokens saying how many of the last ids end in part of one (send them again with
+        the next)."""
+        request = pb.DetokenizeRequest(token_ids=list(token_ids))
+        with raising_braid_errors():
+            return self._stub.Detokenize(request, timeout=timeout, metadata=self._metadata)
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfoResponse:
         """Describes the served model and its scheduling."""
@@ -353,12 +367,26 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         return generation.completion()
 
     async def tokenize(
-        self, text: str | None = None, *, messages: Chat | None = None, timeout: float | None = None
+        self,
+        text: str | None = None,
+        *,
+        messages: Chat | None = None,
+        return_offsets: bool = False,
+        timeout: float | None = None,
     ) -> pb.TokenizeResponse:
-        """Returns the tokens the model would see for a text or a chat."""
-        request = build_tokenize_request(text, messages=messages)
+        """Returns the tokens the model would see for a text or a chat; with return_offsets, each
+        token's characters [start, end) in the text too (offsets)."""
+        request = build_tokenize_request(text, messages=messages, return_offsets=return_offsets)
         with raising_braid_errors():
             return await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+
+    async def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> pb.DetokenizeResponse:
+        """Returns the ids' text, as a stream would send it: ending on a whole character, with
+        held_back_tokens saying how many of the last ids end in part of one (send them again with
+        the next)."""
+        request = pb.DetokenizeRequest(token_ids=list(token_ids))
+        with raising_braid_errors():
+            return await self._stub.Detokenize(request, timeout=timeout, metadata=self._metadata)
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfoResponse:
         """Describes the served model and its scheduling."""

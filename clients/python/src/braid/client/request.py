@@ -21,10 +21,11 @@ PARAMS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.name no
 class GenerateParams(TypedDict, total=False):
     """The GenerateRequest fields that stream() and generate() take as keyword arguments.
 
-    One key per field but the input (prompt, messages); protos/braid/v1/generate.proto
-    documents each. None, like leaving a key out, keeps the server's default. A single
-    string is accepted for stop and bad_words, and a single int for stop_token_ids and
-    resume_token_ids.
+    One key per field but prompt and messages; protos/braid/v1/generate.proto documents
+    each. None, like leaving a key out, keeps the server's default. A single string is
+    accepted for stop and bad_words, and a single int for stop_token_ids and
+    resume_token_ids. prompt_token_ids is the third kind of input, instead of prompt and
+    messages.
     """
 
     max_new_tokens: int | None
@@ -57,6 +58,8 @@ class GenerateParams(TypedDict, total=False):
     resume_token_ids: int | Sequence[int] | None  # the token ids a broken stream delivered, sent with its seed
     adapter: str | None  # a loaded LoRA adapter's name (ModelInfoResponse.adapters)
     disable_speculation: bool | None  # no speculative decoding for this request (the tokens are the same)
+    prompt_token_ids: Sequence[int] | None  # a prompt already tokenized, instead of prompt and messages
+    skip_detokenize: bool | None  # token_ids only, no text (stop strings then are refused)
 
 
 def json_schema(schema: Mapping[str, object] | str) -> pb.Constraint:
@@ -100,23 +103,25 @@ def to_messages(messages: Chat) -> list[pb.Message]:
     return [to_message(turn) for turn in messages]
 
 
-def _check_one_input(text_name: str, text: str | None, messages: object) -> None:
-    if (text is None) == (messages is None):
-        raise ValueError(f"set exactly one of {text_name} and messages")
+def _check_one_input(text_name: str, text: str | None, messages: object, token_ids: object = None) -> None:
+    if sum(given is not None for given in (text, messages, token_ids)) != 1:
+        names = f"{text_name}, messages and prompt_token_ids" if token_ids is not None else f"{text_name} and messages"
+        raise ValueError(f"set exactly one of {names}")
 
 
 def build_request(
     prompt: str | None = None, *, messages: Chat | None = None, **params: Unpack[GenerateParams]
 ) -> pb.GenerateRequest:
-    """Builds a GenerateRequest from a prompt or a chat and GenerateRequest fields (GenerateParams).
+    """Builds a GenerateRequest from a prompt, a chat or token ids (params' prompt_token_ids) and
+    GenerateRequest fields (GenerateParams).
 
     Params left out or None keep the proto default (the server's default).
 
     Raises:
-        ValueError: neither or both of prompt and messages are given.
+        ValueError: not exactly one of prompt, messages and prompt_token_ids is given.
         TypeError: a param is not a GenerateRequest field (a caller mypy does not check).
     """
-    _check_one_input("prompt", prompt, messages)
+    _check_one_input("prompt", prompt, messages, params.get("prompt_token_ids"))
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
         raise TypeError(f"unknown GenerateRequest parameter(s): {', '.join(unknown)}")
@@ -136,7 +141,10 @@ def build_request(
     return request
 
 
-def build_tokenize_request(text: str | None = None, *, messages: Chat | None = None) -> pb.TokenizeRequest:
-    """Builds a TokenizeRequest; exactly one of text and messages must be given."""
+def build_tokenize_request(
+    text: str | None = None, *, messages: Chat | None = None, return_offsets: bool = False
+) -> pb.TokenizeRequest:
+    """Builds a TokenizeRequest; exactly one of text and messages must be given (return_offsets:
+    with text only)."""
     _check_one_input("text", text, messages)
-    return pb.TokenizeRequest(text=text or "", messages=to_messages(messages or ()))
+    return pb.TokenizeRequest(text=text or "", messages=to_messages(messages or ()), return_offsets=return_offsets)

@@ -9,7 +9,8 @@ ring hash; docs/deployment.md, "Prefix-affinity routing").
 The key, in any language (clients/node/routing.js computes the same):
 
     head     = the prompt's UTF-8 bytes; for a chat, for each message up to and including the
-               first one whose role is "user": role, a 0 byte, content, a 0 byte (UTF-8)
+               first one whose role is "user": role, a 0 byte, content, a 0 byte (UTF-8); for
+               prompt_token_ids, each id as 4 bytes, little-endian two's complement
     material = cache_salt's UTF-8 bytes, a 0 byte, the first 1,024 bytes of head
     key      = the first 16 hex digits (lower case) of SHA-256(material)
 
@@ -29,6 +30,8 @@ KEY_HEX_DIGITS = 16
 
 
 def _head(request: pb.GenerateRequest) -> bytes:
+    if request.prompt_token_ids:
+        return b"".join(t.to_bytes(4, "little", signed=True) for t in request.prompt_token_ids[: HEAD_BYTES // 4])
     if not request.messages:
         return request.prompt.encode()
     parts = []
