@@ -60,6 +60,9 @@ const REQUEST_FLAGS = [
     help: "a token id a broken stream had delivered, to go on from (repeatable, in order; with its --seed)" },
   { field: 'disableSpeculation', help: 'no speculative decoding for this request (the tokens are the same)' },
   { field: 'adapter', metavar: 'NAME', help: "a loaded LoRA adapter to generate with (ModelInfo's adapters)" },
+  { field: 'promptTokenIds', flag: 'prompt-token-id', metavar: 'ID',
+    help: 'a prompt token id, instead of the prompt (repeatable, in order)' },
+  { field: 'skipDetokenize', help: 'receive token ids only, no text: prints the ids' },
 ];
 
 // GenerateRequest.constraint: a flag per kind of Constraint (its oneof), named as braid-client's, at
@@ -259,11 +262,13 @@ function parse(argv) {
     process.stdout.write(`${usage()}\n`);
     process.exit(0);
   }
-  if (positionals.length !== 1) usageError('one prompt is needed (quote it)');
+  const ids = values['prompt-token-id'] !== undefined; // the prompt as token ids: no argument needed
+  if (positionals.length !== 1 && !(ids && positionals.length === 0)) usageError('one prompt is needed (quote it)');
   const [prompt] = positionals;
   const system = values.system === undefined ? [] : [{ role: 'system', content: values.system }];
   const chat = values.chat || system.length > 0;
-  const input = chat ? { messages: [...system, { role: 'user', content: prompt }] } : { prompt };
+  const text = chat ? { messages: [...system, { role: 'user', content: prompt }] } : { prompt };
+  const input = prompt === undefined ? {} : text;
   const cancelAfter = values['cancel-after'];
   const constraint = constraintOf(values);
   return {
@@ -328,8 +333,9 @@ function run({ target, request, cancelAfter, stats }) {
   call.on('data', (message) => {
     if (message.queuePosition) process.stderr.write(`[queue position ${message.queuePosition}]\n`);
     const sample = (samples[message.index] ??= { text: '', tokens: [], promptTokens: [], final: null });
-    if (many) sample.text += message.text;
-    else process.stdout.write(message.text);
+    const shown = request.skipDetokenize ? message.tokenIds.map((id) => `${id} `).join('') : message.text;
+    if (many) sample.text += shown;
+    else process.stdout.write(shown);
     message.logprobs.forEach((logprob, i) => {
       const text = message.tokenIds.length === 1 ? message.text : undefined; // one token's text, if known
       sample.tokens.push({ id: message.tokenIds[i], text, ...logprob });

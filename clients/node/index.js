@@ -218,7 +218,8 @@ class Client {
    * with an error whose code is grpc.status.CANCELLED (see isCancelled). A stream of one sample
    * that breaks mid-way is resumed (the client's `resume`): `call.resumes` counts the times.
    *
-   * @param {object} request GenerateRequest fields: prompt or messages ([{role, content}]),
+   * @param {object} request GenerateRequest fields: prompt, messages ([{role, content}]) or
+   *   promptTokenIds (a prompt already tokenized; skipDetokenize then, or any time, sends ids only),
    *   maxNewTokens, temperature, topP, topK, minP, repetitionPenalty, presencePenalty,
    *   frequencyPenalty, logitBias ({tokenId: bias}), seed, stop, includeStopSequence,
    *   stopTokenIds, ignoreEos, requestId, minNewTokens, priority, timeoutMs, cacheSalt,
@@ -265,9 +266,20 @@ class Client {
     });
   }
 
-  /** Resolves to a TokenizeResponse ({ tokenIds, pieces }) for { text } or { messages }. */
+  /**
+   * Resolves to a TokenizeResponse ({ tokenIds, pieces, offsets }) for { text } or { messages };
+   * with { text, returnOffsets: true }, offsets holds each token's { start, end } characters.
+   */
   tokenize(request, { timeoutMs } = {}) {
     return this.unary('Tokenize', request, timeoutMs);
+  }
+
+  /**
+   * Resolves to a DetokenizeResponse ({ text, heldBackTokens }) for these token ids: the text ends
+   * on a whole character, and heldBackTokens of the last ids end in part of one.
+   */
+  detokenize(tokenIds, { timeoutMs } = {}) {
+    return this.unary('Detokenize', { tokenIds: [...tokenIds] }, timeoutMs);
   }
 
   /** Resolves to a ModelInfoResponse. */

@@ -4,7 +4,8 @@
  * braid.client.routing computes the same; docs/deployment.md, "Prefix-affinity routing").
  *
  *   head     = the prompt's UTF-8 bytes; for a chat, for each message up to and including the
- *              first one whose role is "user": role, a 0 byte, content, a 0 byte (UTF-8)
+ *              first one whose role is "user": role, a 0 byte, content, a 0 byte (UTF-8); for
+ *              promptTokenIds, each id as 4 bytes, little-endian two's complement
  *   material = cacheSalt's UTF-8 bytes, a 0 byte, the first 1,024 bytes of head
  *   key      = the first 16 hex digits (lower case) of SHA-256(material)
  *
@@ -19,6 +20,12 @@ const KEY_HEX_DIGITS = 16;
 const ZERO = Buffer.from([0]);
 
 function head(request) {
+  const ids = request.promptTokenIds ?? [];
+  if (ids.length > 0) {
+    const bytes = Buffer.alloc(4 * Math.min(ids.length, HEAD_BYTES / 4));
+    for (let i = 0; i < bytes.length / 4; i++) bytes.writeInt32LE(ids[i], 4 * i);
+    return bytes;
+  }
   const messages = request.messages ?? [];
   if (messages.length === 0) return Buffer.from(request.prompt ?? '', 'utf8');
   const parts = [];

@@ -86,6 +86,11 @@ test('flags read as braid-client reads them', () => {
   assert.deepEqual(greedy, { prompt: 'x', temperature: 0.5, ignoreEos: true });
 });
 
+test('--prompt-token-id sends the prompt as ids, with no prompt argument', () => {
+  const { request } = parse(['--prompt-token-id', '5', '--prompt-token-id', '6', '--skip-detokenize']);
+  assert.deepEqual(request, { promptTokenIds: [5, 6], skipDetokenize: true });
+});
+
 test('--target: repeated or comma-separated addresses are replicas; a resolver\'s target is one', () => {
   const target = (...values) => parse([...values.flatMap((value) => ['--target', value]), 'hi']).target;
   assert.equal(target('10.0.0.1:1,localhost:2', '10.0.0.3:3'), 'ipv4:10.0.0.1:1,127.0.0.1:2,10.0.0.3:3');

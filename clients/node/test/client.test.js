@@ -38,6 +38,19 @@ test('health, model info and tokenize', async () => {
   assert.equal(tokens.pieces.join(''), 'Hello world');
 });
 
+test('token ids in: the text prompt\'s tokens; skipDetokenize: ids without text; detokenize and offsets', async () => {
+  const prompt = 'The capital of France is';
+  const { tokenIds: ids } = await client.tokenize({ text: prompt });
+  const byText = await client.generate({ prompt, maxNewTokens: 4, ignoreEos: true });
+  const byIds = await client.generate({ promptTokenIds: ids, maxNewTokens: 4, ignoreEos: true, skipDetokenize: true });
+  assert.deepEqual(byIds.tokenIds, byText.tokenIds);
+  assert.equal(byIds.text, '');
+  assert.equal(byIds.final.usage.promptTokens, ids.length);
+  assert.deepEqual(await client.detokenize(ids), { text: prompt, heldBackTokens: 0 });
+  const { offsets } = await client.tokenize({ text: prompt, returnOffsets: true });
+  assert.equal(offsets.at(-1).end, prompt.length);
+});
+
 test('a stream read with for await ends with finishReason and usage', async () => {
   const call = client.stream({ prompt: 'The capital of France is', maxNewTokens: 4, ignoreEos: true });
   const messages = [];

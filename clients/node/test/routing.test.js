@@ -14,6 +14,8 @@ const VECTORS = [
     { role: 'assistant', content: 'Hello' }, { role: 'user', content: 'Again' }] }, 'c27234034c1a4c49'],
   [{ messages: [{ role: 'user', content: '日本語 🌊' }] }, '9311b7a87686bfd7'],
   [{ prompt: '' }, '6e340b9cffb37a98'],
+  [{ promptTokenIds: [1, 400, 49151] }, 'e7b52d33f5ae94b9'],
+  [{ promptTokenIds: [...Array(300).keys()], cacheSalt: 'tenant-a' }, 'bf95a4d8e7a45eb1'], // the first 256 ids
 ];
 
 test('the routing key is the Python client\'s for the same request', () => {
