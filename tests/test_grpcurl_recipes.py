@@ -113,6 +113,13 @@ def one(check: Callable[[dict], bool]) -> Callable[[str], None]:
     return run_check
 
 
+def stream_of_ids(output: str) -> None:
+    """A stream of token ids without text (skip_detokenize), of a prompt of 4 ids."""
+    messages = json_messages(output)
+    assert all("text" not in m for m in messages) and sum(len(m.get("token_ids", [])) for m in messages) > 0
+    assert messages[-1]["finish_reason"] and messages[-1]["usage"]["prompt_tokens"] == 4
+
+
 def adapter_round_trip(output: str) -> None:
     """LoadAdapter's AdapterInfo, a stream with the adapter, then UnloadAdapter's empty answer."""
     response, *streamed, unloaded = json_messages(output)
@@ -136,7 +143,8 @@ def constrained(check: Callable[[str], object]) -> Callable[[str], None]:
 CHECKS: dict[str, Callable[[str], None]] = {
     "List services#0": contains("braid.v1.Generate\n", "grpc.health.v1.Health\n", "grpc.reflection."),
     "List the methods of Generate#0": contains(*(f"braid.v1.Generate.{rpc}\n" for rpc in
-                                                 ("Stream", "Tokenize", "ModelInfo", "ServerStatus"))),
+                                                 ("Stream", "Tokenize", "Detokenize", "ModelInfo",
+                                                  "ServerStatus"))),
     "Describe the service#0": contains(
         "service Generate {",
         "rpc Stream ( .braid.v1.GenerateRequest ) returns ( stream .braid.v1.GenerateResponse );"),
@@ -161,6 +169,10 @@ CHECKS: dict[str, Callable[[str], None]] = {
                                "grpcurl exited with 67"),
     "Tokenize#0": one(lambda m: "".join(m["pieces"]) == "Hello, world!"
                       and len(m["pieces"]) == len(m["token_ids"])),
+    "Tokenize#1": one(lambda m: len(m["offsets"]) == len(m["token_ids"]) == 4
+                      and m["offsets"][-1] == {"start": 12, "end": 13}),
+    "Send token ids, receive token ids#0": stream_of_ids,
+    "Detokenize#0": one(lambda m: m == {"text": "Sea:", "held_back_tokens": 2}),
     "ModelInfo#0": one(lambda m: m["model_name"] and m["context_length"] > 0 and m["vocab_size"] > 0
                        and m["mode"].startswith("SCHEDULING_MODE_")),
     "ServerStatus#0": one(lambda m: m["mode"].startswith("SCHEDULING_MODE_") and m["uptime_seconds"] > 0),
