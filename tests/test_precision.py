@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -223,49 +225,69 @@ def test_q8_0_costs_at_most_one_percent_of_perplexity(smol_fp32, dtype, record_p
     assert quantized <= plain * 1.01
 
 
-def test_int8_activations_cost_at_most_one_percent_of_perplexity(embedded, record_property):
-    """The embedded model in its own formats (Q4_1, with a Q8_0 head), its quantized matrices
-    multiplied by int8 rows (--activations int8) against float32 rows, on the same fixed text.
-    docs/benchmarks.md quotes the figures."""
-    model = embedded
-    ids = model.hf_tokenizer(TEXT)["input_ids"]
+@dataclass
+class TextPass:
+    """The embedded model over the fixed text (tests/data/perplexity.txt) in one prompt pass."""
 
-    def perplexity(activations: str) -> float:
-        runner = ModelRunner(
-            model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048, activations=activations
-        )
-        assert runner.activations == (activations if runner.kernels != "torch" else "float32")
-        return perplexity_of(runner, ids)
-
-    plain, int8 = perplexity("float32"), perplexity("int8")
-    record_property("perplexity", f"float32 rows: {plain:.4f}, int8 rows: {int8:.4f}")
-    print(f"\nperplexity with float32 rows {plain:.4f}, with int8 rows {int8:.4f} ({int8 / plain - 1:+.2%})")
-    assert 5 < plain < 100
-    assert int8 <= plain * 1.01
+    activations: str  # the rows the runner multiplied (auto resolved)
+    weight_formats: dict[str, int]  # the runner's, format: matrices
+    perplexity: float  # of the whole text
+    logits: torch.Tensor  # [512, V]: the first 512 positions', for the divergence tests
 
 
-def test_bf16_activations_cost_at_most_one_percent_of_perplexity(embedded, record_property):
-    """The embedded model served in bf16 (--dtype bfloat16 --quantization none), its matrices
-    multiplied by bf16 rows (--activations bf16: AVX-512 BF16's vdpbf16ps) against float32 rows, on
-    the same fixed text. Where the CPU has no AVX-512 BF16 both run float32 rows (and the figures are
-    equal). docs/benchmarks.md quotes the figures."""
+@pytest.fixture(scope="module")
+def text_pass(embedded):
+    """text_pass(activations, **weights): the embedded model over the fixed text with those rows and
+    weights (ModelRunner's weight_dtype, quantization), run once per configuration the runner
+    resolves to for the whole module: the perplexity and the divergence tests read the same pass (on
+    a CPU without AVX-512 BF16, bf16 rows are float32 rows, and so computed once)."""
     ids = embedded.hf_tokenizer(TEXT)["input_ids"]
+    done: dict[tuple, TextPass] = {}
 
-    def perplexity(activations: str) -> tuple[float, str]:
+    def get(activations: str, **weights: str) -> TextPass:
         runner = ModelRunner(
             embedded,
             torch.device("cpu"),
             torch.float32,
             num_pages=128,
             max_seq_len=2048,
-            weight_dtype="bfloat16",
-            quantization="none",
             activations=activations,
+            **weights,
         )
-        assert set(runner.weight_formats) == {"bf16", "f32"}  # the matrices bf16, the norms f32
-        return perplexity_of(runner, ids), runner.activations
+        key = (runner.activations, tuple(sorted(runner.weight_formats.items())))
+        if key not in done:
+            logits = prompt_logits(runner, ids)
+            nll = -torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
+            done[key] = TextPass(runner.activations, runner.weight_formats, math.exp(nll.item()), logits[:512].clone())
+        return done[key]
 
-    (plain, _), (bf16, rows) = perplexity("float32"), perplexity("bf16")
+    return get
+
+
+def test_int8_activations_cost_at_most_one_percent_of_perplexity(text_pass, record_property):
+    """The embedded model in its own formats (Q4_1, with a Q8_0 head), its quantized matrices
+    multiplied by int8 rows (--activations int8) against float32 rows, on the same fixed text.
+    docs/benchmarks.md quotes the figures."""
+    plain, int8 = text_pass("float32"), text_pass("int8")
+    assert int8.activations == ("float32" if plain is int8 else "int8")  # float32: where braid's kernels do not run
+    plain, int8 = plain.perplexity, int8.perplexity
+    record_property("perplexity", f"float32 rows: {plain:.4f}, int8 rows: {int8:.4f}")
+    print(f"\nperplexity with float32 rows {plain:.4f}, with int8 rows {int8:.4f} ({int8 / plain - 1:+.2%})")
+    assert 5 < plain < 100
+    assert int8 <= plain * 1.01
+
+
+# The embedded model served in bf16 (--dtype bfloat16 --quantization none)
+BF16 = dict(weight_dtype="bfloat16", quantization="none")
+
+
+def test_bf16_activations_cost_at_most_one_percent_of_perplexity(text_pass, record_property):
+    """The embedded model served in bf16, its matrices multiplied by bf16 rows (--activations bf16:
+    AVX-512 BF16's vdpbf16ps) against float32 rows, on the same fixed text. Where the CPU has no
+    AVX-512 BF16 both run float32 rows (and the figures are equal). docs/benchmarks.md quotes the figures."""
+    plain, bf16 = text_pass("float32", **BF16), text_pass("bf16", **BF16)
+    assert set(bf16.weight_formats) == {"bf16", "f32"}  # the matrices bf16, the norms f32
+    rows, plain, bf16 = bf16.activations, plain.perplexity, bf16.perplexity
     record_property("perplexity", f"bf16 weights, float32 rows: {plain:.4f}, {rows} rows: {bf16:.4f}")
     print(
         f"\nbf16 weights: perplexity with float32 rows {plain:.4f}, with {rows} rows {bf16:.4f} "
@@ -293,12 +315,11 @@ def _logits(model: LoadedModel, ids: list[int], activations: str, **weights: str
     return prompt_logits(runner, ids)
 
 
-def test_int8_activations_diverge_from_float32_rows_as_little_as_llama_cpps(embedded, record_property):
+def test_int8_activations_diverge_from_float32_rows_as_little_as_llama_cpps(text_pass, record_property):
     """--activations int8 (and auto, which runs it) against float32 rows, over the first 512
     positions of the fixed text: mean KL divergence and same-top-token rate within llama.cpp's own
     figures for the same file (LLAMA_CPP_Q4_1). docs/benchmarks.md quotes the figures."""
-    ids = embedded.hf_tokenizer(TEXT)["input_ids"][:512]
-    kld, same_top = divergence(_logits(embedded, ids, "float32"), _logits(embedded, ids, "auto"))
+    kld, same_top = divergence(text_pass("float32").logits, text_pass("auto").logits)
     record_property("divergence", f"int8 rows against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}")
     print(f"\nint8 rows against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}")
     assert kld <= LLAMA_CPP_Q4_1["kld"] and same_top >= LLAMA_CPP_Q4_1["same_top"], (kld, same_top)
@@ -311,16 +332,14 @@ def test_int8_activations_diverge_from_float32_rows_as_little_as_llama_cpps(embe
 BF16_NEAR_TIE = 0.01
 
 
-def test_bf16_activations_choose_float32_rows_tokens_but_for_near_ties(embedded):
+def test_bf16_activations_choose_float32_rows_tokens_but_for_near_ties(text_pass):
     """The embedded model in bf16: at every position of the fixed text, the token bf16 rows (auto)
     rank first is the one float32 rows rank first, or within BF16_NEAR_TIE of it."""
-    ids = embedded.hf_tokenizer(TEXT)["input_ids"][:512]
-    bf16 = dict(weight_dtype="bfloat16", quantization="none")
-    rows, plain = _logits(embedded, ids, "auto", **bf16), _logits(embedded, ids, "float32", **bf16)
+    rows, plain = text_pass("auto", **BF16).logits, text_pass("float32", **BF16).logits
     best = plain.max(1).values
     gap = best - plain.gather(1, rows.argmax(1, keepdim=True))[:, 0]
     print(
-        f"\n{int((gap > 0).sum())} of {len(ids)} positions flip, the largest gap "
+        f"\n{int((gap > 0).sum())} of {len(gap)} positions flip, the largest gap "
         f"{(gap / best.abs().clamp(min=1)).max():.4f} of the best logit"
     )
     assert (gap <= BF16_NEAR_TIE * best.abs().clamp(min=1)).all(), gap.max()
