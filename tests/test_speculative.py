@@ -6,15 +6,14 @@ the books balanced and no page held; what ModelInfo, ServerStatus and the reques
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 
 from braid.client import AsyncClient, regex
 from braid.server.model.loader import default_cache_dir
 from braid.v1 import generate_pb2 as pb
-from conftest import MODES, Server, start_together, tiny_model, wait_for
+from braid_testing.process import run_braid
+from conftest import MODES, Server, free_port, start_together, tiny_model, tiny_server, wait_for
 from in_process import Model, Outcome, generate, load_model
 
 PASSAGE = (
@@ -38,43 +37,16 @@ _NGRAM = dict(speculative="ngram", speculative_tokens=6, ngram_min=1)
 
 
 @pytest.fixture(scope="module")
-def speculating(tiny_dir):
-    """Tiny-model servers with --speculative ngram, one per mode, started on first use; proposing
-    after one token matches, so that there is much to reject."""
-    started: dict[str, Server] = {}
-
-    def get(mode: str) -> Server:
-        if mode not in started:
-            started[mode] = Server(
-                [
-                    "--model",
-                    str(tiny_dir),
-                    "--mode",
-                    mode,
-                    "--threads",
-                    "1",
-                    "--max-batch-size",
-                    "16",
-                    "--max-wait-ms",
-                    "5",
-                    *SPECULATIVE,
-                    "--ngram-min",
-                    "1",
-                ]
-            )
-        return started[mode]
-
-    yield get
-    for server in started.values():
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def smol_pair(smol_dir):
+def smol_pair(smol_dir, tmp_path_factory):
     """The embedded model without and with speculation, continuous mode, on a fixed thread count (no
-    thread governor switching mid-run)."""
+    thread governor switching mid-run). The one with speculation serves /metrics and logs to a file."""
     common = ["--mode", "continuous", *SMOL]
-    plain, fast = start_together(lambda: Server(common), lambda: Server([*common, *SPECULATIVE]))
+    metrics_port, log = free_port(), tmp_path_factory.mktemp("speculating") / "server.log"
+    plain, fast = start_together(
+        lambda: Server(common),
+        lambda: Server([*common, *SPECULATIVE, "--metrics-port", str(metrics_port)], log_path=log),
+    )
+    fast.metrics_url, fast.log_path = f"http://127.0.0.1:{metrics_port}/metrics", log
     yield plain, fast
     plain.stop()
     fast.stop()
@@ -222,20 +194,27 @@ def _kernels(server) -> str:
         return client.model_info().kernels
 
 
-def test_a_seed_gives_the_same_tokens_with_speculation(smol_pair, servers, speculating):
+def test_a_seed_gives_the_same_tokens_with_speculation(smol_loaded, tiny_loaded):
+    """In process: sampled requests with a seed give the same tokens with --speculative ngram as
+    without, on the embedded model (the passage's copy, where proposals are kept) and, with n=2, on
+    the tiny one (proposing after one token matches)."""
     sampled = [
         dict(messages=COPY, max_new_tokens=60, temperature=t, seed=s, top_p=p, repetition_penalty=r)
         for t, s, p, r in ((0.7, 1, 1.0, 1.0), (1.0, 2, 0.9, 1.0), (0.5, 3, 1.0, 1.2), (1.3, 4, 0.95, 1.0))
     ]
-    plain, fast = smol_pair
-    expected = asyncio.run(_run(plain.target, sampled))
-    got = asyncio.run(_run(fast.target, sampled))
-    assert [g[0] for g in got] == [e[0] for e in expected]
-    assert sum(g[2].usage.accepted_tokens for g in got) > 0
+    expected = generate(smol_loaded, sampled, mode="continuous")
+    got = generate(smol_loaded, sampled, mode="continuous", speculative="ngram", speculative_tokens=6)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert sum(g.final.accepted_tokens for g in got) > 0
     raw = [dict(prompt=RAW[1], max_new_tokens=30, temperature=1.0, seed=s, n=2) for s in range(3)]
-    assert [sorted(r[0]) for r in asyncio.run(_run(speculating("continuous").target, raw))] == [
-        sorted(r[0]) for r in asyncio.run(_run(servers("continuous").target, raw))
-    ]
+    plain = generate(tiny_loaded, raw, **_TINY, mode="continuous")
+    fast = generate(tiny_loaded, raw, **_TINY, mode="continuous", **_NGRAM)
+    assert _samples_by_request(fast) == _samples_by_request(plain)
+
+
+def _samples_by_request(outcomes: list[Outcome], n: int = 2) -> list[list[list[int]]]:
+    """Each request's n samples' tokens, in either order."""
+    return [sorted(o.token_ids for o in outcomes[i : i + n]) for i in range(0, len(outcomes), n)]
 
 
 def test_constraints_stop_strings_and_logprobs_with_speculation(smol_pair):
@@ -297,7 +276,7 @@ def test_cancelled_mid_generation_leaves_the_books_balanced_and_no_page_held(smo
     )
 
 
-def test_model_info_says_what_is_configured(smol_pair):
+def test_model_info_says_what_is_configured(smol_pair, tiny_dir):
     plain, fast = smol_pair
     with fast.client() as client:
         info = client.model_info()
@@ -305,6 +284,15 @@ def test_model_info_says_what_is_configured(smol_pair):
     with plain.client() as client:
         info = client.model_info()
     assert (info.speculative, info.speculative_tokens) == ("none", 0)
+    drafted = tiny_server(tiny_dir, "--speculative", "draft", "--draft-model", str(tiny_dir))
+    try:
+        with drafted.client() as client:
+            info = client.model_info()
+            done = client.generate(RAW[1], max_new_tokens=8, ignore_eos=True)
+    finally:
+        drafted.stop()
+    assert (info.speculative, info.speculative_tokens, info.draft_model) == ("draft", 5, str(tiny_dir))
+    assert done.usage.accepted_tokens > 0  # the model drafting for itself
 
 
 @pytest.mark.parametrize(
@@ -316,9 +304,7 @@ def test_model_info_says_what_is_configured(smol_pair):
     ],
 )
 def test_bad_speculation_flags_fail_at_start_in_one_line(flags, line):  # before any model loads
-    result = subprocess.run(
-        [sys.executable, "-m", "braid.server.cli", "serve", *flags], capture_output=True, text=True, timeout=60
-    )
+    result = run_braid("serve", *flags, timeout=60)
     assert result.returncode == 2
     assert line in result.stderr.strip().splitlines()[-1]
 
@@ -373,21 +359,17 @@ def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(tiny_loaded,
         assert proposed > 0 and sum(g.final.accepted_tokens for g in got) >= accepted * proposed, name
 
 
-def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, tiny_dir, expected_greedy):
-    plain, _ = smol_pair
-    requests = [dict(r, top_logprobs=2) for r in _greedy_requests()]
-    expected = expected_greedy(plain)
-    drafted = Server(["--mode", "continuous", *SMOL, "--speculative", "draft", "--draft-model", str(tiny_dir)])
-    try:
-        got = asyncio.run(_run(drafted.target, requests))
-        with drafted.client() as client:
-            info = client.model_info()
-    finally:
-        drafted.stop()
-    for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected):
-        _same_but_for_a_near_tie(ids, e_ids, e_logprobs, info.kernels)
-    assert sum(g[2].usage.proposed_tokens for g in got) > 0
-    assert (info.speculative, info.draft_model) == ("draft", str(tiny_dir))
+def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, smol_loaded, drafts, expected_greedy):
+    """In process, continuous mode: the embedded model with the tiny random one drafting for it (as
+    --speculative draft --draft-model does) gives the plain server's tokens."""
+    expected = expected_greedy(smol_pair[0])
+    draft = drafts["same"]
+    got = generate(
+        smol_loaded, _tops_requested(), draft, mode="continuous", speculative="draft", draft_model=draft.path
+    )
+    for g, (e_ids, _, _, e_logprobs) in zip(got, expected):
+        _same_but_for_a_near_tie(g.token_ids, e_ids, _tops(e_logprobs), smol_loaded.runner.kernels)
+    assert sum(g.final.proposed_tokens for g in got) > 0
 
 
 def test_a_draft_of_another_vocabulary_fails_at_start_naming_both_sizes(tmp_path, tiny_dir):
@@ -408,81 +390,40 @@ def test_a_draft_of_another_vocabulary_fails_at_start_naming_both_sizes(tmp_path
         )
     ).save_pretrained(tmp_path)
     shutil.copy(tiny_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    missing = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "braid.server.cli",
-            "serve",
-            "--model",
-            str(tiny_dir),
-            "--port",
-            "0",
-            "--speculative",
-            "draft",
-            "--draft-model",
-            str(tmp_path / "none"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    serve = ("serve", "--model", str(tiny_dir), "--port", "0", "--speculative", "draft", "--draft-model")
+    missing = run_braid(*serve, str(tmp_path / "none"), timeout=300)
     assert (
         missing.stderr.strip().splitlines()[-1]
         == f"braid: error: --draft-model {tmp_path / 'none'}: no such file or directory"
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "braid.server.cli",
-            "serve",
-            "--model",
-            str(tiny_dir),
-            "--port",
-            "0",
-            "--speculative",
-            "draft",
-            "--draft-model",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_braid(*serve, str(tmp_path), timeout=300)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"braid: error: --draft-model {tmp_path}: its vocabulary has 1000 tokens, the model's 49152"
     )
 
 
-def test_metrics_and_the_request_log_report_proposed_and_accepted_tokens(smol_dir, tmp_path):
-    from braid_testing.process import free_port
+def test_metrics_and_the_request_log_report_proposed_and_accepted_tokens(smol_pair):
+    """/metrics counts what ServerStatus counts (the module's earlier calls included), and a call's
+    request log line its own proposed and accepted tokens."""
     from test_request_log import request_lines
     from test_telemetry import scrape, value
 
-    metrics_port, log = free_port(), tmp_path / "server.log"
-    server = Server(["--mode", "continuous", *SMOL, *SPECULATIVE, "--metrics-port", str(metrics_port)], log_path=log)
-    server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    try:
-        [(_, _, final, _)] = asyncio.run(
-            _run(server.target, [dict(messages=COPY, max_new_tokens=60, request_id="copy")])
-        )
-        samples = scrape(server)
-        wait_for(lambda: "copy" in request_lines(log))
-    finally:
-        server.stop()
+    _, fast = smol_pair
+    [(_, _, final, _)] = asyncio.run(_run(fast.target, [dict(messages=COPY, max_new_tokens=60, request_id="copy")]))
     usage = final.usage
     assert usage.accepted_tokens > 0
-    assert (
-        value(samples, "braid_speculative_tokens_total", braid_speculative_outcome="proposed") == usage.proposed_tokens
-    )
-    assert (
-        value(samples, "braid_speculative_tokens_total", braid_speculative_outcome="accepted") == usage.accepted_tokens
-    )
+    with fast.client() as client:
+        status = wait_for(lambda: (s := client.server_status()).sessions_active == 0 and s)
+    samples = scrape(fast)
+    for outcome, total in (
+        ("proposed", status.speculative_proposed_tokens),
+        ("accepted", status.speculative_accepted_tokens),
+    ):
+        assert value(samples, "braid_speculative_tokens_total", braid_speculative_outcome=outcome) == total
     rate = [v for (name, _), v in samples.items() if name.startswith("braid_speculative_acceptance_rate")]
-    assert rate == [pytest.approx(usage.accepted_tokens / usage.proposed_tokens)]
-    line = request_lines(log)["copy"]
+    assert rate == [pytest.approx(status.speculative_accepted_tokens / status.speculative_proposed_tokens)]
+    line = wait_for(lambda: request_lines(fast.log_path).get("copy"))
     assert (line["proposed_tokens"], line["accepted_tokens"]) == (
         str(usage.proposed_tokens),
         str(usage.accepted_tokens),
