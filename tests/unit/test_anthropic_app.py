@@ -54,9 +54,9 @@ def saying(engine: FakeEngine, text: str) -> FakeEngine:
     return engine
 
 
-def events(http: TestClient, body: dict, **kw) -> list[tuple[str, dict]]:
-    """A streamed message's (event, data) pairs, in order."""
-    with http.stream("POST", "/v1/messages", json={**body, "stream": True}, **kw) as response:
+def events(http: TestClient, body: dict, path: str = "/v1/messages") -> list[tuple[str, dict]]:
+    """A streamed message's (event, data) pairs, in order (or another stream's with `event:` lines)."""
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
     names = [line[len("event: ") :] for line in lines if line.startswith("event: ")]
@@ -448,17 +448,22 @@ def test_the_api_key_is_x_api_key_or_bearer_and_every_key_sent_must_be_right():
     assert http.get("/v1/models", headers={"x-api-key": "k"}).status_code == 200  # every route takes it
 
 
-def test_closing_a_stream_cancels_its_session():
+def closing_cancels(path: str, body: dict, first: str) -> None:
+    """A stream closed after its first line (`first`) cancels its session, and not before."""
     engine = FakeEngine()
     engine.hold = True  # the session waits, as a long generation would
     aborted = []
     engine._abort = lambda session_id, reason: aborted.append((session_id, reason))
     _, http = serve(engine)
-    with http.stream("POST", "/v1/messages", json={**BODY, "stream": True}) as response:
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
         lines = response.iter_lines()
-        assert next(lines) == "event: message_start"
+        assert next(lines) == first
         assert not aborted
     assert set(aborted) == {(1, FinishReason.CANCELLED)}
+
+
+def test_closing_a_stream_cancels_its_session():
+    closing_cancels("/v1/messages", BODY, "event: message_start")
 
 
 def test_unknown_fields_are_named_and_strict_refuses_them_naming_the_path():

@@ -9,16 +9,16 @@ block whose input streams as input_json_delta."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
-from braid.server.engine.types import Delta, Finished, FinishReason
+from braid.server.engine.types import Finished, FinishReason
 from braid.server.http.choices import ChatChoice
 from braid.server.http.errors import ApiError
-from braid.server.http.events import ended
+from braid.server.http.events import choice_deltas, ended
 from braid.server.http.requests import Plan
+from braid.server.http.streaming import named_frame
 
 if TYPE_CHECKING:
     from braid.server.engine.handle import SessionHandle
@@ -63,29 +63,27 @@ class MessageEvents:
             "usage": usage,
         }
         yield "message_start", {"type": "message_start", "message": start}
-        async for batch in self._handle.batches():
-            text = "".join(e.text for e in batch if isinstance(e, Delta))
-            for event in self._converted(self._choice.feed(text)):
+        async for delta in choice_deltas(self._handle, self._choice, self._ended):
+            for event in self._converted(delta):
                 yield event
-            if self._handle.finished is None:
-                continue
-            finished = ended(self._handle, self._record, self._draining())
-            # the whole text, read for tool calls: off the event loop (it grows with the output)
-            for event in self._converted(await asyncio.to_thread(self._choice.end)):
-                yield event
-            for event in self._closed():
-                yield event
-            reason = stop_reason(finished, self._choice.has_calls)
-            delta = {"stop_reason": reason, "stop_sequence": finished.stop_sequence or None}
-            yield (
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": delta,
-                    "usage": {"output_tokens": finished.generated_tokens},
-                },
-            )
-            yield "message_stop", {"type": "message_stop"}
+        finished = self._handle.finished
+        assert finished is not None
+        for event in self._closed():
+            yield event
+        reason = stop_reason(finished, self._choice.has_calls)
+        delta = {"stop_reason": reason, "stop_sequence": finished.stop_sequence or None}
+        yield (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": delta,
+                "usage": {"output_tokens": finished.generated_tokens},
+            },
+        )
+        yield "message_stop", {"type": "message_stop"}
+
+    def _ended(self) -> Finished:
+        return ended(self._handle, self._record, self._draining())
 
     def _converted(self, delta: dict[str, Any] | None) -> Iterator[Event]:
         """A chat delta (content, or tool calls: each begun with its id, then arguments) as events."""
@@ -120,11 +118,11 @@ class MessageEvents:
 
     async def frames(self) -> AsyncIterator[bytes]:
         async for name, data in self.events():
-            yield _frame(name, data)
+            yield named_frame(name, data)
 
     def error_frame(self, error: ApiError) -> bytes:
         """An `error` event, in Anthropic's error shape; no message_stop follows."""
-        return _frame("error", error.body(anthropic=True))
+        return named_frame("error", error.body(anthropic=True))
 
     async def whole(self) -> dict[str, Any]:
         """The message not streamed: its events gathered, each tool_use's input parsed (a call cut
@@ -158,7 +156,3 @@ def _object(text: str) -> dict[str, Any]:
     except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _frame(name: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"

@@ -147,6 +147,24 @@ def ended(handle: SessionHandle, record: Record, draining: bool) -> Finished:
     return finished
 
 
+async def choice_deltas(
+    handle: SessionHandle, choice: choices.ChatChoice, ended: Callable[[], Finished]
+) -> AsyncIterator[dict[str, Any]]:
+    """One session's output read as a chat choice, for an API that translates chat's deltas into
+    its own events (Anthropic's, the Responses API's): its deltas as its text comes, then, once it
+    has ended (`ended`: its failure raised, its Finished noted), the last one: the calls found in
+    the whole text, read off the event loop (that grows with the output)."""
+    async for batch in handle.batches():
+        delta = choice.feed("".join(e.text for e in batch if isinstance(e, Delta)))
+        if delta is not None:
+            yield delta
+        if handle.finished is not None:
+            ended()
+            last = await asyncio.to_thread(choice.end)
+            if last is not None:
+                yield last
+
+
 def _joined(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not parts:
         return None

@@ -5,6 +5,7 @@ a stream (`sse`, `EventStream`), and a watch on the connection while a whole res
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 import anyio
@@ -22,7 +23,8 @@ T = TypeVar("T")
 
 
 class Output(Protocol):
-    """A call's output in its API's shape (OpenAI's: events.py; Anthropic's: anthropic_events.py)."""
+    """A call's output in its API's shape (OpenAI's: events.py; Anthropic's: anthropic_events.py; the
+    Responses API's: responses_events.py)."""
 
     def frames(self) -> AsyncIterator[bytes]:
         """The output as server-sent events, as they come."""
@@ -32,6 +34,11 @@ class Output(Protocol):
 
     async def whole(self) -> dict[str, Any]:
         """The output gathered into one response (not streamed)."""
+
+
+def named_frame(name: str, data: dict[str, Any]) -> bytes:
+    """A server-sent event with its `event:` line, as Anthropic's and the Responses API's streams send them."""
+    return b"event: " + name.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def sse(output: Output, record: Record, call: CallSessions) -> AsyncIterator[bytes]:
