@@ -1,10 +1,10 @@
 """OpenAI's HTTP API on braid's engine (Starlette): /v1/chat/completions and /v1/completions,
-streamed as server-sent events or not, /v1/models and /health; and Anthropic's Messages API,
-/v1/messages and /v1/messages/count_tokens. This module holds the routes; each job around them has
-its own: observed.py (the API key, errors, the span, the log line and the metric around every
-call), generation.py (the one path every generating route shares), events.py (OpenAI's output),
-anthropic_*.py (Anthropic's requests and output), streaming.py (SSE and disconnects), errors.py,
-body.py.
+streamed as server-sent events or not, OpenAI's Responses API (/v1/responses, stateless), /v1/models
+and /health; and Anthropic's Messages API, /v1/messages and /v1/messages/count_tokens. This module
+holds the routes; each job around them has its own: observed.py (the API key, errors, the span, the
+log line and the metric around every call), generation.py (the one path every generating route
+shares), events.py (OpenAI's output), anthropic_*.py and responses_*.py (those APIs' requests and
+output), streaming.py (SSE and disconnects), errors.py, body.py.
 
 Like the gRPC servicer, it reaches the engine only through EngineClient, runs on the gRPC server's
 event loop and never blocks it: admission, compiling and tokenizing go through the same lanes and
@@ -15,6 +15,7 @@ client that disconnects mid-stream or while waiting for a whole response ends th
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,6 +35,9 @@ from braid.server.http.generation import Generations, served_names, with_ignored
 from braid.server.http.observed import Handler, Record
 from braid.server.http.protocol import ChatRequest, CompletionRequest
 from braid.server.http.requests import chat_plan, completion_plan
+from braid.server.http.responses_events import ResponseEvents
+from braid.server.http.responses_protocol import ResponsesRequest
+from braid.server.http.responses_requests import echoed, responses_name, responses_plan
 from braid.server.http.streaming import Output
 
 if TYPE_CHECKING:
@@ -67,6 +71,7 @@ class OpenAIApi:
                 *([Route("/metrics", self.metrics, methods=["GET"])] if metrics is not None else []),
                 self._route("/v1/chat/completions", self.chat, methods=["POST"]),
                 self._route("/v1/completions", self.completions, methods=["POST"]),
+                self._route("/v1/responses", self.responses, methods=["POST"]),
                 self._route("/v1/messages", self.messages, methods=["POST"]),
                 self._route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 self._route("/v1/models", self.models, methods=["GET"]),
@@ -151,6 +156,24 @@ class OpenAIApi:
             return MessageEvents(plan, handles[0], model, record, lambda: self.draining)
 
         return await self._generations.run(request, record, plan, body.model, body.stream, anthropic)
+
+    async def responses(self, request: Request, record: Record) -> Response:
+        """OpenAI's Responses API, stateless, as a chat (http/responses_requests.py). `store: true`
+        is taken and named among the ignored fields: nothing is stored."""
+        body = await self._generations.body(request, ResponsesRequest, record)
+        if body.store and "store" not in record.ignored:
+            record.ignored.append("store")
+        info = self._engine.info
+        plan, origins = responses_plan(
+            body, self._config.default_max_new_tokens, info.vocab_size, info.chat_template_takes_tools
+        )
+
+        def responses(handles: list[SessionHandle], model: str) -> Output:
+            head = {"model": model, **echoed(body)}
+            rename = functools.partial(responses_name, origins=origins)
+            return ResponseEvents(plan, handles[0], head, record, lambda: self.draining, rename)
+
+        return await self._generations.run(request, record, plan, body.model, body.stream, responses)
 
     async def count_tokens(self, request: Request, record: Record) -> Response:
         """The tokens of a message's prompt, as the chat template renders it, tools included. The

@@ -35,6 +35,8 @@ _SCHEMA_ROOTS = (
     ("response_format", "json_schema", "schema"),
     ("tools", int, "input_schema"),  # Anthropic's
     ("output_config", "format", "schema"),
+    ("tools", int, "parameters"),  # the Responses API's
+    ("text", "format", "schema"),
 )
 
 Path = tuple[Any, ...]  # a linked list, (key, parent path) or (): one tuple per value walked, not a copy per depth

@@ -1,4 +1,4 @@
-"""The one path every generating route takes (chat, completions, Anthropic's messages): its body
+"""The one path every generating route takes (chat, completions, Anthropic's messages, responses): its body
 read and checked, the fields braid does not know named, the engine's request submitted through the
 lanes, and its output streamed as server-sent events or sent whole, the call's sessions ended
 however it ends. A route adds only how its body becomes a Plan (http/requests.py) and the shape of
@@ -26,6 +26,7 @@ from braid.server.http.body import read
 from braid.server.http.events import Events
 from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
 from braid.server.http.requests import Plan
+from braid.server.http.responses_protocol import ResponsesRequest
 from braid.server.http.streaming import EventStream, Output, sse, unless_disconnected
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ _LOGGER = logging.getLogger("braid.server.http.app")  # the HTTP API's one logge
 IGNORED_HEADER = "braid-ignored-fields"  # the request's fields braid does not know, and so ignored
 _MOST_NAMED = 8  # unknown fields named per request (a header, a log line): the first ones
 _MOST_WARNED = 1024  # distinct unknown fields logged as warnings, once each, in a process's life
-Body = TypeVar("Body", ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest)
+Body = TypeVar("Body", ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
 # a call's output in its API's shape, from its sessions and the model name it answers under
 OutputOf = Callable[["list[SessionHandle]", str], Output]
 
