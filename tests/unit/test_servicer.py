@@ -63,13 +63,15 @@ class FakeAdapterRunner:
 
 
 class FakeEngine:
-    """The EngineClient port, scripted: every session streams `tokens` (token t as text " t") and
-    ends with `finish` (and `error`, `error_field`); aborted sessions end CANCELLED."""
+    """The EngineClient port, scripted: every session streams `tokens` (token t as text " t", or
+    as `texts` has it) and ends with `finish` (and `error`, `error_field`); aborted sessions end CANCELLED."""
 
     def __init__(self, max_queued: int = 8, max_loras: int = 2) -> None:
         self.info, self.started_at, self.max_sessions = INFO, time.monotonic(), 4
         self.books = Books(max_queued)
         self.tokens = [5, 6, 7]
+        self.texts: list[str] | None = None  # each token's text, instead of " t"
+        self.submitted: list = []  # the engine's requests, as submitted
         self.finish, self.error, self.error_field = FinishReason.MAX_TOKENS, None, None
         self.hold = False  # sessions wait (for Abort) instead of streaming
         self.handles: dict[int, SessionHandle] = {}
@@ -100,14 +102,16 @@ class FakeEngine:
             ticket.release()
             raise
         ticket.release(submitted=request.n)
+        self.submitted.append(request)
         handles = []
         for _ in range(request.n):
             handle = SessionHandle(len(self.handles) + 1, request.request_id, 7, 3, loop, self._abort, lambda: None)
             self.handles[handle.session_id] = handle
             handles.append(handle)
             if not self.hold:
-                for t in self.tokens:
-                    loop.call_soon_threadsafe(handle.push, Delta(f" {t}", [t]))
+                for i, t in enumerate(self.tokens):
+                    text = self.texts[i] if self.texts is not None else f" {t}"
+                    loop.call_soon_threadsafe(handle.push, Delta(text, [t]))
                 self._end(handle, self.finish, self.error, self.error_field)
         return handles
 

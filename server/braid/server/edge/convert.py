@@ -5,10 +5,11 @@ protobuf alone can get wrong (an enum value the .proto does not name, a oneof le
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import time
 import uuid
-from typing import Sequence
+from typing import Any, Sequence
 
 from braid.server.engine.types import (
     AdapterInfo,
@@ -24,20 +25,53 @@ from braid.server.engine.types import (
     SamplingParams,
     TokenLogprob,
 )
-from braid.server.frontend import checks
+from braid.server.frontend import checks, tool_plan
+from braid.server.frontend.tools import ToolCall
 from braid.v1 import generate_pb2 as pb
 
 _GRAMMAR_SYNTAX = {pb.GRAMMAR_SYNTAX_LARK: "lark", pb.GRAMMAR_SYNTAX_GBNF: "gbnf"}
 
 
+_TOOL_CHOICE_MODES = {
+    pb.TOOL_CHOICE_MODE_UNSPECIFIED: None,
+    pb.TOOL_CHOICE_MODE_AUTO: tool_plan.AUTO,
+    pb.TOOL_CHOICE_MODE_NONE: tool_plan.NONE,
+    pb.TOOL_CHOICE_MODE_REQUIRED: tool_plan.REQUIRED,
+}
+
+
 def messages_from_pb(messages: Sequence[pb.Message]) -> tuple[Message, ...]:
-    return tuple(Message(role=m.role, content=m.content) for m in messages)
+    """The chat's turns, an assistant's calls as OpenAI's chat gives them to the template."""
+    return tuple(
+        Message(role=m.role, content=m.content, tool_calls=_calls_json(m.tool_calls), tool_call_id=m.tool_call_id)
+        for m in messages
+    )
+
+
+def _calls_json(calls: Sequence[pb.ToolCall]) -> str:
+    if not calls:
+        return ""
+    made = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return json.dumps(made)
 
 
 def request_from_pb(
     req: pb.GenerateRequest, default_max_new_tokens: int, vocab_size: int, time_remaining: float | None
 ) -> GenerationRequest:
     """The request, every field checked (the engine checks the prompt's length once it is tokenized)."""
+    return planned_from_pb(req, default_max_new_tokens, vocab_size, time_remaining)[0]
+
+
+def planned_from_pb(
+    req: pb.GenerateRequest,
+    default_max_new_tokens: int,
+    vocab_size: int,
+    time_remaining: float | None,
+    takes_tools: bool = True,
+) -> tuple[GenerationRequest, tool_plan.ToolPlan]:
+    """The request, every field checked, with its tools (tool_plan.plan_tools: a forced call's
+    constraint, the tools for the chat template, or in its system message where it does not render
+    them, takes_tools False) and how its output is read for calls."""
     deadlines = [t for t in (time_remaining, req.timeout_ms / 1000 if req.timeout_ms else None) if t is not None]
     params = SamplingParams(
         max_new_tokens=req.max_new_tokens or default_max_new_tokens,
@@ -81,7 +115,38 @@ def request_from_pb(
     checks.check_request(request, vocab_size)
     if req.priority not in (pb.PRIORITY_UNSPECIFIED, pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH):
         raise InvalidArgument("priority", f"{req.priority} is not a Priority")
-    return dataclasses.replace(request, constraint=constraint_from_pb(req))
+    request = dataclasses.replace(request, constraint=constraint_from_pb(req))
+    return tool_plan.plan_tools(request, *tools_from_pb(req), takes_tools=takes_tools)
+
+
+def tools_from_pb(req: pb.GenerateRequest) -> tuple[list[dict[str, Any]], str | None, str | None, bool]:
+    """The request's tools as OpenAI's definitions (what chat templates take), its tool_choice's
+    mode or function, and whether a required call may be several."""
+    definitions = []
+    for i, tool in enumerate(req.tools):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            function["parameters"] = _json(tool.parameters, f"tools[{i}].parameters")
+        definitions.append({"type": "function", "function": function})
+    choice = req.tool_choice
+    which = choice.WhichOneof("choice") if req.HasField("tool_choice") else None
+    if which == "mode" and choice.mode not in _TOOL_CHOICE_MODES:
+        raise InvalidArgument("tool_choice.mode", f"{choice.mode} is not a ToolChoiceMode")
+    mode = _TOOL_CHOICE_MODES[choice.mode] if which == "mode" else None
+    return definitions, mode, choice.function if which == "function" else None, not choice.disable_parallel_tool_calls
+
+
+def _json(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArgument(field, f"is not JSON: {exc}") from None
+
+
+def tool_calls_to_pb(calls: Sequence[ToolCall]) -> list[pb.ToolCall]:
+    return [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
 def constraint_from_pb(req: pb.GenerateRequest) -> Constraint | None:

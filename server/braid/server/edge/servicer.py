@@ -25,6 +25,7 @@ from braid.server.engine.types import Busy, Delta, Event, Finished, FinishReason
 from braid.server.frontend import spans
 from braid.server.frontend.lanes import TokenizerLanes
 from braid.server.frontend.sessions import CallSessions, merged, submit
+from braid.server.frontend.tool_plan import CallReader, Read
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 
@@ -72,8 +73,13 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         self._adapter_loads.shutdown(wait=False, cancel_futures=True)
 
     async def Stream(self, request: pb.GenerateRequest, context: Context) -> AsyncIterator[pb.GenerateResponse]:
-        req = convert.request_from_pb(
-            request, self._config.default_max_new_tokens, self._engine.info.vocab_size, context.time_remaining()
+        info = self._engine.info
+        req, tools = convert.planned_from_pb(
+            request,
+            self._config.default_max_new_tokens,
+            info.vocab_size,
+            context.time_remaining(),
+            info.chat_template_takes_tools,
         )
         self._load.count_call()
         # However the call ends (the client cancels, resets the stream or vanishes, at any await
@@ -84,6 +90,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         handles = await submit(self._engine, self._tokenizers, req, call)
         spans.on_session(handles[0], self._engine.info.mode)
         entries = [(h, _credentials(context)) for h in handles]
+        readers = [CallReader(tools) for _ in handles]  # each sample's text, read for tool calls
         self._by_request_id.setdefault(req.request_id, []).extend(entries)
         try:
             # the seed in the headers: a client can resume a broken stream (resume_token_ids) with it
@@ -91,7 +98,12 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 (("braid-request-id", req.request_id), ("braid-seed", str(handles[0].seed)))
             )
             async for index, handle, batch in merged(handles):
-                message = self._message(batch, handle)
+                reader = readers[index]
+                reads = [reader.feed("".join(e.text for e in batch if isinstance(e, Delta)))]
+                if handle.finished is not None:
+                    # the whole text, read for tool calls: off the event loop (it grows with the output)
+                    reads.append(await asyncio.to_thread(reader.end) if tools.mode else reader.end())
+                message = self._message(batch, handle, reads)
                 if len(handles) > 1:
                     message.index = index
                 if handle.finished is not None:
@@ -123,7 +135,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 self._by_request_id.pop(req.request_id, None)
 
     @staticmethod
-    def _message(batch: list[Event], handle: SessionHandle) -> pb.GenerateResponse:
+    def _message(batch: list[Event], handle: SessionHandle, reads: list[Read]) -> pb.GenerateResponse:
+        """The batch's message: its tokens, and its text as read for tool calls (`reads`)."""
         deltas = [e for e in batch if isinstance(e, Delta)]
         if handle.finished is not None:
             message = convert.final_to_pb(handle.finished, handle.request_id, handle.seed)
@@ -132,7 +145,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             queued = [e.position for e in batch if isinstance(e, Queued)]
             if queued and not deltas:
                 message.queue_position = queued[-1]
-        message.text = "".join(d.text for d in deltas)
+        message.text = "".join(r.content for r in reads)
+        message.tool_calls.extend(convert.tool_calls_to_pb([c for r in reads for c in r.calls]))
         for d in deltas:
             message.token_ids.extend(d.token_ids)
             message.logprobs.extend(convert.logprobs_to_pb(d.logprobs))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from typing import Any
 
@@ -30,6 +31,7 @@ _RENAMES = {
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
     "user": "metadata.user_id",
 }
+_TOOL_FIELD = re.compile(r"(tools\[\d+\])\.function\.(name|parameters)")  # a chat tool's, from tool_plan
 
 
 def messages_plan(
@@ -50,6 +52,9 @@ def messages_plan(
 def anthropic_name(field: str, origins: list[str] | None = None) -> str:
     """A chat request's field as Anthropic's body names it; origins: where each chat message came
     from (`messages[k]...` is named by the block it was made of)."""
+    tool = _TOOL_FIELD.fullmatch(field)
+    if tool:
+        return f"{tool[1]}.{'name' if tool[2] == 'name' else 'input_schema'}"
     for chat, anthropic in _RENAMES.items():
         if field == chat or field.startswith((chat + "[", chat + ".")):
             return anthropic + field[len(chat) :]

@@ -3,18 +3,14 @@ tool calls, its finish reason, its logprobs, and its usage."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from braid.server.engine.types import Delta, Finished, FinishReason, TokenLogprob
 from braid.server.frontend import tools
+from braid.server.frontend.tool_plan import CallReader, new_call_id
 from braid.server.http.requests import Plan
 
 _LENGTH = {FinishReason.MAX_TOKENS}
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 def openai_call(call: tools.ToolCall, index: int | None = None) -> dict[str, Any]:
@@ -49,66 +45,59 @@ def usage(finals: list[Finished]) -> dict[str, Any]:
 
 
 class ChatChoice:
-    """A chat choice's deltas as its tokens arrive (`feed`), and what is left at its end (`end`).
-    Content is sent as it comes; where tool calls may be in it (`auto`), the text that might begin
-    a call is held back until the choice ends and is parsed."""
+    """A chat choice's deltas as its tokens arrive (`feed`), and what is left at its end (`end`):
+    its output read as every front end reads it (tool_plan.CallReader), in OpenAI's shape. Content
+    is sent as it comes; where tool calls may be in it (`auto`), the text that might begin a call is
+    held back until the choice ends and is parsed; a named function's arguments stream as they come,
+    OpenAI's way."""
 
     def __init__(self, plan: Plan) -> None:
         self._plan = plan
-        self.text = ""
-        self._sent = 0  # characters of text sent as content (auto) or as arguments (a named call)
-        self.calls: list[tools.ToolCall] = []
-        self.cut = False  # a forced call cut short: its calls are as far as they got
-        self._call_id = new_call_id()
-        self._held = tools.HeldBack()  # where a tool call may begin, read as the text grows
+        self._reader = CallReader(plan.tool_plan)
+        self._sent = 0  # characters of a named call's arguments sent
+
+    @property
+    def text(self) -> str:
+        return self._reader.text
+
+    @property
+    def calls(self) -> list[tools.ToolCall]:
+        return self._reader.calls
+
+    @property
+    def cut(self) -> bool:
+        """A forced call cut short: its calls are as far as they got."""
+        return self._reader.cut
 
     @property
     def has_calls(self) -> bool:
         """Whether the choice ends in whole tool calls (finish_reason `tool_calls`)."""
-        return bool(self.calls) and not self.cut
+        return self._reader.has_calls
 
     def feed(self, text: str) -> dict[str, Any] | None:
-        self.text += text
-        if self._plan.tools is None:
-            return {"content": text} if text else None
+        read = self._reader.feed(text)
         if self._plan.tools == "forced" and self._plan.function is not None:
             # a named call: its arguments stream as they come, OpenAI's way
-            head = {} if self._sent else {"id": self._call_id, "type": "function"}
+            head = {} if self._sent else {"id": self._reader.named_id, "type": "function"}
             function = {"arguments": text} if self._sent else {"name": self._plan.function, "arguments": text}
             self._sent += len(text)
             return {"tool_calls": [{"index": 0, **head, "function": function}]}
-        if self._plan.tools == "auto":
-            held = self._held(self.text)
-            if held > self._sent:
-                content, self._sent = self.text[self._sent : held], held
-                return {"content": content}
-        return None
+        return {"content": read.content} if read.content else None
 
     def end(self) -> dict[str, Any] | None:
         """The last delta: tool calls found in the whole text, or the content held back."""
-        plan = self._plan
-        if plan.tools == "forced":
-            self.calls = tools.forced_calls(self.text, plan.function)
-            self.cut = not self.calls
-            if self.cut:  # by max_tokens, say: sent as tool calls all the same, as OpenAI does, never as content
-                self.calls = tools.cut_calls(self.text, plan.function, plan.tool_names)
-            if plan.function is not None:
-                self.calls = [tools.ToolCall(plan.function, self.calls[0].arguments, self._call_id)]
-                return None if self._sent else {"tool_calls": [openai_call(self.calls[0], 0)]}
-            return {"tool_calls": [openai_call(c, i) for i, c in enumerate(self.calls)]} if self.calls else None
-        if plan.tools == "auto":
-            _, self.calls = tools.parse_tool_calls(self.text)
-            if self.calls:
-                return {"tool_calls": [openai_call(c, i) for i, c in enumerate(self.calls)]}
-            rest, self._sent = self.text[self._sent :], len(self.text)
-            return {"content": rest} if rest else None
-        return None
+        read = self._reader.end()
+        if self._plan.tools == "forced" and self._plan.function is not None:
+            return None if self._sent else {"tool_calls": [openai_call(self.calls[0], 0)]}
+        if self.calls:  # (a forced list's are sent at the end too, all at once)
+            return {"tool_calls": [openai_call(c, i) for i, c in enumerate(self.calls)]}
+        return {"content": read.content} if read.content else None
 
     def message(self) -> dict[str, Any]:
         """The whole choice's message (a response that is not streamed), after `end`."""
         if self.calls:
-            content, _ = tools.parse_tool_calls(self.text) if self._plan.tools == "auto" else ("", [])
-            return {"role": "assistant", "content": content or None, "tool_calls": [openai_call(c) for c in self.calls]}
+            content = self._reader.content or None
+            return {"role": "assistant", "content": content, "tool_calls": [openai_call(c) for c in self.calls]}
         return {"role": "assistant", "content": self.text}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import secrets
 import struct
 import uuid
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 
 from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Message, Priority, SamplingParams
 from braid.server.frontend import checks
-from braid.server.frontend import tools as tool_calls
-from braid.server.http.protocol import ChatMessage, ChatRequest, CompletionRequest, ResponseFormat
+from braid.server.frontend.tool_plan import ToolPlan, plan_tools
+from braid.server.http.protocol import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice, ResponseFormat
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default where a request leaves it out (braid's gRPC default: 0, greedy)
 
@@ -32,6 +33,11 @@ class Plan:
     include_usage: bool = False
     logprobs: bool = False
     tool_names: tuple[str, ...] = ()
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        """How its output is read for tool calls, as every front end reads it (frontend/tool_plan.py)."""
+        return ToolPlan(self.tools, self.function, self.tool_names)
 
 
 def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int, takes_tools: bool = True) -> Plan:
@@ -53,37 +59,22 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int, t
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
     )
-    mode, function = _tool_mode(body)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and mode else []
-    constraint = _format_constraint(body.response_format)
-    if mode == "forced":
-        if constraint is not None:
-            raise InvalidArgument("tool_choice", "a forced tool call and response_format cannot go together")
-        schema = tool_calls.forced_schema(tools, function, parallel=body.parallel_tool_calls is not False)
-        constraint = Constraint("json_schema", json.dumps(schema), "tools")
-        if len(constraint.text.encode()) > checks.MAX_CONSTRAINT_BYTES:
-            raise InvalidArgument("tools", f"the tools' schemas are over {checks.MAX_CONSTRAINT_BYTES} bytes")
-    tools_json = json.dumps(tools) if tools else ""
-    if tools and not takes_tools:  # the template would drop them without a word
-        messages, tools_json = _with_system(messages, tool_calls.tools_prompt(tools)), ""
+    choice, function = _tool_choice(body)
     req = dataclasses.replace(
         req,
-        messages=messages,
-        constraint=constraint,
-        tools=tools_json,
+        constraint=_format_constraint(body.response_format),
         chat_template_kwargs=json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else "",
     )
-    names = tuple(t.function.name for t in body.tools or ())
-    return Plan(req, mode, function, _include_usage(body), body.logprobs, names)
-
-
-def _with_system(messages: tuple[Message, ...], text: str) -> tuple[Message, ...]:
-    """The chat with `text` at the end of its system message, or in a new one first."""
-    if messages[0].role == "system":
-        first = messages[0]
-        content = f"{first.content}\n\n{text}" if first.content else text
-        return (dataclasses.replace(first, content=content), *messages[1:])
-    return (Message(role="system", content=text), *messages)
+    req, tools = plan_tools(
+        req,
+        [t.model_dump(exclude_none=True) for t in body.tools or ()],
+        choice,
+        function,
+        parallel=body.parallel_tool_calls is not False,
+        takes_tools=takes_tools,
+        spelling=openai_name,
+    )
+    return Plan(req, tools.mode, tools.function, _include_usage(body), body.logprobs, tools.names)
 
 
 def completion_plan(body: CompletionRequest, default_max_new_tokens: int, vocab_size: int) -> Plan:
@@ -228,6 +219,11 @@ _RENAMES = {
 
 def openai_name(field: str, max_name: str = "max_tokens", is_chat: bool = True) -> str:
     """braid's name of a request field as OpenAI names the parameter (a checks.Spelling)."""
+    tool = _TOOL_FIELD.fullmatch(field)
+    if tool:  # braid's tools[i].name: OpenAI's tools[i].function.name
+        return f"{tool[1]}.function.{tool[2]}"
+    if field == "tool_choice.function":
+        return "tool_choice.function.name"
     head, dot, rest = field.partition(".")
     if head == "max_new_tokens":
         return max_name
@@ -238,6 +234,9 @@ def openai_name(field: str, max_name: str = "max_tokens", is_chat: bool = True) 
     if head == "prompt" and is_chat:
         return "messages"
     return _RENAMES.get(head, head) + dot + rest
+
+
+_TOOL_FIELD = re.compile(r"(tools\[\d+\])\.(name|parameters)")
 
 
 def openai_error(exc: InvalidArgument) -> InvalidArgument:
@@ -276,30 +275,14 @@ def _message(i: int, m: ChatMessage) -> Message:
     else:
         content = m.content or ""
     calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
-    if m.role == "tool" and not m.tool_call_id:
-        raise InvalidArgument(f"{field}.tool_call_id", "is required in a tool message")
     return Message(role=m.role, content=content, tool_calls=calls, tool_call_id=m.tool_call_id or "")
 
 
-def _tool_mode(body: ChatRequest) -> tuple[str | None, str | None]:
-    """How tool calls are read back (Plan.tools) and the forced function's name."""
-    choice = body.tool_choice
-    if not body.tools:
-        if choice not in (None, "none"):
-            raise InvalidArgument("tool_choice", "needs tools")
-        return None, None
-    names = [t.function.name for t in body.tools]
-    if len(set(names)) != len(names):
-        raise InvalidArgument("tools", "two tools have the same name")
-    if choice is None or choice == "auto":
-        return "auto", None
-    if choice == "none":
-        return None, None
-    if choice == "required":
-        return "forced", None
-    if choice.function.name not in names:
-        raise InvalidArgument("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools")
-    return "forced", choice.function.name
+def _tool_choice(body: ChatRequest) -> tuple[str | None, str | None]:
+    """The body's tool_choice as tool_plan takes it: a mode, or the named function."""
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return None, body.tool_choice.function.name
+    return body.tool_choice, None
 
 
 def _format_constraint(fmt: ResponseFormat | None) -> Constraint | None:
