@@ -43,6 +43,8 @@ from braid.client import (
     cli,
     describe,
     finish_reason_name,
+    function_choice,
+    tool,
 )
 from braid.client.generation import MAX_RESUMES, RESUME_BACKOFF_S
 from braid.client.request import PARAMS, build_request, build_tokenize_request
@@ -132,6 +134,14 @@ class FakeGenerate(generate_pb2_grpc.GenerateServicer):
             return
         if request.n > 1:
             yield from _samples(request.n)
+            return
+        if request.tools:  # a call of the first tool as it completes, another in the final message
+            name = request.tools[0].name
+            yield pb.GenerateResponse(token_ids=[1], tool_calls=[pb.ToolCall(id="call_1", name=name, arguments="{}")])
+            calls = [pb.ToolCall(id="call_2", name=name, arguments='{"a": 1}')]
+            yield pb.GenerateResponse(
+                finish_reason=pb.FINISH_REASON_CONSTRAINT, request_id=REQUEST_ID, tool_calls=calls
+            )
             return
         scored = [pb.TokenLogprob(logprob=-1, rank=1), pb.TokenLogprob(logprob=-3, rank=2)]
         yield pb.GenerateResponse(text="Hel", token_ids=[1], prompt_logprobs=scored if request.prompt_logprobs else [])
@@ -238,6 +248,39 @@ def test_generate_params_has_a_key_per_generate_request_field() -> None:
         f"(with its type, or None): add {sorted(fields - keys)}, remove {sorted(keys - fields)}"
     )
     assert not GenerateParams.__required_keys__ and set(PARAMS) == fields
+
+
+def test_build_request_takes_tools_tool_choice_and_tool_turns_as_openais_or_braids() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    openai = {"type": "function", "function": {"name": "weather", "description": "d", "parameters": schema}}
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                               "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]  # fmt: skip
+    request = build_request(messages=turns, tools=[openai, {"name": "time"}], tool_choice="required")
+    weather = pb.Tool(name="weather", description="d", parameters=json.dumps(schema))
+    assert list(request.tools) == [weather, pb.Tool(name="time")] == [tool("weather", "d", schema), tool("time")]
+    assert request.tool_choice == pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)
+    assert list(request.messages[1].tool_calls) == [pb.ToolCall(id="c1", name="weather", arguments="{}")]
+    assert (request.messages[1].content, request.messages[2].tool_call_id) == ("", "c1")
+    named = {"type": "function", "function": {"name": "weather"}}
+    assert build_request("hi", tools=[weather], tool_choice=named).tool_choice == function_choice("weather")
+    assert build_request("hi", tool_choice="none").tool_choice.mode == pb.TOOL_CHOICE_MODE_NONE
+    with pytest.raises(ValueError, match="function_choice"):
+        build_request("hi", tools=[weather], tool_choice="weather")
+
+
+def test_tool_calls_accumulate_on_the_generation_and_its_completion(fake: FakeGenerate, target: str) -> None:
+    with Client(target) as client, client.stream(messages=[("user", "hi")], tools=[tool("weather")]) as generation:
+        for _ in generation:
+            pass
+        assert [c.id for c in generation.tool_calls] == ["call_1", "call_2"]
+        completion = client.generate(messages=[("user", "hi")], tools=[tool("weather")], tool_choice="required")
+    assert completion.finish_reason == "CONSTRAINT" and completion.tool_calls == list(generation.tool_calls)
+    assert json.loads(completion.tool_calls[1].arguments) == {"a": 1} and completion.text == ""
+    assert fake.requests[-1].tool_choice.mode == pb.TOOL_CHOICE_MODE_REQUIRED
 
 
 def test_stream_yields_messages_and_final(fake: FakeGenerate, target: str) -> None:
@@ -739,6 +782,18 @@ def test_cli_sends_the_cache_salt_and_shows_cached_tokens(
     assert fake.requests[-1].cache_salt == "tenant-a"
     assert "2 prompt tokens (1 from the cache, 0 cut)" in capsys.readouterr().err
     assert build_request("hi", cache_salt="tenant-a").cache_salt == "tenant-a"
+
+
+def test_cli_sends_tools_and_prints_the_calls_as_json_lines(
+    fake: FakeGenerate, target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": "weather", "parameters": {"type": "object"}}]))
+    assert cli.main(["--target", target, "--chat", "--tools", str(tools), "--tool-choice", "weather", "hi"]) == 0
+    sent = fake.requests[-1]
+    assert sent.tools[0].name == "weather" and sent.tool_choice == function_choice("weather")
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line)["id"] for line in lines if line] == ["call_1", "call_2"]
 
 
 def test_cli_sends_penalties_bias_and_include_stop_sequence(fake: FakeGenerate, target: str) -> None:

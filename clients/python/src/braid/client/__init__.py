@@ -30,10 +30,12 @@ from braid.client.request import (
     build_request,
     build_tokenize_request,
     choice,
+    function_choice,
     grammar,
     json_object,
     json_schema,
     regex,
+    tool,
 )
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
 
@@ -61,9 +63,11 @@ __all__ = [
     "describe",
     "finish_reason_name",
     "from_rpc_error",
+    "function_choice",
     "grammar",
     "json_object",
     "json_schema",
     "regex",
     "route_key",
+    "tool",
 ]

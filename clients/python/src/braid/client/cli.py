@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections import defaultdict
@@ -17,7 +18,7 @@ from google.protobuf.message import Message as ProtoMessage
 from braid.client.client import Client
 from braid.client.errors import BraidError, from_rpc_error
 from braid.client.generation import finish_reason_name
-from braid.client.request import PARAMS, Chat, choice, grammar, json_object, json_schema, regex
+from braid.client.request import PARAMS, Chat, choice, function_choice, grammar, json_object, json_schema, regex
 from braid.v1 import generate_pb2 as pb
 
 EXIT_FAILED = 1  # a call failed
@@ -166,6 +167,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="--grammar's dialect")
     parser.set_defaults(constraint=None, prompt_token_ids=None)  # the ids: --ids's prompt, set in _run
+    # GenerateRequest.tools and tool_choice (parsed in _generate)
+    tools = parser.add_argument_group("tool calls (GenerateRequest.tools; the calls are printed as JSON lines)")
+    tools.add_argument(
+        "--tools",
+        metavar="FILE",
+        help="a JSON file of a list of tools: OpenAI's function definitions, or {name, description, parameters}",
+    )
+    tools.add_argument(
+        "--tool-choice", metavar="auto|none|required|NAME", help="whether the model must call a tool, or which one"
+    )
 
     security = parser.add_argument_group("security")
     security.add_argument("--tls", action="store_true", help="connect with TLS (system CAs unless --ca-cert)")
@@ -271,6 +282,10 @@ def _generate(client: Client, args: argparse.Namespace, prompt: str | None, mess
     params = {name: getattr(args, name) for name in PARAMS}  # None: left to the server
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     params["constraint"] = _constraint(args)
+    params["tools"] = json.loads(Path(args.tools).read_text()) if args.tools else None
+    if args.tool_choice is not None:
+        modes = ("auto", "none", "required")
+        params["tool_choice"] = args.tool_choice if args.tool_choice in modes else function_choice(args.tool_choice)
     logprobs: defaultdict[int, list[float]] = defaultdict(list)  # by sample index
     prompt_logprobs: list[float] = []
     with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:
@@ -297,6 +312,8 @@ def _generate(client: Client, args: argparse.Namespace, prompt: str | None, mess
         index = completion.final.index
         if generation.n > 1:
             print(f"--- sample {index} ---\n{completion.text}")
+        for call in completion.tool_calls:
+            print(json.dumps({"id": call.id, "name": call.name, "arguments": call.arguments}))
         if args.stats:
             _print_stats(completion.final, logprobs[index], f"[sample {index}] " if generation.n > 1 else "")
     return 0

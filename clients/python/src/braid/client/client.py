@@ -126,6 +126,12 @@ def _restart(
     return restart
 
 
+def _resumes(request: pb.GenerateRequest, resume: bool) -> bool:
+    """Whether a broken stream of this request is resumed: not one with tools, whose calls the
+    server reads from the whole output (it refuses resume_token_ids with tools)."""
+    return resume and not request.tools
+
+
 def _check_one_sample(params: GenerateParams) -> None:
     if (params.get("n") or 1) > 1:
         raise ValueError("generate() returns one Completion: for n > 1 samples, use stream() and completions()")
@@ -238,7 +244,9 @@ class Client(_BaseClient[Generation]):
         def call(req: pb.GenerateRequest) -> grpc.Call:
             return cast(grpc.Call, self._stub.Stream(req, timeout=timeout, metadata=metadata))
 
-        return Generation(call(request), request.n, restart=_restart(request, call) if self.resume else None)
+        return Generation(
+            call(request), request.n, restart=_restart(request, call) if _resumes(request, self.resume) else None
+        )
 
     def generate(
         self,
@@ -345,7 +353,9 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         def call(req: pb.GenerateRequest) -> aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
             return self._stub.Stream(req, timeout=timeout, metadata=metadata)
 
-        return AsyncGeneration(call(request), request.n, restart=_restart(request, call) if self.resume else None)
+        return AsyncGeneration(
+            call(request), request.n, restart=_restart(request, call) if _resumes(request, self.resume) else None
+        )
 
     async def generate(
         self,

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
 import grpc
@@ -50,6 +50,7 @@ class Completion:
     finish_reason: str  # the FinishReason's name without its prefix, e.g. "MAX_TOKENS" (finish_reason_name)
     usage: pb.Usage
     final: pb.GenerateResponse
+    tool_calls: list[pb.ToolCall] = field(default_factory=list)  # the calls it made (GenerateRequest.tools)
 
 
 def finish_reason_name(value: pb.FinishReason.ValueType) -> str:
@@ -89,6 +90,7 @@ class _Stream:
         self.final: pb.GenerateResponse | None = None  # the message that ended the stream
         self._texts: defaultdict[int, list[str]] = defaultdict(list)  # by sample index
         self._token_ids: defaultdict[int, list[int]] = defaultdict(list)
+        self._tool_calls: defaultdict[int, list[pb.ToolCall]] = defaultdict(list)
         self._finals: dict[int, pb.GenerateResponse] = {}
         self._header_request_id: str | None = None  # "" once headers without one arrived
         self._is_cancelled = False
@@ -102,6 +104,11 @@ class _Stream:
     def token_ids(self) -> list[int]:
         """The generated token ids received so far (of sample 0: the only one unless n > 1)."""
         return self._token_ids[0]
+
+    @property
+    def tool_calls(self) -> list[pb.ToolCall]:
+        """The tool calls received so far (of sample 0), each whole: id, name, arguments (JSON text)."""
+        return self._tool_calls[0]
 
     @property
     def finish_reason(self) -> str | None:
@@ -131,7 +138,8 @@ class _Stream:
     def _completion(self, index: int) -> Completion:
         final = self._finals[index]
         text, token_ids = "".join(self._texts[index]), list(self._token_ids[index])
-        return Completion(text, token_ids, finish_reason_name(final.finish_reason), final.usage, final)
+        reason, calls = finish_reason_name(final.finish_reason), list(self._tool_calls[index])
+        return Completion(text, token_ids, reason, final.usage, final, calls)
 
     def cancel(self) -> None:
         """Cancels the call (and so the session on the server); iteration then stops."""
@@ -141,6 +149,7 @@ class _Stream:
     def _record(self, message: pb.GenerateResponse) -> pb.GenerateResponse:
         self._texts[message.index].append(message.text)
         self._token_ids[message.index].extend(message.token_ids)
+        self._tool_calls[message.index].extend(message.tool_calls)
         if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finals[message.index] = message
             if len(self._finals) >= self.n:

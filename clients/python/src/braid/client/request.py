@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from typing_extensions import Unpack
 
 from braid.v1 import generate_pb2 as pb
 
-# A chat turn: ("user", "hi"), {"role": "user", "content": "hi"} or a braid.v1 Message.
-MessageLike = tuple[str, str] | Mapping[str, str] | pb.Message
+# A chat turn: ("user", "hi"), {"role": "user", "content": "hi"} or a braid.v1 Message. A dict may
+# carry OpenAI's tool turns too: an assistant's "tool_calls" (each a ToolCall, OpenAI's
+# {"id", "type": "function", "function": {"name", "arguments"}} or {"id", "name", "arguments"}),
+# a tool result's "tool_call_id".
+MessageLike = tuple[str, str] | Mapping[str, Any] | pb.Message
+# A tool: a braid.v1 Tool (tool()), OpenAI's {"type": "function", "function": {"name",
+# "description", "parameters"}} or its function alone; parameters a JSON Schema, as a dict or text.
+ToolLike = pb.Tool | Mapping[str, Any]
+# A tool_choice: "auto", "none", "required", OpenAI's {"type": "function", "function": {"name": ...}},
+# or a braid.v1 ToolChoice (function_choice(name)).
+ToolChoiceLike = str | Mapping[str, Any] | pb.ToolChoice
 Chat = Iterable[MessageLike]
 
 # GenerateRequest fields that `**params` may set: all but the input (prompt, messages).
@@ -60,6 +69,8 @@ class GenerateParams(TypedDict, total=False):
     disable_speculation: bool | None  # no speculative decoding for this request (the tokens are the same)
     prompt_token_ids: Sequence[int] | None  # a prompt already tokenized, instead of prompt and messages
     skip_detokenize: bool | None  # token_ids only, no text (stop strings then are refused)
+    tools: Sequence[ToolLike] | None  # functions the model may call; calls come back in tool_calls
+    tool_choice: ToolChoiceLike | None  # "auto" (the default with tools), "none", "required", a function
 
 
 def json_schema(schema: Mapping[str, object] | str) -> pb.Constraint:
@@ -88,12 +99,58 @@ def grammar(text: str, syntax: str = "lark") -> pb.Constraint:
     return pb.Constraint(grammar=pb.Grammar(text=text, syntax=syntax_value))
 
 
+def tool(name: str, description: str = "", parameters: Mapping[str, Any] | str | None = None) -> pb.Tool:
+    """A tool the model may call: its name, what it does, and a JSON Schema of its arguments (a dict
+    or its text; None: any object)."""
+    schema = "" if parameters is None else parameters if isinstance(parameters, str) else json.dumps(parameters)
+    return pb.Tool(name=name, description=description, parameters=schema)
+
+
+def to_tool(value: ToolLike) -> pb.Tool:
+    """Converts a tool (ToolLike) to a braid.v1 Tool."""
+    if isinstance(value, pb.Tool):
+        return value
+    function = value.get("function", value)
+    return tool(function["name"], function.get("description") or "", function.get("parameters"))
+
+
+def function_choice(name: str) -> pb.ToolChoice:
+    """A tool_choice: the model must call this tool, its arguments valid against its schema."""
+    return pb.ToolChoice(function=name)
+
+
+def to_tool_choice(value: ToolChoiceLike) -> pb.ToolChoice:
+    """Converts a tool_choice (ToolChoiceLike) to a braid.v1 ToolChoice."""
+    if isinstance(value, pb.ToolChoice):
+        return value
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise ValueError(f"tool_choice {value!r}: one of auto, none and required (a function: function_choice())")
+        return pb.ToolChoice(mode=pb.ToolChoiceMode.Value(f"TOOL_CHOICE_MODE_{value.upper()}"))
+    return function_choice(value["function"]["name"])
+
+
+def to_tool_call(value: pb.ToolCall | Mapping[str, Any]) -> pb.ToolCall:
+    """Converts an earlier call (OpenAI's, or {"id", "name", "arguments"}) to a braid.v1 ToolCall."""
+    if isinstance(value, pb.ToolCall):
+        return value
+    function = value.get("function", value)
+    arguments = function.get("arguments") or "{}"
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return pb.ToolCall(id=value.get("id") or "", name=function["name"], arguments=text)
+
+
 def to_message(turn: MessageLike) -> pb.Message:
     """Converts one chat turn to a braid.v1 Message."""
     if isinstance(turn, pb.Message):
         return turn
     if isinstance(turn, Mapping):
-        return pb.Message(role=turn["role"], content=turn["content"])
+        return pb.Message(
+            role=turn["role"],
+            content=turn.get("content") or "",
+            tool_call_id=turn.get("tool_call_id") or "",
+            tool_calls=[to_tool_call(c) for c in turn.get("tool_calls") or ()],
+        )
     role, content = turn
     return pb.Message(role=role, content=content)
 
@@ -126,6 +183,10 @@ def build_request(
     if unknown:
         raise TypeError(f"unknown GenerateRequest parameter(s): {', '.join(unknown)}")
     request = pb.GenerateRequest(prompt=prompt or "", messages=to_messages(messages or ()))
+    request.tools.extend(to_tool(t) for t in params.pop("tools", None) or ())
+    tool_choice = params.pop("tool_choice", None)
+    if tool_choice is not None:
+        request.tool_choice.CopyFrom(to_tool_choice(tool_choice))
     for name, value in params.items():
         if value is None:
             continue
