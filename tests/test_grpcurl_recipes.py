@@ -140,6 +140,23 @@ def constrained(check: Callable[[str], object]) -> Callable[[str], None]:
     return run_check
 
 
+def tool_call(output: str) -> None:
+    """A named call: no text, and the final message's one call, its arguments valid for the schema."""
+    messages = json_messages(output)
+    (call,) = messages[-1]["tool_calls"]
+    arguments = json.loads(call["arguments"])
+    assert messages[-1]["finish_reason"] == "FINISH_REASON_CONSTRAINT" and call["name"] == "get_weather"
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str) and len(arguments["city"]) <= 20
+    assert call["id"].startswith("call_") and not any("text" in m for m in messages), messages
+
+
+def answer_or_calls(output: str) -> None:
+    """A stream that ends in text, or in calls (the model may call the tool again)."""
+    messages = json_messages(output)
+    text = "".join(m.get("text", "") for m in messages)
+    assert messages[-1]["finish_reason"] and (text.strip() or messages[-1].get("tool_calls")), messages
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "List services#0": contains("braid.v1.Generate\n", "grpc.health.v1.Health\n", "grpc.reflection."),
     "List the methods of Generate#0": contains(*(f"braid.v1.Generate.{rpc}\n" for rpc in
@@ -165,6 +182,8 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "Constrain the output to a format#1": constrained(lambda text: text in ("yes", "no")),
     "Constrain the output to a format#2": constrained(lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text)),
     "Constrain the output to a format#3": constrained(lambda text: text in ("hello world", "hi world")),
+    "Call a tool#0": tool_call,
+    "Call a tool#1": answer_or_calls,
     "See an error#0": contains("Code: InvalidArgument", "prompt", "google.rpc.BadRequest",
                                "grpcurl exited with 67"),
     "Tokenize#0": one(lambda m: "".join(m["pieces"]) == "Hello, world!"
