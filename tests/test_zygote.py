@@ -50,3 +50,30 @@ def test_a_forked_server_drains_on_sigterm_and_reports_a_kill_as_popen_does(tiny
     server = tiny_server(tiny_dir)
     server.proc.send_signal(signal.SIGKILL)
     assert server.proc.wait(30) == -signal.SIGKILL
+
+
+def test_a_zygote_started_on_a_thread_outlives_the_thread():
+    """A test's first server may start on a thread of its own (conftest.start_together): the zygote
+    it starts must serve the rest of the run. It was killed when that thread ended (it asked for
+    the parent-death signal, which is the starting thread's), and every later server ran unforked."""
+    import threading
+
+    client = zygote._Client()
+    forked = []
+
+    def first() -> None:
+        with open(os.devnull, "wb") as devnull:
+            forked.append(client.spawn(["--version"], dict(os.environ), devnull.fileno()))
+
+    try:
+        thread = threading.Thread(target=first)
+        thread.start()
+        thread.join()
+        assert forked[0] is not None and forked[0].wait(60) == 0
+        started = client._proc
+        with open(os.devnull, "wb") as devnull:
+            again = client.spawn(["--version"], dict(os.environ), devnull.fileno())
+        assert again is not None and again.wait(60) == 0
+        assert client._proc is started and started.poll() is None  # the same zygote, alive
+    finally:
+        client._stop()

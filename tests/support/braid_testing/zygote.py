@@ -120,8 +120,12 @@ class _Client:
     def _started(self) -> bool:
         """A zygote that imported what it did under this process's environment, started if need be;
         an older one stays until this process ends, reporting its forks' exits."""
-        if self._proc is not None and self._imported_with != _read_at_import(os.environ):
-            self._proc = None
+        if self._proc is not None and (
+            self._imported_with != _read_at_import(os.environ) or self._proc.poll() is not None
+        ):
+            if self._proc.poll() is not None:
+                warnings.warn(f"the tests' zygote exited ({self._proc.returncode}): starting another", stacklevel=2)
+            self._proc = None  # imported under another environment, or gone: a new one
         if self._proc is None and not self._failed:
             self._start()
         return self._proc is not None and self._proc.poll() is None
@@ -303,7 +307,7 @@ def _serve(path: str) -> None:
 
 
 if __name__ == "__main__":
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the test process
+    # It ends with the test process when its stdin closes (_serve). Not PR_SET_PDEATHSIG: that fires
+    # when the *thread* that started it ends, and a test's first server may start on a thread of its
+    # own (start_together): the zygote was killed with it, and the rest of the run lost its forks.
     _serve(sys.argv[1])
