@@ -10,7 +10,8 @@
  * Tokens are printed as they arrive. Ctrl-C (SIGINT) cancels the stream on the server and exits
  * 130; --cancel-after N cancels it after N generated tokens and exits 0, as a completed stream does.
  * Every GenerateRequest field has a flag (REQUEST_FLAGS), typed by generate.proto; its constraint
- * has one flag per kind of Constraint (CONSTRAINT_FLAGS), at most one of them given.
+ * has one flag per kind of Constraint (CONSTRAINT_FLAGS), at most one of them given; its tools and
+ * tool_choice one each (TOOL_FLAGS).
  */
 
 const fs = require('node:fs');
@@ -79,6 +80,23 @@ const CONSTRAINT_FLAGS = [
   { kind: 'grammar', metavar: 'FILE', help: 'the output is a sentence of this grammar (--grammar-syntax)',
     build: (file, syntax) => grammar(readText(file), syntax) },
 ].map((spec) => ({ field: 'constraint', flag: kebab(spec.kind), ...spec }));
+
+// GenerateRequest.tools and tool_choice: a file of tools, and the choice; each call the model makes is
+// printed as a JSON line after the text.
+const TOOL_MODES = ['auto', 'none', 'required'];
+const TOOL_FLAGS = [
+  { field: 'tools', metavar: 'FILE', help: 'a JSON file of a list of tools: {name, description, parameters}',
+    build: (file) => JSON.parse(readText(file)).map(toolOf) },
+  { field: 'toolChoice', metavar: 'auto|none|required|NAME', help: 'whether the model must call a tool, or which',
+    build: (text) => (TOOL_MODES.includes(text) ? { mode: `TOOL_CHOICE_MODE_${text.toUpperCase()}` } : { function: text }) },
+].map((spec) => ({ flag: kebab(spec.field), ...spec }));
+
+/** A tool as generate.proto has it, from {name, description, parameters} or OpenAI's {function: {...}}. */
+function toolOf(value) {
+  const { name, description = '', parameters } = value.function ?? value;
+  const schema = parameters === undefined || typeof parameters === 'string' ? parameters : JSON.stringify(parameters);
+  return { name, description, ...(schema !== undefined && { parameters: schema }) };
+}
 
 const CLI_FLAGS = [
   ['--target HOST:PORT', 'the braid server (env BRAID_TARGET; default localhost:50051); repeated, or'],
@@ -182,7 +200,7 @@ for (const { flag, alias, short, metavar, repeated } of FLAGS) {
   OPTIONS[flag] = option;
   if (alias) OPTIONS[alias] = option;
 }
-for (const { flag, metavar } of CONSTRAINT_FLAGS) OPTIONS[flag] = { type: metavar ? 'string' : 'boolean' };
+for (const { flag, metavar } of [...CONSTRAINT_FLAGS, ...TOOL_FLAGS]) OPTIONS[flag] = { type: metavar ? 'string' : 'boolean' };
 
 function usage() {
   const line = ([flag, help]) => `  ${flag.padEnd(30)} ${help}`;
@@ -202,6 +220,9 @@ function usage() {
     '',
     'output constraint (GenerateRequest.constraint; one of):',
     ...[...CONSTRAINT_FLAGS, syntax].map(flagLine).map(line),
+    '',
+    'tool calls (GenerateRequest.tools; each call is printed as a JSON line):',
+    ...TOOL_FLAGS.map(flagLine).map(line),
     '',
     'Ctrl-C cancels the generation on the server and exits 130.',
   ].join('\n');
@@ -271,12 +292,16 @@ function parse(argv) {
   const input = prompt === undefined ? {} : text;
   const cancelAfter = values['cancel-after'];
   const constraint = constraintOf(values);
+  const tools = {};
+  for (const { field, flag, build } of TOOL_FLAGS) {
+    if (values[flag] !== undefined) tools[field] = flagValue(flag, build, values[flag]);
+  }
   return {
     target: targetOf(values.target),
     stats: values.stats,
     cancelAfter:
       cancelAfter === undefined ? undefined : flagValue('cancel-after', SCALARS.TYPE_UINT32.parse, cancelAfter),
-    request: { ...input, ...requestOf(values), ...(constraint && { constraint }) },
+    request: { ...input, ...requestOf(values), ...(constraint && { constraint }), ...tools },
   };
 }
 
@@ -332,7 +357,8 @@ function run({ target, request, cancelAfter, stats }) {
   call.on('resumed', (error) => process.stderr.write(`[resumed after ${describe(error)}]\n`));
   call.on('data', (message) => {
     if (message.queuePosition) process.stderr.write(`[queue position ${message.queuePosition}]\n`);
-    const sample = (samples[message.index] ??= { text: '', tokens: [], promptTokens: [], final: null });
+    const sample = (samples[message.index] ??= { text: '', tokens: [], promptTokens: [], toolCalls: [], final: null });
+    sample.toolCalls.push(...message.toolCalls);
     const shown = request.skipDetokenize ? message.tokenIds.map((id) => `${id} `).join('') : message.text;
     if (many) sample.text += shown;
     else process.stdout.write(shown);
@@ -356,9 +382,12 @@ function run({ target, request, cancelAfter, stats }) {
 
   const report = () => {
     if (!many && samples.length) process.stdout.write('\n'); // after the text streamed so far
-    samples.forEach(({ text, tokens, promptTokens, final }, index) => {
+    samples.forEach(({ text, tokens, promptTokens, toolCalls, final }, index) => {
       const label = many ? `[sample ${index}] ` : '';
       if (many) process.stdout.write(`--- sample ${index} ---\n${text}\n`);
+      for (const { id, name, arguments: args } of toolCalls) {
+        process.stdout.write(`${JSON.stringify({ id, name, arguments: args })}\n`);
+      }
       if (promptTokens.length) printLogprobs(`${label}prompt logprobs`, promptTokens);
       if (tokens.length) printLogprobs(`${label}logprobs`, tokens);
       if (stats && final) printStats(final, label);
@@ -391,4 +420,4 @@ if (require.main === module) {
   });
 }
 
-module.exports = { CONSTRAINT_FLAGS, FLAGS, parse, run, usage };
+module.exports = { CONSTRAINT_FLAGS, FLAGS, TOOL_FLAGS, parse, run, usage };

@@ -226,7 +226,12 @@ class Client {
    *   logprobs, topLogprobs (messages then carry logprobs, one per token id),
    *   truncateInputTokens, badWords, reportQueue (messages then carry queuePosition while
    *   waiting), n, constraint (jsonSchema(), jsonObject(), regex(), choice() or grammar(); a
-   *   completed match ends with FINISH_REASON_CONSTRAINT).
+   *   completed match ends with FINISH_REASON_CONSTRAINT), tools ([{name, description,
+   *   parameters}], parameters a JSON Schema as JSON text) and toolChoice ({mode:
+   *   'TOOL_CHOICE_MODE_REQUIRED'} or {function: name}; left out: auto): messages then carry
+   *   toolCalls ([{id, name, arguments}], each call whole and once), and a chat's messages may
+   *   carry an assistant's toolCalls and a tool result's toolCallId. A stream with tools is not
+   *   resumed (the server reads calls from the whole output).
    * @param {object} [options]
    * @param {number} [options.timeoutMs] deadline of the call (of a resumed call too: one deadline).
    * @param {string} [options.routeKey] the `braid-route-key` header, e.g. a conversation id;
@@ -239,23 +244,26 @@ class Client {
     key = key ?? (this.routeKeys ? routeKey(request) : undefined);
     if (key) metadata.set(ROUTE_KEY_HEADER, key);
     // a resumed call carries the same key: it goes where the proxy now sends that key
-    return new Generation((req) => this.stub.Stream(req, metadata.clone(), options), request, { resume: this.resume });
+    const resume = this.resume && !request.tools?.length; // the server refuses resumeTokenIds with tools
+    return new Generation((req) => this.stub.Stream(req, metadata.clone(), options), request, { resume });
   }
 
   /**
-   * Runs a generation to its end: resolves to { text, tokenIds, finishReason, final }, finishReason
-   * the name of final's ('MAX_TOKENS', 'EOS', ...).
+   * Runs a generation to its end: resolves to { text, tokenIds, finishReason, final, toolCalls },
+   * finishReason the name of final's ('MAX_TOKENS', 'EOS', ...), toolCalls every message's.
    */
   async generate(request, options) {
     let text = '';
     const tokenIds = [];
+    const toolCalls = [];
     let final = null;
     for await (const message of this.stream(request, options)) {
       text += message.text;
       tokenIds.push(...message.tokenIds);
+      toolCalls.push(...(message.toolCalls ?? []));
       if (message.finishReason !== 'FINISH_REASON_UNSPECIFIED') final = message;
     }
-    return { text, tokenIds, finishReason: finishReasonName(final?.finishReason), final };
+    return { text, tokenIds, finishReason: finishReasonName(final?.finishReason), final, toolCalls };
   }
 
   unary(method, request, timeoutMs) {

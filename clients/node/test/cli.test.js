@@ -9,14 +9,14 @@ const os = require('node:os');
 const path = require('node:path');
 const { after, before, test } = require('node:test');
 const { grpc, loadBraid } = require('../index.js');
-const { CONSTRAINT_FLAGS, FLAGS, parse, usage } = require('../cli.js');
+const { CONSTRAINT_FLAGS, FLAGS, TOOL_FLAGS, parse, usage } = require('../cli.js');
 
 const braid = loadBraid();
 const INPUT = ['prompt', 'messages']; // the prompt argument, --chat and --system
 const fieldsOf = (type) => type.field.filter((field) => !INPUT.includes(field.name));
 
 test('every GenerateRequest field has a flag', () => {
-  const flagged = new Set([...FLAGS, ...CONSTRAINT_FLAGS].map((flag) => flag.field)); // constraint: one of a group
+  const flagged = new Set([...FLAGS, ...CONSTRAINT_FLAGS, ...TOOL_FLAGS].map((flag) => flag.field)); // constraint: one of a group
   const missing = fieldsOf(braid.GenerateRequest.type).filter((field) => !flagged.has(field.name));
   assert.deepEqual(missing.map((field) => field.name), [], 'add them to REQUEST_FLAGS in cli.js');
 });
@@ -102,7 +102,7 @@ test('--target: repeated or comma-separated addresses are replicas; a resolver\'
 
 test('--help and the README list every flag', () => {
   const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
-  for (const { flag } of [...FLAGS, ...CONSTRAINT_FLAGS, { flag: 'grammar-syntax' }]) {
+  for (const { flag } of [...FLAGS, ...CONSTRAINT_FLAGS, ...TOOL_FLAGS, { flag: 'grammar-syntax' }]) {
     assert.match(usage(), new RegExp(`--${flag}\\b`), flag);
     assert.match(readme, new RegExp(`^\\| .*\`--${flag}\\b`, 'm'), `--${flag} is missing from the README's flag table`);
   }
