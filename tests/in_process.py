@@ -15,7 +15,7 @@ from pathlib import Path
 
 from braid.server.config import EngineConfig
 from braid.server.engine.tokenizer import Tokenizer
-from braid.server.engine.types import Delta, Finished, Message
+from braid.server.engine.types import Delta, EngineStats, Finished, Message
 from braid.server.model.loader import load
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import TokenLogprob
@@ -55,6 +55,13 @@ def generate(model: Model, requests: list[dict], draft: Model | None = None, ada
     have finished. A request: Harness.submit's arguments, with `messages` as (role, text) pairs.
     config: EngineConfig fields (mode, speculative, max_batch_size, ...); adapters: (name, path)
     pairs loaded first (--lora). After the run no session is left and no page is held."""
+    return run(model, requests, draft, adapters, **config)[0]
+
+
+def run(
+    model: Model, requests: list[dict], draft: Model | None = None, adapters=(), **config
+) -> tuple[list[Outcome], EngineStats]:
+    """generate's outcomes, and the engine's books after the run (ServerStatus's counts)."""
     harness = Harness(model.runner, draft.runner if draft else None, tokenizer=model.tokenizer, **config)
     try:
         for name, path in adapters:
@@ -72,7 +79,7 @@ def generate(model: Model, requests: list[dict], draft: Model | None = None, ada
             (final,) = [e for e in events if isinstance(e, Finished)]
             logprobs = [lp for e in events if isinstance(e, Delta) for lp in e.logprobs]
             outcomes.append(Outcome(harness.tokens(h), logprobs, final))
-        return outcomes
+        return outcomes, harness.books.snapshot()
     finally:
         for info in harness.adapters.list():  # the runner outlives this engine
             harness.adapters.unload(info.name)  # none holds it: freed at once

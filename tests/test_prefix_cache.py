@@ -1,5 +1,7 @@
 """The paged KV cache as users meet it: a shared prompt prefix computed once, a chat's earlier turns
-found in the cache, sessions admitted by the memory they use, and preemption instead of failure."""
+found in the cache, a cancelled stream that shared pages, and the cache's flags. Preemption, admission
+by the pages in use and cancels under memory pressure are decided by the engine and the runner alone:
+tests/inprocess/test_paging.py has them."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
-from conftest import MODES, SLOW, tiny_server, wait_for
+from conftest import MODES, tiny_server, wait_for
 
 SYSTEM = (
     "You are a careful assistant who answers questions about the sea, ships and the weather "
@@ -122,77 +124,6 @@ async def _collect(generation):
     return final, ids
 
 
-@pytest.mark.parametrize("mode", ["continuous", "batched"])
-def test_sessions_preempted_for_memory_resume_to_the_same_tokens(tiny_dir, servers, mode):
-    """A cache of 48 pages (768 tokens) and four sessions that grow to 360 tokens each: the
-    scheduler must preempt. Every session still ends normally, with the tokens it gives alone."""
-    questions = [f"Question {i}: how far is the horizon from a ship's mast {i} meters tall?" for i in range(4)]
-    with servers("sequential").client() as client:
-        alone = [client.generate(q, max_new_tokens=300, ignore_eos=True).token_ids for q in questions]
-    # the tiny model's keys and values: 2 layers x 2 heads x 16 x 4 bytes x 2 = 512 bytes a token
-    server = tiny_server(
-        tiny_dir,
-        "--mode",
-        mode,
-        "--max-seq-len",
-        "512",
-        "--kv-cache-memory",
-        str(48 * 16 * 512) + "B",
-        "--max-batch-size",
-        "4",
-        "--max-wait-ms",
-        "5000",
-    )
-
-    async def run():
-        async with AsyncClient(server.target) as client:
-            return await asyncio.gather(
-                *(_collect(client.stream(q, max_new_tokens=300, ignore_eos=True)) for q in questions)
-            )
-
-    try:
-        results = asyncio.run(run())
-        with server.client() as client:
-            status = client.server_status()
-        assert [ids for _, ids in results] == alone
-        assert all(final.finish_reason == pb.FINISH_REASON_MAX_TOKENS for final, _ in results)
-        assert status.preemptions > 0 and status.kv_pages_total == 48 and status.kv_pages_used == 0
-    finally:
-        server.stop()
-
-
-def test_admission_is_by_the_pages_in_use_not_by_max_seq_len(tiny_dir):
-    """A budget that holds two sessions of --max-seq-len runs eight short ones at once."""
-    server = tiny_server(
-        tiny_dir,
-        "--mode",
-        "continuous",
-        "--max-seq-len",
-        "1024",
-        "--kv-cache-memory",
-        str(2 * 1024 * 512) + "B",
-        env=SLOW,
-    )
-
-    async def run():
-        async with AsyncClient(server.target) as client:
-            streams = [
-                asyncio.create_task(_collect(client.stream(f"Short prompt {i}", max_new_tokens=150, ignore_eos=True)))
-                for i in range(8)
-            ]
-            peak = 0
-            while not all(s.done() for s in streams):
-                peak = max(peak, (await client.server_status()).sessions_active)
-                await asyncio.sleep(0.02)
-            await asyncio.gather(*streams)
-            return peak
-
-    try:
-        assert asyncio.run(run()) == 8
-    finally:
-        server.stop()
-
-
 @pytest.mark.parametrize("flags", [["--prefix-caching", "off"], ["--kv-cache-dtype", "bfloat16"]])
 def test_the_cache_flags(tiny_dir, flags):
     """--prefix-caching off computes every prompt; a bfloat16 cache (half the pages' bytes) still
@@ -209,51 +140,5 @@ def test_the_cache_flags(tiny_dir, flags):
         else:  # bfloat16: 256 bytes a token, so 8 MiB is 2,048 pages of 16
             assert warm.usage.cached_tokens > 0 and status.kv_pages_total == 2048
             assert info.kv_cache_dtype == "bfloat16" and info.prefix_caching
-    finally:
-        server.stop()
-
-
-def test_cancels_at_odd_moments_under_memory_pressure_leave_no_page_held(tiny_dir, tmp_path):
-    """Twelve streams sharing a prefix in a cache too small for them all: preemptions happen while
-    half of them are cancelled at random moments (queued, prefilling, preempted, decoding). The
-    rest end normally, and afterwards no page is held and the log has no alarm."""
-    import random
-
-    log = tmp_path / "server.log"
-    server = tiny_server(
-        tiny_dir,
-        "--mode",
-        "continuous",
-        "--max-seq-len",
-        "512",
-        "--kv-cache-memory",
-        str(64 * 16 * 512) + "B",
-        log_path=log,
-    )
-    rng = random.Random(7)
-
-    async def one(client, i: int):
-        generation = client.stream(SYSTEM + f"Question {i}.", max_new_tokens=200, ignore_eos=True, cache_salt="storm")
-        if i % 2:
-            task = asyncio.create_task(_collect(generation))
-            await asyncio.sleep(rng.uniform(0, 1.5))
-            task.cancel()
-            return None
-        final, _ = await _collect(generation)
-        return final.finish_reason
-
-    async def run():
-        async with AsyncClient(server.target) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(12)), return_exceptions=True)
-
-    try:
-        results = asyncio.run(run())
-        assert results[::2] == [pb.FINISH_REASON_MAX_TOKENS] * 6
-        with server.client() as client:
-            status = wait_for(
-                lambda: (s := client.server_status()).sessions_active == 0 and s.sessions_queued == 0 and s
-            )
-        assert status.kv_pages_used == 0 and status.preemptions > 0
-        assert "BOOKS DO NOT BALANCE" not in log.read_text() and "Traceback" not in log.read_text()
     finally:
         server.stop()

@@ -208,8 +208,12 @@ class Harness:
         self._collect(self.core.take_events())
 
     def _collect(self, events: list[tuple[SessionHandle, Event]]) -> None:
+        """Records the events as a client that reads everything at once (no session is paused for
+        its backlog)."""
         for handle, event in events:
             self.events.setdefault(handle.session_id, []).append(event)
+            if isinstance(event, Delta):
+                handle.note_sent(len(event.token_ids))
 
     def tokens(self, handle: SessionHandle) -> list[int]:
         return [t for e in self.events[handle.session_id] if isinstance(e, Delta) for t in e.token_ids]

@@ -65,9 +65,13 @@ class SessionHandle:
                 if isinstance(event, Finished):
                     self.finished = event
             yield batch  # returns once the caller has written the batch to the call
-            self._sent += sum(len(e.token_ids) for e in batch if isinstance(e, Delta))
-            if self._paused:
-                self._wake()
+            self.note_sent(sum(len(e.token_ids) for e in batch if isinstance(e, Delta)))
+
+    def note_sent(self, num_tokens: int) -> None:
+        """The client has taken num_tokens more tokens: a session paused for its backlog runs again."""
+        self._sent += num_tokens
+        if self._paused:
+            self._wake()
 
     def cancel(self, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Asks the model thread to drop the session before its next forward pass."""
