@@ -313,15 +313,15 @@ async def run_all(args) -> Results:
 
 
 def write_docs(results: Results, output: Path) -> None:
-    """Writes the page anew, keeping every section it does not write (other benchmarks' and those
-    written by hand: a fixed list of them lost each new one)."""
+    """Writes this run's section of the page (report.BENCH_HEADING), in place, leaving every other
+    section as it was: other benchmarks' and those written by hand."""
     output.parent.mkdir(parents=True, exist_ok=True)
     plot_path = output.with_suffix(".png")
     has_plot = report.plot(results, plot_path)
     text = report.markdown(results, plot_path.name if has_plot else None)
     old = output.read_text() if output.is_file() else ""
-    output.write_text(report.with_others_kept(text, old))
-    log(f"wrote {output}" + (f" and {plot_path}" if has_plot else ""))
+    output.write_text(report.with_section(old, report.BENCH_HEADING, text))
+    log(f"wrote the section {report.BENCH_HEADING!r} of {output}" + (f" and {plot_path}" if has_plot else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """braid's weight-format benchmark (issues 12 and 26): braid and llama.cpp's server on the same models
 in fp32, bf16, Q8_0 and Q4_0/Q4_1, side by side in one run, at 1 stream, 16 and 32, beside the bound
 that memory bandwidth sets and the server's resident memory, with issue 26's ratios worked out.
-Appends (or replaces) the section "Weight formats (issue 12)" of docs/benchmarks.md.
+Appends (or replaces) its section of docs/benchmarks.md (report.FORMATS_HEADING).
 
     .venv/bin/python benchmarks/formats.py                # everything, 3 repeats (about 60 min)
     .venv/bin/python benchmarks/formats.py --quick        # fewer tokens, one repeat

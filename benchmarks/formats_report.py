@@ -1,5 +1,5 @@
 """The weight-format benchmark's results: one Outcome per configuration, saved as JSON, written as the
-"Weight formats (issue 12)" section of docs/benchmarks.md, with issue 26's ratios worked out from them."""
+FORMATS_HEADING section of docs/benchmarks.md, with issue 26's ratios worked out from them."""
 
 from __future__ import annotations
 

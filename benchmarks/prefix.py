@@ -9,8 +9,8 @@
 3. A 4-turn chat through the chat template: the 4th turn's TTFT with the chat's salt (warm) and
    with a fresh one (cold).
 
-Prints the section "Prefix sharing and paged KV cache (issue 13)" and writes it into
-docs/benchmarks.md (bench.py keeps it when it rewrites the page).
+Prints its section (report.PREFIX_HEADING) and writes it into docs/benchmarks.md in place,
+leaving the page's other sections as they were.
 
     .venv/bin/python benchmarks/prefix.py                 # everything (make bench-prefix; ~15 min)
     .venv/bin/python benchmarks/prefix.py --quick         # 8 requests, 16 new tokens, one run each

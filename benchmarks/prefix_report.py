@@ -1,5 +1,5 @@
-"""The prefix benchmark's results (issue 13): saved as JSON, written as the section "Prefix sharing and
-paged KV cache (issue 13)" of docs/benchmarks.md, with the issue's targets."""
+"""The prefix benchmark's results (issue 13): saved as JSON, written as the section
+PREFIX_HEADING of docs/benchmarks.md, with the issue's targets."""
 
 from __future__ import annotations
 

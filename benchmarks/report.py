@@ -19,12 +19,12 @@ LLAMA_CPP = "llama.cpp server"
 TARGETS = "targets"
 
 
-FORMATS_HEADING = "## Weight formats (issue 12)"  # benchmarks/formats.py's section of the page
-FORMATS_NOTES_HEADING = "## Weight formats: quality, memory and where the time goes (issue 12, by hand)"
-PREFIX_HEADING = "## Prefix sharing and paged KV cache (issue 13)"  # benchmarks/prefix.py's section
-PREFIX_NOTES_HEADING = "## Paged KV cache: what paging costs, and what is left (issue 13, by hand)"
-FEATURES_HEADING = "## Generation features: what they cost (issue 14, by hand)"
-GPU_CHECK_HEADING = "## CUDA targets (issue 18, make gpu-check)"  # benchmarks/gpu_check.py's section
+# Each benchmark that writes docs/benchmarks.md owns one `## ` section of it, found by its heading and
+# replaced in place (with_section); the page's other sections are written by hand.
+BENCH_HEADING = "## Scheduling modes against transformers and llama.cpp (make bench)"  # bench.py's section
+FORMATS_HEADING = "## Weight formats against llama.cpp (make bench-formats)"  # benchmarks/formats.py's
+PREFIX_HEADING = "## Prefix sharing and the paged KV cache (make bench-prefix)"  # benchmarks/prefix.py's
+GPU_CHECK_HEADING = "## CUDA (make gpu-check)"  # benchmarks/gpu_check.py's section
 
 
 def braid(mode: str) -> str:
@@ -44,8 +44,8 @@ def headings(text: str) -> list[str]:
 
 
 def with_others_kept(new: str, old: str) -> str:
-    """`new` (a page bench.py wrote) with every section of `old` it does not write itself kept as
-    it was: those other benchmarks write, and those written by hand."""
+    """`new` (a page of sections) with every section of `old` it does not have kept as it was: those
+    other benchmarks write, and those written by hand."""
     for heading in headings(old):
         if heading not in headings(new):
             new = with_section(new, heading, section(old, heading))
@@ -273,7 +273,7 @@ def markdown(results: Results, plot_name: str | None) -> str:
     s = results.settings
     plot = f"![throughput against concurrency]({plot_name})\n\n" if plot_name else ""
     notes = "".join(f"- {n}\n" for n in results.notes)
-    return f"""# braid benchmarks
+    return f"""{BENCH_HEADING}
 
 > One run on {results.started} (braid commit `{results.machine.get("braid_commit")}`), every system
 > on the same machine in the same run. A shared VM's speed drifts (on the 2-core VM of issue 3, by
@@ -285,7 +285,7 @@ in-process (their best case: no server, no network). Same model folder (SmolLM2-
 embedded GGUF dequantised to fp32), same prompts (built from a fixed seed, exact token lengths),
 greedy, `ignore_eos`, {s.get("new_tokens")} new tokens per request, every count checked.
 
-## How to reproduce
+### Reproduce
 
     make bench                                  # everything (installs the `bench` extra)
     make bench BENCH_ARGS="--quick"             # a short run
@@ -293,24 +293,24 @@ greedy, `ignore_eos`, {s.get("new_tokens")} new tokens per request, every count 
 
 `--help` lists the options: `--modes`, `--workloads`, `--skip-peers`, `--skip-llama-cpp`,
 `--repeats`, `--threads`, `--sweep-level-budget` (sweep levels estimated to take longer are
-skipped, and said so below), `--report-from` (rewrite this page from saved results, which every
+skipped, and said so below), `--report-from` (rewrite this section from saved results, which every
 run keeps in `~/.cache/braid/bench/`). llama.cpp is built on first use (about 5 minutes on 2 idle
 cores) into `~/.cache/braid/llama.cpp/`; nothing of it is in the repo. A full run takes about
 35-40 minutes on this machine at braid's current speed.
 
-## Machine
+### Machine
 
 {machine_table(results.machine)}
 
 Settings: {", ".join(f"{k} {v}" for k, v in s.items())}.
 
-## Issue 3's targets
+### Issue 3's targets
 
 The targets workload is {s.get("count", 16)} requests of 30-60 prompt tokens sent at once.
 
 {ratio_table(absolute_targets(results) + ratios(results))}
 
-## gRPC overhead
+### gRPC overhead
 
 This harness measures every system from its client only. What gRPC costs braid is measured apart,
 by `benchmarks/grpc_overhead.py`: the same workload through the engine in-process (its model loop
@@ -319,7 +319,7 @@ on the main thread, as in the server) and through `braid serve`, alternated, med
     .venv/bin/python benchmarks/grpc_overhead.py --mode continuous --workload targets --repeats 5
     .venv/bin/python benchmarks/grpc_overhead.py --mode sequential --workload single --repeats 5
 
-## Results
+### Results
 
 {plot}Output tok/s is all generated tokens over the wall time (first request sent to last token
 received); with repeats it is the median, with the range in brackets, and the other columns are
@@ -330,7 +330,7 @@ a run with more than {s.get("disturbed_above", 0.3)} is repeated.
 
 {tables(results)}
 
-## Notes
+### Notes
 
 {notes}- The client (this benchmark's Python process) runs on the same 2 cores as the server it drives,
   as does llama.cpp's HTTP client; the in-process HF peers have no client to pay for.

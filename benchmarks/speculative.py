@@ -19,8 +19,8 @@ looked up in the context, --speculative-tokens proposed); draft-self (-md the sa
 
 For each: output tok/s (generated tokens over the wall time of the workload), the acceptance rate
 (braid: ServerStatus over the run; llama.cpp: each request's final draft_n and draft_n_accepted) and
-braid's tokens per forward pass. Prints the section "Speculative decoding (issue 29)" and writes it
-into docs/benchmarks.md (bench.py keeps it when it rewrites the page).
+braid's tokens per forward pass. Prints its section (HEADING below) and writes it into
+docs/benchmarks.md in place, leaving the page's other sections as they were.
 
     .venv/bin/python benchmarks/speculative.py                      # ~25 min on two cores
     .venv/bin/python benchmarks/speculative.py --quick --no-docs    # one round, fewer prompts
@@ -48,7 +48,7 @@ import llamacpp
 import report
 from workloads import PromptMaker
 
-HEADING = "## Speculative decoding (issue 29)"
+HEADING = "## Speculative decoding against llama.cpp's (make bench-speculative)"
 LLAMA = "llama.cpp "  # the prefix of llama.cpp's systems' names
 LLAMA_PARALLEL = 16  # llama-server's slots: at least the most streams of a workload
 LONGEST = 512  # tokens a slot holds: the longest prompt (a copy-heavy chat, ~170) and its new tokens
