@@ -131,7 +131,7 @@ gpu-check: install-test
 	$(PY) -m pytest -q --device cuda $(GPU_TESTS); tests=$$?; \
 		$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS) && exit $$tests
 
-# The benchmark of issue 3 (docs/benchmarks.md): e.g. make bench BENCH_ARGS="--quick".
+# The scheduling modes against transformers and llama.cpp (docs/benchmarks.md): e.g. make bench BENCH_ARGS="--quick".
 # It builds llama.cpp into ~/.cache/braid/llama.cpp on first use (about 5 min on 2 cores).
 BENCH_ARGS  ?=
 BENCH_STAMP := $(VENV)/.braid-bench-installed
