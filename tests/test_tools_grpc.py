@@ -3,7 +3,7 @@
 (tests/test_openai.py's `server`: --chat-template tests/data/hermes_tools.jinja, an API key). A
 forced call's arguments always validate against the tool's schema, and the same greedy request
 over gRPC, OpenAI's chat and Anthropic's messages gives the same call: one plan serves all three
-(frontend/tool_plan.py). Fixed outputs, checks and streaming: tests/unit/test_tools_grpc.py."""
+(frontend/tool_plan.py). Fixed outputs, checks and streaming: tests/unit/test_tool_calls_grpc.py."""
 
 from __future__ import annotations
 
