@@ -148,7 +148,7 @@ def test_bad_input_is_a_bad_request_naming_the_parameter(client):
         client.messages.create(
             model="tiny", max_tokens=2, messages=HI, thinking={"type": "enabled", "budget_tokens": 1024}
         )
-    assert refused.value.body["error"]["message"].startswith("thinking: ")
+    assert refused.value.body["error"]["message"].startswith("thinking.budget_tokens: ")  # not under max_tokens
     with pytest.raises(anthropic.BadRequestError) as refused:
         client.messages.create(model="tiny", max_tokens=2, messages=HI, extra_body={"top_k": -1})
     assert refused.value.body["error"]["message"].startswith("top_k: ")

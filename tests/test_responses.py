@@ -127,7 +127,7 @@ def test_state_is_refused_naming_the_field(client):
     assert refused.value.body["param"] == "previous_response_id"
     assert "no state" in refused.value.body["message"]
     with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(model="tiny", input="Hi", reasoning={"effort": "high"})
+        client.responses.create(model="tiny", input="Hi", reasoning={"effort": "extreme"})
     assert refused.value.body["param"] == "reasoning.effort"
     raw = client.responses.with_raw_response.create(model="tiny", input="Hi", max_output_tokens=2, store=True)
     assert raw.headers["braid-ignored-fields"] == "store" and raw.parse().store is False

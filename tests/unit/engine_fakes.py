@@ -93,6 +93,7 @@ class NumberTokenizer:
     eos_token_ids = (EOS,)
     has_chat_template = False
     hf_tokenizer = None
+    reasoning_markers = None  # engine/reasoning.py's Markers: a test's reasoning model sets them
 
     def min_tokens(self, text_bytes: int) -> int:
         return 0

@@ -209,12 +209,35 @@ def test_tool_choice_maps_onto_chats_modes_and_any_and_tool_are_constrained():
     assert json.loads(named.request.constraint.text)["required"] == ["city"]
 
 
-def test_output_config_format_is_a_json_schema_constraint_and_thinking_is_off_or_adaptive():
+def test_output_config_format_is_a_json_schema_constraint():
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
     constrained = plan(output_config={"format": {"type": "json_schema", "schema": schema}}).request.constraint
     assert constrained.kind == "json_schema" and json.loads(constrained.text) == schema
-    assert plan(thinking={"type": "disabled"}).request.constraint is None
-    assert plan(thinking={"type": "adaptive"}).tools is None  # the model decides; braid's decides not to think
+
+
+def test_thinking_is_the_templates_switch_and_its_budget_the_reasoning_budget():
+    enabled = plan(max_tokens=100, thinking={"type": "enabled", "budget_tokens": 40}).request
+    assert json.loads(enabled.chat_template_kwargs) == {"enable_thinking": True}
+    assert enabled.params.max_reasoning_tokens == 40
+    disabled = plan(thinking={"type": "disabled"}).request
+    assert json.loads(disabled.chat_template_kwargs) == {"enable_thinking": False}
+    assert disabled.params.max_reasoning_tokens is None
+    adaptive = plan(thinking={"type": "adaptive"}).request  # the template's default, and no budget
+    assert (adaptive.chat_template_kwargs, adaptive.params.max_reasoning_tokens) == ("", None)
+    history = [
+        *HI,
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "hm", "signature": "s"},
+                {"type": "redacted_thinking", "data": "x"},
+                {"type": "text", "text": "Hi!"},
+            ],
+        },
+        *HI,
+    ]
+    turns = plan(messages=history).request.messages
+    assert [(m.role, m.content) for m in turns][1] == ("assistant", "Hi!")  # the thinking dropped
 
 
 def test_a_forced_tool_call_streams_its_input_as_input_json_deltas():
@@ -320,7 +343,9 @@ BAD = [  # (body beside model, max_tokens and messages; the parameter the messag
         "messages[1].content[0].id",
     ),
     ({"system": [{"type": "image"}]}, "system[0].type"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.budget_tokens"),  # not under max_tokens
+    ({"thinking": {"type": "enabled", "budget_tokens": -1}}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
     ({"output_config": {"format": {"type": "regex", "schema": {}}}}, "output_config.format.type"),

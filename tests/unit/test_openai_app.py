@@ -35,6 +35,7 @@ def test_a_chat_streams_its_tokens_then_done():
         "completion_tokens": 3,
         "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 

@@ -98,6 +98,7 @@ def planned_from_pb(
         clip_max_new_tokens=req.max_new_tokens == 0,
         disable_speculation=req.disable_speculation,
         skip_detokenize=req.skip_detokenize,
+        max_reasoning_tokens=req.max_reasoning_tokens if req.HasField("max_reasoning_tokens") else None,
     )
     request = GenerationRequest(
         prompt=req.prompt or None,
@@ -111,6 +112,9 @@ def planned_from_pb(
         resume_token_ids=tuple(req.resume_token_ids),
         adapter=req.adapter,
         prompt_token_ids=tuple(req.prompt_token_ids),
+        chat_template_kwargs=checks.with_enable_thinking(
+            "", req.enable_thinking if req.HasField("enable_thinking") else None
+        ),
     )
     checks.check_request(request, vocab_size)
     if req.priority not in (pb.PRIORITY_UNSPECIFIED, pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH):
@@ -201,6 +205,7 @@ def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateRe
             truncated_tokens=finished.truncated_tokens,
             proposed_tokens=finished.proposed_tokens,
             accepted_tokens=finished.accepted_tokens,
+            reasoning_tokens=finished.reasoning_tokens,
         ),
         request_id=request_id,
         seed=seed,

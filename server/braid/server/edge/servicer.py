@@ -110,9 +110,12 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                     spans.on_finished(handle)
                     failure = _failure_status(handle.finished, context, self._handing_over)
                     if failure is not None:
-                        if message.text or message.token_ids:
+                        if message.text or message.reasoning or message.token_ids:
                             yield pb.GenerateResponse(
-                                text=message.text, token_ids=message.token_ids, index=message.index
+                                text=message.text,
+                                reasoning=message.reasoning,
+                                token_ids=message.token_ids,
+                                index=message.index,
                             )
                         await abort_with(context, failure)
                     self._trailers(
@@ -146,6 +149,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             if queued and not deltas:
                 message.queue_position = queued[-1]
         message.text = "".join(r.content for r in reads)
+        message.reasoning = "".join(d.reasoning for d in deltas)
         message.tool_calls.extend(convert.tool_calls_to_pb([c for r in reads for c in r.calls]))
         for d in deltas:
             message.token_ids.extend(d.token_ids)

@@ -19,6 +19,7 @@ from braid.server.engine.detokenizer import IdsOnly, IncrementalDetokenizer, det
 from braid.server.engine.grammars import Grammars, Matcher
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
+from braid.server.engine.reasoning import Reasoning
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import (
     EngineUnavailable,
@@ -148,6 +149,7 @@ class Admission:
             pending_logprobs=[],
             prompt_scores=None,
             matcher=first.matcher.deep_copy() if first.matcher else None,
+            reasoning=self._reasoning(first.prompt_ids, params),
         )
 
     def tokenize(
@@ -225,7 +227,13 @@ class Admission:
             prompt_scores=[] if params.prompt_logprobs else None,
             matcher=matcher,
             constraint_field=request.constraint.field if request.constraint else "",
+            reasoning=self._reasoning(prompt_ids, params),
         )
+
+    def _reasoning(self, prompt_ids: Sequence[int], params: SamplingParams) -> Reasoning | None:
+        """A reasoning model's session's reasoning (None for any other model's)."""
+        markers = self.tokenizer.reasoning_markers
+        return Reasoning(markers, prompt_ids, params.max_reasoning_tokens) if markers is not None else None
 
     def _adapter(self, name: str) -> tuple[int, str]:
         """The LoRA adapter `name` held for a new session: its id and prefix-cache key; raises

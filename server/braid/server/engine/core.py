@@ -183,7 +183,7 @@ class EngineCore:
         start = s.num_cached
         end = start + w.num_tokens - len(w.proposals)  # the session's own tokens; then the proposals
         banned: tuple[int, ...] = ()
-        if s.num_generated < p.min_new_tokens and s.matcher is None:  # a constraint says where it may end
+        if s.num_generated < p.min_new_tokens and s.constraint is None:  # a constraint says where it may end
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
         if s.bad_words and end == len(s.token_ids):
             banned += tuple(s.banned_by_bad_words())
@@ -200,7 +200,7 @@ class EngineCore:
             banned=banned,
             is_prompt=s.is_prefilling,
             targets=s.prompt_targets(start, end),
-            matcher=s.matcher if sample else None,
+            matcher=s.constraint if sample else None,
             adapter=s.adapter,
             num_proposals=len(w.proposals),
         )
@@ -227,7 +227,10 @@ class EngineCore:
                 continue
             if s.first_token is None:
                 s.first_token = now
-            self._end_if(s, self.output.add_token(s, sampled.token, sampled.logprob))
+            if s.reasoning is not None and s.reasoning.forced():  # at its budget: closed instead
+                self._end_if(s, self.output.add_forced(s, sampled.logprob is not None))
+            else:
+                self._end_if(s, self.output.add_token(s, sampled.token, sampled.logprob))
         # tokens kept: a stop among a row's confirmed proposals drops those after it
         generated = sum(w.session.num_generated for w in work) - generated
         self.books.count_pass(prompt_tokens, generated, proposed, accepted)
@@ -245,14 +248,23 @@ class EngineCore:
         accepted = len(sampled.more)
         self.speculator.verified(s, len(w.proposals), accepted)
         fed = w.num_tokens - len(w.proposals)
-        reason, taken = None, 0
+        reason, taken, forced = None, 0, False
         for token, logprob in picked:
+            if s.reasoning is not None and s.reasoning.forced():
+                # at its budget the reasoning closes with its end marker, which is no proposal: the
+                # token sampled here, and the rest, are dropped (the end marker's keys come next pass)
+                reason, forced = self.output.add_forced(s, logprob is not None), True
+                break
             reason = self.output.add_token(s, token, logprob)
             taken += 1
-            if reason is not None:
+            # a reasoning that closes ends what the pass verified: its constraint (if any) did not
+            # check the tokens after, and a forced end marker must not follow them
+            if reason is not None or (s.reasoning is not None and s.reasoning.closed_now):
                 break
-        # named pages are keyed by the tokens they hold: counted computed only once they are appended
-        self.scheduler.computed(s, fed + min(accepted, taken))
+        # named pages are keyed by the tokens they hold: counted computed only once they are appended;
+        # a session that goes on feeds its last token next pass (unless forced tokens follow it)
+        kept = taken if reason is not None or forced else taken - 1
+        self.scheduler.computed(s, fed + min(accepted, kept))
         if reason is None:
             self.pages.shrink(s, s.num_cached)
         self._end_if(s, reason)

@@ -34,6 +34,16 @@ class Output:
             self._delta(s, s.detokenizer.take())
         return reason
 
+    def add_forced(self, s: Session, logprobs: bool) -> FinishReason | None:
+        """Takes the tokens a reasoning forces (its end marker, at its budget) as generated, with a
+        log probability of 0 each where the session asked for them; returns why they end it."""
+        assert s.reasoning is not None
+        for token in s.reasoning.forced():
+            reason = self.add_token(s, token, TokenLogprob(0.0, 1) if logprobs else None)
+            if reason is not None:
+                return reason
+        return None
+
     def replay(self, s: Session) -> FinishReason | None:
         """Takes a resumed session's delivered tokens as generated, sending none of them: its
         client has them and the text they released. Returns why they end it, if they do."""
@@ -42,11 +52,15 @@ class Output:
             reason = self._stop_reason(s, token)
             if reason is not None:
                 return reason
-            s.detokenizer.take()  # released by the broken stream
+            released = s.detokenizer.take()  # released by the broken stream
+            if s.reasoning is not None:
+                s.reasoning.text.feed(released)
         return None
 
     def _stop_reason(self, s: Session, token: int) -> FinishReason | None:
-        p, matcher = s.params, s.matcher
+        p, matcher = s.params, s.constraint  # (a reasoning's tokens are free: the constraint waits)
+        if s.reasoning is not None:
+            s.reasoning.add(token)
         if token in p.stop_token_ids:
             return FinishReason.STOP_TOKEN
         if matcher is not None:  # the constraint decides where the output may end, and advances
@@ -69,7 +83,7 @@ class Output:
         """The session's last events. Whatever the reason, the text so far goes out: the tail held
         back in case it began a stop string, and tokens not yet delivered (a deadline ends the
         stream "with the text so far")."""
-        self._delta(s, s.detokenizer.take(final=True))
+        self._delta(s, s.detokenizer.take(final=True), final=True)
         finished = Finished(
             reason=reason,
             prompt_tokens=s.num_prompt,
@@ -82,6 +96,7 @@ class Output:
             truncated_tokens=s.truncated_tokens,
             proposed_tokens=s.num_proposed,
             accepted_tokens=s.num_accepted,
+            reasoning_tokens=s.reasoning.num_tokens if s.reasoning is not None else 0,
         )
         self._outbox.append((s.handle, finished))
         return finished
@@ -94,10 +109,13 @@ class Output:
             s.queue_reported = (position, now)
             self._outbox.append((s.handle, Queued(position)))
 
-    def _delta(self, s: Session, text: str) -> None:
-        if not text and not s.pending_ids:
+    def _delta(self, s: Session, text: str, final: bool = False) -> None:
+        reasoning = ""
+        if s.reasoning is not None:  # the text apart: the reasoning's, and the answer's
+            reasoning, text = s.reasoning.text.feed(text, final)
+        if not text and not reasoning and not s.pending_ids:
             return
-        delta = Delta(text, s.pending_ids, s.pending_logprobs)
+        delta = Delta(text, s.pending_ids, s.pending_logprobs, reasoning=reasoning)
         if s.prompt_scores is not None and s.pending_ids:  # the first token: the prompt's scores go with it
             delta.prompt_token_ids, delta.prompt_logprobs = list(s.prompt_ids), s.prompt_scores
             s.prompt_scores = None

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from braid.server.engine.detokenizer import IncrementalDetokenizer
     from braid.server.engine.grammars import Matcher
     from braid.server.engine.handle import SessionHandle
+    from braid.server.engine.reasoning import Reasoning
     from braid.server.runner.rows import Sampling, TokenLogprob
 
 
@@ -51,6 +52,7 @@ class Session:
     prompt_scores: list[TokenLogprob] | None = None
     matcher: Matcher | None = None  # its constraint's llguidance matcher (engine/grammars.py), or None
     constraint_field: str = ""  # the request field its constraint came in (constraint.regex, ...)
+    reasoning: Reasoning | None = None  # a reasoning model's phase and text split (engine/reasoning.py)
     resumed: list[int] = field(default_factory=list)  # resume_token_ids, replayed when the model thread takes it
     # speculative decoding (engine/speculation.py): proposals verified and confirmed so far, and the
     # back-off after passes that confirmed none: proposals rest for `rest` more steps
@@ -69,6 +71,14 @@ class Session:
             for w in self.bad_words
             if len(w) == 1 or (len(self.token_ids) >= len(w) - 1 and self.token_ids[1 - len(w) :] == list(w[:-1]))
         ]
+
+    @property
+    def constraint(self) -> Matcher | None:
+        """The matcher that holds the next token: none while the model reasons (a constraint
+        applies to the answer)."""
+        if self.reasoning is not None and not self.reasoning.applies_constraint:
+            return None
+        return self.matcher
 
     status: SessionStatus = SessionStatus.WAITING
     paused: bool = False  # running, but its client has not read its output: sits out the passes

@@ -245,8 +245,9 @@ class Speculator:
                 found.append(proposals)
         out = []
         for (s, _), proposals in zip(asks, found):
-            if proposals and s.matcher is not None:  # the ones the constraint allows, in order
-                proposals = proposals[: s.matcher.validate_tokens(proposals)]
+            matcher = s.constraint  # (none while the session reasons)
+            if proposals and matcher is not None:  # the ones the constraint allows, in order
+                proposals = proposals[: matcher.validate_tokens(proposals)]
             out.append(tuple(proposals))
         return out
 

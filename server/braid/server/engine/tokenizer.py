@@ -9,6 +9,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Sequence, TypeAlias
 
+from braid.server.engine.reasoning import Markers, find_markers
 from braid.server.engine.types import InvalidArgument, Message
 
 if TYPE_CHECKING:
@@ -46,6 +47,15 @@ class Tokenizer:
         if not self.template_takes_tools:
             _LOGGER.info("the chat template does not render tools: requests' tools go into their system message")
         self.max_token_bytes = _longest_token_bytes(hf_tokenizer)
+        # a reasoning model's <think> and </think> (or its kin), from its template or vocabulary
+        self.reasoning_markers: Markers | None = find_markers(
+            getattr(hf_tokenizer, "chat_template", None),
+            _added_tokens(hf_tokenizer),
+            lambda text: self._encode(text, add_special_tokens=False),
+        )
+        if self.reasoning_markers is not None:
+            m = self.reasoning_markers
+            _LOGGER.info("reasoning between %s and %s: sent apart from the answer", m.start, m.end)
 
     @property
     def hf_tokenizer(self) -> HfTokenizer:
@@ -189,6 +199,14 @@ def _parsed(arguments: str) -> object:
         return json.loads(arguments)
     except ValueError:
         return arguments
+
+
+def _added_tokens(hf_tokenizer: HfTokenizer) -> list[str]:
+    """The texts of the tokens added to the tokenizer's vocabulary (special ones and others)."""
+    try:
+        return list(hf_tokenizer.get_added_vocab())
+    except (AttributeError, NotImplementedError):
+        return []
 
 
 def _longest_token_bytes(hf_tokenizer: HfTokenizer) -> int:

@@ -101,6 +101,9 @@ class SamplingParams:
     # max_new_tokens is the server's default, not the caller's: clip it to what fits after the
     # prompt instead of refusing the request
     clip_max_new_tokens: bool = False
+    # a reasoning model's reasoning budget: at this many tokens of reasoning braid closes it with the
+    # end marker (engine/reasoning.py); None: no budget
+    max_reasoning_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class Delta:
     # with prompt_logprobs, on the first Delta with tokens: the prompt, and a TokenLogprob per prompt token but its first
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    reasoning: str = ""  # a reasoning model's reasoning text, apart from the answer's (engine/reasoning.py)
 
 
 @dataclass
@@ -195,6 +199,7 @@ class Finished:
     truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
     proposed_tokens: int = 0  # speculative proposals verified (--speculative)
     accepted_tokens: int = 0  # and of those, confirmed by the model
+    reasoning_tokens: int = 0  # generated tokens that were reasoning, its markers included
 
     def milestones(self) -> dict[str, float]:
         """Seconds from arrival to each point the session reached, in order: queued (0), prefill

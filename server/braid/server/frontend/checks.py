@@ -37,6 +37,10 @@ MAX_CONSTRAINT_BYTES = 64 << 10  # a schema, regex or grammar
 MAX_CHOICES = 1024
 MAX_CHOICE_BYTES = 1024
 
+# OpenAI's reasoning_effort (chat) and reasoning.effort (Responses) as a reasoning budget
+# (max_reasoning_tokens): "none" thinks not at all
+EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+
 # braid's name of a field (`max_new_tokens`, `stop[1]`, `messages[0].role`) -> the front end's
 Spelling = Callable[[str], str]
 
@@ -90,6 +94,26 @@ def _check(req: GenerationRequest, vocab_size: int) -> None:
     if req.resume_token_ids and req.n > 1:
         raise InvalidArgument("resume_token_ids", "resume one sample at a time (n = 1)")
     _in_vocabulary("resume_token_ids", req.resume_token_ids, vocab_size)
+    if p.max_reasoning_tokens is not None and p.max_reasoning_tokens < 0:
+        raise InvalidArgument("max_reasoning_tokens", f"{p.max_reasoning_tokens} is negative")
+
+
+def effort_budget(effort: str | None, field: str) -> int | None:
+    """A reasoning effort's budget (EFFORT_BUDGETS; None: no budget); an unknown effort names `field`."""
+    if effort is None:
+        return None
+    if effort not in EFFORT_BUDGETS:
+        raise InvalidArgument(field, f"{effort!r}: one of {', '.join(EFFORT_BUDGETS)}")
+    return EFFORT_BUDGETS[effort]
+
+
+def with_enable_thinking(template_kwargs: str, enable_thinking: bool | None) -> str:
+    """The chat template's variables (a JSON object's text, or "") with enable_thinking set, where
+    the request sets it; a variable the caller set by name is kept."""
+    if enable_thinking is None:
+        return template_kwargs
+    kwargs = json.loads(template_kwargs) if template_kwargs else {}
+    return json.dumps({"enable_thinking": enable_thinking, **kwargs})
 
 
 def _prompt(req: GenerationRequest, vocab_size: int) -> None:

@@ -4,8 +4,8 @@ events with their `event:` lines, or gathered into one whole message.
 
 Its text is read exactly as a chat's (choices.ChatChoice: content streamed as it comes, the text
 that may begin a tool call held back, forced calls' arguments streamed as they are generated), and
-each of the chat's deltas becomes Anthropic's: content a text block's text_delta, a call a tool_use
-block whose input streams as input_json_delta."""
+each of the chat's deltas becomes Anthropic's: reasoning a thinking block's thinking_delta, content a
+text block's text_delta, a call a tool_use block whose input streams as input_json_delta."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ class MessageEvents:
             "model": model,
         }
         self._blocks = 0  # the open (or the next) block's index
-        self._open: tuple[str, int] | None = None  # the open block: ("text", 0) or ("tool_use", its call's index)
+        # the open block: ("thinking", 0), ("text", 0) or ("tool_use", its call's index)
+        self._open: tuple[str, int] | None = None
 
     async def events(self) -> AsyncIterator[Event]:
         usage = {"input_tokens": self._handle.prompt_tokens, "output_tokens": 0}
@@ -89,6 +90,11 @@ class MessageEvents:
         """A chat delta (content, or tool calls: each begun with its id, then arguments) as events."""
         if delta is None:
             return
+        if delta.get("reasoning_content"):  # a reasoning model's reasoning: a thinking block, before the answer
+            if self._open != ("thinking", 0):
+                # braid signs nothing: the signature Anthropic's blocks carry is empty
+                yield from self._started(("thinking", 0), {"type": "thinking", "thinking": "", "signature": ""})
+            yield self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
         if delta.get("content"):
             if self._open != ("text", 0):
                 yield from self._started(("text", 0), {"type": "text", "text": ""})
@@ -140,6 +146,8 @@ class MessageEvents:
                 delta = data["delta"]
                 if delta["type"] == "text_delta":
                     content[-1]["text"] += delta["text"]
+                elif delta["type"] == "thinking_delta":
+                    content[-1]["thinking"] += delta["thinking"]
                 else:
                     arguments[-1] += delta["partial_json"]
             elif name == "message_delta":

@@ -1,11 +1,11 @@
 """Anthropic's Messages API request bodies, as braid reads them (pydantic), beside OpenAI's
 (protocol.py): the fields braid serves, and the ones it knows only to refuse by name (an image's
-`source`, `thinking` enabled). Sampling fields (temperature, top_p, top_k), which Anthropic's newer
+`source`). Sampling fields (temperature, top_p, top_k), which Anthropic's newer
 SDKs no longer send, are taken from the clients that do. A field braid does not know is treated as over OpenAI's API
 (protocol.unknown_fields): named and ignored, or refused under --strict-request-fields.
 
 A content block is one model whatever its type, so that a block braid does not take (image,
-document, thinking) is refused naming its type's path (`messages[0].content[1].type`), not with
+document) is refused naming its type's path (`messages[0].content[1].type`), not with
 pydantic's account of every union member it failed to match."""
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ class Block(_Body):
     content: str | list[Block] | None = None
     is_error: bool | None = None
     source: dict[str, Any] | None = None  # an image's or a document's: refused with its block
+    # an assistant's thinking block (thinking, signature) or redacted one (data): taken and dropped
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
     # a prompt-caching hint: braid reuses every prompt's cached prefix by itself, so it is known and ignored
     cache_control: dict[str, Any] | None = None
 
@@ -55,7 +59,7 @@ class ToolChoice(_Body):
 
 
 class Thinking(_Body):
-    type: Literal["enabled", "disabled", "adaptive"]  # adaptive: the model decides (braid's: not to)
+    type: Literal["enabled", "disabled", "adaptive"]  # adaptive: the model (its chat template) decides
     budget_tokens: int | None = None
 
 

@@ -21,7 +21,8 @@ from braid.server.http.anthropic_protocol import Block, CountTokensRequest, Mess
 from braid.server.http.protocol import ChatMessage, ChatRequest, Function, NamedToolChoice, ResponseFormat, Tool
 from braid.server.http.requests import Plan, chat_plan
 
-_TAKEN = "braid takes text, tool_use and tool_result blocks"
+_TAKEN = "braid takes text, tool_use, tool_result and (an assistant's) thinking blocks"
+_THINKING = ("thinking", "redacted_thinking")
 # a chat request's names -> Anthropic's, where they differ
 _RENAMES = {
     "response_format.json_schema.schema": "output_config.format.schema",
@@ -30,6 +31,7 @@ _RENAMES = {
     "tool_choice.function.name": "tool_choice.name",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
     "user": "metadata.user_id",
+    "max_reasoning_tokens": "thinking.budget_tokens",
 }
 _TOOL_FIELD = re.compile(r"(tools\[\d+\])\.function\.(name|parameters)")  # a chat tool's, from tool_plan
 
@@ -38,8 +40,6 @@ def messages_plan(
     body: MessagesRequest | CountTokensRequest, default_max_new_tokens: int, vocab_size: int, takes_tools: bool
 ) -> Plan:
     """The body's plan, as chat's; its request id a message's (msg_...)."""
-    if body.thinking is not None and body.thinking.type == "enabled":
-        raise InvalidArgument("thinking", "braid does not serve extended thinking yet; send {'type': 'disabled'}")
     chat, origins = _chat(body)
     try:
         plan = chat_plan(chat, default_max_new_tokens, vocab_size, takes_tools)
@@ -89,6 +89,8 @@ def _chat(body: MessagesRequest | CountTokensRequest) -> tuple[ChatRequest, list
     if body.output_config is not None and body.output_config.format is not None:
         schema = {"name": "output", "schema": body.output_config.format.schema_}
         fields["response_format"] = ResponseFormat.model_validate({"type": "json_schema", "json_schema": schema})
+    if body.thinking is not None:
+        fields |= _thinking(body)
     if isinstance(body, MessagesRequest):
         fields |= {
             "max_tokens": body.max_tokens,
@@ -99,6 +101,23 @@ def _chat(body: MessagesRequest | CountTokensRequest) -> tuple[ChatRequest, list
             "user": body.user,
         }
     return ChatRequest(**fields), origins
+
+
+def _thinking(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """Extended thinking as a chat's fields: `enabled` and `disabled` are the chat template's
+    enable_thinking (a template without that switch ignores it), and budget_tokens the reasoning
+    budget; `adaptive` leaves both to the template."""
+    thinking = body.thinking
+    assert thinking is not None
+    if thinking.type == "adaptive":
+        return {}
+    if thinking.type == "disabled":
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    if thinking.budget_tokens is None:
+        raise InvalidArgument("thinking.budget_tokens", "is required with thinking enabled")
+    if isinstance(body, MessagesRequest) and thinking.budget_tokens >= body.max_tokens:
+        raise InvalidArgument("thinking.budget_tokens", f"must be less than max_tokens ({body.max_tokens})")
+    return {"chat_template_kwargs": {"enable_thinking": True}, "max_reasoning_tokens": thinking.budget_tokens}
 
 
 def _tool_choice(choice: ToolChoice) -> str | NamedToolChoice:
@@ -114,15 +133,19 @@ def _turns(message: MessageParam, path: str) -> list[tuple[str, ChatMessage]]:
     assistant's text and its calls."""
     if isinstance(message.content, str):
         return [(path, ChatMessage(role=message.role, content=message.content))]
-    wanted = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}[message.role]
+    # an assistant's thinking is dropped: chat templates (Qwen3's) drop an earlier turn's reasoning themselves
+    wanted = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", *_THINKING)}[message.role]
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[tuple[str, ChatMessage]] = []
     for j, block in enumerate(message.content):
         where = f"{path}.content[{j}]"
         if block.type not in wanted:
-            why = _TAKEN if block.type not in ("text", "tool_use", "tool_result") else f"not in a {message.role} turn"
+            known = ("text", "tool_use", "tool_result", *_THINKING)
+            why = _TAKEN if block.type not in known else f"not in a {message.role} turn"
             raise InvalidArgument(f"{where}.type", f"{block.type!r}: {why}")
+        if block.type in _THINKING:
+            continue
         if block.type == "text":
             texts.append(_field(block.text, f"{where}.text"))
         elif block.type == "tool_use":

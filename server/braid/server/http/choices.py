@@ -41,6 +41,7 @@ def usage(finals: list[Finished]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens if finals else 0},
+        "completion_tokens_details": {"reasoning_tokens": sum(f.reasoning_tokens for f in finals)},
     }
 
 
@@ -55,6 +56,11 @@ class ChatChoice:
         self._plan = plan
         self._reader = CallReader(plan.tool_plan)
         self._sent = 0  # characters of a named call's arguments sent
+        self._reasoning: list[str] = []  # a reasoning model's reasoning (engine/reasoning.py), apart
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
 
     @property
     def text(self) -> str:
@@ -74,15 +80,22 @@ class ChatChoice:
         """Whether the choice ends in whole tool calls (finish_reason `tool_calls`)."""
         return self._reader.has_calls
 
-    def feed(self, text: str) -> dict[str, Any] | None:
+    def feed(self, text: str, reasoning: str = "") -> dict[str, Any] | None:
+        """The delta of new output: its answer's `text`, read for tool calls, and a reasoning
+        model's `reasoning` as vLLM and DeepSeek send it (reasoning_content)."""
+        if reasoning:
+            self._reasoning.append(reasoning)
+        thought = {"reasoning_content": reasoning} if reasoning else {}
+        if not text:
+            return thought or None
         read = self._reader.feed(text)
         if self._plan.tools == "forced" and self._plan.function is not None:
             # a named call: its arguments stream as they come, OpenAI's way
             head = {} if self._sent else {"id": self._reader.named_id, "type": "function"}
             function = {"arguments": text} if self._sent else {"name": self._plan.function, "arguments": text}
             self._sent += len(text)
-            return {"tool_calls": [{"index": 0, **head, "function": function}]}
-        return {"content": read.content} if read.content else None
+            return {**thought, "tool_calls": [{"index": 0, **head, "function": function}]}
+        return {**thought, "content": read.content} if read.content else thought or None
 
     def end(self) -> dict[str, Any] | None:
         """The last delta: tool calls found in the whole text, or the content held back."""
@@ -95,10 +108,12 @@ class ChatChoice:
 
     def message(self) -> dict[str, Any]:
         """The whole choice's message (a response that is not streamed), after `end`."""
+        thought = {"reasoning_content": self.reasoning} if self._reasoning else {}
         if self.calls:
             content = self._reader.content or None
-            return {"role": "assistant", "content": content, "tool_calls": [openai_call(c) for c in self.calls]}
-        return {"role": "assistant", "content": self.text}
+            calls = [openai_call(c) for c in self.calls]
+            return {"role": "assistant", "content": content, **thought, "tool_calls": calls}
+        return {"role": "assistant", "content": self.text, **thought}
 
 
 def token_logprobs(deltas: list[Delta]) -> tuple[list[int], list[TokenLogprob]]:

@@ -62,7 +62,7 @@ class Events:
             text = "".join(d.text for d in deltas)
             logprobs = await self._logprobs(index, deltas) if self._plan.logprobs and deltas else None
             if self._chat:
-                delta = self._choices[index].feed(text)
+                delta = self._choices[index].feed(text, "".join(d.reasoning for d in deltas))
                 if delta is not None or logprobs is not None:
                     yield self._chunk(index, delta or {}, logprobs=logprobs)
             elif text or logprobs is not None:
@@ -155,7 +155,8 @@ async def choice_deltas(
     has ended (`ended`: its failure raised, its Finished noted), the last one: the calls found in
     the whole text, read off the event loop (that grows with the output)."""
     async for batch in handle.batches():
-        delta = choice.feed("".join(e.text for e in batch if isinstance(e, Delta)))
+        deltas = [e for e in batch if isinstance(e, Delta)]
+        delta = choice.feed("".join(d.text for d in deltas), "".join(d.reasoning for d in deltas))
         if delta is not None:
             yield delta
         if handle.finished is not None:

@@ -115,6 +115,10 @@ class ChatRequest(_Generation):
     parallel_tool_calls: bool | None = None
     # vLLM's extra: more variables for the chat template ({"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # a reasoning model's budget, as an effort (frontend/checks.py's EFFORT_BUDGETS) or, braid's extra,
+    # in tokens (GenerateRequest.max_reasoning_tokens)
+    reasoning_effort: str | None = None
+    max_reasoning_tokens: int | None = None
 
 
 class CompletionRequest(_Generation):

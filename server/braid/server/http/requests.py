@@ -60,8 +60,10 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int, t
         top_logprobs=body.top_logprobs or 0,
     )
     choice, function = _tool_choice(body)
+    budget = _reasoning_budget(body)
     req = dataclasses.replace(
         req,
+        params=dataclasses.replace(req.params, max_reasoning_tokens=budget),
         constraint=_format_constraint(body.response_format),
         chat_template_kwargs=json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else "",
     )
@@ -75,6 +77,17 @@ def chat_plan(body: ChatRequest, default_max_new_tokens: int, vocab_size: int, t
         spelling=openai_name,
     )
     return Plan(req, tools.mode, tools.function, _include_usage(body), body.logprobs, tools.names)
+
+
+def _reasoning_budget(body: ChatRequest) -> int | None:
+    """The reasoning budget a chat asks for: reasoning_effort's, or max_reasoning_tokens."""
+    if body.max_reasoning_tokens is None:
+        return checks.effort_budget(body.reasoning_effort, "reasoning_effort")
+    if body.reasoning_effort is not None:
+        raise InvalidArgument("max_reasoning_tokens", "set reasoning_effort or max_reasoning_tokens, not both")
+    if body.max_reasoning_tokens < 0:
+        raise InvalidArgument("max_reasoning_tokens", f"{body.max_reasoning_tokens} is negative")
+    return body.max_reasoning_tokens
 
 
 def completion_plan(body: CompletionRequest, default_max_new_tokens: int, vocab_size: int) -> Plan:

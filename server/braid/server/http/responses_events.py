@@ -7,8 +7,8 @@ response (the last event's).
 
 Its text is read exactly as a chat's (choices.ChatChoice: content streamed as it comes, the text
 that may begin a tool call held back, forced calls' arguments streamed as they are generated), and
-each of the chat's deltas becomes the API's: content a message item's output_text, a call a
-function_call item whose arguments stream."""
+each of the chat's deltas becomes the API's: reasoning a reasoning item's reasoning_text, content a
+message item's output_text, a call a function_call item whose arguments stream."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ _CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
 
 def usage(finished: Finished) -> dict[str, Any]:
-    """A response's usage: braid's model does not reason, so no output token is reasoning."""
+    """A response's usage, a reasoning model's reasoning tokens counted apart."""
     return {
         "input_tokens": finished.prompt_tokens,
         "input_tokens_details": {"cached_tokens": finished.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": finished.generated_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": finished.reasoning_tokens},
         "total_tokens": finished.prompt_tokens + finished.generated_tokens,
     }
 
@@ -63,7 +63,8 @@ class ResponseEvents:
         self._choice = ChatChoice(plan)
         self._head = {"id": plan.request.request_id, "object": "response", "created_at": int(time.time()), **head}
         self._items: list[dict[str, Any]] = []  # the output items as they stand
-        self._open: tuple[str, int] | None = None  # the open item: ("message", 0) or ("function_call", its index)
+        # the open item: ("reasoning", 0), ("message", 0) or ("function_call", its index)
+        self._open: tuple[str, int] | None = None
         self._sequence = 0
 
     def _response(self, status: str, **fields: Any) -> dict[str, Any]:
@@ -110,6 +111,13 @@ class ResponseEvents:
         """A chat delta (content, or tool calls: each begun with its id, then arguments) as events."""
         if delta is None:
             return
+        if delta.get("reasoning_content"):  # a reasoning model's reasoning: a reasoning item, before the answer
+            if self._open is None or self._open[0] != "reasoning":
+                yield from self._added(_reasoning())
+            self._items[-1]["content"][0]["text"] += delta["reasoning_content"]
+            yield self._event(
+                "response.reasoning_text.delta", **self._at(), content_index=0, delta=delta["reasoning_content"]
+            )
         if delta.get("content"):
             if self._open is None or self._open[0] != "message":
                 yield from self._added(_message())
@@ -143,8 +151,12 @@ class ResponseEvents:
         self._items.append(item)
         self._open = (item["type"], index)
         yield self._event("response.output_item.added", output_index=len(self._items) - 1, item=copy.deepcopy(item))
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": "", "annotations": []}
+        parts: dict[str, dict[str, Any]] = {
+            "message": {"type": "output_text", "text": "", "annotations": []},
+            "reasoning": {"type": "reasoning_text", "text": ""},
+        }
+        if item["type"] in parts:
+            part = parts[item["type"]]
             item["content"].append(part)
             yield self._event("response.content_part.added", **self._at(), content_index=0, part=dict(part))
 
@@ -157,6 +169,10 @@ class ResponseEvents:
             part = item["content"][0]
             text = part["text"]
             yield self._event("response.output_text.done", **self._at(), content_index=0, text=text, logprobs=[])
+            yield self._event("response.content_part.done", **self._at(), content_index=0, part=dict(part))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            yield self._event("response.reasoning_text.done", **self._at(), content_index=0, text=part["text"])
             yield self._event("response.content_part.done", **self._at(), content_index=0, part=dict(part))
         else:
             arguments = item["arguments"]
@@ -188,6 +204,11 @@ class ResponseEvents:
         async for _, data in self.events():
             response = data.get("response", response)
         return response
+
+
+def _reasoning() -> dict[str, Any]:
+    """A reasoning model's reasoning as an output item: its text in full (braid writes no summary)."""
+    return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [], "content": [], "status": "in_progress"}
 
 
 def _message() -> dict[str, Any]:

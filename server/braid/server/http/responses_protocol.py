@@ -1,11 +1,11 @@
 """OpenAI's Responses API request body (POST /v1/responses), as braid reads it (pydantic), beside
 chat's (protocol.py) and Anthropic's (anthropic_protocol.py): the fields braid serves, and those it
-knows only to refuse by name (previous_response_id and conversation: braid keeps no state;
-reasoning.effort; an image's or a file's part). A field braid does not know is treated as over
+knows only to refuse by name (previous_response_id and conversation: braid keeps no state; an
+image's or a file's part). A field braid does not know is treated as over
 chat (protocol.unknown_fields): named and ignored, or refused under --strict-request-fields.
 
 An input item, a content part and a tool are each one model whatever their type, so that one braid
-does not take (a reasoning item, an input_image, a web_search tool) is refused naming its type's
+does not take (an input_image, a web_search tool) is refused naming its type's
 path (`input[2].content[0].type`), not with pydantic's account of every union member it failed to
 match. Each list comes before the string in a union, so that pydantic's first error is the item's
 (`input[2].role`), not "input should be a valid string"."""
@@ -51,6 +51,9 @@ class InputItem(_Body):
     output: list[Part] | str | None = None
     id: str | None = None
     status: str | None = None
+    # a reasoning item's, as a response's own carry them when a client sends them back: dropped
+    summary: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
 
 
 class Tool(_Body):
@@ -82,7 +85,7 @@ class TextConfig(_Body):
 
 
 class Reasoning(_Body):
-    effort: str | None = None  # refused but for "none": braid does not serve reasoning yet
+    effort: str | None = None  # a reasoning model's budget (frontend/checks.py's EFFORT_BUDGETS)
     summary: str | None = None
     generate_summary: str | None = None
 

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from braid.server.engine.types import InvalidArgument
+from braid.server.frontend import checks
 from braid.server.http.protocol import ChatMessage, ChatRequest, Function, NamedToolChoice, ResponseFormat, Tool
 from braid.server.http.requests import Plan, chat_plan
 from braid.server.http.responses_protocol import InputItem, NamedTool, Part, ResponsesRequest
@@ -77,7 +78,7 @@ def echoed(body: ResponsesRequest) -> dict[str, Any]:
         "metadata": body.metadata or {},
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
         "store": False,  # nothing is stored, whatever the request asked
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": _declared(fmt) if fmt else {"type": "text"}},
@@ -102,8 +103,6 @@ def _refuse_state(body: ResponsesRequest) -> None:
         raise InvalidArgument("conversation", stateless)
     if body.background:
         raise InvalidArgument("background", "braid answers while the client waits: send background: false")
-    if body.reasoning is not None and body.reasoning.effort not in (None, "none"):
-        raise InvalidArgument("reasoning.effort", "braid does not serve reasoning yet; leave it out or send 'none'")
 
 
 def _chat(body: ResponsesRequest) -> tuple[ChatRequest, list[str]]:
@@ -125,6 +124,9 @@ def _chat(body: ResponsesRequest) -> tuple[ChatRequest, list[str]]:
         "user": body.user,
         "parallel_tool_calls": body.parallel_tool_calls,
     }
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        # reasoning.effort's budget (frontend/checks.py's EFFORT_BUDGETS), named as this API names it
+        fields["max_reasoning_tokens"] = checks.effort_budget(body.reasoning.effort, "reasoning.effort")
     if body.tools:
         fields["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(body.tools)]
     if body.tool_choice is not None:
@@ -164,12 +166,13 @@ def _add(turns: list[tuple[str, dict[str, Any]]], item: InputItem, path: str) ->
         turns.append(
             (path, {"role": "tool", "tool_call_id": _field(item.call_id, f"{path}.call_id"), "content": output})
         )
+    elif kind == "reasoning":
+        pass  # an earlier answer's reasoning, sent back: dropped, as chat templates (Qwen3's) drop it
     elif kind is None:
         raise InvalidArgument(f"{path}.type", "is required (or a message's role)")
     else:
         why = {
             "item_reference": "braid keeps no state: send the item itself",
-            "reasoning": "braid does not serve reasoning yet",
         }.get(kind, "braid takes message, function_call and function_call_output items")
         raise InvalidArgument(f"{path}.type", f"{kind!r}: {why}")
 

@@ -1,0 +1,182 @@
+"""A reasoning model's output split from its answer (engine/reasoning.py): the markers found from a
+template or vocabulary, the text split on fixed texts (markers cut across pieces included), and the
+engine core's side over the scripted runner: reasoning and answer apart on each Delta, the budget
+closing the reasoning at exactly its count (with and without speculation), a constraint holding
+only after the end marker."""
+
+from __future__ import annotations
+
+import pytest
+
+from braid.server.engine.reasoning import Markers, Reasoning, Splitter, find_markers, opens_in_prompt
+from braid.server.engine.types import Delta, FinishReason
+from engine_fakes import EOS, Harness, NumberTokenizer, ScriptedRunner
+
+THINK = Markers("<think>", "</think>", (7,), (8,))
+START, END = 900, 901  # the scripted model's markers: text " 900" and " 901"
+
+
+def _encode(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_markers_come_from_the_template_or_the_vocabulary_not_the_name():
+    qwen3 = "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+    assert find_markers(qwen3, [], _encode) == Markers(
+        "<think>", "</think>", tuple(_encode("<think>")), tuple(_encode("</think>"))
+    )
+    found = find_markers(None, ["<|im_start|>", "<think>", "</think>"], _encode)
+    assert found is not None and found.end == "</think>"
+    named = [{"name": "default", "template": "{{ '<seed:think>' }}...{{ '</seed:think>' }}"}]
+    assert find_markers(named, [], _encode).start == "<seed:think>"
+    # a model without them (SmolLM2's template; a lone start token) is unaffected
+    assert find_markers("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", ["<think>"], _encode) is None
+
+
+def test_the_output_starts_inside_the_reasoning_where_the_prompt_opened_it():
+    assert opens_in_prompt(THINK, [1, 2, 7, 10])  # "<think>\n"
+    assert not opens_in_prompt(THINK, [1, 2, 7, 10, 10, 8, 10])  # enable_thinking false: closed
+    assert not opens_in_prompt(THINK, [7, 3, 3, 3, 3, 3, 3])  # a marker far back in the chat
+    assert not opens_in_prompt(THINK, [1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<think>\nLet me see.</think>\n\nIt is 4."],
+        ["<th", "ink>", "\nLet me", " see.</", "thi", "nk>\n", "\nIt is 4."],
+        list("<think>\nLet me see.</think>\n\nIt is 4."),
+    ],
+)
+def test_the_text_splits_wherever_its_pieces_cut_the_markers(pieces):
+    splitter = Splitter(THINK, reasoning=False)
+    parts = [splitter.feed(p) for p in pieces] + [splitter.feed("", final=True)]
+    assert "".join(r for r, _ in parts) == "Let me see."
+    assert "".join(a for _, a in parts) == "It is 4."
+
+
+def test_text_that_only_looks_like_a_marker_is_released():
+    splitter = Splitter(THINK, reasoning=False)
+    assert splitter.feed("<th") == ("", "")  # held: it may be the start marker
+    assert splitter.feed("e answer") == ("", "<the answer")
+    opened = Splitter(THINK, reasoning=True)  # the prompt opened it
+    assert opened.feed("\nhmm </") == ("hmm ", "")
+    assert opened.feed("b> ok") == ("</b> ok", "")
+    assert opened.feed("</", final=True) == ("</", "")  # a reasoning cut short keeps its tail
+
+
+def test_no_reasoning_when_the_output_does_not_open_it():
+    splitter = Splitter(THINK, reasoning=False)
+    assert splitter.feed("  Hello") == ("", "  Hello")
+    reasoning = Reasoning(THINK, [1, 2])
+    reasoning.add(5)
+    assert reasoning.num_tokens == 0 and reasoning.applies_constraint
+
+
+class ReasoningTokenizer(NumberTokenizer):
+    reasoning_markers = Markers(str(START), str(END), (START,), (END,))
+
+
+def _script(*tokens_after: tuple[int, int]):
+    """A model that writes `after[last]` after each token in the table, else 50."""
+    table = dict(tokens_after)
+
+    def next_token(row) -> int:
+        return table.get(row.token_ids[-1], 50)
+
+    return next_token
+
+
+def _parts(h: Harness, handle) -> tuple[str, str]:
+    deltas = [e for e in h.events[handle.session_id] if isinstance(e, Delta)]
+    return "".join(d.reasoning for d in deltas), "".join(d.text for d in deltas)
+
+
+def test_the_core_sends_the_reasoning_apart_and_counts_it():
+    script = _script((1, START), (START, 10), (10, 11), (11, END), (END, 20), (20, EOS))
+    with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer()) as h:
+        (handle,) = h.submit("1", max_new_tokens=20)
+        h.run()
+        assert h.tokens(handle) == [START, 10, 11, END, 20, EOS]
+        assert _parts(h, handle) == ("10 11 ", "20")
+        finished = h.finished(handle)
+        assert finished.reason is FinishReason.EOS and finished.reasoning_tokens == 4
+
+
+def test_a_model_without_markers_sends_no_reasoning():
+    script = _script((1, START), (START, 10), (10, END), (END, EOS))
+    with Harness(ScriptedRunner(next_token=script)) as h:
+        (handle,) = h.submit("1", max_new_tokens=20)
+        h.run()
+        assert _parts(h, handle) == ("", f" {START} 10 {END}")
+        assert h.finished(handle).reasoning_tokens == 0
+
+
+@pytest.mark.parametrize("speculation", [{}, {"speculative": "ngram", "speculative_tokens": 4}])
+@pytest.mark.parametrize("budget", [0, 1, 5])
+def test_the_budget_closes_the_reasoning_at_exactly_its_count(speculation, budget):
+    """The prompt opens the reasoning; the model would reason (50 50 ...) to max_new_tokens. At the
+    budget braid writes the end marker itself, and the answer follows; with speculation the n-gram
+    proposals of more 50s are cut there (a forced token is no proposal)."""
+    script = _script((END, 60), (60, 61), (61, EOS))
+    with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer(), **speculation) as h:
+        (handle,) = h.submit(f"1 {START}", max_new_tokens=40, max_reasoning_tokens=budget)
+        h.run()
+        assert h.tokens(handle) == [50] * budget + [END, 60, 61, EOS]
+        assert _parts(h, handle) == ("50 " * budget, "60 61")
+        assert h.finished(handle).reasoning_tokens == budget + 1
+
+
+def test_no_budget_lets_the_reasoning_run():
+    with Harness(ScriptedRunner(next_token=_script()), tokenizer=ReasoningTokenizer()) as h:
+        (handle,) = h.submit(f"1 {START}", max_new_tokens=12)
+        h.run()
+        assert h.tokens(handle) == [50] * 12
+        assert _parts(h, handle) == ("50 " * 11 + "50", "")
+        assert h.finished(handle).reasoning_tokens == 12
+
+
+class RecordingMatcher:
+    """A constraint's matcher that allows anything and records what it is given."""
+
+    def __init__(self) -> None:
+        self.consumed: list[int] = []
+
+    def consume_token(self, token: int) -> bool:
+        self.consumed.append(token)
+        return True
+
+    def is_accepting(self) -> bool:
+        return True
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def validate_tokens(self, tokens) -> int:
+        return len(tokens)
+
+    def deep_copy(self) -> RecordingMatcher:
+        return self
+
+
+def test_a_constraint_holds_the_answer_only():
+    from braid.server.engine.types import Constraint, GenerationRequest, SamplingParams
+
+    script = _script((START, 10), (10, END), (END, 20), (20, 21), (21, EOS))
+    with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer()) as h:
+        request = GenerationRequest(
+            prompt=f"1 {START}",
+            messages=(),
+            params=SamplingParams(max_new_tokens=20),
+            request_id="r",
+            constraint=Constraint("json_object", "", "constraint.json_object"),
+        )
+        matcher = RecordingMatcher()
+        (handle,) = h.admission.submit(h.admission.admit(request.prompt, ()), request, h.loop, matcher)
+        h.events[handle.session_id] = []
+        h.run()
+        assert h.tokens(handle) == [10, END, 20, 21, EOS]
+        assert matcher.consumed == [20, 21]  # EOS ends it where the constraint accepts
+        rows = [row for rows in h.runner.passes for row in rows]
+        assert [row.matcher is not None for row in rows] == [False, False, True, True, True]
+        assert h.finished(handle).reason is FinishReason.CONSTRAINT
