@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType, quants
 from braid.server.model.weights import unpack_gguf
 from gguf_files import K_QUANTS, k_quant_bytes
 from braid.server.runner.kernels import extension, packing, pick, selfcheck, step
+from braid.server.runner import kv_cache
 from braid.server.runner.kernels.ops import CpuKernelOps, TorchOps
 from braid.server.runner.kernels.packing import PackedLinear
 from braid.server.runner.kernels.pick import pick_ops
@@ -436,16 +437,18 @@ def test_geglu_matches_torch(isa):
 ATTENTION = [(32**-0.5, None, None), (0.3, 2.0, None), (32**-0.5, None, 5), (0.2, 1.5, 18)]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, kv_cache.Q8_0], ids=str)
 @pytest.mark.parametrize("scale, softcap, window", ATTENTION, ids=["llama", "softcap", "window", "both"])
 def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype, scale, softcap, window):
     """Pages of 16 positions, each sequence's scattered and out of order; two sequences share their
     first page (a common prefix). A bf16 or f16 cache is written rounded as torch rounds, and read
-    back widened. Scores are scaled, soft-capped and windowed as transformers' eager attention does."""
+    back widened; a q8_0 cache (--kv-cache-dtype q8_0) written in the blocks runner/kv_cache.py
+    makes, and read as torch dequantizes them (the attention over them to fp32 rounding). Scores are
+    scaled, soft-capped and windowed as transformers' eager attention does."""
     torch.manual_seed(5)
-    heads, kv_heads, d, num_pages, page = 6, 2, 32, 12, 16
-    k_cache = torch.randn(num_pages, kv_heads, page, d).to(kv_dtype)
-    v_cache = torch.randn(num_pages, kv_heads, page, d).to(kv_dtype)
+    heads, kv_heads, d, num_pages, page = 6, 2, 64, 12, 16
+    k_cache = kv_cache.encode(torch.randn(num_pages, kv_heads, page, d), kv_dtype)
+    v_cache = kv_cache.encode(torch.randn(num_pages, kv_heads, page, d), kv_dtype)
     tables = torch.tensor([[7, 2, 0], [7, 11, 0], [5, 9, 3]])  # rows padded with page 0
     positions = torch.tensor([20, 16, 39])  # lengths 21, 17, 40
     qkv = torch.randn(3, (heads + 2 * kv_heads) * d) * 2  # scores large enough for the cap to bend them
@@ -457,15 +460,13 @@ def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype, sc
         k_new = qkv[b, heads * d : (heads + kv_heads) * d].view(kv_heads, d)
         v_new = qkv[b, (heads + kv_heads) * d :].view(kv_heads, d)
         where = tables[b, pos // page], pos % page
-        assert torch.equal(k_cache[where[0], :, where[1]], k_new.to(kv_dtype))
-        assert torch.equal(v_cache[where[0], :, where[1]], v_new.to(kv_dtype))
+        assert torch.equal(k_cache[where[0], :, where[1]], kv_cache.encode(k_new, kv_dtype))
+        assert torch.equal(v_cache[where[0], :, where[1]], kv_cache.encode(v_new, kv_dtype))
         pages = tables[b, : pos // page + 1]
         keys, values = (
-            c[pages]
-            .transpose(0, 1)
-            .reshape(kv_heads, -1, d)[:, : pos + 1]
-            .float()
-            .repeat_interleave(heads // kv_heads, dim=0)
+            kv_cache.decode(
+                c[pages].transpose(0, 1).reshape(kv_heads, -1, c.shape[-1])[:, : pos + 1], torch.float32
+            ).repeat_interleave(heads // kv_heads, dim=0)
             for c in (k_cache, v_cache)
         )
         scores = q @ keys.transpose(1, 2) * scale  # [H, 1, T]

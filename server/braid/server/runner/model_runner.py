@@ -23,7 +23,7 @@ from braid.server.model.loader import LoadedModel
 from braid.server.model.weights import FLOAT_FORMATS
 from braid.server.runner.families import attention_window, native_family
 from braid.server.runner.kernels.pick import pick_ops
-from braid.server.runner.kv_cache import KVCache, fit_pages
+from braid.server.runner.kv_cache import KV_DTYPES, KVCache, fit_pages, kv_dtype_name
 from braid.server.runner.lora import Adapter, LoraPass, read_peft
 from braid.server.runner.lora_gguf import read_gguf_lora
 from braid.server.runner.batch import DecodeRows, ForwardBatch, PrefillChunk
@@ -151,7 +151,7 @@ class ModelRunner:
         family, _ = native_family(model.hf_model)
         window = attention_window(family, model.hf_model.config) if family else None
         max_seq_len = min(config.max_seq_len, context, window or context)
-        kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # auto: the compute dtype
+        kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, dtype)  # auto: the compute dtype
         num_pages = fit_pages(config, model.hf_model.config, max_seq_len, device, kv_dtype)
         runner = cls(
             model,
@@ -177,7 +177,7 @@ class ModelRunner:
 
     @property
     def kv_dtype_name(self) -> str:
-        return str(self.cache.dtype).removeprefix("torch.")
+        return kv_dtype_name(self.cache.dtype)
 
     @property
     def num_pages(self) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.server.runner.kv_cache import KVCache
+from braid.server.runner.kv_cache import KVCache, write_rows
 from braid.server.runner.batch import ForwardBatch
 from braid.server.runner.decoder import gather
 
@@ -148,7 +148,7 @@ class TransformersDecoder:
         pages, at index (the cache viewed as [-1, D])."""
         for layer, k_cache, v_cache in zip(past.layers, cache.k, cache.v):
             for values, pages in ((layer.keys, k_cache), (layer.values, v_cache)):
-                pages.view(-1, pages.shape[-1]).index_copy_(0, index, new_rows(values).to(pages.dtype))
+                write_rows(pages, index, new_rows(values))
 
     @staticmethod
     def _sequences(batch: ForwardBatch) -> list[_Sequence]:

@@ -1,27 +1,62 @@
 /* Decode attention over the paged KV cache. Compiled once per instruction set.
  *
- * The cache of a layer is [pages, KVH, P, D] in kv_fmt (fp32, bf16 or f16): page p holds P
+ * The cache of a layer is [pages, KVH, P, D] in kv_fmt (fp32, bf16, f16 or q8_0): page p holds P
  * consecutive positions of one sequence, each KV head's keys contiguous. A sequence's page table
  * (a row of `tables`) lists its pages in position order: position t is at offset t % P of page
  * table[t / P]. Pages are shared between sequences with a common prefix; a decode step only ever
- * writes the position of its new token, in a page its sequence alone holds. */
+ * writes the position of its new token, in a page its sequence alone holds. The loops below count
+ * rows: row (page * KVH + h) * P + i holds position i of KV head h's keys (or values) in that page,
+ * kv_row_bytes(kv_fmt, D) bytes. A q8_0 row is llama.cpp's block_q8_0 (-ctk q8_0 -ctv q8_0) per 32
+ * of its D values: their fp16 scale d, then 32 int8 q, a value being d * q. */
 
-/* VEC cache values from element `index` of a cache in kv_fmt, widened to fp32 (exact). */
-static inline vf kv_load(const void *cache, int kv_fmt, long index) {
-    if (kv_fmt == F_BF16) return vcvt_bf16((const uint16_t *)cache + index);
-    if (kv_fmt == F_F16) return vcvt_f16((const uint16_t *)cache + index);
-    return vload((const float *)cache + index);
+#define KV_Q8_BLOCK 34 /* bytes of a q8_0 block: fp16 d, 32 int8 */
+
+/* Bytes of one row of D values (one position of one KV head) in kv_fmt. */
+static inline long kv_row_bytes(int kv_fmt, long D) {
+    return kv_fmt == F_Q8_0 ? D / QBLOCK * KV_Q8_BLOCK : kv_fmt == F_F32 ? D * 4 : D * 2;
 }
 
-/* Stores n fp32 values into a cache in kv_fmt, rounded to nearest even as torch's .to() does, so
- * a key written here and one written by torch's prefill are the same bits. */
-static inline void kv_store(void *cache, int kv_fmt, long index, const float *x, long n) {
-    if (kv_fmt == F_F32) {
-        memcpy((float *)cache + index, x, n * sizeof(float));
+/* VEC cache values from column `col` (a multiple of VEC) of `row`, widened to fp32: exact for the
+ * float formats; q8_0's d * q is one fp32 rounding, as the dequantized reference computes it. */
+static inline vf kv_load(const void *cache, int kv_fmt, long row, long D, long col) {
+    if (kv_fmt == F_Q8_0) {
+        const uint8_t *block = (const uint8_t *)cache + row * kv_row_bytes(F_Q8_0, D) + col / QBLOCK * KV_Q8_BLOCK;
+        uint16_t d;
+        memcpy(&d, block, sizeof d);
+        return vmul(vcvt_i8((const int8_t *)block + 2 + col % QBLOCK), vset1(_cvtsh_ss(d)));
+    }
+    if (kv_fmt == F_BF16) return vcvt_bf16((const uint16_t *)cache + row * D + col);
+    if (kv_fmt == F_F16) return vcvt_f16((const uint16_t *)cache + row * D + col);
+    return vload((const float *)cache + row * D + col);
+}
+
+/* One row of D values in q8_0 blocks as llama.cpp's quantize_row_q8_0_ref makes them: d = amax / 127
+ * rounded to fp16, q = roundf(x / d) by the fp32 reciprocal of the unrounded d (0 where d is 0). */
+static inline void kv_store_q8_0(uint8_t *out, const float *x, long D) {
+    for (long b = 0; b < D / QBLOCK; b++, x += QBLOCK, out += KV_Q8_BLOCK) {
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t h = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+        memcpy(out, &h, sizeof h);
+        for (int i = 0; i < QBLOCK; i++) ((int8_t *)out)[2 + i] = (int8_t)roundf(x[i] * id);
+    }
+}
+
+/* Stores D fp32 values as `row` of a cache in kv_fmt, rounded to nearest even as torch's .to() does
+ * (q8_0: as kv_store_q8_0), so a key written here and one written by torch's prefill
+ * (runner/kv_cache.py) are the same bits. */
+static inline void kv_store(void *cache, int kv_fmt, long row, const float *x, long D) {
+    if (kv_fmt == F_Q8_0) {
+        kv_store_q8_0((uint8_t *)cache + row * kv_row_bytes(F_Q8_0, D), x, D);
         return;
     }
-    uint16_t *out = (uint16_t *)cache + index;
-    for (long i = 0; i < n; i++) {
+    if (kv_fmt == F_F32) {
+        memcpy((float *)cache + row * D, x, D * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + row * D;
+    for (long i = 0; i < D; i++) {
         if (kv_fmt == F_F16) {
             out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
             continue;
@@ -43,17 +78,17 @@ static inline void kv_store(void *cache, int kv_fmt, long index, const float *x,
  * faster, and a verification of 8 proposals 27% (with the key sums below). */
 static inline __attribute__((always_inline)) void weigh_values(const void *v_cache, const int kv_fmt,
                                                                const int64_t *table, long first_page, long lo,
-                                                               long L, long page_stride, long head, long D, long P,
+                                                               long L, long KVH, long h, long D, long P,
                                                                const float *sc, long n_seen, long g0, const int NG,
                                                                long j, const int NJ, const float *inv, float *out) {
     vf acc[4][4];
     for (int g = 0; g < NG; g++)
         for (int c = 0; c < NJ; c++) acc[g][c] = vzero();
     for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
-        const long base = table[page] * page_stride + head + VEC * j, n = L - t0 < P ? L - t0 : P;
+        const long rows = (table[page] * KVH + h) * P, n = L - t0 < P ? L - t0 : P;
         for (long i = t0 < lo ? lo - t0 : 0; i < n; i++) {
             vf v[4], w[4];
-            for (int c = 0; c < NJ; c++) v[c] = kv_load(v_cache, kv_fmt, base + i * D + VEC * c);
+            for (int c = 0; c < NJ; c++) v[c] = kv_load(v_cache, kv_fmt, rows + i, D, VEC * (j + c));
             for (int g = 0; g < NG; g++) w[g] = vset1(sc[(g0 + g) * n_seen + t0 + i - lo]);
             for (int g = 0; g < NG; g++)
                 for (int c = 0; c < NJ; c++) acc[g][c] = vfmadd(w[g], v[c], acc[g][c]);
@@ -73,11 +108,11 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
                                                          const int write, const int64_t *table, long lo, long L,
                                                          long h, long G, long KVH, long D, long P, float scale, float softcap,
                                                          float *scores, float *out) {
-    const long chunks = D / VEC, page_stride = KVH * P * D, head = h * P * D, n_seen = L - lo;
-#define PAGE(t) (table[(t) / P] * page_stride + head) /* element index of position t's page, this head */
+    const long chunks = D / VEC, n_seen = L - lo;
+#define ROWS(page) ((table[page] * KVH + h) * P) /* the row of position 0 of a page, this head */
     if (write) {
-        kv_store(k_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, k_new, D);
-        kv_store(v_cache, kv_fmt, PAGE(L - 1) + (L - 1) % P * D, v_new, D);
+        kv_store(k_cache, kv_fmt, ROWS((L - 1) / P) + (L - 1) % P, k_new, D);
+        kv_store(v_cache, kv_fmt, ROWS((L - 1) / P) + (L - 1) % P, v_new, D);
     }
     const long first_page = lo / P;
     float inv[G]; /* per query head, 1 / the sum of its weights */
@@ -85,7 +120,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         const float *qg = q + g * D;
         float *sc = scores + g * n_seen, top = -INFINITY; /* sc[t - lo]: position t's score */
         for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
-            const long base = table[page] * page_stride + head, n = L - t0 < P ? L - t0 : P;
+            const long rows = ROWS(page), n = L - t0 < P ? L - t0 : P;
             long i = t0 < lo ? lo - t0 : 0;
             for (; i + VEC <= n; i += VEC) { /* VEC keys at a time, their sums in one transpose */
                 vf dots[VEC];
@@ -95,14 +130,14 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
                 for (long j = 0; j < chunks; j++) {
                     const vf qj = vload(qg + VEC * j);
                     for (int r = 0; r < VEC; r++)
-                        dots[r] = vfmadd(qj, kv_load(k_cache, kv_fmt, base + (i + r) * D + VEC * j), dots[r]);
+                        dots[r] = vfmadd(qj, kv_load(k_cache, kv_fmt, rows + i + r, D, VEC * j), dots[r]);
                 }
                 vstore(sc + t0 + i - lo, vmul(vhsum(dots), vset1(scale)));
             }
             for (; i < n; i++) {
                 vf dot = vzero();
                 for (long j = 0; j < chunks; j++)
-                    dot = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, base + i * D + VEC * j), dot);
+                    dot = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, rows + i, D, VEC * j), dot);
                 sc[t0 + i - lo] = vsum(dot) * scale;
             }
         }
@@ -127,13 +162,13 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         const long heads = G - g0 < 4 ? G - g0 : 4;
         long j = 0;
         for (; j + 4 <= chunks; j += 4)
-            WITH_1_TO_4(heads, NG, weigh_values(v_cache, kv_fmt, table, first_page, lo, L, page_stride, head, D, P,
+            WITH_1_TO_4(heads, NG, weigh_values(v_cache, kv_fmt, table, first_page, lo, L, KVH, h, D, P,
                                                  scores, n_seen, g0, NG, j, 4, inv, out));
         for (; j < chunks; j++)
-            WITH_1_TO_4(heads, NG, weigh_values(v_cache, kv_fmt, table, first_page, lo, L, page_stride, head, D, P,
+            WITH_1_TO_4(heads, NG, weigh_values(v_cache, kv_fmt, table, first_page, lo, L, KVH, h, D, P,
                                                  scores, n_seen, g0, NG, j, 1, inv, out));
     }
-#undef PAGE
+#undef ROWS
 }
 
 /* Attention for the decode rows of a pass: each of B sequences has one new token, at position
@@ -156,7 +191,9 @@ static void attention_task(const float *q, const float *k_new, const float *v_ne
     const int64_t *table = tables + b * table_stride;
     const float *qb = q + b * ldq + h * G * D, *kb = k_new + b * ldq + h * D, *vb = v_new + b * ldq + h * D;
     float *ob = out + b * ldo + h * G * D, *scores = malloc(sizeof(float) * G * (L - lo));
-    if (kv_fmt == F_BF16)
+    if (kv_fmt == F_Q8_0)
+        attend(qb, kb, vb, k_cache, v_cache, F_Q8_0, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+    else if (kv_fmt == F_BF16)
         attend(qb, kb, vb, k_cache, v_cache, F_BF16, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
     else if (kv_fmt == F_F16)
         attend(qb, kb, vb, k_cache, v_cache, F_F16, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
@@ -170,9 +207,9 @@ static void attention_task(const float *q, const float *k_new, const float *v_ne
 static void store_task(const float *k_new, const float *v_new, long ldq, void *k_cache, void *v_cache, int kv_fmt,
                        const int64_t *tables, long table_stride, const int64_t *positions, long KVH, long D, long P,
                        long b, long h) {
-    const long t = positions[b], index = (tables[b * table_stride + t / P] * KVH + h) * P * D + t % P * D;
-    kv_store(k_cache, kv_fmt, index, k_new + b * ldq + h * D, D);
-    kv_store(v_cache, kv_fmt, index, v_new + b * ldq + h * D, D);
+    const long t = positions[b], row = (tables[b * table_stride + t / P] * KVH + h) * P + t % P;
+    kv_store(k_cache, kv_fmt, row, k_new + b * ldq + h * D, D);
+    kv_store(v_cache, kv_fmt, row, v_new + b * ldq + h * D, D);
 }
 
 /* Every task of the pass, the threads sharing them out as they finish; `write` 0: the rows' keys

@@ -137,8 +137,12 @@ static int check_paging(long H, long KVH, long D, long P, long kv_fmt, const cha
         PyErr_Format(PyExc_ValueError, "%s: heads must divide evenly, head_dim and page size by 16", who);
         return -1;
     }
-    if (kv_fmt != F_F32 && kv_fmt != F_BF16 && kv_fmt != F_F16) {
-        PyErr_Format(PyExc_ValueError, "%s: a KV cache is f32, bf16 or f16, not format %ld", who, kv_fmt);
+    if (kv_fmt != F_F32 && kv_fmt != F_BF16 && kv_fmt != F_F16 && kv_fmt != F_Q8_0) {
+        PyErr_Format(PyExc_ValueError, "%s: a KV cache is f32, bf16, f16 or q8_0, not format %ld", who, kv_fmt);
+        return -1;
+    }
+    if (kv_fmt == F_Q8_0 && D % QBLOCK) {
+        PyErr_Format(PyExc_ValueError, "%s: a q8_0 KV cache needs head_dim a multiple of 32, not %ld", who, D);
         return -1;
     }
     return 0;

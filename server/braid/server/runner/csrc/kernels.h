@@ -42,7 +42,7 @@
 /* The contract with runner/kernels/extension.py and runner/weights.py, checked when the module loads. */
 #define PANEL 32  /* columns per packed panel */
 #define QBLOCK 32 /* rows of k per block of a panel; GGUF's block size */
-#define KV_LAYOUT 2 /* the KV cache's layout: 2, paged [pages, KVH, page size, D] (attention.c) */
+#define KV_LAYOUT 3 /* the KV cache's layout: 3, paged [pages, KVH, page size, D], f32, bf16, f16 or q8_0 rows (attention.c) */
 
 /* Weight formats, in the order of runner/kernels/extension.py's FORMATS. ROW_BYTES: one row of 32 weights
  * of a panel; HEAD_BYTES: the scales ahead of each block of 32 rows, per column. Q8_0, Q4_0 and
@@ -126,7 +126,7 @@ static const char *const LORA_FIELD_NAMES[L_FIELDS] = {
 
 typedef struct {
     long B, hidden, H, KVH, D, I, layers, page_size, table_stride;
-    int kv_fmt; /* the KV cache's format: F_F32, F_BF16 or F_F16 (attention.c) */
+    int kv_fmt; /* the KV cache's format: F_F32, F_BF16, F_F16 or F_Q8_0 (attention.c) */
     int activation; /* A_SILU or A_GELU_TANH */
     float eps, scale, softcap; /* attention: scores * scale, then softcap * tanh(scores / softcap) if softcap > 0 */
     const int64_t *table, *positions, *tables; /* tables: B page tables of table_stride entries */

@@ -35,7 +35,8 @@ LAYER_FIELDS = (
 # A LoRA adapter's row per layer and projection group in DecodeStep (csrc/kernels.h; runner/lora.py builds it)
 LORA_FIELDS = ("at", "cols", "rank", "b0", "begin0", "end0", "b1", "begin1", "end1", "b2", "begin2", "end2", "fmt")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gating activations the C kernels run, in their enum's order
-KV_LAYOUT = 2  # the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim]
+# the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim], of f32, bf16, f16 or q8_0 rows
+KV_LAYOUT = 3
 # The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
 # of each block of 32 rows).
 FORMATS = {

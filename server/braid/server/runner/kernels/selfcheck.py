@@ -12,6 +12,8 @@ from braid.server.model.weights import Blocks, quantize_q8_0
 from braid.server.runner.kernels.extension import INT8, QBLOCK, _cpu_kernels, has_bf16_rows
 from braid.server.runner.kernels.ops import CpuKernelOps
 from braid.server.runner.kernels.packing import PackedLinear, dense
+from braid.server.runner.kernels.step import decode_attention
+from braid.server.runner import kv_cache
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ def _self_check() -> bool:
             and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])
         ):
             return False
+    if not _q8_0_attention_checks(generator):
+        return False
     norm = torch.rand(96, generator=generator)
     gate_up = torch.randn(5, 96, generator=generator)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -78,6 +82,35 @@ def _self_check() -> bool:
         and torch.allclose(ops.swiglu(gate_up), F.silu(gate) * up, atol=1e-5)
         and torch.allclose(ops.geglu(gate_up), F.gelu(gate, approximate="tanh") * up, atol=1e-5)
     )
+
+
+def _q8_0_attention_checks(generator: torch.Generator) -> bool:
+    """Decode attention over a q8_0 KV cache (--kv-cache-dtype q8_0), two sequences of 20 positions
+    on pages of 16, against torch's over the dequantized cache; the new key and value written as
+    runner/kv_cache.py quantizes them."""
+    heads, kv_heads, d, page = 4, 2, 64, 16
+    k_cache, v_cache = (
+        kv_cache.quantize_q8_0(torch.randn(4, kv_heads, page, d, generator=generator)) for _ in range(2)
+    )
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * d, generator=generator)
+    tables, positions = torch.tensor([[3, 1], [0, 2]]), torch.tensor([19, 19])
+    out = torch.empty(2, heads * d)
+    decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, d**-0.5)
+    for b in range(2):
+        k_new, v_new = qkv[b, heads * d :].view(2, kv_heads, d)
+        if not torch.equal(k_cache[tables[b, 1], :, 3], kv_cache.quantize_q8_0(k_new)):
+            return False
+        if not torch.equal(v_cache[tables[b, 1], :, 3], kv_cache.quantize_q8_0(v_new)):
+            return False
+        keys, values = (
+            kv_cache.dequantize_q8_0(c[tables[b]].transpose(0, 1).reshape(kv_heads, -1, c.shape[-1])[:, :20])
+            for c in (k_cache, v_cache)
+        )
+        q = qkv[b, : heads * d].view(kv_heads, heads // kv_heads, d)
+        expected = F.scaled_dot_product_attention(q, keys, values, scale=d**-0.5)  # [KVH, G, D]
+        if not torch.allclose(out[b], expected.reshape(-1), rtol=1e-4, atol=1e-5):
+            return False
+    return True
 
 
 def _random_blocks(out: int, k: int, generator: torch.Generator) -> list[Blocks]:

@@ -10,7 +10,8 @@ from braid.server.runner.kernels.extension import ACTIVATIONS, FORMAT_CODES, LAY
 # instead of shared out and met at a barrier (decode_step.c, lora_down): one row's rank-16 products
 # over a projection group of the embedded model are 9k-28k, 16 rows' over 4 adapters 147k-442k.
 LORA_ALONE_MACS = 1 << 17
-KV_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # a KV cache's dtypes, in C
+# a KV cache's dtypes, in C (uint8: q8_0 blocks, runner/kv_cache.py)
+KV_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.uint8: "q8_0"}
 
 
 def _kv_format(cache: torch.Tensor) -> int:
@@ -33,12 +34,13 @@ def decode_attention(
 ) -> None:
     """The C kernel for the rows of a pass. qkv: [B, (H + 2 KVH) D], one row per token, after RoPE.
     Writes each row's key and value at positions[b], through its page table tables[b] ([B, pages]
-    long), into the paged cache [pages, KVH, P, D] (unless `write` is False: rows that read each
+    long), into the paged cache [pages, KVH, P, D] (q8_0: [pages, KVH, P, D / 32 * 34] bytes) (unless `write` is False: rows that read each
     other's keys, all written first), and its attention over positions [0, positions[b]] (the last
     `window` of them in a sliding window) into out [B, H D]: scores q.k * scale, soft-capped to
     softcap * tanh(score / softcap) if softcap."""
     b = qkv.shape[0]
-    _, kv_heads, page_size, d = k_cache.shape
+    _, kv_heads, page_size, _ = k_cache.shape  # the last: D values, or a q8_0 row's bytes
+    d = qkv.shape[1] // (heads + 2 * kv_heads)
     assert qkv.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert tables.dtype == positions.dtype == torch.long and tables.is_contiguous() and positions.is_contiguous()
     q = qkv.data_ptr()
