@@ -1,0 +1,79 @@
+"""--kv-cache-dtype q8_0 in process (tests/in_process.py), on the embedded model (head_dim 64; the tiny
+model's 16 is not whole q8_0 blocks): keys and values in llama.cpp's blocks of 32 int8 and an fp16
+scale, written and read by braid's C kernels. Everything that touches pages gives the tokens it gives
+with a float cache: every mode and speculation the tokens of a sequential run, a prefix read from the
+cache a cold run's, a preempted session its own. tests/test_kernels.py checks the attention itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from braid.server.engine.types import FinishReason
+from in_process import run
+from unit.engine_fakes import Harness
+
+SYSTEM = (
+    "You are a careful assistant who answers questions about the sea, ships and the weather "
+    "in plain words, briefly, and never makes anything up. "
+) * 2  # about 50 tokens: three full pages
+QUESTIONS = ["How far is the horizon?", "Why is the sea salty?", "What is a knot?"]
+REQUESTS = [dict(prompt=SYSTEM + q, max_new_tokens=12, ignore_eos=True) for q in QUESTIONS]
+# the embedded model's q8_0 keys and values: 30 layers x 3 heads x 2 blocks x 34 bytes x 2 a token
+TOKEN_BYTES = 12240
+
+
+@pytest.fixture(scope="module")
+def q8(smol_dir, in_process):
+    model = in_process(smol_dir, kv_cache_dtype="q8_0", kv_cache_memory="64MiB")
+    assert model.runner.kv_dtype_name == "q8_0" and model.runner.kernels != "torch"
+    return model
+
+
+@pytest.fixture(scope="module")
+def sequential(q8):
+    return [o.token_ids for o in run(q8, REQUESTS, mode="sequential")[0]]
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "batched", "continuous"])
+def test_every_mode_gives_the_sequential_tokens(q8, sequential, mode):
+    outcomes, _ = run(q8, REQUESTS, mode=mode, max_batch_size=4, prefix_caching="off")
+    assert [o.token_ids for o in outcomes] == sequential
+
+
+def test_ngram_speculation_gives_the_sequential_tokens(q8, sequential):
+    """Verification rows write keys into q8_0 pages that a rejected proposal leaves behind."""
+    outcomes, _ = run(q8, REQUESTS, mode="continuous", speculative="ngram", speculative_tokens=6, ngram_min=1)
+    assert [o.token_ids for o in outcomes] == sequential
+
+
+def test_a_prefix_read_from_the_cache_gives_a_cold_runs_tokens(q8, sequential):
+    """The first request's q8_0 pages of the system prompt are read back as they are by the next."""
+    with Harness(q8.runner, tokenizer=q8.tokenizer, mode="continuous") as harness:
+        tokens, cached = [], []
+        for request in REQUESTS:
+            (handle,) = harness.submit(**request)
+            harness.run()
+            tokens.append(harness.tokens(handle))
+            cached.append(harness.finished(handle).cached_tokens)
+    assert cached[0] == 0 and all(c >= 48 for c in cached[1:]), cached
+    assert tokens == sequential
+
+
+def test_preempted_sessions_resume_to_their_own_tokens(smol_dir, in_process):
+    """A cache of 12 pages (192 tokens) and three sessions that grow to about 100 tokens each."""
+    model = in_process(smol_dir, kv_cache_dtype="q8_0", kv_cache_memory=f"{12 * 16 * TOKEN_BYTES}B", max_seq_len=128)
+    assert model.runner.num_pages == 12
+    requests = [dict(prompt=q, max_new_tokens=90, ignore_eos=True) for q in QUESTIONS]
+    alone = [run(model, [r], mode="sequential")[0][0].token_ids for r in requests]
+    outcomes, stats = run(model, requests, mode="continuous", max_batch_size=4)
+    assert [o.token_ids for o in outcomes] == alone
+    assert all(o.final.reason == FinishReason.MAX_TOKENS for o in outcomes)
+    assert stats.preemptions > 0 and stats.kv_pages_used == 0
+
+
+def test_torchs_kernels_read_a_q8_0_cache_too(smol_dir, in_process, q8, sequential):
+    """--kernels torch dequantizes the pages it gathers: the same sums as the C kernels' to fp32
+    rounding, so the same greedy tokens here, in sequential and continuous mode alike."""
+    model = in_process(smol_dir, kv_cache_dtype="q8_0", kv_cache_memory="64MiB", kernels="torch")
+    assert model.runner.kernels == "torch" and model.runner.kv_dtype_name == "q8_0"
+    assert [o.token_ids for o in run(model, REQUESTS[:2], mode="continuous")[0]] == sequential[:2]
