@@ -149,7 +149,9 @@ class Admission:
             pending_logprobs=[],
             prompt_scores=None,
             matcher=first.matcher.deep_copy() if first.matcher else None,
-            reasoning=self._reasoning(first.prompt_ids, params),
+            reasoning=Reasoning(first.reasoning.markers, first.prompt_ids, params.max_reasoning_tokens)
+            if first.reasoning is not None
+            else None,
         )
 
     def tokenize(
@@ -227,13 +229,18 @@ class Admission:
             prompt_scores=[] if params.prompt_logprobs else None,
             matcher=matcher,
             constraint_field=request.constraint.field if request.constraint else "",
-            reasoning=self._reasoning(prompt_ids, params),
+            reasoning=self._reasoning(request, prompt_ids, params),
         )
 
-    def _reasoning(self, prompt_ids: Sequence[int], params: SamplingParams) -> Reasoning | None:
-        """A reasoning model's session's reasoning (None for any other model's)."""
+    def _reasoning(
+        self, request: GenerationRequest, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> Reasoning | None:
+        """A reasoning model's chat's reasoning (None for any other model's, or a plain prompt's:
+        its output is the model's text as it is, as vLLM's completions send it)."""
         markers = self.tokenizer.reasoning_markers
-        return Reasoning(markers, prompt_ids, params.max_reasoning_tokens) if markers is not None else None
+        if markers is None or not request.messages:
+            return None
+        return Reasoning(markers, prompt_ids, params.max_reasoning_tokens)
 
     def _adapter(self, name: str) -> tuple[int, str]:
         """The LoRA adapter `name` held for a new session: its id and prefix-cache key; raises

@@ -139,6 +139,18 @@ def _parser() -> argparse.ArgumentParser:
         help="receive token ids only, no text: prints the ids (stop strings are refused with it)",
     )
     sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument(
+        "--enable-thinking",
+        type=lambda v: {"true": True, "false": False}[v.lower()],
+        metavar="true|false",
+        help="the chat template's switch: false turns a reasoning model's thinking off",
+    )
+    sampling.add_argument(
+        "--max-reasoning-tokens",
+        type=int,
+        metavar="N",
+        help="a reasoning model's budget: braid closes its reasoning there",
+    )
     sampling.add_argument("--request-id")
     sampling.add_argument(
         "--priority",

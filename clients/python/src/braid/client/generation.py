@@ -51,6 +51,7 @@ class Completion:
     usage: pb.Usage
     final: pb.GenerateResponse
     tool_calls: list[pb.ToolCall] = field(default_factory=list)  # the calls it made (GenerateRequest.tools)
+    reasoning: str = ""  # a reasoning model's reasoning, apart from text (GenerateResponse.reasoning)
 
 
 def finish_reason_name(value: pb.FinishReason.ValueType) -> str:
@@ -91,6 +92,7 @@ class _Stream:
         self._texts: defaultdict[int, list[str]] = defaultdict(list)  # by sample index
         self._token_ids: defaultdict[int, list[int]] = defaultdict(list)
         self._tool_calls: defaultdict[int, list[pb.ToolCall]] = defaultdict(list)
+        self._reasoning: defaultdict[int, list[str]] = defaultdict(list)
         self._finals: dict[int, pb.GenerateResponse] = {}
         self._header_request_id: str | None = None  # "" once headers without one arrived
         self._is_cancelled = False
@@ -99,6 +101,11 @@ class _Stream:
     def text(self) -> str:
         """The text received so far (of sample 0: the only one unless n > 1)."""
         return "".join(self._texts[0])
+
+    @property
+    def reasoning(self) -> str:
+        """A reasoning model's reasoning received so far (of sample 0), apart from its text."""
+        return "".join(self._reasoning[0])
 
     @property
     def token_ids(self) -> list[int]:
@@ -139,7 +146,8 @@ class _Stream:
         final = self._finals[index]
         text, token_ids = "".join(self._texts[index]), list(self._token_ids[index])
         reason, calls = finish_reason_name(final.finish_reason), list(self._tool_calls[index])
-        return Completion(text, token_ids, reason, final.usage, final, calls)
+        reasoning = "".join(self._reasoning[index])
+        return Completion(text, token_ids, reason, final.usage, final, calls, reasoning)
 
     def cancel(self) -> None:
         """Cancels the call (and so the session on the server); iteration then stops."""
@@ -150,6 +158,8 @@ class _Stream:
         self._texts[message.index].append(message.text)
         self._token_ids[message.index].extend(message.token_ids)
         self._tool_calls[message.index].extend(message.tool_calls)
+        if message.reasoning:
+            self._reasoning[message.index].append(message.reasoning)
         if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finals[message.index] = message
             if len(self._finals) >= self.n:

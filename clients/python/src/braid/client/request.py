@@ -71,6 +71,8 @@ class GenerateParams(TypedDict, total=False):
     skip_detokenize: bool | None  # token_ids only, no text (stop strings then are refused)
     tools: Sequence[ToolLike] | None  # functions the model may call; calls come back in tool_calls
     tool_choice: ToolChoiceLike | None  # "auto" (the default with tools), "none", "required", a function
+    enable_thinking: bool | None  # the chat template's switch: False turns a reasoning model's thinking off
+    max_reasoning_tokens: int | None  # a reasoning model's budget: braid closes its reasoning there
 
 
 def json_schema(schema: Mapping[str, object] | str) -> pb.Constraint:

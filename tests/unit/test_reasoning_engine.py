@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from braid.server.engine.reasoning import Markers, Reasoning, Splitter, find_markers, opens_in_prompt
-from braid.server.engine.types import Delta, FinishReason
+from braid.server.engine.types import Delta, FinishReason, Message
 from engine_fakes import EOS, Harness, NumberTokenizer, ScriptedRunner
 
 THINK = Markers("<think>", "</think>", (7,), (8,))
@@ -87,6 +87,11 @@ def _script(*tokens_after: tuple[int, int]):
     return next_token
 
 
+def chat(text: str) -> list[Message]:
+    """A chat of one user message (NumberTokenizer's template: its content's ids)."""
+    return [Message("user", text)]
+
+
 def _parts(h: Harness, handle) -> tuple[str, str]:
     deltas = [e for e in h.events[handle.session_id] if isinstance(e, Delta)]
     return "".join(d.reasoning for d in deltas), "".join(d.text for d in deltas)
@@ -95,7 +100,7 @@ def _parts(h: Harness, handle) -> tuple[str, str]:
 def test_the_core_sends_the_reasoning_apart_and_counts_it():
     script = _script((1, START), (START, 10), (10, 11), (11, END), (END, 20), (20, EOS))
     with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer()) as h:
-        (handle,) = h.submit("1", max_new_tokens=20)
+        (handle,) = h.submit("", messages=chat("1"), max_new_tokens=20)
         h.run()
         assert h.tokens(handle) == [START, 10, 11, END, 20, EOS]
         assert _parts(h, handle) == ("10 11 ", "20")
@@ -106,7 +111,7 @@ def test_the_core_sends_the_reasoning_apart_and_counts_it():
 def test_a_model_without_markers_sends_no_reasoning():
     script = _script((1, START), (START, 10), (10, END), (END, EOS))
     with Harness(ScriptedRunner(next_token=script)) as h:
-        (handle,) = h.submit("1", max_new_tokens=20)
+        (handle,) = h.submit("", messages=chat("1"), max_new_tokens=20)
         h.run()
         assert _parts(h, handle) == ("", f" {START} 10 {END}")
         assert h.finished(handle).reasoning_tokens == 0
@@ -120,16 +125,24 @@ def test_the_budget_closes_the_reasoning_at_exactly_its_count(speculation, budge
     proposals of more 50s are cut there (a forced token is no proposal)."""
     script = _script((END, 60), (60, 61), (61, EOS))
     with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer(), **speculation) as h:
-        (handle,) = h.submit(f"1 {START}", max_new_tokens=40, max_reasoning_tokens=budget)
+        (handle,) = h.submit("", messages=chat(f"1 {START}"), max_new_tokens=40, max_reasoning_tokens=budget)
         h.run()
         assert h.tokens(handle) == [50] * budget + [END, 60, 61, EOS]
         assert _parts(h, handle) == ("50 " * budget, "60 61")
         assert h.finished(handle).reasoning_tokens == budget + 1
 
 
+def test_a_plain_prompts_output_is_the_models_text_as_it_is():
+    script = _script((1, START), (START, 10), (10, END), (END, EOS))
+    with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer()) as h:
+        (handle,) = h.submit("1", max_new_tokens=20, max_reasoning_tokens=0)
+        h.run()
+        assert _parts(h, handle) == ("", f" {START} 10 {END}")
+
+
 def test_no_budget_lets_the_reasoning_run():
     with Harness(ScriptedRunner(next_token=_script()), tokenizer=ReasoningTokenizer()) as h:
-        (handle,) = h.submit(f"1 {START}", max_new_tokens=12)
+        (handle,) = h.submit("", messages=chat(f"1 {START}"), max_new_tokens=12)
         h.run()
         assert h.tokens(handle) == [50] * 12
         assert _parts(h, handle) == ("50 " * 11 + "50", "")
@@ -165,14 +178,14 @@ def test_a_constraint_holds_the_answer_only():
     script = _script((START, 10), (10, END), (END, 20), (20, 21), (21, EOS))
     with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer()) as h:
         request = GenerationRequest(
-            prompt=f"1 {START}",
-            messages=(),
+            prompt=None,
+            messages=tuple(chat(f"1 {START}")),
             params=SamplingParams(max_new_tokens=20),
             request_id="r",
             constraint=Constraint("json_object", "", "constraint.json_object"),
         )
         matcher = RecordingMatcher()
-        (handle,) = h.admission.submit(h.admission.admit(request.prompt, ()), request, h.loop, matcher)
+        (handle,) = h.admission.submit(h.admission.admit(None, request.messages), request, h.loop, matcher)
         h.events[handle.session_id] = []
         h.run()
         assert h.tokens(handle) == [10, END, 20, 21, EOS]

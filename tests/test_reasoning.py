@@ -1,0 +1,181 @@
+"""A reasoning model's reasoning apart from its answer, called as users call it (braid's Python
+client, the official openai and anthropic SDKs) against a real `braid serve` of a tiny random Qwen3
+whose tokenizer has <think> and </think> as tokens of their own and whose chat template opens the
+reasoning in its generation prompt (as Qwen3's does; enable_thinking false closes it there). The
+random model never closes its reasoning by itself: the budget does, at exactly its count, and the
+answer follows; a JSON schema holds for the answer only. The split on fixed texts, the budget in
+the engine core and each API's rendering: tests/unit/test_reasoning_engine.py and test_reasoning_apis.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from braid.client import json_schema
+from conftest import Server, free_port
+
+KEY = "sk-test-key"
+HI = [{"role": "user", "content": "What is 2 + 2?"}]
+TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{%- endif %}"""
+ANSWER = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smol_dir):
+    import torch
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-qwen3-thinking")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_dir / name, path / name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's are added tokens, not special ones
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.3,
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    template = path / "thinking.jinja"
+    template.write_text(TEMPLATE)
+    http_port = free_port()
+    started = Server(
+        ["--model", str(path), "--threads", "1", "--http-port", str(http_port), "--chat-template", str(template)],
+        env={"BRAID_API_KEY": KEY},
+    )
+    started.http = f"http://127.0.0.1:{http_port}"
+    started.end_id = tokenizer.convert_tokens_to_ids("</think>")
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def no_eos(server) -> dict[int, float]:
+    """A bias that keeps the random model from ending, or closing its reasoning, by itself."""
+    return {2: -100.0, server.end_id: -100.0}
+
+
+def test_the_budget_closes_the_reasoning_at_exactly_its_count_and_the_answer_follows(server, client):
+    completion = client.generate(
+        messages=HI, max_new_tokens=16, max_reasoning_tokens=5, logit_bias=no_eos(server), temperature=0
+    )
+    assert completion.token_ids[5] == server.end_id  # five tokens of reasoning, then braid's </think>
+    assert completion.usage.reasoning_tokens == 6 and completion.usage.generated_tokens == 16
+    assert completion.reasoning and completion.text  # apart: neither holds the markers
+    assert "<think>" not in completion.text + completion.reasoning
+    assert "</think>" not in completion.text + completion.reasoning
+    # streamed: the reasoning's messages come before the answer's
+    with client.stream(
+        messages=HI, max_new_tokens=16, max_reasoning_tokens=5, logit_bias=no_eos(server), temperature=0
+    ) as generation:
+        messages = list(generation)
+    assert (generation.reasoning, generation.text) == (completion.reasoning, completion.text)
+    first_text = next(i for i, m in enumerate(messages) if m.text)
+    assert not any(m.reasoning for m in messages[first_text + 1 :])
+
+
+def test_enable_thinking_false_gives_an_answer_without_reasoning(server, client):
+    bias = {**no_eos(server), server.end_id - 1: -100.0}  # nor may it open a reasoning of its own
+    completion = client.generate(messages=HI, max_new_tokens=8, enable_thinking=False, logit_bias=bias)
+    assert completion.reasoning == "" and completion.usage.reasoning_tokens == 0 and completion.text
+
+
+def test_a_schema_holds_for_the_answer_only(server, client):
+    completion = client.generate(
+        messages=HI,
+        max_new_tokens=60,
+        max_reasoning_tokens=4,
+        constraint=json_schema(ANSWER),
+        logit_bias={server.end_id: -100.0},
+    )
+    assert completion.token_ids[4] == server.end_id and completion.finish_reason == "CONSTRAINT"
+    jsonschema.validate(json.loads(completion.text), ANSWER)
+    assert completion.reasoning  # free text: the random model's, not JSON's
+
+
+def test_openai_chat_sends_reasoning_content(server, client):
+    over_grpc = client.generate(messages=HI, max_new_tokens=12, max_reasoning_tokens=5, temperature=0)
+    with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0) as sdk:
+        response = sdk.chat.completions.create(
+            model="tiny", messages=HI, max_tokens=12, temperature=0, extra_body={"max_reasoning_tokens": 5}
+        )
+        message = response.choices[0].message
+        assert message.model_extra["reasoning_content"] == over_grpc.reasoning
+        assert (message.content or "") == over_grpc.text
+        assert response.usage.completion_tokens_details.reasoning_tokens == over_grpc.usage.reasoning_tokens
+        stream = sdk.chat.completions.create(
+            model="tiny", messages=HI, max_tokens=12, temperature=0, reasoning_effort="low", stream=True
+        )
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+    reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert reasoning.startswith(over_grpc.reasoning)  # the same greedy reasoning, longer: low's budget is 1024
+
+
+def test_anthropic_sends_thinking_then_text(server, client):
+    over_grpc = client.generate(messages=HI, max_new_tokens=12, max_reasoning_tokens=5, temperature=0)
+    with anthropic.Anthropic(base_url=server.http, api_key=KEY, max_retries=0) as sdk:
+        thinking = {"type": "enabled", "budget_tokens": 5}
+        message = sdk.messages.create(
+            model="tiny", max_tokens=12, messages=HI, thinking=thinking, extra_body={"temperature": 0}
+        )
+        assert message.content[0].type == "thinking" and message.content[0].thinking == over_grpc.reasoning
+        assert "".join(b.text for b in message.content if b.type == "text") == over_grpc.text
+        with sdk.messages.stream(
+            model="tiny", max_tokens=12, messages=HI, thinking=thinking, extra_body={"temperature": 0}
+        ) as stream:
+            streamed = [e for e in stream if e.type == "content_block_delta"]
+            final = stream.get_final_message()
+    assert "".join(e.delta.thinking for e in streamed if e.delta.type == "thinking_delta") == over_grpc.reasoning
+    assert final.content[0].type == "thinking" and final.content[0].thinking == over_grpc.reasoning
+
+
+def test_the_responses_api_sends_a_reasoning_item(server, client):
+    over_grpc = client.generate(messages=HI, max_new_tokens=8, temperature=0)  # no budget: all reasoning
+    with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0) as sdk:
+        response = sdk.responses.create(
+            model="tiny", input=HI, max_output_tokens=8, temperature=0, reasoning={"effort": "high"}
+        )
+        reasoning = response.output[0]
+        assert reasoning.type == "reasoning" and reasoning.content[0].text == over_grpc.reasoning
+        assert response.usage.output_tokens_details.reasoning_tokens == over_grpc.usage.reasoning_tokens
+        with sdk.responses.stream(model="tiny", input=HI, max_output_tokens=8, temperature=0) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == over_grpc.reasoning
