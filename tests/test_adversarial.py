@@ -7,7 +7,7 @@ the finished ones, the server never logged "BOOKS DO NOT BALANCE" (or a tracebac
 call still succeeds.
 
 1. long prompts (513, 1,000 and 4,000 tokens; raw and chat; max_new_tokens small or left at 0),
-   with both kernel backends;
+   and the same through torch's ops in process;
 2. cancellations and timeout_ms expiries at random moments, from before admission to after the
    last token;
 3. a rapid-reset storm: raw HTTP/2 streams (h2) opened and reset at once or soon after;
@@ -41,6 +41,7 @@ import grpc
 import pytest
 
 from braid.client import AsyncClient
+from braid.server.engine.types import FinishReason, Message
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
 from conftest import MODES, REPO, SMALL_WINDOW, Server, assert_greedy, tiny_model, wait_for
@@ -49,7 +50,6 @@ sys.path.insert(0, str(REPO / "load"))
 from flood import flood  # noqa: E402  (load/ is not a package)
 
 SERVER_ARGS = ["--threads", "1", "--max-queued", "16", "--max-batch-size", "16", "--max-wait-ms", "5"]
-KERNELS = ("auto", "torch")
 CONTEXT = 4096  # the server's default --max-seq-len, under the model's 8,192 positions
 DEFAULT_MAX_NEW_TOKENS = 256  # the server's default --default-max-new-tokens
 FINISH_REASONS = [f.name for f in pb.FinishCounts.DESCRIPTOR.fields]
@@ -185,16 +185,15 @@ def sized_inputs(server: Server, num_tokens: int) -> dict[str, dict]:
     return {"prompt": dict(prompt=prompt), "chat": dict(messages=chat)}
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", MODES)
-def test_long_prompts_in_every_mode_and_backend(servers, long_dir, mode, kernels, record_property):
-    server = servers(mode, kernels)
+def test_long_prompts_in_every_mode(servers, long_dir, mode, record_property):
+    server = servers(mode)
     # `--kernels auto` runs braid's AVX-512 kernels only on a CPU that has AVX-512; say which ran.
     in_use = next(
         line.split("kernels: ", 1)[1] for line in server.log_path.read_text().splitlines() if "kernels: " in line
     )
     record_property("kernels_in_use", in_use)
-    print(f"\n--kernels {kernels}: {in_use}")
+    print(f"\n--kernels auto: {in_use}")
     with server.client() as client:
         for num_tokens in (513, 1000, 4000):
             for kind, inputs in sized_inputs(server, num_tokens).items():
@@ -211,6 +210,33 @@ def test_long_prompts_in_every_mode_and_backend(servers, long_dir, mode, kernels
                     room = min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - num_tokens)
                     assert (done.finish_reason, done.usage.generated_tokens) == ("MAX_TOKENS", room), kind
     assert_books_balance(server)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_long_prompts_on_torchs_ops_in_every_mode(long_dir, in_process, mode):
+    """The same prompts through torch's ops (--kernels torch), in process (tests/in_process.py): the
+    engine in each mode over one runner, as a server with --kernels torch runs them; no page is held
+    after (in_process.generate checks). The wire's part (sizes, statuses) is the test above's."""
+    from in_process import generate
+
+    model = in_process(long_dir, kernels="torch", max_seq_len=CONTEXT)
+    assert model.runner.kernels == "torch"
+    overhead = len(model.tokenizer.encode(None, [Message("user", WORD)])) - 1
+    for num_tokens in (513, 1000, 4000):
+        chat = [("user", WORD * (num_tokens - overhead))]
+        for inputs in (dict(prompt=WORD * num_tokens), dict(messages=chat)):
+            ids = model.tokenizer.encode(inputs.get("prompt"), [Message(*m) for m in inputs.get("messages", ())])
+            assert len(ids) == num_tokens
+            [done] = generate(model, [dict(inputs, max_new_tokens=4, ignore_eos=True)], mode=mode)
+            assert (done.final.reason, done.final.prompt_tokens, len(done.token_ids)) == (
+                FinishReason.MAX_TOKENS,
+                num_tokens,
+                4,
+            )
+            assert_greedy(long_dir, ids, done.token_ids)
+            if num_tokens == 4000:  # left at 0: the default (256), clipped to the context, as the edge asks
+                [done] = generate(model, [dict(inputs, ignore_eos=True, clip_max_new_tokens=True)], mode=mode)
+                assert done.final.generated_tokens == min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - num_tokens)
 
 
 # ---- 2. cancellations and timeouts at random moments ---------------------------------------------
