@@ -64,6 +64,8 @@ const REQUEST_FLAGS = [
   { field: 'promptTokenIds', flag: 'prompt-token-id', metavar: 'ID',
     help: 'a prompt token id, instead of the prompt (repeatable, in order)' },
   { field: 'skipDetokenize', help: 'receive token ids only, no text: prints the ids' },
+  { field: 'enableThinking', help: "set the chat template's enable_thinking (a reasoning model's switch) true" },
+  { field: 'maxReasoningTokens', help: "a reasoning model's budget: braid closes its reasoning after N tokens" },
 ];
 
 // GenerateRequest.constraint: a flag per kind of Constraint (its oneof), named as braid-client's, at
