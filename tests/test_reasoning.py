@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import anthropic
 import jsonschema
@@ -179,3 +181,26 @@ def test_the_responses_api_sends_a_reasoning_item(server, client):
         with sdk.responses.stream(model="tiny", input=HI, max_output_tokens=8, temperature=0) as stream:
             deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == over_grpc.reasoning
+
+
+def test_braid_client_prints_the_answer_and_the_reasoning_apart(server, client):
+    over_grpc = client.generate(messages=HI, max_new_tokens=12, max_reasoning_tokens=5, temperature=0)
+    flags = [
+        "--target",
+        server.target,
+        "--api-key",
+        KEY,
+        "--chat",
+        "--max-new-tokens",
+        "12",
+        "--max-reasoning-tokens",
+        "5",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "braid.client.cli", *flags, HI[0]["content"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert run.stdout.rstrip("\n") == over_grpc.text.rstrip("\n") and run.stderr == over_grpc.reasoning

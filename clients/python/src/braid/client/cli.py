@@ -303,6 +303,9 @@ def _generate(client: Client, args: argparse.Namespace, prompt: str | None, mess
     with client.stream(prompt, messages=messages, timeout=args.timeout, **params) as generation:
         try:
             for message in generation:
+                if message.reasoning:  # a reasoning model's reasoning: to stderr, apart from the answer
+                    sys.stderr.write(message.reasoning)
+                    sys.stderr.flush()
                 if generation.n == 1:  # n > 1: each sample is printed whole once all have ended
                     sys.stdout.write(
                         "".join(f"{t} " for t in message.token_ids) if args.skip_detokenize else message.text
