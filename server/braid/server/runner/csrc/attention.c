@@ -98,16 +98,44 @@ static inline __attribute__((always_inline)) void weigh_values(const void *v_cac
         for (int c = 0; c < NJ; c++) vstore(out + (g0 + g) * D + VEC * (j + c), vmul(acc[g][c], vset1(inv[g0 + g])));
 }
 
+/* The scores of one page's keys at rows row0 + [i, n) against the query qg, times scale, into
+ * sc[at + i ...] (at: the page's first position less the first attended). VEC keys at a time, their
+ * sums side by side and in one transpose: each key's is the same sum in the same order as one key
+ * at a time, without each multiply-add waiting on the last. Inlined per kv_fmt. */
+static inline __attribute__((always_inline)) void page_scores(const void *k_cache, const int kv_fmt, long row0, long i,
+                                                              long n, long D, const float *qg, float scale, float *sc,
+                                                              long at) {
+    const long chunks = D / VEC;
+    for (; i + VEC <= n; i += VEC) {
+        vf dots[VEC];
+        for (int r = 0; r < VEC; r++) dots[r] = vzero();
+        for (long j = 0; j < chunks; j++) {
+            const vf qj = vload(qg + VEC * j);
+            for (int r = 0; r < VEC; r++)
+                dots[r] = vfmadd(qj, kv_load(k_cache, kv_fmt, row0 + i + r, D, VEC * j), dots[r]);
+        }
+        vstore(sc + at + i, vmul(vhsum(dots), vset1(scale)));
+    }
+    for (; i < n; i++) {
+        vf dot = vzero();
+        for (long j = 0; j < chunks; j++)
+            dot = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, row0 + i, D, VEC * j), dot);
+        sc[at + i] = vsum(dot) * scale;
+    }
+}
+
 /* One (sequence, KV head) task of decode_attention: writes the new key and value at position L - 1
  * (unless `write` is 0: they are in the cache already) and attends the head's G query heads over
  * positions [lo, L). Inlined once per kv_fmt, so the
  * format is a constant in the loops. Position t is row t % P of page table[t / P]; the loops walk
- * a page at a time from lo's page, so no position is divided. scores: G (L - lo) floats. */
+ * a page at a time from lo's page, so no position is divided, and score a page's keys for the G
+ * heads in turn while it is in cache. scores: G (L - lo) floats; keys: P D floats (q8_0's
+ * dequantized page). */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *k_new, const float *v_new,
                                                          void *k_cache, void *v_cache, const int kv_fmt,
                                                          const int write, const int64_t *table, long lo, long L,
                                                          long h, long G, long KVH, long D, long P, float scale, float softcap,
-                                                         float *scores, float *out) {
+                                                         float *scores, float *keys, float *out) {
     const long chunks = D / VEC, n_seen = L - lo;
 #define ROWS(page) ((table[page] * KVH + h) * P) /* the row of position 0 of a page, this head */
     if (write) {
@@ -115,32 +143,22 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         kv_store(v_cache, kv_fmt, ROWS((L - 1) / P) + (L - 1) % P, v_new, D);
     }
     const long first_page = lo / P;
+    for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
+        const long n = L - t0 < P ? L - t0 : P, i = t0 < lo ? lo - t0 : 0, at = t0 - lo;
+        if (kv_fmt == F_Q8_0) { /* the page's keys dequantized once for the G heads, not once per head */
+            for (long r = i; r < n; r++)
+                for (long j = 0; j < chunks; j++)
+                    vstore(keys + r * D + VEC * j, kv_load(k_cache, F_Q8_0, ROWS(page) + r, D, VEC * j));
+            for (long g = 0; g < G; g++)
+                page_scores(keys, F_F32, 0, i, n, D, q + g * D, scale, scores + g * n_seen, at);
+        } else {
+            for (long g = 0; g < G; g++)
+                page_scores(k_cache, kv_fmt, ROWS(page), i, n, D, q + g * D, scale, scores + g * n_seen, at);
+        }
+    }
     float inv[G]; /* per query head, 1 / the sum of its weights */
     for (long g = 0; g < G; g++) {
-        const float *qg = q + g * D;
         float *sc = scores + g * n_seen, top = -INFINITY; /* sc[t - lo]: position t's score */
-        for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
-            const long rows = ROWS(page), n = L - t0 < P ? L - t0 : P;
-            long i = t0 < lo ? lo - t0 : 0;
-            for (; i + VEC <= n; i += VEC) { /* VEC keys at a time, their sums in one transpose */
-                vf dots[VEC];
-                for (int r = 0; r < VEC; r++) dots[r] = vzero();
-                /* chunk by chunk, the VEC keys' sums side by side: each key's is the same sum in the
-                 * same order as one key at a time, without each multiply-add waiting on the last */
-                for (long j = 0; j < chunks; j++) {
-                    const vf qj = vload(qg + VEC * j);
-                    for (int r = 0; r < VEC; r++)
-                        dots[r] = vfmadd(qj, kv_load(k_cache, kv_fmt, rows + i + r, D, VEC * j), dots[r]);
-                }
-                vstore(sc + t0 + i - lo, vmul(vhsum(dots), vset1(scale)));
-            }
-            for (; i < n; i++) {
-                vf dot = vzero();
-                for (long j = 0; j < chunks; j++)
-                    dot = vfmadd(vload(qg + VEC * j), kv_load(k_cache, kv_fmt, rows + i, D, VEC * j), dot);
-                sc[t0 + i - lo] = vsum(dot) * scale;
-            }
-        }
         if (softcap > 0.0f) /* Gemma 2: softcap * tanh(score / softcap), as transformers computes it */
             for (long t = 0; t < n_seen; t += VEC) {
                 const vmask k = vmask_n(n_seen - t);
@@ -190,15 +208,20 @@ static void attention_task(const float *q, const float *k_new, const float *v_ne
     const long lo = window > 0 && L > window ? L - window : 0;
     const int64_t *table = tables + b * table_stride;
     const float *qb = q + b * ldq + h * G * D, *kb = k_new + b * ldq + h * D, *vb = v_new + b * ldq + h * D;
-    float *ob = out + b * ldo + h * G * D, *scores = malloc(sizeof(float) * G * (L - lo));
+    /* scores, then q8_0's scratch for a dequantized page of keys */
+    float *ob = out + b * ldo + h * G * D;
+    float *scores = malloc(sizeof(float) * (G * (L - lo) + (kv_fmt == F_Q8_0) * P * D)), *keys = scores + G * (L - lo);
+#define ATTEND(FMT) attend(qb, kb, vb, k_cache, v_cache, FMT, write, table, lo, L, h, G, KVH, D, P, scale, softcap, \
+                           scores, keys, ob)
     if (kv_fmt == F_Q8_0)
-        attend(qb, kb, vb, k_cache, v_cache, F_Q8_0, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+        ATTEND(F_Q8_0);
     else if (kv_fmt == F_BF16)
-        attend(qb, kb, vb, k_cache, v_cache, F_BF16, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+        ATTEND(F_BF16);
     else if (kv_fmt == F_F16)
-        attend(qb, kb, vb, k_cache, v_cache, F_F16, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+        ATTEND(F_F16);
     else
-        attend(qb, kb, vb, k_cache, v_cache, F_F32, write, table, lo, L, h, G, KVH, D, P, scale, softcap, scores, ob);
+        ATTEND(F_F32);
+#undef ATTEND
     free(scores);
 }
 
