@@ -195,6 +195,8 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "ModelInfo#0": one(lambda m: m["model_name"] and m["context_length"] > 0 and m["vocab_size"] > 0
                        and m["mode"].startswith("SCHEDULING_MODE_")),
     "ServerStatus#0": one(lambda m: m["mode"].startswith("SCHEDULING_MODE_") and m["uptime_seconds"] > 0),
+    "Subscribe to the prefix cache's events#0": contains('"stored": {', '"num_tokens": 16', '"cache_salt": "kv-recipe"',
+                                                          '"sequence": "1"'),
     "Health check#0": one(lambda m: m == {"status": "SERVING"}),
     "Health check#1": one(lambda m: m == {"status": "SERVING"}),
     "Load, use and unload an adapter#0": adapter_round_trip,

@@ -25,6 +25,7 @@ from braid.server.engine.types import (
     SamplingParams,
     TokenLogprob,
 )
+from braid.server.engine.kv_events import KvEvent, PageEvicted, PageStored
 from braid.server.frontend import checks, tool_plan
 from braid.server.frontend.tools import ToolCall
 from braid.v1 import generate_pb2 as pb
@@ -271,6 +272,21 @@ def model_info_to_pb(info: ModelInfo, adapters: Sequence[AdapterInfo] = ()) -> p
         model_path=info.model_path,
         kv_cache_bytes=info.kv_cache_bytes,
     )
+
+
+def kv_event_to_pb(event: KvEvent) -> pb.KvEvent:
+    if isinstance(event, PageStored):
+        stored = pb.KvPageStored(
+            hash=event.key,
+            parent_hash=event.parent,
+            num_tokens=event.num_tokens,
+            cache_salt=event.cache_salt,
+            adapter_key=event.adapter_key,
+        )
+        return pb.KvEvent(sequence=event.sequence, stored=stored)
+    if isinstance(event, PageEvicted):
+        return pb.KvEvent(sequence=event.sequence, evicted=pb.KvPageEvicted(hash=event.key))
+    return pb.KvEvent(sequence=event.sequence, resync=pb.KvResync(oldest_sequence=event.sequence + 1))
 
 
 def stats_to_pb(stats: EngineStats, info: ModelInfo, uptime_s: float) -> pb.ServerStatusResponse:

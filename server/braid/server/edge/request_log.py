@@ -46,7 +46,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith("/braid."):
             return handler
-        if handler.unary_stream:
+        if handler.unary_stream and handler_call_details.method.endswith("/Stream"):
             return wrap_calls(handler, self._stream)
         if _LOGGER.isEnabledFor(logging.DEBUG):
             method = handler_call_details.method.rsplit("/", 1)[-1]

@@ -103,6 +103,8 @@ class GrpcFrontEnd:
 
     async def stop(self) -> None:
         """After the engine has drained: the final messages go out, then the server stops."""
+        if self._servicer is not None:
+            self._servicer.end_subscriptions()
         if self._server is not None:
             await self._server.stop(_FINAL_MESSAGES_S)
         if self._servicer is not None:

@@ -66,6 +66,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         another replica."""
         self._handing_over = True
 
+    def end_subscriptions(self) -> None:
+        """Ends the SubscribeKvEvents streams (the server is stopping: they would never end)."""
+        self._engine.kv_events.close()
+
     def close(self) -> None:
         """Drops the tokenizations and adapter loads still waiting for a thread (after the server
         has stopped)."""
@@ -218,6 +222,13 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 aborted.append(request_id)
         self._trailers(context)
         return pb.AbortResponse(aborted=aborted)
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[pb.KvEvent]:
+        async for batch in self._engine.kv_events.follow(request.after_sequence):
+            for event in batch:
+                yield convert.kv_event_to_pb(event)
 
     async def ServerStatus(self, request: pb.ServerStatusRequest, context: Context) -> pb.ServerStatusResponse:
         self._trailers(context)

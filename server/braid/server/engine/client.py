@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 from braid.server.engine.books import Ticket
 from braid.server.engine.handle import SessionHandle
+from braid.server.engine.kv_events import KvEventLog
 from braid.server.engine.types import EngineStats, GenerationRequest, Message, ModelInfo
 from braid.server.runner.rows import AdapterInfo
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 class EngineClient(Protocol):
     info: ModelInfo
     started_at: float  # time.monotonic() when the engine was made
+    kv_events: KvEventLog  # the prefix cache's pages stored and evicted, read on the event loop
 
     @property
     def max_sessions(self) -> int:

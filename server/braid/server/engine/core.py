@@ -24,6 +24,7 @@ from braid.server.engine.grammars import short
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.observer import EngineObserver, NoObserver
 from braid.server.engine.output import Output
+from braid.server.engine.kv_events import KvEventLog
 from braid.server.engine.pages import Pages
 from braid.server.engine.ports import Runner
 from braid.server.engine.scheduler import Scheduler, Work
@@ -60,7 +61,8 @@ class EngineCore:
         self.adapters = adapters
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_seq_len = runner.max_seq_len
-        self.pages = Pages(runner.num_pages, runner.page_size, config.prefix_caching == "on")
+        self.kv_events = KvEventLog()  # the prefix cache's pages stored and evicted, for routers
+        self.pages = Pages(runner.num_pages, runner.page_size, config.prefix_caching == "on", self.kv_events)
         proposer = (
             NgramProposer(config.ngram_min, config.ngram_max)
             if config.speculative == "ngram"

@@ -85,6 +85,7 @@ class Engine:
             runner, config.max_loras, config.max_lora_rank, info.served_model_names or (info.model_name,)
         )
         self.core = EngineCore(config, runner, tokenizer.eos_token_ids, self.books, self.adapters, draft)
+        self.kv_events = self.core.kv_events
         self.grammars = grammars
         # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
         threading.Thread(target=self.grammars.tokenizer, name="braid-grammar-init", daemon=True).start()

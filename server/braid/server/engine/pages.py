@@ -40,10 +40,32 @@ class Holder(Protocol):
         """False: every position computed, even those cached."""
 
 
+class PageObserver(Protocol):
+    """Told on the model thread when a page is named (it can be shared from now on) and when its
+    name is dropped (evicted for other use); engine/kv_events.py implements it. Must not block."""
+
+    def on_stored(self, key: bytes, parent: bytes, num_tokens: int, cache_salt: str, adapter_key: str) -> None: ...
+
+    def on_evicted(self, key: bytes) -> None: ...
+
+
+class NoPageObserver:
+    """Nobody listening: the default."""
+
+    def on_stored(self, key: bytes, parent: bytes, num_tokens: int, cache_salt: str, adapter_key: str) -> None:
+        pass
+
+    def on_evicted(self, key: bytes) -> None:
+        pass
+
+
 class Pages:
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, prefix_caching: bool = True, observer: PageObserver | None = None
+    ) -> None:
         self.page_size = page_size
         self.prefix_caching = prefix_caching
+        self.observer: PageObserver = observer or NoPageObserver()
         # Per page: the sessions holding it, and its key once it is full and named. Arrays, not an
         # object per page: a small model's cache can have a million pages, and making that many
         # objects took seconds of every start.
@@ -138,6 +160,8 @@ class Pages:
             if p not in self._key_of and keys[i] not in self._by_key:
                 self._key_of[p] = keys[i]
                 self._by_key[keys[i]] = p
+                parent = keys[i - 1] if i else _root(s.cache_salt, s.adapter_key)
+                self.observer.on_stored(keys[i], parent, self.page_size, s.cache_salt, s.adapter_key)
 
     def release(self, s: Holder) -> None:
         """Drops the session's references. Its named pages stay cached, the last ones nearest to
@@ -199,8 +223,10 @@ class Pages:
             p = self._free.pop()
         else:
             p, _ = self._cached.popitem(last=False)
-            del self._by_key[self._key_of.pop(p)]
+            key = self._key_of.pop(p)
+            del self._by_key[key]
             self.num_evictions += 1
+            self.observer.on_evicted(key)
         self._refs[p] = 1
         return p
 

@@ -9,7 +9,7 @@ A failed call raises a BraidError, by its status: BadRequestError (with the fiel
 OverloadedError (with retry_after), UnavailableError, DeadlineExceededError, ...
 """
 
-from braid.client.client import AsyncClient, Client
+from braid.client.client import AsyncClient, Client, KvEvents
 from braid.client.errors import (
     BadRequestError,
     BraidError,
@@ -51,6 +51,7 @@ __all__ = [
     "GenerateParams",
     "Generation",
     "InternalError",
+    "KvEvents",
     "NotFoundError",
     "OverloadedError",
     "PermissionDeniedError",

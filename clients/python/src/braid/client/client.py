@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Callable, Generic, Protocol, TypeVar, cast
 
@@ -14,7 +14,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typing_extensions import Unpack
 
-from braid.client.errors import raising_braid_errors
+from braid.client.errors import from_rpc_error, raising_braid_errors
 from braid.client.generation import AsyncGeneration, Completion, Generation
 from braid.client.request import Chat, GenerateParams, build_request, build_tokenize_request
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
@@ -226,6 +226,36 @@ class _BaseClient(abc.ABC, Generic[GenerationT]):
         return self._start(request, timeout, self._stream_metadata(request, route_key))
 
 
+class KvEvents:
+    """Client.kv_events' stream: iterate it for the KvEvents; close() ends it from any thread."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call  # a grpc unary-stream call: an iterator of KvEvent with cancel()
+        self._closed = False
+
+    def __iter__(self) -> Iterator[pb.KvEvent]:
+        return self
+
+    def __next__(self) -> pb.KvEvent:
+        try:
+            event: pb.KvEvent = next(self._call)
+        except grpc.RpcError as error:
+            if self._closed:  # our own cancel: the iteration ends (its error would wait on the call)
+                raise StopIteration from None
+            raise from_rpc_error(error) from error
+        return event
+
+    def close(self) -> None:
+        self._closed = True
+        self._call.cancel()
+
+    def __enter__(self) -> KvEvents:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 class Client(_BaseClient[Generation]):
     """A blocking braid client. Use it as a context manager, or call close().
 
@@ -316,6 +346,13 @@ class Client(_BaseClient[Generation]):
         """Unloads a LoRA adapter, once the generations using it have finished."""
         with raising_braid_errors():
             self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout, metadata=self._metadata)
+
+    def kv_events(self, after_sequence: int = 0, *, timeout: float | None = None) -> KvEvents:
+        """The prefix cache's events (pages stored and evicted) after `after_sequence`, as they
+        come, until the server stops; a KvEvent with `resync` set says the events asked for are
+        gone: drop what you know of this server. close() (from any thread) ends the call."""
+        request = pb.SubscribeKvEventsRequest(after_sequence=after_sequence)
+        return KvEvents(self._stub.SubscribeKvEvents(request, timeout=timeout, metadata=self._metadata))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
@@ -425,6 +462,17 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         """Unloads a LoRA adapter, once the generations using it have finished."""
         with raising_braid_errors():
             await self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout, metadata=self._metadata)
+
+    async def kv_events(self, after_sequence: int = 0, *, timeout: float | None = None) -> AsyncIterator[pb.KvEvent]:
+        """As Client.kv_events, on the event loop."""
+        request = pb.SubscribeKvEventsRequest(after_sequence=after_sequence)
+        call = self._stub.SubscribeKvEvents(request, timeout=timeout, metadata=self._metadata)
+        try:
+            with raising_braid_errors():
+                async for event in call:
+                    yield event
+        finally:
+            call.cancel()
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """Returns the grpc.health.v1 status of a service ("" is the server): "SERVING", "NOT_SERVING", ..."""
