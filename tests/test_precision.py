@@ -16,12 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
-import subprocess
-import sys
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +28,9 @@ from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
 from braid_testing.perplexity import divergence, prompt_logits
 from braid_testing.perplexity import perplexity as perplexity_of
+from braid_testing.process import run_braid
 from conftest import REPO, Server, assert_greedy, compute_dtype, near_tie, start_together, tiny_server
 
-BRAID = str(Path(sys.executable).parent / "braid")
 EMBEDDED_FORMATS = {"q4_1": 210, "q8_0": 1, "f32": 61}  # SmolLM2-135M-Instruct.Q4_1.gguf's tensors
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
 TEXT = (REPO / "tests" / "data" / "perplexity.txt").read_text()
@@ -158,9 +154,9 @@ def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tin
 @pytest.mark.parametrize("flag", ["dtype", "quantization"])
 def test_an_unknown_flag_value_is_one_clear_line(flag, value):
     for how in ("flag", "env"):
-        args = [BRAID, "serve", f"--{flag}", value] if how == "flag" else [BRAID, "serve"]
+        args = ["serve", f"--{flag}", value] if how == "flag" else ["serve"]
         env = {"BRAID_" + flag.upper(): value} if how == "env" else {}
-        out = subprocess.run(args, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+        out = run_braid(*args, env=env, timeout=60)
         assert out.returncode == 2, (how, out.stderr)
         assert f"--{flag}" in out.stderr and value in out.stderr, (how, out.stderr)
 
@@ -176,13 +172,7 @@ def test_the_isa_variable_picks_the_kernels_and_a_wrong_one_fails_the_start(tiny
             assert client.model_info().kernels == "avx2"
     finally:
         server.stop()
-    out = subprocess.run(
-        [BRAID, "serve", "--model", str(tiny_dir), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, ISA_VARIABLE: "neon"},
-    )
+    out = run_braid("serve", "--model", str(tiny_dir), "--port", "0", env={ISA_VARIABLE: "neon"}, timeout=120)
     assert out.returncode != 0
     assert f"{ISA_VARIABLE}=neon" in out.stderr
 
