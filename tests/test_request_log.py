@@ -19,7 +19,8 @@ import grpc
 import numpy as np
 import pytest
 
-from braid_testing.process import BRAID
+from braid_testing import zygote
+from braid_testing.process import BRAID, run_braid
 from conftest import LONG, SLOW, free_port, tiny_server, wait_for
 
 
@@ -187,11 +188,11 @@ def gguf_file(tmp_path_factory) -> Path:
 
 
 def warmup_args(gguf_file: Path, cache: Path) -> list[str]:
-    return [str(BRAID), "warmup", "--model", str(gguf_file), "--cache-dir", str(cache)]
+    return ["warmup", "--model", str(gguf_file), "--cache-dir", str(cache)]
 
 
 def test_in_a_log_a_conversion_is_lines_not_bars(gguf_file, tmp_path):
-    out = subprocess.run(warmup_args(gguf_file, tmp_path), capture_output=True, text=True, timeout=300)
+    out = run_braid(*warmup_args(gguf_file, tmp_path), timeout=300)
     assert out.returncode == 0, out.stderr
     assert "\r" not in out.stderr and "it/s" not in out.stderr, out.stderr  # no tqdm bar, braid's or a library's
     assert "converted tiny.gguf in " in out.stderr and "loaded tiny in " in out.stderr, out.stderr
@@ -200,9 +201,11 @@ def test_in_a_log_a_conversion_is_lines_not_bars(gguf_file, tmp_path):
 def test_on_a_terminal_a_conversion_has_one_bar_across_its_steps(gguf_file, tmp_path):
     main, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a width to draw in
-    proc = subprocess.Popen(
-        warmup_args(gguf_file, tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=terminal
-    )
+    argv = warmup_args(gguf_file, tmp_path)
+    with open(os.devnull, "wb") as devnull:  # forked from the zygote where it can be, as the servers are
+        proc = zygote.spawn(argv, dict(os.environ), devnull.fileno(), terminal) or subprocess.Popen(
+            [str(BRAID), *argv], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=terminal
+        )
     os.close(terminal)
     shown = b""
     while chunk := _read(main):
