@@ -326,6 +326,20 @@ def test_greedy_text_over_http_is_greedy_text_over_grpc(server, client):
         assert text == grpc_client.generate("one, two,", max_new_tokens=12).text
 
 
+def test_a_prompt_of_token_ids_completes_as_its_text_does(server, client):
+    text = "Once upon a time, the river"
+    with server.client() as grpc_client:
+        ids = list(grpc_client.tokenize(text).token_ids)
+    by_text = client.completions.create(model="tiny", prompt=text, max_tokens=5, temperature=0, logprobs=1)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0, logprobs=1)
+    assert by_ids.choices[0].text == by_text.choices[0].text and by_ids.choices[0].text
+    assert by_ids.choices[0].logprobs.tokens == by_text.choices[0].logprobs.tokens
+    assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=[*ids, 49152], max_tokens=5)
+    assert caught.value.body["param"] == f"prompt[{len(ids)}]"
+
+
 def test_langchain_chat_openai_calls_it(server):
     from langchain_openai import ChatOpenAI
 

@@ -177,6 +177,25 @@ def _requests_of(engine: FakeEngine) -> list:
     return seen
 
 
+def test_a_completion_prompt_of_token_ids_reaches_the_engine_as_ids_and_bad_ones_are_400_naming_them():
+    engine = FakeEngine()
+    seen, (_, http) = _requests_of(engine), serve(engine)
+    response = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"]
+    assert [(r.prompt, r.prompt_token_ids) for r in seen] == [(None, (5, 6, 7))]
+    for prompt, param in (
+        ([5, 6, 7, 100], "prompt[3]"),
+        ([], "prompt"),
+        ([[1, 2], [3, 4]], "prompt"),
+        ([1.5], "prompt"),
+    ):
+        response = http.post("/v1/completions", json={"prompt": prompt})
+        assert (response.status_code, response.json()["error"]["param"]) == (400, param), prompt
+    assert len(seen) == 1
+    engine.finish, engine.error, engine.error_field = FinishReason.INVALID_REQUEST, "too long", "prompt_token_ids"
+    assert http.post("/v1/completions", json={"prompt": [5, 6]}).json()["error"]["param"] == "prompt"
+
+
 def test_a_stream_a_drain_cuts_ends_with_an_error_event_not_done_and_a_whole_response_is_503():
     """The drain's cancel (its grace, or --handover-grace, over) reaches the sessions after they
     began: a stream ends with OpenAI's error event, so that a client sees it was cut."""

@@ -122,6 +122,33 @@ def test_a_bad_completion_parameter_is_named(body, param):
     assert caught.value.field == param
 
 
+@pytest.mark.parametrize(
+    "prompt, ids, text",
+    [([5, 0, 999], (5, 0, 999), None), ([[7, 8]], (7, 8), None), (["hi"], (), "hi"), ("hi", (), "hi")],
+)
+def test_a_completion_prompt_of_token_ids_becomes_prompt_token_ids(prompt, ids, text):
+    req = completion_plan(CompletionRequest.model_validate({"prompt": prompt}), 256, 1000).request
+    assert (req.prompt_token_ids, req.prompt) == (ids, text)
+
+
+@pytest.mark.parametrize(
+    "prompt, param, says",
+    [
+        ([1, 2, 3, 1000], "prompt[3]", "outside the vocabulary"),
+        ([4, -1], "prompt[1]", "outside the vocabulary"),
+        ([[1, 1000]], "prompt[0][1]", "outside the vocabulary"),
+        ([], "prompt", "must not be empty"),
+        ([[]], "prompt[0]", "must not be empty"),
+        ([[1, 2], [3, 4]], "prompt", "2 prompts"),
+        (["a", "b"], "prompt", "2 prompts"),
+    ],
+)
+def test_a_bad_prompt_of_token_ids_is_named_as_openai_names_it(prompt, param, says):
+    with pytest.raises(InvalidArgument) as caught:
+        completion_plan(CompletionRequest.model_validate({"prompt": prompt}), 256, 1000)
+    assert caught.value.field == param and says in caught.value.description
+
+
 def test_response_formats_and_forced_tools_become_constraints():
     assert chat(response_format={"type": "json_object"}).request.constraint.kind == "json_object"
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}

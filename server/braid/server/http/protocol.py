@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 class _Body(BaseModel):
@@ -122,7 +122,8 @@ class ChatRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[str]
+    # a text, or token ids (OpenAI's [1, 2, 3]); a list of either is a batch of prompts, of which braid takes one
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

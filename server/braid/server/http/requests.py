@@ -91,11 +91,7 @@ def _reasoning_budget(body: ChatRequest) -> int | None:
 
 
 def completion_plan(body: CompletionRequest, default_max_new_tokens: int, vocab_size: int) -> Plan:
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise InvalidArgument("prompt", f"{len(prompt)} prompts; braid takes one per request (use n for samples)")
-        prompt = prompt[0]
+    prompt, ids, ids_name = _completion_prompt(body.prompt)
     if body.echo:
         raise InvalidArgument("echo", "is not supported")
     if body.suffix:
@@ -111,11 +107,34 @@ def completion_plan(body: CompletionRequest, default_max_new_tokens: int, vocab_
         vocab_size,
         is_chat=False,
         prompt=prompt,
+        prompt_token_ids=ids,
+        ids_name=ids_name,
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
     )
     req = dataclasses.replace(req, constraint=_format_constraint(body.response_format))
     return Plan(req, include_usage=_include_usage(body), logprobs=body.logprobs is not None)
+
+
+def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> tuple[str, tuple[int, ...], str]:
+    """A completion's one prompt: its text, or its token ids (OpenAI's prompt: [1, 2, 3]) and how
+    OpenAI names them (`prompt`, or `prompt[0]` for a batch of one). A batch of several prompts is
+    refused: braid takes one per request."""
+    if isinstance(prompt, str):
+        return prompt, (), "prompt"
+    if not prompt:
+        raise InvalidArgument("prompt", "must not be empty")
+    ids = tuple(t for t in prompt if isinstance(t, int))
+    if len(ids) == len(prompt):
+        return "", ids, "prompt"
+    if len(prompt) != 1:
+        raise InvalidArgument("prompt", f"{len(prompt)} prompts; braid takes one per request (use n for samples)")
+    (one,) = prompt
+    if isinstance(one, str):
+        return one, (), "prompt"
+    if isinstance(one, list) and one:
+        return "", tuple(one), "prompt[0]"
+    raise InvalidArgument("prompt[0]", "must not be empty")
 
 
 def _one_of_max(body: ChatRequest) -> int | None:
@@ -140,6 +159,8 @@ def _generation_request(
     top_logprobs: int,
     prompt: str = "",
     messages: tuple[Message, ...] = (),
+    prompt_token_ids: tuple[int, ...] = (),
+    ids_name: str = "prompt",
 ) -> GenerationRequest:
     """The body as braid's request, checked as gRPC's is (frontend/checks.py), its errors named as
     OpenAI names the parameter."""
@@ -183,13 +204,15 @@ def _generation_request(
     req = GenerationRequest(
         prompt=prompt or None,
         messages=messages,
+        prompt_token_ids=prompt_token_ids,
         params=params,
         request_id=("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex,
         priority=Priority.BATCH if body.priority == "batch" else Priority.INTERACTIVE,
         cache_salt=body.cache_salt,
         n=n,
     )
-    checks.check_request(req, vocab_size, functools.partial(openai_name, max_name=max_name, is_chat=is_chat))
+    spelling = functools.partial(openai_name, max_name=max_name, is_chat=is_chat, ids_name=ids_name)
+    checks.check_request(req, vocab_size, spelling)
     return req
 
 
@@ -230,8 +253,9 @@ _RENAMES = {
 }
 
 
-def openai_name(field: str, max_name: str = "max_tokens", is_chat: bool = True) -> str:
-    """braid's name of a request field as OpenAI names the parameter (a checks.Spelling)."""
+def openai_name(field: str, max_name: str = "max_tokens", is_chat: bool = True, ids_name: str = "prompt") -> str:
+    """braid's name of a request field as OpenAI names the parameter (a checks.Spelling); a
+    completion's prompt_token_ids are its prompt given as ids, named `ids_name` (prompt[3])."""
     tool = _TOOL_FIELD.fullmatch(field)
     if tool:  # braid's tools[i].name: OpenAI's tools[i].function.name
         return f"{tool[1]}.function.{tool[2]}"
@@ -246,6 +270,8 @@ def openai_name(field: str, max_name: str = "max_tokens", is_chat: bool = True) 
         return "response_format"
     if head == "prompt" and is_chat:
         return "messages"
+    if head.startswith("prompt_token_ids"):  # (only a completion's: a chat's prompt is its messages)
+        return ids_name + head.removeprefix("prompt_token_ids") + dot + rest
     return _RENAMES.get(head, head) + dot + rest
 
 
