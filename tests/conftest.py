@@ -159,6 +159,34 @@ def tiny_model(path: Path, smol_dir: Path, max_position_embeddings: int = 1024) 
     return path
 
 
+def tiny_qwen3(path: Path, vocab_size: int = 49152) -> Path:
+    """Saves a tiny random Qwen3 (weights and config only: the caller brings its tokenizer and
+    template) into path; peaked logits, as tiny_model's."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.3,
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory, smol_dir) -> Path:
     """The tiny random Llama, with a 1,024-token context."""

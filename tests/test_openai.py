@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import SLOW, Server, free_port, tiny_server, wait_for
+from conftest import SLOW, Server, free_port, tiny_qwen3, tiny_server, wait_for
 from braid.v1 import generate_pb2 as pb
 
 KEY = "sk-test-key"
@@ -51,29 +51,8 @@ def logged(server: Server, *wanted: str) -> bool:
 def server(tmp_path_factory, smol_dir):
     """The tiny Qwen3, every pass 3 ms slower (SLOW: a long stream outlasts its cancel), with an
     API key on both ports."""
-    import torch
-    import transformers
-
     path = tmp_path_factory.mktemp("tiny-qwen3")
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.3,
-    )
-    model = transformers.Qwen3ForCausalLM(config)
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
+    tiny_qwen3(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smol_dir / name, path / name)
     http_port = free_port()

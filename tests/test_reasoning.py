@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from braid.client import json_schema
-from conftest import Server, free_port
+from conftest import Server, free_port, tiny_qwen3
 
 KEY = "sk-test-key"
 HI = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -43,7 +43,6 @@ ANSWER = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smol_dir):
-    import torch
     import transformers
 
     path = tmp_path_factory.mktemp("tiny-qwen3-thinking")
@@ -52,25 +51,7 @@ def server(tmp_path_factory, smol_dir):
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's are added tokens, not special ones
     tokenizer.save_pretrained(path)
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.3,
-    )
-    model = transformers.Qwen3ForCausalLM(config)
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
+    tiny_qwen3(path, vocab_size=len(tokenizer))
     template = path / "thinking.jinja"
     template.write_text(TEMPLATE)
     http_port = free_port()
