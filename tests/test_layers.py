@@ -1,4 +1,4 @@
-"""The layer rules hold (pyproject.toml's import-linter contracts): http | edge -> frontend -> engine ->
+"""The layer rules hold (pyproject.toml's import-linter contracts): http | grpc -> frontend -> engine ->
 runner -> model with nothing importing upward and the two front ends never importing each other, grpc
 and the .proto in the gRPC edge alone, the runner's types reached only through the engine's,
 telemetry a leaf, no torch in the front ends or the engine."""

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from braid.server import resources
 from braid.server.cli import describe
 from braid.server.config import EngineConfig
-from braid.server.edge.convert import model_info_to_pb
+from braid.server.grpc.convert import model_info_to_pb
 from braid.server.model.loader import LoadedModel
 from braid.server.runner.model_runner import ModelRunner
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from braid.server.edge.auth import ApiKeyInterceptor
+from braid.server.grpc.auth import ApiKeyInterceptor
 
 
 AUTH = ApiKeyInterceptor("s3cret")

@@ -11,7 +11,7 @@ from test_servicer import INFO
 
 from braid.server.cli import _configs, build_parser, main
 from braid.server.config import GROUPS, EngineConfig, LogConfig, ServerConfig
-from braid.server.edge.server import running
+from braid.server.grpc.server import running
 
 
 def _command(name: str = "serve"):

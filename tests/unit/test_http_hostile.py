@@ -20,9 +20,9 @@ from starlette.testclient import TestClient
 from test_servicer import FakeEngine
 
 from braid.server.config import ServerConfig, SettingError
-from braid.server.edge.errors import ErrorInterceptor
-from braid.server.edge.request_log import RequestLogInterceptor
-from braid.server.edge.servicer import GenerateServicer
+from braid.server.grpc.errors import ErrorInterceptor
+from braid.server.grpc.request_log import RequestLogInterceptor
+from braid.server.grpc.servicer import GenerateServicer
 from braid.server.frontend.request_log import MAX_ECHO_CHARS, echoed
 from braid.server.frontend import tools
 from braid.server.http.app import OpenAIApi
@@ -260,7 +260,7 @@ def test_a_megabyte_grpc_request_id_is_a_short_log_line(caplog):
         finally:
             await server.stop(0)
 
-    with caplog.at_level(logging.INFO, logger="braid.server.edge.request_log"):
+    with caplog.at_level(logging.INFO, logger="braid.server.grpc.request_log"):
         asyncio.run(go())
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Stream ")]
     assert len(line) < MAX_ECHO_CHARS + 500 and "r" * MAX_ECHO_CHARS + "…[" in line

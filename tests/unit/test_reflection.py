@@ -11,8 +11,8 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
-from braid.server.edge import reflection
-from braid.server.edge.server import SERVICE_NAME
+from braid.server.grpc import reflection
+from braid.server.grpc.server import SERVICE_NAME
 
 
 HEALTH = "grpc.health.v1.Health"

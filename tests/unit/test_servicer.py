@@ -1,4 +1,4 @@
-"""The gRPC servicer (edge/servicer.py) on an in-process grpc.aio server over a fake engine client
+"""The gRPC servicer (grpc/servicer.py) on an in-process grpc.aio server over a fake engine client
 (engine/client.py's port): protobuf in, statuses and messages out, with no model and no process.
 What a real server adds (signals, TLS, HTTP/2 abuse) is tested end to end elsewhere."""
 
@@ -16,8 +16,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from braid.server.config import ServerConfig
-from braid.server.edge.errors import ErrorInterceptor
-from braid.server.edge.servicer import GenerateServicer
+from braid.server.grpc.errors import ErrorInterceptor
+from braid.server.grpc.servicer import GenerateServicer
 from braid.server.engine.adapters import Adapters
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.handle import SessionHandle

@@ -10,7 +10,7 @@ import json
 import grpc
 import pytest
 
-from braid.server.edge import convert
+from braid.server.grpc import convert
 from braid.server.engine.types import FinishReason, InvalidArgument
 from braid.server.frontend.tool_plan import CallReader, ToolPlan
 from braid.server.http.anthropic_protocol import MessagesRequest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from braid.server.edge import convert
+from braid.server.grpc import convert
 from braid.server.engine.types import InvalidArgument, Priority
 from braid.server.frontend import checks
 from braid.v1 import generate_pb2 as pb

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from braid.server.config import ServerConfig
 from braid.server.frontend.observer import CallObserver
-from braid.server.edge.server import GrpcFrontEnd
+from braid.server.grpc.server import GrpcFrontEnd
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
@@ -33,7 +33,7 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class FrontEnd(Protocol):
-    """A server of the engine on the serving loop (edge/server.py's gRPC, http/server.py's HTTP):
+    """A server of the engine on the serving loop (grpc/server.py's gRPC, http/server.py's HTTP):
     bound before the model loads, started once it has, drained with the others."""
 
     def bind(self) -> None:

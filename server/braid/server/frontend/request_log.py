@@ -1,7 +1,7 @@
 """What a front end's request log line echoes of a request (a request_id it named, and over HTTP its
 `user`, its path and the parameter an error names) goes through `echoed`: at most MAX_ECHO_CHARS of
 it, with a marker where it was cut, so a client cannot write a megabyte (or a second line) into the
-log. The lines themselves are each front end's (edge/request_log.py, http/observed.py)."""
+log. The lines themselves are each front end's (grpc/request_log.py, http/observed.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A session's life on its call's span, as every front end records it: the front end's own
-instrumentation makes the span (edge/tracing.py's interceptor, http/observed.py's) and makes it current;
+instrumentation makes the span (grpc/tracing.py's interceptor, http/observed.py's) and makes it current;
 these hooks add the session to it (`on_session`, `on_finished`). Until the root's telemetry sets a
 tracer provider (only with an OTLP endpoint) spans do not record, and the hooks return at once.
 Only OpenTelemetry's API is used here."""

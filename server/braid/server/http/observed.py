@@ -24,7 +24,7 @@ _TRACER = trace.get_tracer("braid.server.http")
 
 
 class Record:
-    """One HTTP call's request log line (as edge/request_log.py writes gRPC's) and its metric."""
+    """One HTTP call's request log line (as grpc/request_log.py writes gRPC's) and its metric."""
 
     def __init__(self, request: Request, span: trace.Span, calls: CallObserver, route: str) -> None:
         """route: the method and the route's template, which the metric is labelled with."""

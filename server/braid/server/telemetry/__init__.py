@@ -1,6 +1,6 @@
 """braid's telemetry: OpenTelemetry metrics, Prometheus /metrics, OTLP export. Only the composition
 root (app.py) imports it; it implements the observers the engine (engine/observer.py) and the
-front ends (frontend/observer.py) define. The spans themselves are the front ends' (edge/tracing.py's
+front ends (frontend/observer.py) define. The spans themselves are the front ends' (grpc/tracing.py's
 gRPC instrumentation, http/observed.py's, and frontend/spans.py, OpenTelemetry's API), recorded once
 setup.py sets a tracer provider.
 

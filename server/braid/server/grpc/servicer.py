@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, AsyncIterator
 import grpc
 
 from braid.server.config import ServerConfig
-from braid.server.edge import convert
-from braid.server.edge.calls import Context
-from braid.server.edge.errors import abort_with, status, status_for, with_trailers
-from braid.server.edge.orca import LoadReporter
+from braid.server.grpc import convert
+from braid.server.grpc.calls import Context
+from braid.server.grpc.errors import abort_with, status, status_for, with_trailers
+from braid.server.grpc.orca import LoadReporter
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Busy, Delta, Event, Finished, FinishReason, InvalidArgument, Queued
 from braid.server.frontend import spans

@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from braid.server.edge.calls import Context, Continuation, Handler
+from braid.server.grpc.calls import Context, Continuation, Handler
 from braid.server.frontend.auth import bearer_matches
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes from load balancers and orchestrators

@@ -17,8 +17,8 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from braid.server.edge.calls import Context, Continuation, Handler, wrap_calls
-from braid.server.edge.wire import invalid_utf8_field
+from braid.server.grpc.calls import Context, Continuation, Handler, wrap_calls
+from braid.server.grpc.wire import invalid_utf8_field
 from braid.server.engine.types import (
     AlreadyExists,
     Busy,

@@ -18,7 +18,7 @@ import time
 from typing import AsyncIterator
 
 import grpc
-from braid.server.edge.calls import Context, Continuation, Handler, wrap_calls
+from braid.server.grpc.calls import Context, Continuation, Handler, wrap_calls
 from braid.server.frontend.observer import CallObserver
 from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import aio_server_interceptor

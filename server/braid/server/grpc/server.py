@@ -16,13 +16,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from braid.server.config import ServerConfig, SettingError
-from braid.server.edge import reflection
-from braid.server.edge.auth import ApiKeyInterceptor
-from braid.server.edge.errors import ErrorInterceptor
+from braid.server.grpc import reflection
+from braid.server.grpc.auth import ApiKeyInterceptor
+from braid.server.grpc.errors import ErrorInterceptor
 from braid.server.frontend.observer import CallObserver
-from braid.server.edge.request_log import RequestLogInterceptor
-from braid.server.edge.servicer import GenerateServicer
-from braid.server.edge.tracing import TracingInterceptor
+from braid.server.grpc.request_log import RequestLogInterceptor
+from braid.server.grpc.servicer import GenerateServicer
+from braid.server.grpc.tracing import TracingInterceptor
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
 

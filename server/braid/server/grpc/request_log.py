@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, AsyncContextManager, Callable
 
 import grpc
 
-from braid.server.edge.calls import Context, Continuation, Handler, Seen, wrap_calls
+from braid.server.grpc.calls import Context, Continuation, Handler, Seen, wrap_calls
 from braid.server.frontend.request_log import echoed
 from braid.server.logs import FIELDS, key_values
 from braid.v1 import generate_pb2 as pb

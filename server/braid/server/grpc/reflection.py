@@ -21,7 +21,7 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from braid.server.edge.calls import Context
+from braid.server.grpc.calls import Context
 from braid.v1 import generate_pb2
 
 _LOGGER = logging.getLogger(__name__)
