@@ -271,9 +271,11 @@ def _draft_runner(config: EngineConfig, target):
 def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str, model_path: str = ""):
     """What ModelInfo reports: the model, the runner that runs it, and the settings in force.
     model_name: the loader's short name, served unless --served-model-name says otherwise."""
-    from braid.server.engine.types import ModelInfo
+    from braid.server.engine.types import ModelInfo, Pooling
+    from braid.server.model.pooling import model_pooling
 
     names = tuple(config.served_model_name) or (model_name,)
+    pooling, pooling_source = model_pooling(model_path)
     return ModelInfo(
         model_name=names[0],
         served_model_names=names,
@@ -304,6 +306,9 @@ def describe(config: EngineConfig, runner, tokenizer, model_name: str, architect
         speculative=config.speculative,
         speculative_tokens=config.speculative_tokens if config.speculative != "none" else 0,
         draft_model=config.draft_model or "",
+        embedding_dimensions=getattr(runner, "embedding_dimensions", 0),
+        embedding_pooling=Pooling[pooling.upper()],
+        embedding_pooling_source=pooling_source,
     )
 
 

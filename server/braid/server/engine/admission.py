@@ -16,18 +16,21 @@ from typing import Callable, Sequence
 from braid.server.engine.adapters import Adapters
 from braid.server.engine.books import Books, Ticket
 from braid.server.engine.detokenizer import IdsOnly, IncrementalDetokenizer, detokenize
+from braid.server.engine.embedding import Embedding
 from braid.server.engine.grammars import Grammars, Matcher
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
 from braid.server.engine.reasoning import Reasoning
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import (
+    EmbeddingRequest,
     EngineUnavailable,
     FinishReason,
     GenerationRequest,
     InvalidArgument,
     Message,
     NotFound,
+    Pooling,
     SamplingParams,
     text_bytes,
 )
@@ -120,6 +123,75 @@ class Admission:
         for session in sessions:
             self._enqueue(session)
         return [s.handle for s in sessions]
+
+    def admit_embedding(self, request: EmbeddingRequest) -> Ticket:
+        """An Embed call's place in the queue (cheap: on the event loop); its inputs' lengths are
+        checked once tokenized (embed)."""
+        closed = self._is_open()
+        if closed is not None:
+            raise EngineUnavailable(closed)
+        size = sum(len(t.encode()) for t in request.texts) + sum(map(len, request.token_ids)) * TOKEN_BYTES
+        return Ticket(self.books, size)
+
+    def embed(
+        self, ticket: Ticket, request: EmbeddingRequest, loop: asyncio.AbstractEventLoop, pooling: Pooling
+    ) -> list[SessionHandle]:
+        """Tokenizes, checks and queues one prompt-only session per input, pooled with the request's
+        pooling or else `pooling` (the model's); gives the ticket back whatever happens. An input
+        longer than the context (after truncate_input_tokens) is InvalidArgument naming it.
+        Blocking (tokenization): call it off the event loop."""
+        field = "texts" if request.texts else "token_ids"
+        try:
+            inputs = [self._embedding_input(request, i, field) for i in range(len(request.inputs))]
+            sessions = [self._embedding_session(request, ids, cut, loop, pooling) for ids, cut in inputs]
+            ticket.release(submitted=len(sessions))
+        finally:
+            ticket.release()
+        for session in sessions:
+            self._enqueue(session)
+        return [s.handle for s in sessions]
+
+    def _embedding_input(self, request: EmbeddingRequest, i: int, field: str) -> tuple[list[int], int]:
+        """Input i's tokens (a text's with the tokenizer's special tokens, as sentence-transformers
+        encodes it), its last truncate_input_tokens kept, and how many were cut."""
+        ids = list(request.token_ids[i]) if request.token_ids else self.tokenizer.encode(request.texts[i], ())
+        keep = request.truncate_input_tokens
+        cut = len(ids) - keep if keep and len(ids) > keep else 0
+        ids = ids[cut:]
+        if not ids:
+            raise InvalidArgument(f"{field}[{i}]", "has no tokens")
+        if len(ids) > self.max_seq_len:  # no room needed after it: nothing is generated
+            raise InvalidArgument(
+                f"{field}[{i}]",
+                f"is {len(ids)} tokens; the context length is {self.max_seq_len} (truncate_input_tokens cuts it)",
+            )
+        return ids, cut
+
+    def _embedding_session(
+        self,
+        request: EmbeddingRequest,
+        ids: list[int],
+        truncated: int,
+        loop: asyncio.AbstractEventLoop,
+        pooling: Pooling,
+    ) -> Session:
+        session_id = next(self._ids)
+        handle = SessionHandle(session_id, request.request_id, 0, len(ids), loop, self._abort, self._wake)
+        params = SamplingParams(max_new_tokens=0, skip_detokenize=True)
+        return Session(
+            id=session_id,
+            prompt_ids=ids,
+            params=params,
+            sampling=Sampling(),
+            rng=None,
+            handle=handle,
+            detokenizer=IdsOnly(),
+            deadline=request.deadline,
+            priority=request.priority,
+            arrived=handle.arrived,
+            truncated_tokens=truncated,
+            embedding=Embedding(request.pooling or pooling, request.normalize, request.dimensions),
+        )
 
     def _fork(self, first: Session, index: int, loop: asyncio.AbstractEventLoop) -> Session:
         """Sample `index` of first's request: the same prompt and parameters, seed + index. It is

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 from braid.server.engine.books import Ticket
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.kv_events import KvEventLog
-from braid.server.engine.types import EngineStats, GenerationRequest, Message, ModelInfo
+from braid.server.engine.types import EmbeddingRequest, EngineStats, GenerationRequest, Message, ModelInfo
 from braid.server.runner.rows import AdapterInfo
 
 if TYPE_CHECKING:
@@ -52,6 +52,15 @@ class EngineClient(Protocol):
     ) -> list[SessionHandle]:
         """Tokenizes and queues the request's sessions, their events delivered on `loop`; gives the
         ticket back. Blocking: off the event loop."""
+
+    def admit_embedding(self, request: EmbeddingRequest) -> Ticket:
+        """An Embed call's place in the queue, taken the moment it arrives (cheap: on the event
+        loop). Raises Overloaded, EngineUnavailable."""
+
+    def embed(self, ticket: Ticket, request: EmbeddingRequest, loop: asyncio.AbstractEventLoop) -> list[SessionHandle]:
+        """Tokenizes and queues one prompt-only session per input, in order; each ends with its
+        vector (Finished.embedding). Gives the ticket back. Raises InvalidArgument naming an input
+        too long. Blocking: off the event loop."""
 
     def tokenize(
         self, ticket: Ticket, prompt: str | None, messages: Sequence[Message], offsets: bool = False

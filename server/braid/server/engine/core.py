@@ -30,7 +30,7 @@ from braid.server.engine.ports import Runner
 from braid.server.engine.scheduler import Scheduler, Work
 from braid.server.engine.session import Session, SessionStatus
 from braid.server.engine.speculation import DraftProposer, NgramProposer, Speculator
-from braid.server.engine.types import Event, FinishReason
+from braid.server.engine.types import Event, FinishReason, Pooling
 from braid.server.runner.rows import Row, Sampled
 
 _LOGGER = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class EngineCore:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
         if s.bad_words and end == len(s.token_ids):
             banned += tuple(s.banned_by_bad_words())
-        sample = end == len(s.token_ids)
+        sample = end == len(s.token_ids) and s.embedding is None
         return Row(
             pages=s.pages,
             start=start,
@@ -205,6 +205,7 @@ class EngineCore:
             matcher=s.constraint if sample else None,
             adapter=s.adapter,
             num_proposals=len(w.proposals),
+            pool=_pool(s, end),
         )
 
     def _postprocess(self, work: list[Work], tokens: list[Sampled | None]) -> None:
@@ -225,6 +226,9 @@ class EngineCore:
                 self._take_verified(w, sampled, now)
                 continue
             self.scheduler.computed(s, w.num_tokens)
+            if s.embedding is not None:
+                self._pooled(w, sampled)
+                continue
             if sampled is None or sampled.token is None:
                 continue
             if s.first_token is None:
@@ -236,6 +240,16 @@ class EngineCore:
         # tokens kept: a stop among a row's confirmed proposals drops those after it
         generated = sum(w.session.num_generated for w in work) - generated
         self.books.count_pass(prompt_tokens, generated, proposed, accepted)
+
+    def _pooled(self, w: Work, sampled: Sampled | None) -> None:
+        """An embedding session's chunk: its pooled state added; the session ends with its vector
+        once its whole input is computed (as a generation of max_new_tokens 0: MAX_TOKENS)."""
+        s = w.session
+        assert s.embedding is not None
+        if sampled is not None and sampled.pooled is not None:
+            s.embedding.add(sampled.pooled, s.num_cached - w.num_tokens, w.num_tokens)
+        if s.num_cached >= s.num_prompt:
+            self._finish(s, FinishReason.MAX_TOKENS)
 
     def _take_verified(self, w: Work, sampled: Sampled, now: float) -> None:
         """A speculating row's tokens: the proposals the runner confirmed, then the one it sampled
@@ -323,6 +337,16 @@ class EngineCore:
                 balance[2],
             )
         self._books_off = balance if balance != (0, 0, 0) else None
+
+
+def _pool(s: Session, end: int) -> Pooling | None:
+    """What an embedding session's row pools: every chunk's sum for MEAN, the last token of the
+    chunk that ends its input for LAST; None for any other row."""
+    if s.embedding is None:
+        return None
+    if s.embedding.pooling is Pooling.MEAN or end == s.num_prompt:
+        return s.embedding.pooling
+    return None
 
 
 def constraint_failure(s: Session) -> str:

@@ -33,7 +33,7 @@ from braid.server.engine.output import deliver
 from braid.server.engine.ports import Runner
 from braid.server.engine.session import Session
 from braid.server.engine.tokenizer import Tokenizer
-from braid.server.engine.types import EngineStats, FinishReason, GenerationRequest, Message, ModelInfo
+from braid.server.engine.types import EmbeddingRequest, EngineStats, FinishReason, GenerationRequest, Message, ModelInfo
 from braid.server.runner.rows import AdapterInfo
 
 _LOGGER = logging.getLogger(__name__)
@@ -184,6 +184,12 @@ class Engine:
         matcher: Matcher | None = None,
     ) -> list[SessionHandle]:
         return self.admission.submit(ticket, request, loop, matcher)
+
+    def admit_embedding(self, request: EmbeddingRequest) -> Ticket:
+        return self.admission.admit_embedding(request)
+
+    def embed(self, ticket: Ticket, request: EmbeddingRequest, loop: asyncio.AbstractEventLoop) -> list[SessionHandle]:
+        return self.admission.embed(ticket, request, loop, self.info.embedding_pooling)
 
     def tokenize(
         self, ticket: Ticket, prompt: str | None, messages: Sequence[Message], offsets: bool = False

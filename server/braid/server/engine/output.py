@@ -97,6 +97,7 @@ class Output:
             proposed_tokens=s.num_proposed,
             accepted_tokens=s.num_accepted,
             reasoning_tokens=s.reasoning.num_tokens if s.reasoning is not None else 0,
+            embedding=s.embedding.vector() if s.embedding is not None and s.num_cached >= s.num_prompt else None,
         )
         self._outbox.append((s.handle, finished))
         return finished

@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from braid.server.engine.types import Priority, SamplingParams
+from braid.server.engine.types import Pooling, Priority, SamplingParams
 
 if TYPE_CHECKING:
     from braid.server.engine.detokenizer import IncrementalDetokenizer
+    from braid.server.engine.embedding import Embedding
     from braid.server.engine.grammars import Matcher
     from braid.server.engine.handle import SessionHandle
     from braid.server.engine.reasoning import Reasoning
@@ -62,6 +63,7 @@ class Session:
     window: int = 0  # the most it proposes next (0: --speculative-tokens)
     rest: int = 0
     copy_at: int | None = None  # the n-gram's copy point: where in token_ids its next proposal would start
+    embedding: Embedding | None = None  # an Embed input's session: prompt only, pooled (engine/embedding.py)
 
     def banned_by_bad_words(self) -> list[int]:
         """The tokens that would complete a bad word now: a word's last token, wherever the tokens
@@ -107,8 +109,9 @@ class Session:
     @property
     def reads_prefix_cache(self) -> bool:
         """Whether admission may take its prompt's pages from the prefix cache: not while it must
-        score the prompt (prompt_logprobs), which means computing every position."""
-        return self.prompt_scores is None
+        score the prompt (prompt_logprobs) or mean-pool it (an embedding), which means computing
+        every position. (A last-token embedding needs only its last, which is always computed.)"""
+        return self.prompt_scores is None and (self.embedding is None or self.embedding.pooling is Pooling.LAST)
 
     def prompt_targets(self, start: int, end: int) -> list[int]:
         """The prompt tokens that positions [start, end) predict, to be scored (prompt_logprobs)."""

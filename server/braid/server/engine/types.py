@@ -11,6 +11,7 @@ from braid.server.config import Mode as Mode  # re-exported: the engine's types 
 # re-exported: the runner's row types a front end reads (a token's logprobs, a LoRA adapter's card),
 # so that the front ends import the engine's types and never the runner
 from braid.server.runner.rows import AdapterInfo as AdapterInfo
+from braid.server.runner.rows import Pooling as Pooling
 from braid.server.runner.rows import TokenLogprob as TokenLogprob
 
 
@@ -163,6 +164,26 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...] = ()  # a prompt already tokenized, taken as it is (no BOS added)
 
 
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """One Embed call (or POST /v1/embeddings), decoded by its front end: exactly one of texts and
+    token_ids, each item one input, embedded in its own prompt-only session."""
+
+    texts: tuple[str, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+    request_id: str
+    pooling: Pooling | None = None  # None: the model's (ModelInfo.embedding_pooling)
+    normalize: bool = True  # to unit length (L2), after `dimensions` cut it
+    dimensions: int = 0  # keep the leading dimensions components (0: all)
+    truncate_input_tokens: int = 0  # keep at most this many of each input's last tokens (0: all)
+    deadline: float | None = None
+    priority: Priority = Priority.INTERACTIVE
+
+    @property
+    def inputs(self) -> tuple[str, ...] | tuple[tuple[int, ...], ...]:
+        return self.texts or self.token_ids
+
+
 @dataclass
 class Delta:
     """New output of a session: text now safe to send, and the tokens produced since the last one."""
@@ -200,6 +221,7 @@ class Finished:
     proposed_tokens: int = 0  # speculative proposals verified (--speculative)
     accepted_tokens: int = 0  # and of those, confirmed by the model
     reasoning_tokens: int = 0  # generated tokens that were reasoning, its markers included
+    embedding: list[float] | None = None  # an embedding session's vector, once its input is computed
 
     def milestones(self) -> dict[str, float]:
         """Seconds from arrival to each point the session reached, in order: queued (0), prefill
@@ -258,6 +280,9 @@ class ModelInfo:
     served_model_names: tuple[str, ...] = ()
     model_path: str = ""  # what was loaded: --model as given, or the embedded model's file
     kv_cache_bytes: int = 0  # the KV cache's reservation (its pages, of every layer)
+    embedding_dimensions: int = 0  # Embed's vectors' size (the hidden size); 0: no embeddings
+    embedding_pooling: Pooling = Pooling.LAST  # the model's own pooling, else LAST (model/pooling.py)
+    embedding_pooling_source: str = "default"  # where that came from: gguf, sentence-transformers, default
 
 
 @dataclass

@@ -85,17 +85,21 @@ def _check(req: GenerationRequest, vocab_size: int) -> None:
     _strings("bad_words", p.bad_words, MAX_BAD_WORDS)
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument("stop_token_ids", f"{len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
-    _in_vocabulary("stop_token_ids", p.stop_token_ids, vocab_size)
-    if len(req.request_id) > MAX_REQUEST_ID_BYTES or not all(" " <= c <= "~" for c in req.request_id):
-        # it travels back as gRPC metadata, which holds printable ASCII only
-        raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} printable ASCII characters")
+    in_vocabulary("stop_token_ids", p.stop_token_ids, vocab_size)
+    check_request_id(req.request_id)
     if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
         raise InvalidArgument("cache_salt", f"is {len(req.cache_salt.encode())} bytes; at most {MAX_CACHE_SALT_BYTES}")
     if req.resume_token_ids and req.n > 1:
         raise InvalidArgument("resume_token_ids", "resume one sample at a time (n = 1)")
-    _in_vocabulary("resume_token_ids", req.resume_token_ids, vocab_size)
+    in_vocabulary("resume_token_ids", req.resume_token_ids, vocab_size)
     if p.max_reasoning_tokens is not None and p.max_reasoning_tokens < 0:
         raise InvalidArgument("max_reasoning_tokens", f"{p.max_reasoning_tokens} is negative")
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_BYTES or not all(" " <= c <= "~" for c in request_id):
+        # it travels back as gRPC metadata, which holds printable ASCII only
+        raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} printable ASCII characters")
 
 
 def effort_budget(effort: str | None, field: str) -> int | None:
@@ -134,7 +138,7 @@ def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> Non
     could have at most (a token covers a byte or more), each inside the vocabulary."""
     if len(token_ids) > MAX_TOKEN_IDS:
         raise InvalidArgument(name, f"{len(token_ids)} ids; at most {MAX_TOKEN_IDS}")
-    _in_vocabulary(name, token_ids, vocab_size)
+    in_vocabulary(name, token_ids, vocab_size)
 
 
 def check_text(text: str, messages: Sequence[Turn], text_field: str) -> None:
@@ -190,7 +194,7 @@ def _strings(name: str, values: Sequence[str], most: int) -> None:
             raise InvalidArgument(f"{name}[{i}]", f"is longer than {MAX_STOP_BYTES} bytes")
 
 
-def _in_vocabulary(name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+def in_vocabulary(name: str, token_ids: Sequence[int], vocab_size: int) -> None:
     for i, t in enumerate(token_ids):
         if not 0 <= t < vocab_size:
             raise InvalidArgument(f"{name}[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from braid.server.frontend.lanes import TokenizerLanes
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Event, FinishReason, GenerationRequest
+from braid.server.engine.types import EmbeddingRequest, Event, FinishReason, GenerationRequest
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
@@ -51,7 +51,7 @@ async def merged(handles: list[SessionHandle]) -> AsyncIterator[tuple[int, Sessi
             task.cancel()
 
 
-def cancel_reason(req: GenerationRequest) -> FinishReason:
+def cancel_reason(req: GenerationRequest | EmbeddingRequest) -> FinishReason:
     """A call that ends before its session: DEADLINE once its deadline has passed, else CANCELLED.
     (the cancellation can arrive a hair before our own clock reaches the deadline)"""
     deadline_passed = req.deadline is not None and time.monotonic() >= req.deadline - _CLOCK_SLACK_S
@@ -64,7 +64,7 @@ class CallSessions:
     first, the call's end or its sessions, every session is cancelled, with no window between the
     two (under load a reset stream once left its session running to max_new_tokens)."""
 
-    def __init__(self, req: GenerationRequest) -> None:
+    def __init__(self, req: GenerationRequest | EmbeddingRequest) -> None:
         self._req = req
         self._handles: list[SessionHandle] = []
         self._ended = False

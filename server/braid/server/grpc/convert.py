@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from braid.server.engine.types import (
     AdapterInfo,
     Constraint,
+    EmbeddingRequest,
     EngineStats,
     Finished,
     FinishReason,
@@ -21,12 +22,14 @@ from braid.server.engine.types import (
     InvalidArgument,
     Message,
     ModelInfo,
+    Pooling,
     Priority,
     SamplingParams,
     TokenLogprob,
 )
 from braid.server.engine.kv_events import KvEvent, PageEvicted, PageStored
 from braid.server.frontend import checks, tool_plan
+from braid.server.frontend.embeddings import check_embedding
 from braid.server.frontend.tools import ToolCall
 from braid.v1 import generate_pb2 as pb
 
@@ -195,6 +198,40 @@ def detokenize_args_from_pb(req: pb.DetokenizeRequest, vocab_size: int) -> list[
     return ids
 
 
+def embedding_from_pb(req: pb.EmbedRequest, info: ModelInfo, time_remaining: float | None) -> EmbeddingRequest:
+    """An Embed call's request, every field checked (the engine checks each input's length once
+    it is tokenized)."""
+    if req.pooling not in (pb.POOLING_UNSPECIFIED, pb.POOLING_LAST, pb.POOLING_MEAN):
+        raise InvalidArgument("pooling", f"{req.pooling} is not a Pooling")
+    if req.priority not in (pb.PRIORITY_UNSPECIFIED, pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH):
+        raise InvalidArgument("priority", f"{req.priority} is not a Priority")
+    request = EmbeddingRequest(
+        texts=tuple(req.texts),
+        token_ids=tuple(tuple(t.ids) for t in req.token_ids),
+        request_id=req.request_id or uuid.uuid4().hex,
+        pooling=Pooling(req.pooling) if req.pooling else None,
+        normalize=req.normalize if req.HasField("normalize") else True,
+        dimensions=req.dimensions,
+        truncate_input_tokens=req.truncate_input_tokens,
+        deadline=time.monotonic() + time_remaining if time_remaining is not None else None,
+        priority=Priority.BATCH if req.priority == pb.PRIORITY_BATCH else Priority.INTERACTIVE,
+    )
+    check_embedding(request, info)
+    return request
+
+
+def embeddings_to_pb(request: EmbeddingRequest, finished: Sequence[Finished], pooling: Pooling) -> pb.EmbedResponse:
+    return pb.EmbedResponse(
+        embeddings=[
+            pb.Embedding(values=f.embedding, prompt_tokens=f.prompt_tokens, truncated_tokens=f.truncated_tokens)
+            for f in finished
+        ],
+        prompt_tokens=sum(f.prompt_tokens for f in finished),
+        request_id=request.request_id,
+        pooling=pooling.value,
+    )
+
+
 def final_to_pb(finished: Finished, request_id: str, seed: int) -> pb.GenerateResponse:
     t = finished.timings
     return pb.GenerateResponse(
@@ -271,6 +308,9 @@ def model_info_to_pb(info: ModelInfo, adapters: Sequence[AdapterInfo] = ()) -> p
         served_model_names=info.served_model_names or (info.model_name,),
         model_path=info.model_path,
         kv_cache_bytes=info.kv_cache_bytes,
+        embedding_dimensions=info.embedding_dimensions,
+        embedding_pooling=info.embedding_pooling.value,
+        embedding_pooling_source=info.embedding_pooling_source,
     )
 
 

@@ -23,6 +23,7 @@ from braid.server.grpc.orca import LoadReporter
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import Busy, Delta, Event, Finished, FinishReason, InvalidArgument, Queued
 from braid.server.frontend import spans
+from braid.server.frontend.embeddings import embed
 from braid.server.frontend.lanes import TokenizerLanes
 from braid.server.frontend.sessions import CallSessions, merged, submit
 from braid.server.frontend.tool_plan import CallReader, Read
@@ -175,6 +176,16 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         text, held_back = await self._tokenizers.run(ticket, self._engine.detokenize, ids)
         self._trailers(context)
         return pb.DetokenizeResponse(text=text, held_back_tokens=held_back)
+
+    async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
+        info = self._engine.info
+        req = convert.embedding_from_pb(request, info, context.time_remaining())
+        self._load.count_call()
+        call = CallSessions(req)
+        context.add_done_callback(call.end)  # type: ignore[arg-type]  # as Stream's: the call's end frees its inputs
+        finished = await embed(self._engine, self._tokenizers, req, call)
+        self._trailers(context)
+        return convert.embeddings_to_pb(req, finished, req.pooling or info.embedding_pooling)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
         self._trailers(context)

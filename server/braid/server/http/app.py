@@ -1,6 +1,6 @@
 """OpenAI's HTTP API on braid's engine (Starlette): /v1/chat/completions and /v1/completions,
-streamed as server-sent events or not, OpenAI's Responses API (/v1/responses, stateless), /v1/models
-and /health; and Anthropic's Messages API, /v1/messages and /v1/messages/count_tokens. This module
+streamed as server-sent events or not, OpenAI's Responses API (/v1/responses, stateless),
+/v1/embeddings, /v1/models and /health; and Anthropic's Messages API, /v1/messages and /v1/messages/count_tokens. This module
 holds the routes; each job around them has its own: observed.py (the API key, errors, the span, the
 log line and the metric around every call), generation.py (the one path every generating route
 shares), events.py (OpenAI's output), anthropic_*.py and responses_*.py (those APIs' requests and
@@ -25,11 +25,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from braid.server.config import ServerConfig
+from braid.server.engine.types import EngineUnavailable
+from braid.server.frontend.embeddings import embed
+from braid.server.frontend.sessions import CallSessions
 from braid.server.frontend.observer import CallObserver, NoCalls
 from braid.server.http import observed
 from braid.server.http.anthropic_events import MessageEvents
 from braid.server.http.anthropic_protocol import CountTokensRequest, MessagesRequest
 from braid.server.http.anthropic_requests import messages_plan
+from braid.server.http.embeddings import EmbeddingsRequest, embedding_request, embeddings_body
 from braid.server.http.errors import ApiError, not_allowed, not_found
 from braid.server.http.generation import Generations, served_names, with_ignored
 from braid.server.http.observed import Handler, Record
@@ -38,7 +42,7 @@ from braid.server.http.requests import chat_plan, completion_plan
 from braid.server.http.responses_events import ResponseEvents
 from braid.server.http.responses_protocol import ResponsesRequest
 from braid.server.http.responses_requests import echoed, responses_name, responses_plan
-from braid.server.http.streaming import Output
+from braid.server.http.streaming import Output, unless_disconnected
 
 if TYPE_CHECKING:
     from braid.server.engine.client import EngineClient
@@ -74,6 +78,7 @@ class OpenAIApi:
                 self._route("/v1/responses", self.responses, methods=["POST"]),
                 self._route("/v1/messages", self.messages, methods=["POST"]),
                 self._route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+                self._route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 self._route("/v1/models", self.models, methods=["GET"]),
                 self._route("/v1/models/{id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -174,6 +179,24 @@ class OpenAIApi:
             return ResponseEvents(plan, handles[0], head, record, lambda: self.draining, rename)
 
         return await self._generations.run(request, record, plan, body.model, body.stream, responses)
+
+    async def embeddings(self, request: Request, record: Record) -> Response:
+        """OpenAI's embeddings (http/embeddings.py): each input a prompt-only session, gathered in
+        order; a client that disconnects first cancels them all."""
+        body = await self._generations.body(request, EmbeddingsRequest, record)
+        req = embedding_request(body, self._engine.info)
+        if self.draining:
+            raise EngineUnavailable("the server is draining; retry on another replica")
+        record.request_id = req.request_id
+        call = CallSessions(req)
+        try:
+            finished = await unless_disconnected(request, embed(self._engine, self._generations.lanes, req, call))
+        finally:
+            call.end()
+        whole = await asyncio.to_thread(
+            embeddings_body, finished, self._engine.info.model_name, body.encoding_format, req.request_id
+        )
+        return with_ignored(await asyncio.to_thread(JSONResponse, whole), record)
 
     async def count_tokens(self, request: Request, record: Record) -> Response:
         """The tokens of a message's prompt, as the chat template renders it, tools included. The

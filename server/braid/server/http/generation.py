@@ -70,6 +70,11 @@ class Generations:
     def close(self) -> None:
         self._lanes.shutdown()
 
+    @property
+    def lanes(self) -> TokenizerLanes:
+        """The tokenizer lanes, for a route that is not a generation (embeddings)."""
+        return self._lanes
+
     async def body(self, request: Request, model: type[Body], record: Record) -> Body:
         """The request's body as `model` (up to --max-message-bytes), its unknown fields and its
         user noted on the call's record."""

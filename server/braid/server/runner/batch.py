@@ -4,7 +4,7 @@ and the model runner builds it from the rows (model_runner.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +46,12 @@ class ForwardBatch:
     decode: DecodeRows | None
     logit_rows: torch.Tensor  # [R] long: the packed rows whose next-token logits are wanted
     lora: LoraPass | None = None  # where some rows run with a LoRA adapter: their deltas (runner/lora.py)
+    # embeddings: (row, offset, length, mean) for each embedding row (its index among the runner's
+    # rows) and its span of the packed tokens, whose hidden states after the final norm are pooled:
+    # the last token's (mean False) or the sum of all (True). The decoder's pass writes them, in
+    # order, to `pooled` ([len(pools), hidden] float32)
+    pools: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    pooled: torch.Tensor | None = None
 
     def row_tables(self) -> tuple[torch.Tensor, bool]:
         """Every packed row's page table ([N, pages] long, padded with page 0), as braid's C

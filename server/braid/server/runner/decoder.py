@@ -184,6 +184,7 @@ class Decoder:
             if lora is not None:
                 lora.add(i, "gate_up", h, gate_up)
             self._add_output(x, self._act(gate_up), w.down, w.mlp_out_norm, lora, i, "down")
+        self._pool(x, batch)
         return self._logits(x, batch.logit_rows)
 
     def _add_output(
@@ -245,6 +246,17 @@ class Decoder:
         logits = self.lm_head(self._norm(x[rows], self.final_norm)).float()
         return logits if self.final_softcap is None else _softcap(logits, self.final_softcap)
 
+    def _pool(self, x: torch.Tensor, batch: ForwardBatch) -> None:
+        """Embeddings: each of batch.pools' spans of the residual stream x after the final norm, its
+        last row or the sum of its rows, into batch.pooled [P, hidden] float32."""
+        if not batch.pools:
+            return
+        pooled = []
+        for _, offset, length, mean in batch.pools:
+            rows = x[offset : offset + length] if mean else x[offset + length - 1 : offset + length]
+            pooled.append(self._norm(rows.contiguous(), self.final_norm).float().sum(0))
+        batch.pooled = torch.stack(pooled)
+
     def _one_call(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """The pass, prompt chunks, verifications and decode rows alike: every layer in one C call,
         its rows' LoRA deltas included. Every row attends by itself through its page table, so a
@@ -268,6 +280,7 @@ class Decoder:
         lora = batch.lora.step_args(x.shape[0]) if batch.lora is not None else None
         tables, shared = batch.row_tables()
         self._step(x, batch.positions, tables, lora, shared)
+        self._pool(x, batch)
         return self._logits(x, batch.logit_rows)
 
     def _matrices(self) -> list[Linear]:

@@ -30,7 +30,7 @@ from braid.server.runner.batch import DecodeRows, ForwardBatch, PrefillChunk
 from braid.server.runner.decoder import Decoder
 from braid.server.runner.masks import Masks
 from braid.server.runner.precision import DTYPES, Precision
-from braid.server.runner.rows import AdapterInfo, Row, Sampled, Sampling
+from braid.server.runner.rows import AdapterInfo, Pooling, Row, Sampled, Sampling
 from braid.server.runner.sampler import random_state, sample, score, verify
 from braid.server.runner.threads import ThreadGovernor
 from braid.server.runner.transformers_decoder import TransformersDecoder
@@ -180,6 +180,11 @@ class ModelRunner:
         return kv_dtype_name(self.cache.dtype)
 
     @property
+    def embedding_dimensions(self) -> int:
+        """Embeddings' size: the hidden size, on braid's decoder; 0 on the transformers path."""
+        return int(self.decoder.final_norm.shape[0]) if isinstance(self.decoder, Decoder) else 0
+
+    @property
     def num_pages(self) -> int:
         return self.cache.num_pages
 
@@ -243,6 +248,10 @@ class ModelRunner:
         }
         logits = self._forward(batch)  # [L, V], in batch.logit_rows order
         out: list[Sampled | None] = [None] * len(rows)
+        if batch.pools:  # embedding rows: their pooled hidden states, and nothing else
+            assert batch.pooled is not None
+            for (i, *_), vector in zip(batch.pools, batch.pooled.cpu().tolist()):
+                out[i] = Sampled(None, pooled=vector)
         if scored:  # the targets' rows come first; the sampled rows' logits are the rest
             for i, (begin, end) in scored.items():
                 out[i] = Sampled(
@@ -284,7 +293,9 @@ class ModelRunner:
         """Packs prompt chunks first (rows with proposals among them), then one token per decoding
         row. Returns the batch, the indices of the rows that sample in the order of their logit rows
         (1 + num_proposals each), and the logit rows [begin, end) of each row with targets, which
-        come before all of those."""
+        come before all of those. The rows that pool are batch.pools'."""
+        if self.path != "braid" and any(r.pool is not None for r in rows):
+            raise ValueError("embeddings need braid's native decoder; this model runs through transformers")
         # a speculating row's tokens go as decode rows of their own on braid's decoder (its decode
         # attention, the same numbers as plain steps), as a chunk on the transformers path
         is_prefill = [
@@ -303,6 +314,7 @@ class ModelRunner:
         scored: dict[int, tuple[int, int]] = {}
         sample_at: list[int] = []  # the packed token each sampling row's logits come from
         adapters: list[int] = []  # each packed token's adapter (Row.adapter)
+        pools: list[tuple[int, int, int, bool]] = []  # embedding rows' spans (ForwardBatch.pools)
         dev, page_size = self.device, self.cache.page_size
         for i in prefills + decodes:
             r = rows[i]
@@ -313,6 +325,8 @@ class ModelRunner:
             if r.targets:
                 scored[i] = (len(logit_rows), len(logit_rows) + len(r.targets))
                 logit_rows += range(len(ids), len(ids) + len(r.targets))
+            if r.pool is not None:
+                pools.append((i, len(ids), len(r.token_ids), r.pool is Pooling.MEAN))
             ids += r.token_ids
             adapters += [r.adapter] * len(r.token_ids)
             positions += range(r.start, end)
@@ -335,6 +349,7 @@ class ModelRunner:
             decode=self._decode_rows([rows[i] for i in decodes]) if decodes else None,
             logit_rows=torch.tensor(logit_rows + sample_at, dtype=torch.long, device=dev),
             lora=self._lora_pass(adapters),
+            pools=pools,
         )
         return batch, sampled, scored
 

@@ -3,12 +3,20 @@ engine builds rows without knowing tensors, and the runner never sees a session 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 # Temperatures below this decode greedily, as in vLLM: dividing logits by a temperature near zero
 # overflows to inf and NaN (1e-38 sampled garbage where 1e-30 was still greedy).
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+class Pooling(enum.Enum):
+    """How an embedding is made of a sequence's positions; the values match braid.v1.Pooling."""
+
+    LAST = 1  # the last position's hidden state
+    MEAN = 2  # the mean of every position's
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,9 @@ class Row:
     num_proposals: int = 0
     # the LoRA adapter the row runs with: its load id (ModelRunner.load_adapter), 0 for the base model
     adapter: int = 0
+    # an embedding's row (it never samples): LAST returns the hidden state after the final norm of
+    # its last token, MEAN the sum of its tokens' (Sampled.pooled); None: nothing pooled
+    pool: Pooling | None = None
 
 
 @dataclass(frozen=True)
@@ -102,3 +113,4 @@ class Sampled(NamedTuple):
     # a row with proposals: the tokens sampled after `token`, with their log probabilities (or
     # None); each but the last equals its proposal, so len(more) proposals were accepted
     more: tuple[tuple[int, TokenLogprob | None], ...] = ()
+    pooled: list[float] | None = None  # a pooling row's hidden state (Row.pool), float32 values

@@ -1,0 +1,160 @@
+"""Embeddings through braid's own decoder, in process: a tiny random Qwen3 and Llama (built from a
+transformers config) behind the real model runner, sessions made by the real admission and stepped
+by the engine core (tests/unit/engine_fakes.Harness). The pooled vector is transformers' last hidden
+state (after the final norm), last-token or mean pooled, in one pass or in chunks; an embedding in
+the passes of a decoding session leaves its tokens as they were, in every mode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from braid.server.engine.types import EmbeddingRequest, FinishReason, Pooling
+from braid.server.model.loader import LoadedModel
+from braid.server.runner.model_runner import ModelRunner
+from tests.unit.engine_fakes import Harness
+
+MODES = ["sequential", "interleaved", "batched", "continuous"]
+
+
+def _config(family: str):
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )
+    if family == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tiny(request):
+    torch.manual_seed(0)
+    return _config(request.param).eval()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])
+def runner(request, tiny) -> ModelRunner:
+    model = LoadedModel(hf_model=tiny, hf_tokenizer=None, name="tiny", architecture="tiny", eos_token_ids=(2,))
+    return ModelRunner(
+        model, torch.device("cpu"), torch.float32, num_pages=64, max_seq_len=256, allow_kernels=request.param
+    )
+
+
+@pytest.fixture(scope="module")
+def kernels_runner(tiny) -> ModelRunner:
+    """braid's kernels alone (the passes' order matters here, not which ops compute them)."""
+    model = LoadedModel(hf_model=tiny, hf_tokenizer=None, name="tiny", architecture="tiny", eos_token_ids=(2,))
+    return ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=64, max_seq_len=256)
+
+
+def _reference(tiny, ids: list[int], pooling: Pooling) -> torch.Tensor:
+    """transformers' last hidden state (after the final norm), pooled."""
+    with torch.no_grad():
+        hidden = tiny.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    return hidden[-1] if pooling is Pooling.LAST else hidden.mean(0)
+
+
+def _embed(h: Harness, inputs: list[list[int]], **fields) -> list:
+    request = EmbeddingRequest(texts=(), token_ids=tuple(map(tuple, inputs)), request_id="e", **fields)
+    handles = h.admission.embed(h.admission.admit_embedding(request), request, h.loop, Pooling.LAST)
+    for handle in handles:
+        h.events.setdefault(handle.session_id, [])
+    return handles
+
+
+def _relative_error(got: list[float], want: torch.Tensor) -> float:
+    return float((torch.tensor(got) - want).abs().max() / want.abs().max())
+
+
+INPUTS = [[(7 * i + 3) % 297 + 3 for i in range(n)] for n in (1, 5, 37, 80)]
+
+
+@pytest.mark.parametrize("pooling", [Pooling.LAST, Pooling.MEAN])
+@pytest.mark.parametrize("chunk", [512, 16], ids=["one-pass", "chunked"])
+def test_the_pooled_vector_is_transformers_last_hidden_state_pooled(runner, tiny, pooling, chunk):
+    with Harness(runner=runner, mode="continuous", prefill_chunk=chunk) as h:
+        handles = _embed(h, INPUTS, pooling=pooling, normalize=False)
+        h.run()
+        for ids, handle in zip(INPUTS, handles):
+            finished = h.finished(handle)
+            assert finished is not None and finished.reason is FinishReason.MAX_TOKENS
+            assert finished.prompt_tokens == len(ids) and finished.generated_tokens == 0
+            assert _relative_error(finished.embedding, _reference(tiny, ids, pooling)) < 1e-5
+
+
+def test_dimensions_keep_the_leading_components_and_normalize_makes_them_unit_length(runner, tiny):
+    ids = INPUTS[2]
+    with Harness(runner=runner) as h:
+        [whole, cut] = _embed(h, [ids], pooling=Pooling.MEAN), _embed(h, [ids], pooling=Pooling.MEAN, dimensions=16)
+        h.run()
+        whole, cut = h.finished(whole[0]).embedding, h.finished(cut[0]).embedding
+    want = _reference(tiny, ids, Pooling.MEAN)
+    assert len(whole) == 64 and len(cut) == 16
+    assert math.isclose(math.fsum(v * v for v in whole), 1.0, rel_tol=1e-9)
+    assert math.isclose(math.fsum(v * v for v in cut), 1.0, rel_tol=1e-9)
+    cosine = float(torch.nn.functional.cosine_similarity(torch.tensor(cut), want[:16], dim=0))
+    assert cosine > 1 - 1e-6
+    assert _relative_error(cut, want[:16] / want[:16].norm()) < 1e-5
+
+
+class Spy:
+    """The runner, its passes' rows recorded."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.passes = runner, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def run(self, rows):
+        self.passes.append(list(rows))
+        return self.runner.run(rows)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_embedding_beside_a_decoding_session_leaves_its_tokens_unchanged(kernels_runner, mode):
+    prompt = " ".join(str(t) for t in INPUTS[2])
+    chunk = 16
+
+    def generate(embed: bool) -> tuple[list[int], list, list]:
+        spy = Spy(kernels_runner)
+        with Harness(runner=spy, mode=mode, prefill_chunk=chunk, max_batch_size=4) as h:
+            [gen] = h.submit(prompt, max_new_tokens=12, ignore_eos=True)
+            for _ in range(6):  # its prompt computed, a few tokens decoded
+                h.step()
+            handles = _embed(h, INPUTS[1:3], pooling=Pooling.MEAN) if embed else []
+            h.run()
+            return h.tokens(gen), [h.finished(e).embedding for e in handles], spy.passes
+
+    alone, _, _ = generate(embed=False)
+    beside, vectors, passes = generate(embed=True)
+    assert len(alone) == 12 and beside == alone
+    assert all(v is not None and len(v) == 64 for v in vectors)
+    shared = [rows for rows in passes if any(r.pool for r in rows) and any(r.sample for r in rows)]
+    if mode == "continuous":  # in the same packed passes, each holding at most one prompt chunk
+        assert shared
+        assert all(sum(len(r.token_ids) for r in rows if r.is_prompt) <= chunk for rows in passes)
+    else:  # the others give each pass to one session, or start a batch once the last has left
+        assert not shared
+
+
+def test_a_cancelled_embedding_frees_its_pages_and_the_books_balance(runner):
+    with Harness(runner=runner, mode="continuous", prefill_chunk=16) as h:
+        [handle] = _embed(h, [INPUTS[3]])
+        h.step()  # its first chunk
+        assert h.core.pages.num_used > 0
+        h.abort(handle, FinishReason.CANCELLED)
+        h.step()
+        assert h.finished(handle).reason is FinishReason.CANCELLED and h.finished(handle).embedding is None
+        assert h.core.pages.num_used == 0 and h.core.books_balance() == (0, 0, 0)
