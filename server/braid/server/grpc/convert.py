@@ -228,7 +228,7 @@ def embeddings_to_pb(request: EmbeddingRequest, finished: Sequence[Finished], po
         ],
         prompt_tokens=sum(f.prompt_tokens for f in finished),
         request_id=request.request_id,
-        pooling=pooling.value,
+        pooling=pb.Pooling.Value("POOLING_" + pooling.name),
     )
 
 
@@ -309,7 +309,7 @@ def model_info_to_pb(info: ModelInfo, adapters: Sequence[AdapterInfo] = ()) -> p
         model_path=info.model_path,
         kv_cache_bytes=info.kv_cache_bytes,
         embedding_dimensions=info.embedding_dimensions,
-        embedding_pooling=info.embedding_pooling.value,
+        embedding_pooling=pb.Pooling.Value("POOLING_" + info.embedding_pooling.name),
         embedding_pooling_source=info.embedding_pooling_source,
     )
 

@@ -37,14 +37,18 @@ def embedding_request(body: EmbeddingsRequest, info: ModelInfo) -> EmbeddingRequ
     texts: tuple[str, ...] = ()
     ids: tuple[tuple[int, ...], ...] = ()
     one_list = False  # input: [1, 2, 3], one input of ids (its ids are input[j])
-    if isinstance(body.input, str):
-        texts = (body.input,)
-    elif body.input and all(isinstance(t, int) for t in body.input):
-        ids, one_list = (tuple(body.input),), True  # type: ignore[arg-type]
-    elif body.input and all(isinstance(t, str) for t in body.input):
-        texts = tuple(body.input)  # type: ignore[arg-type]
-    else:
-        ids = tuple(tuple(t) for t in body.input)  # type: ignore[union-attr]
+    value = body.input
+    if isinstance(value, str):
+        texts = (value,)
+    else:  # pydantic made it all strings, all ids or all lists
+        strings = [t for t in value if isinstance(t, str)]
+        numbers = [t for t in value if isinstance(t, int)]
+        if value and len(numbers) == len(value):
+            ids, one_list = (tuple(numbers),), True
+        elif len(strings) == len(value):
+            texts = tuple(strings)
+        else:
+            ids = tuple(tuple(t) for t in value if isinstance(t, list))
     if body.dimensions is not None and body.dimensions < 1:
         raise InvalidArgument("dimensions", f"{body.dimensions} is less than 1")
     req = EmbeddingRequest(

@@ -24,6 +24,7 @@ from braid.server.frontend.sessions import CallSessions, submit
 from braid.server.http.anthropic_protocol import CountTokensRequest, MessagesRequest
 from braid.server.http.body import read
 from braid.server.http.events import Events
+from braid.server.http.embeddings import EmbeddingsRequest
 from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
 from braid.server.http.requests import Plan
 from braid.server.http.responses_protocol import ResponsesRequest
@@ -38,7 +39,9 @@ _LOGGER = logging.getLogger("braid.server.http.app")  # the HTTP API's one logge
 IGNORED_HEADER = "braid-ignored-fields"  # the request's fields braid does not know, and so ignored
 _MOST_NAMED = 8  # unknown fields named per request (a header, a log line): the first ones
 _MOST_WARNED = 1024  # distinct unknown fields logged as warnings, once each, in a process's life
-Body = TypeVar("Body", ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
+Body = TypeVar(
+    "Body", ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest, EmbeddingsRequest
+)
 # a call's output in its API's shape, from its sessions and the model name it answers under
 OutputOf = Callable[["list[SessionHandle]", str], Output]
 
