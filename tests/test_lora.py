@@ -15,8 +15,10 @@ import pytest
 
 from braid.client import AsyncClient
 from braid.client.errors import BraidError
+from braid.server.engine.types import EngineStats, FinishReason
 from conftest import Server, _reference_logits, assert_greedy, free_port, tiny_server
-from in_process import generate
+from in_process import generate, load_model
+from in_process import run as run_in_process
 from gguf_files import write_gguf
 from lora_files import ALL_TARGETS, make_adapter, merged, peft_logits, write_gguf_adapter
 from test_architectures import GGUF_CONFIG, _save, _tiny, _tiny_for_gguf
@@ -140,45 +142,52 @@ def test_greedy_tokens_with_an_adapter_in_every_mode(bases, adapters, in_process
 def test_a_gguf_adapter_on_a_gguf_base_gives_the_tokens_of_its_peft_folder(tmp_path, kind):
     """A GGUF base model (Q4 layers) with the same adapter as a PEFT folder and as llama.cpp's
     converter writes it (Llama's q and k rows of B permuted, Qwen3's not): each prompt's greedy
-    tokens are the same with either, and not the base model's."""
+    tokens are the same with either, and not the base model's. In process (tests/in_process.py):
+    the runner `braid serve --model base.gguf --lora peft=... --lora gguf=...` builds, with the
+    adapters loaded as --lora loads them; --lora on the wire is the server test's above."""
     model, vocab = _tiny_for_gguf(kind, **GGUF_CONFIG.get(kind, {}))
     base = write_gguf(model, tmp_path / f"{kind}.gguf", vocab)
     model.save_pretrained(tmp_path / "hf")  # PEFT makes its adapter on the transformers model
     folder = make_adapter(tmp_path / "hf", tmp_path / "peft", rank=8, seed=7, spread=0.2)
     gguf = write_gguf_adapter(folder, model.config, tmp_path / "adapter.gguf")
-    server = Server(
-        ["--model", str(base), "--cache-dir", str(tmp_path), "--threads", "1"]
-        + ["--lora", f"peft={folder}", "--lora", f"gguf={gguf}"]
+    loaded = load_model(base, tmp_path)  # converted into tmp_path, as --cache-dir tmp_path does
+    jobs = [(p, a) for p in PROMPTS for a in ("", "peft", "gguf")]
+    outcomes = generate(
+        loaded,
+        [dict(prompt=p, adapter=a, max_new_tokens=12, ignore_eos=True) for p, a in jobs],
+        adapters=[("peft", folder), ("gguf", gguf)],
     )
-    try:
-        jobs = [(p, a) for p in PROMPTS for a in ("", "peft", "gguf")]
-        by_job = dict(zip(jobs, [out for _, out in asyncio.run(_greedy(server.target, jobs))]))
-    finally:
-        server.stop()
+    by_job = {job: o.token_ids for job, o in zip(jobs, outcomes)}
     for prompt in PROMPTS:
         assert by_job[prompt, "gguf"] == by_job[prompt, "peft"], prompt
     assert any(by_job[p, "gguf"] != by_job[p, ""] for p in PROMPTS)
 
 
-def test_a_mixed_pass_gives_each_session_the_tokens_it_gets_alone(tmp_path, tiny_dir):
+def test_a_mixed_pass_gives_each_session_the_tokens_it_gets_alone(tmp_path, tiny_dir, in_process):
     """16 sessions over 4 adapters and the base model, all in the same passes, against each run
-    alone."""
+    alone. In process (tests/in_process.py): the engine over one runner with the adapters its
+    sessions name loaded (--lora), as a tiny server with --max-batch-size 16 runs them."""
     folders = {f"a{i}": make_adapter(tiny_dir, tmp_path / f"a{i}", rank=8 * (1 + i % 2), seed=10 + i) for i in range(4)}
-    server = tiny_server(
-        tiny_dir, "--max-batch-size", "16", *[a for name, f in folders.items() for a in ("--lora", f"{name}={f}")]
-    )
-    try:
-        names = ["", *folders]
-        jobs = [(PROMPTS[i % 3] + " " * (i // 5), names[i % 5]) for i in range(16)]
-        together = asyncio.run(_greedy(server.target, jobs, n=16))
-        alone = [asyncio.run(_greedy(server.target, [job], n=16))[0] for job in jobs]
-        with server.client() as client:
-            status = client.server_status()
-    finally:
-        server.stop()
+    model = in_process(tiny_dir)
+    names = ["", *folders]
+    jobs = [(PROMPTS[i % 3] + " " * (i // 5), names[i % 5]) for i in range(16)]
+
+    def run(some: list[tuple[str, str]]) -> tuple[list[list[int]], EngineStats]:
+        outcomes, books = run_in_process(
+            model,
+            [dict(prompt=p, adapter=a, max_new_tokens=16, ignore_eos=True) for p, a in some],
+            adapters=[(name, folders[name]) for name in sorted({a for _, a in some} - {""})],
+            max_batch_size=16,
+        )
+        return [o.token_ids for o in outcomes], books
+
+    together, books = run(jobs)
+    alone = [run([job])[0][0] for job in jobs]
     assert together == alone
-    assert len({tuple(out) for _, out in together}) >= 10  # the adapters do change the tokens
-    assert status.sessions_active == 0 and status.sessions_finished.max_tokens == 32
+    assert all(len(t) == 16 for t in together)
+    assert len({tuple(t) for t in together}) >= 10  # the adapters do change the tokens
+    assert 16 <= books.forward_passes < 16 * 16  # shared passes (16 tokens each: alone, 256 passes)
+    assert books.sessions_active == 0 and books.finished[FinishReason.MAX_TOKENS] == 16
 
 
 def test_adapters_load_and_unload_while_generations_run(tmp_path, tiny_dir):
