@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
 import re
 import threading
@@ -32,19 +33,32 @@ import pytest
 from braid.client import Client
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc as pb_grpc
+from braid_testing import zygote
 from conftest import REPO, SLOW, free_port, tiny_server, wait_for
 
 GRPCURL = Path(sys.executable).parent / "grpcurl"
 
 # deploy/cluster.py as `make cluster` runs it; deploy/roll.py's clients, with braid-client's retry policy.
 sys.path.insert(0, str(REPO / "deploy"))
-from cluster import Cluster, Replica
+from cluster import BRAID, Cluster, Replica
 from roll import Load
 
 MAX_TOKENS = pb.FINISH_REASON_MAX_TOKENS
 HANDOVER_GRACE_S = 0.5
 # Every forward pass 5 ms longer: a 256-token stream lasts at least 1.3 s, past the hand-over grace.
 SLOWER = {"BRAID_INJECT_FAULT": "delay:5"}
+
+
+class ForkedCluster(Cluster):
+    """deploy/cluster.py's cluster, each replica (and each restart of one) `braid serve` forked from
+    the tests' zygote (braid_testing.zygote) instead of a Python that imports torch again: six starts
+    in this module. That also runs BRAID_INJECT_FAULT's delay, which a plain `braid serve` ignores."""
+
+    def _run(self, args: list[str], log_name: str, env: dict[str, str] | None = None):
+        if args[0] != str(BRAID):
+            return super()._run(args, log_name, env)
+        with open(self.run_dir / log_name, "a") as log:
+            return zygote.spawn(args[1:], env or dict(os.environ), log.fileno()) or super()._run(args, log_name, env)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +75,7 @@ def cluster(tiny_dir, tmp_path_factory):
         f"apt-get install -y haproxy prometheus) failed: {install.stderr.strip()}"
     )
     replicas = [Replica(f"replica-{n}", free_port(), free_port()) for n in (1, 2, 3)]
-    cluster = Cluster(
+    cluster = ForkedCluster(
         replicas,
         tmp_path_factory.mktemp("cluster"),
         port=free_port(),
