@@ -13,7 +13,6 @@ llama.cpp's own figures on the same file (LLAMA_CPP_Q4_1 below).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections import Counter
@@ -29,7 +28,7 @@ from braid.server.runner.precision import Precision
 from braid_testing.perplexity import divergence, prompt_logits
 from braid_testing.perplexity import perplexity as perplexity_of
 from braid_testing.process import run_braid
-from conftest import REPO, Server, assert_greedy, compute_dtype, near_tie, start_together, tiny_server
+from conftest import REPO, Server, assert_greedy, compute_dtype, near_tie
 
 EMBEDDED_FORMATS = {"q4_1": 210, "q8_0": 1, "f32": 61}  # SmolLM2-135M-Instruct.Q4_1.gguf's tensors
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
@@ -123,8 +122,14 @@ def test_float32_and_none_is_the_plain_fp32_path(fp32_smol, smol_dir):
         assert_greedy(smol_dir, *greedy(fp32_smol, prompt), dtype=info.dtype)  # fp32 on CUDA too
 
 
-def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tiny_dir):
+def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tiny_dir, in_process):
+    """In process (tests/in_process.py): the runner `braid serve` builds for a bf16 checkpoint with
+    each flag's EngineConfig field, and a greedy request through it. The flags on the wire are the
+    fp32_smol test's (--dtype, --quantization) and ModelInfo's formats test_the_embedded_model's; these
+    were three servers started for what the loader and the runner decide."""
     from transformers import AutoModelForCausalLM
+
+    from in_process import generate
 
     folder = tmp_path / "tiny-bf16"
     AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).save_pretrained(folder)
@@ -133,21 +138,15 @@ def test_a_bf16_checkpoint_is_served_as_bf16_and_quantizes_to_q8_0(tmp_path, tin
             (folder / name).write_bytes((tiny_dir / name).read_bytes())
     # 2 layers x (q, k, v, o, gate, up, down) + the tied embedding; 2 x 2 norms + the final norm.
     cases = (
-        ([], {"bf16": 15, "f32": 5}),
-        (["--quantization", "q8_0"], {"q8_0": 15, "f32": 5}),
-        (["--dtype", "float16"], {"f16": 15, "f32": 5}),
+        ({}, {"bf16": 15, "f32": 5}),
+        ({"quantization": "q8_0"}, {"q8_0": 15, "f32": 5}),
+        ({"dtype": "float16"}, {"f16": 15, "f32": 5}),
     )
-    started = start_together(*[functools.partial(tiny_server, folder, *flags) for flags, _ in cases])
-    try:
-        for server, (flags, formats) in zip(started, cases):
-            with server.client() as client:
-                info = client.model_info()
-                done = client.generate("Hello there", max_new_tokens=8, ignore_eos=True)
-            assert dict(info.weight_formats) == formats, flags
-            assert len(done.token_ids) == 8
-    finally:
-        for server in started:
-            server.stop()
+    for config, formats in cases:
+        model = in_process(folder, **config)
+        assert model.runner.weight_formats == formats, config
+        [done] = generate(model, [dict(prompt="Hello there", max_new_tokens=8, ignore_eos=True)])
+        assert len(done.token_ids) == 8, config
 
 
 @pytest.mark.parametrize("value", ["fp8", "int4"])
@@ -161,17 +160,22 @@ def test_an_unknown_flag_value_is_one_clear_line(flag, value):
         assert f"--{flag}" in out.stderr and value in out.stderr, (how, out.stderr)
 
 
-def test_the_isa_variable_picks_the_kernels_and_a_wrong_one_fails_the_start(tiny_dir):
+def test_the_isa_variable_picks_the_kernels_and_a_wrong_one_fails_the_start(tiny_dir, monkeypatch):
+    """The runner a server builds runs the build the variable names (in process: ModelInfo.kernels is
+    runner.kernels, and test_the_embedded_model_is_served_in_its_own_formats reads it over the wire),
+    and a server given a build this CPU lacks does not start (braid serve, forked from the zygote)."""
     from braid.server.runner import _cpu_kernels
+    from braid.server.runner.kernels.pick import kernels_isa
+    from in_process import load_model
 
     if not _cpu_kernels.isas():
         pytest.skip("this CPU has neither AVX-512 nor AVX2: braid's C kernels do not run here")
-    server = tiny_server(tiny_dir, env={ISA_VARIABLE: "avx2"})
     try:
-        with server.client() as client:
-            assert client.model_info().kernels == "avx2"
-    finally:
-        server.stop()
+        with monkeypatch.context() as env:
+            env.setenv(ISA_VARIABLE, "avx2")
+            assert load_model(tiny_dir, tiny_dir.parent).runner.kernels == "avx2"
+    finally:  # the build is selected in the module: this process's own again (its environment's)
+        kernels_isa()
     out = run_braid("serve", "--model", str(tiny_dir), "--port", "0", env={ISA_VARIABLE: "neon"}, timeout=120)
     assert out.returncode != 0
     assert f"{ISA_VARIABLE}=neon" in out.stderr
