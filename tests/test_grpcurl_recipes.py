@@ -192,6 +192,9 @@ CHECKS: dict[str, Callable[[str], None]] = {
                       and m["offsets"][-1] == {"start": 12, "end": 13}),
     "Send token ids, receive token ids#0": stream_of_ids,
     "Detokenize#0": one(lambda m: m == {"text": "Sea:", "held_back_tokens": 2}),
+    "Embed texts#0": one(lambda m: m["pooling"] == "POOLING_MEAN" and m["prompt_tokens"] > 0
+                         and [len(e["values"]) for e in m["embeddings"]] == [8, 8]
+                         and all(abs(sum(v * v for v in e["values"]) - 1) < 1e-4 for e in m["embeddings"])),
     "ModelInfo#0": one(lambda m: m["model_name"] and m["context_length"] > 0 and m["vocab_size"] > 0
                        and m["mode"].startswith("SCHEDULING_MODE_")),
     "ServerStatus#0": one(lambda m: m["mode"].startswith("SCHEDULING_MODE_") and m["uptime_seconds"] > 0),

@@ -290,6 +290,27 @@ class Client {
     return this.unary('Detokenize', { tokenIds: [...tokenIds] }, timeoutMs);
   }
 
+  /**
+   * Resolves to an EmbedResponse ({ embeddings: [{ values, promptTokens, truncatedTokens }],
+   * promptTokens, requestId, pooling }) for `inputs`: a text, an array of texts, or an array of
+   * token id arrays, one embedding per input in order. Options: pooling ('last' or 'mean'; unset:
+   * the model's), normalize (unset: unit length), dimensions (keep the leading ones),
+   * truncateInputTokens (keep each input's last tokens).
+   */
+  embed(inputs, { pooling, normalize, dimensions = 0, truncateInputTokens = 0, timeoutMs } = {}) {
+    const items = typeof inputs === 'string' ? [inputs] : [...inputs];
+    const texts = items.every((item) => typeof item === 'string');
+    const request = {
+      texts: texts ? items : [],
+      tokenIds: texts ? [] : items.map((ids) => ({ ids: [...ids] })),
+      pooling: pooling ? `POOLING_${pooling.toUpperCase()}` : 'POOLING_UNSPECIFIED',
+      dimensions,
+      truncateInputTokens,
+    };
+    if (normalize !== undefined) request.normalize = normalize;
+    return this.unary('Embed', request, timeoutMs);
+  }
+
   /** Resolves to a ModelInfoResponse. */
   modelInfo({ timeoutMs } = {}) {
     return this.unary('ModelInfo', {}, timeoutMs);

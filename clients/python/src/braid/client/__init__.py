@@ -28,6 +28,7 @@ from braid.client.generation import AsyncGeneration, Completion, Generation, fin
 from braid.client.request import (
     GenerateParams,
     build_request,
+    build_embed_request,
     build_tokenize_request,
     choice,
     function_choice,
@@ -59,6 +60,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "build_request",
+    "build_embed_request",
     "build_tokenize_request",
     "choice",
     "describe",

@@ -206,6 +206,17 @@ def _parser() -> argparse.ArgumentParser:
         "--detokenize", action="store_true", help="print the text of the prompt's token ids (as --ids) as JSON"
     )
     actions.add_argument("--health", action="store_true", help="print the health status; exit 1 unless SERVING")
+    actions.add_argument(
+        "--embed",
+        action="append",
+        metavar="TEXT",
+        help="print the embedding of TEXT (repeatable: one input each; with --ids, token ids) as JSON",
+    )
+
+    embed = parser.add_argument_group("embeddings (EmbedRequest fields, with --embed)")
+    embed.add_argument("--pooling", choices=("last", "mean"), help="unset: the model's (ModelInfo's embedding_pooling)")
+    embed.add_argument("--dimensions", type=int, default=0, help="keep the leading N components (Matryoshka)")
+    embed.add_argument("--no-normalize", action="store_true", help="the pooled vector as it is, not unit length")
     return parser
 
 
@@ -343,6 +354,17 @@ def _run(client: Client, args: argparse.Namespace, parser: argparse.ArgumentPars
         status = client.health(timeout=args.timeout)
         print(status)
         return 0 if status == "SERVING" else 1
+    elif args.embed:
+        inputs: list[str] | list[list[int]] = [_token_ids(t, parser) for t in args.embed] if args.ids else args.embed
+        response = client.embed(
+            inputs,
+            pooling=args.pooling,
+            normalize=False if args.no_normalize else None,
+            dimensions=args.dimensions,
+            truncate_input_tokens=args.truncate_input_tokens or 0,
+            timeout=args.timeout,
+        )
+        _print_json(response)
     elif args.ids or args.detokenize:
         if args.chat or args.system or args.tokenize or args.offsets:
             parser.error("token ids (--ids, --detokenize) go with none of --chat, --system, --tokenize, --offsets")

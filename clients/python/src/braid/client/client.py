@@ -16,7 +16,7 @@ from typing_extensions import Unpack
 
 from braid.client.errors import from_rpc_error, raising_braid_errors
 from braid.client.generation import AsyncGeneration, Completion, Generation
-from braid.client.request import Chat, GenerateParams, build_request, build_tokenize_request
+from braid.client.request import Chat, GenerateParams, build_embed_request, build_request, build_tokenize_request
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
@@ -319,6 +319,30 @@ class Client(_BaseClient[Generation]):
         with raising_braid_errors():
             return self._stub.Detokenize(request, timeout=timeout, metadata=self._metadata)
 
+    def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int = 0,
+        truncate_input_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> pb.EmbedResponse:
+        """Embeds a text, a list of texts or a list of token id lists: one Embedding per input, in
+        order (each its values and prompt_tokens). pooling "last" or "mean" (None: the model's,
+        ModelInfo's embedding_pooling); normalize None: unit length; dimensions: keep the leading
+        ones; truncate_input_tokens: keep each input's last tokens."""
+        request = build_embed_request(
+            inputs,
+            pooling=pooling,
+            normalize=normalize,
+            dimensions=dimensions,
+            truncate_input_tokens=truncate_input_tokens,
+        )
+        with raising_braid_errors():
+            return self._stub.Embed(request, timeout=timeout, metadata=self._metadata)
+
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfoResponse:
         """Describes the served model and its scheduling."""
         with raising_braid_errors():
@@ -434,6 +458,27 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         request = pb.DetokenizeRequest(token_ids=list(token_ids))
         with raising_braid_errors():
             return await self._stub.Detokenize(request, timeout=timeout, metadata=self._metadata)
+
+    async def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int = 0,
+        truncate_input_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> pb.EmbedResponse:
+        """Embeds a text, a list of texts or a list of token id lists, as Client.embed."""
+        request = build_embed_request(
+            inputs,
+            pooling=pooling,
+            normalize=normalize,
+            dimensions=dimensions,
+            truncate_input_tokens=truncate_input_tokens,
+        )
+        with raising_braid_errors():
+            return await self._stub.Embed(request, timeout=timeout, metadata=self._metadata)
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfoResponse:
         """Describes the served model and its scheduling."""

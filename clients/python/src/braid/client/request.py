@@ -211,3 +211,38 @@ def build_tokenize_request(
     with text only)."""
     _check_one_input("text", text, messages)
     return pb.TokenizeRequest(text=text or "", messages=to_messages(messages or ()), return_offsets=return_offsets)
+
+
+_POOLINGS = {None: pb.POOLING_UNSPECIFIED, "last": pb.POOLING_LAST, "mean": pb.POOLING_MEAN}
+
+
+def build_embed_request(
+    inputs: str | Sequence[str] | Sequence[Sequence[int]],
+    *,
+    pooling: str | None = None,
+    normalize: bool | None = None,
+    dimensions: int = 0,
+    truncate_input_tokens: int = 0,
+    request_id: str = "",
+) -> pb.EmbedRequest:
+    """Builds an EmbedRequest: one text, a list of texts, or a list of token id lists (each one
+    input); pooling "last" or "mean" (None: the model's); normalize None: the server's default
+    (true)."""
+    if pooling not in _POOLINGS:
+        raise ValueError(f"pooling must be 'last', 'mean' or None, not {pooling!r}")
+    items: list[str | Sequence[int]] = [inputs] if isinstance(inputs, str) else list(inputs)
+    texts = [t for t in items if isinstance(t, str)]
+    id_lists = [list(t) for t in items if not isinstance(t, str)]
+    if texts and id_lists:
+        raise ValueError("inputs are all texts or all token id lists, not a mix")
+    request = pb.EmbedRequest(
+        texts=texts,
+        token_ids=[pb.TokenIds(ids=ids) for ids in id_lists],
+        pooling=_POOLINGS[pooling],
+        dimensions=dimensions,
+        truncate_input_tokens=truncate_input_tokens,
+        request_id=request_id,
+    )
+    if normalize is not None:
+        request.normalize = normalize
+    return request
