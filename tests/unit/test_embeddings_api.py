@@ -192,6 +192,9 @@ class EmbedEngine(FakeEngine):
         return Ticket(self.books, 0)
 
     def embed(self, ticket, request, loop):
+        if any(len(item) > self.info.context_length for item in request.inputs):  # as the engine, once tokenized
+            ticket.release()
+            raise InvalidArgument("texts[0]" if request.texts else "token_ids[0]", "is too long")
         ticket.release(submitted=len(request.inputs))
         self.embedded.append(request)
         handles = []
@@ -299,6 +302,8 @@ def test_v1_embeddings_base64_is_little_endian_float32_and_dimensions_cut_and_re
         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "a", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"input": [1, "a"]}, "input"),
+        ({"input": [[5] * 65]}, "input[0]"),  # the engine's own check, once tokenized
+        ({"input": [5] * 65}, "input"),
     ],
 )
 def test_v1_embeddings_refuses_bad_input_in_openais_error_shape_naming_the_param(body, param):

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from braid.server.config import ServerConfig
-from braid.server.engine.types import EngineUnavailable
+from braid.server.engine.types import EngineUnavailable, InvalidArgument
 from braid.server.frontend.embeddings import embed
 from braid.server.frontend.sessions import CallSessions
 from braid.server.frontend.observer import CallObserver, NoCalls
@@ -33,7 +33,7 @@ from braid.server.http import observed
 from braid.server.http.anthropic_events import MessageEvents
 from braid.server.http.anthropic_protocol import CountTokensRequest, MessagesRequest
 from braid.server.http.anthropic_requests import messages_plan
-from braid.server.http.embeddings import EmbeddingsRequest, embedding_request, embeddings_body
+from braid.server.http.embeddings import EmbeddingsRequest, embedding_request, embeddings_body, spelling
 from braid.server.http.errors import ApiError, not_allowed, not_found
 from braid.server.http.generation import Generations, served_names, with_ignored
 from braid.server.http.observed import Handler, Record
@@ -191,6 +191,8 @@ class OpenAIApi:
         call = CallSessions(req)
         try:
             finished = await unless_disconnected(request, embed(self._engine, self._generations.lanes, req, call))
+        except InvalidArgument as exc:  # an input too long for the context, found once tokenized
+            raise InvalidArgument(spelling(body)(exc.field), exc.description) from None
         finally:
             call.end()
         whole = await asyncio.to_thread(

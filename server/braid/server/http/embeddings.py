@@ -10,7 +10,7 @@ import base64
 import re
 import struct
 import uuid
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from pydantic import StrictInt
 
@@ -36,7 +36,6 @@ def embedding_request(body: EmbeddingsRequest, info: ModelInfo) -> EmbeddingRequ
     """The body as braid's request, every field checked, an error naming OpenAI's parameter."""
     texts: tuple[str, ...] = ()
     ids: tuple[tuple[int, ...], ...] = ()
-    one_list = False  # input: [1, 2, 3], one input of ids (its ids are input[j])
     value = body.input
     if isinstance(value, str):
         texts = (value,)
@@ -44,7 +43,7 @@ def embedding_request(body: EmbeddingsRequest, info: ModelInfo) -> EmbeddingRequ
         strings = [t for t in value if isinstance(t, str)]
         numbers = [t for t in value if isinstance(t, int)]
         if value and len(numbers) == len(value):
-            ids, one_list = (tuple(numbers),), True
+            ids = (tuple(numbers),)  # one input of ids (OpenAI's [1, 2, 3]): its ids are input[j]
         elif len(strings) == len(value):
             texts = tuple(strings)
         else:
@@ -63,8 +62,14 @@ def embedding_request(body: EmbeddingsRequest, info: ModelInfo) -> EmbeddingRequ
     )
     if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < 0:
         raise InvalidArgument("truncate_prompt_tokens", f"{body.truncate_prompt_tokens} is negative")
-    check_embedding(req, info, lambda field: openai_name(field, one_list))
+    check_embedding(req, info, spelling(body))
     return req
+
+
+def spelling(body: EmbeddingsRequest) -> Callable[[str], str]:
+    """The body's Spelling of braid's fields (openai_name), for the engine's errors too."""
+    one_list = bool(body.input) and not isinstance(body.input, str) and isinstance(body.input[0], int)
+    return lambda field: openai_name(field, one_list)
 
 
 _INDEXED = re.compile(r"(texts|token_ids)((?:\[\d+\])*)")
