@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import math
 import struct
 
@@ -318,3 +319,54 @@ def test_v1_embeddings_is_behind_the_api_key():
     _, http = _http(api_key="k")
     assert http.post("/v1/embeddings", json={"input": "a"}).status_code == 401
     assert http.post("/v1/embeddings", json={"input": "a"}, headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+# ---- the model's own pooling ----------------------------------------------------------------------
+
+
+def _gguf(path, pooling_type: int | None):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "qwen3")
+    writer.add_context_length(512)
+    writer.add_token_list(["<a>", "b", "c"] * 1000)  # a string array, skipped by the header reader
+    writer.add_array("qwen3.numbers", [1, 2, 3])
+    if pooling_type is not None:
+        writer.add_uint32("qwen3.pooling_type", pooling_type)
+    writer.add_tensor("t", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "pooling_type, expected",
+    [(1, ("mean", "gguf")), (3, ("last", "gguf")), (2, ("last", "default")), (None, ("last", "default"))],
+)
+def test_a_ggufs_pooling_type_names_the_models_pooling(tmp_path, pooling_type, expected):
+    from braid.server.model.pooling import gguf_keys, model_pooling
+
+    path = _gguf(tmp_path / "m.gguf", pooling_type)
+    assert model_pooling(path) == expected  # cls (2) is not braid's: the default, with a warning
+    assert gguf_keys(tmp_path / "m.gguf", "context_length")["context_length"] == 512
+
+
+@pytest.mark.parametrize("mode, expected", [("lasttoken", "last"), ("mean_tokens", "mean"), ("cls_token", "last")])
+def test_a_sentence_transformers_folder_names_the_models_pooling(tmp_path, mode, expected):
+    from braid.server.model.pooling import model_pooling
+
+    (tmp_path / "1_Pooling").mkdir()
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    settings = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, f"pooling_mode_{mode}": True}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(settings))
+    source = "default" if expected == "last" and mode == "cls_token" else "sentence-transformers"
+    assert model_pooling(str(tmp_path)) == (expected, source)
+    assert model_pooling(str(tmp_path / "nothing-here")) == ("last", "default")
