@@ -5,6 +5,10 @@ runs one forward pass, and the events it made come out:
     tokens = runner.run(rows(work))         # one forward pass
     self._postprocess(work, tokens)         # stop rules, text, events
 
+An embedding (engine/embedding.py) is a session like any other to the scheduler: a prompt computed
+in chunks, in every mode, whose rows pool the hidden state instead of sampling; it ends, with its
+vector, once its prompt is computed.
+
 It owns the scheduler, the KV cache's pages, the output and the books' model-thread side. It has
 no thread, no inbox and no event loop: engine/engine.py runs it on the model thread, and the tests
 run it with a scripted runner (tests/unit/engine_fakes.py), a step at a time.
