@@ -13,7 +13,7 @@ STUBS  := clients/python/src/braid/v1/generate_pb2.py
 # TORCH="--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" (as the Dockerfile does).
 TORCH  ?= torch==2.13.0
 
-.PHONY: all install install-test protos serve test test-unit bench bench-formats bench-prefix bench-speculative clean
+.PHONY: all install install-test protos serve test test-unit bench bench-formats bench-prefix bench-speculative bench-sizes clean
 
 all: install
 
@@ -166,6 +166,15 @@ bench-prefix: $(BENCH_STAMP)
 
 bench-speculative: $(BENCH_STAMP)
 	$(PY) benchmarks/speculative.py $(SPECULATIVE_ARGS)
+
+# Not part of make bench: braid beside llama.cpp on random models of real shapes (Llama 3.2 1B and 3B,
+# Llama 3.1 8B) in GGUF Q4_K_M, Q4_0 and Q8_0: decode at 1, 4 and 16 streams against the bandwidth bound,
+# prefill of 512-8,000-token prompts alone and under load, memory, KL divergence (issue 40; hours, and
+# 16 GB of disk for the 8B shape's checkpoint): e.g. make bench-sizes SIZES_ARGS="--quick --models 1b".
+SIZES_ARGS ?=
+
+bench-sizes: $(BENCH_STAMP)
+	$(PY) benchmarks/sizes.py $(SIZES_ARGS)
 
 clean:
 	rm -rf $(VENV) clients/python/src/braid/v1 .pytest_cache

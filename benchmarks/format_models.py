@@ -15,10 +15,12 @@ bytes of weights each one reads per decode step.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import llamacpp
@@ -170,6 +172,151 @@ def llama_1b_ggufs(llama: llamacpp.LlamaCpp, folder: Path) -> dict[str, Path]:
         llama, bf16, BENCH_DIR / f"{LLAMA_1B_NAME}.Q4_0-Q8_0-embedding.gguf", "Q4_0", embedding_type="Q8_0"
     )
     return {"BF16": bf16, "Q8_0": q8_0, "Q4_0": q4_0}
+
+
+# ---------------------------------------------------------------- real shapes (sizes.py)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A released model's shape, to be filled with random weights: the architecture, its config's
+    sizes, and what it is named after."""
+
+    key: str  # what --models takes
+    title: str  # what the tables show
+    architecture: str  # transformers' <architecture>Config and <architecture>ForCausalLM
+    sizes: dict
+
+
+# The shapes of Llama 3.2 1B and 3B, Llama 3.1 8B and Qwen3 1.7B (their config.json's sizes), but
+# SmolLM2's vocabulary (49152 instead of 128256 and 151936: the tokenizer at hand offline) and no
+# llama3 rope scaling. Qwen3's differs from Llama's where a decode step feels it: head_dim 128 with
+# 16 query heads (the attention is twice as wide as the hidden size / heads), per-head q/k norms.
+SHAPES = {
+    shape.key: shape
+    for shape in (
+        Shape("1b", "Llama-3.2-1B shape", "Llama", LLAMA_1B_SHAPE),
+        Shape(
+            "3b",
+            "Llama-3.2-3B shape",
+            "Llama",
+            dict(
+                LLAMA_1B_SHAPE,
+                hidden_size=3072,
+                num_hidden_layers=28,
+                num_attention_heads=24,
+                head_dim=128,
+                intermediate_size=8192,
+            ),
+        ),
+        Shape(
+            "8b",
+            "Llama-3.1-8B shape",
+            "Llama",
+            dict(
+                LLAMA_1B_SHAPE,
+                hidden_size=4096,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                head_dim=128,
+                intermediate_size=14336,
+                tie_word_embeddings=False,
+            ),
+        ),
+        Shape(
+            "qwen3-1.7b",
+            "Qwen3-1.7B shape",
+            "Qwen3",
+            dict(
+                LLAMA_1B_SHAPE,
+                num_hidden_layers=28,
+                num_attention_heads=16,
+                head_dim=128,
+                intermediate_size=6144,
+                rope_theta=1000000.0,
+                max_position_embeddings=40960,
+                rms_norm_eps=1e-6,
+            ),
+        ),
+    )
+}
+SHARD_BYTES = 2 * 10**9  # the most a random checkpoint holds in memory while it is written
+
+
+def shape_folder(shape: Shape, tokenizer_folder: Path) -> Path:
+    """A random model of `shape` in bf16, written tensor by tensor into shards of SHARD_BYTES (an 8B
+    model is never whole in memory), with the tokenizer of `tokenizer_folder`; made once. Weights
+    are normal with transformers' initializer_range as their deviation, norms are ones (what
+    transformers' own initialisation gives), each tensor drawn from seed SEED and its index."""
+    out = BENCH_DIR / f"{shape.key}-shape-random"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    config = getattr(transformers, f"{shape.architecture}Config")(**shape.sizes)
+    model_class = getattr(transformers, f"{shape.architecture}ForCausalLM")
+    config.architectures = [model_class.__name__]
+    with torch.device("meta"):
+        names = [(name, tuple(p.shape)) for name, p in model_class(config).named_parameters()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".making-", dir=out.parent))
+    try:
+        shard: dict = {}
+        names_in: list[list[str]] = [[]]  # the tensor names of each shard
+        for index, (name, size) in enumerate(names):
+            if shard and sum(t.nbytes for t in shard.values()) + math.prod(size) * 2 > SHARD_BYTES:
+                save_file(shard, str(staging / f"shard-{len(names_in)}"), metadata={"format": "pt"})
+                shard = {}
+                names_in.append([])
+            if name.endswith("norm.weight"):
+                shard[name] = torch.ones(size, dtype=torch.bfloat16)
+            else:
+                generator = torch.Generator().manual_seed(SEED * 100_003 + index)
+                shard[name] = torch.empty(size, dtype=torch.bfloat16).normal_(
+                    0, config.initializer_range, generator=generator
+                )
+            names_in[-1].append(name)
+        save_file(shard, str(staging / f"shard-{len(names_in)}"), metadata={"format": "pt"})
+        del shard
+        weight_map = {}
+        for number, shard_names in enumerate(names_in, 1):
+            file = f"model-{number:05d}-of-{len(names_in):05d}.safetensors"
+            os.replace(staging / f"shard-{number}", staging / file)
+            weight_map |= dict.fromkeys(shard_names, file)
+        index_file = staging / "model.safetensors.index.json"
+        index_file.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        config.dtype = torch.bfloat16
+        config.save_pretrained(staging)
+        transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(staging)
+        for name in TOKENIZER_FILES:
+            if (tokenizer_folder / name).is_file():
+                shutil.copy2(tokenizer_folder / name, staging / name)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+GGUF_TYPES = ("Q4_K_M", "Q4_0", "Q8_0")  # as llama-quantize makes them, its own choices for every tensor
+
+
+def shape_ggufs(
+    llama: llamacpp.LlamaCpp, shape: Shape, folder: Path, types=GGUF_TYPES, f32: bool = False
+) -> dict[str, Path]:
+    """The shape's GGUFs by type, each of `types` quantized by llama-quantize (with its own choice of
+    the embedding's and the head's types) from the BF16 one convert_hf_to_gguf.py makes of `folder`,
+    and with `f32` the F32 one (the base llama-perplexity measures them against). The BF16 file is
+    deleted once they are made: an 8B one is 16 GB."""
+    stem = BENCH_DIR / f"{shape.key}-shape-random"
+    wanted = {t: Path(f"{stem}.{t}.gguf") for t in (*types, *(["F32"] if f32 else []))}
+    if not all(path.is_file() for path in wanted.values()):
+        bf16 = llamacpp.convert(folder, Path(f"{stem}.BF16.gguf"), "bf16")
+        for gguf_type, path in wanted.items():
+            llamacpp.quantize(llama, bf16, path, gguf_type, allow_requantize=gguf_type == "F32")
+        bf16.unlink()
+    return wanted
 
 
 # ---------------------------------------------------------------- bytes per decode step

@@ -1,14 +1,14 @@
 """llama.cpp for the benchmark: find or build `llama-server`, make GGUF files, run the server.
 
 Nothing of llama.cpp lives in the repo. The llama-cpp-python source package on PyPI vendors
-llama.cpp (vendor/llama.cpp); `build()` downloads it with pip, builds llama-server and
-llama-quantize with cmake into the cache folder and keeps the source tree's Hugging Face to GGUF
-converter (`convert_hf_to_gguf.py` with its `conversion` and `gguf-py` packages, so that the
+llama.cpp (vendor/llama.cpp); `build()` downloads it with pip, builds llama-server, llama-quantize
+and llama-perplexity with cmake into the cache folder and keeps the source tree's Hugging Face to
+GGUF converter (`convert_hf_to_gguf.py` with its `conversion` and `gguf-py` packages, so that the
 converter runs with the gguf library of its own commit). `f32_gguf()` requantizes the embedded Q4_1
 GGUF to F32 (the same weights braid serves, dequantised the same way); `convert()` and `quantize()`
 make the other formats:
 
-    ~/.cache/braid/llama.cpp/bin/{llama-server,llama-quantize}
+    ~/.cache/braid/llama.cpp/bin/{llama-server,llama-quantize,llama-perplexity}
     ~/.cache/braid/llama.cpp/convert/convert_hf_to_gguf.py
     ~/.cache/braid/llama.cpp/BUILD_INFO           what was built, from which source
     ~/.cache/braid/llama.cpp/<model>.F32.gguf
@@ -35,7 +35,7 @@ from metrics import StreamTiming
 from processes import logged_process
 from workloads import Request
 
-BINARIES = ("llama-server", "llama-quantize")
+BINARIES = ("llama-server", "llama-quantize", "llama-perplexity")
 CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # the script and the packages it imports
 SDIST = "llama-cpp-python"
 
@@ -45,6 +45,11 @@ class LlamaCpp:
     server: Path
     quantize: Path
     build_info: str
+
+    @property
+    def perplexity(self) -> Path:
+        """llama-perplexity, beside llama-server (its --kl-divergence measures a GGUF against another's logits)."""
+        return self.server.parent / "llama-perplexity"
 
 
 def cache_dir() -> Path:
@@ -66,8 +71,9 @@ def find() -> LlamaCpp | None:
 
 
 def build(jobs: int = 2) -> LlamaCpp:
-    """Downloads the llama-cpp-python sdist and builds llama-server and llama-quantize: about 5 min
-    on 2 idle cores (45 min when the cores were shared with other work)."""
+    """Downloads the llama-cpp-python sdist and builds BINARIES: about 5 min on 2 idle cores (45 min
+    when the cores were shared with other work; over an hour with five other jobs on them). A build
+    without llama-perplexity (made before sizes.py needed it) is built again."""
     target = cache_dir()
     (target / "bin").mkdir(parents=True, exist_ok=True)
     log_path = target / "build.log"
@@ -118,7 +124,7 @@ def _download_sdist(work_dir: Path, log, version: str | None = None) -> Path:
             "download",
             "--no-deps",
             "--no-binary",
-            ":all:",
+            SDIST,  # only llama.cpp's source: its build tools' wheels prepare its metadata (from source, minutes)
             f"{SDIST}=={version}" if version else SDIST,
             "-d",
             str(work_dir),
@@ -283,16 +289,7 @@ def sender(http, base_url: str, cache_prompt: bool = False, lora: list[dict] | N
     those the server loaded and the list leaves out run at scale 0). `http` is an httpx.AsyncClient."""
 
     async def send(request: Request) -> StreamTiming:
-        body = {
-            "prompt": request.prompt_ids,
-            "n_predict": request.max_new_tokens,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "cache_prompt": cache_prompt,
-            "return_tokens": True,
-            **({"lora": lora} if lora else {}),
-        }
+        body = completion_body(request, cache_prompt, lora)
         sent = time.perf_counter()
         first = last = 0.0
         num_tokens = 0
@@ -308,6 +305,20 @@ def sender(http, base_url: str, cache_prompt: bool = False, lora: list[dict] | N
         return StreamTiming(sent, first, last, num_tokens)
 
     return send
+
+
+def completion_body(request: Request, cache_prompt: bool = False, lora: list[dict] | None = None) -> dict:
+    """The streamed /completion call of `request`: its token ids, greedy, ignore_eos (see sender)."""
+    return {
+        "prompt": request.prompt_ids,
+        "n_predict": request.max_new_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": cache_prompt,
+        "return_tokens": True,
+        **({"lora": lora} if lora else {}),
+    }
 
 
 async def completion_chunks(http, base_url: str, body: dict):

@@ -25,6 +25,7 @@ BENCH_HEADING = "## Scheduling modes against transformers and llama.cpp (make be
 FORMATS_HEADING = "## Weight formats against llama.cpp (make bench-formats)"  # benchmarks/formats.py's
 PREFIX_HEADING = "## Prefix sharing and the paged KV cache (make bench-prefix)"  # benchmarks/prefix.py's
 GPU_CHECK_HEADING = "## CUDA (make gpu-check)"  # benchmarks/gpu_check.py's section
+SIZES_HEADING = "## Model sizes against llama.cpp (make bench-sizes)"  # benchmarks/sizes.py's
 
 
 def braid(mode: str) -> str:
