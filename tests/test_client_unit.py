@@ -47,7 +47,7 @@ from braid.client import (
     tool,
 )
 from braid.client.generation import MAX_RESUMES, RESUME_BACKOFF_S
-from braid.client.request import PARAMS, build_request, build_tokenize_request
+from braid.client.request import PARAMS, build_embed_request, build_request, build_tokenize_request
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
@@ -238,6 +238,18 @@ def test_build_request_rejects_bad_input() -> None:
         build_request()
     with pytest.raises(ValueError):
         build_tokenize_request()
+
+
+def test_build_embed_request_takes_a_text_texts_or_token_id_lists() -> None:
+    assert list(build_embed_request("hi").texts) == ["hi"]
+    request = build_embed_request([[1, 2], [3]], pooling="mean", normalize=False, dimensions=8)
+    assert [list(t.ids) for t in request.token_ids] == [[1, 2], [3]] and not request.texts
+    assert request.pooling == pb.POOLING_MEAN and request.HasField("normalize") and not request.normalize
+    assert not build_embed_request(["a"]).HasField("normalize")  # unset: the server's default, unit length
+    with pytest.raises(ValueError, match="not a mix"):
+        build_embed_request(["a", [1]])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="pooling"):
+        build_embed_request("a", pooling="cls")
 
 
 def test_generate_params_has_a_key_per_generate_request_field() -> None:
