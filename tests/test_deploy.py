@@ -675,7 +675,12 @@ def test_the_build_context_holds_what_the_image_is_built_from_and_nothing_built_
 @pytest.fixture(scope="module")
 def image_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """braid-llm-server's wheel as the image's `pip install .` builds it (in an isolated build
-    environment, with the compiler the build stage installs), from a copy of the build context."""
+    environment, with the compiler the build stage installs), from a copy of the build context.
+
+    Its objects come from setup.py's object cache (build/object-cache, which `make install` fills)
+    where an earlier build compiled the same preprocessed source with the same command and compiler:
+    every source is still preprocessed from the copy (a file the context lacks fails it), linked
+    there, and loaded below; the five ISA builds' compile was 200 s of CPU here, done twice."""
     context = tmp_path_factory.mktemp("context")
     for name in docker_context(ROOT):
         (context / name).parent.mkdir(parents=True, exist_ok=True)
@@ -683,6 +688,7 @@ def image_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist = tmp_path_factory.mktemp("dist")
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dist), str(context)],
+        env={**os.environ, "BRAID_OBJECT_CACHE": str(ROOT / "build" / "object-cache")},
         capture_output=True,
         text=True,
         timeout=900,
