@@ -25,11 +25,12 @@ Mypy = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture(scope="module")
-def mypy(tmp_path_factory: pytest.TempPathFactory) -> Mypy:
-    """Runs mypy --strict on modules of the client and of tests/data, with one cache for the module."""
+def mypy() -> Mypy:
+    """Runs mypy --strict on modules of the client and of tests/data, with an incremental cache kept
+    between runs (build/mypy-cache/client, as tests/test_typing.py keeps the server's)."""
     if not (CLIENT / "src" / "braid" / "v1" / "generate_pb2_grpc.pyi").exists():
         pytest.fail("braid.v1 has no typed grpc stubs: `make protos` generates them (delete generate_pb2.py first)")
-    cache = tmp_path_factory.mktemp("mypy-cache")
+    cache = REPO / "build" / "mypy-cache" / "client"
     env = {**os.environ, "MYPYPATH": os.pathsep.join([str(CLIENT / "src"), str(DATA)])}
 
     def run(*modules: str) -> subprocess.CompletedProcess[str]:
