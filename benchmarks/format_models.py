@@ -303,7 +303,7 @@ GGUF_TYPES = ("Q4_K_M", "Q4_0", "Q8_0")  # as llama-quantize makes them, its own
 
 
 def shape_ggufs(
-    llama: llamacpp.LlamaCpp, shape: Shape, folder: Path, types=GGUF_TYPES, f32: bool = False
+    llama: llamacpp.LlamaCpp | Exception, shape: Shape, folder: Path, types=GGUF_TYPES, f32: bool = False
 ) -> dict[str, Path]:
     """The shape's GGUFs by type, each of `types` quantized by llama-quantize (with its own choice of
     the embedding's and the head's types) from the BF16 one convert_hf_to_gguf.py makes of `folder`,
@@ -312,6 +312,8 @@ def shape_ggufs(
     stem = BENCH_DIR / f"{shape.key}-shape-random"
     wanted = {t: Path(f"{stem}.{t}.gguf") for t in (*types, *(["F32"] if f32 else []))}
     if not all(path.is_file() for path in wanted.values()):
+        if isinstance(llama, Exception):
+            raise llama
         bf16 = llamacpp.convert(folder, Path(f"{stem}.BF16.gguf"), "bf16")
         for gguf_type, path in wanted.items():
             llamacpp.quantize(llama, bf16, path, gguf_type, allow_requantize=gguf_type == "F32")

@@ -113,8 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_files(shape: Shape, llama, formats_wanted: list[str], tokenizer_folder: Path, quality: bool) -> dict:
     """The shape's bf16 folder ("bf16") and its GGUFs by type (F32 too when `quality`)."""
     folder = format_models.shape_folder(shape, tokenizer_folder)
-    if isinstance(llama, Exception):
-        raise llama
     ggufs = format_models.shape_ggufs(llama, shape, folder, tuple(formats_wanted), f32=quality)
     return {"bf16": folder, **ggufs}
 
@@ -288,7 +286,7 @@ async def run_llama_cpp(shape, outcome: SizeOutcome, gguf: Path, llama, args, me
     import httpx
 
     log_path = Path(tempfile.gettempdir()) / f"braid-sizes-{shape.key}-{outcome.weights}-llama.log"
-    extra = ["--kv-unified", "--no-cache-prompt"]
+    extra = ["--kv-unified", "--no-cache-prompt", "--cache-ram", "0"]  # nothing cached between requests
     outcome.command = f"-m {gguf.name} -c {CONTEXT} -np {SESSIONS} " + " ".join(extra)
     try:
         with llamacpp.running_server(
@@ -365,7 +363,7 @@ def llama_kld(llama, files: dict, gguf_type: str, threads: int) -> tuple[float, 
     )
     kld = re.search(r"Mean\s+KLD:\s*([-\d.]+)", out)
     top = re.search(r"Same top p:\s*([\d.]+)", out)
-    chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
+    chunks = re.search(r"(?:computing|calculating perplexity) over (\d+) chunks", out)
     if not (kld and top):
         raise RuntimeError(f"llama-perplexity said no KLD: {out.strip().splitlines()[-1]}")
     positions = int(chunks.group(1)) * (QUALITY_CHUNK // 2 - 1) if chunks else 0
@@ -423,7 +421,10 @@ def braid_kld(files: dict, gguf_type: str, threads: int, reference: dict) -> tup
             return torch.load(out)
 
     if "base" not in reference:
-        reference["base"] = logits(files["bf16"], fp32=True)
+        saved = files["bf16"].with_name(f"{files['bf16'].name}.float32-logits-{QUALITY_CHUNK}.pt")
+        if not saved.is_file():  # made once: the same weights, rows and text give the same logits
+            torch.save(logits(files["bf16"], fp32=True), saved)
+        reference["base"] = torch.load(saved)
     kld, top = divergence(reference["base"], logits(files[gguf_type], fp32=False))
     return kld, top, len(reference["base"])
 
@@ -468,7 +469,10 @@ async def run_all(args, command: str) -> SizeResults:
     systems = formats._chosen(args.systems, SYSTEMS, "systems")
     repeats = 1 if args.quick else args.repeats
     lengths = [] if args.skip_prefill else list(QUICK_PROMPTS if args.quick else PROMPTS)
-    llama = formats.find_or_build_llama_cpp()
+    if "llama.cpp" in systems:
+        llama = formats.find_or_build_llama_cpp()
+    else:  # braid alone: llama.cpp's tools make the files it lacks where it is built, and nothing else
+        llama = llamacpp.find() or RuntimeError("llama.cpp is not built (--systems braid builds none)")
     tokenizer_folder = format_models.smollm_fp32_folder()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
     single_new, multi_new = formats.new_tokens(args.quick)
@@ -505,7 +509,13 @@ async def run_all(args, command: str) -> SizeResults:
         bench.log(f"{shape.key}: making the model files")
         try:
             fits = shape_parameters(shape) * FP32_LOAD_BYTES / GIB <= args.memory_limit_gib  # a float32 reference
-            files = make_files(shape, llama, formats_wanted, tokenizer_folder, quality=not args.skip_quality and fits)
+            files = make_files(
+                shape,
+                llama,
+                formats_wanted,
+                tokenizer_folder,
+                quality=not args.skip_quality and fits and "llama.cpp" in systems,
+            )
         except Exception as exc:  # noqa: BLE001 - its rows say why
             files = {}
             for system in systems:

@@ -251,7 +251,8 @@ new tokens each, the wall time counting their prefill. Median of {s["repeats"]} 
 as the head): what one stream could reach if a step did nothing but read its weights once.
 
 **Prefill**: prompts of {prompts} tokens, each its own (nothing cached: braid's every request has
-its own `cache_salt` and `--prefix-caching off`, llama.cpp `cache_prompt: false`), 2 new tokens;
+its own `cache_salt` and `--prefix-caching off`, llama.cpp `cache_prompt: false` and `--cache-ram 0`),
+2 new tokens;
 TTFT is the client's time to the first token, prompt tok/s the prompt's tokens over it. Alone, then
 another prompt of the same length while {s.get("loaded_streams", 8)} streams decode (each started and past its
 first tokens first); **their TPOT meanwhile** is the median stream's time per token from its last
