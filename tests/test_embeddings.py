@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -88,11 +89,33 @@ def test_bad_input_is_named_over_both_apis_and_the_key_is_enforced(server):
 def test_a_call_that_gives_up_frees_its_inputs_and_the_books_balance(server):
     with server.client() as client:
         with pytest.raises(grpc.RpcError) as late:
-            client.embed([" ".join(["tide"] * 300)] * 64, timeout=0.3)
+            client.embed(_long_texts("grpc"), pooling="mean", timeout=0.3)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         status = wait_for(lambda: (s := client.server_status()).sessions_active + s.sessions_queued == 0 and s)
         assert status.kv_pages_used == 0 and status.sessions_finished.cancelled + status.sessions_finished.deadline > 0
         assert len(client.embed("still serving").embeddings) == 1
+        before = client.server_status().sessions_finished.cancelled
+        with pytest.raises(httpx.TimeoutException):  # an HTTP client that hangs up
+            httpx.post(
+                server.http + "/v1/embeddings",
+                json={"input": _long_texts("http"), "pooling": "mean"},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=0.3,
+            )
+        status = wait_for(
+            lambda: (
+                (s := client.server_status()).sessions_finished.cancelled > before
+                and s.sessions_active + s.sessions_queued == 0
+                and s
+            )
+        )
+        assert status.kv_pages_used == 0
+
+
+def _long_texts(tag: str) -> list[str]:
+    """64 texts of about 300 tokens, each its own from the first token (mean pooling, which reads
+    nothing from the prefix cache, computes every one whole)."""
+    return [f"{tag} {i}: " + " ".join(["tide"] * 300) for i in range(64)]
 
 
 def test_braid_client_embed_prints_the_response(server):

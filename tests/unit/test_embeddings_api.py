@@ -116,6 +116,19 @@ def test_truncate_input_tokens_keeps_the_last_ones_and_an_input_too_long_is_name
         assert h.finished(whole).embedding is not None and h.core.books_balance() == (0, 0, 0)
 
 
+def test_an_input_preempted_midway_is_pooled_again_from_its_start():
+    """Its pages taken back for a generation that grows, it computes its input again from position
+    0 once readmitted: the mean is of its tokens once each."""
+    ids = list(range(3, 99))  # 96 tokens: 6 pages of 16
+    with Harness(runner=PoolingRunner(num_pages=8), mode="continuous", prefill_chunk=4) as h:
+        [gen] = h.submit(" ".join(map(str, range(500, 515))), max_new_tokens=40, ignore_eos=True)
+        h.step()
+        [embedding] = _embed(h, [ids], pooling=Pooling.MEAN, normalize=False)
+        h.run()
+        assert h.books.snapshot().preemptions >= 1 and len(h.tokens(gen)) == 40
+        assert h.finished(embedding).embedding == [sum(ids) / len(ids), 1.0]
+
+
 def test_a_cancelled_input_ends_without_a_vector_and_frees_its_pages():
     with Harness(runner=PoolingRunner(), prefill_chunk=16) as h:
         [handle] = _embed(h, [list(range(3, 60))])
