@@ -11,7 +11,7 @@ import pytest
 
 from braid.client import Client
 from braid.v1 import generate_pb2 as pb
-from conftest import MODES, SLOW, start_together, tiny_server
+from conftest import MODES, start_together, tiny_server
 
 PROMPT = "The lighthouse keeper wrote in his log"
 CASES = {
@@ -91,11 +91,14 @@ def test_resumed_tokens_that_already_end_it_end_it_at_once(servers, mode):
     assert [m.token_ids for m in rest] == [[]] and rest[-1].finish_reason == 3 and rest[-1].text == ""
 
 
+STREAM_SLOW = {"BRAID_INJECT_FAULT": "delay:10"}  # each pass 10 ms longer: a 150-token stream lasts 1.5 s
+
+
 def test_the_client_resumes_on_another_replica_when_one_is_killed_mid_stream(tiny_dir):
     """Replicas behind one client that balances over them. The replica serving a stream is killed
-    with SIGKILL after some messages; the caller's one iteration goes on, on another replica, and
+    with SIGKILL at its first message; the caller's one iteration goes on, on another replica, and
     ends with exactly the text of an unbroken run; greedy, then sampled (a third replica spare)."""
-    replicas = start_together(*[functools.partial(tiny_server, tiny_dir, "--mode", "continuous", env=SLOW)] * 3)
+    replicas = start_together(*[functools.partial(tiny_server, tiny_dir, "--mode", "continuous", env=STREAM_SLOW)] * 3)
     try:
         for sampling in ({}, {"temperature": 1.0, "top_k": 40}):
             alive = [r for r in replicas if r.proc.poll() is None]
@@ -103,7 +106,13 @@ def test_the_client_resumes_on_another_replica_when_one_is_killed_mid_stream(tin
             with Client([r.target for r in alive]) as client:
                 generation = client.stream(PROMPT, **params)
                 for i, _ in enumerate(generation):
-                    if i == 10:
+                    if i == 0:
+                        # Killed as soon as it is found, at the first message: a server runs ahead
+                        # of the client's reading (the tokens wait in the HTTP/2 window), so one
+                        # killed only after the client had read 10 messages had often sent all 150
+                        # already, and nothing was resumed. Its passes take 10 ms longer (STREAM_SLOW),
+                        # so the 150 tokens take 1.5 s at least, and the status calls that find it
+                        # take a small part of that.
                         (serving,) = [r for r in alive if _status(r).sessions_active == 1]
                         serving.proc.kill()
                 unbroken = client.generate(PROMPT, **params, seed=generation.final.seed)
