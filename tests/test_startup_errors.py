@@ -3,9 +3,9 @@ variables (with `braid serve`'s usage), a model, device or port braid cannot use
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
-import time
 
 import pytest
 
@@ -182,8 +182,20 @@ def test_a_tls_file_that_does_not_exist(tiny_dir, tmp_path):
     )
 
 
+@pytest.fixture(scope="module")
+def unloadable_dir(tiny_dir, tmp_path_factory):
+    """The tiny model with weights no loader can read: a server that loads it fails saying so."""
+    folder = tmp_path_factory.mktemp("unloadable")
+    shutil.copytree(tiny_dir, folder, dirs_exist_ok=True)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert_one_line(braid("serve", "--model", str(folder), "--port", "0", "--threads", "1"), "model.safetensors")
+    return folder
+
+
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--http-port"])
-def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, flag):
+def test_a_port_in_use_fails_before_the_model_loads(unloadable_dir, flag):
+    # The model's weights cannot be read, so the port's refusal shows the ports are bound before
+    # the model loads (a bound on the time taken said so before, and failed on a loaded machine).
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -194,20 +206,17 @@ def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, flag):
             "--http-port": str(free_port()),
             flag: str(busy),
         }
-        started = time.monotonic()
         out = braid(
             "serve",
             "--model",
-            str(tiny_dir),
+            str(unloadable_dir),
             "--host",
             "127.0.0.1",
             "--threads",
             "1",
             *[item for pair in ports.items() for item in pair],
         )
-        elapsed = time.monotonic() - started
     assert_one_line(out, f"{flag} {busy}", f"127.0.0.1:{busy}", "address already in use")
-    assert elapsed < 10, f"{elapsed:.1f} s: the model was loaded first?"  # loading alone takes longer
 
 
 @pytest.mark.parametrize("value", ["ture", "2", "yes please", ""])
