@@ -81,7 +81,7 @@ INPUTS = [[(7 * i + 3) % 297 + 3 for i in range(n)] for n in (1, 5, 37, 80)]
 
 
 @pytest.mark.parametrize("pooling", [Pooling.LAST, Pooling.MEAN])
-@pytest.mark.parametrize("chunk", [512, 16], ids=["one-pass", "chunked"])
+@pytest.mark.parametrize("chunk", [512, 32], ids=["one-pass", "chunked"])
 def test_the_pooled_vector_is_transformers_last_hidden_state_pooled(runner, tiny, pooling, chunk):
     with Harness(runner=runner, mode="continuous", prefill_chunk=chunk) as h:
         handles = _embed(h, INPUTS, pooling=pooling, normalize=False)
@@ -147,17 +147,6 @@ def test_an_embedding_beside_a_decoding_session_leaves_its_tokens_unchanged(kern
         assert all(sum(len(r.token_ids) for r in rows if r.is_prompt) <= chunk for rows in passes)
     else:  # the others give each pass to one session, or start a batch once the last has left
         assert not shared
-
-
-def test_a_cancelled_embedding_frees_its_pages_and_the_books_balance(runner):
-    with Harness(runner=runner, mode="continuous", prefill_chunk=16) as h:
-        [handle] = _embed(h, [INPUTS[3]])
-        h.step()  # its first chunk
-        assert h.core.pages.num_used > 0
-        h.abort(handle, FinishReason.CANCELLED)
-        h.step()
-        assert h.finished(handle).reason is FinishReason.CANCELLED and h.finished(handle).embedding is None
-        assert h.core.pages.num_used == 0 and h.core.books_balance() == (0, 0, 0)
 
 
 @pytest.fixture(scope="module", params=["float32", "auto"], ids=["fp32-activations", "int8-activations"])
