@@ -360,11 +360,15 @@ def _gguf(path, pooling_type: int | None):
     [(1, ("mean", "gguf")), (3, ("last", "gguf")), (2, ("last", "default")), (None, ("last", "default"))],
 )
 def test_a_ggufs_pooling_type_names_the_models_pooling(tmp_path, pooling_type, expected):
-    from braid.server.model.pooling import gguf_keys, model_pooling
+    from types import SimpleNamespace
+
+    from braid.server.model import gguf_config
+    from braid.server.model.pooling import model_pooling
 
     path = _gguf(tmp_path / "m.gguf", pooling_type)
-    assert model_pooling(path) == expected  # cls (2) is not braid's: the default, with a warning
-    assert gguf_keys(tmp_path / "m.gguf", "context_length")["context_length"] == 512
+    config = SimpleNamespace()  # what the loader's reading of the file's keys leaves on the config
+    gguf_config.restore(tmp_path / "m.gguf", config)
+    assert model_pooling(path, config) == expected  # cls (2) is not braid's: the default, with a warning
 
 
 @pytest.mark.parametrize("mode, expected", [("lasttoken", "last"), ("mean_tokens", "mean"), ("cls_token", "last")])

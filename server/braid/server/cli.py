@@ -224,7 +224,7 @@ def build_engine(config: EngineConfig, model=None, ports: Ports | None = None):
         config.constraint_compile_timeout,
         int(parse_memory(config.constraint_cache_memory, "constraint_cache_memory")[0]),
     )
-    info = describe(config, runner, tokenizer, model.name, model.architecture, model.path)
+    info = describe(config, runner, tokenizer, model.name, model.architecture, model.path, model.hf_model.config)
     if ports is not None:
         runner, tokenizer, grammars = ports.runner(runner), ports.tokenizer(tokenizer), ports.grammars(grammars)
     engine = Engine(config, runner, tokenizer, info, grammars, draft)
@@ -268,14 +268,23 @@ def _draft_runner(config: EngineConfig, target):
     return draft
 
 
-def describe(config: EngineConfig, runner, tokenizer, model_name: str, architecture: str, model_path: str = ""):
+def describe(
+    config: EngineConfig,
+    runner,
+    tokenizer,
+    model_name: str,
+    architecture: str,
+    model_path: str = "",
+    model_config: object = None,
+):
     """What ModelInfo reports: the model, the runner that runs it, and the settings in force.
-    model_name: the loader's short name, served unless --served-model-name says otherwise."""
+    model_name: the loader's short name, served unless --served-model-name says otherwise;
+    model_config: transformers' config of the loaded model (a GGUF file's names its pooling)."""
     from braid.server.engine.types import ModelInfo, Pooling
     from braid.server.model.pooling import model_pooling
 
     names = tuple(config.served_model_name) or (model_name,)
-    pooling, pooling_source = model_pooling(model_path)
+    pooling, pooling_source = model_pooling(model_path, model_config)
     return ModelInfo(
         model_name=names[0],
         served_model_names=names,

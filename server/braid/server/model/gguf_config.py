@@ -50,6 +50,9 @@ def restore(path: Path, config) -> list[str]:
         if value is not None and hasattr(config, name) and getattr(config, name) != value:
             setattr(config, name, float(value))
             done.append(f"{name} {value:g}")
+    pooling = key("pooling_type")  # an embedding model's (model/pooling.py reads it from here)
+    if pooling is not None:
+        config.gguf_pooling_type = int(pooling)
     window = key("attention.sliding_window")
     if arch == "phi3" and window and getattr(config, "sliding_window", None) != window:
         config.sliding_window = int(window)

@@ -9,39 +9,35 @@ Else LAST, vLLM's default for a causal LM served as an embedding model: under ca
 the last position is the only one that has seen the whole input. braid pools LAST and MEAN; a model
 that names another pooling (CLS, rank) gets LAST, with a warning.
 
-The GGUF's header is read here by hand, its keys only: gguf-py parses the whole file (every tensor's
-record, the vocabulary as numpy arrays), 20 s for the embedded model on a busy CPU.
+A GGUF's key is read where the loader reads the file's other keys (model/gguf_config.py), which
+leaves it on the model's config as `gguf_pooling_type`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import mmap
-import struct
 from pathlib import Path
 
 _LOGGER = logging.getLogger(__name__)
 
 _GGUF_POOLING = {1: "mean", 3: "last"}  # llama.cpp's llama_pooling_type
 _GGUF_POOLING_NAMES = {0: "none", 2: "cls", 4: "rank"}
-# GGUF value types: the fixed sizes, by type (8: string, 9: array)
-_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def model_pooling(path: str) -> tuple[str, str]:
+def model_pooling(path: str, model_config: object = None) -> tuple[str, str]:
     """The model's pooling ("last" or "mean", runner/rows.py's Pooling) and where it came from:
-    "gguf", "sentence-transformers" or "default"."""
+    "gguf", "sentence-transformers" or "default". model_config: transformers' config of the loaded
+    model (a GGUF file's carries its pooling_type)."""
     named: tuple[str, int | str] | None = None
     try:
-        if path.endswith(".gguf") and Path(path).is_file():
-            value = gguf_keys(Path(path), "pooling_type").get("pooling_type")
+        if path.endswith(".gguf"):
+            value = getattr(model_config, "gguf_pooling_type", None)
             named = ("gguf", int(value)) if value is not None else None
         else:
             mode = _sentence_transformers_mode(path)
             named = ("sentence-transformers", mode) if mode else None
-    except (OSError, ValueError, KeyError, struct.error) as exc:
+    except (OSError, ValueError, KeyError) as exc:
         _LOGGER.warning("could not read the model's pooling from %s (%s): embeddings pool the last token", path, exc)
     if named is None:
         return "last", "default"
@@ -87,44 +83,3 @@ def _cached(repo: str, name: str) -> Path | None:
         return None
     found = try_to_load_from_cache(repo, name)
     return Path(found) if isinstance(found, str) else None
-
-
-def gguf_keys(path: Path, *names: str) -> dict[str, object]:
-    """The values of a GGUF file's keys `<arch>.<name>` (scalars only), read from its header."""
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        if m[:4] != b"GGUF":
-            raise ValueError("not a GGUF file")
-        (version,) = struct.unpack_from("<I", m, 4)
-        if version < 2:
-            raise ValueError(f"GGUF version {version}: braid reads 2 and up")
-        (count,) = struct.unpack_from("<Q", m, 16)
-        at, values = 24, {}
-        for _ in range(count):
-            key, at = _string(m, at)
-            (kind,) = struct.unpack_from("<I", m, at)
-            value, at = _value(m, at + 4, kind)
-            values[key] = value
-    arch = values.get("general.architecture")
-    return {n: values[f"{arch}.{n}"] for n in names if f"{arch}.{n}" in values}
-
-
-def _string(m: mmap.mmap, at: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", m, at)
-    return m[at + 8 : at + 8 + n].decode("utf-8", "replace"), at + 8 + n
-
-
-def _value(m: mmap.mmap, at: int, kind: int) -> tuple[object, int]:
-    """A value of GGUF type `kind` at `at`, and where the next begins; an array is skipped (None)."""
-    if kind in _FORMATS:
-        return struct.unpack_from(_FORMATS[kind], m, at)[0], at + _SIZES[kind]
-    if kind == 8:
-        return _string(m, at)
-    if kind == 9:
-        item, n = struct.unpack_from("<IQ", m, at)
-        at += 12
-        if item in _SIZES:
-            return None, at + n * _SIZES[item]
-        for _ in range(n):
-            _, at = _value(m, at, item)
-        return None, at
-    raise ValueError(f"unknown GGUF value type {kind}")
