@@ -38,8 +38,8 @@ def engine_sender(engine):
         req = GenerationRequest(
             prompt=request.prompt, messages=(), params=params, request_id="bench", cache_salt=uuid.uuid4().hex
         )  # as braid_server.sender: no prefix cache hits
-        ticket = engine.admission.admit(req.prompt, req.messages)
-        [handle] = await loop.run_in_executor(None, engine.admission.submit, ticket, req, loop)
+        ticket = engine.client.admit(req.prompt, req.messages)
+        [handle] = await loop.run_in_executor(None, engine.client.submit, ticket, req, loop)
         first = last = 0.0
         num_tokens = 0
         async for batch in handle.batches():
@@ -100,7 +100,7 @@ def main() -> None:
         try:
             asyncio.run(main_async(args, engine, workload))
         finally:
-            engine.stop()
+            engine.client.stop()
 
     client = threading.Thread(target=drive_then_stop, name="bench-client")
     client.start()

@@ -13,15 +13,26 @@ import time
 from typing import Callable, Sequence
 
 from braid.server.config import EngineConfig
-from braid.server.engine.adapters import Adapters
-from braid.server.engine.admission import Admission
-from braid.server.engine.books import Books
-from braid.server.engine.core import EngineCore
+from braid.server.engine.client import EngineClient, ToLoop, apply
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.types import Delta, Event, Finished, GenerationRequest, Message, SamplingParams
+from braid.server.engine.types import (
+    Delta,
+    Event,
+    Finished,
+    GenerationRequest,
+    Message,
+    Mode,
+    ModelInfo,
+    SamplingParams,
+)
 from braid.server.runner.rows import AdapterInfo, Row, Sampled, Sampling
 
 EOS = 2
+# what the Harness's client reports of its model (ModelInfo): only its name matters here, which no
+# LoRA adapter may take
+INFO = ModelInfo(
+    "harness", "scripted", 512, 1000, "float32", "cpu", Mode.CONTINUOUS, 4, (EOS,), False, 0, {}, 0, "", ""
+)
 
 
 class ScriptedRunner:
@@ -117,7 +128,8 @@ class NumberTokenizer:
 
 
 class Harness:
-    """An EngineCore over a ScriptedRunner, with sessions made by the real Admission. The tests of the
+    """An EngineClient over a ScriptedRunner, its core stepped by hand, with sessions made by the
+    real admission (messages to the model thread are applied at once). The tests of the
     in-process tier (tests/in_process.py) give it a real model runner and tokenizer instead."""
 
     def __init__(self, runner=None, draft=None, tokenizer=None, **config) -> None:
@@ -127,24 +139,19 @@ class Harness:
         self.runner = runner or ScriptedRunner()
         tokenizer = tokenizer or NumberTokenizer()
         self.config = EngineConfig(**{"max_wait_ms": 0, **config})
-        self.books = Books(self.config.max_queued)
-        self.adapters = Adapters(self.runner, self.config.max_loras, self.config.max_lora_rank)
-        self.core = EngineCore(self.config, self.runner, tokenizer.eos_token_ids, self.books, self.adapters, draft)
-        self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
-        self.admission = Admission(
-            tokenizer,
-            self.runner.max_seq_len,
-            self.books,
-            self.runner.random_state,
-            grammars=None,
-            enqueue=self.core.add,
-            abort=self.core.abort,
-            wake=lambda: None,
-            is_open=lambda: None,
-            adapters=self.adapters,
+        info = dataclasses.replace(INFO, mode=self.config.mode)
+        self.client = EngineClient(
+            self.config, self.runner, tokenizer, info, grammars=None, post=self._apply, draft=draft
         )
+        self.core, self.books, self.adapters = self.client.core, self.client.books, self.client.adapters
+        self.admission = self.client.admission
+        self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
         self.events: dict[int, list[Event]] = {}
         self.now = time.monotonic()  # the core's clock, advanced by step(): sessions arrive on the real one
+
+    def _apply(self, message: ToLoop) -> None:
+        """The client's messages (a session added, aborted) applied to the core at once."""
+        apply(self.core, message)
 
     def close(self) -> None:
         self.loop.close()
@@ -180,8 +187,8 @@ class Harness:
             adapter=adapter,
             cache_salt=cache_salt,
         )
-        ticket = self.admission.admit(prompt, request.messages, token_ids=request.prompt_token_ids)
-        handles = self.admission.submit(ticket, request, self.loop)
+        ticket = self.client.admit(prompt, request.messages, token_ids=request.prompt_token_ids)
+        handles = self.client.submit(ticket, request, self.loop)
         for h in handles:
             self.events.setdefault(h.session_id, [])
         self._collect(self.core.take_events())

@@ -172,7 +172,7 @@ class _Serving(threading.Thread):
         finally:
             engine = self._engine.result() if self._engine.done() else None
             if engine is not None:
-                engine.stop()  # the main thread's model loop returns
+                engine.client.stop()  # the main thread's model loop returns
 
     async def _main(self) -> int:
         self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
@@ -207,19 +207,20 @@ class _Serving(threading.Thread):
     async def _serve(self, engine: Engine) -> int:
         assert self._stop_event is not None
         stop = self._stop_event
+        client = engine.client
         # Everything built so far (torch's and transformers' modules, the model) lives until the exit:
         # out of the collector's sight, a full collection no longer walks its millions of objects while
         # calls wait, and the exit does not spend seconds collecting it (as vLLM and SGLang do).
         gc.freeze()
         for front_end in self._front_ends:
-            await front_end.start(engine)
+            await front_end.start(client)
 
         exit_code = 0
         loop = asyncio.get_running_loop()
 
         async def watch_engine() -> None:
             nonlocal exit_code
-            await engine.when_stopped(loop)
+            await client.when_stopped(loop)
             if not stop.is_set():
                 _LOGGER.error("the model thread has stopped; shutting down")
                 exit_code = 1
@@ -229,7 +230,7 @@ class _Serving(threading.Thread):
         await stop.wait()
         config = self._config
         if exit_code == 0:
-            stats = engine.stats()
+            stats = client.stats()
             _LOGGER.info(
                 "%s received: draining, %d sessions in flight (%d running, %d queued) get %g s; a second "
                 "signal exits at once",
@@ -240,13 +241,13 @@ class _Serving(threading.Thread):
                 config.grace_period,
             )
         await drain(
-            engine,
+            client,
             self._front_ends,
             config.grace_period if exit_code == 0 else 0.0,
             handover_grace=config.handover_grace if exit_code == 0 else 0.0,
         )
         watcher.cancel()
-        engine.stop()
+        client.stop()
         _LOGGER.info("braid stopped")
         return exit_code
 

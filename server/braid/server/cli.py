@@ -238,7 +238,7 @@ def _load_loras(engine, config: EngineConfig) -> None:
 
     for name, path in lora_specs(config.lora):
         try:
-            engine.load_lora(name, path)
+            engine.client.load_lora(name, path)
         except InvalidArgument as exc:
             raise SettingError("lora", f"{name}={path}", exc.description) from None
 

@@ -38,7 +38,7 @@ class Telemetry:
 
     def observe(self, engine: "Engine") -> None:
         """The engine's figures into the instruments, once it is built (after the ports are bound)."""
-        observe_engine(engine.stats)
+        observe_engine(engine.client.stats)
         engine.observer = MetricsObserver()
 
     def shutdown(self) -> None:
