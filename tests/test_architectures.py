@@ -349,7 +349,7 @@ def _greedy_in_process(path: Path, cache_dir: Path, prompts: list[str], n: int =
     runner = ModelRunner(
         loaded, torch.device("cpu"), torch.float32, num_pages=16, max_seq_len=64, activations="float32"
     )
-    tokenizer, sampling = Tokenizer(loaded.hf_tokenizer, loaded.eos_token_ids), Sampling(logprobs=0)
+    tokenizer, sampling = Tokenizer(loaded.hf_tokenizer, loaded.eos_token_ids), Sampling(logprobs=True)
     greedy, logprobs = [], []
     for prompt in prompts:
         prompt_ids, generated, chosen = tokenizer.encode(prompt, ()), [], []

@@ -154,7 +154,7 @@ def test_prompt_targets_score_as_transformers_in_chunks_beside_other_rows(runner
         expected = torch.log_softmax(tiny(torch.tensor([prompt])).logits[0].float(), dim=-1)
     other = [4, 9, 16]
     decoding = _feed(runner, other, 0, 3, slot=1).token
-    sampling = Sampling(logprobs=3)
+    sampling = Sampling(logprobs=True, top_logprobs=3)
     scores = []
     for start, end in ((0, 25), (25, 40)):
         rows = [

@@ -96,13 +96,13 @@ def test_logprobs_are_of_the_raw_distribution_whatever_the_sampling():
     reports its raw log probability and rank; the top list is the raw top, most likely first."""
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     raw = logits.log_softmax(dim=-1)[0]
-    sampling = Sampling(temperature=0.5, top_k=1, logit_bias=((2, 100.0),), logprobs=2, seed=1)
+    sampling = Sampling(temperature=0.5, top_k=1, logit_bias=((2, 100.0),), logprobs=True, top_logprobs=2, seed=1)
     row = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling))
     [out] = sample_with_logprobs(logits.clone(), [row])
     assert out.token == 2 and out.logprob.rank == 3
     assert abs(out.logprob.logprob - raw[2].item()) < 1e-6
     assert [t for t, _ in out.logprob.top] == [1, 3]
-    greedy = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=Sampling(logprobs=0), rng=None)
+    greedy = Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=Sampling(logprobs=True), rng=None)
     [best] = sample_with_logprobs(logits.clone(), [greedy])
     assert best.token == 1 and best.logprob.rank == 1 and best.logprob.top == ()
     [plain] = sample_with_logprobs(logits.clone(), [_row(0.0, 0)])
@@ -118,7 +118,8 @@ def test_a_constraint_mask_limits_greedy_and_sampled_rows_but_not_their_logprobs
     mask[:, 5:10] = True
     rows = [_row(0.0, 0), _row(0.0, 0), _row(1.0, 3)]
     rows = [
-        Row(**{**vars(r), "sampling": Sampling(temperature=r.sampling.temperature, seed=3, logprobs=0)}) for r in rows
+        Row(**{**vars(r), "sampling": Sampling(temperature=r.sampling.temperature, seed=3, logprobs=True)})
+        for r in rows
     ]
     raw = logits.log_softmax(dim=-1)
     out = sample_with_logprobs(logits.clone(), rows, allowed=([1, 2], mask))

@@ -150,7 +150,7 @@ def test_verified_rows_give_the_tokens_of_plain_steps(runner, name):
 
 
 def test_logprobs_of_kept_tokens_are_the_targets(runner):
-    sampling = Sampling(logprobs=2)
+    sampling = Sampling(logprobs=True, top_logprobs=2)
     expected, _ = _plain(runner, sampling, 6)
     rng = runner.random_state(sampling)
     first = _prefill(runner, sampling, rng, 2)

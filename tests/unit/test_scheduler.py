@@ -19,7 +19,6 @@ def _session(i: int, prompt_len: int = 4, arrived: float = 0.0) -> Session:
         params=SamplingParams(),
         handle=None,
         detokenizer=None,
-        sampling=None,
         rng=None,
         arrived=arrived,
     )

@@ -182,7 +182,6 @@ class Admission:
             id=session_id,
             prompt_ids=ids,
             params=params,
-            sampling=Sampling(),
             rng=None,
             handle=handle,
             detokenizer=IdsOnly(),
@@ -197,7 +196,6 @@ class Admission:
         """Sample `index` of first's request: the same prompt and parameters, seed + index. It is
         held until first has computed the prompt, then finds its pages in the prefix cache."""
         params = dataclasses.replace(first.params, seed=(first.params.seed + index) % 2**64)
-        sampling = dataclasses.replace(first.sampling, seed=params.seed)
         if self.adapters is not None:
             self.adapters.retain(first.adapter)
         session_id = next(self._ids)
@@ -208,8 +206,7 @@ class Admission:
             first,
             id=session_id,
             params=params,
-            sampling=sampling,
-            rng=self._random_state(sampling, 0),
+            rng=self._random_state(params, 0),
             handle=handle,
             detokenizer=self._detokenizer(first.prompt_ids, params),
             parent=first,
@@ -264,18 +261,6 @@ class Admission:
                 "resume_token_ids",
                 f"{len(resumed)} tokens leave none of max_new_tokens ({params.max_new_tokens}) to generate",
             )
-        sampling = Sampling(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            repetition_penalty=params.repetition_penalty,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            logit_bias=params.logit_bias,
-            seed=params.seed,
-            logprobs=params.top_logprobs if params.logprobs else None,
-        )
         adapter, adapter_key = self._adapter(request.adapter)  # the last check: it holds the adapter
         session_id = next(self._ids)
         handle = SessionHandle(
@@ -287,8 +272,7 @@ class Admission:
             id=session_id,
             prompt_ids=prompt_ids,
             params=params,
-            sampling=sampling,
-            rng=self._random_state(sampling, len(resumed)),
+            rng=self._random_state(params, len(resumed)),
             handle=handle,
             detokenizer=self._detokenizer(prompt_ids, params),
             resumed=list(resumed),

@@ -199,7 +199,7 @@ class EngineCore:
             start=start,
             token_ids=s.token_ids[start:end] + list(w.proposals),
             sample=sample,
-            sampling=s.sampling,
+            sampling=s.params,
             rng=s.rng,
             history=s.token_ids,
             num_prompt=s.num_prompt,

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from braid.server.engine.grammars import Matcher
     from braid.server.engine.handle import SessionHandle
     from braid.server.engine.reasoning import Reasoning
-    from braid.server.runner.rows import Sampling, TokenLogprob
+    from braid.server.runner.rows import TokenLogprob
 
 
 class SessionStatus(enum.Enum):
@@ -31,7 +31,6 @@ class Session:
     params: SamplingParams
     handle: SessionHandle
     detokenizer: IncrementalDetokenizer
-    sampling: Sampling  # params as the runner takes them
     rng: object  # the runner's random state for this session (Row.rng)
     deadline: float | None = None
     priority: Priority = Priority.INTERACTIVE

@@ -12,6 +12,7 @@ from braid.server.config import Mode as Mode  # re-exported: the engine's types 
 # so that the front ends import the engine's types and never the runner
 from braid.server.runner.rows import AdapterInfo as AdapterInfo
 from braid.server.runner.rows import Pooling as Pooling
+from braid.server.runner.rows import Sampling
 from braid.server.runner.rows import TokenLogprob as TokenLogprob
 
 
@@ -73,26 +74,17 @@ class Busy(RuntimeError):
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How one session picks its tokens; defaults already applied, ranges already checked."""
+class SamplingParams(Sampling):
+    """How one session picks its tokens (the runner's Sampling: temperature, top_p, ..., seed,
+    logprobs, top_logprobs, which the runner takes as it is) and what else the engine does with
+    them; defaults already applied, ranges already checked."""
 
     max_new_tokens: int = 256
     min_new_tokens: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids sorted
-    seed: int = 0
     stop: tuple[str, ...] = ()
     include_stop_sequence: bool = False  # send the stop string that matched as text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
     truncate_input_tokens: int = 0  # keep at most this many prompt tokens (0: all)
     bad_words: tuple[str, ...] = ()  # never generated
     report_queue: bool = False  # send Queued events while waiting

@@ -255,7 +255,7 @@ class ModelRunner:
         if scored:  # the targets' rows come first; the sampled rows' logits are the rest
             for i, (begin, end) in scored.items():
                 out[i] = Sampled(
-                    None, targets=tuple(score(logits[begin:end], rows[i].targets, rows[i].sampling.logprobs or 0))
+                    None, targets=tuple(score(logits[begin:end], rows[i].targets, rows[i].sampling.num_logprobs or 0))
                 )
             logits = logits[max(end for _, end in scored.values()) :]
         allowed = (constrained, self.masks.allowed(filling)) if filling is not None else None

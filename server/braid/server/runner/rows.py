@@ -21,7 +21,9 @@ class Pooling(enum.Enum):
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a sequence picks its next tokens; ranges already checked."""
+    """How a sequence picks its next tokens; ranges already checked. A request's parameters
+    (engine/types.py's SamplingParams) are this and the engine's own fields: a new sampling
+    parameter is a field here and the sampler's use of it."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -30,13 +32,19 @@ class Sampling:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids sorted
     seed: int = 0
-    logprobs: int | None = None  # None: none; k: the sampled token's log probability and the k most likely
+    logprobs: bool = False  # the sampled token's log probability ...
+    top_logprobs: int = 0  # ... and the top_logprobs most likely tokens'
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """None: no log probabilities; k: the sampled token's and the k most likely tokens'."""
+        return self.top_logprobs if self.logprobs else None
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class Row:
     banned: Sequence[int] = ()
     is_prompt: bool = False  # prompt tokens (prefill attention), else the one last generated token
     # prompt_logprobs: targets[i] is the prompt token after token_ids[i], whose log probability
-    # (with sampling.logprobs most likely tokens) the pass returns; may be shorter than token_ids
+    # (with sampling.top_logprobs most likely tokens) the pass returns; may be shorter than token_ids
     targets: Sequence[int] = ()
     # a constraint's matcher (llguidance.LLMatcher, made by the engine): when sampling, only the
     # tokens its mask allows now can be picked

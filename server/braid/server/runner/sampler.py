@@ -30,7 +30,7 @@ def sample(
     Every sampled row draws exactly one uniform number from its own generator per token, so a
     seeded sequence gets the same tokens whichever other sequences share its batch.
     """
-    wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
+    wanted = [i for i, row in enumerate(rows) if row.sampling.num_logprobs is not None]
     raw = logits[wanted].log_softmax(dim=-1) if wanted else None  # [W, V], a copy
     for i, row in enumerate(rows):
         _penalise(logits[i], row)
@@ -43,7 +43,7 @@ def sample(
         tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled])
     out = [Sampled(t) for t in tokens.tolist()]
     if wanted:
-        for i, logprob in zip(wanted, _logprobs(raw, tokens[wanted], [rows[i].sampling.logprobs for i in wanted])):
+        for i, logprob in zip(wanted, _logprobs(raw, tokens[wanted], [rows[i].sampling.num_logprobs for i in wanted])):
             out[i] = Sampled(out[i].token, logprob)
     return out
 
@@ -83,7 +83,7 @@ def _plain_greedy(p: Sampling) -> bool:
     """Greedy, with nothing that depends on the history (penalties) and no log probabilities."""
     return (
         p.is_greedy
-        and p.logprobs is None
+        and p.num_logprobs is None
         and p.repetition_penalty == 1.0
         and not p.presence_penalty
         and not p.frequency_penalty
