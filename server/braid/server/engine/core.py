@@ -266,7 +266,7 @@ class EngineCore:
         assert sampled.token is not None and self.speculator is not None  # only a speculator proposes
         picked = [(sampled.token, sampled.logprob), *sampled.more]
         accepted = len(sampled.more)
-        self.speculator.verified(s, len(w.proposals), accepted)
+        self.speculator.verified(self.speculator.of(s), len(w.proposals), accepted)
         fed = w.num_tokens - len(w.proposals)
         reason, taken, forced = None, 0, False
         for token, logprob in picked:
@@ -300,13 +300,12 @@ class EngineCore:
         if s.status is SessionStatus.FINISHED:
             return
         self.scheduler.remove(s)
-        if self.speculator is not None:
-            self.speculator.release(s)
+        speculation = self.speculator.release(s) if self.speculator is not None else None
         self.sessions.pop(s.id, None)
         self._num_finished += 1
         if s.adapter and self.adapters is not None:
             self.adapters.release(s.adapter)
-        self.observer.on_finish(self.output.finish(s, reason, error, field))
+        self.observer.on_finish(self.output.finish(s, reason, error, field, speculation))
         self.books.finish(reason, active=len(self.scheduler.running), cache=self._cache_stats())
 
     # ---- the books ---------------------------------------------------------------------------

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.session import Session
 from braid.server.engine.types import Delta, Event, Finished, FinishReason, Queued, Timings
 from braid.server.runner.rows import TokenLogprob
+
+if TYPE_CHECKING:
+    from braid.server.engine.speculation import Speculation
 
 
 class Output:
@@ -79,10 +82,17 @@ class Output:
             return FinishReason.MAX_TOKENS
         return None
 
-    def finish(self, s: Session, reason: FinishReason, error: str | None, error_field: str | None = None) -> Finished:
+    def finish(
+        self,
+        s: Session,
+        reason: FinishReason,
+        error: str | None,
+        error_field: str | None = None,
+        speculation: Speculation | None = None,
+    ) -> Finished:
         """The session's last events. Whatever the reason, the text so far goes out: the tail held
         back in case it began a stop string, and tokens not yet delivered (a deadline ends the
-        stream "with the text so far")."""
+        stream "with the text so far"). speculation: its proposals' counts (--speculative)."""
         self._delta(s, s.detokenizer.take(final=True), final=True)
         finished = Finished(
             reason=reason,
@@ -94,8 +104,8 @@ class Output:
             cached_tokens=s.cached_tokens or 0,
             stop_sequence=s.detokenizer.stop_sequence,
             truncated_tokens=s.truncated_tokens,
-            proposed_tokens=s.num_proposed,
-            accepted_tokens=s.num_accepted,
+            proposed_tokens=speculation.num_proposed if speculation else 0,
+            accepted_tokens=speculation.num_accepted if speculation else 0,
             reasoning_tokens=s.reasoning.num_tokens if s.reasoning is not None else 0,
             embedding=s.embedding.vector() if s.embedding is not None and s.num_cached >= s.num_prompt else None,
         )

@@ -54,14 +54,6 @@ class Session:
     constraint_field: str = ""  # the request field its constraint came in (constraint.regex, ...)
     reasoning: Reasoning | None = None  # a reasoning model's phase and text split (engine/reasoning.py)
     resumed: list[int] = field(default_factory=list)  # resume_token_ids, replayed when the model thread takes it
-    # speculative decoding (engine/speculation.py): proposals verified and confirmed so far, and the
-    # back-off after passes that confirmed none: proposals rest for `rest` more steps
-    num_proposed: int = 0
-    num_accepted: int = 0
-    misses: int = 0  # verifications in a row that confirmed no proposal
-    window: int = 0  # the most it proposes next (0: --speculative-tokens)
-    rest: int = 0
-    copy_at: int | None = None  # the n-gram's copy point: where in token_ids its next proposal would start
     embedding: Embedding | None = None  # an Embed input's session: prompt only, pooled (engine/embedding.py)
 
     def banned_by_bad_words(self) -> list[int]:

@@ -202,8 +202,22 @@ class _Draft:
     tail: list[int] = field(default_factory=list)  # what it fed after them then
 
 
+@dataclass
+class Speculation:
+    """A session's speculative decoding: proposals verified and confirmed so far, and the back-off
+    after passes that confirmed none (proposals rest for `rest` more steps)."""
+
+    num_proposed: int = 0
+    num_accepted: int = 0
+    misses: int = 0  # verifications in a row that confirmed no proposal
+    window: int = 0  # the most it proposes next (0: --speculative-tokens)
+    rest: int = 0
+    copy_at: int | None = None  # the n-gram's copy point: where in token_ids its next proposal would start
+
+
 class Speculator:
-    """Proposals for the scheduler, and the back-off of sessions whose proposals miss."""
+    """Proposals for the scheduler, and the back-off of sessions whose proposals miss; each
+    session's Speculation, from its first proposal until it ends (release)."""
 
     def __init__(self, proposer: NgramProposer | DraftProposer, max_tokens: int, max_seq_len: int) -> None:
         self.proposer = proposer
@@ -212,6 +226,14 @@ class Speculator:
         # misses in a row that cost no rest, and the longest rest (the module's docstring)
         draft = isinstance(proposer, DraftProposer)
         self.free_misses, self.max_rest = (0, MAX_REST) if draft else (1, MAX_NGRAM_REST)
+        self._sessions: dict[int, Speculation] = {}
+
+    def of(self, s: Session) -> Speculation:
+        """The session's speculation (made at its first ask)."""
+        spec = self._sessions.get(s.id)
+        if spec is None:
+            spec = self._sessions[s.id] = Speculation()
+        return spec
 
     def wants(self, s: Session, limit: int) -> int:
         """How many proposals the session may make for its next pass, at most `limit`: none while
@@ -219,14 +241,15 @@ class Speculator:
         p = s.params
         if p.disable_speculation or s.bad_words or s.num_generated < p.min_new_tokens:
             return 0
-        if s.rest > 0:
-            s.rest -= 1
+        spec = self.of(s)
+        if spec.rest > 0:
+            spec.rest -= 1
             return 0
         return max(
             0,
             min(
                 limit,
-                s.window or self.max_tokens,
+                spec.window or self.max_tokens,
                 p.max_new_tokens - s.num_generated - 1,
                 self.max_seq_len - len(s.token_ids) - 1,
             ),
@@ -239,9 +262,10 @@ class Speculator:
         else:
             found = []
             for s, k in asks:
-                proposals, follow = self.proposer.propose(s.token_ids, k, s.copy_at)
+                spec = self.of(s)
+                proposals, follow = self.proposer.propose(s.token_ids, k, spec.copy_at)
                 if proposals:  # where it copies from now; where nothing matched, the copy point stays
-                    s.copy_at = follow
+                    spec.copy_at = follow
                 found.append(proposals)
         out = []
         for (s, _), proposals in zip(asks, found):
@@ -251,12 +275,16 @@ class Speculator:
             out.append(tuple(proposals))
         return out
 
-    def release(self, s: Session) -> None:
-        """The session has ended: what the proposer kept for it goes."""
+    def release(self, s: Session) -> Speculation | None:
+        """The session has ended: what the proposer kept for it goes; its speculation (None if it
+        never asked), for its final counts."""
         if isinstance(self.proposer, DraftProposer):
             self.proposer.release(s)
+        return self._sessions.pop(s.id, None)
 
-    def verified(self, s: Session, proposed: int, accepted: int) -> None:
+    def verified(self, s: Speculation, proposed: int, accepted: int) -> None:
+        """A session's pass verified `proposed` proposals and confirmed `accepted`: its window,
+        copy point and rest for the next."""
         s.num_proposed += proposed
         s.num_accepted += accepted
         s.window = min(self.max_tokens, 2 * proposed if accepted == proposed else max(accepted + 1, 2))
