@@ -544,7 +544,9 @@ async def run_all(args, command: str) -> SizeResults:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = ".venv/bin/python benchmarks/sizes.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else argv
+    shown = [a for i, a in enumerate(given) if a != "--note" and (i == 0 or given[i - 1] != "--note")]
+    command = ".venv/bin/python benchmarks/sizes.py " + shlex.join(shown)  # its notes are the section's
     if args.report_from:
         results = SizeResults.merge([SizeResults.load(path) for path in args.report_from])
         results.notes += args.note

@@ -194,6 +194,11 @@ def table(results: SizeResults) -> str:
     return "\n\n".join(parts)
 
 
+def _who(results: SizeResults) -> str:
+    systems = {o.system for o in results.outcomes}
+    return "braid and llama.cpp on the same files" if len(systems) > 1 else f"{', '.join(sorted(systems))} alone"
+
+
 def markdown(results: SizeResults) -> str:
     s = results.settings
     threads = results.machine.get("threads")
@@ -230,8 +235,8 @@ the formats rank against each other on the same weights.
     )
     return f"""{SIZES_HEADING}
 
-> {results.started} (braid commit `{results.machine.get("braid_commit")}`), braid and llama.cpp on
-> the same files on the same machine in the same run{QUICK if s.get("quick") else ""}.
+> {results.started} (braid commit `{results.machine.get("braid_commit")}`), {_who(results)} on the
+> same machine in the same run{QUICK if s.get("quick") else ""}.
 
     {results.command}
 
