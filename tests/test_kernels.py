@@ -462,23 +462,78 @@ def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype, sc
         where = tables[b, pos // page], pos % page
         assert torch.equal(k_cache[where[0], :, where[1]], kv_cache.encode(k_new, kv_dtype))
         assert torch.equal(v_cache[where[0], :, where[1]], kv_cache.encode(v_new, kv_dtype))
-        pages = tables[b, : pos // page + 1]
-        keys, values = (
-            kv_cache.decode(
-                c[pages].transpose(0, 1).reshape(kv_heads, -1, c.shape[-1])[:, : pos + 1], torch.float32
-            ).repeat_interleave(heads // kv_heads, dim=0)
-            for c in (k_cache, v_cache)
-        )
-        scores = q @ keys.transpose(1, 2) * scale  # [H, 1, T]
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        if window:
-            scores[..., : max(0, pos + 1 - window)] = float("-inf")
-        expected = scores.softmax(dim=-1) @ values
-        torch.testing.assert_close(out[b].view(heads, d), expected[:, 0], rtol=1e-5, atol=1e-5)
+        expected = _attention(q, k_cache, v_cache, tables[b, : pos // page + 1], pos, scale, softcap, window)
+        torch.testing.assert_close(out[b].view(heads, d), expected, rtol=1e-5, atol=1e-5)
     untouched = torch.ones(num_pages, dtype=torch.bool)
     untouched[[2, 11, 3]] = False  # the pages the new tokens went to
     assert torch.equal(k_cache[untouched], before_k[untouched])  # the shared page 7 included
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, kv_cache.Q8_0], ids=str)
+@pytest.mark.parametrize("scale, softcap, window", ATTENTION, ids=["llama", "softcap", "window", "both"])
+@pytest.mark.parametrize("heads, kv_heads, d", [(6, 2, 64), (8, 2, 64), (2, 2, 32), (5, 1, 48)])
+def test_prompt_rows_attend_in_tiles_with_the_bits_of_a_row_alone(
+    isa, kv_dtype, scale, softcap, window, heads, kv_heads, d
+):
+    """Rows that read keys written already (write=False: a prompt chunk's, csrc/attention.c) attend in
+    tiles of up to 16 rows of one sequence, a block of keys and values loaded once for them all: each
+    row's output is the bits it gets alone, for every KV dtype, group size and head size, in a sliding
+    window or soft-capped. A chunk of 37 rows from mid-page (tiles of 16, 16 and 5), then another
+    sequence's chunk at the very next positions (its pages differ: a new tile), then a decode row."""
+    d = 96 if kv_dtype is kv_cache.Q8_0 and d % 32 else d  # a q8_0 cache needs head_dim a multiple of 32
+    torch.manual_seed(6)
+    num_pages, page = 12, 16
+    k_cache = kv_cache.encode(torch.randn(num_pages, kv_heads, page, d), kv_dtype)
+    v_cache = kv_cache.encode(torch.randn(num_pages, kv_heads, page, d), kv_dtype)
+    rows = (
+        [([7, 2, 9, 0], p) for p in range(5, 42)] + [([5, 1, 10, 8], p) for p in range(42, 62)] + [([3, 4, 0, 0], 30)]
+    )
+    tables = torch.tensor([table for table, _ in rows])
+    positions = torch.tensor([p for _, p in rows])
+    qkv = torch.randn(len(rows), (heads + 2 * kv_heads) * d) * 2
+    out = torch.empty(len(rows), heads * d)
+    before = k_cache.clone(), v_cache.clone()
+    step.decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, scale, softcap, window, write=False)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    for b in range(len(rows)):
+        alone = torch.empty(1, heads * d)
+        step.decode_attention(
+            qkv[b : b + 1],
+            heads,
+            k_cache,
+            v_cache,
+            tables[b : b + 1],
+            positions[b : b + 1],
+            alone,
+            scale,
+            softcap,
+            window,
+            write=False,
+        )
+        assert torch.equal(out[b], alone[0]), b
+    for b in (0, 20, 36, 37, 56, 57):  # and torch's answer (the first and last rows of each tile and chunk)
+        pos = positions[b].item()
+        q = qkv[b, : heads * d].view(heads, 1, d)
+        expected = _attention(q, k_cache, v_cache, tables[b, : pos // page + 1], pos, scale, softcap, window)
+        torch.testing.assert_close(out[b].view(heads, d), expected, rtol=1e-5, atol=1e-5)
+
+
+def _attention(q, k_cache, v_cache, pages, pos, scale, softcap, window) -> torch.Tensor:
+    """Transformers' eager attention of one row's query heads q [H, 1, D] at position pos over its
+    pages of the paged cache (dequantized as torch does): [H, D]."""
+    heads, kv_heads = q.shape[0], k_cache.shape[1]
+    keys, values = (
+        kv_cache.decode(
+            c[pages].transpose(0, 1).reshape(kv_heads, -1, c.shape[-1])[:, : pos + 1], torch.float32
+        ).repeat_interleave(heads // kv_heads, dim=0)
+        for c in (k_cache, v_cache)
+    )
+    scores = q @ keys.transpose(1, 2) * scale  # [H, 1, T]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if window:
+        scores[..., : max(0, pos + 1 - window)] = float("-inf")
+    return (scores.softmax(dim=-1) @ values)[:, 0]
 
 
 def test_a_linear_layer_takes_zero_rows(isa):

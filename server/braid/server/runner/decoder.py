@@ -327,7 +327,7 @@ class Decoder:
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [pages, KVH, P, D]
         n, d = q.shape[0], self.head_dim
         out = torch.empty(n, self.num_heads * d, dtype=q.dtype, device=q.device)
-        if rows is not None:  # braid's C attention, every row by itself (batch.row_tables)
+        if rows is not None:  # braid's C attention, every row's bits its own (batch.row_tables; a chunk's in tiles)
             tables, shared = rows
             if shared:  # rows read each other's keys: all written first
                 self._write_keys(k, v, batch.kv_index, k_cache, v_cache)

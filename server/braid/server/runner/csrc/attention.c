@@ -124,6 +124,28 @@ static inline __attribute__((always_inline)) void page_scores(const void *k_cach
     }
 }
 
+/* The n_seen scores sc of one query head (sc[t - lo]: position t's score), soft-capped where softcap > 0,
+ * turned into exp(score - the highest) in place; returns 1 / their sum. */
+static inline float softmax(float *sc, long n_seen, float softcap) {
+    float top = -INFINITY;
+    if (softcap > 0.0f) /* Gemma 2: softcap * tanh(score / softcap), as transformers computes it */
+        for (long t = 0; t < n_seen; t += VEC) {
+            const vmask k = vmask_n(n_seen - t);
+            vstorem(k, sc + t, vmul(vtanh(vdiv(vloadm(k, sc + t), vset1(softcap))), vset1(softcap)));
+        }
+    for (long t = 0; t < n_seen; t++) top = sc[t] > top ? sc[t] : top;
+    vf total = vzero();
+    const vf topv = vset1(top);
+    for (long t = 0; t < n_seen; t += VEC) {
+        const vmask k = vmask_n(n_seen - t);
+        /* masked-off lanes load 0, whose exp is not 0: zeroed before they are summed */
+        const vf e = vmaskz(k, vexp(vsub(vloadm(k, sc + t), topv)));
+        vstorem(k, sc + t, e);
+        total = vadd(total, e);
+    }
+    return 1.0f / vsum(total);
+}
+
 /* One (sequence, KV head) task of decode_attention: writes the new key and value at position L - 1
  * (unless `write` is 0: they are in the cache already) and attends the head's G query heads over
  * positions [lo, L). Inlined once per kv_fmt, so the
@@ -157,25 +179,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         }
     }
     float inv[G]; /* per query head, 1 / the sum of its weights */
-    for (long g = 0; g < G; g++) {
-        float *sc = scores + g * n_seen, top = -INFINITY; /* sc[t - lo]: position t's score */
-        if (softcap > 0.0f) /* Gemma 2: softcap * tanh(score / softcap), as transformers computes it */
-            for (long t = 0; t < n_seen; t += VEC) {
-                const vmask k = vmask_n(n_seen - t);
-                vstorem(k, sc + t, vmul(vtanh(vdiv(vloadm(k, sc + t), vset1(softcap))), vset1(softcap)));
-            }
-        for (long t = 0; t < n_seen; t++) top = sc[t] > top ? sc[t] : top;
-        vf total = vzero();
-        const vf topv = vset1(top);
-        for (long t = 0; t < n_seen; t += VEC) {
-            const vmask k = vmask_n(n_seen - t);
-            /* masked-off lanes load 0, whose exp is not 0: zeroed before they are summed */
-            const vf e = vmaskz(k, vexp(vsub(vloadm(k, sc + t), topv)));
-            vstorem(k, sc + t, e);
-            total = vadd(total, e);
-        }
-        inv[g] = 1.0f / vsum(total);
-    }
+    for (long g = 0; g < G; g++) inv[g] = softmax(scores + g * n_seen, n_seen, softcap);
     for (long g0 = 0; g0 < G; g0 += 4) {
         const long heads = G - g0 < 4 ? G - g0 : 4;
         long j = 0;
@@ -235,12 +239,189 @@ static void store_task(const float *k_new, const float *v_new, long ldq, void *k
     kv_store(v_cache, kv_fmt, row, v_new + b * ldq + h * D, D);
 }
 
+/* Prompt chunks (and a speculating row's proposals) in tiles. A chunk's rows are consecutive
+ * positions of one sequence, so they read the same keys and values: by itself, each row re-reads
+ * every key and value of its sequence once, and at thousands of positions those come from memory,
+ * not cache. A tile of up to TILE_ROWS such rows loads a block of BLOCK_POSITIONS keys once (into
+ * fp32 scratch, dequantized once), scores it for every row and query head of the tile while it is
+ * in L1, and later weighs a block of values the same way. Each row's numbers are those of
+ * attention_task bit for bit: the loops are interchanged, never the sums. A score is page_scores
+ * over the row's own [i, n) of each page (the same VEC-key groups), the softmax is the same
+ * function over the row's own scores, and each output sum runs over the positions in order, from
+ * 0, held in the output row between blocks (fp32 in memory: exact) and scaled by inv at the end. */
+#define TILE_ROWS 16
+#define BLOCK_POSITIONS 64
+
+/* Cuts rows [0, B) into tiles: runs of up to TILE_ROWS rows, each at the position after the one
+ * before and with the same page table over the pages it reads (so every row of a tile reads its
+ * pages through the tile's last row's table). Tile i is rows [starts[i], starts[i + 1]); returns
+ * the count. starts: room for B + 1. */
+static long attention_tiles(const int64_t *tables, long table_stride, const int64_t *positions, long P, long B,
+                            long *starts) {
+    long n = 0;
+    for (long b = 0; b < B; b++) {
+        const int joins = b > 0 && b - starts[n - 1] < TILE_ROWS && positions[b] == positions[b - 1] + 1 &&
+                          !memcmp(tables + b * table_stride, tables + (b - 1) * table_stride,
+                                  sizeof(int64_t) * (positions[b] / P + 1));
+        if (!joins) starts[n++] = b;
+    }
+    starts[n] = B;
+    return n;
+}
+
+/* Block positions [t0, t1) of KV head h from a cache in kv_fmt, widened to fp32 rows [t1 - t0, D]
+ * (exact, and what kv_load gives). */
+static inline __attribute__((always_inline)) void load_block(const void *cache, const int kv_fmt,
+                                                             const int64_t *table, long t0, long t1, long h,
+                                                             long KVH, long D, long P, float *block) {
+    for (long t = t0; t < t1; t++) {
+        const long row = (table[t / P] * KVH + h) * P + t % P;
+        if (kv_fmt == F_F32) {
+            memcpy(block + (t - t0) * D, (const float *)cache + row * D, sizeof(float) * D);
+            continue;
+        }
+        for (long j = 0; j < D / VEC; j++) vstore(block + (t - t0) * D + VEC * j, kv_load(cache, kv_fmt, row, D, VEC * j));
+    }
+}
+
+/* acc[g][j + c] += sum over block rows [i0, i1) of sc[g][i - lo... ] V[i][j + c], for NG heads from g0
+ * and NJ vectors from j: weigh_values' sums, one block at a time, the sums kept in acc (the output
+ * row) between blocks. sc: the row's scores, n_seen a head, sc[at + i] block row i's. */
+static inline __attribute__((always_inline)) void weigh_block(const float *block, long i0, long i1, long D,
+                                                              const float *sc, long n_seen, long at, long g0,
+                                                              const int NG, long j, const int NJ, float *acc) {
+    vf a[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < NJ; c++) a[g][c] = vload(acc + (g0 + g) * D + VEC * (j + c));
+    for (long i = i0; i < i1; i++) {
+        vf v[4], w[4];
+        for (int c = 0; c < NJ; c++) v[c] = vload(block + i * D + VEC * (j + c));
+        for (int g = 0; g < NG; g++) w[g] = vset1(sc[(g0 + g) * n_seen + at + i]);
+        for (int g = 0; g < NG; g++)
+            for (int c = 0; c < NJ; c++) a[g][c] = vfmadd(w[g], v[c], a[g][c]);
+    }
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < NJ; c++) vstore(acc + (g0 + g) * D + VEC * (j + c), a[g][c]);
+}
+
+/* One (tile, KV head) task: rows [b0, b0 + R) of a tile (attention_tiles), keys and values in the
+ * cache already. scores: G (L - lo) floats per row; block: BLOCK_POSITIONS rounded up to pages, D
+ * floats each. Inlined once per kv_fmt. */
+static inline __attribute__((always_inline)) void attend_tile(const float *q, long ldq, const void *k_cache,
+                                                              const void *v_cache, const int kv_fmt,
+                                                              const int64_t *table, const int64_t *positions,
+                                                              long b0, long R, long window, long h, long G,
+                                                              long KVH, long D, long P, float scale,
+                                                              float softcap, float *scores, float *block,
+                                                              float *out, long ldo) {
+    long L[TILE_ROWS], lo[TILE_ROWS], at[TILE_ROWS]; /* a row's end, window start, scores' offset */
+    float inv[TILE_ROWS][G];
+    const long chunks = D / VEC, span = (BLOCK_POSITIONS + P - 1) / P * P; /* positions a block */
+    for (long r = 0, used = 0; r < R; r++) {
+        L[r] = positions[b0 + r] + 1;
+        lo[r] = window > 0 && L[r] > window ? L[r] - window : 0;
+        at[r] = used;
+        used += G * (L[r] - lo[r]);
+    }
+    /* positions ascend in a tile: the first row's lo is the lowest, the last row's L the highest */
+    const long low = window > 0 && positions[b0] + 1 > window ? positions[b0] + 1 - window : 0;
+    const long first = low / P * P, end = positions[b0 + R - 1] + 1;
+    for (long t0 = first; t0 < end; t0 += span) { /* the scores, a block of keys at a time */
+        const long t1 = t0 + span < end ? t0 + span : end, from = t0 > low ? t0 : low;
+        load_block(k_cache, kv_fmt, table, from, t1, h, KVH, D, P, block + (from - t0) * D);
+        for (long r = 0; r < R; r++)
+            for (long p0 = t0; p0 < t1 && p0 < L[r]; p0 += P) { /* a page at a time, as attend does */
+                if (p0 + P <= lo[r]) continue;
+                const long i = p0 < lo[r] ? lo[r] - p0 : 0, n = L[r] - p0 < P ? L[r] - p0 : P, n_seen = L[r] - lo[r];
+                for (long g = 0; g < G; g++)
+                    page_scores(block, F_F32, p0 - t0, i, n, D, q + (b0 + r) * ldq + g * D, scale,
+                                scores + at[r] + g * n_seen, p0 - lo[r]);
+            }
+    }
+    for (long r = 0; r < R; r++) {
+        const long n_seen = L[r] - lo[r];
+        for (long g = 0; g < G; g++) inv[r][g] = softmax(scores + at[r] + g * n_seen, n_seen, softcap);
+        memset(out + (b0 + r) * ldo, 0, sizeof(float) * G * D);
+    }
+    for (long t0 = first; t0 < end; t0 += span) { /* the weighted sums, a block of values at a time */
+        const long t1 = t0 + span < end ? t0 + span : end, from = t0 > low ? t0 : low;
+        load_block(v_cache, kv_fmt, table, from, t1, h, KVH, D, P, block + (from - t0) * D);
+        for (long r = 0; r < R; r++) {
+            const long i0 = lo[r] > t0 ? lo[r] - t0 : 0, i1 = (L[r] < t1 ? L[r] : t1) - t0, n_seen = L[r] - lo[r];
+            if (i0 >= i1) continue;
+            const float *sc = scores + at[r];
+            float *acc = out + (b0 + r) * ldo;
+            for (long g0 = 0; g0 < G; g0 += 4) {
+                const long heads = G - g0 < 4 ? G - g0 : 4;
+                long j = 0;
+                for (; j + 4 <= chunks; j += 4)
+                    WITH_1_TO_4(heads, NG, weigh_block(block, i0, i1, D, sc, n_seen, t0 - lo[r], g0, NG, j, 4, acc));
+                for (; j < chunks; j++)
+                    WITH_1_TO_4(heads, NG, weigh_block(block, i0, i1, D, sc, n_seen, t0 - lo[r], g0, NG, j, 1, acc));
+            }
+        }
+    }
+    for (long r = 0; r < R; r++)
+        for (long g = 0; g < G; g++)
+            for (long j = 0; j < chunks; j++) {
+                float *o = out + (b0 + r) * ldo + g * D + VEC * j;
+                vstore(o, vmul(vload(o), vset1(inv[r][g])));
+            }
+}
+
+/* The task of tile [starts[i], starts[i + 1]) and KV head h, keys and values written already: a
+ * tile of one row attends by itself (attention_task), a longer one as above. */
+static void tile_task(const float *q, long ldq, const void *k_cache, const void *v_cache, int kv_fmt,
+                      const int64_t *tables, long table_stride, const int64_t *positions, const long *starts,
+                      long H, long KVH, long D, long P, float scale, float softcap, long window, float *out, long ldo,
+                      long i, long h) {
+    const long b0 = starts[i], R = starts[i + 1] - b0, G = H / KVH;
+    if (R == 1) {
+        attention_task(q, q + H * D, q + (H + KVH) * D, ldq, (void *)k_cache, (void *)v_cache, kv_fmt, 0, tables,
+                       table_stride, positions, H, KVH, D, P, scale, softcap, window, out, ldo, b0, h);
+        return;
+    }
+    const int64_t *table = tables + (b0 + R - 1) * table_stride; /* the last row's: every row's pages */
+    long n_scores = 0;
+    for (long r = 0; r < R; r++) {
+        const long L = positions[b0 + r] + 1;
+        n_scores += G * (window > 0 && L > window ? window : L);
+    }
+    const long span = (BLOCK_POSITIONS + P - 1) / P * P;
+    float *scores = malloc(sizeof(float) * (n_scores + span * D)), *block = scores + n_scores;
+    const float *qh = q + h * G * D;
+    float *oh = out + h * G * D;
+#define ATTEND(FMT) attend_tile(qh, ldq, k_cache, v_cache, FMT, table, positions, b0, R, window, h, G, KVH, D, P, \
+                                scale, softcap, scores, block, oh, ldo)
+    if (kv_fmt == F_Q8_0)
+        ATTEND(F_Q8_0);
+    else if (kv_fmt == F_BF16)
+        ATTEND(F_BF16);
+    else if (kv_fmt == F_F16)
+        ATTEND(F_F16);
+    else
+        ATTEND(F_F32);
+#undef ATTEND
+    free(scores);
+}
+
 /* Every task of the pass, the threads sharing them out as they finish; `write` 0: the rows' keys
- * and values are in the cache already (rows of one sequence, which read each other's). */
+ * and values are in the cache already (rows of one sequence, which read each other's), and a
+ * prompt chunk's rows attend in tiles (attention_tiles), each with the bits it gets alone. */
 static void decode_attention(const float *q, const float *k_new, const float *v_new, long ldq, void *k_cache,
                              void *v_cache, int kv_fmt, const int64_t *tables, long table_stride,
                              const int64_t *positions, long B, long H, long KVH, long D, long P, float scale,
                              float softcap, long window, float *out, long ldo, int threads, int write) {
+    if (!write) { /* rows of one sequence among them: in tiles */
+        long *starts = malloc(sizeof(long) * (B + 1));
+        const long tiles = attention_tiles(tables, table_stride, positions, P, B, starts);
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && tiles * KVH > 1)
+        for (long task = 0; task < tiles * KVH; task++)
+            tile_task(q, ldq, k_cache, v_cache, kv_fmt, tables, table_stride, positions, starts, H, KVH, D, P, scale,
+                      softcap, window, out, ldo, task / KVH, task % KVH);
+        free(starts);
+        return;
+    }
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && B * KVH > 1)
     for (long task = 0; task < B * KVH; task++)
         attention_task(q, k_new, v_new, ldq, k_cache, v_cache, kv_fmt, write, tables, table_stride, positions, H, KVH, D,

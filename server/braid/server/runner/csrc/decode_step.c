@@ -262,9 +262,10 @@ static int add_output(const step_t *s, scratch_t *t, long layer, int group, cons
 /* The layer's attention, one task per (row, KV head) shared out as the threads finish: the task's G
  * query heads and its key head get their RMSNorms (Qwen3, Gemma 3) and RoPE, then attend. Where rows
  * read each other's keys (s->shared: a prompt chunk's rows, or a speculating row's proposals), every
- * key and value is written first, and the threads meet before any row attends; a row's numbers are the
- * same either way, and the same as a decode step's at that position. */
-static void team_attention(const step_t *s, const int64_t *t) {
+ * key and value is written first, and the threads meet before any row attends, one task per (tile of
+ * the tiles decode_step cut, KV head): a row's numbers are the same either way, and the same as a
+ * decode step's at that position. */
+static void team_attention(const step_t *s, const int64_t *t, const long *starts, long tiles) {
     const long D = s->D, KVH = s->KVH, G = s->H / KVH, qd = s->H * D, kvd = KVH * D, width = qd + 2 * kvd;
     const float *q_norm = (const float *)(intptr_t)t[T_Q_NORM], *k_norm = (const float *)(intptr_t)t[T_K_NORM];
     const float *cos_t = (const float *)(intptr_t)t[T_COS], *sin_t = (const float *)(intptr_t)t[T_SIN];
@@ -287,16 +288,16 @@ static void team_attention(const step_t *s, const int64_t *t) {
                            t[T_WINDOW], s->attn, qd, b, h);
     }
     if (!s->shared) return;
-    /* the end of the loop above is the barrier: every key of the pass is in the cache */
+    /* the end of the loop above is the barrier: every key of the pass is in the cache; a prompt
+     * chunk's rows attend in tiles (attention.c) */
 #pragma omp for schedule(dynamic)
-    for (long task = 0; task < s->B * KVH; task++)
-        attention_task(s->qkv, k_new, v_new, width, k_cache, v_cache, s->kv_fmt, 0, s->tables, s->table_stride,
-                       s->positions, s->H, KVH, D, s->page_size, s->scale, s->softcap, t[T_WINDOW], s->attn, qd,
-                       task / KVH, task % KVH);
+    for (long task = 0; task < tiles * KVH; task++)
+        tile_task(s->qkv, width, k_cache, v_cache, s->kv_fmt, s->tables, s->table_stride, s->positions, starts, s->H,
+                  KVH, D, s->page_size, s->scale, s->softcap, t[T_WINDOW], s->attn, qd, task / KVH, task % KVH);
 }
 
 /* One thread's part of the pass. Returns 0, or -1 if it could not allocate a panel buffer. */
-static int run_layers(const step_t *s, scratch_t *t) {
+static int run_layers(const step_t *s, scratch_t *t, const long *starts, long tiles) {
     const long B = s->B, hd = s->hidden, I = s->I, qd = s->H * s->D, width = qd + 2 * s->KVH * s->D;
     int failed = 0;
     for (long layer = 0; layer < s->layers; layer++) {
@@ -305,7 +306,7 @@ static int run_layers(const step_t *s, scratch_t *t) {
 #define F(field) ((int)row[field])
         rms_norm(s->x, hd, P(T_INPUT_NORM), t->h, hd, B, hd, s->eps);
         failed |= team_gemm(s, t, layer, L_QKV, t->h, hd, P(T_QKV), F(T_QKV_FMT), s->qkv, width, B, hd, width, 0, P(T_QKV_BIAS));
-        team_attention(s, row);
+        team_attention(s, row, starts, tiles);
         failed |= add_output(s, t, layer, L_O, s->attn, qd, P(T_O), F(T_O_FMT), P(T_ATTN_OUT_NORM));
         rms_norm(s->x, hd, P(T_POST_NORM), t->h, hd, B, hd, s->eps);
         failed |= team_gemm(s, t, layer, L_GATE_UP, t->h, hd, P(T_GATE_UP), F(T_GATE_UP_FMT), s->gate_up, 2 * I, B, hd, 2 * I, 0, NULL);
@@ -323,6 +324,10 @@ static int run_layers(const step_t *s, scratch_t *t) {
 static int decode_step(const step_t *s) {
     const long qd = s->H * s->D, most = s->hidden > s->I ? s->hidden : s->I, kmax = most > qd ? most : qd;
     int no_scratch = 0, failed = 0;
+    /* where rows read each other's keys, the attention's tiles (attention.c), once for the pass */
+    long *starts = s->shared ? malloc(sizeof(long) * (s->B + 1)) : NULL;
+    if (s->shared && !starts) return -1;
+    const long tiles = s->shared ? attention_tiles(s->tables, s->table_stride, s->positions, s->page_size, s->B, starts) : 0;
 #pragma omp parallel num_threads(s->threads) if (s->threads > 1)
     {
         scratch_t t;
@@ -334,11 +339,12 @@ static int decode_step(const step_t *s) {
         int none; /* every thread runs the layers or none does: the barriers need them all */
 #pragma omp atomic read
         none = no_scratch;
-        if (!none && run_layers(s, &t)) {
+        if (!none && run_layers(s, &t, starts, tiles)) {
 #pragma omp atomic write
             failed = 1;
         }
         free_scratch(&t);
     }
+    free(starts);
     return failed || no_scratch ? -1 : 0;
 }
