@@ -9,6 +9,7 @@ alone (the kernel the pass runs, csrc/attention.c, on one layer's cache with ran
 the layers); the rest of the pass (the linear layers, norms, RoPE, the LM head) is the remainder.
 
     .venv/bin/python benchmarks/prefill.py [--lengths 512,2048,8000] [--repeats 3] [--threads 2]
+    .venv/bin/python benchmarks/prefill.py --kernel   # the attention kernel alone
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from braid.server.config import EngineConfig
 from braid.server.model.loader import default_cache_dir, load
+from braid.server.runner.kernels.pick import kernels_isa
 from braid.server.runner.kernels.step import decode_attention
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
@@ -71,6 +73,28 @@ def attention(
     return wall * decoder.num_layers, cpu * decoder.num_layers
 
 
+def kernel_alone(lengths: list[int], chunk: int, repeats: int) -> None:
+    """The attention of one chunk of rows ending at each length, alone: the embedded model's heads
+    (9 over 3 KV heads of 64), one layer, random caches in fp32 and bf16, one thread; best CPU ms."""
+    heads, kv_heads, d, page = 9, 3, 64, 16
+    torch.set_num_threads(1)
+    print(f"{kernels_isa()} build, one {chunk}-row chunk, one layer, one thread: best of {repeats}, CPU ms\n")
+    print("| cache | chunk ending at | ms |")
+    print("|---|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in lengths:
+            pages = -(-n // page)
+            k_cache, v_cache = (torch.randn(pages, kv_heads, page, d).to(dtype) for _ in range(2))
+            tables, positions = torch.arange(pages).expand(chunk, -1).contiguous(), torch.arange(n - chunk, n)
+            qkv, out = torch.randn(chunk, (heads + 2 * kv_heads) * d), torch.empty(chunk, heads * d)
+            best = float("inf")
+            for _ in range(repeats):
+                cpu = time.process_time()
+                decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, d**-0.5, write=False)
+                best = min(best, time.process_time() - cpu)
+            print(f"| {str(dtype).removeprefix('torch.')} | {n:,} | {best * 1e3:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="512,2048,8000", help="prompt lengths")
@@ -78,8 +102,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=EngineConfig.prefill_chunk)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kernel", action="store_true", help="time the attention kernel alone (kernel_alone)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.kernel:
+        kernel_alone(lengths, args.chunk, args.repeats)
+        return
     config = EngineConfig(
         threads=args.threads, max_seq_len=max(lengths), kv_cache_memory="2GiB", kv_cache_dtype=args.kv_cache_dtype
     )
