@@ -14,6 +14,7 @@ bytes of weights each one reads per decode step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -137,18 +138,25 @@ def _random_folder(architecture: str, shape: dict, tokenizer_folder: Path, out: 
     return out
 
 
-def _save(model, tokenizer_folder: Path, out: Path) -> None:
-    """Saves into a staging folder, then renames it: a half-made folder is never taken for a model."""
+@contextlib.contextmanager
+def _staged(tokenizer_folder: Path, out: Path):
+    """A staging folder to write a model into; with the tokenizer's files added, it is renamed to
+    out when the block ends well: a half-made folder is never taken for a model."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".making-", dir=out.parent))
     try:
-        model.save_pretrained(staging)
+        yield staging
         for name in TOKENIZER_FILES:
             if (tokenizer_folder / name).is_file():
                 shutil.copy2(tokenizer_folder / name, staging / name)
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save(model, tokenizer_folder: Path, out: Path) -> None:
+    with _staged(tokenizer_folder, out) as staging:
+        model.save_pretrained(staging)
 
 
 def smollm_ggufs(llama: llamacpp.LlamaCpp, fp32_folder: Path) -> dict[str, Path]:
@@ -260,9 +268,7 @@ def shape_folder(shape: Shape, tokenizer_folder: Path) -> Path:
     config.architectures = [model_class.__name__]
     with torch.device("meta"):
         names = [(name, tuple(p.shape)) for name, p in model_class(config).named_parameters()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".making-", dir=out.parent))
-    try:
+    with _staged(tokenizer_folder, out) as staging:
         shard: dict = {}
         names_in: list[list[str]] = [[]]  # the tensor names of each shard
         for index, (name, size) in enumerate(names):
@@ -290,12 +296,6 @@ def shape_folder(shape: Shape, tokenizer_folder: Path) -> Path:
         config.dtype = torch.bfloat16
         config.save_pretrained(staging)
         transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(staging)
-        for name in TOKENIZER_FILES:
-            if (tokenizer_folder / name).is_file():
-                shutil.copy2(tokenizer_folder / name, staging / name)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
