@@ -56,6 +56,37 @@ def test_a_forked_server_drains_on_sigterm_and_reports_a_kill_as_popen_does(tiny
     assert forked.wait(30) == -signal.SIGKILL
 
 
+def test_a_forked_server_waited_on_by_two_threads_gives_both_its_exit_code(tiny_dir):
+    """As Popen: deploy/cluster.py's supervisor polls a replica while the test waits for it to exit.
+    The two read the exit line at once, and one failed with "I/O operation on closed file"."""
+    import concurrent.futures
+    import threading
+    import time
+
+    with open(os.devnull, "wb") as devnull:
+        forked = zygote.spawn(["serve", "--model", str(tiny_dir), "--port", "0"], dict(os.environ), devnull.fileno())
+    assert forked is not None
+    ended = threading.Event()
+
+    def poll_until_ended() -> set:
+        seen = set()
+        while not ended.is_set():
+            seen.add(forked.poll())
+        return seen
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        waits = [pool.submit(forked.wait, 60) for _ in range(2)]
+        polls = [pool.submit(poll_until_ended) for _ in range(2)]
+        time.sleep(0.5)  # the waiters into their wait first, so that they race for the exit line
+        forked.send_signal(signal.SIGKILL)
+        try:
+            assert [w.result() for w in waits] == [-signal.SIGKILL] * 2
+        finally:
+            ended.set()
+        assert set().union(*(p.result() for p in polls)) <= {None, -signal.SIGKILL}
+    assert forked.poll() == forked.wait(0) == -signal.SIGKILL
+
+
 def test_a_zygote_started_on_a_thread_outlives_the_thread():
     """A test's first server may start on a thread of its own (conftest.start_together): the zygote
     it starts must serve the rest of the run. It was killed when that thread ended (it asked for

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,25 +43,40 @@ SWITCH = "BRAID_TEST_FORK"
 
 class ForkedProcess:
     """A forked server, as much of subprocess.Popen as the tests use: pid, returncode, poll, wait,
-    send_signal, terminate, kill."""
+    send_signal, terminate, kill; safe from several threads as Popen is (a cluster's supervisor polls
+    a replica while the test waits on it: the two read and closed the exit line at once, and the
+    second got "I/O operation on closed file")."""
 
     def __init__(self, conn: socket.socket, pid: int) -> None:
         self._conn = conn
         self._file = conn.makefile("r")
+        self._lock = threading.Lock()  # held by the one thread reading the exit line
         self.pid = pid
         self.returncode: int | None = None
         self.args = ["braid"]
 
     def poll(self) -> int | None:
-        return self._read(0)
+        if not self._lock.acquire(blocking=False):
+            return self.returncode  # another thread is waiting for it: as Popen.poll, not done yet
+        try:
+            return self._read(0)
+        finally:
+            self._lock.release()
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._read(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        try:
+            code = self._read(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        finally:
+            self._lock.release()
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return code
 
     def _read(self, timeout: float | None) -> int | None:
+        """The exit code, once the zygote has sent it; called with the lock held."""
         if self.returncode is None and select.select([self._conn], [], [], timeout)[0]:
             line = self._file.readline()
             self.returncode = int(line) if line else -signal.SIGKILL  # the zygote died: so did its way to tell
