@@ -35,8 +35,11 @@ DEVICE = "cpu"  # pytest's --device: where every Server runs (braid serve --devi
 # the workers' own reference computations, left more runnable threads than cores, and every pass's
 # OpenMP barriers waited out other processes' time slices. The tests of the threaded kernels pass
 # --threads themselves (and the in-process ones use torch's threads).
+# The same holds for the workers' own torch (the in-process tier's runners and references): each
+# worker's OpenMP pool had a thread per core, two workers four spinning threads on two cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("BRAID_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser) -> None:
