@@ -193,6 +193,20 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
 #undef ROWS
 }
 
+/* CALL(format) with kv_fmt as a constant, one branch per KV-cache format, so that each format's
+ * attention loop is compiled with its reads inlined (attend and attend_tile take it as a constant). */
+#define BY_KV_FORMAT(kv_fmt, CALL)          \
+    do {                                    \
+        if ((kv_fmt) == F_Q8_0)             \
+            CALL(F_Q8_0);                   \
+        else if ((kv_fmt) == F_BF16)        \
+            CALL(F_BF16);                   \
+        else if ((kv_fmt) == F_F16)         \
+            CALL(F_F16);                    \
+        else                                \
+            CALL(F_F32);                    \
+    } while (0)
+
 /* Attention for the decode rows of a pass: each of B sequences has one new token, at position
  * positions[b], with page table tables[b * table_stride ...]. Its key and value (rows of k_new /
  * v_new, KVH heads of D) are written into the cache, and its H query heads (rows of q) attend over
@@ -217,14 +231,7 @@ static void attention_task(const float *q, const float *k_new, const float *v_ne
     float *scores = malloc(sizeof(float) * (G * (L - lo) + (kv_fmt == F_Q8_0) * P * D)), *keys = scores + G * (L - lo);
 #define ATTEND(FMT) attend(qb, kb, vb, k_cache, v_cache, FMT, write, table, lo, L, h, G, KVH, D, P, scale, softcap, \
                            scores, keys, ob)
-    if (kv_fmt == F_Q8_0)
-        ATTEND(F_Q8_0);
-    else if (kv_fmt == F_BF16)
-        ATTEND(F_BF16);
-    else if (kv_fmt == F_F16)
-        ATTEND(F_F16);
-    else
-        ATTEND(F_F32);
+    BY_KV_FORMAT(kv_fmt, ATTEND);
 #undef ATTEND
     free(scores);
 }
@@ -393,14 +400,7 @@ static void tile_task(const float *q, long ldq, const void *k_cache, const void 
     float *oh = out + h * G * D;
 #define ATTEND(FMT) attend_tile(qh, ldq, k_cache, v_cache, FMT, table, positions, b0, R, window, h, G, KVH, D, P, \
                                 scale, softcap, scores, block, oh, ldo)
-    if (kv_fmt == F_Q8_0)
-        ATTEND(F_Q8_0);
-    else if (kv_fmt == F_BF16)
-        ATTEND(F_BF16);
-    else if (kv_fmt == F_F16)
-        ATTEND(F_F16);
-    else
-        ATTEND(F_F32);
+    BY_KV_FORMAT(kv_fmt, ATTEND);
 #undef ATTEND
     free(scores);
 }
