@@ -319,8 +319,7 @@ def write_docs(results: Results, output: Path) -> None:
     plot_path = output.with_suffix(".png")
     has_plot = report.plot(results, plot_path)
     text = report.markdown(results, plot_path.name if has_plot else None)
-    old = output.read_text() if output.is_file() else ""
-    output.write_text(report.with_section(old, report.BENCH_HEADING, text))
+    report.write_section(output, report.BENCH_HEADING, text)
     log(f"wrote the section {report.BENCH_HEADING!r} of {output}" + (f" and {plot_path}" if has_plot else ""))
 
 

@@ -397,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     results = load(args.report_from) if args.report_from else asyncio.run(run_all(args, command.strip()))
     print("\n" + table(results) + "\n")
     if not args.no_docs:
-        old = args.output.read_text() if args.output.is_file() else ""
-        args.output.write_text(report.with_section(old, report.FORMATS_HEADING, markdown(results)))
+        report.write_section(args.output, report.FORMATS_HEADING, markdown(results))
         bench.log(f"wrote the section {report.FORMATS_HEADING!r} of {args.output}")
     return 0
 

@@ -324,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     output = args.output or (bench.DOCS / "benchmarks.md" if judged else None)
     if output is not None:
-        old = output.read_text() if output.is_file() else ""
-        output.write_text(report.with_section(old, HEADING, text))
+        report.write_section(output, HEADING, text)
         bench.log(f"wrote the section {HEADING!r} of {output}")
     missed = [r.label for r in rows if r.met is not True]
     bench.log(

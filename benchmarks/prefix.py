@@ -403,8 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + section)
         return 0
     print("\n" + report.ratio_table(targets(results), issue=13) + "\n")
-    old = args.output.read_text() if args.output.is_file() else ""
-    args.output.write_text(report.with_section(old, report.PREFIX_HEADING, section))
+    report.write_section(args.output, report.PREFIX_HEADING, section)
     bench.log(f"wrote the section {report.PREFIX_HEADING!r} of {args.output}")
     return 0
 

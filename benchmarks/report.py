@@ -53,6 +53,12 @@ def with_others_kept(new: str, old: str) -> str:
     return new
 
 
+def write_section(path: Path, heading: str, body: str) -> None:
+    """Writes `body` as the section `heading` of the file at path (with_section), the rest kept."""
+    old = path.read_text() if path.is_file() else ""
+    path.write_text(with_section(old, heading, body))
+
+
 def with_section(text: str, heading: str, body: str) -> str:
     """`text` with its section `heading` replaced by `body` (which starts with the heading), or with
     `body` appended at the end when it has no such section."""

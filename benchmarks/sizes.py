@@ -554,8 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         results = asyncio.run(run_all(args, command.strip()))
     print("\n" + table(results) + "\n")
     if not args.no_docs:
-        old = args.output.read_text() if args.output.is_file() else ""
-        args.output.write_text(report.with_section(old, report.SIZES_HEADING, markdown(results)))
+        report.write_section(args.output, report.SIZES_HEADING, markdown(results))
         bench.log(f"wrote the section {report.SIZES_HEADING!r} of {args.output}")
     return 0
 
