@@ -238,7 +238,7 @@ def _bf16_builds() -> list[str]:
         if extension.has_bf16_rows():
             builds.append(build)
     if before:
-        extension._cpu_kernels.select_isa(before)
+        extension._cpu_kernels.select_isa(before or ISAS[0])
     return builds
 
 
@@ -331,7 +331,7 @@ def test_a_build_without_avx512_bf16_has_no_bf16_path(isa):
 
 
 @pytest.mark.skipif(not BF16_BUILDS or len(ISAS) < 2, reason=NO_BF16 + ", or no other build to switch to")
-def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them():
+def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them(monkeypatch):
     """A decoder packed while the avx512_bf16 build was selected, run after another build is: the
     one-call step refuses it (it would read the pairs as another layout), it never runs it."""
     from braid.server.model.loader import LoadedModel
@@ -353,7 +353,10 @@ def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them():
         architecture="LlamaForCausalLM",
         eos_token_ids=(2,),
     )
-    extension._cpu_kernels.select_isa(BF16_BUILDS[0])
+    # The runner picks its build as a server does (BRAID_KERNELS_ISA's, which make test's AVX2 rerun
+    # sets, else the best): name the bf16 build there, and put back whichever build ran before.
+    before = extension._cpu_kernels.isa()
+    monkeypatch.setenv(extension.ISA_VARIABLE, BF16_BUILDS[0])
     runner = ModelRunner(
         loaded,
         CPU,
@@ -384,7 +387,7 @@ def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them():
         with pytest.raises(ValueError, match="AVX-512 BF16"):
             decode_step(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     finally:
-        extension._cpu_kernels.select_isa(ISAS[0])
+        extension._cpu_kernels.select_isa(before or ISAS[0])
 
 
 def test_a_quantized_matrix_needs_whole_blocks(isa):
