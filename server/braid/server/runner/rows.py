@@ -4,7 +4,7 @@ engine builds rows without knowing tensors, and the runner never sees a session 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple, Sequence
 
 # Temperatures below this decode greedily, as in vLLM: dividing logits by a temperature near zero
@@ -19,19 +19,47 @@ class Pooling(enum.Enum):
     MEAN = 2  # the mean of every position's
 
 
+class Limits(NamedTuple):
+    """A numeric sampling parameter's accepted values: [lo, hi], or (lo, hi] where lo_open; hi None:
+    the vocabulary's size. zero_unset: the .proto's field is plain proto3, whose 0 cannot be told
+    from unset, so 0 means the default (a new parameter is `optional` there: unset is the default,
+    and 0 is 0)."""
+
+    lo: float
+    hi: float | None
+    lo_open: bool = False
+    zero_unset: bool = False
+
+
+def limits(lo: float, hi: float | None, lo_open: bool = False, zero_unset: bool = False) -> dict[str, Limits]:
+    """A Sampling field's metadata: its Limits, which the front ends read it by and check it against."""
+    return {"limits": Limits(lo, hi, lo_open, zero_unset)}
+
+
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI's
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How a sequence picks its next tokens; ranges already checked. A request's parameters
-    (engine/types.py's SamplingParams) are this and the engine's own fields: a new sampling
-    parameter is a field here and the sampler's use of it."""
+    (engine/types.py's SamplingParams) are this and the engine's own fields.
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    A numeric parameter is declared once, here, with its default and its `limits`: each front end
+    copies it from its request by name (the .proto's field, the HTTP body's) and the shared checks
+    (frontend/checks.py) check it against them, in this order. A new one is its field here, the
+    sampler's use of it, the .proto's field and the OpenAI body's."""
+
+    temperature: float = field(default=0.0, metadata=limits(0.0, MAX_TEMPERATURE))
+    top_p: float = field(default=1.0, metadata=limits(0.0, 1.0, zero_unset=True))
+    top_k: int = field(default=0, metadata=limits(0, None))
+    min_p: float = field(default=0.0, metadata=limits(0.0, 1.0))
+    repetition_penalty: float = field(
+        default=1.0, metadata=limits(0.0, MAX_REPETITION_PENALTY, lo_open=True, zero_unset=True)
+    )
+    presence_penalty: float = field(default=0.0, metadata=limits(-MAX_PENALTY, MAX_PENALTY))
+    frequency_penalty: float = field(default=0.0, metadata=limits(-MAX_PENALTY, MAX_PENALTY))
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids sorted
     seed: int = 0
     logprobs: bool = False  # the sampled token's log probability ...
@@ -45,6 +73,17 @@ class Sampling:
     def num_logprobs(self) -> int | None:
         """None: no log probabilities; k: the sampled token's and the k most likely tokens'."""
         return self.top_logprobs if self.logprobs else None
+
+
+class Ranged(NamedTuple):
+    """A numeric parameter of Sampling, as the front ends read and check it."""
+
+    name: str
+    default: float
+    limits: Limits
+
+
+RANGED = tuple(Ranged(f.name, f.default, f.metadata["limits"]) for f in fields(Sampling) if "limits" in f.metadata)
 
 
 @dataclass(frozen=True)
