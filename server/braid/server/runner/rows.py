@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 # Temperatures below this decode greedily, as in vLLM: dividing logits by a temperature near zero
 # overflows to inf and NaN (1e-38 sampled garbage where 1e-30 was still greedy).
@@ -55,6 +55,8 @@ class Sampling:
     top_p: float = field(default=1.0, metadata=limits(0.0, 1.0, zero_unset=True))
     top_k: int = field(default=0, metadata=limits(0, None))
     min_p: float = field(default=0.0, metadata=limits(0.0, 1.0))
+    # locally typical sampling: the tokens whose surprise is nearest the entropy, up to this mass
+    typical_p: float = field(default=1.0, metadata=limits(0.0, 1.0, lo_open=True))
     repetition_penalty: float = field(
         default=1.0, metadata=limits(0.0, MAX_REPETITION_PENALTY, lo_open=True, zero_unset=True)
     )
@@ -161,3 +163,22 @@ class Sampled(NamedTuple):
     # None); each but the last equals its proposal, so len(more) proposals were accepted
     more: tuple[tuple[int, TokenLogprob | None], ...] = ()
     pooled: list[float] | None = None  # a pooling row's hidden state (Row.pool), float32 values
+
+
+def prompt_row(
+    token_ids: Sequence[int],
+    pages: Sequence[int] | None = None,
+    *,
+    start: int = 0,
+    page_size: int = 16,
+    sample: bool = False,
+    sampling: Sampling = Sampling(),
+    rng: object = None,
+    **fields: Any,
+) -> Row:
+    """A row of prompt tokens at positions [start, start + len), into `pages` (by default the first
+    pages, enough for them at `page_size` positions a page), that samples nothing unless `sample`;
+    `fields`: Row's others (targets, adapter, pool...)."""
+    if pages is None:
+        pages = list(range(-(-(start + len(token_ids)) // page_size)))
+    return Row(pages, start, token_ids, sample, sampling, rng, is_prompt=True, **fields)
