@@ -85,7 +85,11 @@ class Ranged(NamedTuple):
     limits: Limits
 
 
-RANGED = tuple(Ranged(f.name, f.default, f.metadata["limits"]) for f in fields(Sampling) if "limits" in f.metadata)
+RANGED = tuple(
+    Ranged(f.name, getattr(Sampling(), f.name), f.metadata["limits"])
+    for f in fields(Sampling)
+    if "limits" in f.metadata
+)
 
 
 @dataclass(frozen=True)
