@@ -238,6 +238,20 @@ def test_preempted_speculating_sessions_resume_with_the_same_tokens(harness):
         h.close()
 
 
+def test_a_session_preempted_for_an_earlier_rows_pages_takes_none_for_its_proposals():
+    """Two copying sessions in a cache too small for both: the first's new page preempts the
+    second, which was later in the same pass with proposals of its own. It took a page for them
+    anyway, kept it while waiting, and lost it when admitted again (its page table written
+    over): a page leaked at every such preemption, and the books showed a page held with no
+    session running."""
+    small = ScriptedRunner(num_pages=8, page_size=16, next_token=lambda row: 50)
+    with Harness(small, speculative="ngram", prefix_caching="off") as h:
+        handles = [h.submit(" ".join(str(first + i) for i in range(40)), max_new_tokens=30)[0] for first in (100, 300)]
+        h.run()  # the books are checked after every step
+        assert [h.finished(x).reason for x in handles] == [FinishReason.MAX_TOKENS] * 2
+        assert h.books.snapshot().preemptions >= 1 and h.core.pages.num_used == 0
+
+
 # ---- a draft model -----------------------------------------------------------------------------
 
 

@@ -195,6 +195,8 @@ class Scheduler:
         they fit; one preempted leaves the pass (it may be the very session that needed the page).
         Proposals whose pages are not available are dropped first: they never preempt."""
         for i, w in enumerate(work):
+            if w.session.status is not SessionStatus.RUNNING:  # preempted for an earlier one's pages
+                continue
             if w.proposals and not self.pages.grow(w.session, w.num_tokens):
                 work[i] = w = Work(w.session, w.num_tokens - len(w.proposals))
             while w.session.status is SessionStatus.RUNNING and not self.pages.grow(w.session, w.num_tokens):
