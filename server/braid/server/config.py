@@ -216,6 +216,14 @@ class CacheConfig:
             group="serving",
         ),
     )
+    kv_events_buffer: int = field(
+        default=65_536,
+        metadata=_opt(
+            "KV-cache events (SubscribeKvEvents: pages stored and evicted) kept for subscribers that resume "
+            "from a sequence number; one further behind is told to resync",
+            group="serving",
+        ),
+    )
     max_seq_len: int = field(
         default=4096,
         metadata=_opt(
@@ -227,6 +235,7 @@ class CacheConfig:
         _one_of(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         _one_of(self, "prefix_caching", ("on", "off"))
         _positive(self, "max_seq_len")
+        _positive(self, "kv_events_buffer")
         if self.kv_cache_memory != "auto":
             parse_memory(self.kv_cache_memory)
         if self.kv_page_size < 16 or self.kv_page_size % 16:
