@@ -1,4 +1,5 @@
-"""The sampler's edge cases: temperatures so small that dividing by them overflows, bans, seeds."""
+"""The sampler's edge cases: temperatures so small that dividing by them overflows, bans, seeds; typical_p
+against transformers' TypicalLogitsWarper."""
 
 from __future__ import annotations
 
@@ -132,7 +133,17 @@ def test_a_constraint_mask_limits_greedy_and_sampled_rows_but_not_their_logprobs
 
 @pytest.mark.parametrize(
     "params",
-    [dict(top_p=0.9), dict(top_k=40), dict(min_p=0.05), dict(top_p=0.95, top_k=300), dict(), dict(top_p=0.999)],
+    [
+        dict(top_p=0.9),
+        dict(top_k=40),
+        dict(min_p=0.05),
+        dict(top_p=0.95, top_k=300),
+        dict(),
+        dict(top_p=0.999),
+        dict(typical_p=0.9),
+        dict(top_k=40, typical_p=0.5),
+        dict(top_p=0.9, typical_p=0.9),
+    ],
 )
 def test_a_row_drawn_from_its_most_likely_tokens_gets_the_whole_sorted_rows_token(monkeypatch, params):
     """The sampler sorts only a row's CANDIDATES most likely tokens where its kept tokens (top-k,
@@ -156,3 +167,71 @@ def test_a_row_drawn_from_its_most_likely_tokens_gets_the_whole_sorted_rows_toke
         monkeypatch.setattr(sampler, "CANDIDATES", logits.shape[1])
         assert draw(first_seed) == fast
         monkeypatch.undo()
+
+
+def _typical_kept(logits: torch.Tensor, **params) -> torch.Tensor:
+    """The sampler's distribution for each row (temperature 1, then its cuts), over the vocabulary."""
+    from braid.server.runner import sampler
+
+    values, order = logits.sort(dim=-1, descending=True)
+    cuts = sampler.Cuts.of_rows([Sampling(**params)] * len(logits), logits.shape[1], logits.device)
+    probs, _ = sampler.kept(values.log_softmax(dim=-1), cuts)
+    spread = torch.zeros_like(logits).scatter(1, order, probs)
+    return spread / spread.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("mass", [0.05, 0.2, 0.5, 0.9, 0.95, 0.999])
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_typical_p_keeps_what_transformers_typical_warper_keeps(mass, top_k):
+    """On random logits, sharp and flat: the same tokens kept, with the same probabilities, as
+    transformers' TypicalLogitsWarper (after its TopKLogitsWarper, where top_k is set)."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TypicalLogitsWarper
+
+    torch.manual_seed(11)
+    logits = torch.randn(24, 2000) * torch.linspace(0.3, 6.0, 24).unsqueeze(1)
+    theirs = logits.clone()
+    if top_k:
+        theirs = TopKLogitsWarper(top_k)(None, theirs)
+    theirs = TypicalLogitsWarper(mass)(None, theirs).softmax(dim=-1)
+    mine = _typical_kept(logits, top_k=top_k, typical_p=mass)
+    assert torch.equal(mine > 0, theirs > 0)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
+
+
+def test_a_tiny_typical_p_always_draws_the_most_typical_token():
+    """With typical_p near 0 one token is kept, whatever the seed: transformers' pick, which is not
+    the most likely token."""
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    torch.manual_seed(12)
+    logits = torch.randn(4, 500) * 2
+    expected = TypicalLogitsWarper(1e-6)(None, logits.clone()).argmax(dim=-1).tolist()
+    assert expected != logits.argmax(dim=-1).tolist()
+    for seed in range(5):
+        rows = []
+        for i in range(4):
+            sampling = Sampling(temperature=1.0, typical_p=1e-6, seed=seed * 4 + i)
+            rows.append(
+                Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=sampling, rng=random_state(sampling))
+            )
+        assert sample(logits.clone(), rows) == expected
+
+
+def test_typical_p_1_changes_nothing_and_other_rows_typical_p_does_not_reach_a_row():
+    """typical_p=1 keeps every token; and a row's tokens are the same whether or not another row in
+    its pass samples typically."""
+    torch.manual_seed(13)
+    logits = torch.randn(3, 800) * 2
+    plain = _typical_kept(logits, typical_p=1.0)
+    torch.testing.assert_close(plain, logits.softmax(dim=-1))
+
+    def draw(typical_of_first: float) -> list[int]:
+        samplings = [
+            Sampling(temperature=0.9, seed=20 + i, typical_p=typical_of_first if i == 0 else 1.0) for i in range(3)
+        ]
+        return sample(
+            logits.clone(),
+            [Row(pages=[0], start=0, token_ids=[1], sample=True, sampling=s, rng=random_state(s)) for s in samplings],
+        )
+
+    assert draw(0.3)[1:] == draw(1.0)[1:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -141,17 +141,41 @@ def _penalise(logits: torch.Tensor, row: Row) -> None:
 CANDIDATES = 256
 
 
+class Cuts(NamedTuple):
+    """Each row's truncation parameters, [R, 1] tensors (top_k: the vocabulary's size where off)."""
+
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    typical_p: torch.Tensor
+
+    @staticmethod
+    def of_rows(params: Sequence[Sampling], vocab_size: int, device: torch.device) -> Cuts:
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=device).unsqueeze(1)
+
+        return Cuts(
+            column([p.top_k or vocab_size for p in params]),
+            column([p.top_p for p in params]),
+            column([p.min_p for p in params]),
+            column([p.typical_p for p in params]),
+        )
+
+    def of(self, rows: torch.Tensor) -> Cuts:
+        """These rows' parameters (rows: their indices)."""
+        return Cuts(*(t[rows] for t in self))
+
+
 def _draw(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p over the sorted distribution, then one draw per row.
-    A row with a cut is drawn from its CANDIDATES most likely tokens (topk) where its kept tokens end
-    among them; the others from their whole vocabulary sorted; either way with the same numbers, so
-    a row's token does not depend on which it took, nor on the other rows."""
+    """Temperature, then top-k, top-p and min-p over the sorted distribution, then typical
+    sampling over what they keep, then one draw per row. A row with a cut (top-k, top-p, min-p) is
+    drawn from its CANDIDATES most likely tokens (topk) where its kept tokens end among them; the
+    others from their whole vocabulary sorted; either way with the same numbers, so a row's token
+    does not depend on which it took, nor on the other rows."""
     device = logits.device
     params = [row.sampling for row in rows]
     temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    top_k = torch.tensor([p.top_k or logits.shape[1] for p in params], device=device).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
-    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    cuts = Cuts.of_rows(params, logits.shape[1], device)
     u = torch.cat([torch.rand(1, generator=row.rng) for row in rows]).to(device).unsqueeze(1)
 
     scaled = logits / temps
@@ -159,38 +183,60 @@ def _draw(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     tokens = torch.empty(len(rows), dtype=torch.long, device=device)
     inside = torch.zeros(len(rows), dtype=torch.bool, device=device)
     count = min(CANDIDATES, scaled.shape[1])
-    # rows with a cut (top-k, top-p, min-p) try their candidates; the others keep every token
-    cut = ((top_k < scaled.shape[1]) | (top_p < 1) | (min_p > 0))[:, 0].nonzero().squeeze(1)
+    # rows with a cut (top-k, top-p, min-p) try their candidates; the others keep every token (typical
+    # sampling's tokens are not the most likely ones: it needs a cut before it to stay among them)
+    cut = ((cuts.top_k < scaled.shape[1]) | (cuts.top_p < 1) | (cuts.min_p > 0))[:, 0].nonzero().squeeze(1)
     if count < scaled.shape[1] and len(cut):
         values, order = scaled[cut].topk(count, dim=-1)  # sorted, most likely first
-        tokens[cut], inside[cut] = _pick(values, order, lse[cut], top_k[cut], top_p[cut], min_p[cut], u[cut])
+        tokens[cut], inside[cut] = _pick(values, order, lse[cut], cuts.of(cut), u[cut])
     whole = (~inside).nonzero().squeeze(1)  # the rest: the whole row, sorted
     if len(whole):
         values, order = scaled[whole].sort(dim=-1, descending=True)
-        tokens[whole] = _pick(values, order, lse[whole], top_k[whole], top_p[whole], min_p[whole], u[whole])[0]
+        tokens[whole] = _pick(values, order, lse[whole], cuts.of(whole), u[whole])[0]
     return tokens
 
 
 def _pick(
-    values: torch.Tensor,
-    order: torch.Tensor,
-    lse: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    u: torch.Tensor,
+    values: torch.Tensor, order: torch.Tensor, lse: torch.Tensor, cuts: Cuts, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """values [R, C]: each row's C most likely scaled logits, sorted (order: their token ids); lse
     [R, 1]: the log normaliser of the whole row; u [R, 1]: each row's uniform draw. Returns the
     tokens drawn, and per row whether its kept tokens end within the C (where C is not the whole
     vocabulary and they do not, that row's draw is not its distribution's: draw it again from all)."""
-    probs = (values - lse).exp()
-    rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
-    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-    drop = (rank >= top_k) | (before > top_p) | (probs < min_p * probs[:, :1])
-    drop[:, 0] = False  # the most likely token always survives
-    inside = drop[:, -1]
-    probs = probs.masked_fill(drop, 0.0)
+    probs, inside = kept(values - lse, cuts)
     cdf = probs.cumsum(dim=-1)
     choice = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=probs.shape[1] - 1)
     return order.gather(1, choice).squeeze(1), inside
+
+
+def kept(logp: torch.Tensor, cuts: Cuts) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp [R, C]: log probabilities of each row's C most likely tokens, sorted (most likely
+    first). Their probabilities with the dropped ones 0 (not renormalised), and per row whether
+    top-k, top-p and min-p end within the C (typical sampling then keeps fewer)."""
+    probs = logp.exp()
+    rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+    drop = (rank >= cuts.top_k) | (before > cuts.top_p) | (probs < cuts.min_p * probs[:, :1])
+    drop[:, 0] = False  # the most likely token always survives
+    inside = drop[:, -1].clone()  # (typical sampling drops more below)
+    typical = (cuts.typical_p < 1)[:, 0].nonzero().squeeze(1)
+    if len(typical):
+        drop[typical] |= _atypical(logp[typical].masked_fill(drop[typical], float("-inf")), cuts.typical_p[typical])
+    return probs.masked_fill(drop, 0.0), inside
+
+
+def _atypical(logp: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """logp [R, C]: log probabilities (-inf: dropped already); mass [R, 1]. The tokens locally
+    typical sampling drops (Meister et al. 2022), as transformers' TypicalLogitsWarper does after
+    top-k, top-p and min-p: over the kept tokens renormalised, of entropy H, take them in order of
+    |-log p - H| (the nearest to the expected surprise first) until their mass reaches `mass`, and
+    any tied with the last taken. Sums are cumulative, in order, so the C most likely tokens and the
+    whole row (0 beyond them) give the same."""
+    logq = logp - logp.exp().cumsum(dim=-1)[:, -1:].log()  # renormalised over the kept tokens
+    q = logq.exp()
+    entropy = -torch.where(q > 0, q * logq, 0.0).cumsum(dim=-1)[:, -1:]
+    shifted = (-logq - entropy).abs()  # inf where dropped
+    ordered, by_typicality = shifted.sort(dim=-1, stable=True)
+    reached = q.gather(1, by_typicality).cumsum(dim=-1)
+    last = (reached < mass).sum(dim=1, keepdim=True).clamp_(max=shifted.shape[1] - 1)
+    return shifted > ordered.gather(1, last)
