@@ -1,8 +1,9 @@
 """OpenAI's request bodies, as braid reads them (pydantic): the fields of OpenAI's API that braid
 serves, and braid's own extras beside them (top_k, min_p, chat_template_kwargs, ...), as vLLM
-accepts them. A field braid does not know is named by `unknown_fields`: the front end logs it and
-answers with it in a header (vLLM logs them), or refuses it under --strict-request-fields; a field
-braid cannot honour (echo, suffix, best_of > 1, non-text content) is refused naming it."""
+accepts them; a numeric sampling parameter (runner/rows.py's Sampling) is read by its name. A field
+braid does not know is named by `unknown_fields`: the front end logs it and answers with it in a
+header (vLLM logs them), or refuses it under --strict-request-fields; a field braid cannot honour
+(echo, suffix, best_of > 1, non-text content) is refused naming it."""
 
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class _Generation(_Body):
     # braid's extras (vLLM's names where it has them)
     top_k: int | None = None
     min_p: float | None = None
+    typical_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
