@@ -37,6 +37,7 @@ const REQUEST_FLAGS = [
   { field: 'topP', metavar: 'P', help: 'keep the most likely tokens adding up to probability P' },
   { field: 'topK', metavar: 'K', help: 'keep the K most likely tokens' },
   { field: 'minP', metavar: 'P', help: "drop tokens less likely than P times the top token" },
+  { field: 'typicalP', metavar: 'P', help: 'locally typical sampling: keep the tokens nearest the entropy, up to mass P' },
   { field: 'repetitionPenalty', help: 'divide the logits of tokens seen before (0 to 10)' },
   { field: 'presencePenalty', help: "OpenAI's, over generated tokens: -2 to 2" },
   { field: 'frequencyPenalty', help: "OpenAI's, over generated tokens: -2 to 2" },

@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float)
     sampling.add_argument("--top-k", type=int)
     sampling.add_argument("--min-p", type=float)
+    sampling.add_argument("--typical-p", type=float, help="locally typical sampling, in (0, 1]")
     sampling.add_argument("--repetition-penalty", type=float)
     sampling.add_argument("--presence-penalty", type=float, help="OpenAI's, over generated tokens: -2 to 2")
     sampling.add_argument("--frequency-penalty", type=float, help="OpenAI's, over generated tokens: -2 to 2")

@@ -73,6 +73,7 @@ class GenerateParams(TypedDict, total=False):
     tool_choice: ToolChoiceLike | None  # "auto" (the default with tools), "none", "required", a function
     enable_thinking: bool | None  # the chat template's switch: False turns a reasoning model's thinking off
     max_reasoning_tokens: int | None  # a reasoning model's budget: braid closes its reasoning there
+    typical_p: float | None  # locally typical sampling, in (0, 1]; 1 (the default) is off
 
 
 def json_schema(schema: Mapping[str, object] | str) -> pb.Constraint:
