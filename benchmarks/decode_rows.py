@@ -55,12 +55,12 @@ def prefill(runner: ModelRunner, rows: int) -> list[list[int]]:
 
 def one_pass(runner: ModelRunner, tables: list[list[int]], step: int) -> float:
     """Seconds of the step-th decode pass of the rows prefill made (step < 88: the rows' pages)."""
-    batch, _, _ = runner._build(
+    batch = runner.pack(
         [
             Row(pages=table, start=40 + step, token_ids=[100 + step], sample=True, sampling=Sampling(), rng=None)
             for table in tables
         ]
-    )
+    ).batch
     start = time.perf_counter()
     runner.decoder.forward(batch, runner.cache)
     return time.perf_counter() - start

@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> None:
             runner.load_adapter(i + 1, f"a{i}", str(folder), 64)
 
     def forward(batch_rows: list[Row], one_call: bool) -> tuple[torch.Tensor, float, float]:
-        batch, _, _ = runner._build(batch_rows)
+        batch = runner.pack(batch_rows).batch
         decoder.one_call = one_call
         try:
             start, cpu = time.perf_counter(), time.process_time()

@@ -49,7 +49,7 @@ SERVER_BUCKETS = [
     ("the pass's Python around the call", ("_one_call",)),
     ("passes per op (torch's ops: no one C call)", ("Decoder.forward",)),
     ("sampling", ("sampler.py",)),
-    ("batch building (runner)", ("ModelRunner._build", "rows.py")),
+    ("batch building (runner)", ("runner/batch.py", "rows.py")),
     ("runner, other", ("server/runner/",)),
     ("engine (Python: scheduler, sessions, outputs)", ("server/engine/",)),
 ]

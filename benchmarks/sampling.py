@@ -16,7 +16,7 @@ import torch
 from braid.server.model.loader import default_cache_dir, load
 from braid.server.runner import sampler
 from braid.server.runner.model_runner import ModelRunner
-from braid.server.runner.rows import Row, Sampling
+from braid.server.runner.rows import Row, Sampling, prompt_row
 
 SETTINGS = {
     "T 0.8, top_p 0.95": dict(temperature=0.8, top_p=0.95),
@@ -34,16 +34,7 @@ def real_logits(count: int) -> torch.Tensor:
     text = (Path(__file__).parent.parent / "tests" / "data" / "perplexity.txt").read_text()
     ids = model.hf_tokenizer(text)["input_ids"][:count]
     runner = ModelRunner(model, torch.device("cpu"), torch.float32, num_pages=64, max_seq_len=2048)
-    row = Row(
-        pages=list(range(-(-count // 16))),
-        start=0,
-        token_ids=ids,
-        sample=False,
-        sampling=Sampling(),
-        rng=None,
-        is_prompt=True,
-    )
-    batch, _, _ = runner._build([row])
+    batch = runner.pack([prompt_row(ids)]).batch
     batch.logit_rows = torch.arange(count)
     with torch.no_grad():
         return runner.decoder.forward(batch, runner.cache).float()

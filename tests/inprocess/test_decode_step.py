@@ -83,7 +83,7 @@ def _decode(runner: ModelRunner) -> torch.Tensor:
             Row(pages=table, start=len(prompt) + step, token_ids=[token], sample=True, sampling=sampling, rng=None)
             for prompt, table, token in zip(PROMPTS, pages, tokens)
         ]
-        batch, _, _ = runner._build(rows)
+        batch = runner.pack(rows).batch
         logits.append(runner.decoder.forward(batch, runner.cache))
     return torch.stack(logits)
 
@@ -181,7 +181,7 @@ def test_the_step_gives_the_same_bits_on_any_number_of_threads(kind, weights):
 
 
 def _pass(runner: ModelRunner, rows: list[Row]) -> torch.Tensor:
-    batch, _, _ = runner._build(rows)
+    batch = runner.pack(rows).batch
     return runner.decoder.forward(batch, runner.cache)
 
 

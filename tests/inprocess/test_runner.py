@@ -5,38 +5,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from braid.server.model.loader import LoadedModel
+from braid_testing.models import loaded, tiny_model
 from braid.server.runner.kernels import step as kernel_step
 from braid.server.runner.model_runner import ModelRunner
-from braid.server.runner.rows import Row, Sampling
+from braid.server.runner.rows import Row, Sampling, prompt_row
 
 
 @pytest.fixture(scope="module")
-def tiny() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-    )
-    return LlamaForCausalLM(config).eval()
+def tiny():
+    return tiny_model(vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=None)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])
 def runner(request, tiny) -> ModelRunner:
-    model = LoadedModel(
-        hf_model=tiny, hf_tokenizer=None, name="tiny", architecture="LlamaForCausalLM", eos_token_ids=(2,)
-    )
     return ModelRunner(
-        model, torch.device("cpu"), torch.float32, num_pages=4 * PAGES, max_seq_len=2048, allow_kernels=request.param
+        loaded(tiny),
+        torch.device("cpu"),
+        torch.float32,
+        num_pages=4 * PAGES,
+        max_seq_len=2048,
+        allow_kernels=request.param,
     )
 
 
@@ -53,18 +42,9 @@ def _feed(runner: ModelRunner, prompt: list[int], start: int, n: int, slot: int 
     token if that reaches the prompt's end."""
     sampling = Sampling()
     pages = _slot(slot) if isinstance(slot, int) else slot
+    chunk = prompt[start : start + n]
     [token] = runner.run(
-        [
-            Row(
-                pages=pages,
-                start=start,
-                token_ids=prompt[start : start + n],
-                sample=start + n == len(prompt),
-                sampling=sampling,
-                rng=runner.random_state(sampling),
-                is_prompt=True,
-            )
-        ]
+        [prompt_row(chunk, pages, start=start, sample=start + n == len(prompt), rng=runner.random_state(sampling))]
     )
     return token
 
@@ -87,15 +67,7 @@ def test_tokens_come_back_in_the_order_of_the_rows(runner):
     decode = Row(
         pages=_slot(0), start=4, token_ids=[first], sample=True, sampling=sampling, rng=runner.random_state(sampling)
     )
-    chunk = Row(
-        pages=_slot(1),
-        start=0,
-        token_ids=other,
-        sample=True,
-        sampling=sampling,
-        rng=runner.random_state(sampling),
-        is_prompt=True,
-    )
+    chunk = prompt_row(other, _slot(1), sample=True, rng=runner.random_state(sampling))
     mixed = runner.run([decode, chunk])  # the decode row first, packed last
     assert mixed[1] == _feed(runner, other, 0, 3, slot=1)
     assert mixed[0] == runner.run([decode])[0]
@@ -158,14 +130,13 @@ def test_prompt_targets_score_as_transformers_in_chunks_beside_other_rows(runner
     scores = []
     for start, end in ((0, 25), (25, 40)):
         rows = [
-            Row(
-                pages=_slot(0),
+            prompt_row(
+                prompt[start:end],
+                _slot(0),
                 start=start,
-                token_ids=prompt[start:end],
                 sample=end == 40,
                 sampling=sampling,
                 rng=runner.random_state(sampling),
-                is_prompt=True,
                 targets=prompt[start + 1 : min(end, 39) + 1],
             ),
             Row(
@@ -207,7 +178,7 @@ def _peft_folder(path, rank: int, hidden: int = 64, kv: int = 32, seed: int = 0,
 
 
 def _logits(runner: ModelRunner, rows: list[Row]) -> torch.Tensor:
-    batch, _, _ = runner._build(rows)
+    batch = runner.pack(rows).batch
     return runner.decoder.forward(batch, runner.cache)
 
 
@@ -220,20 +191,11 @@ def test_rows_with_adapters_and_without_share_a_pass_and_an_unloaded_adapter_is_
     prompt = [5, 9, 33, 7, 100, 41]
 
     def row(i: int, adapter: int) -> Row:
-        return Row(
-            pages=_slot(i),
-            start=0,
-            token_ids=prompt,
-            sample=True,
-            sampling=Sampling(),
-            rng=None,
-            is_prompt=True,
-            adapter=adapter,
-        )
+        return prompt_row(prompt, _slot(i), sample=True, adapter=adapter)
 
     adapters = [101, 0, 102, 101]  # the runner has pages for 4 sequences
     together = _logits(runner, [row(i, a) for i, a in enumerate(adapters)])
-    # _build groups the rows by adapter: the logits come in that order
+    # pack groups the rows by adapter: the logits come in that order
     order = sorted(range(len(adapters)), key=lambda i: adapters[i])
     for k, i in enumerate(order):
         alone = _logits(runner, [row(0, adapters[i])])[0]
@@ -261,21 +223,7 @@ def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_l
     adapters = [301, 0, 302, 301]
     prompt = [5, 9, 33, 7, 100, 41]
     for i, adapter in enumerate(adapters):
-        _logits(
-            runner,
-            [
-                Row(
-                    pages=_slot(i),
-                    start=0,
-                    token_ids=prompt,
-                    sample=True,
-                    sampling=Sampling(),
-                    rng=None,
-                    is_prompt=True,
-                    adapter=adapter,
-                )
-            ],
-        )
+        _logits(runner, [prompt_row(prompt, _slot(i), sample=True, adapter=adapter)])
 
     def decode(slots: list[int]) -> list[Row]:
         return [
@@ -300,7 +248,7 @@ def test_decode_rows_with_adapters_get_the_same_logits_in_the_one_call_step_as_l
     finally:
         decoder.one_call = was
     assert torch.allclose(one_call, layer_by_layer, atol=1e-4)
-    order = sorted(range(len(adapters)), key=lambda i: adapters[i])  # _build groups rows by adapter
+    order = sorted(range(len(adapters)), key=lambda i: adapters[i])  # pack groups rows by adapter
     for k, i in enumerate(order):
         assert torch.allclose(one_call[k], _logits(runner, decode([i]))[0], atol=1e-4), (i, adapters[i])
     if runner.decoder.one_call:  # x A^T shared out among the threads or done by each: the same bits

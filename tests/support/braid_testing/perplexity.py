@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from braid.server.runner.model_runner import ModelRunner
-from braid.server.runner.rows import Row, Sampling
+from braid.server.runner.rows import prompt_row
 
 
 def perplexity(runner: ModelRunner, token_ids: Sequence[int], chunk: int = 512) -> float:
@@ -24,16 +24,7 @@ def perplexity(runner: ModelRunner, token_ids: Sequence[int], chunk: int = 512) 
     nll = 0.0
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start : start + chunk]
-        row = Row(
-            pages=pages,
-            start=start,
-            token_ids=piece,
-            sample=False,
-            sampling=Sampling(),
-            rng=None,
-            is_prompt=True,
-            targets=ids[start + 1 : start + len(piece) + 1],
-        )
+        row = prompt_row(piece, pages, start=start, targets=ids[start + 1 : start + len(piece) + 1])
         (scored,) = runner.run([row])
         nll -= sum(t.logprob for t in scored.targets)
     return math.exp(nll / (len(ids) - 1))
@@ -43,16 +34,7 @@ def prompt_logits(runner: ModelRunner, token_ids: Sequence[int]) -> torch.Tensor
     """The logits [len(token_ids), V] at every position of token_ids, in fp32: one prompt pass of the
     runner's decoder into the cache's first pages. On an idle runner (it writes them)."""
     ids = list(token_ids)
-    row = Row(
-        pages=list(range(-(-len(ids) // runner.page_size))),
-        start=0,
-        token_ids=ids,
-        sample=False,
-        sampling=Sampling(),
-        rng=None,
-        is_prompt=True,
-    )
-    batch, _, _ = runner._build([row])
+    batch = runner.pack([prompt_row(ids, page_size=runner.page_size)]).batch
     batch.logit_rows = torch.arange(len(ids))
     with torch.no_grad():
         return runner.decoder.forward(batch, runner.cache).float()

@@ -6,8 +6,8 @@ decode step must touch only the new tokens: every sequence of a batch writes its
 place into its own cache pages, and no step re-runs anything already cached.
 
 One forward pass takes a *packed* batch: the new tokens of every sequence side by side, with no
-padding. Linear layers run once over all of them; attention runs per prefill chunk and once, batched,
-over all decoding sequences.
+padding (runner/batch.py). Linear layers run once over all of them; attention (runner/attention.py)
+runs over each row's pages.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from braid.server.runner.attention import Attention, softcap
 from braid.server.runner.batch import ForwardBatch
 from braid.server.runner.families import Family
 from braid.server.runner.kernels.ops import activations_of, TorchOps
 from braid.server.runner.kernels.packing import Linear
-from braid.server.runner.kernels.step import decode_attention, DecodeStep
-from braid.server.runner.kv_cache import KVCache, decode, head_dim, write_rows
+from braid.server.runner.kernels.step import DecodeStep
+from braid.server.runner.kv_cache import KVCache, head_dim
 from braid.server.runner.lora import LoraBase, LoraPass, Target
 from braid.server.runner.precision import Precision, fuse
 
@@ -76,13 +76,15 @@ class Decoder:
         self.activation = family.activation
         self._act = self.ops.activation(family.activation)
         self.embed_scale = cfg.hidden_size**0.5 if family.embed_scale else None
-        self.gemma_attention = family.gemma_attention
         if family.gemma_attention:
             self.scale = cfg.query_pre_attn_scalar**-0.5
             self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         else:
             self.scale, self.attn_softcap, self.final_softcap = self.head_dim**-0.5, None, None
+        self.attention = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.attn_softcap, family.gemma_attention
+        )
         self._step: DecodeStep | None = None  # built on the first pass, for its cache
         self._step_cache: KVCache | None = None
 
@@ -177,7 +179,7 @@ class Decoder:
             q = qkv[:, : heads * d].view(n, heads, d)
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
-            attn = self._attention(i, qkv, q, k, v, batch, cache, rows)  # [N, H * D]
+            attn = self.attention(qkv, q, k, v, batch, cache.k[i], cache.v[i], w.window, rows)  # [N, H * D]
             self._add_output(x, attn, w.o, w.attn_out_norm, lora, i, "o")
             h = self._norm(x, w.post_norm)
             gate_up = w.gate_up(h)
@@ -244,7 +246,7 @@ class Decoder:
         if rows.numel() == 0:
             return x.new_empty(0, self.vocab_size, dtype=torch.float32)
         logits = self.lm_head(self._norm(x[rows], self.final_norm)).float()
-        return logits if self.final_softcap is None else _softcap(logits, self.final_softcap)
+        return logits if self.final_softcap is None else softcap(logits, self.final_softcap)
 
     def _pool(self, x: torch.Tensor, batch: ForwardBatch) -> None:
         """Embeddings: each of batch.pools' spans of the residual stream x after the final norm, its
@@ -297,121 +299,3 @@ class Decoder:
         for begin, count, weight in ((0, heads, w.q_norm), (heads, kv_heads, w.k_norm)):
             part = qkv[:, begin * d : (begin + count) * d]
             part.copy_(self._norm(part.reshape(n * count, d), weight).view(n, count * d))
-
-    def _gemma_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention with the config's scale and soft-capped scores (Family.gemma_attention), as
-        transformers' eager attention. q: [B, H, L, D]; k, v: [B, KVH, T, D]; mask: [..., L, T] bool."""
-        if q.shape[1] != k.shape[1]:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        if self.attn_softcap is not None:
-            scores = _softcap(scores, self.attn_softcap)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
-
-    def _attention(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        batch: ForwardBatch,
-        cache: KVCache,
-        rows: tuple[torch.Tensor, bool] | None,
-    ) -> torch.Tensor:
-        """q, k, v: [N, heads, D] views of qkv [N, (H + 2 KVH) D], after RoPE; rows: the pass's
-        batch.row_tables() where braid's C attention runs, else None. Keys and values are
-        written into the pages first, and attention always reads them back from there, so a prefix
-        read from the cache and one just computed are the same numbers (in the cache's dtype)."""
-        k_cache, v_cache = cache.k[layer], cache.v[layer]  # [pages, KVH, P, D]
-        n, d = q.shape[0], self.head_dim
-        out = torch.empty(n, self.num_heads * d, dtype=q.dtype, device=q.device)
-        if rows is not None:  # braid's C attention, every row's bits its own (batch.row_tables; a chunk's in tiles)
-            tables, shared = rows
-            if shared:  # rows read each other's keys: all written first
-                self._write_keys(k, v, batch.kv_index, k_cache, v_cache)
-            decode_attention(
-                qkv,
-                self.num_heads,
-                k_cache,
-                v_cache,
-                tables,
-                batch.positions,
-                out,
-                self.scale,
-                self.attn_softcap,
-                self.layers[layer].window,
-                write=not shared,
-            )
-            return out
-        self._write_keys(k, v, batch.kv_index, k_cache, v_cache)
-        dec = batch.decode
-        for c in batch.prefills:
-            rows = slice(c.offset, c.offset + c.length)
-            end = c.start + c.length
-            qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-            kc = gather(k_cache, c.pages.unsqueeze(0), end, q.dtype)  # [1, KVH, T, D]
-            vc = gather(v_cache, c.pages.unsqueeze(0), end, q.dtype)
-            if self.gemma_attention:
-                o = self._gemma_attend(qc, kc, vc, _chunk_mask(c.start, c.length, q.device, self.layers[layer].window))
-            elif c.start == 0:
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
-            else:
-                mask = _chunk_mask(c.start, c.length, q.device)
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1).reshape(c.length, -1)
-        if dec is not None:
-            rows = slice(n - dec.count, n)
-            group = self.num_heads // self.num_kv_heads
-            # Grouped-query trick: the `group` query heads that share a KV head become `group` query
-            # rows of that head, so no key or value is ever repeated.
-            qd = q[rows].view(dec.count, self.num_kv_heads, group, d)
-            kd = gather(k_cache, dec.tables, dec.kv_len, q.dtype)  # [B, KVH, T, D]
-            vd = gather(v_cache, dec.tables, dec.kv_len, q.dtype)
-            if self.gemma_attention:
-                o = self._gemma_attend(
-                    qd, kd, vd, _decode_mask(batch.positions[rows], dec.kv_len, self.layers[layer].window)
-                )
-            else:
-                o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask)  # [B, KVH, G, D]
-            out[rows] = o.reshape(dec.count, -1)
-        return out
-
-    def _write_keys(
-        self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> None:
-        """Every row's key and value (k, v: [N, KVH, D]) into the pages, at index (batch.kv_index)."""
-        write_rows(k_cache, index, k.reshape(-1, self.head_dim))
-        write_rows(v_cache, index, v.reshape(-1, self.head_dim))
-
-
-def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    return torch.tanh(x / cap) * cap
-
-
-def gather(cache: torch.Tensor, tables: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, KVH, length, D]: the first `length` positions of each sequence's pages (tables [B, pages]),
-    copied out of the cache [pages, KVH, P, D] (q8_0: its bytes, dequantized) in `dtype` (torch's attention reads one contiguous
-    run per head; braid's C kernel reads the pages in place)."""
-    b = tables.shape[0]
-    _, kv_heads, page_size, row = cache.shape
-    pages = cache[tables[:, : -(-length // page_size)]]  # [B, n, KVH, P, row]
-    return decode(pages.transpose(1, 2).reshape(b, kv_heads, -1, row)[:, :, :length], dtype)
-
-
-def _chunk_mask(start: int, length: int, device: torch.device, window: int | None = None) -> torch.Tensor:
-    """[L, start + L] bool: query i (at position start + i) sees keys at positions <= start + i
-    (and, in a sliding window, > start + i - window)."""
-    keys = torch.arange(start + length, device=device).unsqueeze(0)
-    queries = torch.arange(start, start + length, device=device).unsqueeze(1)
-    return (keys <= queries) & (keys > queries - window) if window else keys <= queries
-
-
-def _decode_mask(positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
-    """[B, 1, 1, T] bool: decode row b (its new token at positions[b]) sees keys at positions
-    <= positions[b] (and, in a sliding window, > positions[b] - window)."""
-    keys = torch.arange(kv_len, device=positions.device).unsqueeze(0)
-    at = positions.unsqueeze(1)
-    seen = (keys <= at) & (keys > at - window) if window else keys <= at
-    return seen.view(positions.shape[0], 1, 1, kv_len)

@@ -123,6 +123,14 @@ class KVCache:
         self.dtype = dtype
 
     @property
+    def num_kv_heads(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    @property
     def nbytes(self) -> int:
         """The memory reserved for the pages, keys and values of every layer."""
         return sum(t.nbytes for t in (*self.k, *self.v))

@@ -9,12 +9,33 @@ do (a mask takes ~20 us, a pass tens of ms). Unconstrained rows never wait for t
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import llguidance
 import llguidance.numpy as lln
 import numpy as np
 import torch
+
+from braid.server.runner.rows import Row
+
+
+@dataclass
+class PassMasks:
+    """The masks of a pass's constrained rows, filled on the masks' thread while the pass runs."""
+
+    constrained: list[int]  # the constrained rows' places among the pass's plain sampling rows
+    filling: concurrent.futures.Future | None  # their masks, in that order (llguidance's bitmask)
+    walks: dict[int, concurrent.futures.Future]  # each constrained speculating row's (Masks.start_walk), by row
+    unpack: Callable[[torch.Tensor], torch.Tensor]  # Masks.unpack, on the model thread
+
+    def allowed(self) -> tuple[list[int], torch.Tensor] | None:
+        """What sampler.sample's `allowed` takes: the constrained rows' places and [C, V] bool masks.
+        Waits for the masks if they are still being filled."""
+        return (self.constrained, self.unpack(self.filling.result())) if self.filling is not None else None
+
+    def walk(self, row: int) -> torch.Tensor | None:
+        return self.walks[row].result() if row in self.walks else None
 
 
 class Masks:
@@ -23,6 +44,19 @@ class Masks:
         self._executor: llguidance.LLExecutor | None = None  # made on first use: its threads
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="braid-masks")
         self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def start_pass(self, rows: Sequence[Row], sampled: Sequence[int]) -> PassMasks:
+        """Starts filling the masks of the constrained rows among `sampled` (the rows of a pass that
+        sample): one mask each for plain rows, a walk along its proposals for a speculating row."""
+        plain = [i for i in sampled if not rows[i].num_proposals]
+        constrained = [k for k, i in enumerate(plain) if rows[i].matcher is not None]
+        filling = self.start([rows[plain[k]].matcher for k in constrained])
+        walks = {
+            i: self.start_walk(rows[i].matcher, rows[i].token_ids[-rows[i].num_proposals :])
+            for i in sampled
+            if rows[i].num_proposals and rows[i].matcher is not None
+        }
+        return PassMasks(constrained, filling, walks, self.unpack)
 
     def start(self, matchers: Sequence[object]) -> concurrent.futures.Future | None:
         """Starts filling the masks of these matchers (one per constrained row), or None if none."""
@@ -60,11 +94,7 @@ class Masks:
             matcher.rollback(consumed)
         return self.unpack(torch.from_numpy(bitmask))
 
-    def allowed(self, filling: concurrent.futures.Future) -> torch.Tensor:
-        """[C, V] bool: the tokens each constrained row may pick (bit i % 32 of word i // 32 of
-        llguidance's int32 bitmask). Waits for the masks if they are still being filled."""
-        return self.unpack(filling.result())
-
     def unpack(self, bits: torch.Tensor) -> torch.Tensor:
+        """[C, V] bool of llguidance's int32 bitmask [C, W]: token i is bit i % 32 of word i // 32."""
         unpacked = (bits.unsqueeze(-1) >> self._shifts) & 1  # [C, W, 32]
         return unpacked.view(bits.shape[0], -1)[:, : self.vocab_size].bool()

@@ -20,7 +20,7 @@ import torch
 
 from braid.server.runner.kv_cache import KVCache, write_rows
 from braid.server.runner.batch import ForwardBatch
-from braid.server.runner.decoder import gather
+from braid.server.runner.attention import gather
 
 
 @dataclass
