@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from braid.server.engine.types import GenerationRequest, InvalidArgument, Message, SamplingParams
+from braid.server.engine.types import RANGED, GenerationRequest, InvalidArgument, Message, SamplingParams
 from braid.server.frontend import checks
 
 VOCAB = 1000
@@ -117,3 +117,36 @@ def test_a_bad_choice_is_named(choices, field):
 def test_choices_become_a_json_list():
     made = checks.choice(["yes", "no"], "constraint.choice.choices")
     assert (made.kind, json.loads(made.text), made.field) == ("choice", ["yes", "no"], "constraint.choice.choices")
+
+
+@pytest.mark.parametrize("param", RANGED, ids=[param.name for param in RANGED])
+def test_each_sampling_parameter_is_checked_against_the_range_it_is_declared_with(param):
+    """temperature, top_p, ..., typical_p: each declared once, with its limits (runner/rows.py's
+    Sampling), and refused just outside them naming itself, in the front end's spelling too."""
+    lo, hi, lo_open, _ = param.limits
+    top = VOCAB if hi is None else hi
+    bracket = "(" if lo_open else "["
+    for value in (lo - 1, top + 1, float("nan")) + ((lo,) if lo_open else ()):
+        with pytest.raises(InvalidArgument) as err:
+            checks.check_request(_request(**{param.name: value}), VOCAB, lambda field: "the " + field)
+        assert (err.value.field, err.value.description) == (
+            "the " + param.name,
+            f"{value} is outside {bracket}{lo}, {top}]",
+        )
+    for value in (top, param.default) + (() if lo_open else (lo,)):
+        checks.check_request(_request(**{param.name: value}), VOCAB)
+
+
+def test_typical_p_is_in_0_to_1_with_0_refused():
+    for value in (0.0, -0.5, 1.5):
+        with pytest.raises(InvalidArgument) as err:
+            checks.check_request(_request(typical_p=value), VOCAB)
+        assert (err.value.field, err.value.description) == ("typical_p", f"{value} is outside (0.0, 1.0]")
+    for value in (1e-6, 0.5, 1.0):
+        checks.check_request(_request(typical_p=value), VOCAB)
+
+
+def test_sampling_values_are_copied_by_name_unset_taking_the_default():
+    given = {"temperature": 0.7, "top_p": 0.0, "repetition_penalty": 0.0, "typical_p": 0.0, "min_p": None}
+    values = checks.sampling_values(given.get)
+    assert values == {param.name: param.default for param in RANGED} | {"temperature": 0.7, "typical_p": 0.0}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from braid.server.engine.types import InvalidArgument
+from braid.server.engine.types import RANGED, InvalidArgument
 from braid.server.frontend import tools
 from braid.server.http.choices import ChatChoice
 from braid.server.http.protocol import ChatRequest, CompletionRequest, shown, unknown_fields
@@ -85,6 +85,8 @@ def test_openai_fields_become_braids_sampling_params():
         (dict(top_logprobs=2), "top_logprobs"),
         (dict(top_k=-1), "top_k"),
         (dict(min_p=2), "min_p"),
+        (dict(typical_p=0), "typical_p"),
+        (dict(typical_p=1.5), "typical_p"),
         (dict(repetition_penalty=-1), "repetition_penalty"),
         (dict(min_tokens=-1), "min_tokens"),
         (dict(stream_options={"include_usage": True}), "stream_options"),
@@ -114,6 +116,7 @@ def test_a_bad_parameter_is_named_as_openai_names_it(body, param):
         (dict(logprobs=50), "logprobs"),
         (dict(prompt=["a", "b"]), "prompt"),
         (dict(max_tokens=-2), "max_tokens"),
+        (dict(typical_p=0.0), "typical_p"),
     ],
 )
 def test_a_bad_completion_parameter_is_named(body, param):
@@ -343,3 +346,13 @@ def test_unknown_fields_are_named_at_any_depth_and_chat_template_kwargs_is_known
     assert json.loads(chat_plan(body, 256, 1000).request.chat_template_kwargs) == {"enable_thinking": False}
     assert chat(max_tokens=3).request.chat_template_kwargs == ""
     assert shown("a\n\u00e9" + "x" * 200) == "a\\n\\u00e9" + "x" * 88 + "..."
+
+
+def test_each_sampling_parameter_is_a_body_field_of_chat_and_completions_read_by_its_name():
+    for model in (ChatRequest, CompletionRequest):
+        missing = [param.name for param in RANGED if param.name not in model.model_fields]
+        assert not missing, f"http/protocol.py's {model.__name__} has no {missing}"
+    assert chat().request.params.typical_p == 1.0
+    assert chat(typical_p=0.5).request.params.typical_p == 0.5
+    completion = completion_plan(CompletionRequest.model_validate({"prompt": "hi", "typical_p": 0.2}), 256, 1000)
+    assert completion.request.params.typical_p == pytest.approx(0.2)  # as the .proto's float32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from braid.server.grpc import convert
-from braid.server.engine.types import InvalidArgument, Priority
+from braid.server.engine.types import RANGED, InvalidArgument, Priority
 from braid.server.frontend import checks
 from braid.v1 import generate_pb2 as pb
 
@@ -38,6 +38,8 @@ def _check(**fields):
         (dict(prompt="a", top_k=-1), "top_k"),
         (dict(prompt="a", top_k=VOCAB + 1), "top_k"),
         (dict(prompt="a", min_p=2.0), "min_p"),
+        (dict(prompt="a", typical_p=0.0), "typical_p"),  # optional: set to 0 is 0, not the default
+        (dict(prompt="a", typical_p=1.5), "typical_p"),
         (dict(prompt="a", repetition_penalty=-1.0), "repetition_penalty"),
         (dict(prompt="a", repetition_penalty=checks.MAX_REPETITION_PENALTY + 1), "repetition_penalty"),
         (dict(prompt="a", stop=["x"] * (checks.MAX_STOP_STRINGS + 1)), "stop"),
@@ -94,3 +96,22 @@ def test_the_earlier_of_the_grpc_deadline_and_timeout_ms_bounds_the_session():
     before = time.monotonic()
     req = convert.request_from_pb(pb.GenerateRequest(prompt="a", timeout_ms=5000), 256, VOCAB, time_remaining=2.0)
     assert 1.5 < req.deadline - before < 2.5
+
+
+def test_typical_p_left_out_is_off_and_set_is_read():
+    assert _check(prompt="a").params.typical_p == 1.0
+    assert _check(prompt="a", typical_p=0.25).params.typical_p == 0.25
+
+
+def test_each_sampling_parameter_is_a_generate_request_field_whose_unset_is_its_default():
+    """The .proto holds every numeric sampling parameter by Sampling's name; where its field is plain
+    proto3 (0 read as unset) and the default is not 0, Sampling says so (zero_unset), and an
+    `optional` field never is: its 0 is 0."""
+    fields = pb.GenerateRequest.DESCRIPTOR.fields_by_name
+    for param in RANGED:
+        assert param.name in fields, f"generate.proto's GenerateRequest has no {param.name}"
+        if fields[param.name].has_presence:
+            assert not param.limits.zero_unset, param.name
+        elif param.default != 0:
+            assert param.limits.zero_unset, param.name
+        assert getattr(_check(prompt="a").params, param.name) == param.default

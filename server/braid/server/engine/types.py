@@ -8,8 +8,11 @@ from typing import Protocol, Sequence
 
 from braid.server.config import Mode as Mode  # re-exported: the engine's types include the modes
 
-# re-exported: the runner's row types a front end reads (a token's logprobs, a LoRA adapter's card),
-# so that the front ends import the engine's types and never the runner
+# re-exported: the runner's row types a front end reads (a token's logprobs, a LoRA adapter's card,
+# the sampling parameters' ranges), so that the front ends import the engine's types and never the runner
+from braid.server.runner.rows import MAX_REPETITION_PENALTY as MAX_REPETITION_PENALTY
+from braid.server.runner.rows import MAX_TEMPERATURE as MAX_TEMPERATURE
+from braid.server.runner.rows import RANGED as RANGED
 from braid.server.runner.rows import AdapterInfo as AdapterInfo
 from braid.server.runner.rows import Pooling as Pooling
 from braid.server.runner.rows import Sampling

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from braid.server.engine.types import Constraint, GenerationRequest, InvalidArgument, Turn, text_bytes
+from braid.server.engine.types import RANGED, Constraint, GenerationRequest, InvalidArgument, Turn, text_bytes
+
+# the sampling parameters' limits are declared with them (runner/rows.py's Sampling); these named here too
+from braid.server.engine.types import MAX_REPETITION_PENALTY as MAX_REPETITION_PENALTY
+from braid.server.engine.types import MAX_TEMPERATURE as MAX_TEMPERATURE
 
 MAX_STOP_STRINGS = 16
 MAX_BAD_WORDS = 64
@@ -24,13 +28,10 @@ MAX_STOP_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_BYTES = 128
 MAX_CACHE_SALT_BYTES = 256
-MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI's
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOP_LOGPROBS = 20
 MAX_SAMPLES = 16
-MAX_TEMPERATURE = 100.0
-MAX_REPETITION_PENALTY = 10.0
 MAX_TEXT_BYTES = 1 << 20  # a prompt, or all messages together
 MAX_TOKEN_IDS = MAX_TEXT_BYTES  # prompt_token_ids, Detokenize's ids: what a text of MAX_TEXT_BYTES may hold
 MAX_CONSTRAINT_BYTES = 64 << 10  # a schema, regex or grammar
@@ -67,13 +68,9 @@ def _check(req: GenerationRequest, vocab_size: int) -> None:
         raise InvalidArgument("min_new_tokens", f"{p.min_new_tokens} is negative")
     if p.min_new_tokens > p.max_new_tokens:
         raise InvalidArgument("min_new_tokens", f"{p.min_new_tokens} is more than max_new_tokens ({p.max_new_tokens})")
-    in_range("temperature", p.temperature, 0.0, MAX_TEMPERATURE)
-    in_range("top_p", p.top_p, 0.0, 1.0)
-    in_range("top_k", p.top_k, 0, vocab_size)
-    in_range("min_p", p.min_p, 0.0, 1.0)
-    in_range("repetition_penalty", p.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True)
-    in_range("presence_penalty", p.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
-    in_range("frequency_penalty", p.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    for param in RANGED:  # temperature, top_p, ...: each against the range it is declared with
+        lo, hi, lo_open, _ = param.limits
+        in_range(param.name, getattr(p, param.name), lo, vocab_size if hi is None else hi, lo_open)
     _logit_bias(p.logit_bias, vocab_size)
     if req.n > MAX_SAMPLES:
         raise InvalidArgument("n", f"{req.n} samples; at most {MAX_SAMPLES}")
@@ -94,6 +91,19 @@ def _check(req: GenerationRequest, vocab_size: int) -> None:
     in_vocabulary("resume_token_ids", req.resume_token_ids, vocab_size)
     if p.max_reasoning_tokens is not None and p.max_reasoning_tokens < 0:
         raise InvalidArgument("max_reasoning_tokens", f"{p.max_reasoning_tokens} is negative")
+
+
+def sampling_values(given: Callable[[str], float | None]) -> dict[str, Any]:
+    """The numeric sampling parameters (temperature, top_p, ...: engine/types.RANGED) of a front
+    end's request, copied by name: given(name) is the request's value, None where it leaves the
+    field unset. Unset is the parameter's default, and so is 0 where the .proto cannot tell 0 from
+    unset (Limits.zero_unset). Nothing is checked here: check_request checks them."""
+    values: dict[str, Any] = {}
+    for param in RANGED:
+        value = given(param.name)
+        unset = value is None or (value == 0 and param.limits.zero_unset)
+        values[param.name] = param.default if unset else value
+    return values
 
 
 def check_request_id(request_id: str) -> None:

@@ -11,6 +11,8 @@ import time
 import uuid
 from typing import Any, Sequence
 
+from google.protobuf import message as protobuf
+
 from braid.server.engine.types import (
     AdapterInfo,
     Constraint,
@@ -80,13 +82,7 @@ def planned_from_pb(
     params = SamplingParams(
         max_new_tokens=req.max_new_tokens or default_max_new_tokens,
         min_new_tokens=req.min_new_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p or 1.0,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
+        **checks.sampling_values(lambda name: _given(req, name)),
         logit_bias=tuple(sorted(req.logit_bias.items())),
         seed=req.seed if req.HasField("seed") else secrets.randbits(63),
         stop=tuple(req.stop),
@@ -125,6 +121,14 @@ def planned_from_pb(
         raise InvalidArgument("priority", f"{req.priority} is not a Priority")
     request = dataclasses.replace(request, constraint=constraint_from_pb(req))
     return tool_plan.plan_tools(request, *tools_from_pb(req), takes_tools=takes_tools)
+
+
+def _given(req: protobuf.Message, name: str) -> float | None:
+    """A sampling parameter's field (checks.sampling_values): its value, or None where the field
+    has presence (proto3 `optional`) and is unset."""
+    value: float = getattr(req, name)
+    has_presence = req.DESCRIPTOR.fields_by_name[name].has_presence
+    return value if not has_presence or req.HasField(name) else None
 
 
 def tools_from_pb(req: pb.GenerateRequest) -> tuple[list[dict[str, Any]], str | None, str | None, bool]:

@@ -174,7 +174,6 @@ def _generation_request(
     for param, bounds, value in (
         (max_name, _INT32, max_tokens or 0),
         ("min_tokens", _INT32, body.min_tokens),
-        ("top_k", _INT32, body.top_k or 0),
         ("n", _UINT32, n),
         ("seed", _UINT64, body.seed or 0),
         ("top_logprobs" if is_chat else "logprobs", _UINT32, top_logprobs),
@@ -184,13 +183,7 @@ def _generation_request(
     params = SamplingParams(
         max_new_tokens=max_tokens or default_max_new_tokens,
         min_new_tokens=body.min_tokens,
-        temperature=_float32(OPENAI_TEMPERATURE if body.temperature is None else body.temperature),
-        top_p=_float32(1.0 if body.top_p is None else body.top_p) or 1.0,
-        top_k=body.top_k or 0,
-        min_p=_float32(body.min_p or 0.0),
-        repetition_penalty=_float32(body.repetition_penalty or 0.0) or 1.0,
-        presence_penalty=_float32(body.presence_penalty or 0.0),
-        frequency_penalty=_float32(body.frequency_penalty or 0.0),
+        **checks.sampling_values(functools.partial(_given, body)),
         logit_bias=tuple(sorted((token, _float32(bias)) for token, bias in logit_bias.items())),
         seed=secrets.randbits(63) if body.seed is None else body.seed,
         stop=tuple(stop),
@@ -214,6 +207,15 @@ def _generation_request(
     spelling = functools.partial(openai_name, max_name=max_name, is_chat=is_chat, ids_name=ids_name)
     checks.check_request(req, vocab_size, spelling)
     return req
+
+
+def _given(body: ChatRequest | CompletionRequest, name: str) -> float | None:
+    """A sampling parameter of the body by its name (checks.sampling_values), as the .proto would
+    hold it: an integer within int32, a float as float32. Left out, temperature is OpenAI's default."""
+    value = getattr(body, name)
+    if value is None:
+        return OPENAI_TEMPERATURE if name == "temperature" else None
+    return _fits(name, _INT32, value) if isinstance(value, int) else _float32(value)
 
 
 # The .proto's types, as gRPC's wire holds each field: an integer out of its type is refused naming
