@@ -73,6 +73,7 @@ def run(
             handles += harness.submit(r.pop("prompt", ""), messages=messages, **r)
         harness.run()
         assert harness.core.pages.num_used == 0 and not harness.core.sessions
+        assert not any(harness.core.kept().values()), harness.core.kept()  # every session's state freed
         outcomes = []
         for h in handles:
             events = harness.events[h.session_id]

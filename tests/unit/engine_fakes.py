@@ -16,6 +16,7 @@ from braid.server.config import EngineConfig
 from braid.server.engine.client import EngineClient, ToLoop, apply
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import (
+    Constraint,
     Delta,
     Event,
     Finished,
@@ -172,9 +173,11 @@ class Harness:
         messages: Sequence[Message] = (),
         prompt_token_ids: Sequence[int] = (),
         cache_salt: str = "",
+        matcher=None,
         **params,
     ) -> list[SessionHandle]:
-        """A request queued as the edge queues it (its sessions added to the core)."""
+        """A request queued as the edge queues it (its sessions added to the core). matcher: a
+        constraint's compiled matcher (the request then has a json_object constraint)."""
         request = GenerationRequest(
             prompt=prompt,
             messages=tuple(messages),
@@ -186,20 +189,23 @@ class Harness:
             deadline=deadline,
             adapter=adapter,
             cache_salt=cache_salt,
+            constraint=None if matcher is None else Constraint("json_object", "", "constraint.json_object"),
         )
         ticket = self.client.admit(prompt, request.messages, token_ids=request.prompt_token_ids)
-        handles = self.client.submit(ticket, request, self.loop)
+        handles = self.client.submit(ticket, request, self.loop, matcher)
         for h in handles:
             self.events.setdefault(h.session_id, [])
         self._collect(self.core.take_events())
         return handles
 
     def step(self, dt: float = 0.001) -> bool:
-        """One step, `dt` seconds after the last; its events sorted by session. True if it ran a pass."""
+        """One step, `dt` seconds after the last; its events sorted by session. True if it ran a pass.
+        After it the books balance, and no component keeps state for a session that has ended."""
         self.now += dt
         step = self.core.step(self.now)
         self._collect(step.events)
         assert self.core.books_balance() == (0, 0, 0), self.core.books_balance()
+        assert not self.core.leftovers(), self.core.leftovers()
         return step.ran
 
     def run(self, max_steps: int = 10_000) -> int:
@@ -214,6 +220,7 @@ class Harness:
     def abort(self, handle: SessionHandle, reason) -> None:
         self.core.abort(handle.session_id, reason)
         self._collect(self.core.take_events())
+        assert not self.core.leftovers(), self.core.leftovers()
 
     def _collect(self, events: list[tuple[SessionHandle, Event]]) -> None:
         """Records the events as a client that reads everything at once (no session is paused for

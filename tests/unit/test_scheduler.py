@@ -45,7 +45,7 @@ def test_a_paused_session_does_not_hold_back_the_next(mode):
     first.num_cached = first.num_prompt
     sched.add(second)
     assert [w.session for w in sched.schedule(now=2.0)] == [first]  # one at a time / until the batch drains
-    first.paused = True
+    sched.pause(first)
     assert [w.session for w in sched.schedule(now=3.0)] == [second]
     assert first.status is SessionStatus.RUNNING and first.pages  # keeps its pages
 
@@ -59,7 +59,7 @@ def test_paused_sessions_sit_out_every_pass(mode):
     for step in range(len(sessions)):  # sequential admits the next each time the running one pauses
         sched.schedule(now=10.0 + step)
         for s in sched.running:
-            s.paused = True
+            sched.pause(s)
     assert len(sched.running) == 3 and sched.schedule(now=20.0) == []
 
 
@@ -69,7 +69,7 @@ def test_interleaved_turns_go_round_the_runnable_sessions_only():
     for s in sessions:
         sched.add(s)
     sched.schedule(now=1.0)
-    sessions[1].paused = True
+    sched.pause(sessions[1])
     picked = {sched.schedule(now=2.0 + t)[0].session.id for t in range(6)}
     assert picked == {0, 2}
 

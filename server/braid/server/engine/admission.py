@@ -15,11 +15,12 @@ from typing import Callable, Sequence
 
 from braid.server.engine.adapters import Adapters
 from braid.server.engine.books import Books, Ticket
+from braid.server.engine.constraints import check_resumed
 from braid.server.engine.detokenizer import IdsOnly, IncrementalDetokenizer, detokenize
 from braid.server.engine.embedding import Embedding
 from braid.server.engine.grammars import Grammars, Matcher
 from braid.server.engine.handle import SessionHandle
-from braid.server.engine.session import Session
+from braid.server.engine.session import NO_FEATURES, Features, Session
 from braid.server.engine.reasoning import Reasoning
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import (
@@ -47,15 +48,16 @@ class Admission:
         books: Books,
         random_state: Callable[[Sampling, int], object],
         grammars: Grammars,
-        enqueue: Callable[[Session], None],
+        enqueue: Callable[[Session, Features], None],
         abort: Callable[[int, FinishReason], None],
         wake: Callable[[], None],
         is_open: Callable[[], str | None],
         adapters: Adapters | None = None,
     ) -> None:
         """random_state: the runner's, for a session's Row.rng (advanced by a number of draws);
-        is_open: None while sessions may be admitted, else why not; adapters: the LoRA adapters a
-        request may name (none without)."""
+        enqueue: hands a session and its features' state to the model thread; is_open: None while
+        sessions may be admitted, else why not; adapters: the LoRA adapters a request may name
+        (none without)."""
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.books = books
@@ -99,7 +101,7 @@ class Admission:
         if request.constraint is None:
             return None
         matcher = self.grammars.matcher(request.constraint)
-        _check_resumed(request, matcher, self.tokenizer.eos_token_ids)
+        check_resumed(request, matcher, self.tokenizer.eos_token_ids)
         return matcher
 
     def submit(
@@ -116,13 +118,13 @@ class Admission:
             raise ValueError("a request with a constraint is submitted with its compiled matcher")
         try:
             first = self._session(request, loop, matcher)
-            sessions = [first] + [self._fork(first, i, loop) for i in range(1, request.n)]
+            sessions = [first] + [self._fork(*first, i, loop) for i in range(1, request.n)]
             ticket.release(submitted=len(sessions))  # counted before the model thread can finish them
         finally:
             ticket.release()
-        for session in sessions:
-            self._enqueue(session)
-        return [s.handle for s in sessions]
+        for session, features in sessions:
+            self._enqueue(session, features)
+        return [s.handle for s, _ in sessions]
 
     def admit_embedding(self, request: EmbeddingRequest) -> Ticket:
         """An Embed call's place in the queue (cheap: on the event loop); its inputs' lengths are
@@ -148,7 +150,7 @@ class Admission:
         finally:
             ticket.release()
         for session in sessions:
-            self._enqueue(session)
+            self._enqueue(session, NO_FEATURES)
         return [s.handle for s in sessions]
 
     def _embedding_input(self, request: EmbeddingRequest, i: int, field: str) -> tuple[list[int], int]:
@@ -192,9 +194,12 @@ class Admission:
             embedding=Embedding(request.pooling or pooling, request.normalize, request.dimensions),
         )
 
-    def _fork(self, first: Session, index: int, loop: asyncio.AbstractEventLoop) -> Session:
-        """Sample `index` of first's request: the same prompt and parameters, seed + index. It is
-        held until first has computed the prompt, then finds its pages in the prefix cache."""
+    def _fork(
+        self, first: Session, features: Features, index: int, loop: asyncio.AbstractEventLoop
+    ) -> tuple[Session, Features]:
+        """Sample `index` of first's request: the same prompt and parameters, seed + index, and
+        features of its own. It is held until first has computed the prompt, then finds its pages
+        in the prefix cache."""
         params = dataclasses.replace(first.params, seed=(first.params.seed + index) % 2**64)
         if self.adapters is not None:
             self.adapters.retain(first.adapter)
@@ -202,7 +207,7 @@ class Admission:
         handle = SessionHandle(
             session_id, first.handle.request_id, params.seed, first.num_prompt, loop, self._abort, self._wake
         )
-        return dataclasses.replace(
+        session = dataclasses.replace(
             first,
             id=session_id,
             params=params,
@@ -214,13 +219,13 @@ class Admission:
             token_ids=[],
             pages=[],
             page_keys=[],
-            pending_ids=[],
-            pending_logprobs=[],
             prompt_scores=None,
-            matcher=first.matcher.deep_copy() if first.matcher else None,
-            reasoning=Reasoning(first.reasoning.markers, first.prompt_ids, params.max_reasoning_tokens)
-            if first.reasoning is not None
-            else None,
+        )
+        matcher, reasoning = features.matcher, features.reasoning
+        return session, dataclasses.replace(
+            features,
+            matcher=matcher.deep_copy() if matcher is not None else None,
+            reasoning=None if reasoning is None else Reasoning(reasoning.markers, first.prompt_ids, reasoning.budget),
         )
 
     def tokenize(
@@ -252,7 +257,9 @@ class Admission:
             return IdsOnly()
         return IncrementalDetokenizer(self.tokenizer.decode, prompt_ids, params.stop, params.include_stop_sequence)
 
-    def _session(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, matcher: Matcher | None) -> Session:
+    def _session(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, matcher: Matcher | None
+    ) -> tuple[Session, Features]:
         prompt_ids, truncated = self._encode(request)
         params = self._fit(request, prompt_ids)
         resumed = request.resume_token_ids
@@ -266,7 +273,7 @@ class Admission:
         handle = SessionHandle(
             session_id, request.request_id, params.seed, len(prompt_ids), loop, self._abort, self._wake
         )
-        return Session(
+        session = Session(
             adapter=adapter,
             adapter_key=adapter_key,
             id=session_id,
@@ -275,7 +282,6 @@ class Admission:
             rng=self._random_state(params, len(resumed)),
             handle=handle,
             detokenizer=self._detokenizer(prompt_ids, params),
-            resumed=list(resumed),
             deadline=request.deadline,
             priority=request.priority,
             arrived=handle.arrived,
@@ -283,9 +289,12 @@ class Admission:
             truncated_tokens=truncated,
             bad_words=self.tokenizer.encode_words(params.bad_words) if params.bad_words else (),
             prompt_scores=[] if params.prompt_logprobs else None,
+        )
+        return session, Features(
             matcher=matcher,
             constraint_field=request.constraint.field if request.constraint else "",
             reasoning=self._reasoning(request, prompt_ids, params),
+            resumed=tuple(resumed),
         )
 
     def _reasoning(
@@ -379,19 +388,3 @@ def _prompt_field(request: GenerationRequest) -> str:
     if request.prompt_token_ids:
         return "prompt_token_ids"
     return "messages" if request.messages else "prompt"
-
-
-def _check_resumed(request: GenerationRequest, matcher: Matcher, eos_token_ids: Sequence[int]) -> None:
-    """resume_token_ids must be output the constraint allows: walked in a copy of the matcher as
-    the model thread will replay them (a stop token or a completing end-of-sequence ends them)."""
-    if not request.resume_token_ids:
-        return
-    walk = matcher.deep_copy()
-    for i, token in enumerate(request.resume_token_ids):
-        if token in request.params.stop_token_ids or (token in eos_token_ids and walk.is_accepting()):
-            return
-        if not walk.consume_token(token):
-            raise InvalidArgument(
-                "resume_token_ids",
-                f"token {i} ({token}) is not output the request's constraint allows after the ones before it",
-            )

@@ -23,7 +23,7 @@ from braid.server.engine.core import EngineCore
 from braid.server.engine.grammars import Grammars
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.ports import Runner
-from braid.server.engine.session import Session
+from braid.server.engine.session import NO_FEATURES, Features, Session
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import EmbeddingRequest, FinishReason, ModelInfo
 
@@ -33,6 +33,7 @@ ALL_SESSIONS = -1
 @dataclass
 class Add:
     session: Session
+    features: Features = NO_FEATURES  # its per-feature state, for the components that own them
 
 
 @dataclass
@@ -57,7 +58,7 @@ def apply(core: EngineCore, message: ToLoop) -> bool:
     if isinstance(message, Stop):
         return False
     if isinstance(message, Add):
-        core.add(message.session)
+        core.add(message.session, message.features)
     elif isinstance(message, Abort) and message.session_id == ALL_SESSIONS:
         core.abort_all(message.reason)
     elif isinstance(message, Abort):
@@ -105,7 +106,7 @@ class EngineClient:
             self.books,
             runner.random_state,
             grammars,
-            enqueue=lambda s: post(Add(s)),
+            enqueue=lambda s, features: post(Add(s, features)),
             abort=lambda session_id, reason: post(Abort(session_id, reason)),
             wake=lambda: post(Wake()),
             is_open=self._closed_because,

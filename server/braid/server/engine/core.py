@@ -9,8 +9,10 @@ An embedding (engine/embedding.py) is a session like any other to the scheduler:
 in chunks, in every mode, whose rows pool the hidden state instead of sampling; it ends, with its
 vector, once its prompt is computed.
 
-It owns the scheduler, the KV cache's pages, the output and the books' model-thread side. It has
-no thread, no inbox and no event loop: engine/engine.py runs it on the model thread, and the tests
+It owns the scheduler, the KV cache's pages, the output, the books' model-thread side, and the
+components that keep each feature's per-session state (constraints, reasonings, the speculator),
+whose entries it frees when a session ends, however it ends (`leftovers` checks). It has no thread,
+no inbox and no event loop: engine/engine.py runs it on the model thread, and the tests
 run it with a scripted runner (tests/unit/engine_fakes.py), a step at a time.
 """
 
@@ -24,15 +26,16 @@ from typing import Sequence
 from braid.server.config import EngineConfig
 from braid.server.engine.adapters import Adapters
 from braid.server.engine.books import Books
-from braid.server.engine.grammars import short
+from braid.server.engine.constraints import Constraints
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.observer import EngineObserver, NoObserver
 from braid.server.engine.output import Output
 from braid.server.engine.kv_events import KvEventLog
 from braid.server.engine.pages import Pages
 from braid.server.engine.ports import Runner
+from braid.server.engine.reasoning import Reasonings
 from braid.server.engine.scheduler import Scheduler, Work
-from braid.server.engine.session import Session, SessionStatus
+from braid.server.engine.session import NO_FEATURES, Features, Session, SessionStatus
 from braid.server.engine.speculation import DraftProposer, NgramProposer, Speculator
 from braid.server.engine.types import Event, FinishReason, Pooling
 from braid.server.runner.rows import Row, Sampled
@@ -74,9 +77,13 @@ class EngineCore:
             if config.speculative == "draft" and draft is not None
             else None
         )
-        self.speculator = Speculator(proposer, config.speculative_tokens, self.max_seq_len) if proposer else None
+        self.reasonings = Reasonings()
+        self.constraints = Constraints(self.reasonings)
+        self.speculator = (
+            Speculator(proposer, config.speculative_tokens, self.max_seq_len, self.constraints) if proposer else None
+        )
         self.scheduler = Scheduler(config, self.pages, self.speculator)
-        self.output = Output(self.eos_token_ids, self.max_seq_len)
+        self.output = Output(self.eos_token_ids, self.max_seq_len, self.constraints, self.reasonings)
         self.books = books
         self.observer: EngineObserver = NoObserver()
         self.sessions: dict[int, Session] = {}
@@ -87,14 +94,19 @@ class EngineCore:
 
     # ---- sessions in --------------------------------------------------------------------------
 
-    def add(self, session: Session) -> None:
-        """Queues a session (a resumed one replays its delivered tokens first, and may end there)."""
+    def add(self, session: Session, features: Features = NO_FEATURES) -> None:
+        """Queues a session, its features' state given to their components (a resumed one replays
+        its delivered tokens first, and may end there)."""
         self.sessions[session.id] = session
         self._num_added += 1
+        if features.reasoning is not None:
+            self.reasonings.add(session.id, features.reasoning)
+        if features.matcher is not None:
+            self.constraints.add(session.id, features.matcher, features.constraint_field)
         self.scheduler.add(session)
-        reason = self.output.replay(session)
+        reason = self.output.replay(session, features.resumed)
         if reason is FinishReason.INVALID_REQUEST:  # admission checks them first: a backstop
-            self._finish(session, reason, constraint_failure(session), "resume_token_ids")
+            self._finish(session, reason, self.constraints.failure(session)[0], "resume_token_ids")
         elif reason is not None:  # the resumed tokens had ended it already
             self._finish(session, reason)
 
@@ -121,7 +133,7 @@ class EngineCore:
         now = time.monotonic() if now is None else now
         self._expire(now)
         paused = self._pause_backlogged()
-        work = self.scheduler.schedule(now)  # sessions it admits start unpaused
+        work = self.scheduler.schedule(now)  # sessions it admits (or preempts) are not paused
         self._report_queue(now)
         self._num_preemptions += len(self.scheduler.take_preempted())
         self.books.set_running(len(self.scheduler.running), paused, self._cache_stats())
@@ -149,9 +161,11 @@ class EngineCore:
         """A session whose client has not taken MAX_UNSENT_TOKENS of its output sits out the passes
         (keeping its slot) until the client reads: a client that never reads costs no compute.
         Returns how many are paused."""
+        self.scheduler.paused.clear()
         for s in self.scheduler.running:
-            s.paused = s.handle.is_backlogged()
-        return sum(s.paused for s in self.scheduler.running)
+            if s.handle.is_backlogged():
+                self.scheduler.pause(s)
+        return len(self.scheduler.paused)
 
     def _report_queue(self, now: float) -> None:
         """Queue positions for the waiting sessions that asked (interactive ones first, as admitted)."""
@@ -189,7 +203,8 @@ class EngineCore:
         start = s.num_cached
         end = start + w.num_tokens - len(w.proposals)  # the session's own tokens; then the proposals
         banned: tuple[int, ...] = ()
-        if s.num_generated < p.min_new_tokens and s.constraint is None:  # a constraint says where it may end
+        matcher = self.constraints.of(s)
+        if s.num_generated < p.min_new_tokens and matcher is None:  # a constraint says where it may end
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
         if s.bad_words and end == len(s.token_ids):
             banned += tuple(s.banned_by_bad_words())
@@ -206,7 +221,7 @@ class EngineCore:
             banned=banned,
             is_prompt=s.is_prefilling,
             targets=s.prompt_targets(start, end),
-            matcher=s.constraint if sample else None,
+            matcher=matcher if sample else None,
             adapter=s.adapter,
             num_proposals=len(w.proposals),
             pool=_pool(s, end),
@@ -237,7 +252,8 @@ class EngineCore:
                 continue
             if s.first_token is None:
                 s.first_token = now
-            if s.reasoning is not None and s.reasoning.forced():  # at its budget: closed instead
+            reasoning = self.reasonings.of(s)
+            if reasoning is not None and reasoning.forced():  # at its budget: closed instead
                 self._end_if(s, self.output.add_forced(s, sampled.logprob is not None))
             else:
                 self._end_if(s, self.output.add_token(s, sampled.token, sampled.logprob))
@@ -269,8 +285,9 @@ class EngineCore:
         self.speculator.verified(self.speculator.of(s), len(w.proposals), accepted)
         fed = w.num_tokens - len(w.proposals)
         reason, taken, forced = None, 0, False
+        reasoning = self.reasonings.of(s)
         for token, logprob in picked:
-            if s.reasoning is not None and s.reasoning.forced():
+            if reasoning is not None and reasoning.forced():
                 # at its budget the reasoning closes with its end marker, which is no proposal: the
                 # token sampled here, and the rest, are dropped (the end marker's keys come next pass)
                 reason, forced = self.output.add_forced(s, logprob is not None), True
@@ -279,7 +296,7 @@ class EngineCore:
             taken += 1
             # a reasoning that closes ends what the pass verified: its constraint (if any) did not
             # check the tokens after, and a forced end marker must not follow them
-            if reason is not None or (s.reasoning is not None and s.reasoning.closed_now):
+            if reason is not None or (reasoning is not None and reasoning.closed_now):
                 break
         # named pages are keyed by the tokens they hold: counted computed only once they are appended;
         # a session that goes on feeds its last token next pass (unless forced tokens follow it)
@@ -291,7 +308,7 @@ class EngineCore:
 
     def _end_if(self, s: Session, reason: FinishReason | None) -> None:
         if reason is FinishReason.INVALID_REQUEST:  # only a constraint's matcher refuses a token
-            self._finish(s, reason, constraint_failure(s), s.constraint_field)
+            self._finish(s, reason, *self.constraints.failure(s))
         elif reason is not None:
             self._finish(s, reason)
 
@@ -305,8 +322,29 @@ class EngineCore:
         self._num_finished += 1
         if s.adapter and self.adapters is not None:
             self.adapters.release(s.adapter)
-        self.observer.on_finish(self.output.finish(s, reason, error, field, speculation))
+        finished = self.output.finish(s, reason, error, field, speculation)  # its last text, split by its reasoning
+        self.constraints.release(s)
+        self.reasonings.release(s)
+        self.observer.on_finish(finished)
         self.books.finish(reason, active=len(self.scheduler.running), cache=self._cache_stats())
+
+    def kept(self) -> dict[str, set[int]]:
+        """The ids of the sessions each component keeps per-feature state for."""
+        speculator = self.speculator.session_ids() if self.speculator is not None else set()
+        return dict(
+            constraints=self.constraints.session_ids(),
+            reasonings=self.reasonings.session_ids(),
+            speculator=speculator,
+            output=self.output.session_ids(),
+            paused=set(self.scheduler.paused),
+        )
+
+    def leftovers(self) -> dict[str, set[int]]:
+        """The ids of sessions that have ended whose state a component still keeps, by component:
+        {} while every component frees a session's entries when it ends, however it ends. A few
+        set operations per session: for tests, which check it after every step."""
+        held = set(self.sessions)
+        return {name: ids - held for name, ids in self.kept().items() if ids - held}
 
     # ---- the books ---------------------------------------------------------------------------
 
@@ -350,9 +388,3 @@ def _pool(s: Session, end: int) -> Pooling | None:
     if s.embedding.pooling is Pooling.MEAN or end == s.num_prompt:
         return s.embedding.pooling
     return None
-
-
-def constraint_failure(s: Session) -> str:
-    """Why a session's constraint refused a token, short enough for a gRPC status."""
-    error = s.matcher.get_error() if s.matcher is not None else None
-    return "goes past the constraint engine's limits: " + short(error or "a token was refused")

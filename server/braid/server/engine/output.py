@@ -1,13 +1,17 @@
 """A session's output: stop rules, text that is safe to send, and the events that carry them to
-the session's event loop, one wake-up per loop per step."""
+the session's event loop, one wake-up per loop per step. Its per-session state (tokens not yet in
+an event, the last queue position sent) is kept by session id until the session ends."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from braid.server.engine.constraints import Constraints
 from braid.server.engine.handle import SessionHandle
+from braid.server.engine.reasoning import Reasonings
 from braid.server.engine.session import Session
 from braid.server.engine.types import Delta, Event, Finished, FinishReason, Queued, Timings
 from braid.server.runner.rows import TokenLogprob
@@ -16,22 +20,37 @@ if TYPE_CHECKING:
     from braid.server.engine.speculation import Speculation
 
 
+@dataclass
+class _Unsent:
+    """A session's generated tokens not yet in a Delta, and their logprobs where asked for."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
 class Output:
     """Model thread only. Its events are taken once a step (`take`) and handed to the sessions'
     event loops by `deliver`."""
 
-    def __init__(self, eos_token_ids: Sequence[int], max_seq_len: int) -> None:
+    def __init__(
+        self, eos_token_ids: Sequence[int], max_seq_len: int, constraints: Constraints, reasonings: Reasonings
+    ) -> None:
+        """constraints and reasonings: the sessions' matchers and reasonings, which their tokens advance."""
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
+        self.constraints, self.reasonings = constraints, reasonings
         self._outbox: list[tuple[SessionHandle, Event]] = []
+        self._unsent: dict[int, _Unsent] = {}  # by session id: generated, not yet in an event
+        self._queue_reported: dict[int, tuple[int, float]] = {}  # the last queue position sent, and when
 
     def add_token(self, s: Session, token: int, logprob: TokenLogprob | None = None) -> FinishReason | None:
         """Appends a generated token (and its runner.rows.TokenLogprob, when the session asked for
         them); returns why the session ends with it, or None and sends the text it released."""
         s.token_ids.append(token)
-        s.pending_ids.append(token)
+        unsent = self._unsent.setdefault(s.id, _Unsent())
+        unsent.token_ids.append(token)
         if logprob is not None:
-            s.pending_logprobs.append(logprob)
+            unsent.logprobs.append(logprob)
         reason = self._stop_reason(s, token)
         if reason is None:
             self._delta(s, s.detokenizer.take())
@@ -40,30 +59,33 @@ class Output:
     def add_forced(self, s: Session, logprobs: bool) -> FinishReason | None:
         """Takes the tokens a reasoning forces (its end marker, at its budget) as generated, with a
         log probability of 0 each where the session asked for them; returns why they end it."""
-        assert s.reasoning is not None
-        for token in s.reasoning.forced():
+        reasoning = self.reasonings.of(s)
+        assert reasoning is not None
+        for token in reasoning.forced():
             reason = self.add_token(s, token, TokenLogprob(0.0, 1) if logprobs else None)
             if reason is not None:
                 return reason
         return None
 
-    def replay(self, s: Session) -> FinishReason | None:
+    def replay(self, s: Session, resumed: Sequence[int]) -> FinishReason | None:
         """Takes a resumed session's delivered tokens as generated, sending none of them: its
         client has them and the text they released. Returns why they end it, if they do."""
-        for token in s.resumed:
+        reasoning = self.reasonings.of(s)
+        for token in resumed:
             s.token_ids.append(token)
             reason = self._stop_reason(s, token)
             if reason is not None:
                 return reason
             released = s.detokenizer.take()  # released by the broken stream
-            if s.reasoning is not None:
-                s.reasoning.text.feed(released)
+            if reasoning is not None:
+                reasoning.text.feed(released)
         return None
 
     def _stop_reason(self, s: Session, token: int) -> FinishReason | None:
-        p, matcher = s.params, s.constraint  # (a reasoning's tokens are free: the constraint waits)
-        if s.reasoning is not None:
-            s.reasoning.add(token)
+        p, matcher = s.params, self.constraints.of(s)  # (a reasoning's tokens are free: the constraint waits)
+        reasoning = self.reasonings.of(s)
+        if reasoning is not None:
+            reasoning.add(token)
         if token in p.stop_token_ids:
             return FinishReason.STOP_TOKEN
         if matcher is not None:  # the constraint decides where the output may end, and advances
@@ -94,6 +116,8 @@ class Output:
         back in case it began a stop string, and tokens not yet delivered (a deadline ends the
         stream "with the text so far"). speculation: its proposals' counts (--speculative)."""
         self._delta(s, s.detokenizer.take(final=True), final=True)
+        self._queue_reported.pop(s.id, None)
+        reasoning = self.reasonings.of(s)
         finished = Finished(
             reason=reason,
             prompt_tokens=s.num_prompt,
@@ -106,7 +130,7 @@ class Output:
             truncated_tokens=s.truncated_tokens,
             proposed_tokens=speculation.num_proposed if speculation else 0,
             accepted_tokens=speculation.num_accepted if speculation else 0,
-            reasoning_tokens=s.reasoning.num_tokens if s.reasoning is not None else 0,
+            reasoning_tokens=reasoning.num_tokens if reasoning is not None else 0,
             embedding=s.embedding.vector() if s.embedding is not None and s.num_cached >= s.num_prompt else None,
         )
         self._outbox.append((s.handle, finished))
@@ -115,24 +139,28 @@ class Output:
     def queued(self, s: Session, position: int, now: float) -> None:
         """Tells a waiting session's client where it stands, when that changed and at most once a
         second (report_queue)."""
-        last, at = s.queue_reported
+        last, at = self._queue_reported.get(s.id, (0, float("-inf")))
         if position != last and now - at >= 1.0:
-            s.queue_reported = (position, now)
+            self._queue_reported[s.id] = (position, now)
             self._outbox.append((s.handle, Queued(position)))
 
     def _delta(self, s: Session, text: str, final: bool = False) -> None:
-        reasoning = ""
-        if s.reasoning is not None:  # the text apart: the reasoning's, and the answer's
-            reasoning, text = s.reasoning.text.feed(text, final)
-        if not text and not reasoning and not s.pending_ids:
+        reasoning, splitter = "", self.reasonings.of(s)
+        if splitter is not None:  # the text apart: the reasoning's, and the answer's
+            reasoning, text = splitter.text.feed(text, final)
+        unsent = self._unsent.pop(s.id, None) or _Unsent()
+        if not text and not reasoning and not unsent.token_ids:
             return
-        delta = Delta(text, s.pending_ids, s.pending_logprobs, reasoning=reasoning)
-        if s.prompt_scores is not None and s.pending_ids:  # the first token: the prompt's scores go with it
+        delta = Delta(text, unsent.token_ids, unsent.logprobs, reasoning=reasoning)
+        if s.prompt_scores is not None and unsent.token_ids:  # the first token: the prompt's scores go with it
             delta.prompt_token_ids, delta.prompt_logprobs = list(s.prompt_ids), s.prompt_scores
             s.prompt_scores = None
         self._outbox.append((s.handle, delta))
-        s.handle.note_emitted(len(s.pending_ids))
-        s.pending_ids, s.pending_logprobs = [], []
+        s.handle.note_emitted(len(unsent.token_ids))
+
+    def session_ids(self) -> set[int]:
+        """The sessions it keeps state for."""
+        return set(self._unsent) | set(self._queue_reported)
 
     def take(self) -> list[tuple[SessionHandle, Event]]:
         """The events made since the last take, in order."""

@@ -8,15 +8,19 @@ them gets no `Reasoning` at all, and its output is never touched.
 A session's `Reasoning` follows its tokens (the phase, the reasoning's token count, the budget at
 which braid closes the reasoning by forcing the end marker's tokens, as llama.cpp's
 --reasoning-budget does; whether a constraint applies yet) and splits its text (`Splitter`, which
-holds back a tail that may be a marker cut across tokens). The output (engine/output.py) sends the
-two parts apart on each Delta; the engine core (engine/core.py) forces the end marker.
+holds back a tail that may be a marker cut across tokens). `Reasonings` keeps each session's by
+its id, from the session's add until it ends. The output (engine/output.py) sends the two parts
+apart on each Delta; the engine core (engine/core.py) forces the end marker.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from braid.server.engine.session import Session
 
 # start and end markers that reasoning models write; a model's pair is found in its template or vocabulary
 MARKER_PAIRS = (
@@ -131,6 +135,27 @@ class Reasoning:
             self._inside += 1
             if self._recent[-len(m.end_ids) :] == list(m.end_ids):
                 self.phase, self.closed_now = Phase.ANSWER, True
+
+
+class Reasonings:
+    """The reasoning sessions' Reasoning, by session id (model thread only)."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[int, Reasoning] = {}
+
+    def add(self, session_id: int, reasoning: Reasoning) -> None:
+        self._sessions[session_id] = reasoning
+
+    def of(self, s: Session) -> Reasoning | None:
+        """The session's reasoning; None for a model without markers, or a plain prompt's session."""
+        return self._sessions.get(s.id)
+
+    def release(self, s: Session) -> None:
+        """The session has ended: its reasoning goes."""
+        self._sessions.pop(s.id, None)
+
+    def session_ids(self) -> set[int]:
+        return set(self._sessions)
 
 
 class Splitter:

@@ -15,8 +15,8 @@ that has waited `batch_max_wait_s` goes next, so batch work waits a bounded time
 A pass holds at most `max_batch_size` sessions; when more are running (--max-sessions is larger),
 batched and continuous passes take turns over them.
 
-A *paused* session (its client has stopped reading) keeps its pages but sits out every pass, and
-no mode waits for it: sequential and batched admit the next sessions as if it had left.
+A *paused* session (its client has stopped reading: `pause`) keeps its pages but sits out every
+pass, and no mode waits for it: sequential and batched admit the next sessions as if it had left.
 
 Memory is the KV cache's pages (engine/pages.py). A session is admitted when the pages its tokens
 need now (less the prefix already cached) leave one page free per running session, at most
@@ -70,6 +70,7 @@ class Scheduler:
         self.running: list[Session] = []
         self.held: list[Session] = []  # samples 1.. of a request (n > 1) until sample 0 has the prompt
         self.preempted: list[Session] = []  # since the engine last took them (take_preempted)
+        self.paused: set[int] = set()  # ids of running sessions whose clients have not read their output
         self.num_cached_tokens = 0  # tokens admitted sessions found in the prefix cache, since start
         self._turn = 0
 
@@ -79,7 +80,7 @@ class Scheduler:
 
     @property
     def runnable(self) -> list[Session]:
-        return [s for s in self.running if not s.paused]
+        return [s for s in self.running if s.id not in self.paused]
 
     def waiting_in_order(self) -> list[Session]:
         """The waiting sessions, interactive first (the order admission mostly takes them in)."""
@@ -114,6 +115,11 @@ class Scheduler:
             return batch[0]
         return interactive[0] if interactive else None
 
+    def pause(self, session: Session) -> None:
+        """A running session sits out the passes, keeping its pages, until `paused` is cleared (the
+        engine core looks again at every step) or it is preempted."""
+        self.paused.add(session.id)
+
     def remove(self, session: Session) -> None:
         """Takes a finished or cancelled session out, and releases its pages at once."""
         if session.status is SessionStatus.WAITING and session in self.held:
@@ -123,6 +129,7 @@ class Scheduler:
         elif session.status is SessionStatus.RUNNING:
             self.running.remove(session)
             self.pages.release(session)
+            self.paused.discard(session.id)
         session.status = SessionStatus.FINISHED
 
     def schedule(self, now: float) -> list[Work]:
@@ -210,7 +217,7 @@ class Scheduler:
         self.pages.release(session)
         session.num_cached = 0
         session.status = SessionStatus.WAITING
-        session.paused = False
+        self.paused.discard(session.id)
         session.preemptions += 1
         self.queues[session.priority].appendleft(session)
         self.preempted.append(session)

@@ -1,4 +1,14 @@
-"""A session: one Stream call's state on the model thread."""
+"""A session: one Stream call's state on the model thread.
+
+A Session holds what every session has: its tokens, its place in the scheduler, its pages, its
+timings. A feature's state lives with the component that owns the feature, keyed by session id,
+from the session's add until it ends: the constraint's matcher (engine/constraints.py), the
+reasoning's phase and text (engine/reasoning.py), proposals (engine/speculation.py), the output not
+yet sent and the last queue report (engine/output.py), a paused client (engine/scheduler.py).
+Admission hands that state over with the session (`Features`); the engine core gives each part to
+its component (engine/core.py, `add`), and `EngineCore.leftovers` checks that none outlives its
+session.
+"""
 
 from __future__ import annotations
 
@@ -45,15 +55,10 @@ class Session:
     preemptions: int = 0  # times its pages were taken back, to be recomputed later
     truncated_tokens: int = 0  # prompt tokens cut by truncate_input_tokens
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete (bad_words)
-    queue_reported: tuple[int, float] = (0, float("-inf"))  # the last queue position sent, and when
     parent: Session | None = None  # sample 0 of the same request (n > 1): held until it has the prompt
     # prompt_logprobs: a runner.rows.TokenLogprob per prompt position scored so far, until they are
     # sent with the first token; None when not asked for, or sent
     prompt_scores: list[TokenLogprob] | None = None
-    matcher: Matcher | None = None  # its constraint's llguidance matcher (engine/grammars.py), or None
-    constraint_field: str = ""  # the request field its constraint came in (constraint.regex, ...)
-    reasoning: Reasoning | None = None  # a reasoning model's phase and text split (engine/reasoning.py)
-    resumed: list[int] = field(default_factory=list)  # resume_token_ids, replayed when the model thread takes it
     embedding: Embedding | None = None  # an Embed input's session: prompt only, pooled (engine/embedding.py)
 
     def banned_by_bad_words(self) -> list[int]:
@@ -65,21 +70,10 @@ class Session:
             if len(w) == 1 or (len(self.token_ids) >= len(w) - 1 and self.token_ids[1 - len(w) :] == list(w[:-1]))
         ]
 
-    @property
-    def constraint(self) -> Matcher | None:
-        """The matcher that holds the next token: none while the model reasons (a constraint
-        applies to the answer)."""
-        if self.reasoning is not None and not self.reasoning.applies_constraint:
-            return None
-        return self.matcher
-
     status: SessionStatus = SessionStatus.WAITING
-    paused: bool = False  # running, but its client has not read its output: sits out the passes
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None  # first forward pass
     first_token: float | None = None
-    pending_ids: list[int] = field(default_factory=list)  # generated, not yet delivered
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when asked for
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -115,3 +109,18 @@ class Session:
         """Its prompt is still being computed, or recomputed after a preemption (then with the
         tokens it had generated)."""
         return self.num_cached < self.num_prompt or self.num_uncached > 1
+
+
+@dataclass(frozen=True)
+class Features:
+    """A new session's per-feature state, as admission made it. The engine core gives each part to
+    the component that owns its feature (`EngineCore.add`), which keeps it by session id until the
+    session ends: a new feature adds its part here, and its state to its own component."""
+
+    matcher: Matcher | None = None  # its constraint compiled (engine/grammars.py); held by engine/constraints.py
+    constraint_field: str = ""  # the request field its constraint came in (constraint.regex, ...)
+    reasoning: Reasoning | None = None  # a reasoning model's phase and text split (engine/reasoning.py)
+    resumed: tuple[int, ...] = ()  # resume_token_ids, replayed when the model thread takes it
+
+
+NO_FEATURES = Features()

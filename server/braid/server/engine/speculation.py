@@ -37,12 +37,15 @@ from __future__ import annotations
 import logging
 from array import array
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from braid.server.engine.pages import Pages
 from braid.server.engine.ports import Runner
 from braid.server.engine.session import Session
 from braid.server.runner.rows import Row, Sampling
+
+if TYPE_CHECKING:
+    from braid.server.engine.constraints import Constraints
 
 _LOGGER = logging.getLogger(__name__)
 GREEDY = Sampling()  # the draft proposes its most likely tokens
@@ -180,6 +183,9 @@ class DraftProposer:
         d.base, d.tail = d.num_cached, []
         return d
 
+    def session_ids(self) -> set[int]:
+        return set(self._drafts)
+
     def release(self, s: Session) -> None:
         d = self._drafts.pop(s.id, None)
         if d is not None:
@@ -219,8 +225,16 @@ class Speculator:
     """Proposals for the scheduler, and the back-off of sessions whose proposals miss; each
     session's Speculation, from its first proposal until it ends (release)."""
 
-    def __init__(self, proposer: NgramProposer | DraftProposer, max_tokens: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        proposer: NgramProposer | DraftProposer,
+        max_tokens: int,
+        max_seq_len: int,
+        constraints: Constraints | None = None,
+    ) -> None:
+        """constraints: the sessions' matchers, which cut their proposals."""
         self.proposer = proposer
+        self.constraints = constraints
         self.max_tokens = max_tokens  # --speculative-tokens
         self.max_seq_len = max_seq_len
         # misses in a row that cost no rest, and the longest rest (the module's docstring)
@@ -269,7 +283,7 @@ class Speculator:
                 found.append(proposals)
         out = []
         for (s, _), proposals in zip(asks, found):
-            matcher = s.constraint  # (none while the session reasons)
+            matcher = self.constraints.of(s) if self.constraints is not None else None  # (none while it reasons)
             if proposals and matcher is not None:  # the ones the constraint allows, in order
                 proposals = proposals[: matcher.validate_tokens(proposals)]
             out.append(tuple(proposals))
@@ -281,6 +295,11 @@ class Speculator:
         if isinstance(self.proposer, DraftProposer):
             self.proposer.release(s)
         return self._sessions.pop(s.id, None)
+
+    def session_ids(self) -> set[int]:
+        """The sessions it keeps state for (a draft's cache among them)."""
+        drafts = self.proposer.session_ids() if isinstance(self.proposer, DraftProposer) else set()
+        return set(self._sessions) | drafts
 
     def verified(self, s: Speculation, proposed: int, accepted: int) -> None:
         """A session's pass verified `proposed` proposals and confirmed `accepted`: its window,
