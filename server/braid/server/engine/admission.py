@@ -20,6 +20,7 @@ from braid.server.engine.detokenizer import IdsOnly, IncrementalDetokenizer, det
 from braid.server.engine.embedding import Embedding
 from braid.server.engine.grammars import Grammars, Matcher
 from braid.server.engine.handle import SessionHandle
+from braid.server.engine.prompts import Prompts
 from braid.server.engine.session import NO_FEATURES, Features, Session
 from braid.server.engine.reasoning import Reasoning
 from braid.server.engine.tokenizer import Tokenizer
@@ -60,6 +61,7 @@ class Admission:
         (none without)."""
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
+        self.prompts = Prompts(tokenizer, max_seq_len)
         self.books = books
         self._random_state = random_state
         self.grammars = grammars
@@ -84,7 +86,7 @@ class Admission:
             raise EngineUnavailable(closed)
         size = text_bytes(prompt, messages) + len(token_ids) * TOKEN_BYTES
         if token_ids and for_session and not truncated:
-            self._check_length("prompt_token_ids", len(token_ids))
+            self.prompts.check_length("prompt_token_ids", len(token_ids))
         elif for_session and not truncated:
             at_least = self.tokenizer.min_tokens(size)
             if at_least >= self.max_seq_len:
@@ -260,8 +262,8 @@ class Admission:
     def _session(
         self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, matcher: Matcher | None
     ) -> tuple[Session, Features]:
-        prompt_ids, truncated = self._encode(request)
-        params = self._fit(request, prompt_ids)
+        prompt_ids, truncated = self.prompts.encode(request)
+        params = self.prompts.fit(request, prompt_ids)
         resumed = request.resume_token_ids
         if len(resumed) >= params.max_new_tokens:
             raise InvalidArgument(
@@ -315,76 +317,3 @@ class Admission:
         if self.adapters is None:
             raise NotFound(f"adapter {name!r} is not loaded (this server has none)")
         return self.adapters.acquire(name)
-
-    def _encode(self, request: GenerationRequest) -> tuple[list[int], int]:
-        """The prompt's tokens (prompt_token_ids as they are), cut to truncate_input_tokens, and how
-        many were cut."""
-        if request.prompt_token_ids:
-            ids = list(request.prompt_token_ids)
-        else:
-            ids = self.tokenizer.encode(request.prompt, request.messages, request.tools, request.chat_template_kwargs)
-        keep = request.params.truncate_input_tokens
-        if not keep or len(ids) <= keep:
-            return ids, 0
-        if request.messages:
-            kept = self._drop_oldest_turns(request.messages, keep, request.tools, request.chat_template_kwargs)
-            if kept is not None:
-                return kept, len(ids) - len(kept)
-        return ids[-keep:], len(ids) - keep
-
-    def _drop_oldest_turns(
-        self, messages: Sequence[Message], keep: int, tools: str = "", template_kwargs: str = ""
-    ) -> list[int] | None:
-        """The chat without its oldest non-system messages, as few dropped as make it fit in
-        `keep` tokens (a rendering the template rejects is passed over); None if only the last
-        message left still does not fit."""
-        others = [i for i, m in enumerate(messages) if m.role != "system"]
-        for n in range(1, len(others)):
-            dropped = set(others[:n])
-            try:
-                kept = [m for i, m in enumerate(messages) if i not in dropped]
-                ids = self.tokenizer.encode_chat(kept, tools=tools, template_kwargs=template_kwargs)
-            except InvalidArgument:
-                continue
-            if len(ids) <= keep:
-                return ids
-        return None
-
-    def _fit(self, request: GenerationRequest, prompt_ids: list[int]) -> SamplingParams:
-        """The request's parameters checked against its tokenized prompt; a default max_new_tokens
-        clipped to what fits."""
-        params = request.params
-        field = _prompt_field(request)
-        n = len(prompt_ids)
-        if not prompt_ids:
-            raise InvalidArgument(field, "must not be empty")
-        self._check_length(field, n)
-        room = self.max_seq_len - n
-        if params.max_new_tokens > room and params.clip_max_new_tokens:
-            params = dataclasses.replace(params, max_new_tokens=room)
-        if params.max_new_tokens > room:
-            raise InvalidArgument(
-                "max_new_tokens",
-                f"{params.max_new_tokens} new tokens after a {n}-token prompt "
-                f"exceed the context length {self.max_seq_len} (at most {room})",
-            )
-        if params.min_new_tokens > params.max_new_tokens:
-            raise InvalidArgument(
-                "min_new_tokens",
-                f"{params.min_new_tokens} is more than the {room} new tokens "
-                f"that fit after a {n}-token prompt "
-                f"(context length {self.max_seq_len})",
-            )
-        return params
-
-    def _check_length(self, field: str, n: int) -> None:
-        """A prompt of n tokens leaves room in the context for one more."""
-        if n >= self.max_seq_len:
-            raise InvalidArgument(field, f"is {n} tokens; the context length is {self.max_seq_len}")
-
-
-def _prompt_field(request: GenerationRequest) -> str:
-    """The field that holds the request's prompt, for errors."""
-    if request.prompt_token_ids:
-        return "prompt_token_ids"
-    return "messages" if request.messages else "prompt"

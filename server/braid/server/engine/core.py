@@ -37,7 +37,7 @@ from braid.server.engine.reasoning import Reasonings
 from braid.server.engine.scheduler import Scheduler, Work
 from braid.server.engine.session import NO_FEATURES, Features, Session, SessionStatus
 from braid.server.engine.speculation import DraftProposer, NgramProposer, Speculator
-from braid.server.engine.types import Event, FinishReason, Pooling
+from braid.server.engine.types import Event, FinishReason
 from braid.server.runner.rows import Row, Sampled
 
 _LOGGER = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class EngineCore:
             matcher=matcher if sample else None,
             adapter=s.adapter,
             num_proposals=len(w.proposals),
-            pool=_pool(s, end),
+            pool=s.embedding.pooled_by(end, s.num_prompt) if s.embedding is not None else None,
         )
 
     def _postprocess(self, work: list[Work], tokens: list[Sampled | None]) -> None:
@@ -378,13 +378,3 @@ class EngineCore:
                 balance[2],
             )
         self._books_off = balance if balance != (0, 0, 0) else None
-
-
-def _pool(s: Session, end: int) -> Pooling | None:
-    """What an embedding session's row pools: every chunk's sum for MEAN, the last token of the
-    chunk that ends its input for LAST; None for any other row."""
-    if s.embedding is None:
-        return None
-    if s.embedding.pooling is Pooling.MEAN or end == s.num_prompt:
-        return s.embedding.pooling
-    return None

@@ -36,6 +36,13 @@ class Embedding:
             self.total = [a + b for a, b in zip(self.total, pooled)]
             self.count += num_tokens
 
+    def pooled_by(self, end: int, num_prompt: int) -> Pooling | None:
+        """What the row of a chunk ending at position `end` pools: every chunk's sum for MEAN, the
+        last token of the chunk that ends the input for LAST; None for any other chunk."""
+        if self.pooling is Pooling.MEAN or end == num_prompt:
+            return self.pooling
+        return None
+
     def vector(self) -> list[float]:
         return finish_vector(self.total, self.count, self.dimensions, self.normalize)
 
