@@ -5,7 +5,6 @@ ChatOpenAI, against one real `braid serve` of a tiny random Qwen3 whose chat tem
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 
 import httpx
@@ -13,7 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import SLOW, Server, free_port, tiny_qwen3, tiny_server, wait_for
+from braid_testing.models import save_model, tiny_model
+from conftest import SLOW, Server, free_port, tiny_server, wait_for
 from braid.v1 import generate_pb2 as pb
 
 KEY = "sk-test-key"
@@ -52,9 +52,7 @@ def server(tmp_path_factory, smol_dir):
     """The tiny Qwen3, every pass 3 ms slower (SLOW: a long stream outlasts its cancel), with an
     API key on both ports."""
     path = tmp_path_factory.mktemp("tiny-qwen3")
-    tiny_qwen3(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smol_dir / name, path / name)
+    save_model(path, tiny_model("qwen3"), smol_dir)
     http_port = free_port()
     log = tmp_path_factory.mktemp("log") / "braid.log"
     started = Server(
@@ -257,6 +255,7 @@ BAD = [  # (body beside model and messages, the param OpenAI's error names): one
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
     (dict(top_k=-1), "top_k"),
     (dict(min_p=2), "min_p"),
+    (dict(typical_p=0), "typical_p"),
     (dict(repetition_penalty=-1), "repetition_penalty"),
     (dict(priority="urgent"), "priority"),
     (dict(min_tokens=-1), "min_tokens"),

@@ -60,6 +60,18 @@ def test_greedy_is_deterministic_and_top_k_1_is_greedy(servers):
     assert greedy.token_ids == again.token_ids == top1.token_ids == tiny_p.token_ids == min_p.token_ids
 
 
+def test_typical_p_samples_reproducibly_and_a_tiny_one_keeps_one_token_whatever_the_seed(servers):
+    kw = dict(max_new_tokens=16, ignore_eos=True, temperature=1.0)
+    with servers("continuous").client() as client:
+        a = client.generate(PROMPT, typical_p=0.5, seed=3, **kw)
+        b = client.generate(PROMPT, typical_p=0.5, seed=3, **kw)
+        tiny = [client.generate(PROMPT, typical_p=1e-6, seed=seed, **kw).token_ids for seed in (1, 2)]
+        plain = [client.generate(PROMPT, seed=seed, **kw).token_ids for seed in (1, 2)]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+    assert plain[0] != plain[1]
+    assert tiny[0] == tiny[1]  # one token kept at each step: the seed draws nothing
+
+
 def test_seeds_reproduce_and_differ(servers):
     kw = dict(max_new_tokens=24, ignore_eos=True, temperature=1.0)
     with servers("continuous").client() as client:
@@ -177,6 +189,7 @@ def test_chat_messages_use_the_chat_template(servers):
         (dict(prompt="x", top_p=1.5), "top_p"),
         (dict(prompt="x", top_k=-3), "top_k"),
         (dict(prompt="x", min_p=2.0), "min_p"),
+        (dict(prompt="x", typical_p=0.0), "typical_p"),
         (dict(prompt="x", repetition_penalty=-1.0), "repetition_penalty"),
         (dict(prompt="x", stop=[""]), "stop[0]"),
         (dict(prompt="x", stop_token_ids=[10**9]), "stop_token_ids[0]"),
