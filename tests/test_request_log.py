@@ -129,25 +129,26 @@ def test_sigterm_is_logged_and_a_second_signal_exits_at_once(tiny_dir, tmp_path)
 # ---- converting and loading a model ----------------------------------------------------------------
 
 
-def tiny_gguf(path: Path) -> Path:
+def tiny_gguf(path: Path, layers: int = 2, hidden: int = 64) -> Path:
     """A GGUF file of a tiny random Llama (Q8_0 matrices) with a 261-token byte-level vocabulary:
-    converted in seconds, where the embedded model takes a minute."""
+    converted in seconds, where the embedded model takes a minute. 4 heads, 2 KV heads, an MLP
+    twice the hidden size."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     rng = np.random.default_rng(0)
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *bytes_to_unicode().values(), "Ġt", "he"]
     writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(2)
+    writer.add_block_count(layers)
     writer.add_context_length(256)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(2 * hidden)
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
-    writer.add_rope_dimension_count(16)
+    writer.add_rope_dimension_count(hidden // 4)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -160,19 +161,19 @@ def tiny_gguf(path: Path) -> Path:
         values = (rng.standard_normal((rows, cols)) * 0.3).astype(np.float32)
         writer.add_tensor(name, quants.quantize(values, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
 
-    matrix("token_embd.weight", len(tokens), 64)
-    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
-    for i in range(2):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(64, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(64, np.float32))
+    matrix("token_embd.weight", len(tokens), hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
         for name, rows, cols in (
-            ("attn_q", 64, 64),
-            ("attn_k", 32, 64),
-            ("attn_v", 32, 64),
-            ("attn_output", 64, 64),
-            ("ffn_gate", 128, 64),
-            ("ffn_up", 128, 64),
-            ("ffn_down", 64, 128),
+            ("attn_q", hidden, hidden),
+            ("attn_k", hidden // 2, hidden),
+            ("attn_v", hidden // 2, hidden),
+            ("attn_output", hidden, hidden),
+            ("ffn_gate", 2 * hidden, hidden),
+            ("ffn_up", 2 * hidden, hidden),
+            ("ffn_down", hidden, 2 * hidden),
         ):
             matrix(f"blk.{i}.{name}.weight", rows, cols)
     writer.write_header_to_file()

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 from test_request_log import tiny_gguf  # a tiny Llama's GGUF file, converted in seconds
-from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-from braid.server.model import loader, progress
+from braid.server.model import conversion, progress
 
 
 @pytest.fixture
@@ -32,18 +31,7 @@ def test_a_step_that_walks_its_items_moves_the_bar_within_its_share(terminal):
         assert steps.position == 5
 
 
-def test_transformers_own_tensor_walk_moves_the_bar_and_draws_none(terminal):
-    drawn = gguf_utils.tqdm
-    with progress.Steps("converting x.gguf", {"weights": 10}) as steps, progress.gguf_tensors(steps):
-        with steps.step("weights"):
-            seen = [steps.position for _ in gguf_utils.tqdm(list(range(5)), desc="Converting and de-quantizing")]
-    assert seen == [0, 2, 4, 6, 8]
-    assert gguf_utils.tqdm is drawn  # put back
-
-
-def test_a_conversion_moves_the_bar_during_its_weights_and_blocks_and_parses_the_file_once(
-    terminal, tmp_path, monkeypatch
-):
+def test_a_conversion_moves_the_bar_during_its_weights_and_parses_the_file_once(terminal, tmp_path, monkeypatch):
     import gguf
 
     gguf_file = tiny_gguf(tmp_path / "tiny.gguf")
@@ -58,15 +46,15 @@ def test_a_conversion_moves_the_bar_during_its_weights_and_blocks_and_parses_the
     parses, make, name_map = [], gguf.GGUFReader, gguf.get_tensor_name_map
     monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **kw: parses.append(a) or make(*a, **kw))
     counting = gguf.GGUFReader
-    loader._converted(gguf_file, tmp_path / "cache")
+    conversion.converted(gguf_file, tmp_path / "cache")
 
-    weights = loader.CONVERSION_STEPS
+    weights = conversion.CONVERSION_STEPS
     names = list(weights)
-    for step in ("weights", "quantized blocks"):
+    for step in ("weights",):
         start = sum(weights[n] for n in names[: names.index(step)])
         inside = [at for name, at in moves if name == step]
         # a move per tensor of the tiny model (2 layers)
         assert len(inside) >= 10, step
         assert inside == sorted(inside) and start < inside[0] and inside[-2] < start + weights[step], step
-    assert len(parses) == 1  # one parse, shared by the tokenizer, the config, the weights and the blocks
+    assert len(parses) == 1  # one parse, shared by the tokenizer, the config and the weights
     assert gguf.GGUFReader is counting and gguf.get_tensor_name_map is name_map  # put back

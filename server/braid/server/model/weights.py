@@ -168,24 +168,31 @@ def read_gguf(
             continue
         kind = gguf_type_name(tensor.tensor_type)
         types[hf_name] = kind
-        if kind not in BLOCK_FORMATS:
-            continue
-        b = unpack_gguf(kind, tensor.data)
-        order = row_order(processor, tensor.name, b.shape[0])
-        if order is None:
-            continue  # served as transformers loaded it
-        if not np.array_equal(order, np.arange(b.shape[0])):
-            b = b.rows(torch.from_numpy(order.copy()))
-        expected = params[hf_name].detach()
-        if b.shape != tuple(expected.shape) or not torch.equal(b.dequantize(), expected.float()):
-            raise ValueError(
-                f"--model {path.name}: tensor {tensor.name} ({kind}) does not read back as transformers "
-                "loads it; braid will not serve it in its own format (--quantization none does)"
-            )
-        blocks[hf_name] = b
+        if kind in BLOCK_FORMATS:
+            b = matching_blocks(processor, tensor, kind, params[hf_name].detach(), path.name)
+            if b is not None:
+                blocks[hf_name] = b
     if "lm_head.weight" not in types and "model.embed_tokens.weight" in types:
         types["lm_head.weight"] = types["model.embed_tokens.weight"]  # a tied head
     return blocks, types
+
+
+def matching_blocks(processor, tensor, kind: str, expected: torch.Tensor, file_name: str) -> Blocks | None:
+    """A GGUF tensor's blocks, its rows in the order transformers' tensor processor puts them in,
+    checked against `expected` (its values as transformers loads them); None where the processor
+    does more than reorder rows (it is served as transformers loaded it)."""
+    b = unpack_gguf(kind, tensor.data)
+    order = row_order(processor, tensor.name, b.shape[0])
+    if order is None:
+        return None
+    if not np.array_equal(order, np.arange(b.shape[0])):
+        b = b.rows(torch.from_numpy(order.copy()))
+    if b.shape != tuple(expected.shape) or not torch.equal(b.dequantize(), expected.float()):
+        raise ValueError(
+            f"--model {file_name}: tensor {tensor.name} ({kind}) does not read back as transformers "
+            "loads it; braid will not serve it in its own format (--quantization none does)"
+        )
+    return b
 
 
 def row_order(processor, name: str, rows: int) -> np.ndarray | None:
