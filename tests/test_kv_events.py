@@ -1,6 +1,7 @@
 """SubscribeKvEvents as a prefix-aware router meets it: a prompt's full pages stored under the hashes
 the .proto describes, evicted under KV pressure, a stream resumed from a sequence number, a resync
-when the events asked for are gone, the API key guarding it, and a view that matches ServerStatus."""
+when the events asked for are gone (older than --kv-events-buffer keeps, or another run's), the API
+key guarding it, and a view that matches ServerStatus."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from conftest import tiny_server, wait_for
 
 KEY = "kv-s3cret"
 PAGE = 16
+RING = 4
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,14 @@ def server(tiny_dir):
         "512KiB",
         env={"BRAID_API_KEY": KEY},
     )
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def small_ring(tiny_dir):
+    """A server that keeps only the last RING events for subscribers that resume."""
+    started = tiny_server(tiny_dir, "--mode", "continuous", "--kv-events-buffer", str(RING))
     yield started
     started.stop()
 
@@ -142,3 +152,30 @@ def test_a_subscriber_asking_for_events_the_server_never_held_is_told_to_resync(
     resync = sub.events[0]
     assert resync.HasField("resync") and resync.resync.oldest_sequence == resync.sequence + 1 == 1
     assert sub.events[1].sequence == 1 and sub.events[1].HasField("stored")
+
+
+def test_a_subscriber_further_behind_than_the_ring_is_told_to_resync_then_reads_on(small_ring):
+    """A prompt of ten full pages stores ten events; the ring keeps the last RING. A router that
+    resumes after sequence 1 (it saw the first page, then lost its connection) has missed events that
+    are gone: it is told to resync from the oldest held, gets those held, then reads on."""
+    with small_ring.client() as client:
+        first = _prompt(30)
+        _ask(client, first, "ring")
+        wanted = _hashes(first, "ring")
+        sub = Subscriber(client, after_sequence=1)
+        wait_for(lambda: len(sub.events) >= 1 + RING)
+        resync, held = sub.events[0], sub.events[1:]
+        assert resync.HasField("resync") and resync.resync.oldest_sequence == resync.sequence + 1
+        oldest = resync.resync.oldest_sequence
+        assert oldest > 2  # sequence 2, the first one asked for, is gone
+        assert [e.sequence for e in held] == list(range(oldest, oldest + RING))
+        assert [e.stored.hash for e in held] == wanted[-RING:]  # the prompt's last pages, stored
+
+        second = _prompt(31)[: 2 * PAGE + 3]  # two pages: fewer events than the ring holds, so it keeps up
+        _ask(client, second, "ring-2")
+        wait_for(lambda: len(sub.events) >= 1 + RING + 2)
+        sub.close()
+    after = sub.events[1 + RING :]
+    assert not any(e.HasField("resync") for e in after)  # it kept up from then on
+    assert [e.sequence for e in sub.events[1:]] == list(range(oldest, sub.last + 1))
+    assert [e.stored.hash for e in after] == _hashes(second, "ring-2")

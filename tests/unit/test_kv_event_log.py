@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from braid.server.config import EngineConfig, SettingError
 from braid.server.engine.kv_events import KvEventLog, PageEvicted, PageStored, Resync
 from braid.server.engine.pages import _key, _root
 from engine_fakes import Harness, ScriptedRunner
@@ -88,3 +91,14 @@ def test_the_pages_report_each_full_page_stored_and_each_eviction_as_the_status_
         num_stored = sum(isinstance(e, PageStored) for e in events)
         assert stats.kv_pages_used == 0 and stats.kv_pages_cached == num_stored - len(evicted)
         assert [e.sequence for e in events] == list(range(1, len(events) + 1))
+
+
+def test_the_core_keeps_kv_events_buffer_events_a_positive_count():
+    with pytest.raises(SettingError, match="--kv-events-buffer 0: must be positive"):
+        EngineConfig(kv_events_buffer=0)
+    h = Harness(runner=ScriptedRunner(num_pages=6, page_size=P), kv_events_buffer=2)
+    with h:
+        h.submit(" ".join(map(str, range(100, 100 + 3 * P))), max_new_tokens=1)  # three pages stored
+        h.run()
+        events = h.core.kv_events.read(0)
+    assert events[0] == Resync(1) and [e.sequence for e in events[1:]] == [2, 3]

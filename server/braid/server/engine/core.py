@@ -68,7 +68,7 @@ class EngineCore:
         self.adapters = adapters
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_seq_len = runner.max_seq_len
-        self.kv_events = KvEventLog()  # the prefix cache's pages stored and evicted, for routers
+        self.kv_events = KvEventLog(config.kv_events_buffer)  # the prefix cache's pages stored and evicted
         self.pages = Pages(runner.num_pages, runner.page_size, config.prefix_caching == "on", self.kv_events)
         proposer = (
             NgramProposer(config.ngram_min, config.ngram_max)

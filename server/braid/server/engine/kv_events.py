@@ -16,8 +16,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-MAX_EVENTS = 65_536  # events held for readers that resume; a reader further behind resyncs
-
 
 @dataclass(frozen=True)
 class PageStored:
@@ -52,10 +50,11 @@ KvEvent = PageStored | PageEvicted | Resync
 
 
 class KvEventLog:
-    """Sequenced events in a ring of `capacity`: written by the model thread (the pages' observer),
-    read on event loops. Sequences start at 1 and never repeat while the server runs."""
+    """Sequenced events in a ring of `capacity` (--kv-events-buffer): written by the model thread
+    (the pages' observer), read on event loops. Sequences start at 1 and never repeat while the
+    server runs; a reader further behind than the ring resyncs."""
 
-    def __init__(self, capacity: int = MAX_EVENTS) -> None:
+    def __init__(self, capacity: int) -> None:
         self._lock = threading.Lock()
         self._ring: deque[PageStored | PageEvicted] = deque(maxlen=capacity)
         self._last = 0  # the sequence of the newest event
