@@ -27,6 +27,7 @@ requests = st.builds(
     top_p=FLOATS,
     top_k=INTS,
     min_p=FLOATS,
+    typical_p=FLOATS,
     repetition_penalty=FLOATS,
     seed=st.integers(0, 2**64 - 1),
     stop=st.lists(st.text(max_size=300), max_size=20),
