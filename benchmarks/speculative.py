@@ -117,28 +117,10 @@ def _embedded() -> str:
 def random_draft(path: Path) -> Path:
     """A tiny random Llama with the embedded model's tokenizer: a draft that is nearly always wrong,
     the lower bound of draft speculation (the tests' tiny model)."""
-    import shutil
+    from braid_testing.models import save_model, tiny_model  # tests/support: on the path braid_server sets
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=49152,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            initializer_range=0.3,
-        )
-    ).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(_embedded()) / name, path / name)
-    return path
+    model = tiny_model(max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=None)
+    return save_model(path, model, Path(_embedded()))
 
 
 def chat_requests(count: int) -> list[Call]:

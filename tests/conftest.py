@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import grpc
 import pytest
 
 from braid.client import Client
+from braid_testing.models import WITH_TEMPLATE, save_model, tiny_model
 from braid_testing.process import BraidProcess, free_port  # noqa: F401  (free_port: for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,68 +132,13 @@ def smol_dir() -> Path:
     return Path(resolve(None, default_cache_dir())[1])
 
 
-def tiny_model(path: Path, smol_dir: Path, max_position_embeddings: int = 1024) -> Path:
-    """Saves a tiny random Llama with the embedded model's tokenizer into path: fast, and real
-    enough to run."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-    )  # peaked logits, so greedy decoding has few near-ties
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smol_dir / name).exists():
-            shutil.copy(smol_dir / name, path / name)
-    return path
-
-
-def tiny_qwen3(path: Path, vocab_size: int = 49152) -> Path:
-    """Saves a tiny random Qwen3 (weights and config only: the caller brings its tokenizer and
-    template) into path; peaked logits, as tiny_model's."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.3,
-    )
-    model = transformers.Qwen3ForCausalLM(config)
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory, smol_dir) -> Path:
-    """The tiny random Llama, with a 1,024-token context."""
-    return tiny_model(tmp_path_factory.mktemp("tiny-llama"), smol_dir)
+    """A tiny random Llama (braid_testing.models) with a 1,024-token context and the embedded
+    model's tokenizer and chat template: fast, and real enough to run."""
+    return save_model(
+        tmp_path_factory.mktemp("tiny-llama"), tiny_model(tie_word_embeddings=True), smol_dir, WITH_TEMPLATE
+    )
 
 
 @pytest.fixture(scope="session")

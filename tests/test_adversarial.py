@@ -44,7 +44,8 @@ from braid.client import AsyncClient
 from braid.server.engine.types import FinishReason, Message
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
-from conftest import MODES, REPO, SMALL_WINDOW, Server, assert_greedy, tiny_model, wait_for
+from braid_testing.models import WITH_TEMPLATE, save_model, tiny_model
+from conftest import MODES, REPO, SMALL_WINDOW, Server, assert_greedy, wait_for
 
 sys.path.insert(0, str(REPO / "load"))
 from flood import flood  # noqa: E402  (load/ is not a package)
@@ -63,7 +64,8 @@ WORD = " hello"  # one token per repetition with the embedded model's tokenizer
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory, smol_dir) -> Path:
     """conftest's tiny random Llama, with max_position_embeddings=8192."""
-    return tiny_model(tmp_path_factory.mktemp("tiny-llama-8k"), smol_dir, max_position_embeddings=8192)
+    model = tiny_model(tie_word_embeddings=True, max_position_embeddings=8192)
+    return save_model(tmp_path_factory.mktemp("tiny-llama-8k"), model, smol_dir, WITH_TEMPLATE)
 
 
 SLOW_COMPILES = ("slow-compiles", "auto")  # the key of the slow_compiles fixture's server

@@ -17,6 +17,7 @@ import pytest
 
 from braid.client import AsyncClient
 from braid.v1 import generate_pb2 as pb
+from braid_testing.models import save_model, tiny_model
 from conftest import LOGPROB_TOLERANCE, Server, _reference_logits, assert_greedy, compute_dtype, wait_for
 from gguf import GGMLQuantizationType
 from gguf_files import GEMMA_SPECIALS, LAYER_FORMATS, PHI3_SPECIALS, embedded_bpe, sentencepiece, write_gguf
@@ -33,7 +34,7 @@ K_QUANT_MODEL = dict(
 )
 # Settings stored in a GGUF file where transformers does not read them (model/gguf_config.py):
 # case -> (kind, its config beyond GGUF_CONFIG, the runner that serves it). Gemma 2's soft-caps
-# (KINDS: 20 and 10) are among them too; transformers' defaults are 50 and 30.
+# (braid_testing.models: 20 and 10) are among them too; transformers' defaults are 50 and 30.
 GGUF_CASES = {
     # Gemma 3 4B and up: linear RoPE scaling on the global layers only (6 layers: the sixth is
     # global, in the pattern every Gemma 3 has and llama.cpp assumes, as no GGUF key holds it)
@@ -98,81 +99,13 @@ GGUF_CASES = {
 }
 
 
-def _save(path: Path, model, smol_dir: Path) -> Path:
-    """The model, with the embedded model's tokenizer, saved where braid and transformers load it."""
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smol_dir / name, path / name)
-    return path
-
-
-COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.3)
-LLAMA_LIKE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-)
-# local layers of a 4-token window between global ones
-GEMMA = dict(LLAMA_LIKE, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)
-# kind -> transformers' model class, its config class, the config
-KINDS = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", LLAMA_LIKE),
-    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024)),
-    # the issue's other example for the fallback: learned positions offset by 2, ReLU, no RoPE
-    "opt": (
-        "OPTForCausalLM",
-        "OPTConfig",
-        dict(
-            hidden_size=64,
-            ffn_dim=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            word_embed_proj_dim=64,
-            max_position_embeddings=1024,
-        ),
-    ),
-    # head_dim stated, not hidden / heads, as Qwen3's own configs do
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(LLAMA_LIKE, head_dim=32, tie_word_embeddings=True)),
-    "phi3": ("Phi3ForCausalLM", "Phi3Config", LLAMA_LIKE),
-    # soft-capped attention scores and logits, caps low enough to bend them
-    "gemma2": (
-        "Gemma2ForCausalLM",
-        "Gemma2Config",
-        dict(GEMMA, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
-    ),
-    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA),
-}
-
-
-def _tiny(kind: str, vocab_size: int = 49152, **config):
-    """A tiny random causal LM of the architecture `kind`, seeded: 2 layers, hidden 64, by default
-    the embedded tokenizer's 49,152 tokens (`config` overrides any setting); weights large enough
-    for peaked logits (few near-ties), Gemma's norms away from their zero init."""
-    import torch
-    import transformers as t
-
-    torch.manual_seed(0)
-    model_class, config_class, settings = KINDS[kind]
-    model = getattr(t, model_class)(getattr(t, config_class)(**COMMON, **(settings | config), vocab_size=vocab_size))
-    if kind.startswith("gemma"):
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(0, 0.5)
-    return model
-
-
 def _tiny_for_gguf(kind: str, **config):
     """The tiny model of `kind`, and a vocabulary of the kind its models have: sentencepiece for
     Gemma and Phi-3 (small, of the prompts' words), else the embedded model's byte-level BPE (cut to
     512 tokens)."""
     specials = {"gemma2": GEMMA_SPECIALS, "gemma3": GEMMA_SPECIALS, "phi3": PHI3_SPECIALS}.get(kind)
     vocab = sentencepiece(" ".join(GGUF_PROMPTS), specials) if specials else embedded_bpe(512)
-    return _tiny(kind, len(vocab.tokens), **config), vocab
+    return tiny_model(kind, len(vocab.tokens), **config), vocab
 
 
 def _gguf(path: Path, kind: str, **config) -> Path:
@@ -187,7 +120,7 @@ def folders(tmp_path_factory, smol_dir):
 
     def get(kind: str) -> Path:
         if kind not in made:
-            made[kind] = _save(tmp_path_factory.mktemp(kind), _tiny(kind), smol_dir)
+            made[kind] = save_model(tmp_path_factory.mktemp(kind), tiny_model(kind), tokenizer_from=smol_dir)
         return made[kind]
 
     return get
@@ -513,7 +446,7 @@ def test_a_gguf_file_missing_a_tensor_is_one_line(tmp_path):
     """transformers loads such a file with that tensor left at its random initial values, and only
     logs a warning: braid refuses to serve it."""
     vocab = embedded_bpe(512)
-    model = _tiny("qwen3", len(vocab.tokens), head_dim=128)
+    model = tiny_model("qwen3", len(vocab.tokens), head_dim=128)
     path = write_gguf(model, tmp_path / "qwen3.gguf", vocab, leave_out=("blk.1.ffn_down.weight",))
     out = braid("serve", "--model", str(path), "--port", "0", "--cache-dir", str(tmp_path), "--log-level", "warning")
     assert_one_line(out, "Qwen3ForCausalLM", "model.layers.1.mlp.down_proj.weight", "not in the file")

@@ -334,31 +334,19 @@ def test_a_build_without_avx512_bf16_has_no_bf16_path(isa):
 def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them(monkeypatch):
     """A decoder packed while the avx512_bf16 build was selected, run after another build is: the
     one-call step refuses it (it would read the pairs as another layout), it never runs it."""
-    from braid.server.model.loader import LoadedModel
     from braid.server.runner.model_runner import ModelRunner
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from braid_testing.models import loaded, tiny_model
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
     )
-    loaded = LoadedModel(
-        hf_model=LlamaForCausalLM(config).eval(),
-        hf_tokenizer=None,
-        name="tiny",
-        architecture="LlamaForCausalLM",
-        eos_token_ids=(2,),
-    )
+    model = loaded(tiny_model(vocab_size=64, **shape))
     # The runner picks its build as a server does (BRAID_KERNELS_ISA's, which make test's AVX2 rerun
     # sets, else the best): name the bf16 build there, and put back whichever build ran before.
     before = extension._cpu_kernels.isa()
     monkeypatch.setenv(extension.ISA_VARIABLE, BF16_BUILDS[0])
     runner = ModelRunner(
-        loaded,
+        model,
         CPU,
         torch.float32,
         num_pages=4,

@@ -16,12 +16,13 @@ import pytest
 from braid.client import AsyncClient
 from braid.client.errors import BraidError
 from braid.server.engine.types import EngineStats, FinishReason
+from braid_testing.models import save_model, tiny_model
 from conftest import Server, _reference_logits, assert_greedy, free_port, tiny_server
 from in_process import generate, load_model
 from in_process import run as run_in_process
 from gguf_files import write_gguf
 from lora_files import ALL_TARGETS, make_adapter, merged, peft_logits, write_gguf_adapter
-from test_architectures import GGUF_CONFIG, _save, _tiny, _tiny_for_gguf
+from test_architectures import GGUF_CONFIG, _tiny_for_gguf
 from test_startup_errors import assert_one_line, braid
 
 PROMPTS = ["The sea is", "Once upon a time, in a land far away, there lived a", "1 2 3 4 5"]
@@ -35,7 +36,10 @@ ADAPTERS = {
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory, tiny_dir, smol_dir) -> dict[str, Path]:
     """The tiny Llama (conftest's) and a tiny Qwen3, each saved with the embedded tokenizer."""
-    return {"llama": tiny_dir, "qwen3": _save(tmp_path_factory.mktemp("qwen3"), _tiny("qwen3"), smol_dir)}
+    return {
+        "llama": tiny_dir,
+        "qwen3": save_model(tmp_path_factory.mktemp("qwen3"), tiny_model("qwen3"), tokenizer_from=smol_dir),
+    }
 
 
 @pytest.fixture(scope="module")

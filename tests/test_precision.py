@@ -25,6 +25,7 @@ from braid.server.model.loader import LoadedModel, default_cache_dir, load
 from braid.server.runner.kernels.extension import ISA_VARIABLE
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
+from braid_testing.models import loaded, tiny_model
 from braid_testing.perplexity import divergence, prompt_logits
 from braid_testing.perplexity import perplexity as perplexity_of
 from braid_testing.process import run_braid
@@ -348,17 +349,9 @@ def _bf16_copy(hf_model):
 def test_a_tensor_type_braid_does_not_run_is_dequantized_and_said_once(caplog):
     """A GGUF tensor type braid's kernels have no format for (Q5_K here) runs in fp32, dequantized
     by transformers, and start-up logs one line per type."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+    hf_model = tiny_model(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1
     )
-    hf_model = LlamaForCausalLM(config).eval()
     formats = {n: ("q5_k" if "proj" in n else "f32") for n, _ in hf_model.named_parameters()}
     model = LoadedModel(
         hf_model=hf_model,
@@ -376,23 +369,10 @@ def test_a_tensor_type_braid_does_not_run_is_dequantized_and_said_once(caplog):
 
 
 def test_q8_0_leaves_a_matrix_whose_rows_are_not_whole_blocks_in_float(caplog):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=48,
-        intermediate_size=40,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+    shape = dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
     )
-    model = LoadedModel(
-        hf_model=LlamaForCausalLM(config).eval(),
-        hf_tokenizer=None,
-        name="odd",
-        architecture="LlamaForCausalLM",
-        eos_token_ids=(2,),
-    )
+    model = loaded(tiny_model(vocab_size=64, **shape), name="odd")
     precision = Precision(model, quantization="q8_0")
     with caplog.at_level(logging.WARNING):
         down = precision.matrix("model.layers.0.mlp.down_proj.weight")  # in = 40: not whole blocks

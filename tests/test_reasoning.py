@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from braid.client import json_schema
-from conftest import Server, free_port, tiny_qwen3
+from braid_testing.models import save_model, tiny_model
+from conftest import Server, free_port
 
 KEY = "sk-test-key"
 HI = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -51,7 +52,7 @@ def server(tmp_path_factory, smol_dir):
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's are added tokens, not special ones
     tokenizer.save_pretrained(path)
-    tiny_qwen3(path, vocab_size=len(tokenizer))
+    save_model(path, tiny_model("qwen3", len(tokenizer)))
     template = path / "thinking.jinja"
     template.write_text(TEMPLATE)
     http_port = free_port()

@@ -13,7 +13,8 @@ from braid.client import AsyncClient, regex
 from braid.server.model.loader import default_cache_dir
 from braid.v1 import generate_pb2 as pb
 from braid_testing.process import run_braid
-from conftest import MODES, Server, free_port, start_together, tiny_model, tiny_server, wait_for
+from braid_testing.models import WITH_TEMPLATE, save_model, tiny_model
+from conftest import MODES, Server, free_port, start_together, tiny_server, wait_for
 from in_process import Model, Outcome, generate, load_model
 
 PASSAGE = (
@@ -317,7 +318,9 @@ def other_tiny_dir(tmp_path_factory, smol_dir):
     """A second tiny random Llama of the same vocabulary: a draft that is almost always wrong."""
     import torch
 
-    path = tiny_model(tmp_path_factory.mktemp("other-tiny"), smol_dir)
+    path = save_model(
+        tmp_path_factory.mktemp("other-tiny"), tiny_model(tie_word_embeddings=True), smol_dir, WITH_TEMPLATE
+    )
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -373,23 +376,7 @@ def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, smo
 
 
 def test_a_draft_of_another_vocabulary_fails_at_start_naming_both_sizes(tmp_path, tiny_dir):
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=1000,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    ).save_pretrained(tmp_path)
-    shutil.copy(tiny_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    save_model(tmp_path, tiny_model(vocab_size=1000), tiny_dir, ("tokenizer.json",))
     serve = ("serve", "--model", str(tiny_dir), "--port", "0", "--speculative", "draft", "--draft-model")
     missing = run_braid(*serve, str(tmp_path / "none"), timeout=300)
     assert (

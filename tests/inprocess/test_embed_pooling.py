@@ -12,6 +12,8 @@ import pytest
 import torch
 import transformers
 
+from braid_testing.models import tiny_model
+
 from braid.server.engine.types import EmbeddingRequest, FinishReason, Pooling
 from braid.server.model.loader import LoadedModel
 from braid.server.runner.model_runner import ModelRunner
@@ -20,27 +22,11 @@ from tests.unit.engine_fakes import Harness
 MODES = ["sequential", "interleaved", "batched", "continuous"]
 
 
-def _config(family: str):
-    common = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-    )
-    if family == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-
-
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def tiny(request):
-    torch.manual_seed(0)
-    return _config(request.param).eval()
+    return tiny_model(
+        request.param, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=None
+    )
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])

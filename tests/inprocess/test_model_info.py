@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from braid_testing.models import loaded, tiny_model
 
 from braid.server import resources
 from braid.server.cli import describe
@@ -19,23 +19,7 @@ from braid.server.runner.model_runner import ModelRunner
 
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LoadedModel(
-        hf_model=LlamaForCausalLM(config).eval(),
-        hf_tokenizer=None,
-        name="tiny",
-        architecture="LlamaForCausalLM",
-        eos_token_ids=(2,),
-    )
+    return loaded(tiny_model(vocab_size=512, max_position_embeddings=256))
 
 
 @pytest.fixture(autouse=True)

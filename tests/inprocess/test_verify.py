@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from braid.server.model.loader import LoadedModel
+from braid_testing.models import loaded, tiny_model
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
@@ -19,25 +18,7 @@ PROMPT = [5, 17, 99, 3, 250, 41, 41, 7, 300, 12, 5, 17]
 
 @pytest.fixture(scope="module", params=[True, False], ids=["kernels-auto", "kernels-torch"])
 def runner(request) -> ModelRunner:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-    )
-    model = LoadedModel(
-        hf_model=LlamaForCausalLM(config).eval(),
-        hf_tokenizer=None,
-        name="tiny",
-        architecture="LlamaForCausalLM",
-        eos_token_ids=(2,),
-    )
+    model = loaded(tiny_model(vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=None))
     return ModelRunner(
         model, torch.device("cpu"), torch.float32, num_pages=4 * PAGES, max_seq_len=512, allow_kernels=request.param
     )
