@@ -213,7 +213,7 @@ def test_on_a_terminal_a_conversion_has_one_bar_across_its_steps(gguf_file, tmp_
         shown += chunk
     assert proc.wait(timeout=300) == 0, shown
     text = shown.decode(errors="replace")
-    assert "converting tiny.gguf (tokenizer)" in text and "converting tiny.gguf (quantized blocks)" in text, text
+    assert "converting tiny.gguf (tokenizer)" in text and "converting tiny.gguf (weights)" in text, text
     assert "Converting and de-quantizing" not in text and "Loading weights" not in text, text  # transformers' own
     assert "converted tiny.gguf in " in text
 
