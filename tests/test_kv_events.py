@@ -6,7 +6,11 @@ key guarding it, and a view that matches ServerStatus."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
+import json
+import subprocess
+import sys
 import threading
 from array import array
 
@@ -179,3 +183,22 @@ def test_a_subscriber_further_behind_than_the_ring_is_told_to_resync_then_reads_
     assert not any(e.HasField("resync") for e in after)  # it kept up from then on
     assert [e.sequence for e in sub.events[1:]] == list(range(oldest, sub.last + 1))
     assert [e.stored.hash for e in after] == _hashes(second, "ring-2")
+
+
+def test_braid_client_kv_events_prints_the_events_as_json_lines(server):
+    """The ring holds every event of this module's server (64 pages): the first three are the first
+    prompt's first pages, whichever test ran first."""
+    with server.client() as client:
+        _ask(client, _prompt(40), "cli")
+        first = next(iter(client.kv_events()))
+    out = subprocess.run(
+        [sys.executable, "-m", "braid.client.cli", "--target", server.target, "--api-key", KEY]
+        + ["--kv-events", "--after-sequence", "1", "--max-events", "3", "--timeout", "60"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [int(e["sequence"]) for e in lines] == [2, 3, 4]
+    assert base64.b64decode(lines[0]["stored"]["parent_hash"]) == first.stored.hash  # the chain from event 1

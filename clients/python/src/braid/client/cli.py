@@ -213,11 +213,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="print the embedding of TEXT (repeatable: one input each; with --ids, token ids) as JSON",
     )
+    actions.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="print the prefix cache's events (SubscribeKvEvents: pages stored and evicted) as JSON lines as "
+        "they come, until interrupted or --max-events",
+    )
 
     embed = parser.add_argument_group("embeddings (EmbedRequest fields, with --embed)")
     embed.add_argument("--pooling", choices=("last", "mean"), help="unset: the model's (ModelInfo's embedding_pooling)")
     embed.add_argument("--dimensions", type=int, default=0, help="keep the leading N components (Matryoshka)")
     embed.add_argument("--no-normalize", action="store_true", help="the pooled vector as it is, not unit length")
+
+    kv_events = parser.add_argument_group("KV-cache events (with --kv-events)")
+    kv_events.add_argument(
+        "--after-sequence", type=int, default=0, help="the last sequence seen: events after it (0: all held)"
+    )
+    kv_events.add_argument("--max-events", type=int, default=0, help="stop after N events (0: no limit)")
     return parser
 
 
@@ -355,6 +367,13 @@ def _run(client: Client, args: argparse.Namespace, parser: argparse.ArgumentPars
         status = client.health(timeout=args.timeout)
         print(status)
         return 0 if status == "SERVING" else 1
+    elif args.kv_events:
+        events = client.kv_events(args.after_sequence, timeout=args.timeout)
+        for count, event in enumerate(events, 1):
+            print(json_format.MessageToJson(event, preserving_proto_field_name=True, indent=None), flush=True)
+            if count == args.max_events:
+                events.close()
+                break
     elif args.embed:
         inputs: list[str] | list[list[int]] = [_token_ids(t, parser) for t in args.embed] if args.ids else args.embed
         response = client.embed(
