@@ -311,6 +311,27 @@ class Client {
     return this.unary('Embed', request, timeoutMs);
   }
 
+  /**
+   * The prefix cache's events (SubscribeKvEvents) after sequence `afterSequence`, as they come,
+   * until the server stops: an async iterable of KvEvent ({ sequence, stored: { hash, parentHash,
+   * numTokens, cacheSalt, adapterKey }, evicted: { hash }, resync: { oldestSequence } }, one of
+   * the three set, the others null; sequences are decimal strings, hashes Buffers). An event with
+   * resync says the events asked for are gone: drop what you know of this server. Ending the loop
+   * (break, return) cancels the call; its errors are BraidErrors, as every call's.
+   */
+  async *kvEvents(afterSequence = 0, { timeoutMs } = {}) {
+    const call = this.stub.SubscribeKvEvents(
+      { afterSequence: String(afterSequence) }, this.metadata(), Client.callOptions(timeoutMs),
+    );
+    try {
+      for await (const event of call) yield event;
+    } catch (error) {
+      throw fromServiceError(error);
+    } finally {
+      call.cancel();
+    }
+  }
+
   /** Resolves to a ModelInfoResponse. */
   modelInfo({ timeoutMs } = {}) {
     return this.unary('ModelInfo', {}, timeoutMs);
