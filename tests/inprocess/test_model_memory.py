@@ -19,6 +19,8 @@ from test_request_log import tiny_gguf  # a tiny Llama's GGUF file: layers and w
 from braid.server.config import EngineConfig, SettingError
 from braid.server.model import conversion, tensor_file
 from braid.server.model.loader import load
+from braid.server.runner import decoder
+from braid.server.runner.kernels import packing
 from braid.server.runner.model_runner import ModelRunner
 
 LAYERS, HIDDEN = 16, 256  # 38 MB of fp32 weights; its largest tensor 0.5 MB
@@ -49,7 +51,9 @@ def test_a_conversion_holds_about_one_tensor_in_fp32_not_the_model(deep_gguf, tm
     assert sum(t.nbytes for t in weights.values()) == sum(sizes)
 
 
-def test_a_start_holds_each_quantized_matrix_only_while_the_runner_packs_it(deep_gguf, tmp_path, monkeypatch):
+def test_a_start_holds_each_quantized_matrix_only_while_the_runner_packs_it_then_trims_the_heap(
+    deep_gguf, tmp_path, monkeypatch
+):
     model = load(str(deep_gguf), tmp_path)
     assert isinstance(model.blocks, conversion.BlockFile)
     total = sum(b.q.nbytes for b in (model.blocks[n] for n in model.blocks))
@@ -64,6 +68,8 @@ def test_a_start_holds_each_quantized_matrix_only_while_the_runner_packs_it(deep
         return b
 
     monkeypatch.setattr(conversion.BlockFile, "__getitem__", counted)
+    released = []  # the heap's freed pages handed back: when no matrix from the file is left
+    monkeypatch.setattr(decoder, "release_freed_memory", lambda: released.append(alive[0]) or packing._malloc_trim())
     config = EngineConfig(model=str(deep_gguf), cache_dir=tmp_path, kv_cache_memory="4MiB", threads=1)
     runner = ModelRunner.build(config, model)
     gc.collect()
@@ -71,6 +77,8 @@ def test_a_start_holds_each_quantized_matrix_only_while_the_runner_packs_it(deep
     # a layer's matrices at most (q, k and v fused; gate and up), never the model's, while `model` lives
     assert most[0] <= total / 4, (most[0], total)
     assert alive[0] == 0  # none left once packed
+    assert released == [0]
+    assert packing.release_freed_memory()  # glibc's malloc_trim, on this Linux
 
 
 def test_a_file_written_tensor_by_tensor_is_safetensors_own(tmp_path):

@@ -21,7 +21,7 @@ from braid.server.runner.attention import Attention, softcap
 from braid.server.runner.batch import ForwardBatch
 from braid.server.runner.families import Family
 from braid.server.runner.kernels.ops import activations_of, TorchOps
-from braid.server.runner.kernels.packing import Linear
+from braid.server.runner.kernels.packing import Linear, release_freed_memory
 from braid.server.runner.kernels.step import DecodeStep
 from braid.server.runner.kv_cache import KVCache, head_dim
 from braid.server.runner.lora import LoraBase, LoraPass, Target
@@ -156,6 +156,7 @@ class Decoder:
                 cos[0].to(device=device, dtype=dtype),
                 torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype),
             )
+        release_freed_memory()  # packing's transient copies
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

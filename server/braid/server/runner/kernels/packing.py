@@ -3,6 +3,10 @@ own format for braid's gemm (PackedLinear)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+
 import torch
 
 from braid.server.model.weights import FLOAT_FORMATS, Blocks, Weight
@@ -15,6 +19,26 @@ from braid.server.runner.kernels.extension import (
     _cpu_kernels,
     has_bf16_rows,
 )
+
+
+def release_freed_memory() -> bool:
+    """Hands the pages glibc's heap holds free back to the system (malloc_trim), once the weights are
+    packed: packing frees hundreds of transient copies of 1-100 MB, which glibc keeps (its mmap
+    threshold rises to the largest freed chunk, so later ones come from the heap): 144 MiB of the
+    1B shape's 1.6 GB start, measured. False where the C library has no malloc_trim (not glibc)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def format_of(weight: Weight) -> str:
