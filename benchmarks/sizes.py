@@ -66,10 +66,13 @@ PAGE_SIZE = 16  # braid's --kv-page-size (its default)
 QUALITY_CHUNK = 256  # llama-perplexity -c: the text in chunks of 256 tokens, each scoring its second half
 TEXT = machine.REPO / "tests" / "data" / "perplexity.txt"
 GIB = 2**30
-# Bytes a parameter that braid holds while it loads a model in float32: its first start on a GGUF file
-# (transformers dequantizes it to fp32, braid then saves it), and the quality part's float32 reference
-# (7.5 GB at most for the 1B shape's 1.07 B parameters, measured).
+# Bytes a parameter that the quality part's float32 reference holds (7.5 GB at most for the 1B shape's
+# 1.07 B parameters, measured). braid's first start on a GGUF file converts it a tensor at a time
+# (2.3 GB at most for the 1B shape's Q8_0 file, measured): it needs no such room.
 FP32_LOAD_BYTES = 7
+# bytes of KV cache an element of each --kv-cache-dtype takes (auto: the CPU's compute dtype, float32;
+# checked against what the server reports); q8_0: blocks of 32 int8 and an fp16 scale
+KV_ELEMENT_BYTES = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2, "q8_0": 34 / 32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,10 +89,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--memory-limit-gib",
         type=float,
         default=8.0,
-        help="skip (as a row saying so) what would hold more than this: braid's first start on a GGUF "
-        "file dequantizes it to fp32 in memory; the quality part loads fp32 weights",
+        help="skip (as a row saying so) the quality part where its float32 reference would hold more than this",
     )
     parser.add_argument("--skip-prefill", action="store_true", help="no prefill measurements")
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="each server's memory alone: started, warmed up, its RSS read; no decode, prefill or quality",
+    )
+    parser.add_argument(
+        "--braid-kv-dtype",
+        default="auto",
+        choices=sorted(KV_ELEMENT_BYTES),
+        help="braid's --kv-cache-dtype (llama.cpp's KV cache is f16); its --kv-cache-memory holds the same tokens",
+    )
     parser.add_argument("--skip-quality", action="store_true", help="no KL divergence measurements")
     parser.add_argument(
         "--output", type=Path, default=bench.DOCS / "benchmarks.md", help="the page to add the section to"
@@ -115,19 +128,6 @@ def make_files(shape: Shape, llama, formats_wanted: list[str], tokenizer_folder:
     folder = format_models.shape_folder(shape, tokenizer_folder)
     ggufs = format_models.shape_ggufs(llama, shape, folder, tuple(formats_wanted), f32=quality)
     return {"bf16": folder, **ggufs}
-
-
-def parameters(gguf: Path) -> int:
-    from gguf import GGUFReader
-
-    return sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
-
-
-def braid_converted(gguf: Path) -> bool:
-    """Whether braid has converted `gguf` already (its first start dequantizes it to fp32 in memory)."""
-    from braid.server.model.loader import default_cache_dir
-
-    return any((p / "config.json").is_file() for p in (default_cache_dir() / "models").glob(f"{gguf.stem}-*"))
 
 
 def shape_parameters(shape: Shape) -> int:
@@ -226,9 +226,10 @@ def window_tpot(stamps: list[list[float]], start: float, end: float) -> tuple[fl
     return median, stall * 1000, ended
 
 
-def braid_flags(bytes_per_token: int) -> list[str]:
+def braid_flags(bytes_per_token: float, kv_dtype: str = "auto") -> list[str]:
     """braid holding CONTEXT tokens of KV cache for up to SESSIONS sessions, as llama.cpp's -c/-np."""
     return [
+        *([] if kv_dtype == "auto" else ["--kv-cache-dtype", kv_dtype]),
         "--max-sessions",
         str(SESSIONS),
         "--max-seq-len",
@@ -242,11 +243,21 @@ def braid_flags(bytes_per_token: int) -> list[str]:
     ]
 
 
-def kv_bytes_per_token(shape: Shape, element_bytes: int) -> int:
+def kv_bytes_per_token(shape: Shape, element_bytes: float) -> float:
     """Keys and values of every layer for one token."""
     sizes = shape.sizes
     head_dim = sizes.get("head_dim") or sizes["hidden_size"] // sizes["num_attention_heads"]
     return 2 * sizes["num_hidden_layers"] * sizes["num_key_value_heads"] * head_dim * element_bytes
+
+
+async def measure(name: str, outcome: SizeOutcome, send, pid: int, measured, args) -> None:
+    """The decode rows after a warm-up (formats.measure_server); with --memory-only, the warm-up and
+    the RSS after it alone."""
+    if not args.memory_only:
+        await formats.measure_server(name, outcome, send, pid, measured)
+        return
+    await braid_server.warm_up(send, formats.warm_up_requests(measured))
+    outcome.rss_mib = machine.rss_mib(pid)
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -258,7 +269,7 @@ def peak_rss_mib(pid: int) -> float:
 
 async def run_braid(shape, outcome: SizeOutcome, gguf: Path, args, measured, prompt_set) -> None:
     log_path = Path(tempfile.gettempdir()) / f"braid-sizes-{shape.key}-{outcome.weights}-braid.log"
-    flags = braid_flags(kv_bytes_per_token(shape, 4))  # the CPU's compute dtype, float32: checked below
+    flags = braid_flags(kv_bytes_per_token(shape, KV_ELEMENT_BYTES[args.braid_kv_dtype]), args.braid_kv_dtype)
     outcome.command = f"--model {gguf.name} " + shlex.join(flags)
     try:
         async with braid_server.running(
@@ -274,7 +285,7 @@ async def run_braid(shape, outcome: SizeOutcome, gguf: Path, args, measured, pro
             outcome.kv_tokens = status.kv_pages_total * PAGE_SIZE
             outcome.kv_bytes_per_token = info.kv_cache_bytes / max(outcome.kv_tokens, 1)
             send = braid_server.sender(client)
-            await formats.measure_server(f"{shape.key} braid {outcome.weights}", outcome, send, pid, measured)
+            await measure(f"{shape.key} braid {outcome.weights}", outcome, send, pid, measured, args)
             if prompt_set:
                 outcome.prefill = await measure_prefill(send, lambda r, s: braid_stamps(client, r, s), prompt_set)
             outcome.peak_rss_mib = peak_rss_mib(pid)
@@ -301,7 +312,7 @@ async def run_llama_cpp(shape, outcome: SizeOutcome, gguf: Path, llama, args, me
         ) as (url, pid):
             async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=4 * SESSIONS)) as http:
                 send = llamacpp.sender(http, url)
-                await formats.measure_server(f"{shape.key} llama.cpp {outcome.weights}", outcome, send, pid, measured)
+                await measure(f"{shape.key} llama.cpp {outcome.weights}", outcome, send, pid, measured, args)
                 if prompt_set:
                     outcome.prefill = await measure_prefill(
                         send, lambda r, s: llama_stamps(http, url, r, s), prompt_set
@@ -331,12 +342,6 @@ async def run_config(shape, system, gguf_type, files, llama, args, measured, pro
         outcome.bytes_per_step = format_models.weight_bytes(gguf)
         outcome.file_types = format_models.describe_types(gguf)
         if system == "braid":
-            fp32_gib = parameters(gguf) * FP32_LOAD_BYTES / GIB
-            if fp32_gib > args.memory_limit_gib and not braid_converted(gguf):
-                raise RuntimeError(
-                    f"not run: braid's first start on a GGUF file dequantizes it to fp32 in memory "
-                    f"(about {fp32_gib:.0f} GiB here), over --memory-limit-gib {args.memory_limit_gib:g}"
-                )
             await run_braid(shape, outcome, gguf, args, measured, prompt_set)
         else:
             if isinstance(llama, Exception):
@@ -468,6 +473,8 @@ async def run_all(args, command: str) -> SizeResults:
     formats_wanted = formats._chosen(args.formats, GGUF_TYPES, "formats")
     systems = formats._chosen(args.systems, SYSTEMS, "systems")
     repeats = 1 if args.quick else args.repeats
+    if args.memory_only:
+        args.skip_prefill = args.skip_quality = True
     lengths = [] if args.skip_prefill else list(QUICK_PROMPTS if args.quick else PROMPTS)
     if "llama.cpp" in systems:
         llama = formats.find_or_build_llama_cpp()
@@ -493,6 +500,8 @@ async def run_all(args, command: str) -> SizeResults:
         "quality_text": str(TEXT.relative_to(machine.REPO)),
         "quality_chunk": QUALITY_CHUNK,
         "memory_limit_gib": args.memory_limit_gib,
+        "braid_kv_dtype": args.braid_kv_dtype,
+        "memory_only": args.memory_only,
         "seed": format_models.SEED,
         "disturbed_above": bench.DISTURBED_ABOVE,
     }

@@ -199,6 +199,11 @@ def _who(results: SizeResults) -> str:
     return "braid and llama.cpp on the same files" if len(systems) > 1 else f"{', '.join(sorted(systems))} alone"
 
 
+def _kv_dtype(settings: dict) -> str:
+    chosen = settings.get("braid_kv_dtype", "auto")
+    return "its default KV dtype" if chosen == "auto" else f"`--kv-cache-dtype {chosen}`"
+
+
 def markdown(results: SizeResults) -> str:
     s = results.settings
     threads = results.machine.get("threads")
@@ -267,14 +272,15 @@ the longest wait between two tokens of one of them then.
 **Memory**: both servers hold {s["context"]:,} tokens of KV cache shared by up to {s["sessions"]}
 sessions, each up to {s["max_seq_len"]:,} tokens (llama.cpp `-c {s["context"]} -np {s["sessions"]}
 --kv-unified`; braid `--max-sessions {s["sessions"]} --max-seq-len {s["max_seq_len"]}` and
-`--kv-cache-memory` of {s["context"]:,} tokens in its default KV dtype); **KV tokens** and **bytes a
+`--kv-cache-memory` of {s["context"]:,} tokens in {_kv_dtype(s)}); **KV tokens** and **bytes a
 token** are what each reports (braid's ModelInfo and ServerStatus, llama.cpp's log). RSS is VmRSS
 after the warm-up, peak RSS VmHWM at the end (llama.cpp maps its GGUF: its RSS counts the file pages it
-touched; braid's first start on a GGUF file converts it, once, to a cached folder).
+touched, and its KV cache is resident from the start; braid's KV pages become resident as they are
+first used; braid's first start on a GGUF file converts it, once, to a cached folder).
 
-{decode_table(results)}
+{"" if s.get("memory_only") else decode_table(results)}
 
-{prefill_table(results)}
+{"" if s.get("memory_only") else prefill_table(results)}
 
 {memory_table(results)}
 {quality}
