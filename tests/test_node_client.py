@@ -212,39 +212,47 @@ def read_some(proc: subprocess.Popen, count: int) -> bytes:
     return head
 
 
-@pytest.mark.parametrize("stop", ["kill", "handover"])
-def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, tiny_dir, stop):
-    """Two replicas behind the CLI's --target list. The replica serving a long greedy stream is
-    killed with SIGKILL after some text, or drained with SIGTERM, which hands the stream over after
-    --handover-grace (it ends UNAVAILABLE); the CLI goes on, on the other replica, and prints
-    exactly the text of an unbroken run."""
-    replicas = start_together(
-        *[functools.partial(tiny_server, tiny_dir, "--mode", "continuous", "--handover-grace", "0.3", env=SLOW)] * 2
+@pytest.fixture(scope="module")
+def replicas(tiny_dir):
+    """Three replicas for the hand-over cases: each case stops the one serving its stream, and the
+    next case runs on those left (two cases, three starts instead of four)."""
+    started = start_together(
+        *[functools.partial(tiny_server, tiny_dir, "--mode", "continuous", "--handover-grace", "0.3", env=SLOW)] * 3
     )
+    yield started
+    for r in started:
+        r.stop()
+
+
+@pytest.mark.parametrize("stop", ["kill", "handover"])
+def test_cli_resumes_on_another_replica_when_one_is_killed_mid_stream(node, replicas, stop):
+    """Replicas behind the CLI's --target list (two or three: those the other case left). The
+    replica serving a long greedy stream is killed with SIGKILL after some text, or drained with
+    SIGTERM, which hands the stream over after --handover-grace (it ends UNAVAILABLE); the CLI goes
+    on, on another replica, and prints exactly the text of an unbroken run."""
+    replicas = [r for r in replicas if r.proc.poll() is None]
+    assert len(replicas) >= 2, "a replica stopped that no case stopped"
     args = ["--max-new-tokens", "300", "--ignore-eos", "--stats", "The lighthouse keeper wrote in his log"]
+    proc = subprocess.Popen(
+        [node, "cli.js", "--target", ",".join(r.target for r in replicas), *args],
+        cwd=NODE_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
-        proc = subprocess.Popen(
-            [node, "cli.js", "--target", ",".join(r.target for r in replicas), *args],
-            cwd=NODE_DIR,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        try:
-            head = read_some(proc, 40)  # some messages in
-            (serving,) = [r for r in replicas if status(r).sessions_active == 1]
-            serving.proc.kill() if stop == "kill" else serving.proc.send_signal(signal.SIGTERM)
-            rest, stderr = proc.communicate(timeout=STREAM_TIMEOUT_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        (survivor,) = [r for r in replicas if r is not serving]
-        unbroken = subprocess.run(
-            cli(node, survivor, *args), cwd=NODE_DIR, capture_output=True, timeout=STREAM_TIMEOUT_S
-        )  # bytes: the text as printed, "\r" and all
+        head = read_some(proc, 40)  # some messages in
+        (serving,) = [r for r in replicas if status(r).sessions_active == 1]
+        serving.proc.kill() if stop == "kill" else serving.proc.send_signal(signal.SIGTERM)
+        rest, stderr = proc.communicate(timeout=STREAM_TIMEOUT_S)
     finally:
-        for r in replicas:
-            r.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    serving.proc.wait(STREAM_TIMEOUT_S)  # killed, or drained: gone before the next case
+    survivor = next(r for r in replicas if r is not serving)
+    unbroken = subprocess.run(
+        cli(node, survivor, *args), cwd=NODE_DIR, capture_output=True, timeout=STREAM_TIMEOUT_S
+    )  # bytes: the text as printed, "\r" and all
     stderr = stderr.decode()
     assert proc.returncode == 0, stderr
     assert len(re.findall(r"^\[resumed after (UNAVAILABLE|INTERNAL): ", stderr, re.M)) == 1, stderr
