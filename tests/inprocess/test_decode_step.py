@@ -11,8 +11,8 @@ import functools
 import pytest
 import torch
 import transformers as t
+from braid_testing.models import LLAMA_LIKE, loaded
 
-from braid.server.model.loader import LoadedModel
 from braid.server.runner import decoder
 from braid.server.runner.kernels.extension import ACTIVATIONS, LAYER_FIELDS, has_bf16_rows
 from braid.server.runner.kernels.pick import kernels_isa
@@ -22,16 +22,7 @@ from braid.server.runner.rows import Row, Sampling
 
 pytestmark = pytest.mark.skipif(kernels_isa() is None, reason="braid's C kernels do not run on this CPU")
 
-SHAPE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-)
+SHAPE = dict(LLAMA_LIKE, vocab_size=512, num_hidden_layers=4, head_dim=16, max_position_embeddings=128)
 # query_pre_attn_scalar is not head_dim, so Gemma's scale is not the default one
 GEMMA = dict(SHAPE, sliding_window=8, query_pre_attn_scalar=24)
 MODELS = {
@@ -60,11 +51,8 @@ def _model(kind: str):
 
 
 def _runner(model, **kwargs) -> ModelRunner:
-    loaded = LoadedModel(
-        hf_model=model, hf_tokenizer=None, name="tiny", architecture=type(model).__name__, eos_token_ids=(2,)
-    )
     return ModelRunner(
-        loaded, torch.device("cpu"), torch.float32, num_pages=PAGES * len(PROMPTS), max_seq_len=64, **kwargs
+        loaded(model), torch.device("cpu"), torch.float32, num_pages=PAGES * len(PROMPTS), max_seq_len=64, **kwargs
     )
 
 

@@ -14,18 +14,10 @@ from braid.server.model.loader import LoadedModel
 from braid.server.runner.families import FAMILIES, attention_window, native_family
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
+from braid_testing import models
 from braid_testing.perplexity import perplexity
 
-LLAMA_LIKE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    initializer_range=0.3,
-)
+LLAMA_LIKE = dict(models.LLAMA_LIKE, vocab_size=512, initializer_range=0.3)  # the tiny shape, any config class
 
 
 @pytest.mark.parametrize(
