@@ -101,7 +101,6 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
     holds them (BLOCKS_FILE; each checked against the fp32 values). Refuses a file a tensor of the
     model is missing from, or has another shape in (transformers would leave it random, or log a
     table). Returns the model's class name."""
-    import numpy as np
     import torch
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
@@ -141,7 +140,7 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
         if result.name not in mapping:
             continue
         hf_name = mapping[result.name]
-        value = torch.from_numpy(np.copy(result.weights)).float()  # as transformers loads it
+        value = torch.from_numpy(_own(result.weights)).float()  # as transformers loads it
         formats[hf_name] = kind = gguf_type_name(tensor.tensor_type)
         if add(hf_name, value) and kind in BLOCK_FORMATS:
             b = matching_blocks(processor, tensor, kind, value, gguf.name)
@@ -189,6 +188,15 @@ def _released(reader, advance: Callable[[float], None]) -> Iterator:
             start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
             with contextlib.suppress(OSError, ValueError):
                 mapped.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+
+
+def _own(array):
+    """array, copied only where it is the file's own bytes (an f32 tensor: a read-only view of the
+    mapped file) or not contiguous; a dequantized tensor is fresh already (transformers copies it
+    again: one fp32 copy of the largest tensor more)."""
+    import numpy as np
+
+    return array if array.flags.c_contiguous and array.flags.writeable else np.copy(array)
 
 
 def _architecture(reader) -> str:
