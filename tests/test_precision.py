@@ -27,7 +27,6 @@ from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
 from braid_testing.models import loaded, tiny_model
 from braid_testing.perplexity import divergence, prompt_logits
-from braid_testing.perplexity import perplexity as perplexity_of
 from braid_testing.process import run_braid
 from conftest import REPO, Server, assert_greedy, compute_dtype, near_tie
 
@@ -185,35 +184,21 @@ def test_the_isa_variable_picks_the_kernels_and_a_wrong_one_fails_the_start(tiny
 # ---- in process: perplexity, and formats braid does not run --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smol_fp32(smol_dir) -> LoadedModel:
-    """The embedded model as an fp32 checkpoint: its converted folder, loaded as a plain model."""
-    return load(str(smol_dir), smol_dir.parent)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_q8_0_costs_at_most_one_percent_of_perplexity(smol_fp32, dtype, record_property):
+def test_q8_0_costs_at_most_one_percent_of_perplexity(text_pass, dtype, record_property):
     """--quantization q8_0 on an fp32 or a bf16 model, against the same model unquantized, on the
-    fixed text the repo ships (tests/data/perplexity.txt). docs/benchmarks.md quotes the figures."""
-    model = smol_fp32
-    if dtype == "bfloat16":
-        model = LoadedModel(
-            hf_model=_bf16_copy(smol_fp32.hf_model),
-            hf_tokenizer=smol_fp32.hf_tokenizer,
-            name="bf16",
-            architecture=smol_fp32.architecture,
-            eos_token_ids=smol_fp32.eos_token_ids,
-        )
-    ids = smol_fp32.hf_tokenizer(TEXT)["input_ids"]
-
-    def perplexity(quantization: str) -> float:
-        runner = ModelRunner(
-            model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048, quantization=quantization
-        )
-        assert ("q8_0" in runner.weight_formats) == (quantization == "q8_0")
-        return perplexity_of(runner, ids)
-
-    plain, quantized = perplexity("none"), perplexity("q8_0")
+    fixed text the repo ships (tests/data/perplexity.txt), float32 rows. docs/benchmarks.md quotes the
+    figures. The bf16 model unquantized is the embedded one served in bf16 (BF16), the pass the bf16
+    rows tests read too: the same weights as a bf16 checkpoint's, rounded once."""
+    if dtype == "float32":
+        plain = text_pass("float32", "fp32", quantization="none")
+        quantized = text_pass("float32", "fp32", quantization="q8_0")
+        assert plain.weight_formats == {"f32": 272}
+    else:
+        plain, quantized = text_pass("float32", **BF16), text_pass("float32", "bf16", quantization="q8_0")
+        assert set(plain.weight_formats) == {"bf16", "f32"}
+    assert set(quantized.weight_formats) == {"q8_0", "f32"}
+    plain, quantized = plain.perplexity, quantized.perplexity
     record_property("perplexity", f"{dtype}: {plain:.4f}, q8_0: {quantized:.4f}")
     print(f"\n{dtype}: perplexity {plain:.4f}, with q8_0 {quantized:.4f} ({quantized / plain - 1:+.2%})")
     assert 5 < plain < 100  # the model reads English: a broken forward pass would be in the thousands
@@ -222,7 +207,7 @@ def test_q8_0_costs_at_most_one_percent_of_perplexity(smol_fp32, dtype, record_p
 
 @dataclass
 class TextPass:
-    """The embedded model over the fixed text (tests/data/perplexity.txt) in one prompt pass."""
+    """A model over the fixed text (tests/data/perplexity.txt) in one prompt pass."""
 
     activations: str  # the rows the runner multiplied (auto resolved)
     weight_formats: dict[str, int]  # the runner's, format: matrices
@@ -230,31 +215,55 @@ class TextPass:
     logits: torch.Tensor  # [512, V]: the first 512 positions', for the divergence tests
 
 
+def _as_checkpoint(model: LoadedModel, name: str, hf_model) -> LoadedModel:
+    """hf_model as a plain checkpoint with model's architecture and tokenizer: no GGUF blocks or formats."""
+    return LoadedModel(
+        hf_model=hf_model,
+        hf_tokenizer=model.hf_tokenizer,
+        name=name,
+        architecture=model.architecture,
+        eos_token_ids=model.eos_token_ids,
+    )
+
+
 @pytest.fixture(scope="module")
 def text_pass(embedded):
-    """text_pass(activations, **weights): the embedded model over the fixed text with those rows and
-    weights (ModelRunner's weight_dtype, quantization), run once per configuration the runner
-    resolves to for the whole module: the perplexity and the divergence tests read the same pass (on
-    a CPU without AVX-512 BF16, bf16 rows are float32 rows, and so computed once)."""
+    """text_pass(activations, model="embedded", **weights): a model over the fixed text with those rows
+    and weights (ModelRunner's weight_dtype, quantization), run once per model and configuration the
+    runner resolves to for the whole module: the perplexity and the divergence tests read the same
+    pass (on a CPU without AVX-512 BF16, bf16 rows are float32 rows, and so computed once). model:
+    "embedded" (the GGUF in its own formats), "fp32" (its weights as an fp32 checkpoint: the values
+    its converted folder holds) or "bf16" (those in bf16, as a bf16 checkpoint)."""
     ids = embedded.hf_tokenizer(TEXT)["input_ids"]
-    done: dict[tuple, TextPass] = {}
+    models = {
+        "embedded": lambda: embedded,
+        "fp32": lambda: _as_checkpoint(embedded, "fp32", embedded.hf_model),
+        "bf16": lambda: _as_checkpoint(embedded, "bf16", _bf16_copy(embedded.hf_model)),
+    }
+    asked: dict[tuple, TextPass] = {}  # as asked: a runner is not built again to learn what it resolves to
+    done: dict[tuple, TextPass] = {}  # as the runner resolved it
 
-    def get(activations: str, **weights: str) -> TextPass:
-        runner = ModelRunner(
-            embedded,
-            torch.device("cpu"),
-            torch.float32,
-            num_pages=128,
-            max_seq_len=2048,
-            activations=activations,
-            **weights,
-        )
-        key = (runner.activations, tuple(sorted(runner.weight_formats.items())))
-        if key not in done:
-            logits = prompt_logits(runner, ids)
-            nll = -torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
-            done[key] = TextPass(runner.activations, runner.weight_formats, math.exp(nll.item()), logits[:512].clone())
-        return done[key]
+    def get(activations: str, model: str = "embedded", **weights: str) -> TextPass:
+        question = (model, activations, tuple(sorted(weights.items())))
+        if question not in asked:
+            runner = ModelRunner(
+                models[model](),
+                torch.device("cpu"),
+                torch.float32,
+                num_pages=128,
+                max_seq_len=2048,
+                activations=activations,
+                **weights,
+            )
+            key = (model, runner.activations, tuple(sorted(runner.weight_formats.items())))
+            if key not in done:
+                logits = prompt_logits(runner, ids)
+                nll = -torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
+                done[key] = TextPass(
+                    runner.activations, runner.weight_formats, math.exp(nll.item()), logits[:512].clone()
+                )
+            asked[question] = done[key]
+        return asked[question]
 
     return get
 
