@@ -208,15 +208,23 @@ def slow(tiny_dir):
 def in_process():
     """in_process(path, **config): the model at `path`, its runner and tokenizer in this process
     (tests/in_process.py), built once a module for each path and set of EngineConfig fields. One
-    engine at a time runs on it (a draft needs a runner of its own: in_process.load_model)."""
+    engine at a time runs on it (a draft needs a runner of its own: in_process.load_model). A path's
+    runners share one load of its checkpoint (the embedded model's took 4-5 s of CPU, and a module
+    built five runners of it), as braid's native decoder only reads the loaded weights; a model that
+    runs through transformers' own forward (which moves it to its dtype in place) is loaded anew."""
+    from braid.server.model.loader import load
     from in_process import Model, load_model  # torch: not at import, for make test-unit
 
     made: dict[tuple, Model] = {}
+    loaded: dict[str, object] = {}  # path -> its LoadedModel, where its runners are braid's own
 
     def get(path: Path, **config) -> Model:
         key = (str(path), tuple(sorted(config.items())))
         if key not in made:
-            made[key] = load_model(path, path.parent, **config)
+            model = loaded.get(str(path)) or load(str(path), path.parent)
+            made[key] = load_model(path, path.parent, loaded=model, **config)
+            if made[key].runner.path == "braid":
+                loaded[str(path)] = model
         return made[key]
 
     return get

@@ -16,7 +16,7 @@ from pathlib import Path
 from braid.server.config import EngineConfig
 from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import Delta, EngineStats, Finished, Message
-from braid.server.model.loader import load
+from braid.server.model.loader import LoadedModel, load
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import TokenLogprob
 from unit.engine_fakes import Harness
@@ -31,11 +31,12 @@ class Model:
     path: str
 
 
-def load_model(path: Path | str | None, cache_dir: Path, **config) -> Model:
+def load_model(path: Path | str | None, cache_dir: Path, loaded: LoadedModel | None = None, **config) -> Model:
     """The runner `braid serve --model path` builds (None: the embedded model), on one thread, with
-    a 128 MiB KV cache; config: other EngineConfig fields (kernels, activations, kv_cache_memory, ...)."""
+    a 128 MiB KV cache; config: other EngineConfig fields (kernels, activations, kv_cache_memory, ...).
+    loaded: the model at path, already loaded (another runner's, for braid's native decoder only)."""
     name = None if path is None else str(path)
-    model = load(name, cache_dir)
+    model = loaded or load(name, cache_dir)
     engine_config = EngineConfig(**{"model": name, "threads": 1, "kv_cache_memory": "128MiB", **config})
     runner = ModelRunner.build(engine_config, model)
     return Model(runner, Tokenizer(model.hf_tokenizer, model.eos_token_ids), name or model.name)

@@ -25,9 +25,14 @@ REQUESTS = [dict(prompt=SYSTEM + q, max_new_tokens=12, ignore_eos=True) for q in
 TOKEN_BYTES = 12240
 
 
+# a KV cache of 64 MiB, 1,024 tokens a sequence, float32 rows (what the embedded model's f32 folder runs
+# by default): the KL divergence test's caches, the q8_0 one of which is the other tests' too
+CACHE = dict(kv_cache_memory="64MiB", max_seq_len=1024, activations="float32")
+
+
 @pytest.fixture(scope="module")
 def q8(smol_dir, in_process):
-    model = in_process(smol_dir, kv_cache_dtype="q8_0", kv_cache_memory="64MiB")
+    model = in_process(smol_dir, kv_cache_dtype="q8_0", **CACHE)
     assert model.runner.kv_dtype_name == "q8_0" and model.runner.kernels != "torch"
     return model
 
@@ -91,9 +96,8 @@ def test_q8_0_costs_at_most_0_002_of_kl_divergence_over_bf16(smol_dir, in_proces
     text = (Path(__file__).parents[1] / "data" / "perplexity.txt").read_text()
     logits = {}
     for dtype in ("float32", "bfloat16", "q8_0"):
-        model = in_process(
-            smol_dir, kv_cache_dtype=dtype, kv_cache_memory="64MiB", max_seq_len=1024, activations="float32"
-        )
+        model = in_process(smol_dir, kv_cache_dtype=dtype, **CACHE)  # q8_0: the q8 fixture's runner
+        assert model.runner.activations == "float32"
         logits[dtype] = prompt_logits(model.runner, model.tokenizer.encode_prompt(text)[:512])
     bf16, _ = divergence(logits["float32"], logits["bfloat16"])
     q8, same_top = divergence(logits["float32"], logits["q8_0"])
