@@ -15,13 +15,15 @@ rounded to bf16, so within 2^-8 of the fp32 answer's sum of |x W|.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from braid.server.model.weights import unpack_gguf
+from braid.server.model.weights import BLOCK_FORMATS, FLOAT_FORMATS, Blocks, unpack_gguf
 from gguf_files import K_QUANTS, k_quant_bytes
 from braid.server.runner.kernels import extension, packing, pick, selfcheck, step
 from braid.server.runner import kv_cache
@@ -81,7 +83,18 @@ def test_the_extension_is_built_and_matches_this_code():
     when imported) braid silently runs torch's slower kernels."""
     assert extension._cpu_kernels is not None, "braid.server.runner._cpu_kernels was not built, or is stale"
     assert extension._cpu_kernels.LAYER_FIELDS == extension.LAYER_FIELDS
-    assert extension._cpu_kernels.FORMATS == tuple(extension.FORMATS.values())
+    assert tuple(extension.FORMATS) == extension.FORMAT_NAMES
+
+
+def test_the_c_table_has_every_format_braid_loads_and_these_tests_cover():
+    """csrc/formats.h's rows are the formats: the loader's block formats are its quantized rows, torch's
+    float dtypes its float rows, and every row is tested here (a new row fails this until it is)."""
+    formats = extension.FORMATS
+    assert {name for name, f in formats.items() if f.scale_bytes} == set(BLOCK_FORMATS) == set(QUANTIZED)
+    assert {name for name, f in formats.items() if not f.scale_bytes} == set(FLOAT_FORMATS.values()) == set(FLOATS)
+    for name, f in formats.items():  # the bytes follow from the row
+        assert f.block_bytes == f.head_bytes + f.block_rows * 32 * f.bits // 8, name
+        assert f.head_bytes == 32 * f.scale_bytes * (f.groups + (f.min != 0)), name
 
 
 def test_the_kernels_are_used_only_where_they_run(monkeypatch):
@@ -149,6 +162,83 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch(isa, fmt):
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
     # and in a batch of another size, where the rows split into tiles differently
     assert torch.equal(layer(x[5:22]), together[5:22])
+
+
+def reference(layer, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    """csrc/reference.c's answer for a packed layer (or anything with its fields: a weight packed for a
+    path this CPU lacks), whichever build is selected."""
+    return PackedLinear.reference(layer, x, y)
+
+
+def exact_weights(weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W [out, in] in float64 as its format defines it, d (q - offset) + min m computed exactly; a
+    bound on every term a weight puts into the kernels' sums, |d| (|q| + offset) + |m|)."""
+    if not isinstance(weight, Blocks):
+        return weight.double(), weight.double().abs()
+    f = extension.FORMATS[weight.format]
+    n, blocks = weight.q.shape[:2]
+    d = weight.d.double().view(n, blocks, f.groups, 1).expand(-1, -1, -1, 32 // f.groups).reshape(n, blocks, 32)
+    q, m = weight.q.double(), 0 if weight.m is None else weight.m.double().unsqueeze(-1)
+    return (d * (q - f.offset) + f.min * m).view(n, -1), (d.abs() * (q.abs() + f.offset) + abs(m)).view(n, -1)
+
+
+# (the path, the format) of every matmul the contract says gives the same bits in every build
+REFERENCE_PATHS = [("float32", fmt) for fmt in [*FLOATS, *QUANTIZED]] + [("int8", fmt) for fmt in QUANTIZED]
+# rows: one (the one-row path), tiles of every build (AVX2's int8 tiles of 2, AVX-512's of 6 taking
+# turns), past 16 (long k-blocks) and past 64 (chunks of rows)
+REFERENCE_ROWS = [1, 2, 3, 7, 13, 17, 70]
+
+
+@pytest.mark.parametrize("path, fmt", REFERENCE_PATHS, ids=[f"{p}-{f}" for p, f in REFERENCE_PATHS])
+def test_every_build_gives_the_bits_of_the_plain_c_reference(isa, path, fmt):
+    """csrc/kernels.h: each output of the matmul is summed lane by lane in a fixed order, so every
+    build, whatever its vector width, gives the bits of csrc/reference.c, which sums the same terms
+    one value at a time (float32 rows: the same fused multiply-add chain and folds; int8 rows: the
+    same quantization of x, exact integer sums and folds). With bias, and added into y.
+
+    And the reference is within its rounding of the exact answer, from the arithmetic: every term
+    of an output passes through at most K + 64 roundings (a scale group's chain of up to 32, its fold,
+    one fold per block, the bias and y), each off by at most 2^-24 of the sum of the terms'
+    magnitudes, |x| (|d| (|q| + offset) + |m|) summed over k, plus |bias| and |y|."""
+    ops = CpuKernelOps(isa.isa, activations="int8" if path == "int8" else "float32")
+    shapes = [(512, 100), (256, 33)] + ([(577, 40), (3, 17)] if fmt in FLOATS else [(1536, 40)])
+    for i, (k, n) in enumerate(shapes):
+        weight, _ = matrix(fmt, (k, n), seed=i)
+        layer, plain = ops.linear(weight, torch.randn(n)), ops.linear(weight, None)
+        assert layer.rows == path
+        exact, magnitude = exact_weights(weight)
+        for m in REFERENCE_ROWS:
+            x = torch.randn(m, k)
+            expected = reference(layer, x)
+            assert torch.equal(layer(x).view(torch.int32), expected.view(torch.int32)), (isa.isa, (k, n), m)
+            y = torch.randn(m, n)
+            into = reference(plain, x, y.clone())
+            assert torch.equal(plain.add_into(y, x).view(torch.int32), into.view(torch.int32)), (isa.isa, (k, n), m)
+            rows = quantized_rows(x) if path == "int8" else x.double()  # what the reference multiplies
+            bound = (k + 64) * 2.0**-24 * (rows.abs() @ magnitude.t() + layer.bias.double().abs())
+            assert ((expected.double() - (rows @ exact.t() + layer.bias.double())).abs() <= bound).all(), ((k, n), m)
+
+
+def test_the_bf16_references_error_is_xs_rounding_and_its_sums():
+    """The bf16 path's reference (csrc/reference.c, run here whatever the CPU): x rounded to bf16 moves
+    each term by at most 2^-8 of it (bf16 has 8 bits of precision), the products are exact and each of
+    the K + 2 adds rounds by at most 2^-24 of the sum of the terms' magnitudes. Odd K: a pad of 0."""
+    code = extension.FORMAT_CODES["bf16"] | extension.BF16_ROWS
+    for k, n in [(255, 33), (512, 40)]:
+        weight = torch.randn(n, k).bfloat16()
+        layer = SimpleNamespace(
+            weight=packing._pack_dense(weight, pairs=True),
+            code=code,
+            in_features=k,
+            out_features=n,
+            bias=torch.randn(n),
+        )
+        x = torch.randn(7, k)
+        out = reference(layer, x).double()
+        exact = x.double() @ weight.double().t() + layer.bias.double()
+        magnitude = x.double().abs() @ weight.double().abs().t() + layer.bias.double().abs()
+        assert ((out - exact).abs() <= (2**-8 + (k + 2) * 2**-24) * magnitude).all()
+        assert not torch.equal(out, exact.float().double())  # and x was rounded: not the fp32 answer
 
 
 def quantized_rows(x: torch.Tensor) -> torch.Tensor:
@@ -298,6 +388,23 @@ def test_bf16_activations_give_a_row_the_same_bits_alone_and_in_a_batch(bf16_isa
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
     for rows in ((5, 22), (0, 3), (10, 26)):  # other tile splits
         assert torch.equal(layer(x[rows[0] : rows[1]]), together[rows[0] : rows[1]]), rows
+
+
+def test_the_bf16_path_gives_the_bits_of_the_plain_c_reference(bf16_isa):
+    """vdpbf16ps adds, per pair of k, the odd product and then the even one, each product exact and
+    each add rounded (the SDM's order): csrc/reference.c's bf16 path, whose bits the build gives, at
+    rows that take every tile, K even and odd, with bias and added into y."""
+    ops = CpuKernelOps(bf16_isa.isa, activations="bf16")
+    for k, n in [(512, 100), (255, 33)]:
+        weight, _ = matrix("bf16", (k, n), seed=k)
+        layer, plain = ops.linear(weight, torch.randn(n)), ops.linear(weight, None)
+        assert layer.rows == "bf16"
+        for m in REFERENCE_ROWS:
+            x = torch.randn(m, k)
+            assert torch.equal(layer(x).view(torch.int32), reference(layer, x).view(torch.int32)), (k, m)
+            y = torch.randn(m, n)
+            into = reference(plain, x, y.clone())
+            assert torch.equal(plain.add_into(y, x).view(torch.int32), into.view(torch.int32)), (k, m)
 
 
 @pytest.mark.parametrize("k", [256, 255])

@@ -49,7 +49,7 @@ INLINE void btile_rows(const int MR, const brows_t *b, long r, const uint8_t *pa
     for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = vzero();
     const uint32_t *x = b->x + r * b->pairs;
     for (long p = 0; p < b->pairs; p++) {
-        const uint8_t *pair = panel + p * 2 * ROW_BYTES[F_BF16];
+        const uint8_t *pair = panel + p * 2 * ROW_BYTES(F_BF16);
         if (ahead) {
             _mm_prefetch((const char *)pair + GEMV_AHEAD, _MM_HINT_T0);
             _mm_prefetch((const char *)pair + GEMV_AHEAD + 64, _MM_HINT_T0);

@@ -4,6 +4,7 @@
 #include <Python.h>
 
 #include "kernels.h"
+#include "reference.c" /* compiled here, once: no instruction set's target */
 
 static const kernels_t *const ISAS[] = {&AVX512_BF16_KERNELS, &AVX512_VNNI_KERNELS, &AVX512_KERNELS, &AVX2_VNNI_KERNELS,
                                         &AVX2_KERNELS}; /* best first */
@@ -47,18 +48,18 @@ static int check_format(long fmt, long K, const char *who) {
         }
         return 0;
     }
-    if (fmt & F_INT8 && (fmt & ~F_INT8) < F_Q8_0) {
-        PyErr_Format(PyExc_ValueError, "%s: only a quantized format has an int8 path, not format %ld", who,
-                     fmt & ~F_INT8);
+    const long base = fmt & ~F_INT8;
+    if (base < 0 || base >= F_FORMATS) {
+        PyErr_Format(PyExc_ValueError, "%s: unknown weight format %ld", who, base);
         return -1;
     }
-    fmt &= ~F_INT8;
-    if (fmt < 0 || fmt >= F_FORMATS) {
-        PyErr_Format(PyExc_ValueError, "%s: unknown weight format %ld", who, fmt);
+    if (fmt & F_INT8 && !FORMAT_TRAITS[base].dot_int8) {
+        PyErr_Format(PyExc_ValueError, "%s: only a quantized format has an int8 path, not format %ld", who, base);
         return -1;
     }
-    if (HEAD_BYTES[fmt] && K % QBLOCK) {
-        PyErr_Format(PyExc_ValueError, "%s: a quantized weight needs K a multiple of %d, not %ld", who, QBLOCK, K);
+    if (K % FORMAT_TRAITS[base].block_rows) {
+        PyErr_Format(PyExc_ValueError, "%s: a quantized weight needs K a multiple of %d, not %ld", who,
+                     FORMAT_TRAITS[base].block_rows, K);
         return -1;
     }
     return 0;
@@ -96,7 +97,24 @@ static PyObject *py_columns(PyObject *self, PyObject *const *args, Py_ssize_t na
             PyErr_Format(PyExc_IndexError, "columns: id %lld is not in [0, %ld)", (long long)ids[i], N);
             return NULL;
         }
-    K->columns(a[0].p, (int)a[1].l, Kd, N, ids, count, a[6].p, a[7].l);
+    reference_columns(a[0].p, (int)a[1].l, Kd, N, ids, count, a[6].p, a[7].l);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_reference_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    arg_t a[11];
+    if (parse(args, nargs, "plplplllllp", a)) return NULL;
+    const long M = a[6].l, Kd = a[7].l, N = a[8].l;
+    if (M < 1 || Kd < 1 || N < 1 || a[1].l < Kd || a[5].l < N) {
+        PyErr_SetString(PyExc_ValueError, "reference_gemm: bad shape");
+        return NULL;
+    }
+    if (check_format(a[3].l, Kd, "reference_gemm")) return NULL;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = reference_gemm(a[0].p, a[1].l, a[2].p, (int)a[3].l, a[4].p, a[5].l, M, Kd, N, (int)a[9].l, a[10].p);
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -178,12 +196,14 @@ static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_
     }
     static const int MATRICES[] = {T_QKV_FMT, T_O_FMT, T_GATE_UP_FMT, T_DOWN_FMT};
     for (long layer = 0; layer < s.layers; layer++) /* a weight packed for a path this build lacks */
-        for (size_t i = 0; i < sizeof MATRICES / sizeof *MATRICES; i++)
+        for (size_t i = 0; i < sizeof MATRICES / sizeof *MATRICES; i++) {
+            if (check_format(s.table[layer * T_FIELDS + MATRICES[i]], 0, "decode_step")) return NULL;
             if (s.table[layer * T_FIELDS + MATRICES[i]] & F_BF16_ROWS && !K->bf16_rows) {
                 PyErr_Format(PyExc_ValueError, "decode_step: the %s kernels have no bf16-rows path (it needs "
                              "AVX-512 BF16)", K->name);
                 return NULL;
             }
+        }
     if (s.lora_rows && (!s.lora_tables || s.lora_cols < 1)) {
         PyErr_SetString(PyExc_ValueError, "decode_step: LoRA rows need their adapters' tables and lora_cols >= 1");
         return NULL;
@@ -243,6 +263,9 @@ static PyMethodDef METHODS[] = {
      "gemm(x, ldx, w_packed, fmt, y, ldy, M, K, N, accumulate, bias, threads): y (+)= x @ W + bias"},
     {"columns", (PyCFunction)(void (*)(void))py_columns, METH_FASTCALL,
      "columns(w_packed, fmt, K, N, ids, count, out, ldo): out[i] = column ids[i] of W, dequantized"},
+    {"reference_gemm", (PyCFunction)(void (*)(void))py_reference_gemm, METH_FASTCALL,
+     "reference_gemm(x, ldx, w_packed, fmt, y, ldy, M, K, N, accumulate, bias): gemm's plain-C reference "
+     "(reference.c), one thread, whatever build is selected"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, ldx, weight, out, ldo, M, D, eps)"},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL,
@@ -284,9 +307,14 @@ static PyObject *names(const char *const *strings, int n) {
 PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     PyObject *m = PyModule_Create(&MODULE);
     if (m == NULL) return NULL;
-    PyObject *layout = PyTuple_New(F_FORMATS); /* (row bytes, head bytes) per format */
-    for (int f = 0; layout && f < F_FORMATS; f++)
-        PyTuple_SET_ITEM(layout, f, Py_BuildValue("(ll)", ROW_BYTES[f], HEAD_BYTES[f]));
+    PyObject *layout = PyTuple_New(F_FORMATS); /* per format, in code order: formats.h's traits */
+    for (int f = 0; layout && f < F_FORMATS; f++) {
+        const format_t *t = &FORMAT_TRAITS[f];
+        PyObject *row = Py_BuildValue("(siilliiii)", t->name, t->block_rows, STORED_BITS(t->stored), t->block_bytes,
+                                      t->head_bytes, t->scale_bytes, t->groups, t->offset, t->min);
+        if (!row) Py_CLEAR(layout);
+        else PyTuple_SET_ITEM(layout, f, row);
+    }
     PyObject *fields = names(LAYER_FIELD_NAMES, T_FIELDS), *activations = names(ACTIVATION_NAMES, A_ACTIVATIONS);
     PyObject *lora = names(LORA_FIELD_NAMES, L_FIELDS);
     if (!layout || !fields || !activations || !lora || PyModule_AddObjectRef(m, "LORA_FIELDS", lora) < 0 || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 ||

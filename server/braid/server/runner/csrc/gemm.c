@@ -109,10 +109,7 @@ DEFINE_TILE(12)
                         for (int j = 0; j < NV; j++) s[m][j] = vfmadd(b, wv[j], s[m][j]);       \
                     }                                                                            \
                 }                                                                                \
-                /* inlined per format */                                                         \
-                _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wswitch\"")   \
-                EACH_FORMAT(FOLD_ROWS)                                                           \
-                _Pragma("GCC diagnostic pop")                                                    \
+                EACH_FORMAT(fmt) /* FOLD_ROWS, inlined per format */                            \
             }                                                                                    \
         }                                                                                        \
         if (!last) return;                                                                       \
@@ -125,6 +122,7 @@ DEFINE_TILE(12)
         }                                                                                        \
     }
 
+#define FORMAT_CALL(F) FOLD_ROWS(F)
 DEFINE_QTILE(1)
 DEFINE_QTILE(2)
 DEFINE_QTILE(3)
@@ -137,6 +135,7 @@ DEFINE_QTILE(9)
 DEFINE_QTILE(10)
 DEFINE_QTILE(11)
 DEFINE_QTILE(12)
+#undef FORMAT_CALL
 
 typedef void (*qtile_fn)(const float *, long, const float *, long, long, const uint8_t *, int, float *, float *,
                          long, int, int, int, const float *, long, const float *, long);
@@ -188,7 +187,7 @@ static int gemm_panel(const float *x, long ldx, const void *w, int fmt, float *y
     if (!fw) return -1;
     /* A long prefill goes in chunks of rows; the panel stays in L2 for the chunks after the
      * first, so it is read from memory once. */
-    for (long r0 = 0; r0 < M && HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) { /* a quantized panel */
+    for (long r0 = 0; r0 < M && QUANTIZED(fmt); r0 += CHUNK_ROWS) { /* a quantized panel */
         const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
         const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
         for (long k0 = 0; k0 < K; k0 += kblock) {
@@ -204,7 +203,7 @@ static int gemm_panel(const float *x, long ldx, const void *w, int fmt, float *y
             }
         }
     }
-    for (long r0 = 0; r0 < M && !HEAD_BYTES[fmt]; r0 += CHUNK_ROWS) {
+    for (long r0 = 0; r0 < M && !QUANTIZED(fmt); r0 += CHUNK_ROWS) {
         const long rows_in_chunk = M - r0 < CHUNK_ROWS ? M - r0 : CHUNK_ROWS;
         const long tiles = (rows_in_chunk + MAX_TILE - 1) / MAX_TILE;
         for (long k0 = 0; k0 < K; k0 += kblock) {

@@ -57,53 +57,45 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
 
 /* Per 4-row group of an interleaved block, the bytes of its quants; per build, the columns a tile
  * covers in one pass (32 with AVX-512; 16 with AVX2, whose 16 registers hold no more). */
-#define GROUP_BYTES(fmt) (4 * ROW_BYTES[fmt])
+#define GROUP_BYTES(fmt) (4 * ROW_BYTES(fmt))
 #define PASS_COLUMNS (2 * VEC)
 #define MAX_ITILE (VEC == 16 ? 6 : 2)
 
+/* What the int8 path adds to a format's quants to make them unsigned bytes (LIFT: Q6_K's [-32, 31]
+ * + 32), and so subtracts again, times the sum of x's quants, with the format's offset (BIAS): a
+ * full-range int8 quant (Q8_0) goes through the build's signed dot product (S8_BIAS). */
+#define LIFT(fmt) (TRAITS(fmt).stored == V_I6 ? 32 : 0)
+#define BIAS(fmt) (TRAITS(fmt).stored == V_I8 ? S8_BIAS : LIFT(fmt) + TRAITS(fmt).offset)
+
 /* The weight quants of 4-row group g of a block, for the columns [c0, c0 + 2 VEC), as unsigned bytes
- * (Q4_0, Q4_1, Q4_K: 0..15; Q6_K: q - 32 + 32) or, for Q8_0, as they are (w) and prepared (u). */
+ * (4-bit ones: 0..15; Q6_K's: q + LIFT) or, a full-range int8 (Q8_0), as they are (w) and prepared (u). */
 INLINE void group_quants(const int fmt, const uint8_t *quants, int g, long c0, vi w[2], vi u[2]) {
     for (int j = 0; j < 2; j++) {
         const long c = c0 + VEC * j;
-        if (fmt == F_Q8_0) {
-            w[j] = viload(quants + g * 128 + 4 * c);
+        if (TRAITS(fmt).stored == V_I8) {
+            w[j] = viload(quants + g * GROUP_BYTES(fmt) + 4 * c);
             u[j] = viprep_s8(w[j]);
-        } else if (fmt == F_Q6_K) {
-            u[j] = viadd8(viload(quants + g * 128 + 4 * c), 32);
+        } else if (TRAITS(fmt).stored == V_I6) {
+            u[j] = viadd8(viload(quants + g * GROUP_BYTES(fmt) + 4 * c), LIFT(fmt));
         } else {
-            const vi v = viload(quants + g * 64 + 4 * (c % 16));
+            const vi v = viload(quants + g * GROUP_BYTES(fmt) + 4 * (c % 16));
             u[j] = c < 16 ? vilo4(v) : vihi4(v);
         }
     }
 }
 
-/* What a block's integer sums s (one scale group: the block, or a Q6_K half) add to the totals a,
- * for columns [c0, c0 + 2 VEC) of row m: (d_w d) (s - bias sum(q)) (+ m_w d sum(q)). */
-INLINE void int8_fold(const int fmt, const uint8_t *blk, int half, long c0, const vi s[2], float d, int32_t qsum,
+/* What a scale group's integer sums s (the block, or a Q6_K half) add to the totals a, for columns
+ * [c0, c0 + 2 VEC) of row m: (d_w d) (s - BIAS sum(q)) (+ or - m_w d sum(q)). */
+INLINE void int8_fold(const int fmt, const uint8_t *blk, int group, long c0, const vi s[2], float d, int32_t qsum,
                       vf a[2]) {
-    const int bias = fmt == F_Q8_0 ? S8_BIAS : fmt == F_Q4_0 ? 8 : fmt == F_Q6_K ? 32 : 0;
+    const int bias = BIAS(fmt);
     const vf dx = vset1(d), mx = vset1(d * (float)qsum);
     for (int j = 0; j < 2; j++) {
         const long c = c0 + VEC * j;
         const vf sf = vicvt(bias ? visub(s[j], viset1(bias * qsum)) : s[j]);
-        switch (fmt) {
-        case F_Q8_0:
-        case F_Q4_0:
-            a[j] = vfmadd(vmul(vcvt_f16(blk + 2 * c), dx), sf, a[j]);
-            break;
-        case F_Q4_1:
-            a[j] = vfmadd(vmul(vcvt_f16(blk + 2 * c), dx), sf, a[j]);
-            a[j] = vfmadd(vcvt_f16(blk + 2 * PANEL + 2 * c), mx, a[j]);
-            break;
-        case F_Q6_K:
-            a[j] = vfmadd(vmul(vload((const float *)blk + half * PANEL + c), dx), sf, a[j]);
-            break;
-        case F_Q4_K:
-            a[j] = vfmadd(vmul(vload((const float *)blk + c), dx), sf, a[j]);
-            a[j] = vfnmadd(vload((const float *)blk + PANEL + c), mx, a[j]);
-            break;
-        }
+        a[j] = vfmadd(vmul(block_scales(fmt, blk, group, c), dx), sf, a[j]);
+        if (TRAITS(fmt).min > 0) a[j] = vfmadd(block_scales(fmt, blk, MIN_GROUP(fmt), c), mx, a[j]);
+        if (TRAITS(fmt).min < 0) a[j] = vfnmadd(block_scales(fmt, blk, MIN_GROUP(fmt), c), mx, a[j]);
     }
 }
 
@@ -119,12 +111,12 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
     for (int m = 0; m < MR; m++)
         for (int j = 0; j < 2; j++) a[m][j] = first ? vzero() : vload(acc + (2 * m + j) * VEC);
     for (long b = b0; b < b1; b++) {
-        const uint8_t *blk = panel + b * bytes, *quants = blk + HEAD_BYTES[fmt];
+        const uint8_t *blk = panel + b * bytes, *quants = blk + HEAD_BYTES(fmt);
         const int8_t *xq = q->q + r * q->K + b * QBLOCK;
         vi s[MAX_ITILE][2];
-        for (int half = 0; half < (fmt == F_Q6_K ? 2 : 1); half++) {
+        for (int group = 0; group < TRAITS(fmt).groups; group++) { /* its 4-row groups [g0, g1) */
             for (int m = 0; m < MR; m++) s[m][0] = s[m][1] = vizero();
-            const int g0 = fmt == F_Q6_K ? 4 * half : 0, g1 = fmt == F_Q6_K ? g0 + 4 : 8;
+            const int g0 = group * SCALE_ROWS(fmt) / 4, g1 = g0 + SCALE_ROWS(fmt) / 4;
 #pragma GCC unroll 8 /* unrolled, the sums stay in their registers; looped, gcc moved them each turn */
             for (int g = g0; g < g1; g++) {
                 vi w[2], u[2];
@@ -132,17 +124,18 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
                 for (int m = 0; m < MR; m++) {
                     const vi xb = vibcast4(xq + m * q->K + 4 * g);
                     for (int j = 0; j < 2; j++)
-                        s[m][j] = fmt == F_Q8_0 ? vidot_s8(s[m][j], u[j], w[j], xb) : vidot_u8(s[m][j], u[j], xb);
+                        s[m][j] = TRAITS(fmt).stored == V_I8 ? vidot_s8(s[m][j], u[j], w[j], xb)
+                                                             : vidot_u8(s[m][j], u[j], xb);
                 }
             }
             for (int m = 0; m < MR; m++) {
                 const long at = (r + m) * q->blocks + b;
                 int32_t sum = q->sum[at];
-                if (fmt == F_Q6_K) { /* the half block's sum of q */
+                if (TRAITS(fmt).groups > 1) { /* the group's sum of q */
                     sum = 0;
-                    for (int k = 16 * half; k < 16 * half + 16; k++) sum += xq[m * q->K + k];
+                    for (int k = group * SCALE_ROWS(fmt); k < (group + 1) * SCALE_ROWS(fmt); k++) sum += xq[m * q->K + k];
                 }
-                int8_fold(fmt, blk, half, c0, s[m], q->d[at], sum, a[m]);
+                int8_fold(fmt, blk, group, c0, s[m], q->d[at], sum, a[m]);
             }
         }
     }
@@ -175,16 +168,13 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
 #endif
 #define ITILE_FMT(F) switch (rows) { ITILE_ROWS(F, 1) ITILE_ROWS(F, 2) ITILE_WIDE(F) }
 
+/* Every quantized format's tiles, through EACH_FORMAT (formats.h); a float format has no int8 path. */
+#define FORMAT_CALL(F) if (QUANTIZED(F)) { ITILE_FMT(F) }
 static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *panel, long c0, long b0, long b1,
                   float *acc, int first, int last, float *y, long ldy, int accumulate, const float *bias, long width) {
-    switch (fmt) {
-    case F_Q8_0: ITILE_FMT(F_Q8_0); break;
-    case F_Q4_0: ITILE_FMT(F_Q4_0); break;
-    case F_Q4_1: ITILE_FMT(F_Q4_1); break;
-    case F_Q6_K: ITILE_FMT(F_Q6_K); break;
-    case F_Q4_K: ITILE_FMT(F_Q4_K); break;
-    }
+    EACH_FORMAT(fmt)
 }
+#undef FORMAT_CALL
 
 /* Panel p of gemm_int8 below: columns [32p, 32p + 32) of y, for every row of q, in tiles of up to
  * MAX_ITILE rows (split evenly: 16 rows are 6 + 5 + 5). One tile reads the panel once, from memory.

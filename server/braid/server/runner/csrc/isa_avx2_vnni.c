@@ -18,5 +18,5 @@ static int supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("fma");
 }
 
-const kernels_t AVX2_VNNI_KERNELS = {"avx2_vnni", supported, 0, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul, rope,
+const kernels_t AVX2_VNNI_KERNELS = {"avx2_vnni", supported, 0, gemm, rms_norm, silu_mul, gelu_tanh_mul, rope,
                                      decode_attention, decode_step};

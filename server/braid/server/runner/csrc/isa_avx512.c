@@ -19,5 +19,5 @@ static int supported(void) {
            __builtin_cpu_supports("fma");
 }
 
-const kernels_t AVX512_KERNELS = {"avx512", supported, 0, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul, rope,
+const kernels_t AVX512_KERNELS = {"avx512", supported, 0, gemm, rms_norm, silu_mul, gelu_tanh_mul, rope,
                                   decode_attention, decode_step};

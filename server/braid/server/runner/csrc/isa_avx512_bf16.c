@@ -20,5 +20,5 @@ static int supported(void) {
            __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-const kernels_t AVX512_BF16_KERNELS = {"avx512_bf16", supported, 1, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul,
+const kernels_t AVX512_BF16_KERNELS = {"avx512_bf16", supported, 1, gemm, rms_norm, silu_mul, gelu_tanh_mul,
                                        rope, decode_attention, decode_step};

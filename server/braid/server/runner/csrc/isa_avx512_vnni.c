@@ -19,5 +19,5 @@ static int supported(void) {
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-const kernels_t AVX512_VNNI_KERNELS = {"avx512_vnni", supported, 0, gemm, columns, rms_norm, silu_mul, gelu_tanh_mul,
+const kernels_t AVX512_VNNI_KERNELS = {"avx512_vnni", supported, 0, gemm, rms_norm, silu_mul, gelu_tanh_mul,
                                        rope, decode_attention, decode_step};

@@ -12,7 +12,7 @@
  * packed into column panels of 32 (panel p holds output columns [32p, 32p + 32)), each thread walks
  * its own run of panels, and every 32-weight row of a panel is multiplied into all rows of x while
  * it is in registers. Within a panel the rows k = 0..K-1 come in blocks of 32 (QBLOCK); a quantized
- * block starts with its 32 columns' scales (and mins), then its 32 rows of quants (see FORMATS).
+ * block starts with its 32 columns' scales (and mins), then its 32 rows of quants (formats.h).
  *
  * Activations and sums are fp32. A float format's output element is one fused multiply-add chain
  * over k = 0..K-1 in order; a quantized format's sums x times the unscaled quants over each group
@@ -20,6 +20,16 @@
  * rounding of the matmul on the weights GGUF's reference dequantizes. Either way the order is
  * fixed, so a row's result does not depend on how many other rows share the call: the same token
  * gives the same logits whatever else is in the batch.
+ *
+ * Bits across builds. Every output of the matmul is computed lane by lane (a lane is a column), so the
+ * vector width does not enter it: for float32 rows and for int8 rows, every build gives the bits of
+ * the plain-C reference (reference.c), which writes the same sums one value at a time; so does the
+ * embedding lookup, which is that reference. What may differ between the AVX-512 and the AVX2 builds
+ * is what sums across lanes: RMSNorm's sum of squares and attention's dot products and softmax are
+ * added in 16- or 8-lane partial sums, so a model's float32 logits differ between the widths in the
+ * last bits (6.45e-5 at most over 512 positions of a SmolLM2-shaped model, docs/benchmarks.md), and
+ * int8 rows, re-quantizing each layer's input, carry such a difference further. The bf16 path
+ * (avx512_bf16 only) rounds as vdpbf16ps does and has no reference.
  *
  * The same source is compiled five times, for AVX-512 (16-float vectors) and for AVX2 + FMA (8-float
  * vectors), each with and without the integer dot product (AVX-512 VNNI, AVX-VNNI) the int8 path
@@ -44,16 +54,13 @@
 #define QBLOCK 32 /* rows of k per block of a panel; GGUF's block size */
 #define KV_LAYOUT 3 /* the KV cache's layout: 3, paged [pages, KVH, page size, D], f32, bf16, f16 or q8_0 rows (attention.c) */
 
-/* Weight formats, in the order of runner/kernels/extension.py's FORMATS. ROW_BYTES: one row of 32 weights
- * of a panel; HEAD_BYTES: the scales ahead of each block of 32 rows, per column. Q8_0, Q4_0 and
- * Q4_1 keep GGUF's fp16 d (then Q4_1's fp16 m). GGUF's K-quants have sub-block scales built from
- * two levels; they are kept as the fp32 products GGUF's reference computes first (Q6_K: d * scale
- * per 16 rows, the int8 q - 32 as the row; Q4_K: d * scale and dmin * min per 32 rows), so the
- * weights come out exactly as there for 50% (Q6_K) and 33% (Q4_K) more bytes than the file's.
- * Q4 rows hold column j in the low nibble of byte j and column j + 16 in its high nibble. */
-enum { F_F32, F_BF16, F_F16, F_Q8_0, F_Q4_0, F_Q4_1, F_Q6_K, F_Q4_K, F_FORMATS };
-static const long ROW_BYTES[F_FORMATS] = {128, 64, 64, 32, 16, 16, 32, 16};
-static const long HEAD_BYTES[F_FORMATS] = {0, 0, 0, 64, 64, 128, 256, 256};
+/* The weight formats (formats.h): F_F32, F_BF16, F_F16, then GGUF's Q8_0, Q4_0, Q4_1, Q6_K, Q4_K, each one
+ * row of FORMATS. Q8_0, Q4_0 and Q4_1 keep GGUF's fp16 d (then Q4_1's fp16 m). GGUF's K-quants have
+ * sub-block scales built from two levels; they are kept as the fp32 products GGUF's reference computes
+ * first (Q6_K: d * scale per 16 rows, the int8 q - 32 as the row; Q4_K: d * scale and dmin * min per 32
+ * rows), so the weights come out exactly as there for 50% (Q6_K) and 33% (Q4_K) more bytes than the
+ * file's. Q4 rows hold column j in the low nibble of byte j and column j + 16 in its high nibble. */
+#include "formats.h"
 
 /* A quantized format's code with F_INT8 set (kernels/packing.py sets it for --activations int8): each row
  * of x is quantized to int8 per block of 32 and multiplied with integer dot products (int8.c), and
@@ -69,12 +76,12 @@ static const long HEAD_BYTES[F_FORMATS] = {0, 0, 0, 64, 64, 128, 256, 256};
  * column j's two at 2j and 2j + 1 (an odd K's last pair padded with a row of zeros). */
 #define F_BF16_ROWS 0x200
 
-static inline long block_bytes(int fmt) { return HEAD_BYTES[fmt] + QBLOCK * ROW_BYTES[fmt]; }
+static inline long block_bytes(int fmt) { return TRAITS(fmt).block_bytes; }
 /* Bytes of one packed panel of K rows. A quantized format needs K to be a multiple of QBLOCK. */
 static inline long panel_bytes(int fmt, long K) {
-    if (fmt & F_BF16_ROWS) return (K + 1) / 2 * 2 * ROW_BYTES[F_BF16];
+    if (fmt & F_BF16_ROWS) return (K + 1) / 2 * 2 * ROW_BYTES(F_BF16);
     fmt &= ~F_INT8;
-    return HEAD_BYTES[fmt] ? K / QBLOCK * block_bytes(fmt) : K * ROW_BYTES[fmt];
+    return K / TRAITS(fmt).block_rows * TRAITS(fmt).block_bytes;
 }
 
 /* A whole decode step through every layer, for passes where each sequence feeds one token: the
@@ -151,9 +158,6 @@ typedef struct {
     /* y[M, N] (row stride ldy) = x[M, K] @ W + bias (or y += ... when accumulate), W packed in fmt. */
     int (*gemm)(const float *x, long ldx, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                  int accumulate, const float *bias, int threads); /* -1: out of memory */
-    /* out[i, :] = column ids[i] of the packed W [K, N], dequantized: an embedding lookup in a
-     * matrix packed as the LM head (a tied embedding is the head itself). */
-    void (*columns)(const void *w, int fmt, long K, long N, const int64_t *ids, long count, float *out, long ldo);
     void (*rms_norm)(const float *x, long ldx, const float *weight, float *out, long ldo, long M, long D, float eps);
     void (*silu_mul)(const float *gu, long ldg, long M, long I, float *out, long ldo);
     void (*gelu_tanh_mul)(const float *gu, long ldg, long M, long I, float *out, long ldo);

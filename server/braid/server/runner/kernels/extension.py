@@ -4,6 +4,7 @@ layout, and that layout's constants. None where it is not built or stale: torch'
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -37,19 +38,12 @@ LORA_FIELDS = ("at", "cols", "rank", "b0", "begin0", "end0", "b1", "begin1", "en
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gating activations the C kernels run, in their enum's order
 # the KV cache the C attention reads: paged, [pages, KV heads, page size, head dim], of f32, bf16, f16 or q8_0 rows
 KV_LAYOUT = 3
-# The C kernels' formats, in their enum's order: (bytes per 32-weight row, bytes of scales ahead
-# of each block of 32 rows).
-FORMATS = {
-    "f32": (128, 0),
-    "bf16": (64, 0),
-    "f16": (64, 0),
-    "q8_0": (32, 64),
-    "q4_0": (16, 64),
-    "q4_1": (16, 128),
-    "q6_k": (32, 256),
-    "q4_k": (16, 256),
-}
-FORMAT_CODES = {name: code for code, name in enumerate(FORMATS)}
+# The C kernels' weight formats by name, in the order of their codes: csrc/formats.h has one row per
+# format, which the extension exports (FORMATS below). The names are what the rest of braid calls a
+# format by (a weight's, the KV cache's, LoRA's), with or without the extension, and are checked
+# against the extension's rows when it loads.
+FORMAT_NAMES = ("f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "q6_k", "q4_k")
+FORMAT_CODES = {name: code for code, name in enumerate(FORMAT_NAMES)}
 ISA_VARIABLE = "BRAID_KERNELS_ISA"  # avx512_bf16, avx512_vnni, avx512, avx2_vnni or avx2: that build, not the best
 BUILDS = "avx512_bf16, avx512_vnni, avx512, avx2_vnni, avx2"  # the kernels' builds, best first
 
@@ -64,11 +58,11 @@ if _cpu_kernels is not None and (
         _cpu_kernels.QBLOCK,
         _cpu_kernels.LAYER_FIELDS,
         getattr(_cpu_kernels, "KV_LAYOUT", 1),
-        _cpu_kernels.FORMATS,
+        tuple(row[0] if isinstance(row, tuple) else row for row in _cpu_kernels.FORMATS),
         getattr(_cpu_kernels, "ACTIVATIONS", None),
         getattr(_cpu_kernels, "LORA_FIELDS", None),
     )
-    != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, tuple(FORMATS.values()), ACTIVATIONS, LORA_FIELDS)
+    != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, FORMAT_NAMES, ACTIVATIONS, LORA_FIELDS)
 ):
     # A stale build of the extension: its memory layout is not this module's. Never run it.
     _LOGGER.error(
@@ -76,6 +70,24 @@ if _cpu_kernels is not None and (
         "fields, KV cache, formats, activations or LoRA fields): rebuild them (make install); running torch's kernels"
     )
     _cpu_kernels = None
+
+
+class Format(NamedTuple):
+    """A weight format's row of the C kernels' table (csrc/formats.h), as the extension exports it."""
+
+    name: str
+    block_rows: int  # rows of k per block of a panel: 1 (a float format) or QBLOCK
+    bits: int  # per stored value: 32, 16 (float formats), 8 or 4 (quants)
+    block_bytes: int  # one block of a panel: its head, then block_rows rows of 32 values
+    head_bytes: int  # a quantized block's scales (then mins) ahead of its rows; 0 for a float format
+    scale_bytes: int  # each scale's: 2 (fp16, GGUF's own), 4 (fp32, the K-quants' products), 0 (none)
+    groups: int  # scales per column per block (Q6_K: 2, one per 16 rows)
+    offset: int  # a quantized weight is d (q - offset) + min m: Q4_0's offset is 8,
+    min: int  # and min +1 (Q4_1), -1 (Q4_K) or 0 (no mins after the scales)
+
+
+# Each format's traits, from the extension's table; empty without it (torch's kernels need none).
+FORMATS: dict[str, Format] = {row[0]: Format(*row) for row in _cpu_kernels.FORMATS} if _cpu_kernels is not None else {}
 # The format flags of the int8 and bf16 paths (csrc/kernels.h: F_INT8, F_BF16_ROWS); None in a build without it.
 INT8 = getattr(_cpu_kernels, "INT8", None)
 BF16_ROWS = getattr(_cpu_kernels, "BF16_ROWS", None)

@@ -13,6 +13,7 @@ from braid.server.model.weights import FLOAT_FORMATS, Blocks, Weight
 from braid.server.runner.kernels.extension import (
     BF16_ROWS,
     FORMAT_CODES,
+    FORMATS,
     INT8,
     PANEL,
     QBLOCK,
@@ -121,6 +122,26 @@ class PackedLinear(Linear):
         )
         return out
 
+    def reference(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + bias (y: added into y, which it returns) by the plain-C reference (csrc/reference.c),
+        one value at a time: the bits every build's gemm gives (csrc/kernels.h). Slow; for checks."""
+        x = rows_of(x)
+        out = x.new_empty(x.shape[0], self.out_features) if y is None else y
+        _cpu_kernels.reference_gemm(
+            x.data_ptr(),
+            x.stride(0),
+            self.weight.data_ptr(),
+            self.code,
+            out.data_ptr(),
+            out.stride(0),
+            x.shape[0],
+            self.in_features,
+            self.out_features,
+            int(y is not None),
+            None if self.bias is None else self.bias.data_ptr(),
+        )
+        return out
+
     def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
         x = rows_of(x)
         assert x.shape[1] == self.in_features and y.stride(-1) == 1
@@ -159,11 +180,13 @@ def _pack_dense(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
 
 
 def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
-    """GGUF blocks -> panels [ceil(out / 32), in / 32, block bytes] uint8: per block of 32 rows, the
-    32 columns' scales (then mins; Q6_K: the scales of rows 0-15, then of rows 16-31), then 32 rows
-    of 32 quants (4-bit ones: column j in the low nibble of byte j, column j + 16 in its high one).
-    interleaved (the int8 path's layout): the rows in 8 groups of 4, each column's 4 quants of a
-    group in 4 consecutive bytes (4-bit ones: columns j and j + 16 in the low and high nibbles)."""
+    """GGUF blocks -> panels [ceil(out / 32), in / 32, block bytes] uint8, as the format's row of the
+    C table says (csrc/formats.h): per block of 32 rows, the 32 columns' scales (per scale group: Q6_K
+    has two, rows 0-15 and 16-31), then their mins if any, then 32 rows of 32 quants (4-bit ones:
+    column j in the low nibble of byte j, column j + 16 in its high one). interleaved (the int8
+    path's layout): the rows in 8 groups of 4, each column's 4 quants of a group in 4 consecutive
+    bytes (4-bit ones: columns j and j + 16 in the low and high nibbles)."""
+    fmt = FORMATS[b.format]
     n, blocks = b.q.shape[:2]
     panels = -(-n // PANEL)
 
@@ -171,19 +194,20 @@ def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
         t = torch.cat([t, t.new_zeros(panels * PANEL - n, *t.shape[1:])])
         return t.view(panels, PANEL, blocks, *t.shape[2:]).transpose(1, 2)
 
-    if b.format == "q6_k":  # [n, 2 blocks of 16 rows per 32] -> [panels, blocks, 2, 32 columns]
-        parts = [by_panel(b.d.view(n, blocks, 2)).transpose(2, 3)]
-    else:
-        parts = [by_panel(b.d)] + ([] if b.m is None else [by_panel(b.m)])
+    # [n, blocks * groups] -> [panels, blocks, groups, 32 columns]
+    parts = [by_panel(b.d.view(n, blocks, fmt.groups)).transpose(2, 3)] + ([] if b.m is None else [by_panel(b.m)])
     q = by_panel(b.q).transpose(2, 3)  # [panels, blocks, 32 rows, 32 columns]
     if interleaved:  # [panels, blocks, 8 groups, 32 columns, 4 rows]
         q = q.reshape(panels, blocks, QBLOCK // 4, 4, PANEL).transpose(3, 4)
-        if b.format in ("q4_0", "q4_1", "q4_k"):
+        if fmt.bits == 4:
             q = q[..., : PANEL // 2, :] | (q[..., PANEL // 2 :, :] << 4)
-    elif b.format in ("q4_0", "q4_1", "q4_k"):
+    elif fmt.bits == 4:
         q = q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)
     parts.append(q)
-    return torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)
+    packed = torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)
+    if packed.shape[-1] != fmt.block_bytes or (b.m is not None) != (fmt.min != 0):
+        raise ValueError(f"{b.format} blocks of {packed.shape[-1]} bytes do not match the C kernels' {fmt}")
+    return packed
 
 
 def rows_of(x: torch.Tensor) -> torch.Tensor:
