@@ -21,9 +21,10 @@ _CHECKED: dict[str, bool] = {}
 
 
 def passes_self_check(isa: str) -> bool:
-    """A few small matmuls in every format and the row-wise kernels, against torch, once per
-    instruction set and process: a build that computes wrong on this CPU (one no test has run on)
-    is never used. Takes a few milliseconds."""
+    """A few small matmuls in every format and the row-wise kernels, against torch, and the matmuls'
+    bits against the plain-C reference (csrc/reference.c), once per instruction set and process: a
+    build that computes wrong on this CPU (one no test has run on) is never used. Takes a few
+    milliseconds."""
     if isa not in _CHECKED:
         try:
             _CHECKED[isa] = _self_check()
@@ -45,6 +46,7 @@ def _self_check() -> bool:
         layer = PackedLinear(weight, None)
         if not (
             torch.allclose(layer(x), x @ reference.t(), rtol=1e-4, atol=1e-3)
+            and torch.equal(layer(x), layer.reference(x))
             and torch.equal(layer(x[:1]), layer(x)[:1])
             and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])
         ):
@@ -56,6 +58,7 @@ def _self_check() -> bool:
         error = (layer(x) - x @ reference.t()).abs().max() / (x.abs().max() * reference.abs().sum(1).max())
         if not (
             error < 1 / 127
+            and torch.equal(layer(x), layer.reference(x))
             and torch.equal(layer(x[1:2]), layer(x)[1:2])
             and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])
         ):
@@ -68,6 +71,7 @@ def _self_check() -> bool:
         if not (
             layer.bf16
             and error.max() < 2**-7
+            and torch.equal(layer(x[:, :95]), layer.reference(x[:, :95]))
             and torch.equal(layer(x[1:2, :95]), layer(x[:, :95])[1:2])
             and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])
         ):
