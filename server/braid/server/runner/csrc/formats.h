@@ -66,6 +66,7 @@ struct format {
     int block_rows;                    /* rows of k per block: 1 (a float format) or QBLOCK */
     int scale_bytes;                   /* bytes of each scale and min: 0, 2 (fp16) or 4 (fp32) */
     int groups;                        /* scales per column per block */
+    int group_rows;                    /* rows that share a scale: block_rows / groups */
     int offset;                        /* w = d (q - offset) ... */
     int min;                           /* ... + min m: +1, -1, or 0 for no min */
     long row_bytes;                    /* one row of a block's 32 weights */
@@ -86,7 +87,8 @@ float ref_dot_int8_quants(const format_t *f, const uint8_t *blk, long c, const i
 #define FORMAT_HEAD_BYTES(scale, groups, min) ((long)PANEL * (scale) * ((groups) + ((min) != 0)))
 #define FORMAT_TRAITS_ROW(id, name_, stored_, rows, scale, groups_, offset_, min_)                              \
     [id] = {.name = name_, .stored = stored_, .block_rows = rows, .scale_bytes = scale, .groups = groups_,      \
-            .offset = offset_, .min = min_, .row_bytes = FORMAT_ROW_BYTES(stored_),                            \
+            .group_rows = groups_ ? rows / (groups_ + !groups_) : rows, .offset = offset_, .min = min_,         \
+            .row_bytes = FORMAT_ROW_BYTES(stored_),                                                             \
             .head_bytes = FORMAT_HEAD_BYTES(scale, groups_, min_),                                              \
             .block_bytes = FORMAT_HEAD_BYTES(scale, groups_, min_) + rows * FORMAT_ROW_BYTES(stored_),         \
             .dequantize = scale ? ref_dequantize_quants : ref_dequantize_float,                                 \
@@ -100,7 +102,7 @@ static const format_t FORMAT_TRAITS[F_FORMATS] = {FORMATS(FORMAT_TRAITS_ROW)};
 #define QUANTIZED(fmt) (TRAITS(fmt).scale_bytes != 0)
 #define ROW_BYTES(fmt) (TRAITS(fmt).row_bytes)
 #define HEAD_BYTES(fmt) (TRAITS(fmt).head_bytes)
-#define SCALE_ROWS(fmt) (QBLOCK / TRAITS(fmt).groups) /* rows per scale: 16 for Q6_K, 32 for the others */
+#define SCALE_ROWS(fmt) (TRAITS(fmt).group_rows) /* rows per scale: 16 for Q6_K, 32 for the others */
 /* Whether a format's fold needs the sum of x over each block (a min, or an offset such as Q4_0's 8). */
 #define NEEDS_SUMS(fmt) (TRAITS(fmt).offset != 0 || TRAITS(fmt).min != 0)
 
