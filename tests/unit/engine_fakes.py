@@ -13,7 +13,7 @@ import time
 from typing import Callable, Sequence
 
 from braid.server.config import EngineConfig
-from braid.server.engine.client import EngineClient, ToLoop, apply
+from braid.server.engine.client import Add, EngineClient, ToLoop, apply
 from braid.server.engine.handle import SessionHandle
 from braid.server.engine.types import (
     Constraint,
@@ -148,10 +148,14 @@ class Harness:
         self.admission = self.client.admission
         self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
         self.events: dict[int, list[Event]] = {}
-        self.now = time.monotonic()  # the core's clock, advanced by step(): sessions arrive on the real one
+        self.now = time.monotonic()  # the core's clock, advanced by step(); sessions arrive on it too
 
     def _apply(self, message: ToLoop) -> None:
-        """The client's messages (a session added, aborted) applied to the core at once."""
+        """The client's messages (a session added, aborted) applied to the core at once. A session
+        arrives at the core's clock, not the real one its handle read: a batched scheduler's wait
+        (now - arrived) then counts steps, whatever the machine's load took between them."""
+        if isinstance(message, Add):
+            message.session.arrived = self.now
         apply(self.core, message)
 
     def close(self) -> None:

@@ -225,3 +225,17 @@ def test_sessions_that_end_admitted_but_before_their_first_pass_leave_the_queue(
     after = h.submit("7", max_new_tokens=2)[0]  # and a new call still gets in, and runs
     h.run()
     assert h.finished(after).reason is FinishReason.MAX_TOKENS
+
+
+def test_a_batched_session_arrives_on_the_harness_clock_however_long_the_machine_took():
+    """The harness steps a clock of its own: a session submitted a while (real time) after the
+    harness was made must still start at the next step when the batch wait is 0, as it would on the
+    engine's loop, where arrival and steps read one clock. (It arrived on the real clock, ahead of the
+    harness's, and a loaded machine left it waiting for steps that never came: a race seen in
+    test_embed_pooling's batched case.)"""
+    import time
+
+    with Harness(mode="batched", max_batch_size=4) as h:
+        time.sleep(0.05)  # the machine's load between the harness's start and the request
+        [handle] = h.submit("1 2 3", max_new_tokens=2, ignore_eos=True)
+        assert h.step()  # the batch starts at once (max_wait_ms 0)
