@@ -311,7 +311,7 @@ cores) into `~/.cache/braid/llama.cpp/`; nothing of it is in the repo. A full ru
 
 Settings: {", ".join(f"{k} {v}" for k, v in s.items())}.
 
-### Issue 3's targets
+### Targets: one stream, 16 streams, batches
 
 The targets workload is {s.get("count", 16)} requests of 30-60 prompt tokens sent at once.
 
