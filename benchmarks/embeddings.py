@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import contextlib
 import json
 import statistics
@@ -36,9 +37,14 @@ WORDS = (
 ).split()
 
 
-def texts(count: int, words: int = 75) -> list[str]:
-    """`count` distinct texts of about 100 tokens each (the embedded model's tokenizer)."""
-    return [f"{i}. " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words)) for i in range(count)]
+def texts(count: int, start: int = 0, words: int = 75) -> list[str]:
+    """`count` distinct texts of about 100 tokens each (the embedded model's tokenizer), numbered from
+    `start`: each measurement takes its own, since braid's prefix cache would serve a text embedded
+    before (last-token pooling reads it) and the figure would be the cache's, not the model's."""
+    return [
+        f"{i}. " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words))
+        for i in range(start, start + count)
+    ]
 
 
 async def braid_rate(client, inputs: list[str], batch: int) -> float:
@@ -106,6 +112,7 @@ async def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print the table, leave docs/benchmarks.md")
     args = parser.parse_args()
     inputs = texts(args.texts)
+    fresh = itertools.count(1)  # each measurement's own texts: texts(args.texts, next(fresh) * args.texts)
     calls = [int(n) for n in args.calls.split(",")]
     log = Path(tempfile.mkdtemp(prefix="braid-embed-bench-"))
     rates: dict[str, list[float]] = {}
@@ -122,22 +129,25 @@ async def main() -> None:
                 for batch in calls:
                     servers = ["braid", "llama.cpp"] if url is not None else ["braid"]
                     for server in servers[:: 1 if repeat % 2 == 0 else -1]:
+                        new = texts(args.texts, next(fresh) * args.texts)
                         rate = (
-                            await braid_rate(client, inputs, batch)
+                            await braid_rate(client, new, batch)
                             if server == "braid"
-                            else await asyncio.to_thread(llama_rate, url, inputs, batch)
+                            else await asyncio.to_thread(llama_rate, url, new, batch)
                         )
                         rates.setdefault(f"{server}, {batch} text{'s' * (batch > 1)} a call", []).append(rate)
                         print(f"repeat {repeat + 1}: {server}, {batch} a call: {rate:.2f}/s", flush=True)
         alone = statistics.median([await tpot_beside(client, None) for _ in range(args.repeats)])
-        beside = statistics.median([await tpot_beside(client, inputs) for _ in range(args.repeats)])
+        beside = statistics.median(
+            [await tpot_beside(client, texts(args.texts, next(fresh) * args.texts)) for _ in range(args.repeats)]
+        )
     rows = sorted(rates.items(), key=lambda item: (int(item[0].split(", ")[1].split()[0]), item[0]))
     lines = [
         HEADING,
         "",
         f"`benchmarks/embeddings.py --threads {args.threads} --texts {args.texts} --repeats {args.repeats} "
         f"--calls {args.calls}` ({time.strftime('%Y-%m-%d')}): the embedded model, {args.texts} distinct texts "
-        f"of {tokens} tokens, {args.threads} threads each; braid in continuous mode over gRPC `Embed`, "
+        f"of {tokens} tokens (new ones for every measurement: no prefix-cache hits), {args.threads} threads each; braid in continuous mode over gRPC `Embed`, "
         f"llama.cpp's `llama-server --embeddings --pooling last` on the same GGUF over `/v1/embeddings` (both "
         f"last-token pooling, L2-normalised), both servers up at once and measured in turn, the order swapped "
         f"each repeat; calls one after another; medians of {args.repeats} (range in brackets).",
