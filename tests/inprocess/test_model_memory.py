@@ -112,3 +112,23 @@ def test_a_cut_blocks_file_fails_the_start_naming_it(tmp_path):
     blocks.write_bytes(blocks.read_bytes()[:-100])
     with pytest.raises(SettingError, match=f"cannot read {conversion.BLOCKS_FILE}: ValueError: .* cut short"):
         load(str(gguf), tmp_path)
+
+
+def test_a_conversion_removes_the_folders_of_a_file_that_changed_or_is_gone(tmp_path):
+    """Each reinstall of a model's package (a new venv, a fresh clone) converted its file into one
+    more folder of the cache and left the last one: 660 MB for the embedded model every time."""
+    models = tmp_path / "cache" / "models"
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    first = conversion.converted(tiny_gguf(tmp_path / "a" / "tiny.gguf"), tmp_path / "cache")
+    other = conversion.converted(tiny_gguf(tmp_path / "b" / "other.gguf"), tmp_path / "cache")
+    kept = conversion.converted(tiny_gguf(tmp_path / "c" / "kept.gguf"), tmp_path / "cache")
+    unknown = models / "made-by-an-older-braid-0123456789ab"  # records no source: never judged
+    unknown.mkdir()
+    (tmp_path / "b" / "other.gguf").unlink()  # its package uninstalled
+    again = tiny_gguf(tmp_path / "a" / "tiny.gguf")  # the same path, written again: a new key
+    second = conversion.converted(again, tmp_path / "cache")
+    assert second != first and (second / "config.json").is_file()
+    assert sorted(p.name for p in models.iterdir()) == sorted([second.name, kept.name, unknown.name])
+    assert not other.exists()
+    assert conversion.converted(again, tmp_path / "cache") == second  # read, not made again

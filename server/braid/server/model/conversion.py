@@ -34,6 +34,7 @@ _LOGGER = logging.getLogger(__name__)
 # (2: the config keys transformers drops are read from the file)
 CONVERSION_VERSION = 2
 WEIGHTS_FILE = "model.safetensors"
+SOURCE_FILE = "braid-source.json"  # the converted file's path, size and time, as its folder's key took them
 BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices, as the file has them
 # The steps of a first conversion, each weighed by the seconds it took for the embedded model (two
 # CPUs): reading the file is gguf-py parsing it (its 49,152-token vocabulary) once for all of them;
@@ -50,8 +51,9 @@ CONVERSION_STEPS = {
 def converted(gguf: Path, cache_dir: Path) -> Path:
     """The safetensors folder converted from `gguf`, made on first use."""
     stat = gguf.stat()
+    source = {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     key = hashlib.sha256(
-        f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}".encode()
+        f"{source['path']}:{source['size']}:{source['mtime_ns']}:{CONVERSION_VERSION}".encode()
     ).hexdigest()[:12]
     target = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
@@ -85,6 +87,7 @@ def converted(gguf: Path, cache_dir: Path) -> Path:
                 config.save_pretrained(staging)
                 GenerationConfig.from_model_config(config).save_pretrained(staging)
                 tokenizer.save_pretrained(staging)
+                (staging / SOURCE_FILE).write_text(json.dumps(source))
         os.replace(staging, target)  # atomic: a concurrent or interrupted start never sees half
     except OSError:
         if not (target / "config.json").is_file():
@@ -92,7 +95,27 @@ def converted(gguf: Path, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _LOGGER.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
+    remove_stale(target)
     return target
+
+
+def remove_stale(target: Path) -> None:
+    """Removes the folders converted before `target` from a file that is gone, or from the file at
+    target's source path before it changed: nothing would load them again (the key names the
+    file's path, size and time). Without this every reinstall of a model's package (a new venv,
+    a fresh clone) left another whole conversion behind: 660 MB for the embedded model, about
+    4 bytes a parameter for a big one. Only folders that record their source are judged."""
+    mine = json.loads((target / SOURCE_FILE).read_text())["path"]
+    for folder in target.parent.iterdir():
+        if folder == target or not (folder / SOURCE_FILE).is_file():
+            continue
+        try:
+            path = json.loads((folder / SOURCE_FILE).read_text())["path"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if path == mine or not Path(path).exists():
+            _LOGGER.info("removing %s, converted from a file that has changed or is gone", folder.name)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], None] = lambda fraction: None) -> str:
