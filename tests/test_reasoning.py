@@ -3,8 +3,10 @@ client, the official openai and anthropic SDKs) against a real `braid serve` of 
 whose tokenizer has <think> and </think> as tokens of their own and whose chat template opens the
 reasoning in its generation prompt (as Qwen3's does; enable_thinking false closes it there). The
 random model never closes its reasoning by itself: the budget does, at exactly its count, and the
-answer follows; a JSON schema holds for the answer only. The split on fixed texts, the budget in
-the engine core and each API's rendering: tests/unit/test_reasoning_engine.py and test_reasoning_apis.py."""
+answer follows; a JSON schema holds for the answer only. A second server's template (Hermes tools,
+tests/data/hermes_tools.jinja) leaves the output at its opening, where the model opens the reasoning
+itself: a constraint waits for it there too. The split on fixed texts, the budget in the engine core
+and each API's rendering: tests/unit/test_reasoning_engine.py and test_reasoning_apis.py."""
 
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import anthropic
 import jsonschema
 import openai
 import pytest
 
-from braid.client import json_schema
+from braid.client import function_choice, json_schema
 from braid_testing.models import save_model, tiny_model
 from conftest import Server, free_port
+from test_openai import WEATHER
 
 KEY = "sk-test-key"
 HI = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -42,26 +46,49 @@ ANSWER = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smol_dir):
+def thinking_server(path, smol_dir, template: str) -> Server:
+    """A tiny random Qwen3 served from `path` with `template` (its text), whose tokenizer has
+    <think> and </think> as added tokens (start_id, end_id: theirs), with an API key."""
     import transformers
 
-    path = tmp_path_factory.mktemp("tiny-qwen3-thinking")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smol_dir / name, path / name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's are added tokens, not special ones
     tokenizer.save_pretrained(path)
     save_model(path, tiny_model("qwen3", len(tokenizer)))
-    template = path / "thinking.jinja"
-    template.write_text(TEMPLATE)
+    (path / "chat.jinja").write_text(template)
     http_port = free_port()
     started = Server(
-        ["--model", str(path), "--threads", "1", "--http-port", str(http_port), "--chat-template", str(template)],
+        [
+            "--model",
+            str(path),
+            "--threads",
+            "1",
+            "--http-port",
+            str(http_port),
+            "--chat-template",
+            str(path / "chat.jinja"),
+        ],
         env={"BRAID_API_KEY": KEY},
     )
     started.http = f"http://127.0.0.1:{http_port}"
-    started.end_id = tokenizer.convert_tokens_to_ids("</think>")
+    started.start_id, started.end_id = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    return started
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smol_dir):
+    started = thinking_server(tmp_path_factory.mktemp("tiny-qwen3-thinking"), smol_dir, TEMPLATE)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def opening_server(tmp_path_factory, smol_dir):
+    """The same model, with a template that renders tools and leaves the output at its opening."""
+    template = (Path(__file__).parent / "data" / "hermes_tools.jinja").read_text()
+    started = thinking_server(tmp_path_factory.mktemp("tiny-qwen3-opening"), smol_dir, template)
     yield started
     started.stop()
 
@@ -113,6 +140,61 @@ def test_a_schema_holds_for_the_answer_only(server, client):
     assert completion.token_ids[4] == server.end_id and completion.finish_reason == "CONSTRAINT"
     jsonschema.validate(json.loads(completion.text), ANSWER)
     assert completion.reasoning  # free text: the random model's, not JSON's
+
+
+def test_a_resumed_schema_output_walks_past_its_reasoning(server, client):
+    """resume_token_ids that hold the reasoning (the prompt opened it) are accepted and replayed:
+    the constraint takes the answer's tokens only, and the stream goes on where it broke."""
+    params = dict(messages=HI, max_new_tokens=60, max_reasoning_tokens=4, constraint=json_schema(ANSWER))
+    whole = client.generate(**params, logit_bias={server.end_id: -100.0})
+    delivered = whole.token_ids[:7]  # four of reasoning, the end marker, two of the answer
+    resumed = client.generate(**params, logit_bias={server.end_id: -100.0}, resume_token_ids=delivered)
+    assert resumed.finish_reason == "CONSTRAINT" and list(resumed.token_ids) == list(whole.token_ids[7:])
+
+
+def bias_to_open(server) -> dict[int, float]:
+    """A bias that makes the random model open a reasoning of its own (<think> first, and <think>
+    throughout it: a static bias cannot tell the first token from the rest), and never close it."""
+    return {server.start_id: 100.0, server.end_id: -100.0}
+
+
+def test_a_schema_waits_for_a_reasoning_the_model_opens_over_openai_chat(opening_server):
+    """The template leaves the output at its opening: the model writes <think> first (the mask
+    allows it besides the schema's tokens), reasons until the budget closes the reasoning, and the
+    answer that follows validates."""
+    bias = {str(token): value for token, value in bias_to_open(opening_server).items()}
+    with openai.OpenAI(base_url=opening_server.http + "/v1", api_key=KEY, max_retries=0) as sdk:
+        response = sdk.chat.completions.create(
+            model="tiny",
+            messages=HI,
+            max_tokens=60,
+            logit_bias=bias,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}},
+            extra_body={"max_reasoning_tokens": 4},
+        )
+    message, choice = response.choices[0].message, response.choices[0]
+    assert message.model_extra["reasoning_content"] == "<think>" * 4  # apart from the answer
+    jsonschema.validate(json.loads(message.content), ANSWER)
+    assert choice.finish_reason == "stop"
+    # its markers and the four tokens between them
+    assert response.usage.completion_tokens_details.reasoning_tokens == 6
+
+
+def test_a_forced_tool_call_waits_for_a_reasoning_the_model_opens_over_grpc(opening_server):
+    with opening_server.client() as client:
+        completion = client.generate(
+            messages=HI,
+            tools=[WEATHER],
+            tool_choice=function_choice("get_weather"),
+            max_new_tokens=60,
+            max_reasoning_tokens=3,
+            logit_bias=bias_to_open(opening_server),
+        )
+    assert completion.token_ids[0] == opening_server.start_id and completion.token_ids[4] == opening_server.end_id
+    assert completion.reasoning == "<think>" * 3 and completion.usage.reasoning_tokens == 5
+    (call,) = completion.tool_calls
+    assert completion.finish_reason == "CONSTRAINT" and call.name == "get_weather" and completion.text == ""
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
 
 
 def test_openai_chat_sends_reasoning_content(server, client):

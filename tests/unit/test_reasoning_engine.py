@@ -193,3 +193,137 @@ def test_a_constraint_holds_the_answer_only():
         rows = [row for rows in h.runner.passes for row in rows]
         assert [row.matcher is not None for row in rows] == [False, False, True, True, True]
         assert h.finished(handle).reason is FinishReason.CONSTRAINT
+
+
+class AllowingMatcher(RecordingMatcher):
+    """A constraint's matcher that allows only `allowed` (anything may end it) and records what it
+    is given, a token it refuses included."""
+
+    def __init__(self, allowed) -> None:
+        super().__init__()
+        self.allowed = set(allowed)
+
+    def consume_token(self, token: int) -> bool:
+        self.consumed.append(token)
+        return token in self.allowed
+
+    def validate_tokens(self, tokens) -> int:
+        return next((i for i, t in enumerate(tokens) if t not in self.allowed), len(tokens))
+
+    def deep_copy(self) -> AllowingMatcher:  # resume_token_ids' check walks a copy
+        return AllowingMatcher(self.allowed)
+
+    def get_error(self) -> str:
+        return "a token was refused"
+
+
+def _sampling_rows(h: Harness) -> list:
+    return [row for rows in h.runner.passes for row in rows if row.sample]
+
+
+@pytest.mark.parametrize("speculation", [{}, {"speculative": "ngram", "speculative_tokens": 4}])
+def test_a_constraint_waits_for_a_reasoning_the_model_opens(speculation):
+    """The template leaves the output at its opening (no start marker in the prompt). The first
+    token may be the start marker besides what the constraint allows: the model takes it, reasons
+    in tokens the constraint refuses (50 51), closes, and the answer is held from there."""
+    script = _script((1, START), (START, 50), (50, 51), (51, END), (END, 20), (20, 21), (21, EOS))
+    with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer(), **speculation) as h:
+        matcher = AllowingMatcher({20, 21})
+        (handle,) = h.submit("", messages=chat("1"), max_new_tokens=20, matcher=matcher)
+        h.run()
+        assert h.tokens(handle) == [START, 50, 51, END, 20, 21, EOS]
+        assert _parts(h, handle) == ("50 51 ", "20 21")
+        assert matcher.consumed == [20, 21]  # never the marker, nor the reasoning
+        finished = h.finished(handle)
+        assert finished.reason is FinishReason.CONSTRAINT and finished.reasoning_tokens == 4
+        rows = _sampling_rows(h)
+        # the first row's mask: the constraint's, and the start marker's first token besides
+        assert rows[0].matcher is matcher and tuple(rows[0].also_allowed) == (START,)
+        assert all(not row.also_allowed for row in rows[1:])
+        if not speculation:  # the constraint waits while the model reasons, and holds the answer
+            assert [row.matcher is not None for row in rows] == [True, False, False, False, True, True, True]
+
+
+def test_an_answer_that_starts_at_once_is_held_from_its_first_token():
+    script = _script((1, 20), (20, 21), (21, EOS))
+    with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer()) as h:
+        matcher = AllowingMatcher({20, 21})
+        (handle,) = h.submit("", messages=chat("1"), max_new_tokens=20, matcher=matcher)
+        h.run()
+        assert matcher.consumed == [20, 21] and _parts(h, handle) == ("", " 20 21")
+        assert h.finished(handle).reason is FinishReason.CONSTRAINT and h.finished(handle).reasoning_tokens == 0
+        rows = _sampling_rows(h)
+        assert tuple(rows[0].also_allowed) == (START,) and all(row.matcher is matcher for row in rows)
+    with Harness(ScriptedRunner(next_token=_script((1, 50))), tokenizer=ReasoningTokenizer()) as h:
+        matcher = AllowingMatcher({20, 21})
+        (handle,) = h.submit("", messages=chat("1"), max_new_tokens=20, matcher=matcher)
+        h.run()
+        assert matcher.consumed == [50]  # not the marker: the constraint's, which refuses it
+        assert h.finished(handle).reason is FinishReason.INVALID_REQUEST
+
+
+MARKER = (START, 902)  # a start marker of two tokens: text "900 902"
+
+
+class TwoTokenMarkerTokenizer(NumberTokenizer):
+    reasoning_markers = Markers(f"{START} 902", str(END), MARKER, (END,))
+
+
+def test_a_start_marker_of_several_tokens_has_its_rest_forced():
+    """The model takes the marker's first token, then would stray (50): braid writes the rest."""
+    script = _script((1, START), (START, 50), (902, 10), (10, END), (END, 20), (20, EOS))
+    with Harness(ScriptedRunner(next_token=script), tokenizer=TwoTokenMarkerTokenizer()) as h:
+        matcher = AllowingMatcher({20})
+        (handle,) = h.submit("", messages=chat("1"), max_new_tokens=20, matcher=matcher)
+        h.run()
+        assert h.tokens(handle) == [START, 902, 10, END, 20, EOS]
+        assert _parts(h, handle) == ("10 ", "20") and matcher.consumed == [20]
+        assert h.finished(handle).reason is FinishReason.CONSTRAINT and h.finished(handle).reasoning_tokens == 4
+        rows = _sampling_rows(h)
+        assert tuple(rows[0].also_allowed) == (START,) and rows[1].matcher is None  # the rest: forced
+
+
+def test_a_proposal_that_opens_a_reasoning_is_cut():
+    """The speculator's proposals at the opening stop before a start marker (a guard: only a
+    decoding session proposes, and at the opening a session has decoded nothing)."""
+    from types import SimpleNamespace
+
+    from braid.server.engine.constraints import Constraints
+    from braid.server.engine.reasoning import Reasonings
+
+    reasonings = Reasonings()
+    constraints = Constraints(reasonings)
+    session = SimpleNamespace(id=1)
+    reasonings.add(1, Reasoning(ReasoningTokenizer.reasoning_markers, [1], constrained=True))
+    constraints.add(1, AllowingMatcher({START, 20, 21}), "constraint.json_object")
+    assert constraints.proposals(session, [START, 20]) == ()
+    assert constraints.proposals(session, [20, 21, 5, 20]) == (20, 21)
+
+
+@pytest.mark.parametrize("opened_by", ["the prompt", "the model"])
+def test_a_resumed_constrained_output_walks_past_its_reasoning(opened_by):
+    """resume_token_ids that hold a reasoning are accepted and replayed: the constraint takes the
+    answer's tokens only, whether the prompt opened the reasoning or the model did."""
+    script = _script((20, 21), (21, EOS))
+    prompt, delivered = (f"1 {START}", [50, END, 20]) if opened_by == "the prompt" else ("1", [START, 50, END, 20])
+    with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer()) as h:
+        matcher = AllowingMatcher({20, 21})
+        (handle,) = h.submit("", messages=chat(prompt), max_new_tokens=20, matcher=matcher, resume=delivered)
+        h.run()
+        assert h.tokens(handle) == [21, EOS] and matcher.consumed == [20, 21]
+        assert h.finished(handle).reason is FinishReason.CONSTRAINT
+        assert h.finished(handle).reasoning_tokens == len(delivered) - 1
+
+
+def test_resumed_tokens_must_be_what_the_constraint_allows_past_the_reasoning():
+    from braid.server.engine.types import InvalidArgument
+
+    with Harness(ScriptedRunner(next_token=_script()), tokenizer=ReasoningTokenizer()) as h:
+        with pytest.raises(InvalidArgument, match="token 3 \\(50\\)") as refused:
+            h.submit(
+                "", messages=chat("1"), max_new_tokens=20, matcher=AllowingMatcher({20}), resume=[START, 50, END, 50]
+            )
+        assert refused.value.field == "resume_token_ids"
+    with Harness(ScriptedRunner(next_token=_script()), tokenizer=TwoTokenMarkerTokenizer()) as h:
+        with pytest.raises(InvalidArgument, match="rest of the reasoning's start marker"):  # braid writes 902 there
+            h.submit("", messages=chat("1"), max_new_tokens=20, matcher=AllowingMatcher({20, 50}), resume=[START, 50])

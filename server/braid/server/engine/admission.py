@@ -102,9 +102,7 @@ class Admission:
         off the tokenizer threads."""
         if request.constraint is None:
             return None
-        matcher = self.grammars.matcher(request.constraint)
-        check_resumed(request, matcher, self.tokenizer.eos_token_ids)
-        return matcher
+        return self.grammars.matcher(request.constraint)
 
     def submit(
         self,
@@ -227,7 +225,9 @@ class Admission:
         return session, dataclasses.replace(
             features,
             matcher=matcher.deep_copy() if matcher is not None else None,
-            reasoning=None if reasoning is None else Reasoning(reasoning.markers, first.prompt_ids, reasoning.budget),
+            reasoning=None
+            if reasoning is None
+            else Reasoning(reasoning.markers, first.prompt_ids, reasoning.budget, reasoning.constrained),
         )
 
     def tokenize(
@@ -270,6 +270,10 @@ class Admission:
                 "resume_token_ids",
                 f"{len(resumed)} tokens leave none of max_new_tokens ({params.max_new_tokens}) to generate",
             )
+        if matcher is not None:  # walked past a reasoning's tokens as the model thread will replay them
+            check_resumed(
+                request, matcher, self._reasoning(request, prompt_ids, params, True), self.tokenizer.eos_token_ids
+            )
         adapter, adapter_key = self._adapter(request.adapter)  # the last check: it holds the adapter
         session_id = next(self._ids)
         handle = SessionHandle(
@@ -295,19 +299,20 @@ class Admission:
         return session, Features(
             matcher=matcher,
             constraint_field=request.constraint.field if request.constraint else "",
-            reasoning=self._reasoning(request, prompt_ids, params),
+            reasoning=self._reasoning(request, prompt_ids, params, matcher is not None),
             resumed=tuple(resumed),
         )
 
     def _reasoning(
-        self, request: GenerationRequest, prompt_ids: Sequence[int], params: SamplingParams
+        self, request: GenerationRequest, prompt_ids: Sequence[int], params: SamplingParams, constrained: bool
     ) -> Reasoning | None:
         """A reasoning model's chat's reasoning (None for any other model's, or a plain prompt's:
-        its output is the model's text as it is, as vLLM's completions send it)."""
+        its output is the model's text as it is, as vLLM's completions send it); constrained: the
+        request has a constraint, which waits for a reasoning the model opens."""
         markers = self.tokenizer.reasoning_markers
         if markers is None or not request.messages:
             return None
-        return Reasoning(markers, prompt_ids, params.max_reasoning_tokens)
+        return Reasoning(markers, prompt_ids, params.max_reasoning_tokens, constrained)
 
     def _adapter(self, name: str) -> tuple[int, str]:
         """The LoRA adapter `name` held for a new session: its id and prefix-cache key; raises

@@ -209,6 +209,9 @@ class EngineCore:
         if s.bad_words and end == len(s.token_ids):
             banned += tuple(s.banned_by_bad_words())
         sample = end == len(s.token_ids) and s.embedding is None
+        reasoning = self.reasonings.of(s)
+        # at the opening, a constrained output may open a reasoning of the model's own instead
+        also_allowed = reasoning.opening_tokens() if reasoning is not None and matcher is not None else ()
         return Row(
             pages=s.pages,
             start=start,
@@ -222,6 +225,7 @@ class EngineCore:
             is_prompt=s.is_prefilling,
             targets=s.prompt_targets(start, end),
             matcher=matcher if sample else None,
+            also_allowed=also_allowed if sample else (),
             adapter=s.adapter,
             num_proposals=len(w.proposals),
             pool=s.embedding.pooled_by(end, s.num_prompt) if s.embedding is not None else None,
@@ -253,7 +257,7 @@ class EngineCore:
             if s.first_token is None:
                 s.first_token = now
             reasoning = self.reasonings.of(s)
-            if reasoning is not None and reasoning.forced():  # at its budget: closed instead
+            if reasoning is not None and reasoning.forced():  # a marker's tokens instead (Reasoning.forced)
                 self._end_if(s, self.output.add_forced(s, sampled.logprob is not None))
             else:
                 self._end_if(s, self.output.add_token(s, sampled.token, sampled.logprob))

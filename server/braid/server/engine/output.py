@@ -82,7 +82,8 @@ class Output:
         return None
 
     def _stop_reason(self, s: Session, token: int) -> FinishReason | None:
-        p, matcher = s.params, self.constraints.of(s)  # (a reasoning's tokens are free: the constraint waits)
+        # read before the reasoning takes the token: its tokens and markers are free, the constraint waits
+        p, matcher = s.params, self.constraints.taking(s, token)
         reasoning = self.reasonings.of(s)
         if reasoning is not None:
             reasoning.add(token)

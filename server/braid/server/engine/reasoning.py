@@ -8,9 +8,19 @@ them gets no `Reasoning` at all, and its output is never touched.
 A session's `Reasoning` follows its tokens (the phase, the reasoning's token count, the budget at
 which braid closes the reasoning by forcing the end marker's tokens, as llama.cpp's
 --reasoning-budget does; whether a constraint applies yet) and splits its text (`Splitter`, which
-holds back a tail that may be a marker cut across tokens). `Reasonings` keeps each session's by
-its id, from the session's add until it ends. The output (engine/output.py) sends the two parts
-apart on each Delta; the engine core (engine/core.py) forces the end marker.
+holds back a tail that may be a marker cut across tokens).
+
+A constraint (a JSON schema, a forced tool call) holds the answer, not the reasoning before it.
+Where the prompt opened the reasoning, it waits for the end marker. Where the output opens
+(Qwen3's own template with thinking on, the R1 distills), the first token may be what the
+constraint allows or the start marker's first token (`opening_tokens`): the marker opens a
+reasoning of the model's own (the rest of a marker of several tokens forced), and the constraint
+waits for its end; any other token is the answer's, held from there. The start marker's first
+token is the reasoning's even where the constraint would allow it too.
+
+`Reasonings` keeps each session's by its id, from the session's add until it ends. The output
+(engine/output.py) sends the two parts apart on each Delta; the engine core (engine/core.py)
+forces the markers' tokens (`forced`).
 """
 
 from __future__ import annotations
@@ -93,10 +103,14 @@ class Reasoning:
     """One session's reasoning, token by token (model thread only): its phase, the tokens it took,
     the budget, and its text split by `text`."""
 
-    def __init__(self, markers: Markers, prompt_ids: Sequence[int], budget: int | None = None) -> None:
-        """budget: the most tokens of reasoning (those between the markers) before braid closes it."""
+    def __init__(
+        self, markers: Markers, prompt_ids: Sequence[int], budget: int | None = None, constrained: bool = False
+    ) -> None:
+        """budget: the most tokens of reasoning (those between the markers) before braid closes it;
+        constrained: the session has a constraint, which waits for a reasoning the model opens."""
         self.markers = markers
         self.budget = budget
+        self.constrained = constrained
         self.phase = Phase.REASONING if opens_in_prompt(markers, prompt_ids) else Phase.OPENING
         self.text = Splitter(markers, self.phase is Phase.REASONING)
         self.num_tokens = 0  # generated in the reasoning, its markers included (Usage.reasoning_tokens)
@@ -107,13 +121,29 @@ class Reasoning:
     @property
     def applies_constraint(self) -> bool:
         """Whether a constraint (a JSON schema, a forced tool call) holds the next token: not while
-        the model reasons. Before the output opens, the answer starts at once: with a constraint
-        the model cannot open a reasoning the prompt did not."""
-        return self.phase is not Phase.REASONING
+        the model reasons, nor while braid forces the rest of a start marker. At the opening it
+        does, but the start marker's first token is allowed besides (`opening_tokens`)."""
+        return self.phase is Phase.ANSWER or (self.phase is Phase.OPENING and not self._inside)
+
+    def opening_tokens(self) -> tuple[int, ...]:
+        """The tokens a constrained session may take next besides those its constraint allows: the
+        start marker's first, at the opening (the model opens a reasoning, which the constraint
+        waits for the end of); () otherwise."""
+        if self.constrained and self.phase is Phase.OPENING and not self._inside:
+            return self.markers.start_ids[:1]
+        return ()
+
+    def holds(self, token: int) -> bool:
+        """Whether a constraint takes `token`, the next token: the answer's, not the reasoning's
+        nor its markers' (the one rule of the live output and of resume_token_ids' check)."""
+        return self.applies_constraint and token not in self.opening_tokens()
 
     def forced(self) -> tuple[int, ...]:
-        """The tokens to take instead of the next one sampled: the end marker's, once the reasoning
-        has used its budget without closing; () otherwise."""
+        """The tokens to take instead of the next one sampled: the rest of the start marker once a
+        constrained session took its first (`opening_tokens`); the end marker's, once the
+        reasoning has used its budget without closing; () otherwise."""
+        if self.constrained and self.phase is Phase.OPENING and self._inside:
+            return self.markers.start_ids[self._inside :]
         if self.phase is Phase.REASONING and self.budget is not None and self._inside >= self.budget:
             return self.markers.end_ids
         return ()

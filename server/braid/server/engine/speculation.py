@@ -281,13 +281,9 @@ class Speculator:
                 if proposals:  # where it copies from now; where nothing matched, the copy point stays
                     spec.copy_at = follow
                 found.append(proposals)
-        out = []
-        for (s, _), proposals in zip(asks, found):
-            matcher = self.constraints.of(s) if self.constraints is not None else None  # (none while it reasons)
-            if proposals and matcher is not None:  # the ones the constraint allows, in order
-                proposals = proposals[: matcher.validate_tokens(proposals)]
-            out.append(tuple(proposals))
-        return out
+        if self.constraints is None:
+            return [tuple(proposals) for proposals in found]
+        return [self.constraints.proposals(s, proposals) for (s, _), proposals in zip(asks, found)]
 
     def release(self, s: Session) -> Speculation | None:
         """The session has ended: what the proposer kept for it goes; its speculation (None if it

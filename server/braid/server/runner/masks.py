@@ -50,7 +50,9 @@ class Masks:
         sample): one mask each for plain rows, a walk along its proposals for a speculating row."""
         plain = [i for i in sampled if not rows[i].num_proposals]
         constrained = [k for k, i in enumerate(plain) if rows[i].matcher is not None]
-        filling = self.start([rows[plain[k]].matcher for k in constrained])
+        filling = self.start(
+            [rows[plain[k]].matcher for k in constrained], [rows[plain[k]].also_allowed for k in constrained]
+        )
         walks = {
             i: self.start_walk(rows[i].matcher, rows[i].token_ids[-rows[i].num_proposals :])
             for i in sampled
@@ -58,8 +60,11 @@ class Masks:
         }
         return PassMasks(constrained, filling, walks, self.unpack)
 
-    def start(self, matchers: Sequence[object]) -> concurrent.futures.Future | None:
-        """Starts filling the masks of these matchers (one per constrained row), or None if none."""
+    def start(
+        self, matchers: Sequence[object], also_allowed: Sequence[Sequence[int]] = ()
+    ) -> concurrent.futures.Future | None:
+        """Starts filling the masks of these matchers (one per constrained row), or None if none;
+        also_allowed: the tokens each row's mask allows besides (Row.also_allowed), by row."""
         if not matchers:
             return None
         if self._executor is None:
@@ -67,17 +72,20 @@ class Masks:
         # (llguidance's numpy helpers, not its torch ones: importing those runs torch.compile, which
         # took a third of every start)
         bitmask = lln.allocate_token_bitmask(len(matchers), self.vocab_size)
-        return self._thread.submit(self._fill, list(matchers), bitmask)
+        return self._thread.submit(self._fill, list(matchers), bitmask, list(also_allowed))
 
-    def _fill(self, matchers: list, bitmask: np.ndarray) -> torch.Tensor:
+    def _fill(self, matchers: list, bitmask: np.ndarray, also_allowed: list[Sequence[int]]) -> torch.Tensor:
         lln.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        for i, tokens in enumerate(also_allowed):
+            _allow(bitmask, i, tokens)
         return torch.from_numpy(bitmask)
 
     def start_walk(self, matcher: object, tokens: Sequence[int]) -> concurrent.futures.Future:
         """Starts filling a speculating row's masks: [len(tokens) + 1, V] bool, the tokens allowed
         before each of `tokens` and after the last, each after those before it. The matcher is
         walked along them and rolled back, so it ends as it began (the engine checked that it
-        allows them)."""
+        allows them). (A row with also_allowed never speculates: its token is the first after
+        the prompt, sampled by the pass that computes the prompt's end.)"""
         return self._thread.submit(self._walk, matcher, list(tokens))
 
     def _walk(self, matcher, tokens: list[int]) -> torch.Tensor:
@@ -98,3 +106,11 @@ class Masks:
         """[C, V] bool of llguidance's int32 bitmask [C, W]: token i is bit i % 32 of word i // 32."""
         unpacked = (bits.unsqueeze(-1) >> self._shifts) & 1  # [C, W, 32]
         return unpacked.view(bits.shape[0], -1)[:, : self.vocab_size].bool()
+
+
+def _allow(bitmask: np.ndarray, row: int, tokens: Sequence[int]) -> None:
+    """Sets `tokens`' bits in row `row` of llguidance's int32 bitmask [C, W] (token i: bit i % 32
+    of word i // 32), as words without a sign."""
+    words = bitmask.view(np.uint32)
+    for token in tokens:
+        words[row, token // 32] |= np.uint32(1 << (token % 32))

@@ -121,6 +121,9 @@ class Row:
     # a constraint's matcher (llguidance.LLMatcher, made by the engine): when sampling, only the
     # tokens its mask allows now can be picked
     matcher: object = None
+    # tokens the row may pick besides those its matcher's mask allows (a reasoning's start marker,
+    # which the engine keeps from the matcher)
+    also_allowed: Sequence[int] = ()
     # speculative decoding: the last num_proposals of token_ids are proposals, not yet the
     # sequence's. The row samples after each of its last num_proposals + 1 tokens, in order, as
     # plain steps would (history grown by the tokens kept, one random draw each), and keeps going
