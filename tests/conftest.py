@@ -40,6 +40,13 @@ DEVICE = "cpu"  # pytest's --device: where every Server runs (braid serve --devi
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("BRAID_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# braid's loader sets these when it loads a model from a folder (nothing may reach the network, and
+# no progress bar where the output is no terminal), and nearly every worker loads one in process: set
+# from the start, so that a worker's first zygote (braid_testing/zygote.py) imports under them and forks
+# every server of the run, where the first in-process load made the next server start a second zygote
+# (9 s of CPU a worker). A test that means the hub to be asked says so (test_startup_errors' hub id).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def pytest_addoption(parser) -> None:

@@ -165,7 +165,8 @@ def test_a_truncated_gguf_file_is_named_in_the_one_line(tmp_path):
 
 def test_a_hub_id_the_hub_cannot_provide():
     closed = f"http://127.0.0.1:{free_port()}"
-    out = braid("serve", "--model", "someorg/somemodel", env={"HF_ENDPOINT": closed, "HF_HOME": "/nonexistent-hf-home"})
+    hub = {"HF_ENDPOINT": closed, "HF_HOME": "/nonexistent-hf-home", "HF_HUB_OFFLINE": "0"}  # (conftest sets it)
+    out = braid("serve", "--model", "someorg/somemodel", env=hub)
     assert_one_line(out, "--model someorg/somemodel", "hub cannot provide it", closed)
 
 

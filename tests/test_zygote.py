@@ -37,10 +37,18 @@ def test_a_variable_read_when_a_module_loads_is_honoured(monkeypatch):
         assert forked is not None and forked.wait(60) == 0
     # this process's own, changed after its zygote imported (loading a model sets HF_HUB_OFFLINE): a
     # new zygote imports under it, and the servers are forks still
+    before = zygote._client._proc
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     with open(os.devnull, "wb") as devnull:
         forked = zygote.spawn(["--version"], dict(os.environ), devnull.fileno())
         assert forked is not None and forked.wait(60) == 0
+    assert zygote._client._proc is not before
+    # the environment restored (as monkeypatch restores it): its zygote forks again, none imports anew
+    monkeypatch.undo()
+    with open(os.devnull, "wb") as devnull:
+        forked = zygote.spawn(["--version"], dict(os.environ), devnull.fileno())
+        assert forked is not None and forked.wait(60) == 0
+    assert zygote._client._proc is before
 
 
 def test_a_forked_server_drains_on_sigterm_and_reports_a_kill_as_popen_does(tiny_dir):

@@ -37,7 +37,9 @@ from pathlib import Path
 from braid_testing.faults import ENV as FAULT_ENV
 
 # Read by braid at run time, not when a module loads: they may differ between the zygote and a fork.
-RUNTIME_VARIABLES = ("BRAID_", "OTEL_", "PYTEST_", "XDG_CACHE_HOME", "COVERAGE_")
+# (torch sets TORCHINDUCTOR_CACHE_DIR to its default the first time it asks for the folder, and reads
+# it each time it does: a test process's in-process runner set it, and the next server started a zygote.)
+RUNTIME_VARIABLES = ("BRAID_", "OTEL_", "PYTEST_", "XDG_CACHE_HOME", "COVERAGE_", "TORCHINDUCTOR_CACHE_DIR")
 SWITCH = "BRAID_TEST_FORK"
 
 
@@ -97,15 +99,17 @@ class ForkedProcess:
 
 
 class _Client:
-    """This process's zygote: started on first use, and again whenever this process's own environment
-    has changed since in a variable read at import (the tests' loading of a model sets HF_HUB_OFFLINE,
-    for one); every zygote ends with this process."""
+    """This process's zygotes: one for each environment this process has had (in the variables read at
+    import) when it started a server, started on first use under it. The tests' loading of a model sets
+    HF_HUB_OFFLINE, and a test's monkeypatch changes a variable and then restores it: the zygote of the
+    environment restored serves again, where a new one imported braid anew (9 s of CPU) each time. Every
+    zygote ends with this process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | None = None  # the zygote of the environment last seen
         self._path = ""
-        self._imported_with: dict[str, str] = {}
+        self._zygotes: dict[frozenset[tuple[str, str]], tuple[subprocess.Popen, str]] = {}
         self._all: list[subprocess.Popen] = []
         self._failed = False
 
@@ -134,37 +138,36 @@ class _Client:
                 raise
 
     def _started(self) -> bool:
-        """A zygote that imported what it did under this process's environment, started if need be;
-        an older one stays until this process ends, reporting its forks' exits."""
-        if self._proc is not None and (
-            self._imported_with != _read_at_import(os.environ) or self._proc.poll() is not None
-        ):
-            if self._proc.poll() is not None:
-                warnings.warn(f"the tests' zygote exited ({self._proc.returncode}): starting another", stacklevel=2)
-            self._proc = None  # imported under another environment, or gone: a new one
-        if self._proc is None and not self._failed:
-            self._start()
-        return self._proc is not None and self._proc.poll() is None
+        """A zygote that imported what it did under this process's environment as it is now, started
+        if need be; the others stay until this process ends, reporting their forks' exits."""
+        key = frozenset(_read_at_import(os.environ).items())
+        if key in self._zygotes and self._zygotes[key][0].poll() is not None:
+            warnings.warn(
+                f"the tests' zygote exited ({self._zygotes[key][0].returncode}): starting another", stacklevel=2
+            )
+            del self._zygotes[key]
+        if key not in self._zygotes and not self._failed:
+            self._start(key)
+        self._proc, self._path = self._zygotes.get(key, (None, ""))
+        return self._proc is not None
 
-    def _start(self) -> None:
-        folder = tempfile.mkdtemp(prefix="braid-zygote-")
-        self._path = os.path.join(folder, "socket")
-        self._imported_with = _read_at_import(os.environ)
+    def _start(self, key: frozenset[tuple[str, str]]) -> None:
+        socket_path = os.path.join(tempfile.mkdtemp(prefix="braid-zygote-"), "socket")
         support = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(filter(None, [support, os.environ.get("PYTHONPATH")]))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "braid_testing.zygote", self._path],
+            [sys.executable, "-m", "braid_testing.zygote", socket_path],
             env={**os.environ, "PYTHONPATH": path},
             stdin=subprocess.PIPE,
         )
         # It creates <socket>.ready once it listens.
-        ready = Path(self._path + ".ready")
+        ready = Path(socket_path + ".ready")
         while not ready.exists():
             if proc.poll() is not None:
                 self._failed = True  # the tests go on with plain subprocesses, as before the zygote
                 return
             threading.Event().wait(0.05)
-        self._proc = proc
+        self._zygotes[key] = proc, socket_path
         if not self._all:
             atexit.register(self._stop)
         self._all.append(proc)
