@@ -12,6 +12,7 @@ import json
 import anthropic
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from braid.client import function_choice
@@ -135,3 +136,39 @@ def test_tool_turns_render_through_the_template_as_over_openais_chat(server, grp
     prompt_tokens = over_chat.json()["usage"]["prompt_tokens"]
     plain = grpc_client.generate(messages=HI, max_new_tokens=1)
     assert over_grpc.usage.prompt_tokens == prompt_tokens > plain.usage.prompt_tokens + 100  # the tools and the turns
+
+
+def test_a_required_list_streams_each_call_as_it_closes_over_openais_chat(server, grpc_client):  # noqa: F811
+    """As over gRPC: each whole call's delta (its index, id, name and arguments) comes as its JSON
+    closes, not all at the end; the calls are gRPC's (this random model calls until max_tokens cuts
+    its last call short, which comes at the end, as far as it got)."""
+    several = pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)
+    over_grpc = grpc_client.generate(messages=HI, tools=[WEATHER, TIME], tool_choice=several, max_new_tokens=MAX)
+    with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0) as sdk:
+        stream = sdk.chat.completions.create(
+            model="tiny",
+            messages=HI,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=MAX,
+            temperature=0,
+            stream=True,
+        )
+        chunks = [c for c in stream if c.choices]
+    carrying = [i for i, c in enumerate(chunks) if c.choices[0].delta.tool_calls]
+    (end,) = [i for i, c in enumerate(chunks) if c.choices[0].finish_reason]
+    assert end == len(chunks) - 1 and carrying[0] < end - 1  # the first call, before the stream's end
+    calls: dict[int, list[str]] = {}  # index: id, name, arguments, as OpenAI's stream accumulates them
+    for i in carrying:
+        for call in chunks[i].choices[0].delta.tool_calls:
+            if call.index not in calls:
+                calls[call.index] = [call.id, call.function.name, ""]
+            calls[call.index][2] += call.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls))) and len({c[0] for c in calls.values()}) == len(calls)
+    assert [(name, arguments) for _, name, arguments in calls.values()] == [
+        (c.name, c.arguments) for c in over_grpc.tool_calls
+    ]
+    whole = over_grpc.tool_calls if over_grpc.finish_reason == "CONSTRAINT" else over_grpc.tool_calls[:-1]
+    assert len(whole) >= 1
+    for call in whole:
+        valid(call)

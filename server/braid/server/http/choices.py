@@ -50,7 +50,8 @@ class ChatChoice:
     its output read as every front end reads it (tool_plan.CallReader), in OpenAI's shape. Content
     is sent as it comes; where tool calls may be in it (`auto`), the text that might begin a call is
     held back until the choice ends and is parsed; a named function's arguments stream as they come,
-    OpenAI's way."""
+    OpenAI's way; a forced list's calls (`required`) are sent each as its JSON closes, as gRPC sends
+    them: its index, id and name with its whole arguments in one delta."""
 
     def __init__(self, plan: Plan) -> None:
         self._plan = plan
@@ -95,16 +96,25 @@ class ChatChoice:
             function = {"arguments": text} if self._sent else {"name": self._plan.function, "arguments": text}
             self._sent += len(text)
             return {**thought, "tool_calls": [{"index": 0, **head, "function": function}]}
-        return {**thought, "content": read.content} if read.content else thought or None
+        delta = {**thought, "content": read.content} if read.content else thought
+        if read.calls:  # a forced list's calls that closed
+            delta = {**delta, "tool_calls": self._indexed(read.calls)}
+        return delta or None
 
     def end(self) -> dict[str, Any] | None:
-        """The last delta: tool calls found in the whole text, or the content held back."""
+        """The last delta: the tool calls not sent yet (in `auto`, all found in the whole text; of a
+        forced list, those a cut left unclosed), or the content held back."""
         read = self._reader.end()
         if self._plan.tools == "forced" and self._plan.function is not None:
             return None if self._sent else {"tool_calls": [openai_call(self.calls[0], 0)]}
-        if self.calls:  # (a forced list's are sent at the end too, all at once)
-            return {"tool_calls": [openai_call(c, i) for i, c in enumerate(self.calls)]}
+        if read.calls:
+            return {"tool_calls": self._indexed(read.calls)}
         return {"content": read.content} if read.content else None
+
+    def _indexed(self, new: tuple[tools.ToolCall, ...]) -> list[dict[str, Any]]:
+        """The calls just read, the last of the choice's calls, each with its index among them."""
+        first = len(self.calls) - len(new)
+        return [openai_call(c, first + i) for i, c in enumerate(new)]
 
     def message(self) -> dict[str, Any]:
         """The whole choice's message (a response that is not streamed), after `end`."""

@@ -152,8 +152,8 @@ async def choice_deltas(
 ) -> AsyncIterator[dict[str, Any]]:
     """One session's output read as a chat choice, for an API that translates chat's deltas into
     its own events (Anthropic's, the Responses API's): its deltas as its text comes, then, once it
-    has ended (`ended`: its failure raised, its Finished noted), the last one: the calls found in
-    the whole text, read off the event loop (that grows with the output)."""
+    has ended (`ended`: its failure raised, its Finished noted), the last one: the calls not sent
+    yet, found in the whole text, read off the event loop (that grows with the output)."""
     async for batch in handle.batches():
         deltas = [e for e in batch if isinstance(e, Delta)]
         delta = choice.feed("".join(d.text for d in deltas), "".join(d.reasoning for d in deltas))
