@@ -68,10 +68,11 @@ def test_a_prefix_read_from_the_cache_gives_a_cold_runs_tokens(q8, sequential):
 
 
 def test_preempted_sessions_resume_to_their_own_tokens(smol_dir, in_process):
-    """A cache of 12 pages (192 tokens) and three sessions that grow to about 100 tokens each."""
-    model = in_process(smol_dir, kv_cache_dtype="q8_0", kv_cache_memory=f"{12 * 16 * TOKEN_BYTES}B", max_seq_len=128)
-    assert model.runner.num_pages == 12
-    requests = [dict(prompt=q, max_new_tokens=90, ignore_eos=True) for q in QUESTIONS]
+    """A cache of 6 pages (96 tokens) and three sessions that grow to about 50 tokens (4 pages) each:
+    no two of them fit at once, and each fits alone."""
+    model = in_process(smol_dir, kv_cache_dtype="q8_0", kv_cache_memory=f"{6 * 16 * TOKEN_BYTES}B", max_seq_len=64)
+    assert model.runner.num_pages == 6
+    requests = [dict(prompt=q, max_new_tokens=45, ignore_eos=True) for q in QUESTIONS]
     alone = [run(model, [r], mode="sequential")[0][0].token_ids for r in requests]
     outcomes, stats = run(model, requests, mode="continuous", max_batch_size=4)
     assert [o.token_ids for o in outcomes] == alone
