@@ -327,3 +327,15 @@ def test_resumed_tokens_must_be_what_the_constraint_allows_past_the_reasoning():
     with Harness(ScriptedRunner(next_token=_script()), tokenizer=TwoTokenMarkerTokenizer()) as h:
         with pytest.raises(InvalidArgument, match="rest of the reasoning's start marker"):  # braid writes 902 there
             h.submit("", messages=chat("1"), max_new_tokens=20, matcher=AllowingMatcher({20, 50}), resume=[START, 50])
+
+
+def test_a_constraint_holds_from_the_first_token_where_the_prompt_closed_the_reasoning():
+    """enable_thinking false: the template writes an empty reasoning ("<think></think>"), so a
+    constrained output may not open another; the start marker is the constraint's to refuse."""
+    script = _script((10, START), (START, 20), (20, EOS))
+    with Harness(ScriptedRunner(next_token=script), tokenizer=ReasoningTokenizer()) as h:
+        matcher = AllowingMatcher({20})
+        (handle,) = h.submit("", messages=chat(f"1 {START} 10 {END} 10"), max_new_tokens=20, matcher=matcher)
+        h.run()
+        assert matcher.consumed == [START] and h.finished(handle).reason is FinishReason.INVALID_REQUEST
+        assert not _sampling_rows(h)[0].also_allowed

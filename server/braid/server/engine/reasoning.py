@@ -16,7 +16,8 @@ Where the prompt opened the reasoning, it waits for the end marker. Where the ou
 constraint allows or the start marker's first token (`opening_tokens`): the marker opens a
 reasoning of the model's own (the rest of a marker of several tokens forced), and the constraint
 waits for its end; any other token is the answer's, held from there. The start marker's first
-token is the reasoning's even where the constraint would allow it too.
+token is the reasoning's even where the constraint would allow it too. Where the prompt closed the
+reasoning (enable_thinking false), a constrained output is the answer from its first token.
 
 `Reasonings` keeps each session's by its id, from the session's add until it ends. The output
 (engine/output.py) sends the two parts apart on each Delta; the engine core (engine/core.py)
@@ -92,6 +93,13 @@ def opens_in_prompt(markers: Markers, prompt_ids: Sequence[int]) -> bool:
     return at >= 0 and _rfind(tail[at:], end) < 0
 
 
+def closes_in_prompt(markers: Markers, prompt_ids: Sequence[int]) -> bool:
+    """Whether the prompt closes a reasoning just before the output: an end marker among its last
+    tokens (Qwen3's generation prompt with enable_thinking false, "<think>\n\n</think>\n\n")."""
+    end = list(markers.end_ids)
+    return _rfind(list(prompt_ids[-(_OPEN_TAIL_TOKENS + len(end)) :]), end) >= 0
+
+
 def _rfind(tokens: list[int], pattern: list[int]) -> int:
     for i in range(len(tokens) - len(pattern), -1, -1):
         if tokens[i : i + len(pattern)] == pattern:
@@ -112,7 +120,9 @@ class Reasoning:
         self.budget = budget
         self.constrained = constrained
         self.phase = Phase.REASONING if opens_in_prompt(markers, prompt_ids) else Phase.OPENING
-        self.text = Splitter(markers, self.phase is Phase.REASONING)
+        if constrained and self.phase is Phase.OPENING and closes_in_prompt(markers, prompt_ids):
+            self.phase = Phase.ANSWER  # thinking off: the constraint holds the output from its first token
+        self.text = Splitter(markers, self.phase is Phase.REASONING, opens=self.phase is Phase.OPENING)
         self.num_tokens = 0  # generated in the reasoning, its markers included (Usage.reasoning_tokens)
         self._inside = 0  # of those, the ones after the start marker (what the budget counts)
         self._recent: list[int] = []  # the last generated tokens, as long as the longer marker
@@ -193,9 +203,11 @@ class Splitter:
     dropped, and so is the whitespace that follows each. A tail that may be the start of a marker
     is held back until the next text tells (a marker can be cut across tokens), or the end."""
 
-    def __init__(self, markers: Markers, reasoning: bool) -> None:
+    def __init__(self, markers: Markers, reasoning: bool, opens: bool = True) -> None:
+        """reasoning: the prompt opened the reasoning; else opens: the output may open one (False:
+        it is all answer)."""
         self._start, self._end = markers.start, markers.end
-        self._phase = Phase.REASONING if reasoning else Phase.OPENING
+        self._phase = Phase.REASONING if reasoning else Phase.OPENING if opens else Phase.ANSWER
         self._held = ""
         self._trim = reasoning  # drop the whitespace that begins the part now being written
 
