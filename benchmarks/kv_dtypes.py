@@ -1,18 +1,20 @@
 """What each KV-cache dtype (--kv-cache-dtype) costs and gives, on the embedded model, in process:
 
-- quality: mean KL divergence and same-top-token rate of each dtype's logits against an fp32 cache,
-  over the first 512 positions of tests/data/perplexity.txt (one prompt pass each; as llama.cpp's
-  `llama-perplexity --kl-divergence` measures a quantized model against its base), under float32
-  rows (only the cache differs) and int8 rows (the server's default);
+- quality: mean KL divergence and same-top-token rate of each dtype's logits against float32 rows
+  with an fp32 cache, over the first 512 positions of tests/data/perplexity.txt (one prompt pass
+  each; as llama.cpp's `llama-perplexity --kl-divergence` measures a quantized model against its
+  F32), under float32 rows (only the cache differs: its own cost) and int8 rows (the server's
+  default rows: with q8_0, the default as a whole);
 - bytes per token of the cache;
 - decode speed: the median time of a decode pass of 1 and 16 rows over a shared context of 1,024 and
   4,096 tokens (one prompt prefilled once, its pages shared by every row as prefix sharing does, each
-  row's new token in a page of its own; runner.run, no engine and no gRPC).
+  row's new token in a page of its own; runner.run, no engine and no gRPC), the dtypes timed in
+  turn, a pass each, so that a shared machine's slow spells fall on all alike.
 
     .venv/bin/python benchmarks/kv_dtypes.py                 # both parts
     .venv/bin/python benchmarks/kv_dtypes.py --skip-speed    # quality and bytes only
 
-docs/benchmarks.md ("What do the quantized formats and row types cost in quality?") quotes it.
+docs/benchmarks.md ("The KV cache's dtype") quotes it; it chose --kv-cache-dtype auto's q8_0.
 """
 
 from __future__ import annotations
@@ -49,20 +51,32 @@ def runner(model, dtype: str, activations: str, num_pages: int, max_seq_len: int
     )
 
 
-def quality(model, activations: str) -> None:
+def quality(model) -> None:
+    """Each rows' and cache's logits against float32 rows with an fp32 cache: the base llama.cpp's
+    `--kl-divergence` measures a quantized file against (its F32). With float32 rows only the cache
+    differs; with int8 rows (the default) the line is what the server's default costs in all."""
     ids = model.hf_tokenizer((REPO / "tests" / "data" / "perplexity.txt").read_text())["input_ids"][:512]
-    logits = {d: prompt_logits(runner(model, d, activations, 64, 2048), ids) for d in DTYPES}
-    for dtype in DTYPES[1:]:
-        kld, top = divergence(logits["float32"], logits[dtype])
-        print(f"{activations} rows, {dtype} KV against float32 KV: mean KLD {kld:.6f}, same top {top:.2%}")
+    base = prompt_logits(runner(model, "float32", "float32", 64, 2048), ids)
+    for activations in ("float32", "int8"):
+        for dtype in DTYPES[activations == "float32" :]:
+            kld, top = divergence(base, prompt_logits(runner(model, dtype, activations, 64, 2048), ids))
+            print(
+                f"{activations} rows, {dtype} KV against float32 rows, float32 KV: mean KLD {kld:.6f}, same top {top:.2%}"
+            )
 
 
-def speed(model, dtype: str, passes: int) -> None:
-    r = runner(model, dtype, "auto", 600, 8192)
+def speed(model, dtypes: tuple[str, ...], passes: int) -> None:
+    """Decode passes of each dtype in turn, one pass each per round, so that a busy machine's
+    slow spells fall on every dtype alike; the median of `passes` rounds."""
+    runners = {d: runner(model, d, "auto", 600, 8192) for d in dtypes}
+    page_size = next(iter(runners.values())).page_size
     for context in (1024, 4096):
-        shared = list(range(context // r.page_size))
+        shared = list(range(context // page_size))
         ids = [(i * 7919) % 40000 + 100 for i in range(context)]
-        r.run([Row(pages=shared, start=0, token_ids=ids, sample=False, sampling=Sampling(), rng=None, is_prompt=True)])
+        for r in runners.values():
+            r.run(
+                [Row(pages=shared, start=0, token_ids=ids, sample=False, sampling=Sampling(), rng=None, is_prompt=True)]
+            )
         for rows in (1, 16):
             batch = [
                 Row(
@@ -75,21 +89,30 @@ def speed(model, dtype: str, passes: int) -> None:
                 )
                 for b in range(rows)
             ]
-            r.run(batch)  # warm
-            times = []
+            times: dict[str, list[float]] = {d: [] for d in dtypes}
+            for r in runners.values():
+                r.run(batch)  # warm
             for _ in range(passes):
-                started = time.perf_counter()
-                r.run(batch)
-                times.append(time.perf_counter() - started)
-            median = statistics.median(times)
-            print(
-                f"{dtype:8s} KV, context {context:5d}, {rows:2d} rows: {median * 1e3:7.2f} ms a pass, {rows / median:6.1f} tok/s"
-            )
+                for dtype, r in runners.items():
+                    started = time.perf_counter()
+                    r.run(batch)
+                    times[dtype].append(time.perf_counter() - started)
+            base = statistics.median(times[dtypes[0]])
+            for dtype in dtypes:
+                median = statistics.median(times[dtype])
+                print(
+                    f"{dtype:8s} KV, context {context:5d}, {rows:2d} rows: {median * 1e3:7.2f} ms a pass, "
+                    f"{rows / median:6.1f} tok/s, {base / median:.2f}x {dtypes[0]}'s"
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-speed", action="store_true", help="quality and bytes only")
+    parser.add_argument("--skip-quality", action="store_true", help="bytes and speed only")
+    parser.add_argument(
+        "--speed-dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the caches timed, in turn"
+    )
     parser.add_argument("--passes", type=int, default=15, help="decode passes timed per case (the median is shown)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
@@ -99,11 +122,10 @@ def main() -> None:
     for dtype in DTYPES:
         size = KVCache.bytes_per_token(decoder.num_layers, decoder.num_kv_heads, decoder.head_dim, KV_DTYPES[dtype])
         print(f"{dtype:8s} KV: {size} bytes a token")
-    for activations in ("float32", "int8"):
-        quality(model, activations)
+    if not args.skip_quality:
+        quality(model)
     if not args.skip_speed:
-        for dtype in DTYPES:
-            speed(model, dtype, args.passes)
+        speed(model, tuple(args.speed_dtypes), args.passes)
 
 
 if __name__ == "__main__":

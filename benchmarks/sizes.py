@@ -70,9 +70,10 @@ GIB = 2**30
 # 1.07 B parameters, measured). braid's first start on a GGUF file converts it a tensor at a time
 # (2.3 GB at most for the 1B shape's Q8_0 file, measured): it needs no such room.
 FP32_LOAD_BYTES = 7
-# bytes of KV cache an element of each --kv-cache-dtype takes (auto: the CPU's compute dtype, float32;
-# checked against what the server reports); q8_0: blocks of 32 int8 and an fp16 scale
-KV_ELEMENT_BYTES = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2, "q8_0": 34 / 32}
+# bytes of KV cache an element of each --kv-cache-dtype takes (auto: the CPU's, q8_0, every shape's
+# head_dim being whole blocks; checked against what the server reports); q8_0: blocks of 32 int8 and
+# an fp16 scale
+KV_ELEMENT_BYTES = {"auto": 34 / 32, "float32": 4, "bfloat16": 2, "float16": 2, "q8_0": 34 / 32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -386,7 +387,7 @@ def _perplexity(llama, arguments: list[str]) -> str:
 def braid_logits(model: str, fp32: bool, threads: int, out: str) -> None:
     """In a child process (the weights leave memory with it): the logits of TEXT's chunks, second
     half of each, of `model` loaded as braid serves it by default, or with `fp32` in float32 with
-    float32 rows; saved to `out`."""
+    float32 rows and an fp32 KV cache; saved to `out`."""
     import torch
 
     sys.path.insert(0, str(machine.REPO / "tests" / "support"))
@@ -395,7 +396,7 @@ def braid_logits(model: str, fp32: bool, threads: int, out: str) -> None:
     from braid.server.runner.model_runner import ModelRunner
     from braid_testing.perplexity import prompt_logits
 
-    flags = dict(dtype="float32", quantization="none", activations="float32") if fp32 else {}
+    flags = dict(dtype="float32", quantization="none", activations="float32", kv_cache_dtype="float32") if fp32 else {}
     config = EngineConfig(threads=threads, max_seq_len=QUALITY_CHUNK, kv_cache_memory="256MiB", **flags)
     loaded = load(model, default_cache_dir())
     runner = ModelRunner.build(config, loaded)

@@ -50,7 +50,10 @@ from conftest import MODES, REPO, SMALL_WINDOW, Server, assert_greedy, wait_for
 sys.path.insert(0, str(REPO / "load"))
 from flood import flood  # noqa: E402  (load/ is not a package)
 
-SERVER_ARGS = ["--threads", "1", "--max-queued", "16", "--max-batch-size", "16", "--max-wait-ms", "5"]
+# an fp32 KV cache: the long prompts' tokens are compared with transformers' to fp32 rounding, which
+# the CPU's default cache (float16 for the tiny model's head_dim 16) does not keep
+FP32_CACHE = ["--kv-cache-dtype", "float32"]
+SERVER_ARGS = ["--threads", "1", "--max-queued", "16", "--max-batch-size", "16", "--max-wait-ms", "5", *FP32_CACHE]
 CONTEXT = 4096  # the server's default --max-seq-len, under the model's 8,192 positions
 DEFAULT_MAX_NEW_TOKENS = 256  # the server's default --default-max-new-tokens
 FINISH_REASONS = [f.name for f in pb.FinishCounts.DESCRIPTOR.fields]
@@ -237,7 +240,7 @@ def test_long_prompts_on_torchs_ops_in_every_mode(long_dir, in_process, mode):
     after (in_process.generate checks). The wire's part (sizes, statuses) is the test above's."""
     from in_process import generate
 
-    model = in_process(long_dir, kernels="torch", max_seq_len=CONTEXT)
+    model = in_process(long_dir, kernels="torch", max_seq_len=CONTEXT, kv_cache_dtype="float32")  # FP32_CACHE
     assert model.runner.kernels == "torch"
     overhead = len(model.tokenizer.encode(None, [Message("user", WORD)])) - 1
     for num_tokens in (513, 1000, 4000):

@@ -28,6 +28,7 @@ GGUF_PROMPTS = ["The sea is calm and the land", "1 2 3 4 5 6"]  # 7 to 11 tokens
 # A GGUF file's config where it is not the folder's: transformers reads no head_dim from a Qwen3
 # file and takes its default, 128 (every released Qwen3's)
 GGUF_CONFIG = {"qwen3": dict(head_dim=128)}
+FP32_CACHE = ("--kv-cache-dtype", "float32")  # tokens compared with transformers' to fp32 rounding (_serve)
 # A model whose matrices can be K-quants (super-blocks of 256 inputs); gguf_files writes random blocks
 K_QUANT_MODEL = dict(
     hidden_size=256, intermediate_size=512, layer_formats=(GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
@@ -127,7 +128,12 @@ def folders(tmp_path_factory, smol_dir):
 
 
 def _serve(model: Path, *flags: str) -> Server:
-    return Server(["--model", str(model), "--threads", "1", "--max-batch-size", "8", "--max-wait-ms", "5", *flags])
+    """An fp32 KV cache (--kv-cache-dtype float32): the tests compare tokens and logprobs with
+    transformers' to fp32 rounding, which the CPU's default cache (q8_0, or float16 for head_dims
+    that are not whole q8_0 blocks) does not keep."""
+    return Server(
+        ["--model", str(model), "--threads", "1", "--max-batch-size", "8", "--max-wait-ms", "5", *FP32_CACHE, *flags]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +219,7 @@ def test_greedy_tokens_are_transformers_own_in_every_mode(folders, in_process, k
     their decode rows run as one padded batch where the mode batches them)."""
     from in_process import generate
 
-    model = in_process(folders(kind))
+    model = in_process(folders(kind), kv_cache_dtype="float32")  # transformers' fp32 rounding: _serve
     assert model.runner.path == runner
     requests = [dict(prompt=p, max_new_tokens=12, ignore_eos=True, logprobs=True) for p in PROMPTS]
     outcomes = generate(model, requests, mode=mode, max_batch_size=8, max_wait_ms=5)

@@ -27,6 +27,9 @@ from test_startup_errors import assert_one_line, braid
 
 PROMPTS = ["The sea is", "Once upon a time, in a land far away, there lived a", "1 2 3 4 5"]
 # two adapters per base: rank 8 on every projection, and rank 16 on a few (rsLoRA's scale)
+# an fp32 KV cache where tokens are compared with transformers' and PEFT's to fp32 rounding, which the
+# CPU's default cache (float16 for the tiny models' head_dim 16, q8_0 for Qwen3's 32) does not keep
+FP32_CACHE = ("--kv-cache-dtype", "float32")
 ADAPTERS = {
     "r8": dict(rank=8, targets=ALL_TARGETS, seed=1),
     "r16": dict(rank=16, targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), seed=2, rslora=True),
@@ -88,7 +91,10 @@ def test_greedy_tokens_with_an_adapter_are_transformers_and_pefts(bases, adapter
     adapters' tokens are not the base's, and ModelInfo lists the adapters. (Every mode, Qwen3 and
     torch's ops: the in-process test below.)"""
     server = Server(
-        ["--model", str(bases["llama"]), "--threads", "1", "--max-batch-size", "16", *_lora_args(adapters, "llama")]
+        [
+            *("--model", str(bases["llama"]), "--threads", "1", "--max-batch-size", "16", *FP32_CACHE),
+            *_lora_args(adapters, "llama"),
+        ]
     )
     try:
         with server.client() as client:
@@ -129,7 +135,7 @@ def test_greedy_tokens_with_an_adapter_in_every_mode(bases, adapters, in_process
     """In process, the engine in each mode over the base's runner with both adapters loaded
     (--lora): each prompt with each adapter and with none, all at once, every token the merged
     model's greedy one, the adapters' not the base's, and no page held after."""
-    model = in_process(bases[kind], kernels=kernels)
+    model = in_process(bases[kind], kernels=kernels, kv_cache_dtype="float32")  # FP32_CACHE
     jobs = [(p, a) for p in PROMPTS for a in ("", *ADAPTERS)]
     outcomes = generate(
         model,
@@ -204,7 +210,7 @@ def test_adapters_load_and_unload_while_generations_run(tmp_path, tiny_dir):
         first: merged(tiny_dir, first, tmp_path / "first-merged"),
         second: merged(tiny_dir, second, tmp_path / "second-merged"),
     }
-    server = tiny_server(tiny_dir, "--max-batch-size", "16", env={"BRAID_INJECT_FAULT": "delay:20"})
+    server = tiny_server(tiny_dir, "--max-batch-size", "16", *FP32_CACHE, env={"BRAID_INJECT_FAULT": "delay:20"})
     prompt = " ".join([PROMPTS[1]] * 3)  # 39 tokens: two full pages, cached for the next with the same adapter
 
     async def scenario():

@@ -14,7 +14,7 @@ from braid.server.engine.types import Constraint, FinishReason, Message
 from unit.engine_fakes import Harness
 
 PAGE_TOKENS = 16
-TOKEN_BYTES = 512  # the tiny model's keys and values a token (tests/inprocess/test_paging.py)
+TOKEN_BYTES = 256  # the tiny model's keys and values a token in its default cache (tests/inprocess/test_paging.py)
 
 
 def test_every_components_state_is_freed_when_its_session_ends(tiny_dir, in_process):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from braid.server.config import EngineConfig
-from braid.server.runner.kv_cache import KVCache, fit_pages, head_dim
+from braid.server.runner.kv_cache import Q8_0, KVCache, auto_dtype, fit_pages, head_dim
 from unit.test_resources import GiB, MiB, Host
 
 CPU = torch.device("cpu")
@@ -26,6 +26,15 @@ def test_head_dim_is_stated_or_implied():
 def test_bytes_per_token():
     assert KVCache.bytes_per_token(30, 3, 64, torch.float32) == PER_TOKEN
     assert KVCache.bytes_per_token(30, 3, 64, torch.bfloat16) == PER_TOKEN // 2
+
+
+def test_auto_is_q8_0_on_a_cpu_float16_where_heads_are_not_whole_blocks_and_the_compute_dtype_on_a_gpu():
+    """--kv-cache-dtype auto (docs/benchmarks.md: the smallest cache within the quality bound)."""
+    assert auto_dtype(CPU, torch.float32, 64) == Q8_0  # the embedded model, Llama 3.2 1B
+    assert auto_dtype(CPU, torch.bfloat16, 128) == Q8_0
+    assert auto_dtype(CPU, torch.float32, 16) == torch.float16  # the tests' tiny model
+    assert auto_dtype(CPU, torch.float32, 80) == torch.float16
+    assert auto_dtype(torch.device("cuda"), torch.bfloat16, 64) == torch.bfloat16
 
 
 def test_the_budget_is_cut_into_pages():

@@ -61,6 +61,20 @@ def test_model_info_reports_the_served_names_and_what_was_loaded(tiny):
     assert pb.model_name == "tiny" and list(pb.served_model_names) == ["tiny"]
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "flag", "reported"),
+    [(16, "auto", "float16"), (32, "auto", "q8_0"), (32, "float32", "float32"), (16, "bfloat16", "bfloat16")],
+)
+def test_model_info_reports_the_kv_cache_dtype_auto_chose_or_the_flag_named(head_dim, flag, reported):
+    """--kv-cache-dtype auto on a CPU: q8_0 where head_dim is whole q8_0 blocks, else float16; a
+    named dtype as named. The cache's bytes are that dtype's."""
+    model = loaded(tiny_model(vocab_size=512, max_position_embeddings=256, head_dim=head_dim))
+    runner, pb = info(EngineConfig(device="cpu", kv_cache_memory="1MiB", kv_cache_dtype=flag), model)
+    assert pb.kv_cache_dtype == runner.kv_dtype_name == reported
+    per_token = {"float16": 2, "bfloat16": 2, "float32": 4, "q8_0": 34 / 32}[reported] * head_dim
+    assert pb.kv_cache_bytes == runner.num_pages * 16 * 2 * 2 * 2 * per_token  # 2 layers, 2 KV heads, keys and values
+
+
 def test_a_folder_is_served_under_its_own_name_not_its_path(tmp_path, monkeypatch):
     from braid.server.model.loader import resolve
 

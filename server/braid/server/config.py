@@ -200,9 +200,10 @@ class CacheConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_opt(
-            "dtype of the KV cache: auto (the compute dtype), float32, bfloat16 or float16 (half the "
-            "memory, so twice the tokens, for a small loss of precision), or q8_0 (llama.cpp's -ctk/-ctv "
-            "q8_0: 8-bit values with a scale per 32, 0.53x bfloat16's bytes; head_dim a multiple of 32)",
+            "dtype of the KV cache: auto (on a CPU q8_0, float16 where head_dim is not a multiple of 32; "
+            "on a GPU the compute dtype), float32, bfloat16 or float16 (half float32's memory, so twice "
+            "the tokens, for a small loss of precision), or q8_0 (llama.cpp's -ctk/-ctv q8_0: 8-bit "
+            "values with a scale per 32, 0.53x bfloat16's bytes; head_dim a multiple of 32)",
             choices=list(KV_CACHE_DTYPES),
             group="serving",
         ),

@@ -119,8 +119,8 @@ class GrpcFrontEnd:
 def running(info: ModelInfo) -> str:
     """What runs, for the start-up line: the device and kernels, the weights as served, what they
     multiply (int8 rows, say, where the dtype alone would say float32), the KV cache and the mode.
-    `cpu, avx2 kernels, weights 210 q4_1 + 61 f32 + 1 q8_0 (97 MB), int8 rows, KV cache float32
-    720 MiB, continuous mode`."""
+    `cpu, avx2 kernels, weights 210 q4_1 + 61 f32 + 1 q8_0 (97 MB), int8 rows, KV cache q8_0
+    191 MiB, continuous mode` (the cache's dtype as --kv-cache-dtype auto chose it)."""
     formats = " + ".join(f"{n} {fmt}" for fmt, n in sorted(info.weight_formats.items(), key=lambda kv: -kv[1]))
     kernels = "torch's ops" if info.kernels == "torch" else f"{info.kernels} kernels"
     if info.runner != "braid":

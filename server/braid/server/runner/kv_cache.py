@@ -28,6 +28,17 @@ KV_DTYPES = {**DTYPES, "q8_0": Q8_0}  # --kv-cache-dtype's choices but auto, as 
 Q8_BLOCK, Q8_BLOCK_BYTES = 32, 34
 
 
+def auto_dtype(device: torch.device, dtype: torch.dtype, head_dim: int) -> torch.dtype:
+    """--kv-cache-dtype auto: on the CPU q8_0, the smallest cache whose quality cost stays within
+    the bound docs/benchmarks.md sets (the server's default, int8 rows and a q8_0 cache, diverges from
+    float32 rows with an fp32 cache no more than llama.cpp's Q4_1 file from its F32, as
+    tests/test_precision.py holds; the cache alone costs 0.0008 mean KLD, within 0.002); float16 where
+    head_dim is not whole q8_0 blocks. On a GPU the compute dtype."""
+    if device.type != "cpu":
+        return dtype
+    return torch.float16 if head_dim % Q8_BLOCK else Q8_0
+
+
 def kv_dtype_name(dtype: torch.dtype) -> str:
     """--kv-cache-dtype's name of a cache dtype (ModelInfo.kv_cache_dtype)."""
     return "q8_0" if dtype == Q8_0 else str(dtype).removeprefix("torch.")
@@ -150,9 +161,9 @@ def _element_size(dtype: torch.dtype) -> int:
 # --max-seq-len, so the cap still runs 32 sessions of about 500 tokens (or 4 of the full 4,096) with
 # none preempted, and past it the scheduler preempts, never fails. Without the cap, the embedded model's
 # 32 sessions of 4,096 tokens reserved 5,760 MiB of fp32 keys and values for 97 MB of weights; with
-# it, 720 MiB. llama.cpp's server shares one context (4,096 or the model's 8,192 tokens, f16) among
-# its slots; vLLM takes 90% of a GPU (on a CPU, VLLM_CPU_KVCACHE_SPACE). The keys and values stay fp32 by
-# default (--kv-cache-dtype auto), the tokens braid's tests and figures pin; float16 halves them.
+# it, 720 MiB of fp32 (191 MiB of q8_0, auto's dtype on the CPU). llama.cpp's server shares one
+# context (4,096 or the model's 8,192 tokens, f16) among its slots; vLLM takes 90% of a GPU (on a
+# CPU, VLLM_CPU_KVCACHE_SPACE).
 # The prefix cache keeps finished sessions' pages until they are needed, so whatever the budget, it
 # is in the end resident: it is capped at AUTO_FRACTION of the memory the process may still take
 # (what is left under its cgroup's limit, else the host's available memory), leaving the rest for

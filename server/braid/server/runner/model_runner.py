@@ -21,7 +21,7 @@ from braid.server.model.loader import LoadedModel
 from braid.server.runner.batch import ForwardBatch, Packed, pack
 from braid.server.runner.decoder import Decoder
 from braid.server.runner.families import attention_window, native_family
-from braid.server.runner.kv_cache import KV_DTYPES, KVCache, fit_pages, kv_dtype_name
+from braid.server.runner.kv_cache import KV_DTYPES, KVCache, auto_dtype, fit_pages, head_dim, kv_dtype_name
 from braid.server.runner.lora import Adapter, read_peft
 from braid.server.runner.lora_gguf import read_gguf_lora
 from braid.server.runner.masks import Masks
@@ -115,7 +115,7 @@ class ModelRunner:
         family, _ = native_family(model.hf_model)
         window = attention_window(family, model.hf_model.config) if family else None
         max_seq_len = min(config.max_seq_len, context, window or context)
-        kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, dtype)  # auto: the compute dtype
+        kv_dtype = KV_DTYPES.get(config.kv_cache_dtype) or auto_dtype(device, dtype, head_dim(model.hf_model.config))
         num_pages = fit_pages(config, model.hf_model.config, max_seq_len, device, kv_dtype)
         runner = cls(
             model,
