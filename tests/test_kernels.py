@@ -278,6 +278,25 @@ def test_int8_activations_in_every_quantized_format(isa, fmt):
             assert ((y.double() - expected).abs() <= 1e-5 * scale + 1e-4).all(), (shape, m)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_int8_sums_of_4_bit_quants_at_their_extremes_are_exact(isa, fmt):
+    """Builds without VNNI sum a block's products of 4-bit quants in 16 bits (int8.c, SUMS_16): with
+    every weight quant at 15 and every x quant at 127 (or -127) each 16-bit sum is 16 * 15 * 127 =
+    30,480, just under where it would saturate; the answer is still exact. One more group of 4 rows
+    a sum would overflow, and these outputs would be far off."""
+    k, n = 512, 40
+    block = torch.full((32,), -7 / 8) if fmt == "q4_0" else torch.ones(32)
+    block[0] = 1.0 if fmt == "q4_0" else 0.0  # the block's other end: its quant is 0, all the rest 15
+    values = block.repeat(n, k // 32) * torch.linspace(0.5, 2, n)[:, None]
+    raw = quants.quantize(values.numpy(), QUANTIZED[fmt])
+    reference = torch.from_numpy(np.asarray(quants.dequantize(raw, QUANTIZED[fmt])))
+    assert torch.allclose(reference, values, rtol=1e-2)  # the quants are at their ends
+    layer = CpuKernelOps(isa.isa, activations="int8").linear(unpack_gguf(fmt, raw), None)
+    for x in (torch.ones(3, k), -torch.ones(3, k), torch.ones(3, k) * torch.tensor([1.0, -1.0]).repeat(k // 2)):
+        exact = x.double() @ reference.double().t()
+        assert ((layer(x).double() - exact).abs() <= 1e-5 * exact.abs() + 1e-4).all(), fmt
+
+
 @pytest.mark.parametrize("fmt", [*QUANTIZED])
 def test_int8_activations_give_a_row_the_same_bits_alone_in_a_batch_and_in_every_build(isa, fmt):
     weight, _ = matrix(fmt, (512, 100), seed=1)

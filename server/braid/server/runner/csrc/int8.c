@@ -84,6 +84,18 @@ INLINE void group_quants(const int fmt, const uint8_t *quants, int g, long c0, v
     }
 }
 
+/* Whether a build without VNNI sums a block's products of 4-bit quants in 16 bits: vpmaddubsw makes
+ * 16-bit sums of pairs of products, each at most 2 * 15 * 127 = 3,810 (x's quants are within
+ * [-127, 127]), so a block's 8 groups of 4 rows add up to at most 30,480 and never saturate; one
+ * vpmaddwd then widens them, where vidot_u8 widened and added each group's (3 instructions a group, now
+ * 2). Integer sums are exact: the bits are the same. Q6_K's lifted quants (2 * 63 * 127) and Q8_0's
+ * (2 * 128 * 127) would overflow in 16 bits past one group. */
+#define SUMS_16(fmt) (!VNNI && TRAITS(fmt).stored == V_U4 && SCALE_ROWS(fmt) == QBLOCK)
+#if VNNI /* never called there (SUMS_16 is 0) */
+static inline vi vidot16_u8(vi acc16, vi w, vi x) { return (void)w, (void)x, acc16; }
+static inline vi viwiden16(vi acc16) { return acc16; }
+#endif
+
 /* What a scale group's integer sums s (the block, or a Q6_K half) add to the totals a, for columns
  * [c0, c0 + 2 VEC) of row m: (d_w d) (s - BIAS sum(q)) (+ or - m_w d sum(q)). */
 INLINE void int8_fold(const int fmt, const uint8_t *blk, int group, long c0, const vi s[2], float d, int32_t qsum,
@@ -117,15 +129,29 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
         for (int group = 0; group < TRAITS(fmt).groups; group++) { /* its 4-row groups [g0, g1) */
             for (int m = 0; m < MR; m++) s[m][0] = s[m][1] = vizero();
             const int g0 = group * SCALE_ROWS(fmt) / 4, g1 = g0 + SCALE_ROWS(fmt) / 4;
+            if (SUMS_16(fmt)) { /* a block's 4-bit products summed in 16 bits, widened once */
+#pragma GCC unroll 8
+                for (int g = g0; g < g1; g++) {
+                    vi w[2], u[2];
+                    group_quants(fmt, quants, g, c0, w, u);
+                    for (int m = 0; m < MR; m++) {
+                        const vi xb = vibcast4(xq + m * q->K + 4 * g);
+                        for (int j = 0; j < 2; j++) s[m][j] = vidot16_u8(s[m][j], u[j], xb);
+                    }
+                }
+                for (int m = 0; m < MR; m++)
+                    for (int j = 0; j < 2; j++) s[m][j] = viwiden16(s[m][j]);
+            } else {
 #pragma GCC unroll 8 /* unrolled, the sums stay in their registers; looped, gcc moved them each turn */
-            for (int g = g0; g < g1; g++) {
-                vi w[2], u[2];
-                group_quants(fmt, quants, g, c0, w, u);
-                for (int m = 0; m < MR; m++) {
-                    const vi xb = vibcast4(xq + m * q->K + 4 * g);
-                    for (int j = 0; j < 2; j++)
-                        s[m][j] = TRAITS(fmt).stored == V_I8 ? vidot_s8(s[m][j], u[j], w[j], xb)
-                                                             : vidot_u8(s[m][j], u[j], xb);
+                for (int g = g0; g < g1; g++) {
+                    vi w[2], u[2];
+                    group_quants(fmt, quants, g, c0, w, u);
+                    for (int m = 0; m < MR; m++) {
+                        const vi xb = vibcast4(xq + m * q->K + 4 * g);
+                        for (int j = 0; j < 2; j++)
+                            s[m][j] = TRAITS(fmt).stored == V_I8 ? vidot_s8(s[m][j], u[j], w[j], xb)
+                                                                 : vidot_u8(s[m][j], u[j], xb);
+                    }
                 }
             }
             for (int m = 0; m < MR; m++) {

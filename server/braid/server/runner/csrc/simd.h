@@ -98,6 +98,10 @@ static inline vi vidot_u8(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, 
 static inline vi vidot_u8(vi acc, vi w, vi x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 }
+/* vidot_u8 in two halves (int8.c's 4-bit quants): acc16 + the 16-bit sums of pairs of products, then
+ * acc + the pairs of a 16-bit sum added into each lane */
+static inline vi vidot16_u8(vi acc16, vi w, vi x) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, x)); }
+static inline vi viwiden16(vi acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
 #endif
 /* The same for signed bytes w: with VNNI w + 128 (the caller subtracts 128 sum(x), S8_BIAS),
  * else |w| times x with w's sign, as llama.cpp does (no 16-bit sum can saturate). */
@@ -195,6 +199,8 @@ static inline vi vidot_u8(vi acc, vi w, vi x) { return _mm256_dpbusd_avx_epi32(a
 static inline vi vidot_u8(vi acc, vi w, vi x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
+static inline vi vidot16_u8(vi acc16, vi w, vi x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x)); }
+static inline vi viwiden16(vi acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
 #endif
 #if VNNI
 #define S8_BIAS 128
