@@ -290,11 +290,16 @@ def test_a_forced_schema_leaves_refs_inside_data_and_tools_without_refs_as_they_
 def test_a_forced_call_cut_short_comes_back_as_its_calls_so_far_never_as_content():
     names = ("get_weather", "order")
     required = ChatChoice(chat(tools=[WEATHER, ORDER], tool_choice="required"))
-    required.feed('[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"order","arguments":{"items":[{"x"')
+    streamed = required.feed(
+        '[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"order","arguments":{"items":[{"x"'
+    )
+    # the whole call as its JSON closed; the one cut short at the end, as far as it got
+    assert [(c["index"], c["function"]) for c in streamed["tool_calls"]] == [
+        (0, {"name": "get_weather", "arguments": '{"city": "Oslo"}'})
+    ]
     last = required.end()
-    assert [c["function"] for c in last["tool_calls"]] == [
-        {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-        {"name": "order", "arguments": '{"items":[{"x"'},
+    assert [(c["index"], c["function"]) for c in last["tool_calls"]] == [
+        (1, {"name": "order", "arguments": '{"items":[{"x"'})
     ]
     assert not required.has_calls  # finish_reason length, not tool_calls
     message = required.message()
