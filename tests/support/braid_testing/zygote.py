@@ -220,6 +220,12 @@ def _preload() -> None:
     for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         with contextlib.suppress(ImportError, AttributeError):
             getattr(transformers, name)
+    # Its table of checkpoint conversions (a thousand WeightRenamings, each compiling a regex: 0.6 s of
+    # CPU, more than the rest of a tiny server's load) is built on a process's first load and kept.
+    with contextlib.suppress(ImportError):
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        get_checkpoint_conversion_mapping("llama")
 
 
 def _child(conn: socket.socket, request: dict, out: int, err: int) -> int:
