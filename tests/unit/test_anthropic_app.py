@@ -287,20 +287,34 @@ def test_auto_tool_calls_are_parsed_from_free_output_into_tool_use_blocks():
     ]
 
 
-def test_count_tokens_counts_the_rendered_prompt_tools_included():
+@pytest.mark.parametrize("takes_tools", [True, False])
+def test_count_tokens_counts_the_prompt_its_message_would_have_tools_and_thinking_included(takes_tools):
     engine = FakeEngine()
-    seen = []
-    tokenize = engine.tokenize
-    engine.tokenize = lambda ticket, prompt, messages, *rest: (
-        seen.append(messages) or tokenize(ticket, prompt, messages, *rest)
-    )
+    engine.info = dataclasses.replace(engine.info, chat_template_takes_tools=takes_tools)
     _, http = serve(engine)
     body = {"model": "fake", "messages": HI, "system": "Be brief.", "tools": [WEATHER], "max_tokns": 1}
-    response = http.post("/v1/messages/count_tokens", json=body)
+    thinking = {"thinking": {"type": "disabled"}}
+    response = http.post("/v1/messages/count_tokens", json={**body, **thinking})
     assert response.status_code == 200 and response.json() == {"input_tokens": 2}  # the fake's two tokens
     assert response.headers["braid-ignored-fields"] == "max_tokns"
-    (messages,) = seen
-    assert messages[0].role == "system" and "Be brief." in messages[0].content and "get_weather" in messages[0].content
+    message = messages_plan(
+        MessagesRequest.model_validate({**body, **thinking, "max_tokens": 16}), 16, 100, takes_tools
+    )
+    ((_, messages, tools, template_kwargs),) = engine.tokenized
+    assert (messages, tools, template_kwargs) == (
+        message.request.messages,
+        message.request.tools,
+        message.request.chat_template_kwargs,
+    )
+    assert json.loads(template_kwargs) == {"enable_thinking": False}
+    if takes_tools:  # the template renders them
+        assert messages[0].content == "Be brief." and json.loads(tools)[0]["function"]["name"] == "get_weather"
+    else:  # the template would drop them: in the system message, as the message's
+        assert tools == "" and "Be brief." in messages[0].content and "get_weather" in messages[0].content
+
+
+def test_count_tokens_refuses_a_bad_message():
+    _, http = serve()
     refused = http.post(
         "/v1/messages/count_tokens", json={"model": "fake", "messages": [{"role": "bot", "content": "x"}]}
     )

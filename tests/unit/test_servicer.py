@@ -72,6 +72,7 @@ class FakeEngine:
         self.tokens = [5, 6, 7]
         self.texts: list[str] | None = None  # each token's text, instead of " t"
         self.submitted: list = []  # the engine's requests, as submitted
+        self.tokenized: list = []  # tokenize's (prompt, messages, tools, template_kwargs), as called
         self.finish, self.error, self.error_field = FinishReason.MAX_TOKENS, None, None
         self.hold = False  # sessions wait (for Abort) instead of streaming
         self.handles: dict[int, SessionHandle] = {}
@@ -130,7 +131,8 @@ class FakeEngine:
     def _abort(self, session_id, reason) -> None:
         self._end(self.handles[session_id], reason)
 
-    def tokenize(self, ticket, prompt, messages, offsets=False):
+    def tokenize(self, ticket, prompt, messages, offsets=False, tools="", template_kwargs=""):
+        self.tokenized.append((prompt, messages, tools, template_kwargs))
         ticket.release()
         return [1, 2], ["a", "b"], [(0, 1), (1, 2)] if offsets else []
 

@@ -231,17 +231,25 @@ class Admission:
         )
 
     def tokenize(
-        self, ticket: Ticket, prompt: str | None, messages: Sequence[Message], offsets: bool = False
+        self,
+        ticket: Ticket,
+        prompt: str | None,
+        messages: Sequence[Message],
+        offsets: bool = False,
+        tools: str = "",
+        template_kwargs: str = "",
     ) -> tuple[list[int], list[str], list[tuple[int, int]]]:
         """A Tokenize call's work: ids, pieces, and with `offsets` each token's characters in the
-        prompt ([] without); gives the ticket back. Blocking: call it off the event loop."""
+        prompt ([] without); gives the ticket back. A chat is rendered with `tools` and
+        `template_kwargs` as a generation's (GenerationRequest.tools, .chat_template_kwargs): its
+        ids are those the generation's prompt would have. Blocking: call it off the event loop."""
         try:
             if offsets:
                 if messages:
                     raise InvalidArgument("return_offsets", "offsets are of a text: send text, not messages")
                 ids, spans = self.tokenizer.prompt_offsets(prompt or "")
             else:
-                ids, spans = self.tokenizer.encode(prompt, messages), []
+                ids, spans = self.tokenizer.encode(prompt, messages, tools, template_kwargs), []
             return ids, self.tokenizer.pieces(ids), spans
         finally:
             ticket.release()

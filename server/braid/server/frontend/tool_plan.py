@@ -84,11 +84,31 @@ def _planned(
         constraint = Constraint("json_schema", json.dumps(schema), "tools")
         if len(constraint.text.encode()) > checks.MAX_CONSTRAINT_BYTES:
             raise InvalidArgument("tools", f"the tools' schemas are over {checks.MAX_CONSTRAINT_BYTES} bytes")
-    messages, rendered = req.messages, json.dumps(definitions)
-    if not takes_tools and messages:  # the template would drop them without a word
-        messages, rendered = _with_system(messages, tools.tools_prompt(definitions)), ""
+    messages, rendered = for_template(req.messages, definitions, takes_tools)
     req = dataclasses.replace(req, messages=messages, constraint=constraint, tools=rendered)
     return req, ToolPlan(mode, function, names)
+
+
+def for_template(
+    messages: tuple[Message, ...], definitions: list[dict[str, Any]], takes_tools: bool
+) -> tuple[tuple[Message, ...], str]:
+    """The chat and its tools as the chat template gets them: the tools as JSON text, or, where
+    the template does not render them (takes_tools False), in the chat's system message, with
+    how to call them, and "". Used for a generation's prompt and for counting its tokens alike."""
+    if not definitions:
+        return messages, ""
+    if not takes_tools and messages:  # the template would drop them without a word
+        return _with_system(messages, tools.tools_prompt(definitions)), ""
+    return messages, json.dumps(definitions)
+
+
+def tokenized_tools(
+    messages: tuple[Message, ...], definitions: list[dict[str, Any]], takes_tools: bool = True
+) -> tuple[tuple[Message, ...], str]:
+    """A chat to be tokenized with these tools (a Tokenize call's): the tools checked as a
+    generation's are (naming braid's fields, tools[i].name), then as the template gets them."""
+    _names(definitions)
+    return for_template(messages, definitions, takes_tools)
 
 
 def _names(definitions: list[dict[str, Any]]) -> tuple[str, ...]:

@@ -134,14 +134,7 @@ def _given(req: protobuf.Message, name: str) -> float | None:
 def tools_from_pb(req: pb.GenerateRequest) -> tuple[list[dict[str, Any]], str | None, str | None, bool]:
     """The request's tools as OpenAI's definitions (what chat templates take), its tool_choice's
     mode or function, and whether a required call may be several."""
-    definitions = []
-    for i, tool in enumerate(req.tools):
-        function: dict[str, Any] = {"name": tool.name}
-        if tool.description:
-            function["description"] = tool.description
-        if tool.parameters:
-            function["parameters"] = _json(tool.parameters, f"tools[{i}].parameters")
-        definitions.append({"type": "function", "function": function})
+    definitions = definitions_from_pb(req.tools)
     choice = req.tool_choice
     which = choice.WhichOneof("choice") if req.HasField("tool_choice") else None
     if which == "mode" and choice.mode not in _TOOL_CHOICE_MODES:
@@ -155,6 +148,19 @@ def _json(text: str, field: str) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise InvalidArgument(field, f"is not JSON: {exc}") from None
+
+
+def definitions_from_pb(tools: Sequence[pb.Tool]) -> list[dict[str, Any]]:
+    """Tools as OpenAI's definitions, what chat templates take."""
+    definitions = []
+    for i, tool in enumerate(tools):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            function["parameters"] = _json(tool.parameters, f"tools[{i}].parameters")
+        definitions.append({"type": "function", "function": function})
+    return definitions
 
 
 def tool_calls_to_pb(calls: Sequence[ToolCall]) -> list[pb.ToolCall]:
@@ -184,10 +190,22 @@ def constraint_from_pb(req: pb.GenerateRequest) -> Constraint | None:
     return checks.constraint(kind, getattr(c, kind), f"constraint.{kind}")
 
 
-def tokenize_args_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, tuple[Message, ...]]:
+def tokenize_args_from_pb(
+    req: pb.TokenizeRequest, takes_tools: bool = True
+) -> tuple[str | None, tuple[Message, ...], bool, str, str]:
+    """The engine's tokenize arguments (after its ticket): text, messages, offsets, and a chat's
+    tools and template variables as a GenerateRequest's become them (takes_tools: whether the
+    model's chat template renders tools, ModelInfo's chat_template_takes_tools)."""
     messages = messages_from_pb(req.messages)
     checks.check_text(req.text, messages, "text")
-    return req.text or None, messages
+    enable_thinking = req.enable_thinking if req.HasField("enable_thinking") else None
+    if not messages and req.tools:
+        raise InvalidArgument("tools", "are rendered with a chat: send messages, not text")
+    if not messages and enable_thinking is not None:
+        raise InvalidArgument("enable_thinking", "is the chat template's: send messages, not text")
+    messages, tools = tool_plan.tokenized_tools(messages, definitions_from_pb(req.tools), takes_tools)
+    template_kwargs = checks.with_enable_thinking("", enable_thinking)
+    return req.text or None, messages, req.return_offsets, tools, template_kwargs
 
 
 def tokenize_to_pb(ids: list[int], pieces: list[str], offsets: list[tuple[int, int]]) -> pb.TokenizeResponse:

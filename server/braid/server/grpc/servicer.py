@@ -164,9 +164,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         return message
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
-        text, messages = convert.tokenize_args_from_pb(request)
+        args = convert.tokenize_args_from_pb(request, self._engine.info.chat_template_takes_tools)
+        text, messages, *_ = args  # and offsets, tools, template variables
         ticket = self._engine.admit(text, messages, for_session=False)
-        tokenized = await self._tokenizers.run(ticket, self._engine.tokenize, text, messages, request.return_offsets)
+        tokenized = await self._tokenizers.run(ticket, self._engine.tokenize, *args)
         self._trailers(context)
         return convert.tokenize_to_pb(*tokenized)
 

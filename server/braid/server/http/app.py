@@ -201,12 +201,12 @@ class OpenAIApi:
         return with_ignored(await asyncio.to_thread(JSONResponse, whole), record)
 
     async def count_tokens(self, request: Request, record: Record) -> Response:
-        """The tokens of a message's prompt, as the chat template renders it, tools included. The
-        engine's tokenize renders no `tools` (EngineClient.tokenize takes messages alone), so they
-        are counted as a template that does not take them gets them: in the system message
-        (tools_prompt). Exact for such a template; for one that renders tools itself, close."""
+        """The tokens of a message's prompt, as the chat template renders it, tools and thinking
+        included: planned as /v1/messages plans it, so the count is the input_tokens its message
+        would have."""
         body = await self._generations.body(request, CountTokensRequest, record)
-        plan = messages_plan(body, self._config.default_max_new_tokens, self._engine.info.vocab_size, False)
+        info = self._engine.info
+        plan = messages_plan(body, self._config.default_max_new_tokens, info.vocab_size, info.chat_template_takes_tools)
         return with_ignored(JSONResponse({"input_tokens": await self._generations.count(request, plan)}), record)
 
     def _route(self, path: str, handler: Handler, methods: list[str]) -> Route:

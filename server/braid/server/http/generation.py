@@ -107,10 +107,12 @@ class Generations:
         return with_ignored(await self._generate(request, plan, record, stream, output), record)
 
     async def count(self, request: Request, plan: Plan) -> int:
-        """The tokens of the plan's prompt, as its chat template renders it (a Tokenize call's work)."""
+        """The tokens of the plan's prompt, as its chat template renders it with the plan's tools
+        and template variables: those its generation's prompt would have (a Tokenize call's work)."""
         req = plan.request
         ticket = self._engine.admit(req.prompt, req.messages, for_session=False)
-        tokenized = self._lanes.run(ticket, self._engine.tokenize, req.prompt, req.messages)
+        args = (req.prompt, req.messages, False, req.tools, req.chat_template_kwargs)
+        tokenized = self._lanes.run(ticket, self._engine.tokenize, *args)
         return len((await unless_disconnected(request, tokenized))[0])  # (ids, pieces, ...)
 
     async def _unknown_fields(self, body: BaseModel, record: Record) -> None:
