@@ -240,6 +240,14 @@ def test_build_request_rejects_bad_input() -> None:
         build_tokenize_request()
 
 
+def test_build_tokenize_request_takes_a_chats_tools_and_thinking_switch() -> None:
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    request = build_tokenize_request(messages=[("user", "hi")], tools=[weather], enable_thinking=False)
+    assert [(t.name, json.loads(t.parameters)) for t in request.tools] == [("get_weather", {"type": "object"})]
+    assert request.HasField("enable_thinking") and not request.enable_thinking
+    assert not build_tokenize_request("hi").HasField("enable_thinking")  # unset: the template's default
+
+
 def test_build_embed_request_takes_a_text_texts_or_token_id_lists() -> None:
     assert list(build_embed_request("hi").texts) == ["hi"]
     request = build_embed_request([[1, 2], [3]], pooling="mean", normalize=False, dimensions=8)

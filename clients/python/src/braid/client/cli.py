@@ -185,7 +185,8 @@ def _parser() -> argparse.ArgumentParser:
     tools.add_argument(
         "--tools",
         metavar="FILE",
-        help="a JSON file of a list of tools: OpenAI's function definitions, or {name, description, parameters}",
+        help="a JSON file of a list of tools: OpenAI's function definitions, or {name, description, parameters}"
+        " (with --tokenize and --chat, rendered as a generation's)",
     )
     tools.add_argument(
         "--tool-choice", metavar="auto|none|required|NAME", help="whether the model must call a tool, or which one"
@@ -314,11 +315,16 @@ def _constraint(args: argparse.Namespace) -> pb.Constraint | None:
     return None
 
 
+def _tools(args: argparse.Namespace) -> list[dict[str, object]] | None:
+    """The --tools file's tools (OpenAI's definitions), or None."""
+    return json.loads(Path(args.tools).read_text()) if args.tools else None
+
+
 def _generate(client: Client, args: argparse.Namespace, prompt: str | None, messages: Chat | None) -> int:
     params = {name: getattr(args, name) for name in PARAMS}  # None: left to the server
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     params["constraint"] = _constraint(args)
-    params["tools"] = json.loads(Path(args.tools).read_text()) if args.tools else None
+    params["tools"] = _tools(args)
     if args.tool_choice is not None:
         modes = ("auto", "none", "required")
         params["tool_choice"] = args.tool_choice if args.tool_choice in modes else function_choice(args.tool_choice)
@@ -398,7 +404,15 @@ def _run(client: Client, args: argparse.Namespace, parser: argparse.ArgumentPars
         prompt, messages = _input(args, _read_prompt(args, parser))
         if not (args.tokenize or args.offsets):
             return _generate(client, args, prompt, messages)
-        _print_json(client.tokenize(prompt, messages=messages, return_offsets=args.offsets, timeout=args.timeout))
+        tokenized = client.tokenize(
+            prompt,
+            messages=messages,
+            return_offsets=args.offsets,
+            tools=_tools(args),
+            enable_thinking=args.enable_thinking,
+            timeout=args.timeout,
+        )
+        _print_json(tokenized)
     return 0
 
 

@@ -16,7 +16,14 @@ from typing_extensions import Unpack
 
 from braid.client.errors import from_rpc_error, raising_braid_errors
 from braid.client.generation import AsyncGeneration, Completion, Generation
-from braid.client.request import Chat, GenerateParams, build_embed_request, build_request, build_tokenize_request
+from braid.client.request import (
+    Chat,
+    GenerateParams,
+    ToolLike,
+    build_embed_request,
+    build_request,
+    build_tokenize_request,
+)
 from braid.client.routing import ROUTE_KEY_HEADER, route_key
 from braid.v1 import generate_pb2 as pb
 from braid.v1 import generate_pb2_grpc
@@ -303,11 +310,17 @@ class Client(_BaseClient[Generation]):
         *,
         messages: Chat | None = None,
         return_offsets: bool = False,
+        tools: Sequence[ToolLike] | None = None,
+        enable_thinking: bool | None = None,
         timeout: float | None = None,
     ) -> pb.TokenizeResponse:
         """Returns the tokens the model would see for a text or a chat; with return_offsets, each
-        token's characters [start, end) in the text too (offsets)."""
-        request = build_tokenize_request(text, messages=messages, return_offsets=return_offsets)
+        token's characters [start, end) in the text too (offsets). A chat's tools and
+        enable_thinking are rendered as generate's are: its token count is the prompt_tokens of a
+        generation with the same chat, tools and switch."""
+        request = build_tokenize_request(
+            text, messages=messages, return_offsets=return_offsets, tools=tools, enable_thinking=enable_thinking
+        )
         with raising_braid_errors():
             return self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
 
@@ -443,11 +456,17 @@ class AsyncClient(_BaseClient[AsyncGeneration]):
         *,
         messages: Chat | None = None,
         return_offsets: bool = False,
+        tools: Sequence[ToolLike] | None = None,
+        enable_thinking: bool | None = None,
         timeout: float | None = None,
     ) -> pb.TokenizeResponse:
         """Returns the tokens the model would see for a text or a chat; with return_offsets, each
-        token's characters [start, end) in the text too (offsets)."""
-        request = build_tokenize_request(text, messages=messages, return_offsets=return_offsets)
+        token's characters [start, end) in the text too (offsets). A chat's tools and
+        enable_thinking are rendered as generate's are: its token count is the prompt_tokens of a
+        generation with the same chat, tools and switch."""
+        request = build_tokenize_request(
+            text, messages=messages, return_offsets=return_offsets, tools=tools, enable_thinking=enable_thinking
+        )
         with raising_braid_errors():
             return await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
 

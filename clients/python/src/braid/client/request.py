@@ -206,12 +206,25 @@ def build_request(
 
 
 def build_tokenize_request(
-    text: str | None = None, *, messages: Chat | None = None, return_offsets: bool = False
+    text: str | None = None,
+    *,
+    messages: Chat | None = None,
+    return_offsets: bool = False,
+    tools: Sequence[ToolLike] | None = None,
+    enable_thinking: bool | None = None,
 ) -> pb.TokenizeRequest:
     """Builds a TokenizeRequest; exactly one of text and messages must be given (return_offsets:
-    with text only)."""
+    with text only; tools and enable_thinking: with messages, rendered as a generation's)."""
     _check_one_input("text", text, messages)
-    return pb.TokenizeRequest(text=text or "", messages=to_messages(messages or ()), return_offsets=return_offsets)
+    request = pb.TokenizeRequest(
+        text=text or "",
+        messages=to_messages(messages or ()),
+        return_offsets=return_offsets,
+        tools=[to_tool(t) for t in tools or ()],
+    )
+    if enable_thinking is not None:
+        request.enable_thinking = enable_thinking
+    return request
 
 
 _POOLINGS = {None: pb.POOLING_UNSPECIFIED, "last": pb.POOLING_LAST, "mean": pb.POOLING_MEAN}
