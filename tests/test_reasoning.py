@@ -129,6 +129,28 @@ def test_enable_thinking_false_gives_an_answer_without_reasoning(server, client)
     assert completion.reasoning == "" and completion.usage.reasoning_tokens == 0 and completion.text
 
 
+def test_tokenize_and_count_tokens_count_the_thinking_switch_and_tools_as_a_generation(server, client):
+    """This template renders no tools: a chat's tools are counted in its system message, as its
+    generation gets them; enable_thinking false writes an empty reasoning into the prompt."""
+    counts = {}
+    for switch in (None, True, False):
+        for tools in (None, [WEATHER]):
+            tokenized = client.tokenize(messages=HI, tools=tools, enable_thinking=switch)
+            generated = client.generate(messages=HI, tools=tools, enable_thinking=switch, max_new_tokens=1)
+            assert len(tokenized.token_ids) == generated.usage.prompt_tokens, (switch, tools)
+            counts[switch, bool(tools)] = len(tokenized.token_ids)
+    assert counts[None, False] == counts[True, False] < counts[False, False]  # the empty <think></think>
+    assert all(counts[switch, True] > counts[switch, False] + 20 for switch in (None, True, False))
+
+    function = WEATHER["function"]
+    tool = {"name": "get_weather", "description": function["description"], "input_schema": function["parameters"]}
+    with anthropic.Anthropic(base_url=server.http, api_key=KEY, max_retries=0) as sdk:
+        body = dict(model="tiny", messages=HI, tools=[tool], thinking={"type": "disabled"})
+        counted = sdk.messages.count_tokens(**body)
+        message = sdk.messages.create(max_tokens=1, **body)
+    assert counted.input_tokens == message.usage.input_tokens == counts[False, True]
+
+
 def test_a_schema_holds_for_the_answer_only(server, client):
     completion = client.generate(
         messages=HI,

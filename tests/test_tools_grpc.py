@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from braid.client import function_choice
+from braid.client import BadRequestError, function_choice
 from braid.v1 import generate_pb2 as pb
 from test_openai import KEY, WEATHER, server  # noqa: F401  (server: the module's fixture)
 
@@ -172,3 +172,28 @@ def test_a_required_list_streams_each_call_as_it_closes_over_openais_chat(server
     assert len(whole) >= 1
     for call in whole:
         valid(call)
+
+
+def test_tokenize_and_count_tokens_of_a_chat_with_tools_count_its_generations_prompt(server, grpc_client):  # noqa: F811
+    """Tokenize (gRPC) and Anthropic's count_tokens count a chat's tools as its generation renders
+    them: through this template's tools, not in a system message of their own."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "c"}'}}
+    turns = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    for chat_turns in (HI, turns):
+        tokenized = grpc_client.tokenize(messages=chat_turns, tools=[WEATHER, TIME])
+        generated = grpc_client.generate(messages=chat_turns, tools=[WEATHER, TIME], max_new_tokens=1)
+        assert len(tokenized.token_ids) == generated.usage.prompt_tokens
+        assert "<tools>" in "".join(tokenized.pieces)  # the template's own rendering
+    assert len(grpc_client.tokenize(messages=HI).token_ids) < generated.usage.prompt_tokens
+
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in (WEATHER, TIME)]
+    with anthropic.Anthropic(base_url=server.http, api_key=KEY, max_retries=0) as client:
+        counted = client.messages.count_tokens(model="tiny", messages=HI, tools=tools, system="Be brief.")
+        message = client.messages.create(model="tiny", max_tokens=1, messages=HI, tools=tools, system="Be brief.")
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+def test_tokenize_refuses_offsets_of_a_chat_with_tools(grpc_client):
+    with pytest.raises(BadRequestError) as err:
+        grpc_client.tokenize(messages=HI, tools=[WEATHER], return_offsets=True)
+    assert err.value.field == "return_offsets"
