@@ -276,7 +276,9 @@ class Client {
 
   /**
    * Resolves to a TokenizeResponse ({ tokenIds, pieces, offsets }) for { text } or { messages };
-   * with { text, returnOffsets: true }, offsets holds each token's { start, end } characters.
+   * with { text, returnOffsets: true }, offsets holds each token's { start, end } characters. A
+   * chat's tools ([{name, description, parameters}], as stream's) and enableThinking are rendered
+   * as a generation's: its tokenIds are that generation's prompt.
    */
   tokenize(request, { timeoutMs } = {}) {
     return this.unary('Tokenize', request, timeoutMs);
