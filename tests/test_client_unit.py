@@ -99,6 +99,7 @@ class FakeGenerate(generate_pb2_grpc.GenerateServicer):
 
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
+        self.tokenized: list[pb.TokenizeRequest] = []
         self.metadata: list[dict[str, str]] = []
         self.ended_while_active: list[bool] = []  # per endless stream, is_active() when it ended
         self.endless_ended = threading.Event()
@@ -156,6 +157,7 @@ class FakeGenerate(generate_pb2_grpc.GenerateServicer):
         return callback
 
     def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
+        self.tokenized.append(request)
         _check_api_key(context)
         if request.text == "invalid":
             violations = [{"field": "text", "description": "too long"}, {"field": "messages", "description": "x"}]
@@ -814,6 +816,18 @@ def test_cli_sends_tools_and_prints_the_calls_as_json_lines(
     assert sent.tools[0].name == "weather" and sent.tool_choice == function_choice("weather")
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line)["id"] for line in lines if line] == ["call_1", "call_2"]
+
+
+def test_cli_tokenizes_a_chat_with_its_tools_and_thinking_switch(
+    fake: FakeGenerate, target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": "weather", "parameters": {"type": "object"}}]))
+    argv = ["--target", target, "--tokenize", "--chat", "--tools", str(tools), "--enable-thinking", "false", "hi"]
+    assert cli.main(argv) == 0
+    sent = fake.tokenized[-1]
+    assert [t.name for t in sent.tools] == ["weather"] and sent.HasField("enable_thinking") and not sent.enable_thinking
+    assert json.loads(capsys.readouterr().out)["pieces"] == ["h", "i"]
 
 
 def test_cli_sends_penalties_bias_and_include_stop_sequence(fake: FakeGenerate, target: str) -> None:
