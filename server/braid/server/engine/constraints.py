@@ -69,7 +69,7 @@ class Constraints:
         reasoning = self.reasonings.of(s)
         if reasoning is not None and proposals[0] in reasoning.opening_tokens():
             return ()
-        return tuple(proposals[: matcher.validate_tokens(proposals)])
+        return tuple(proposals[: matcher.validate_tokens(list(proposals))])
 
     def failure(self, s: Session) -> tuple[str, str]:
         """Why the session's constraint refused a token, short enough for a gRPC status, and the

@@ -96,7 +96,7 @@ class ChatChoice:
             function = {"arguments": text} if self._sent else {"name": self._plan.function, "arguments": text}
             self._sent += len(text)
             return {**thought, "tool_calls": [{"index": 0, **head, "function": function}]}
-        delta = {**thought, "content": read.content} if read.content else thought
+        delta: dict[str, Any] = {**thought, "content": read.content} if read.content else thought
         if read.calls:  # a forced list's calls that closed
             delta = {**delta, "tool_calls": self._indexed(read.calls)}
         return delta or None
