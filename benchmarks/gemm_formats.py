@@ -3,6 +3,7 @@ per second, at 1 row (one decoding session), 16 rows (a decode batch) and 256 ro
 chunk), on SmolLM2's and Llama-3.2-1B's layer shapes. Where a step's time goes, by format.
 
     .venv/bin/python benchmarks/gemm_formats.py [--isa avx2] [--repeats 5] [--activations float32,int8,bf16]
+    .venv/bin/python benchmarks/gemm_formats.py --threads 1 --cpu-time --rows 16,32 --activations int8
 
 BRAID_KERNELS_ISA (or --isa) picks the instruction-set build; medians of --repeats runs. A quantized
 format is timed with each of --activations that has a path for it (float32 rows, or int8 rows and
@@ -38,22 +39,25 @@ def matrix(fmt: str, k: int, n: int):
     return unpack_gguf(fmt, quants.quantize(values.numpy(), GGMLQuantizationType[fmt.upper()]))
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.process_time (what a loaded machine's other jobs change less)
+
+
 def seconds_per_call(layer, x: torch.Tensor, repeats: int) -> float:
     layer(x)
     calls = max(3, int(0.2 / max(1e-5, _once(layer, x))))
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = CLOCK()
         for _ in range(calls):
             layer(x)
-        times.append((time.perf_counter() - start) / calls)
+        times.append((CLOCK() - start) / calls)
     return statistics.median(times)
 
 
 def _once(layer, x) -> float:
-    start = time.perf_counter()
+    start = CLOCK()
     layer(x)
-    return time.perf_counter() - start
+    return CLOCK() - start
 
 
 def main() -> None:
@@ -64,13 +68,25 @@ def main() -> None:
     parser.add_argument("--activations", default="float32,int8,bf16")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated labels of SHAPES")
     parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--threads", type=int, default=0, help="torch's and the kernels' threads (0: torch's default)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="the process's CPU time per call instead of the wall time (with --threads 1: a build against "
+        "another on a shared machine, run alternately in each tree)",
+    )
     args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.isa:
         os.environ[extension.ISA_VARIABLE] = args.isa
     rows = [int(r) for r in args.rows.split(",")]
     print(
         f"kernels: {pick.pick_ops(torch.device('cpu'), torch.float32).name}, {torch.get_num_threads()} "
-        f"threads; medians of {args.repeats}\n"
+        f"threads; medians of {args.repeats}{' (CPU time)' if args.cpu_time else ''}\n"
     )
     print("| shape | format | activations | MB | " + " | ".join(f"{m} rows: us, GB/s" for m in rows) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in rows) + " |")
