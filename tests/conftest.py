@@ -150,7 +150,9 @@ def tiny_dir(tmp_path_factory, smol_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def servers(tiny_dir):
-    """One tiny-model server per mode, started on first use and shared by the whole session."""
+    """One tiny-model server per mode, started on first use and shared by the whole session. An fp32
+    KV cache: test_logprobs compares their logprobs with transformers' to 1e-3, which the CPU's
+    default cache (float16 for the tiny model's head_dim 16) does not keep."""
     started: dict[str, Server] = {}
 
     def get(mode: str) -> Server:
@@ -167,6 +169,8 @@ def servers(tiny_dir):
                     "16",
                     "--max-wait-ms",
                     "5",
+                    "--kv-cache-dtype",
+                    "float32",
                 ]
             )
         return started[mode]
