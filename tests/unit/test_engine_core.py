@@ -239,3 +239,21 @@ def test_a_batched_session_arrives_on_the_harness_clock_however_long_the_machine
         time.sleep(0.05)  # the machine's load between the harness's start and the request
         [handle] = h.submit("1 2 3", max_new_tokens=2, ignore_eos=True)
         assert h.step()  # the batch starts at once (max_wait_ms 0)
+
+
+def test_a_resumed_stream_gets_only_the_text_it_lacks_when_a_stop_string_ends_it():
+    """A stop string in the last token: the text before it in that token comes in the final
+    message, with the token. A client that has the token has that text, so a resume from it sends
+    none again (it sent " 2" a second time); a client that lacks it gets it, once."""
+    whole = Harness()
+    handle = whole.submit("20", max_new_tokens=10, stop=("3",))[0]
+    whole.run()
+    assert whole.text(handle) == " 21 22 2" and whole.tokens(handle) == [21, 22, 23]
+    for delivered, rest in (((21, 22, 23), ""), ((21, 22), " 2"), ((21,), " 22 2")):
+        h = Harness()
+        handle = h.submit("20", max_new_tokens=10, stop=("3",), resume=delivered)[0]
+        h.run()
+        assert h.finished(handle).reason is FinishReason.STOP_SEQUENCE
+        assert h.text(handle) == rest, delivered
+        h.close()
+    whole.close()

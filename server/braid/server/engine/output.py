@@ -74,11 +74,13 @@ class Output:
         for token in resumed:
             s.token_ids.append(token)
             reason = self._stop_reason(s, token)
+            # released by the broken stream; where the token ended it, the rest of the text too (the
+            # final message, which carried the token, carried that text: a stop string's tail)
+            released = s.detokenizer.take(final=reason is not None)
+            if reasoning is not None:
+                reasoning.text.feed(released, final=reason is not None)
             if reason is not None:
                 return reason
-            released = s.detokenizer.take()  # released by the broken stream
-            if reasoning is not None:
-                reasoning.text.feed(released)
         return None
 
     def _stop_reason(self, s: Session, token: int) -> FinishReason | None:
