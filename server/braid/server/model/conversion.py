@@ -95,17 +95,16 @@ def converted(gguf: Path, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _LOGGER.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
-    remove_stale(target)
+    remove_stale(target, source["path"])
     return target
 
 
-def remove_stale(target: Path) -> None:
-    """Removes the folders converted before `target` from a file that is gone, or from the file at
-    target's source path before it changed: nothing would load them again (the key names the
-    file's path, size and time). Without this every reinstall of a model's package (a new venv,
-    a fresh clone) left another whole conversion behind: 660 MB for the embedded model, about
-    4 bytes a parameter for a big one. Only folders that record their source are judged."""
-    mine = json.loads((target / SOURCE_FILE).read_text())["path"]
+def remove_stale(target: Path, mine: str) -> None:
+    """Removes the folders converted before `target` (from the file at path `mine`) from a file
+    that is gone, or from `mine` before it changed: nothing would load them again (the key names
+    the file's path, size and time). Without this every reinstall of a model's package (a new
+    venv, a fresh clone) left another whole conversion behind: 660 MB for the embedded model,
+    about 4 bytes a parameter for a big one. Only folders that record their source are judged."""
     for folder in target.parent.iterdir():
         if folder == target or not (folder / SOURCE_FILE).is_file():
             continue
