@@ -106,9 +106,10 @@ def servers(request, long_dir, tmp_path_factory):
         if (mode, kernels) == SLOW_COMPILES:
             server = Server(
                 ["--model", str(long_dir), "--threads", "1", "--max-queued", "512", "--max-batch-size", "16"],
-                env={"BRAID_INJECT_FAULT": "compile:8000"},
+                env={"BRAID_INJECT_FAULT": f"compile:{logs / 'compiles-may-end'}"},
                 log_path=log_path,
             )
+            server.compiles_may_end = logs / "compiles-may-end"
         else:
             server = Server(
                 ["--model", str(long_dir), "--mode", mode, "--kernels", kernels, *SERVER_ARGS], log_path=log_path
@@ -637,7 +638,8 @@ async def unread_stream(target: str, options, max_new_tokens: int, while_unread)
 def test_a_client_that_stops_reading_is_paused_then_resumed(servers, mode):
     server = servers(mode)
     before = status(server)
-    max_new_tokens = 1500
+    # twice what it generates before it pauses with SMALL_WINDOW (about 310 tokens in every mode)
+    max_new_tokens = 600
 
     def while_unread():
         paused = status_when(server, lambda s: s.sessions_paused == 1)
@@ -786,16 +788,18 @@ def test_resume_token_ids_the_constraint_forbids_are_invalid_argument(servers):
 
 @pytest.fixture(scope="module")
 def slow_compiles(servers):
-    """A server whose constraints each take 8 s longer to compile, and that queues many calls:
-    started in the background with the module's others (`servers`), and stopped with them."""
+    """A server whose constraint compiles are held until the file `compiles_may_end` exists, and that
+    queues many calls: started in the background with the module's others (`servers`), and stopped
+    with them."""
     return servers(*SLOW_COMPILES)
 
 
 def test_compiles_do_not_hold_up_unconstrained_calls(slow_compiles):
     # Sessions were made on the tokenizer threads, which waited on the compile: while 24 big regexes
-    # compiled, a 2-token call waited up to 4.7 s. Here four calls' compiles take 8 s each, two at a
-    # time; once two are compiling, the small call is made, tokenized and answered while none of
-    # the four has become a session yet.
+    # compiled, a 2-token call waited up to 4.7 s. Here four calls' compiles are held (two at a
+    # time) until the small call has been made, tokenized and answered while none of the four has
+    # become a session yet; then they end. (They were held 8 s each, 16 s of waiting, and a small
+    # call slower than that on a loaded machine would have passed unseen.)
     server = slow_compiles
     before = status(server)
     regexes = [f"(yes|no){i}" for i in range(4)]
@@ -804,10 +808,13 @@ def test_compiles_do_not_hold_up_unconstrained_calls(slow_compiles):
             pool.submit(client.generate, "Answer:", max_new_tokens=4, constraint=pb.Constraint(regex=r), timeout=120)
             for r in regexes
         ]
-        wait_for(lambda: server.log_path.read_text().count("a compile held") == 2, timeout=60)
-        small = client.generate("hi", max_new_tokens=2, ignore_eos=True, timeout=120)
-        assert small.usage.generated_tokens == 2
-        assert status(server).sessions_submitted == before.sessions_submitted + 1, "the small call waited"
+        try:
+            wait_for(lambda: server.log_path.read_text().count("a compile held") == 2, timeout=60)
+            small = client.generate("hi", max_new_tokens=2, ignore_eos=True, timeout=60)
+            assert small.usage.generated_tokens == 2
+            assert status(server).sessions_submitted == before.sessions_submitted + 1, "the small call waited"
+        finally:
+            server.compiles_may_end.touch()
         assert all(f.result().usage.generated_tokens >= 1 for f in pending)
     assert delta(before, assert_books_balance(server))["submitted"] == 5
 

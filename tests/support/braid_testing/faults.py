@@ -9,7 +9,8 @@ sessions must fail); `thread:<id>` kills the model thread itself (the server mus
 exit non-zero); `delay:<ms>` makes every forward pass take <ms> longer, a slow model, so a test's
 stream outlasts its deadline or grace period however fast the machine; `tokenize:<ms>` makes every
 request's tokenization take <ms> longer, so a call can end while its prompt is being tokenized;
-`compile:<ms>` makes every request's constraint take <ms> longer to compile (a slow compile).
+`compile:<path>` holds every request's constraint compile until the file <path> exists (a slow
+compile that the test ends when it has seen what it needs, not after a fixed delay it must outwait).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,6 +39,7 @@ class Faults:
     where: str | None = None
     token_id: int = -1
     delay_s: float = 0.0
+    release: str = ""  # compile's file
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -45,14 +48,16 @@ class Faults:
             return cls()
         where, _, value = spec.partition(":")
         try:
-            if where in ("delay", "tokenize", "compile"):
+            if where in ("delay", "tokenize"):
                 return cls(where, delay_s=float(value) / 1000)
             if where in ("pass", "thread"):
                 return cls(where, int(value))
+            if where == "compile" and value:
+                return cls(where, release=value)
         except ValueError:
             pass
         raise ValueError(
-            f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms>, tokenize:<ms> or compile:<ms>"
+            f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms>, tokenize:<ms> or compile:<path>"
         )
 
     def runner(self, runner):
@@ -62,7 +67,7 @@ class Faults:
         return _SlowTokenizer(tokenizer, self.delay_s) if self.where == "tokenize" else tokenizer
 
     def grammars(self, grammars):
-        return _SlowGrammars(grammars, self.delay_s) if self.where == "compile" else grammars
+        return _HeldGrammars(grammars, Path(self.release)) if self.where == "compile" else grammars
 
 
 class _Wrapped:
@@ -102,12 +107,13 @@ class _SlowTokenizer(_Wrapped):
         return self._inner.encode(prompt, messages, tools, template_kwargs)
 
 
-class _SlowGrammars(_Wrapped):
-    def __init__(self, grammars, delay_s: float) -> None:
+class _HeldGrammars(_Wrapped):
+    def __init__(self, grammars, release: Path) -> None:
         super().__init__(grammars)
-        self._delay_s = delay_s
+        self._release = release
 
     def matcher(self, constraint):
-        _LOGGER.info("%s: a compile held for %g s", ENV, self._delay_s)  # a test can see it started
-        time.sleep(self._delay_s)
+        _LOGGER.info("%s: a compile held until %s exists", ENV, self._release)  # a test can see it started
+        while not self._release.exists():
+            time.sleep(0.01)
         return self._inner.matcher(constraint)
