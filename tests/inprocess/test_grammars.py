@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 
+import llguidance
+import llguidance.hf
 import pytest
 from transformers import AutoTokenizer
 
+from braid.server.config import EngineConfig
+from braid.server.engine import grammars as grammars_module
+from braid.server.engine.engine import Engine
 from braid.server.engine.grammars import Grammars
 from braid.server.engine.types import Constraint, InvalidArgument
+from unit.engine_fakes import INFO, NumberTokenizer, ScriptedRunner
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +40,6 @@ def test_a_constraint_compiles_once_and_each_session_gets_its_own_matcher(tokeni
 
 def test_a_compile_past_its_time_limit_is_invalid_argument_naming_the_field(tokenizer):
     grammars = Grammars(tokenizer, [2], 49152, compile_timeout_s=1e-6)
-    grammars.tokenizer()  # built at start-up, not part of a request's compile
     schema = Constraint(
         "json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', "constraint.json_schema"
     )
@@ -88,3 +94,55 @@ def test_the_cache_is_bounded_by_the_memory_its_templates_hold(tokenizer):
     assert grammars.cached_bytes >= kept * 5 * 2**20
     grammars.matcher(Constraint("regex", regexes[-1], "constraint.regex"))  # the newest is still cached
     assert grammars.num_compiled == len(regexes)
+
+
+def test_an_engine_starts_without_building_the_constraint_tokenizer(tokenizer):
+    # Every start built it in a thread of its own: 0.8 s of CPU on a slow core, for servers that may
+    # never be sent a constraint. The first constrained call builds it now.
+    grammars = Grammars(tokenizer, [2], 49152)
+    built = threading.Event()
+    grammars.tokenizer = built.set  # type: ignore[method-assign]
+    Engine(EngineConfig(max_wait_ms=0), ScriptedRunner(), NumberTokenizer(), INFO, grammars)
+    assert not built.wait(0.5)
+
+
+def test_the_first_constrained_call_builds_the_tokenizer_outside_the_compile_time_limit(tokenizer, monkeypatch):
+    # Built on the compile's pool thread, its 0.4 s would count against --constraint-compile-timeout:
+    # it is built on the calling thread, before the compile is timed.
+    threads = []
+    build = grammars_module._llguidance_tokenizer
+
+    def spy(*args):
+        threads.append(threading.current_thread())
+        return build(*args)
+
+    monkeypatch.setattr(grammars_module, "_llguidance_tokenizer", spy)
+    grammars = Grammars(tokenizer, [2], 49152, compile_timeout_s=None)
+    grammars.matcher(Constraint("regex", "(yes|no)", "constraint.regex"))
+    grammars.matcher(Constraint("regex", "(a|b)", "constraint.regex"))
+    assert threads == [threading.current_thread()]
+
+
+def test_the_constraint_tokenizer_is_llguidances_own(tokenizer):
+    # built from the Rust tokenizer's JSON without llguidance.hf's copy of it: the same vocabulary,
+    # token bytes, special tokens and tokenization
+    ours = grammars_module._llguidance_tokenizer(tokenizer, 49152, [2])
+    theirs = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152, eos_token=[2])
+    assert (ours.vocab_size, ours.eos_tokens, ours.is_canonical) == (
+        theirs.vocab_size,
+        theirs.eos_tokens,
+        theirs.is_canonical,
+    )
+    for token in range(ours.vocab_size):
+        assert ours.decode_bytes([token]) == theirs.decode_bytes([token]), token
+        assert ours.is_special_token(token) == theirs.is_special_token(token), token
+    text = 'Le {"café": [1, 2.5e-3]} <|im_start|>user\n  naïve\t😀'
+    assert ours.tokenize_str(text, parse_special=True) == theirs.tokenize_str(text, parse_special=True)
+
+
+def test_a_tokenizer_with_truncation_set_is_copied_as_llguidance_does(tokenizer):
+    truncated = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    truncated.backend_tokenizer.enable_truncation(8)
+    built = grammars_module._llguidance_tokenizer(truncated, 49152, [2])
+    assert len(built.tokenize_str("one two three four five six seven eight nine ten eleven")) > 8
+    assert truncated.backend_tokenizer.truncation is not None  # the model's own tokenizer untouched

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 
 from braid.server.config import EngineConfig
@@ -45,8 +44,6 @@ class Engine:
         self._inbox: queue.SimpleQueue[ToLoop] = queue.SimpleQueue()
         self.client = EngineClient(config, runner, tokenizer, info, grammars, self._inbox.put, draft)
         self.core = self.client.core
-        # the constraint compiler's view of the vocabulary takes ~0.5 s: built now, not on a request
-        threading.Thread(target=grammars.tokenizer, name="braid-grammar-init", daemon=True).start()
 
     @property
     def observer(self) -> EngineObserver:
