@@ -108,3 +108,25 @@ def test_chat_template_kwargs_reach_the_template_but_not_its_own_arguments(smol_
         with pytest.raises(InvalidArgument) as caught:
             tok.encode(None, chat, template_kwargs=json.dumps({own: "x"}))
         assert caught.value.field == f"chat_template_kwargs.{own}"
+
+
+def test_the_longest_token_is_read_on_the_first_prompt_that_needs_it_not_at_start(hf, monkeypatch):
+    # Every start decoded all 49,152 tokens (0.1 s of CPU); only a prompt of at least twice the
+    # context's length in bytes can be refused by its size, and the first such prompt reads it.
+    from unit.engine_fakes import Harness
+
+    calls = []
+    longest = tokenizer_module._longest_token_bytes
+    monkeypatch.setattr(tokenizer_module, "_longest_token_bytes", lambda hf: calls.append(hf) or longest(hf))
+    tok = Tokenizer(hf, [2])
+    harness = Harness(tokenizer=tok)  # a context of 512 tokens
+    try:
+        assert calls == []
+        harness.admission.admit("x" * 1023, ())
+        assert calls == []
+        with pytest.raises(InvalidArgument) as err:
+            harness.admission.admit("x" * 2 * 512 * tok.max_token_bytes, ())
+        assert calls == [hf] and "is at least 512 tokens" in err.value.description
+        assert tok.max_token_bytes == longest(hf) and len(calls) == 1
+    finally:
+        harness.close()

@@ -87,7 +87,9 @@ class Admission:
         size = text_bytes(prompt, messages) + len(token_ids) * TOKEN_BYTES
         if token_ids and for_session and not truncated:
             self.prompts.check_length("prompt_token_ids", len(token_ids))
-        elif for_session and not truncated:
+        elif for_session and not truncated and size >= 2 * self.max_seq_len:
+            # (the bound is at most half the bytes: a shorter text never reaches the context, and the
+            # tokenizer's longest token, read on first need, is not needed)
             at_least = self.tokenizer.min_tokens(size)
             if at_least >= self.max_seq_len:
                 raise InvalidArgument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -46,7 +47,6 @@ class Tokenizer:
         self.template_takes_tools = not self.has_chat_template or _renders_tools(hf_tokenizer)
         if not self.template_takes_tools:
             _LOGGER.info("the chat template does not render tools: requests' tools go into their system message")
-        self.max_token_bytes = _longest_token_bytes(hf_tokenizer)
         # a reasoning model's <think> and </think> (or its kin), from its template or vocabulary
         self.reasoning_markers: Markers | None = find_markers(
             getattr(hf_tokenizer, "chat_template", None),
@@ -74,6 +74,13 @@ class Tokenizer:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self._own().encode(text, add_special_tokens=add_special_tokens))
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token covers: read on the first prompt long enough to
+        need it (decoding every token took 0.1 s of each start's CPU on a slow core, for the 49,152
+        tokens of the embedded model's vocabulary)."""
+        return _longest_token_bytes(self._original)
 
     def min_tokens(self, text_bytes: int) -> int:
         """A lower bound on the token count of a text of this many UTF-8 bytes, so a prompt far past
