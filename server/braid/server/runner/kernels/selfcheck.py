@@ -8,7 +8,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from braid.server.model.weights import Blocks, quantize_q8_0
+from braid.server.model.weights import Blocks
 from braid.server.runner.kernels.extension import INT8, QBLOCK, _cpu_kernels, has_bf16_rows
 from braid.server.runner.kernels.ops import CpuKernelOps
 from braid.server.runner.kernels.packing import PackedLinear, dense
@@ -41,7 +41,7 @@ def _self_check() -> bool:
     values = torch.randn(70, 96, generator=generator)  # [out, in]: a partial panel, three blocks
     x = torch.randn(5, 96, generator=generator)
     ops = CpuKernelOps(_cpu_kernels.isa())
-    for weight in (values, values.bfloat16(), quantize_q8_0(values)):
+    for weight in (values, values.bfloat16(), _q8_0(values)):
         reference = dense(weight, torch.float32, torch.device("cpu"))
         layer = PackedLinear(weight, None)
         if not (
@@ -141,6 +141,17 @@ def _tiled_attention_checks(generator: torch.Generator) -> bool:
     q = qkv[19, : heads * d].view(kv_heads, heads // kv_heads, d)
     expected = F.scaled_dot_product_attention(q, keys, values, scale=d**-0.5)  # [KVH, G, D], all 30 positions
     return torch.allclose(out[19], expected.reshape(-1), rtol=1e-4, atol=1e-5)
+
+
+def _q8_0(values: torch.Tensor) -> Blocks:
+    """values [out, in] in Q8_0 blocks, quantized in torch: a scale per block of 32, its largest
+    value at 127. (model/weights.quantize_q8_0 is llama.cpp's bit-exact rounding, through gguf-py,
+    whose import was half the check's cost at every start; the check needs only some Q8_0 matrix
+    and its own dequantization.)"""
+    blocks = values.reshape(values.shape[0], -1, QBLOCK)  # [out, in / 32, 32]
+    d = (blocks.abs().amax(-1) / 127).half()
+    q = (blocks / d.float().clamp(min=2**-24).unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return Blocks("q8_0", d, None, q)
 
 
 def _random_blocks(out: int, k: int, generator: torch.Generator) -> list[Blocks]:
