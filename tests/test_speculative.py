@@ -14,7 +14,7 @@ from braid.server.model.loader import default_cache_dir
 from braid.v1 import generate_pb2 as pb
 from braid_testing.process import run_braid
 from braid_testing.models import WITH_TEMPLATE, save_model, tiny_model
-from conftest import MODES, Server, free_port, start_together, tiny_server, wait_for
+from conftest import MODES, Server, free_port, tiny_server, wait_for
 from in_process import Model, Outcome, generate, load_model
 
 PASSAGE = (
@@ -38,19 +38,24 @@ _NGRAM = dict(speculative="ngram", speculative_tokens=6, ngram_min=1)
 
 
 @pytest.fixture(scope="module")
-def smol_pair(smol_dir, tmp_path_factory):
-    """The embedded model without and with speculation, continuous mode, on a fixed thread count (no
-    thread governor switching mid-run). The one with speculation serves /metrics and logs to a file."""
-    common = ["--mode", "continuous", *SMOL]
+def speculating(smol_dir, tmp_path_factory):
+    """The embedded model with speculation, continuous mode, on a fixed thread count (no thread
+    governor switching mid-run); it serves /metrics and logs to a file. What it gives without
+    speculation, its requests with disable_speculation give (no proposal made for them, asserted
+    where they are compared): a second server, of the same flags but --speculative, was started for
+    that, and loaded the model again."""
     metrics_port, log = free_port(), tmp_path_factory.mktemp("speculating") / "server.log"
-    plain, fast = start_together(
-        lambda: Server(common),
-        lambda: Server([*common, *SPECULATIVE, "--metrics-port", str(metrics_port)], log_path=log),
-    )
-    fast.metrics_url, fast.log_path = f"http://127.0.0.1:{metrics_port}/metrics", log
-    yield plain, fast
-    plain.stop()
-    fast.stop()
+    server = Server(["--mode", "continuous", *SMOL, *SPECULATIVE, "--metrics-port", str(metrics_port)], log_path=log)
+    server.metrics_url, server.log_path = f"http://127.0.0.1:{metrics_port}/metrics", log
+    yield server
+    server.stop()
+
+
+def _without_speculation(target: str, requests: list[dict]) -> list:
+    """_run's answers to requests with disable_speculation, each asserted to have had no proposal."""
+    answers = asyncio.run(_run(target, [dict(r, disable_speculation=True) for r in requests]))
+    assert all(final.usage.proposed_tokens == 0 for _, _, final, _ in answers)
+    return answers
 
 
 async def _run(target: str, requests: list[dict]) -> list[tuple[list[int], str, pb.GenerateResponse, list]]:
@@ -77,20 +82,10 @@ def _greedy_requests() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def expected_greedy():
-    """expected_greedy(server): _greedy_requests() with top_logprobs=2 on a server without speculation,
-    run once per server and kept for the module (the tests of every mode, ngram and draft, compare
-    with the same plain run)."""
-    done: dict[str, list] = {}
-
-    def get(server: Server) -> list:
-        if server.target not in done:
-            done[server.target] = asyncio.run(
-                _run(server.target, [dict(r, top_logprobs=2) for r in _greedy_requests()])
-            )
-        return done[server.target]
-
-    return get
+def expected_greedy(speculating) -> list:
+    """_greedy_requests() with top_logprobs=2 on the server without speculation (disable_speculation),
+    run once and kept for the module (the tests of every mode, ngram and draft, compare with it)."""
+    return _without_speculation(speculating.target, [dict(r, top_logprobs=2) for r in _greedy_requests()])
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +135,12 @@ def test_tiny_greedy_tokens_are_the_same_with_speculation_in_every_mode(tiny_loa
     assert all(e.final.proposed_tokens == 0 for e in expected)
 
 
-def test_embedded_model_greedy_tokens_are_the_same_with_speculation(smol_pair, expected_greedy):
-    """Two servers, the embedded model without and with --speculative ngram, continuous mode: the
-    same tokens, and the answer that repeats the passage keeps proposals. (The other modes: below.)"""
-    plain, fast = smol_pair
+def test_embedded_model_greedy_tokens_are_the_same_with_speculation(speculating, expected_greedy):
+    """The embedded model with --speculative ngram, continuous mode: the tokens its requests get
+    without speculation, and the answer that repeats the passage keeps proposals. (The other modes: below.)"""
+    fast = speculating
     got = asyncio.run(_run(fast.target, [dict(r, top_logprobs=2) for r in _greedy_requests()]))
-    for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected_greedy(plain)):
+    for (ids, *_), (e_ids, _, _, e_logprobs) in zip(got, expected_greedy):
         _same_but_for_a_near_tie(ids, e_ids, _tops(e_logprobs), _kernels(fast))
     copy = got[len(RAW)][2].usage  # the answer that repeats the passage
     assert copy.accepted_tokens > copy.generated_tokens / 5, copy  # (18 of 56 in one run: 1.5 tokens per pass)
@@ -158,12 +153,11 @@ def smol_loaded() -> Model:
 
 
 @pytest.mark.parametrize("mode", ["sequential", "interleaved", "batched"])
-def test_embedded_model_greedy_tokens_are_the_same_with_speculation_in_every_mode(
-    smol_pair, smol_loaded, expected_greedy, mode
-):
+def test_embedded_model_greedy_tokens_are_the_same_with_speculation_in_every_mode(smol_loaded, expected_greedy, mode):
     """In process, the engine in each other mode over the embedded model's runner, with --speculative
-    ngram (--speculative-tokens 6): the plain server's tokens, and proposals kept on the passage."""
-    expected = expected_greedy(smol_pair[0])
+    ngram (--speculative-tokens 6): the server's tokens without speculation, and proposals kept on
+    the passage."""
+    expected = expected_greedy
     got = generate(smol_loaded, _tops_requested(), mode=mode, speculative="ngram", speculative_tokens=6)
     for g, (e_ids, _, _, e_logprobs) in zip(got, expected):
         _same_but_for_a_near_tie(g.token_ids, e_ids, _tops(e_logprobs), smol_loaded.runner.kernels)
@@ -218,8 +212,8 @@ def _samples_by_request(outcomes: list[Outcome], n: int = 2) -> list[list[list[i
     return [sorted(o.token_ids for o in outcomes[i : i + n]) for i in range(0, len(outcomes), n)]
 
 
-def test_constraints_stop_strings_and_logprobs_with_speculation(smol_pair):
-    plain, fast = smol_pair
+def test_constraints_stop_strings_and_logprobs_with_speculation(speculating):
+    fast = speculating
     requests = [
         dict(messages=COPY, max_new_tokens=80, stop=["forty miles"]),
         dict(messages=COPY, max_new_tokens=80, stop=["forty miles"], include_stop_sequence=True),
@@ -236,7 +230,7 @@ def test_constraints_stop_strings_and_logprobs_with_speculation(smol_pair):
         dict(messages=COPY, max_new_tokens=40, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={1: -2.0}),
         dict(messages=COPY, max_new_tokens=40, disable_speculation=True),
     ]
-    expected = asyncio.run(_run(plain.target, requests))
+    expected = _without_speculation(fast.target, requests)
     got = asyncio.run(_run(fast.target, requests))
     for request, (ids, text, final, logprobs), (e_ids, e_text, e_final, e_logprobs) in zip(requests, got, expected):
         assert (ids, text) == (e_ids, e_text), request
@@ -250,8 +244,8 @@ def test_constraints_stop_strings_and_logprobs_with_speculation(smol_pair):
     assert got[-1][2].usage.proposed_tokens == 0  # opted out
 
 
-def test_cancelled_mid_generation_leaves_the_books_balanced_and_no_page_held(smol_pair):
-    _, fast = smol_pair
+def test_cancelled_mid_generation_leaves_the_books_balanced_and_no_page_held(speculating):
+    fast = speculating
 
     async def cancel_some() -> None:
         async with AsyncClient(fast.target) as client:
@@ -281,12 +275,11 @@ def test_cancelled_mid_generation_leaves_the_books_balanced_and_no_page_held(smo
     )
 
 
-def test_model_info_says_what_is_configured(smol_pair, tiny_dir):
-    plain, fast = smol_pair
-    with fast.client() as client:
+def test_model_info_says_what_is_configured(speculating, servers, tiny_dir):
+    with speculating.client() as client:
         info = client.model_info()
     assert (info.speculative, info.speculative_tokens, info.draft_model) == ("ngram", 6, "")
-    with plain.client() as client:
+    with servers("continuous").client() as client:  # the session's tiny server: no --speculative
         info = client.model_info()
     assert (info.speculative, info.speculative_tokens) == ("none", 0)
     drafted = tiny_server(tiny_dir, "--speculative", "draft", "--draft-model", str(tiny_dir))
@@ -366,10 +359,10 @@ def test_tiny_greedy_tokens_are_the_same_with_a_draft_in_every_mode(tiny_loaded,
         assert proposed > 0 and sum(g.final.accepted_tokens for g in got) >= accepted * proposed, name
 
 
-def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_pair, smol_loaded, drafts, expected_greedy):
+def test_embedded_model_with_a_random_draft_gives_the_same_tokens(smol_loaded, drafts, expected_greedy):
     """In process, continuous mode: the embedded model with the tiny random one drafting for it (as
-    --speculative draft --draft-model does) gives the plain server's tokens."""
-    expected = expected_greedy(smol_pair[0])
+    --speculative draft --draft-model does) gives the server's tokens without speculation."""
+    expected = expected_greedy
     draft = drafts["same"]
     got = generate(
         smol_loaded, _tops_requested(), draft, mode="continuous", speculative="draft", draft_model=draft.path
@@ -394,13 +387,13 @@ def test_a_draft_of_another_vocabulary_fails_at_start_naming_both_sizes(tmp_path
     )
 
 
-def test_metrics_and_the_request_log_report_proposed_and_accepted_tokens(smol_pair):
+def test_metrics_and_the_request_log_report_proposed_and_accepted_tokens(speculating):
     """/metrics counts what ServerStatus counts (the module's earlier calls included), and a call's
     request log line its own proposed and accepted tokens."""
     from test_request_log import request_lines
     from test_telemetry import scrape, value
 
-    _, fast = smol_pair
+    fast = speculating
     [(_, _, final, _)] = asyncio.run(_run(fast.target, [dict(messages=COPY, max_new_tokens=60, request_id="copy")]))
     usage = final.usage
     assert usage.accepted_tokens > 0
