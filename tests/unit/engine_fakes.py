@@ -148,6 +148,7 @@ class Harness:
         self.admission = self.client.admission
         self.loop = asyncio.new_event_loop()  # the handles' loop: never run, the events are read here
         self.events: dict[int, list[Event]] = {}
+        self.unread: dict[int, int] = {}  # session id: tokens its client has not read (stop_reading)
         self.now = time.monotonic()  # the core's clock, advanced by step(); sessions arrive on it too
 
     def _apply(self, message: ToLoop) -> None:
@@ -226,13 +227,24 @@ class Harness:
         self._collect(self.core.take_events())
         assert not self.core.leftovers(), self.core.leftovers()
 
+    def stop_reading(self, handle: SessionHandle) -> None:
+        """From now on the session's client reads nothing (its backlog grows until it is paused)."""
+        self.unread.setdefault(handle.session_id, 0)
+
+    def read(self, handle: SessionHandle) -> None:
+        """The client reads its backlog, and everything after it at once, as the others do."""
+        handle.note_sent(self.unread.pop(handle.session_id))
+
     def _collect(self, events: list[tuple[SessionHandle, Event]]) -> None:
         """Records the events as a client that reads everything at once (no session is paused for
-        its backlog)."""
+        its backlog), but those told to stop_reading."""
         for handle, event in events:
             self.events.setdefault(handle.session_id, []).append(event)
             if isinstance(event, Delta):
-                handle.note_sent(len(event.token_ids))
+                if handle.session_id in self.unread:
+                    self.unread[handle.session_id] += len(event.token_ids)
+                else:
+                    handle.note_sent(len(event.token_ids))
 
     def tokens(self, handle: SessionHandle) -> list[int]:
         return [t for e in self.events[handle.session_id] if isinstance(e, Delta) for t in e.token_ids]

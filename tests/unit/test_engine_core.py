@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from braid.server.engine.handle import MAX_UNSENT_TOKENS
 from braid.server.engine.types import FinishReason
 from engine_fakes import EOS, Harness, ScriptedRunner
 
@@ -37,6 +38,37 @@ def test_every_mode_gives_each_session_its_own_tokens_and_balances_the_books(har
         assert h.finished(handle).reason is FinishReason.MAX_TOKENS
     stats = h.books.snapshot()
     assert stats.finished[FinishReason.MAX_TOKENS] == 3 and stats.sessions_active == 0 and stats.sessions_queued == 0
+    assert h.core.pages.num_used == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_client_that_stops_reading_is_paused_costs_the_others_nothing_and_resumes(harness, mode):
+    """In every mode (test_adversarial's client that stops reading, over the wire, runs in one): a
+    session whose client reads nothing is paused once MAX_UNSENT_TOKENS are waiting for it, holds
+    its slot but generates nothing more, lets another session run to its end, and runs on to its
+    own end once its client reads."""
+    h = harness(mode=mode, max_batch_size=4)
+    max_new_tokens = MAX_UNSENT_TOKENS + 100  # within the harness's context (512)
+    [unread] = h.submit("5", max_new_tokens=max_new_tokens, ignore_eos=True)
+    h.stop_reading(unread)
+    for _ in range(max_new_tokens):
+        h.step()
+        if h.core.scheduler.paused:
+            break
+    assert h.core.scheduler.paused == {unread.session_id}
+    generated = len(h.tokens(unread))
+    assert generated == MAX_UNSENT_TOKENS
+    [other] = h.submit("7", max_new_tokens=4, ignore_eos=True)
+    for _ in range(20):
+        h.step()
+    assert h.finished(other).reason is FinishReason.MAX_TOKENS and len(h.tokens(other)) == 4
+    stats = h.books.snapshot()
+    assert (stats.sessions_active, stats.sessions_paused) == (1, 1)
+    assert len(h.tokens(unread)) == generated and h.finished(unread) is None
+    h.read(unread)
+    h.run()
+    assert h.finished(unread).reason is FinishReason.MAX_TOKENS
+    assert len(h.tokens(unread)) == max_new_tokens
     assert h.core.pages.num_used == 0
 
 
