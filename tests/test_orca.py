@@ -49,8 +49,8 @@ def test_a_replica_with_a_long_queue_reports_it(tiny_dir):
         with server.client() as client:
             threads = [
                 threading.Thread(target=lambda kw=kw: client.generate("Hold the model", **kw), daemon=True)
-                for kw in (LONG, {}, {}, {})
-            ]  # one runs, three wait
+                for kw in (LONG, *[dict(max_new_tokens=1)] * 3)
+            ]  # one runs, three wait (one token each: they are here to be counted in the queue)
             for thread in threads:
                 thread.start()
             wait_for(lambda: client.server_status().sessions_queued == 3)
