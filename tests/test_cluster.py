@@ -399,7 +399,7 @@ def test_a_rolling_restart_hands_streams_over_and_fails_no_call(cluster, record_
     load = Load(cluster.target, clients=8, max_new_tokens=48)
     began, times, outcomes, generations = time.monotonic(), [], [], []
     try:
-        time.sleep(1)
+        wait_for(lambda: load.completed["ok"] >= 8, timeout=60)  # the load flows before the first restart
         with Client(cluster.target) as client:
             for replica in cluster.replicas:
                 wave: list = [None] * len(STORIES)
@@ -430,7 +430,8 @@ def test_a_rolling_restart_hands_streams_over_and_fails_no_call(cluster, record_
                 for thread in threads:
                     thread.join(120)
                 outcomes += [(STORIES[i], *outcome) for i, outcome in enumerate(wave)]
-        time.sleep(1)
+        done = load.completed["ok"]
+        wait_for(lambda: load.completed["ok"] >= done + 8, timeout=60)  # and goes on after the last
     finally:
         load.stop()
     resumed = sum(g.resumes for g in generations)
