@@ -1,5 +1,8 @@
 """`braid serve` as a user meets it, in process: --help's groups, --served-model-name from the
-command line and the environment, and the start-up line."""
+command line and the environment, bad flags and variables refused in one line under the usage, and
+the start-up line. (The refusals were checked in a forked `braid` each, tests/test_startup_errors.py:
+the process added nothing to what they prove, since main() is what the command runs; the failures
+past the flags, of the model, the device and the ports, are still checked there.)"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import re
 import pytest
 from test_servicer import INFO
 
+from braid.server import cli
 from braid.server.cli import _configs, build_parser, main
 from braid.server.config import GROUPS, EngineConfig, LogConfig, ServerConfig
 from braid.server.grpc.server import running
@@ -97,3 +101,94 @@ def test_the_start_up_line_says_what_runs_not_just_the_compute_dtype():
     )
     on_gpu = dataclasses.replace(info, device="cuda:0", kernels="torch", dtype="bfloat16", weight_formats={"bf16": 3})
     assert running(on_gpu).startswith("cuda:0, torch's ops, weights 3 bf16 (97 MB), bfloat16 compute, KV cache")
+
+
+def _braid(monkeypatch, capsys, *argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`braid <argv>` in process, with env's variables set: its exit code, output and errors. A start
+    that goes on past its flags fails the test (with exit 1) instead of starting a server here."""
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+
+    def no_start(*args):
+        raise AssertionError("the flags were accepted: the start went on")
+
+    monkeypatch.setattr(cli, "_run", no_start)
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_usage_error(result: tuple[int, str, str], *wanted: str) -> str:
+    """A bad flag or variable: exit 2, `braid serve`'s usage, then one line holding every wanted piece."""
+    code, _, err = result
+    assert code == 2, err
+    usage, line = [line for line in err.splitlines() if line.strip()]
+    assert usage.startswith("usage: braid serve"), err
+    assert line.startswith("braid serve: error: ") and all(w in line for w in wanted), line
+    return line
+
+
+@pytest.mark.parametrize(
+    "args, wanted",
+    [
+        (["--port", "70000"], ["--port 70000", "[0, 65535]"]),
+        (["--http-port", "70000"], ["--http-port 70000", "[0, 65535]"]),
+        (["--chat-template", "/no/such.jinja"], ["--chat-template /no/such.jinja", "no such file"]),
+        (["--kv-cache-memory", "4XB"], ["--kv-cache-memory 4XB"]),
+        (["--log-level", "verbose"], ["--log-level", "verbose"]),
+        (["--device", "gpu"], ["--device gpu", "cuda:N"]),
+        (["--mode", "fast"], ["--mode", "fast", "continuous"]),
+    ],
+)
+def test_a_bad_flag_is_one_line_under_braid_serves_usage(monkeypatch, capsys, args, wanted):
+    assert_usage_error(_braid(monkeypatch, capsys, "serve", *args), *wanted)
+
+
+@pytest.mark.parametrize(
+    "variable, value, wanted",
+    [
+        ("BRAID_MODE", "fast", "invalid choice"),
+        ("BRAID_PORT", "abc", "invalid int value"),
+        ("BRAID_PORT", "70000", "[0, 65535]"),
+        ("BRAID_LOG_FORMAT", "xml", "invalid choice"),
+    ],
+)
+def test_a_bad_environment_variable_is_named(monkeypatch, capsys, variable, value, wanted):
+    result = _braid(monkeypatch, capsys, "serve", env={variable: value})
+    assert_usage_error(result, f"{variable}={value}", wanted)
+
+
+def test_help_works_whatever_the_environment_holds(monkeypatch, capsys):
+    code, out, err = _braid(monkeypatch, capsys, "serve", "--help", env={"BRAID_PORT": "abc", "BRAID_MODE": "fast"})
+    assert code == 0, err
+    assert "--port" in out and "BRAID_PORT" in out
+
+
+def test_version(monkeypatch, capsys):
+    code, out, _ = _braid(monkeypatch, capsys, "--version")
+    assert code == 0 and out.startswith("braid ") and out.split()[1][0].isdigit(), out
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "yes please", ""])
+def test_a_boolean_that_is_not_one_is_refused_naming_it(monkeypatch, capsys, value):
+    # BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS=ture was read as false, silently.
+    result = _braid(monkeypatch, capsys, "serve", env={"BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS": value})
+    assert_usage_error(
+        result,
+        f"BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS={value}",
+        "--keepalive-permit-without-calls",
+        "invalid boolean value",
+    )
+    monkeypatch.delenv("BRAID_KEEPALIVE_PERMIT_WITHOUT_CALLS")
+    result = _braid(monkeypatch, capsys, "serve", "--keepalive-permit-without-calls", value or "''")
+    assert_usage_error(result, "--keepalive-permit-without-calls", "invalid boolean value")
+
+
+@pytest.mark.parametrize("value", ["0.5", "lots"])
+def test_a_constraint_cache_size_that_is_not_bytes_is_refused(monkeypatch, capsys, value):
+    assert_usage_error(
+        _braid(monkeypatch, capsys, "serve", "--constraint-cache-memory", value), "--constraint-cache-memory"
+    )
