@@ -6,7 +6,7 @@ once traffic settles no session is active or queued, every submitted session is 
 the finished ones, the server never logged "BOOKS DO NOT BALANCE" (or a traceback), and a new small
 call still succeeds.
 
-1. long prompts (513, 1,000 and 4,000 tokens; raw and chat; max_new_tokens small or left at 0),
+1. long prompts (513, 1,000 and 4,090 tokens; raw and chat; max_new_tokens small or left at 0),
    and the same through torch's ops in process;
 2. cancellations and timeout_ms expiries at random moments, from before admission to after the
    last token;
@@ -18,7 +18,7 @@ call still succeeds.
 7. constraints past the compiler's limits, slow compiles beside small calls, resume_token_ids a
    constraint forbids, and more calls on one connection than a default client used to get through.
 
-The model is a tiny random Llama with an 8,192-token position table, so a 4,000-token prompt fits
+The model is a tiny random Llama with an 8,192-token position table, so a 4,090-token prompt fits
 the server's default --max-seq-len 4096.
 """
 
@@ -57,6 +57,9 @@ FP32_CACHE = ["--kv-cache-dtype", "float32"]
 SERVER_ARGS = ["--threads", "1", "--max-queued", "16", "--max-batch-size", "16", "--max-wait-ms", "5", *FP32_CACHE]
 CONTEXT = 4096  # the server's default --max-seq-len, under the model's 8,192 positions
 DEFAULT_MAX_NEW_TOKENS = 256  # the server's default --default-max-new-tokens
+# The longest prompt: 6 tokens short of the context, so a call that leaves max_new_tokens at 0 gets
+# the default clipped to 6 (4,000 tokens left 96 to generate, in each mode, twice, for the same check)
+LONGEST = CONTEXT - 6
 FINISH_REASONS = [f.name for f in pb.FinishCounts.DESCRIPTOR.fields]
 LOG_ALARMS = ("BOOKS DO NOT BALANCE", "Traceback")
 WORD = " hello"  # one token per repetition with the embedded model's tokenizer
@@ -218,7 +221,7 @@ def test_long_prompts_in_every_mode(servers, long_dir, mode, record_property):
     record_property("kernels_in_use", in_use)
     print(f"\n--kernels auto: {in_use}")
     with server.client() as client:
-        for num_tokens in (513, 1000, 4000):
+        for num_tokens in (513, 1000, LONGEST):
             for kind, inputs in sized_inputs(server, num_tokens).items():
                 prompt_ids = list(client.tokenize(inputs.get("prompt"), messages=inputs.get("messages")).token_ids)
                 done = client.generate(**inputs, max_new_tokens=4, ignore_eos=True, timeout=60)
@@ -228,7 +231,7 @@ def test_long_prompts_in_every_mode(servers, long_dir, mode, record_property):
                     4,
                 ), (kind, num_tokens)
                 assert_greedy(long_dir, prompt_ids, done.token_ids)
-                if num_tokens == 4000:  # max_new_tokens left at 0: the default, clipped to the context
+                if num_tokens == LONGEST:  # max_new_tokens left at 0: the default, clipped to the context
                     done = client.generate(**inputs, ignore_eos=True, timeout=60)
                     room = min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - num_tokens)
                     assert (done.finish_reason, done.usage.generated_tokens) == ("MAX_TOKENS", room), kind
@@ -245,7 +248,7 @@ def test_long_prompts_on_torchs_ops_in_every_mode(long_dir, in_process, mode):
     model = in_process(long_dir, kernels="torch", max_seq_len=CONTEXT, kv_cache_dtype="float32")  # FP32_CACHE
     assert model.runner.kernels == "torch"
     overhead = len(model.tokenizer.encode(None, [Message("user", WORD)])) - 1
-    for num_tokens in (513, 1000, 4000):
+    for num_tokens in (513, 1000, LONGEST):
         chat = [("user", WORD * (num_tokens - overhead))]
         for inputs in (dict(prompt=WORD * num_tokens), dict(messages=chat)):
             ids = model.tokenizer.encode(inputs.get("prompt"), [Message(*m) for m in inputs.get("messages", ())])
@@ -257,7 +260,7 @@ def test_long_prompts_on_torchs_ops_in_every_mode(long_dir, in_process, mode):
                 4,
             )
             assert_greedy(long_dir, ids, done.token_ids)
-            if num_tokens == 4000:  # left at 0: the default (256), clipped to the context, as the edge asks
+            if num_tokens == LONGEST:  # left at 0: the default (256), clipped to the context, as the edge asks
                 [done] = generate(model, [dict(inputs, ignore_eos=True, clip_max_new_tokens=True)], mode=mode)
                 assert done.final.generated_tokens == min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - num_tokens)
 
