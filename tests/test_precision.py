@@ -15,6 +15,7 @@ fp32 cache. A test that compares tokens with transformers' to fp32 rounding asks
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import Counter
@@ -23,9 +24,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from braid.server.engine.types import FinishReason
 from braid.server.model.loader import LoadedModel, default_cache_dir, load
 from braid.server.runner.kernels.extension import ISA_VARIABLE
-from braid.server.runner.kv_cache import auto_dtype, head_dim, kv_dtype_name
+from braid.server.runner.kv_cache import Q8_0, auto_dtype, head_dim, kv_dtype_name
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
 from braid_testing.models import loaded, tiny_model
@@ -83,38 +85,38 @@ def test_the_default_servers_greedy_tokens_are_int8_rows_own(smol, smol_dir, emb
     with smol.client() as client:
         info = client.model_info()
     assert info.kv_cache_dtype == ("q8_0" if info.device == "cpu" else info.dtype)
+    runner = None  # int8 rows with the default cache, built once for the three prompts
     for prompt in PROMPTS:
         prompt_ids, generated = greedy(smol, prompt)
         if info.activations != "int8":
             assert_greedy(smol_dir, prompt_ids, generated)
             continue
-        path = prompt_ids + generated[:-1]
-        int8 = _logits(embedded, path, "auto", kv_dtype=default_kv_dtype(embedded))[len(prompt_ids) - 1 :]
+        runner = runner or _runner(embedded, "auto", kv_dtype=default_kv_dtype(embedded))
+        int8 = prompt_logits(runner, prompt_ids + generated[:-1])[len(prompt_ids) - 1 :]
         for step, token in enumerate(generated):
             assert near_tie(int8[step], token, "float32"), (prompt, step, token, int8[step].argmax().item())
 
 
-@pytest.fixture(scope="module")
-def float32_rows_smol():
-    """The embedded model in its own formats, multiplying float32 rows (--activations float32), with
-    an fp32 KV cache: the test compares its tokens with transformers' to fp32 rounding, which a q8_0
-    cache (the CPU's default) does not keep."""
-    server = Server(["--activations", "float32", "--kv-cache-dtype", "float32"])
-    yield server
-    server.stop()
-
-
-def test_float32_rows_give_transformers_greedy_tokens(float32_rows_smol, smol_dir):
+def test_float32_rows_give_transformers_greedy_tokens(embedded, smol_dir):
     """--activations float32: the Q4_1/Q8_0 matrices multiply fp32 rows, and greedy tokens obey
-    transformers' near-tie rule on the same weights dequantized."""
-    with float32_rows_smol.client() as client:
-        info = client.model_info()
-    assert info.activations == "float32" and dict(info.weight_formats) != {"f32": 272}
-    for prompt in PROMPTS:
-        assert_greedy(smol_dir, *greedy(float32_rows_smol, prompt))
-    with float32_rows_smol.client() as client:  # int8 rows flip this answer's first token (tests/test_smol.py)
-        done = client.generate(messages=[("user", "What is the capital of France?")], max_new_tokens=24)
-    assert "Paris" in done.text and done.finish_reason == "EOS"
+    transformers' near-tie rule on the same weights dequantized. In process (tests/in_process.py):
+    the runner `braid serve --activations float32 --kv-cache-dtype float32` builds (ModelInfo's
+    activations and formats are its own) over the module's load of the embedded model, and greedy
+    requests through the engine; an fp32 KV cache, as the test compares its tokens with transformers'
+    to fp32 rounding, which a q8_0 cache (the CPU's default) does not keep. (A server was started
+    for this; test_architectures serves GGUF files with --activations float32 over the wire.)"""
+    from in_process import generate, load_model
+
+    model = load_model(
+        None, default_cache_dir(), embedded, activations="float32", kv_cache_dtype="float32", max_seq_len=256
+    )
+    assert model.runner.activations == "float32" and model.runner.weight_formats != {"f32": 272}
+    requests = [dict(prompt=p, max_new_tokens=24, ignore_eos=True) for p in PROMPTS]
+    for prompt, done in zip(PROMPTS, generate(model, requests)):
+        assert_greedy(smol_dir, model.tokenizer.encode_prompt(prompt), done.token_ids, model.runner.dtype_name)
+    # int8 rows flip this answer's first token (tests/test_smol.py)
+    [done] = generate(model, [dict(messages=[("user", "What is the capital of France?")], max_new_tokens=24)])
+    assert "Paris" in model.tokenizer.decode(done.token_ids) and done.final.reason == FinishReason.EOS
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +226,13 @@ class TextPass:
 
     activations: str  # the rows the runner multiplied (auto resolved)
     weight_formats: dict[str, int]  # the runner's, format: matrices
-    perplexity: float  # of the whole text
-    logits: torch.Tensor  # [512, V]: the first 512 positions', for the divergence tests
+    perplexity: float | None  # of the whole text; None where only the divergence tests' positions ran
+    logits: torch.Tensor  # [DIVERGENCE_POSITIONS, V]: the first positions', for the divergence tests
+
+
+# The divergence tests compare the first 512 positions of the fixed text (a pass over them alone gives
+# the same bits as the whole text's pass gives them: each row attends through its own page table).
+DIVERGENCE_POSITIONS = 512
 
 
 def _as_checkpoint(model: LoadedModel, name: str, hf_model) -> LoadedModel:
@@ -241,41 +248,43 @@ def _as_checkpoint(model: LoadedModel, name: str, hf_model) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def text_pass(embedded):
-    """text_pass(activations, model="embedded", **weights): a model over the fixed text with those rows
-    and weights (ModelRunner's weight_dtype, quantization; and kv_dtype, fp32 unless given), run once per model and configuration the
-    runner resolves to for the whole module: the perplexity and the divergence tests read the same
-    pass (on a CPU without AVX-512 BF16, bf16 rows are float32 rows, and so computed once). model:
-    "embedded" (the GGUF in its own formats), "fp32" (its weights as an fp32 checkpoint: the values
-    its converted folder holds) or "bf16" (those in bf16, as a bf16 checkpoint)."""
+    """text_pass(activations, model="embedded", scored=True, **weights): a model over the fixed text
+    with those rows and weights (ModelRunner's weight_dtype, quantization; and kv_dtype, fp32 unless
+    given), run once per model and configuration the runner resolves to for the whole module: the
+    perplexity and the divergence tests read the same pass (on a CPU without AVX-512 BF16, bf16 rows
+    are float32 rows, and so computed once). scored=False: a configuration only the divergence tests
+    read, over their DIVERGENCE_POSITIONS alone (half the text: perplexity None), unless the whole
+    text's pass is already done. model: "embedded" (the GGUF in its own formats), "fp32" (its weights
+    as an fp32 checkpoint: the values its converted folder holds) or "bf16" (those in bf16, as a bf16
+    checkpoint, made once)."""
     ids = embedded.hf_tokenizer(TEXT)["input_ids"]
     models = {
         "embedded": lambda: embedded,
         "fp32": lambda: _as_checkpoint(embedded, "fp32", embedded.hf_model),
-        "bf16": lambda: _as_checkpoint(embedded, "bf16", _bf16_copy(embedded.hf_model)),
+        "bf16": functools.cache(lambda: _as_checkpoint(embedded, "bf16", _bf16_copy(embedded.hf_model))),
     }
     asked: dict[tuple, TextPass] = {}  # as asked: a runner is not built again to learn what it resolves to
-    done: dict[tuple, TextPass] = {}  # as the runner resolved it
+    done: dict[tuple, TextPass] = {}  # as the runner resolved it, and whether the whole text ran
 
-    def get(activations: str, model: str = "embedded", **weights: str) -> TextPass:
-        question = (model, activations, tuple(sorted(weights.items())))
+    def get(activations: str, model: str = "embedded", scored: bool = True, **weights) -> TextPass:
+        question = (model, activations, scored, tuple(sorted(weights.items())))
         if question not in asked:
-            runner = ModelRunner(
-                models[model](),
-                torch.device("cpu"),
-                torch.float32,
-                num_pages=128,
-                max_seq_len=2048,
-                activations=activations,
-                **weights,
-            )
+            runner = _runner(models[model](), activations, **weights)
             key = (model, runner.activations, runner.kv_dtype_name, tuple(sorted(runner.weight_formats.items())))
-            if key not in done:
+            if (key, True) in done:
+                asked[question] = done[key, True]
+            elif scored:
                 logits = prompt_logits(runner, ids)
                 nll = -torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
-                done[key] = TextPass(
-                    runner.activations, runner.weight_formats, math.exp(nll.item()), logits[:512].clone()
+                head = logits[:DIVERGENCE_POSITIONS].clone()
+                asked[question] = done[key, True] = TextPass(
+                    runner.activations, runner.weight_formats, math.exp(nll.item()), head
                 )
-            asked[question] = done[key]
+            else:
+                if (key, False) not in done:
+                    logits = prompt_logits(runner, ids[:DIVERGENCE_POSITIONS])
+                    done[key, False] = TextPass(runner.activations, runner.weight_formats, None, logits)
+                asked[question] = done[key, False]
         return asked[question]
 
     return get
@@ -326,20 +335,19 @@ def test_bf16_activations_cost_at_most_one_percent_of_perplexity(text_pass, reco
 LLAMA_CPP_Q4_1 = {"kld": 0.0045, "same_top": 0.945}
 
 
-def _logits(model: LoadedModel, ids: list[int], activations: str, **weights: str) -> torch.Tensor:
-    """The logits [len(ids), V] at every position of ids, one prompt pass of braid's decoder.
-    weights: ModelRunner's weight_dtype and quantization."""
-    runner = ModelRunner(
-        model, torch.device("cpu"), torch.float32, num_pages=64, max_seq_len=2048, activations=activations, **weights
+def _runner(model: LoadedModel, activations: str, **weights) -> ModelRunner:
+    """A runner of braid's decoder on the CPU for prompt passes (prompt_logits) of up to 2,048 tokens.
+    weights: ModelRunner's weight_dtype, quantization and kv_dtype (fp32 unless given)."""
+    return ModelRunner(
+        model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048, activations=activations, **weights
     )
-    return prompt_logits(runner, ids)
 
 
 def test_int8_activations_diverge_from_float32_rows_as_little_as_llama_cpps(text_pass, record_property):
     """--activations int8 (and auto, which runs it) against float32 rows, over the first 512
     positions of the fixed text: mean KL divergence and same-top-token rate within llama.cpp's own
     figures for the same file (LLAMA_CPP_Q4_1). docs/benchmarks.md quotes the figures."""
-    kld, same_top = divergence(text_pass("float32").logits, text_pass("auto").logits)
+    kld, same_top = divergence(text_pass("float32", scored=False).logits, text_pass("auto", scored=False).logits)
     record_property("divergence", f"int8 rows against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}")
     print(f"\nint8 rows against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}")
     assert kld <= LLAMA_CPP_Q4_1["kld"] and same_top >= LLAMA_CPP_Q4_1["same_top"], (kld, same_top)
@@ -351,13 +359,37 @@ def test_the_default_diverges_from_float32_rows_as_little_as_llama_cpps(text_pas
     llama.cpp's own figures for its Q4_1 file with its default cache against its F32 (LLAMA_CPP_Q4_1).
     The bound that chose the default KV cache (runner/kv_cache.auto_dtype; docs/benchmarks.md)."""
     kv_dtype = default_kv_dtype(embedded)
-    kld, same_top = divergence(text_pass("float32").logits, text_pass("auto", kv_dtype=kv_dtype).logits)
+    plain, default = text_pass("float32", scored=False), text_pass("auto", scored=False, kv_dtype=kv_dtype)
+    kld, same_top = divergence(plain.logits, default.logits)
     name = kv_dtype_name(kv_dtype)
     record_property(
         "divergence", f"int8 rows, {name} KV against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}"
     )
     print(f"\nint8 rows, {name} KV against float32 rows, float32 KV: mean KLD {kld:.4f}, same top {same_top:.2%}")
     assert kld <= LLAMA_CPP_Q4_1["kld"] and same_top >= LLAMA_CPP_Q4_1["same_top"], (kld, same_top)
+
+
+def test_a_q8_0_cache_costs_at_most_0_002_of_kl_divergence_over_a_bf16_one(text_pass, record_property):
+    """Issue 40's bound: over the first 512 positions of the fixed text, the embedded model's mean KL
+    divergence against an fp32 cache grows by at most 0.002 from a bf16 cache to a q8_0 one (the
+    bound --kv-cache-dtype auto's q8_0 was held to). Its weights as an fp32 checkpoint (the converted
+    folder's values, as `braid serve --model <that folder>` runs them), float32 rows, so that only the
+    cache differs: with int8 rows (the default) bf16, f16 and q8_0 caches alike measure about 0.005
+    against fp32, the rows' rounding amplifying any small change. The fp32 cache's pass is the q8_0
+    perplexity test's (tests/inprocess/test_q8_0_cache.py checks that the q8_0 cache gives a float
+    cache's tokens wherever pages are touched). Measured on Zen 3 (AVX2): bf16 0.00004, q8_0 0.0008,
+    same top 98.6% (2026-11-28; the same figures as in test_q8_0_cache, where it was measured before)."""
+    base, bf16, q8 = (
+        text_pass("float32", "fp32", scored=False, quantization="none", **kv)
+        for kv in ({}, {"kv_dtype": torch.bfloat16}, {"kv_dtype": Q8_0})
+    )
+    assert base.activations == bf16.activations == q8.activations == "float32"
+    assert base.weight_formats == bf16.weight_formats == q8.weight_formats == {"f32": 272}
+    bf16, _ = divergence(base.logits, bf16.logits)
+    q8, same_top = divergence(base.logits, q8.logits)
+    record_property("kld", f"bf16 KV {bf16:.6f}, q8_0 KV {q8:.6f} ({same_top:.2%} same top)")
+    print(f"\nfloat32 rows against an fp32 cache: bf16 KV {bf16:.6f}, q8_0 KV {q8:.6f} ({same_top:.2%} same top)")
+    assert q8 - bf16 <= 0.002 and same_top >= 0.95
 
 
 # bf16 rows (--activations bf16, and auto's for bf16 weights where the CPU has AVX-512 BF16): the same
@@ -370,7 +402,7 @@ BF16_NEAR_TIE = 0.01
 def test_bf16_activations_choose_float32_rows_tokens_but_for_near_ties(text_pass):
     """The embedded model in bf16: at every position of the fixed text, the token bf16 rows (auto)
     rank first is the one float32 rows rank first, or within BF16_NEAR_TIE of it."""
-    rows, plain = text_pass("auto", **BF16).logits, text_pass("float32", **BF16).logits
+    rows, plain = text_pass("auto", scored=False, **BF16).logits, text_pass("float32", scored=False, **BF16).logits
     best = plain.max(1).values
     gap = best - plain.gather(1, rows.argmax(1, keepdim=True))[:, 0]
     print(
