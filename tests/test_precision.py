@@ -263,29 +263,28 @@ def text_pass(embedded):
         "fp32": lambda: _as_checkpoint(embedded, "fp32", embedded.hf_model),
         "bf16": functools.cache(lambda: _as_checkpoint(embedded, "bf16", _bf16_copy(embedded.hf_model))),
     }
-    asked: dict[tuple, TextPass] = {}  # as asked: a runner is not built again to learn what it resolves to
-    done: dict[tuple, TextPass] = {}  # as the runner resolved it, and whether the whole text ran
+    resolved: dict[tuple, tuple] = {}  # as asked -> as the runner resolved it: a runner is not built to learn it again
+    done: dict[tuple, TextPass] = {}  # (as resolved, whether the whole text ran) -> its pass
 
     def get(activations: str, model: str = "embedded", scored: bool = True, **weights) -> TextPass:
-        question = (model, activations, scored, tuple(sorted(weights.items())))
-        if question not in asked:
+        question = (model, activations, tuple(sorted(weights.items())))
+        runner = None
+        if question not in resolved:
             runner = _runner(models[model](), activations, **weights)
-            key = (model, runner.activations, runner.kv_dtype_name, tuple(sorted(runner.weight_formats.items())))
-            if (key, True) in done:
-                asked[question] = done[key, True]
-            elif scored:
+            formats = tuple(sorted(runner.weight_formats.items()))
+            resolved[question] = (model, runner.activations, runner.kv_dtype_name, formats)
+        key = resolved[question]
+        if (key, True) not in done and (scored or (key, False) not in done):
+            runner = runner or _runner(models[model](), activations, **weights)
+            if scored:
                 logits = prompt_logits(runner, ids)
                 nll = -torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
                 head = logits[:DIVERGENCE_POSITIONS].clone()
-                asked[question] = done[key, True] = TextPass(
-                    runner.activations, runner.weight_formats, math.exp(nll.item()), head
-                )
+                done[key, True] = TextPass(runner.activations, runner.weight_formats, math.exp(nll.item()), head)
             else:
-                if (key, False) not in done:
-                    logits = prompt_logits(runner, ids[:DIVERGENCE_POSITIONS])
-                    done[key, False] = TextPass(runner.activations, runner.weight_formats, None, logits)
-                asked[question] = done[key, False]
-        return asked[question]
+                logits = prompt_logits(runner, ids[:DIVERGENCE_POSITIONS])
+                done[key, False] = TextPass(runner.activations, runner.weight_formats, None, logits)
+        return done.get((key, True)) or done[key, False]
 
     return get
 
