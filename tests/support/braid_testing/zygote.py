@@ -214,6 +214,11 @@ def _preload() -> None:
     import braid_testing.faults  # noqa: F401
     import transformers
 
+    # What a server with --http-port imports besides (uvicorn, starlette, pydantic; OpenTelemetry's SDK
+    # and exporters, prometheus_client: none starts a thread on import): 0.6 s of CPU in each such fork.
+    import braid.server.http.server  # noqa: F401
+    import braid.server.telemetry.setup  # noqa: F401
+
     # transformers imports lazily, on first use: what loading a checkpoint uses, with the modules
     # of the architectures the tests build (each's own is small once the shared ones are in).
     for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "PreTrainedTokenizerFast", "GenerationConfig"):
