@@ -26,8 +26,8 @@ def tokenizer(smol_dir):
 
 
 # The tests of what a compile finds run with no time limit (compile_timeout_s=None): under load a
-# compile (the first builds llguidance's tokenizer too) can pass the default 5 s, and the test then
-# got the limit's refusal instead of what it checks. The limit has its own test.
+# compile can pass the default 5 s, and the test then got the limit's refusal instead of what it
+# checks. The limit has its own test.
 
 
 def test_a_constraint_compiles_once_and_each_session_gets_its_own_matcher(tokenizer):
