@@ -97,6 +97,10 @@ def test_the_default_servers_greedy_tokens_are_int8_rows_own(smol, smol_dir, emb
             assert near_tie(int8[step], token, "float32"), (prompt, step, token, int8[step].argmax().item())
 
 
+# A runner for short greedy requests: 256 tokens a sequence, an fp32 cache of 16 MiB (256 tokens take 11.25)
+SHORT = dict(max_seq_len=256, kv_cache_memory="16MiB")
+
+
 def test_float32_rows_give_transformers_greedy_tokens(embedded, smol_dir):
     """--activations float32: the Q4_1/Q8_0 matrices multiply fp32 rows, and greedy tokens obey
     transformers' near-tie rule on the same weights dequantized. In process (tests/in_process.py):
@@ -107,9 +111,7 @@ def test_float32_rows_give_transformers_greedy_tokens(embedded, smol_dir):
     for this; test_architectures serves GGUF files with --activations float32 over the wire.)"""
     from in_process import generate, load_model
 
-    model = load_model(
-        None, default_cache_dir(), embedded, activations="float32", kv_cache_dtype="float32", max_seq_len=256
-    )
+    model = load_model(None, default_cache_dir(), embedded, activations="float32", kv_cache_dtype="float32", **SHORT)
     assert model.runner.activations == "float32" and model.runner.weight_formats != {"f32": 272}
     requests = [dict(prompt=p, max_new_tokens=24, ignore_eos=True) for p in PROMPTS]
     for prompt, done in zip(PROMPTS, generate(model, requests)):
