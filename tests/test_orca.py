@@ -51,7 +51,11 @@ def test_a_replica_with_a_long_queue_reports_it(tiny_dir):
                 threading.Thread(target=lambda kw=kw: client.generate("Hold the model", **kw), daemon=True)
                 for kw in (LONG, *[dict(max_new_tokens=1)] * 3)
             ]  # one runs, three wait (one token each: they are here to be counted in the queue)
-            for thread in threads:
+            threads[0].start()
+            # the long call runs before the others are sent: one that reached the server first would
+            # run its one token and leave two in the queue (a race the test lost about one run in six)
+            wait_for(lambda: client.server_status().sessions_active == 1)
+            for thread in threads[1:]:
                 thread.start()
             wait_for(lambda: client.server_status().sessions_queued == 3)
             busy = _status_report(server.target)
