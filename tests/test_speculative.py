@@ -32,7 +32,7 @@ FIX = [
 ]
 RAW = [PASSAGE + "\n\n" + PASSAGE[:60], "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7", "Hi", "A list: apples, pears, apples,"]
 SPECULATIVE = ["--speculative", "ngram", "--speculative-tokens", "6"]
-SMOL = ["--kv-cache-memory", "256MiB", "--threads", "2"]
+SMOL = ["--kv-cache-memory", "256MiB", "--threads", "1"]
 # SPECULATIVE with --ngram-min 1, as EngineConfig fields (the in-process tests)
 _NGRAM = dict(speculative="ngram", speculative_tokens=6, ngram_min=1)
 
