@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from braid.server.engine.types import FinishReason
-from braid.server.model.loader import LoadedModel, default_cache_dir, load
+from braid.server.model.loader import LoadedModel, default_cache_dir, float_model, load
 from braid.server.runner.kernels.extension import ISA_VARIABLE
 from braid.server.runner.kv_cache import Q8_0, auto_dtype, head_dim, kv_dtype_name
 from braid.server.runner.model_runner import ModelRunner
@@ -257,13 +257,13 @@ def text_pass(embedded):
     are float32 rows, and so computed once). scored=False: a configuration only the divergence tests
     read, over their DIVERGENCE_POSITIONS alone (half the text: perplexity None), unless the whole
     text's pass is already done. model: "embedded" (the GGUF in its own formats), "fp32" (its weights
-    as an fp32 checkpoint: the values its converted folder holds) or "bf16" (those in bf16, as a bf16
+    as an fp32 checkpoint: its block matrices dequantized) or "bf16" (those in bf16, as a bf16
     checkpoint, made once)."""
     ids = embedded.hf_tokenizer(TEXT)["input_ids"]
     models = {
         "embedded": lambda: embedded,
-        "fp32": lambda: _as_checkpoint(embedded, "fp32", embedded.hf_model),
-        "bf16": functools.cache(lambda: _as_checkpoint(embedded, "bf16", _bf16_copy(embedded.hf_model))),
+        "fp32": lambda: _as_checkpoint(embedded, "fp32", float_model(embedded)),
+        "bf16": functools.cache(lambda: _as_checkpoint(embedded, "bf16", _bf16_copy(float_model(embedded)))),
     }
     resolved: dict[tuple, tuple] = {}  # as asked -> as the runner resolved it: a runner is not built to learn it again
     done: dict[tuple, TextPass] = {}  # (as resolved, whether the whole text ran) -> its pass

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from braid_testing.models import tiny_model
+from conftest import _reference_model
 
 from braid.server.engine.types import EmbeddingRequest, FinishReason, Pooling
 from braid.server.model.loader import LoadedModel
@@ -153,7 +153,7 @@ def embedded(request):
 @pytest.fixture(scope="module")
 def smol_reference(smol_dir):
     """transformers' own model of the embedded model's weights, dequantized, in fp32."""
-    return transformers.AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+    return _reference_model(smol_dir)
 
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "braid embeds text with its own decoder and kernels, " * 6]

@@ -1,10 +1,12 @@
-"""A GGUF file converted once into a folder transformers loads: its config, its tokenizer, its tensors
-dequantized to fp32 safetensors, and its block matrices as the file holds them (model/weights.py).
+"""A GGUF file converted once into a folder braid loads: transformers' config and tokenizer, the
+block matrices as the file holds them (model/weights.py), and in fp32 only the tensors braid does
+not keep as blocks (norms, biases, a tensor in no block format braid runs).
 
 Tensor by tensor: each is dequantized, put in transformers' layout by transformers' own tensor
-processor, written out and dropped before the next, so a conversion holds about one tensor in
-fp32, never the model (transformers' GGUF loading held it twice: 6.9 GB at the 1B shape, about 7
-bytes a parameter). Later starts read the folder (loader.py).
+processor, checked against its blocks, written out and dropped before the next, so a conversion
+holds about one tensor in fp32, never the model (transformers' GGUF loading held it twice: 6.9 GB
+at the 1B shape, about 7 bytes a parameter). The block matrices are never written in fp32: an 8B
+Q4_K_M file's folder held 32 GB of them, which nothing ran. Later starts read the folder (loader.py).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 # Part of a converted folder's name: raised when a conversion changes, so older ones are made again
-# (2: the config keys transformers drops are read from the file)
-CONVERSION_VERSION = 2
-WEIGHTS_FILE = "model.safetensors"
+# (2: the config keys transformers drops are read from the file; 3: no fp32 copy of the block matrices)
+CONVERSION_VERSION = 3
+# the tensors a converted GGUF keeps in fp32: not model.safetensors, so that transformers refuses the
+# folder (it holds no fp32 block matrices) rather than loading it with those at random values
+WEIGHTS_FILE = "gguf-floats.safetensors"
 SOURCE_FILE = "braid-source.json"  # the converted file's path, size and time, as its folder's key took them
 BLOCKS_FILE = "gguf-blocks.safetensors"  # a converted GGUF's quantized matrices, as the file has them
 # The steps of a first conversion, each weighed by the seconds it took for the embedded model (two
@@ -50,10 +54,13 @@ CONVERSION_STEPS = {
 
 def converted(gguf: Path, cache_dir: Path) -> Path:
     """The safetensors folder converted from `gguf`, made on first use."""
+    from braid.server.model.weights import BLOCK_FORMATS
+
     stat = gguf.stat()
     source = {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    # the block formats too: a braid that runs others keeps other matrices as blocks, the rest in fp32
     key = hashlib.sha256(
-        f"{source['path']}:{source['size']}:{source['mtime_ns']}:{CONVERSION_VERSION}".encode()
+        f"{source['path']}:{source['size']}:{source['mtime_ns']}:{CONVERSION_VERSION}:{BLOCK_FORMATS}".encode()
     ).hexdigest()[:12]
     target = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
@@ -118,11 +125,11 @@ def remove_stale(target: Path, mine: str) -> None:
 
 
 def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], None] = lambda fraction: None) -> str:
-    """Writes the file's tensors into folder, one at a time: each in fp32 as transformers loads it
-    (WEIGHTS_FILE) and, for a matrix in a block format braid's kernels run, its blocks as the file
-    holds them (BLOCKS_FILE; each checked against the fp32 values). Refuses a file a tensor of the
-    model is missing from, or has another shape in (transformers would leave it random, or log a
-    table). Returns the model's class name."""
+    """Writes the file's tensors into folder, one at a time: a matrix in a block format braid's
+    kernels run as its blocks, as the file holds them (BLOCKS_FILE; checked against its values as
+    transformers loads them), every other tensor in fp32 as transformers loads it (WEIGHTS_FILE).
+    Refuses a file a tensor of the model is missing from, or has another shape in (transformers
+    would leave it random, or log a table). Returns the model's class name."""
     import torch
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
@@ -145,12 +152,22 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
     kinds: dict[str, str] = {}
     mismatched: list[tuple[str, tuple, tuple]] = []  # (name, in the file, in the model)
 
-    def add(hf_name: str, value: torch.Tensor) -> bool:
+    def fits(hf_name: str, value: torch.Tensor) -> bool:
         if hf_name in shapes and tuple(value.shape) != shapes[hf_name]:
             mismatched.append((hf_name, tuple(value.shape), shapes[hf_name]))
             return False
-        weights.add(hf_name, value)
         return True
+
+    def add(hf_name: str, kind: str, tensor, value: torch.Tensor) -> None:
+        """The tensor as blocks where it is a matrix braid keeps so, else in fp32."""
+        b = matching_blocks(processor, tensor, kind, value, gguf.name) if kind in BLOCK_FORMATS else None
+        if b is None:
+            weights.add(hf_name, value)
+            return
+        kinds[hf_name] = kind
+        for part, t in (("d", b.d), ("m", b.m), ("q", b.q)):
+            if t is not None:
+                blocks.add(f"{hf_name}.{part}", t)
 
     for tensor in _released(reader, advance):
         result = processor.process(
@@ -164,16 +181,12 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
         hf_name = mapping[result.name]
         value = torch.from_numpy(_own(result.weights)).float()  # as transformers loads it
         formats[hf_name] = kind = gguf_type_name(tensor.tensor_type)
-        if add(hf_name, value) and kind in BLOCK_FORMATS:
-            b = matching_blocks(processor, tensor, kind, value, gguf.name)
-            if b is not None:
-                kinds[hf_name] = kind
-                for part, t in (("d", b.d), ("m", b.m), ("q", b.q)):
-                    if t is not None:
-                        blocks.add(f"{hf_name}.{part}", t)
+        if fits(hf_name, value):
+            add(hf_name, kind, tensor, value)
         del result, value
     for hf_name, value in parsed["tensors"].items():  # what a processor kept to the end (GPT-2's head)
-        add(hf_name, value.float())
+        if fits(hf_name, value):
+            weights.add(hf_name, value.float())
     if mismatched:
         raise shape_mismatch(str(gguf), "GGUF file", architecture, *min(mismatched))
     missing = sorted(set(shapes) - set(formats) - set(parsed["tensors"]))
@@ -225,20 +238,6 @@ def _architecture(reader) -> str:
     return str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
 
 
-def gguf_blocks(gguf: Path, folder: Path, hf_model) -> tuple[Mapping[str, Blocks], dict[str, str]]:
-    """The GGUF file's block matrices (read from the folder as each is asked for) and tensor types,
-    kept in its converted folder (a folder converted by a braid that ran other block formats gets
-    them now, once)."""
-    from braid.server.model.weights import BLOCK_FORMATS
-
-    path = folder / BLOCKS_FILE
-    if not _kept_for(path, BLOCK_FORMATS):
-        _LOGGER.info("reading %s's quantized matrices once into %s", gguf.name, path)
-        return _write_blocks(gguf, folder, hf_model)
-    blocks = BlockFile(path)
-    return blocks, json.loads(blocks.reader.metadata["formats"])
-
-
 class BlockFile(Mapping):
     """A converted GGUF's block matrices by parameter name, each read from BLOCKS_FILE when asked
     for, into memory of its own: the runner packs a matrix and drops it, so the file's matrices
@@ -250,6 +249,7 @@ class BlockFile(Mapping):
 
         self.reader = TensorReader(path)
         self._kinds: dict[str, str] = json.loads(self.reader.metadata["blocks"])
+        self.formats: dict[str, str] = json.loads(self.reader.metadata["formats"])  # every tensor's GGUF type
 
     def __getitem__(self, name: str) -> Blocks:
         from braid.server.model.weights import Blocks
@@ -263,35 +263,6 @@ class BlockFile(Mapping):
 
     def __len__(self) -> int:
         return len(self._kinds)
-
-
-def _write_blocks(gguf: Path, folder: Path, hf_model) -> tuple[dict[str, Blocks], dict[str, str]]:
-    """Reads the GGUF file's block matrices and tensor types (slow: gguf-py parses the whole file)
-    and keeps them in folder."""
-    from braid.server.model.tensor_file import TensorWriter
-    from braid.server.model.weights import read_gguf
-
-    blocks, formats = read_gguf(gguf, hf_model)
-    path = folder / BLOCKS_FILE
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    writer = TensorWriter(staging, 3 * len(blocks))
-    for n, b in blocks.items():
-        for part, t in (("d", b.d), ("m", b.m), ("q", b.q)):
-            if t is not None:
-                writer.add(f"{n}.{part}", t)
-    writer.close(block_metadata(formats, {n: b.format for n, b in blocks.items()}))
-    os.replace(staging, path)  # atomic: a concurrent start never reads half a file
-    return blocks, formats
-
-
-def _kept_for(path: Path, block_formats: tuple[str, ...]) -> bool:
-    """Whether path holds a GGUF's blocks read by a braid that ran these block formats (one that
-    ran fewer left some tensors out)."""
-    from braid.server.model.tensor_file import TensorReader
-
-    if not path.is_file():
-        return False
-    return json.loads(TensorReader(path).metadata.get("block_formats", "[]")) == list(block_formats)
 
 
 @contextlib.contextmanager

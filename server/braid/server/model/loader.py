@@ -1,9 +1,10 @@
 """Finds and loads the model: a local folder, a hub id, a .gguf file, or the embedded default.
 
-transformers does the loading. A GGUF file is converted once (model/conversion.py: dequantised to
-safetensors plus the tokenizer) into the cache folder, so later starts read safetensors in a couple
-of seconds. Its quantized matrices are kept beside them as they are in the file (model/weights.py),
-so braid can also serve them in their own format.
+transformers does the loading. A GGUF file is converted once (model/conversion.py: its quantized
+matrices as the file holds them, its other tensors in fp32, the tokenizer) into the cache folder, so
+later starts read safetensors in a couple of seconds. transformers' model of it holds no fp32 copy
+of the quantized matrices (they are on the meta device): the runner serves them from their blocks,
+and what needs one in float dequantizes it (`float_model`, Precision).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 @dataclass
 class LoadedModel:
-    hf_model: object  # transformers PreTrainedModel on the CPU, in its checkpoint's dtype (a GGUF's: fp32)
+    # transformers PreTrainedModel on the CPU, in its checkpoint's dtype (a GGUF's: fp32); a GGUF's
+    # block matrices in it are on the meta device, values only in `blocks` (float_model fills them)
+    hf_model: object
     hf_tokenizer: object
     name: str
     architecture: str
     eos_token_ids: tuple[int, ...]
-    # A GGUF's block-quantized matrices by parameter name (their fp32 values are in hf_model too):
-    # conversion.BlockFile reads each when asked for.
+    # A GGUF's block-quantized matrices by parameter name: conversion.BlockFile reads each when asked for.
     blocks: Mapping[str, Blocks] = field(default_factory=dict)
     # Each parameter's own format: a GGUF tensor's type ('q4_1', 'q6_k', 'f16'), else its dtype's.
     formats: dict[str, str] = field(default_factory=dict)
@@ -112,28 +114,34 @@ def load(model: str | None, cache_dir: Path) -> LoadedModel:
     from transformers import AutoTokenizer
 
     from braid.server.model import progress
-    from braid.server.model.conversion import BLOCKS_FILE, gguf_blocks
+    from braid.server.model.conversion import BLOCKS_FILE, WEIGHTS_FILE, BlockFile
     from braid.server.model.weights import FLOAT_FORMATS
 
     progress.quiet_libraries()
-    steps = {"tokenizer": 1, "weights": 2} | ({"quantized blocks": 1} if gguf is not None else {})
     shown = name if model is None else model
-    with progress.Steps(f"loading {name}", steps, bar=local_only) as bar, _from_hub(model, local_only):
-        with reading(shown, source, ("config.json",)):
-            _check_architecture(name, source, local_only)
-        with bar.step("tokenizer"), reading(shown, source, TOKENIZER_FILES):
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-        with bar.step("weights"), reading(shown, source, WEIGHT_FILES):
-            # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks each
-            # matrix's format from it and the --dtype and --quantization flags.
-            hf_model = _complete_model(shown, "checkpoint", source, local_files_only=local_only, dtype="auto")
+    blocks: Mapping[str, Blocks] = {}
+    gguf_formats: dict[str, str] = {}  # a converted GGUF's tensors' own types ('q4_1', 'f16')
+    with progress.Steps(f"loading {name}", {"tokenizer": 1, "weights": 2}, bar=local_only) as bar:
+        with _from_hub(model, local_only):
+            with reading(shown, source, ("config.json",)):
+                _check_architecture(name, source, local_only)
+            with bar.step("tokenizer"), reading(shown, source, TOKENIZER_FILES):
+                tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+        with bar.step("weights"):
+            if is_local(source) and (Path(source) / BLOCKS_FILE).is_file():  # a converted GGUF
+                with reading(shown, source, (BLOCKS_FILE,)):
+                    blocks = BlockFile(Path(source) / BLOCKS_FILE)
+                    gguf_formats = blocks.formats
+                with reading(shown, source, (WEIGHTS_FILE,)):
+                    hf_model = _converted_model(shown, Path(source) / WEIGHTS_FILE, blocks)
+            else:
+                with _from_hub(model, local_only), reading(shown, source, WEIGHT_FILES):
+                    # "auto": the checkpoint's own dtype (a bf16 model stays bf16); the runner picks
+                    # each matrix's format from it and the --dtype and --quantization flags.
+                    hf_model = _complete_model(shown, "checkpoint", source, local_files_only=local_only, dtype="auto")
             hf_model.eval()
         formats = {n: FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for n, p in hf_model.named_parameters()}
-        blocks: Mapping[str, Blocks] = {}
-        if gguf is not None:
-            with bar.step("quantized blocks"), reading(shown, source, (BLOCKS_FILE,)):
-                blocks, gguf_formats = gguf_blocks(gguf, Path(source), hf_model)
-            formats.update(gguf_formats)
+        formats.update(gguf_formats)
     _LOGGER.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(
         hf_model=hf_model,
@@ -288,6 +296,66 @@ def _complete_model(name: str, what: str, source, **kwargs):
     if info["missing_keys"]:
         raise missing_tensor(name, what, architecture, info["missing_keys"])
     return hf_model
+
+
+def _converted_model(name: str, weights: Path, blocks: Mapping[str, Blocks]):
+    """transformers' model of a converted GGUF (model/conversion.py) in fp32: the tensors in `weights`
+    read into it, the block matrices (`blocks`) left on the meta device, neither allocated nor
+    initialised (float_model fills them where a float copy is needed). Refused in one line where a
+    tensor is in neither file or has another shape than the config says, as a checkpoint is."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from braid.server.model.tensor_file import TensorReader
+
+    folder = weights.parent
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    with init_empty_weights():  # parameters on the meta device; buffers (RoPE's) computed as usual
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    architecture = type(hf_model).__name__
+    reader = TensorReader(weights)
+    shapes = {n: tuple(p.shape) for n, p in hf_model.named_parameters(remove_duplicate=False)}
+    state = {}
+    for tensor in sorted(reader.keys() & shapes.keys()):
+        state[tensor] = reader.get(tensor)
+        if tuple(state[tensor].shape) != shapes[tensor]:
+            raise shape_mismatch(name, "converted GGUF", architecture, tensor, state[tensor].shape, shapes[tensor])
+    hf_model.load_state_dict(state, strict=False, assign=True)
+    hf_model.tie_weights()  # a tied head is the embedding read (or left to its blocks) above
+    missing = {n for n, p in hf_model.named_parameters() if p.is_meta} - set(blocks)
+    if missing:
+        raise missing_tensor(name, "converted GGUF", architecture, missing)
+    if (folder / "generation_config.json").is_file():
+        hf_model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    return hf_model
+
+
+def float_model(model: LoadedModel):
+    """model.hf_model with every parameter in float: itself where none is left to its blocks, else
+    a copy sharing its float tensors, each block matrix dequantized into it one at a time (fp32, the
+    values the GGUF file's reference dequantization gives: the conversion checked them). For what
+    runs transformers' own forward: the fallback path, the tests' reference."""
+    import copy
+
+    import torch
+
+    hf_model = model.hf_model
+    if not any(p.is_meta for p in hf_model.parameters()):
+        return hf_model
+    shared = {id(t): t for t in [*hf_model.parameters(), *hf_model.buffers()] if not t.is_meta}
+    dense = copy.deepcopy(hf_model, memo=shared)
+    # each meta parameter (kept alive: ids stay unique) by its first name (a tied head's: the embedding's)
+    names = {id(p): (n, p) for n, p in dense.named_parameters() if p.is_meta}
+    filled: dict[int, torch.nn.Parameter] = {}
+    for module in dense.modules():
+        for leaf, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in filled:
+                    blocks = model.blocks[names[id(p)][0]]
+                    filled[id(p)] = torch.nn.Parameter(blocks.dequantize(), requires_grad=False)
+                module._parameters[leaf] = filled[id(p)]
+    return dense
 
 
 def shape_mismatch(name: str, what: str, architecture: str, tensor: str, in_file, in_model) -> SettingError:

@@ -1,24 +1,22 @@
 """Weights in their own precision: GGUF's quantized blocks as the file holds them, read with gguf-py.
 
-transformers loads a GGUF model dequantized to fp32; that gives braid the config, the tokenizer and
-every tensor's values, but five times the bytes of a Q4 file. This module reads the same file's
-block-quantized matrices as they are (Blocks), so the runner's kernels can stream them in their own
-format, and quantizes a float matrix to Q8_0 for --quantization q8_0. Each block tensor is checked
-against transformers' dequantized copy when it is read: a layout mistake fails the start, it never
-runs silently wrong.
+transformers reads a GGUF model dequantized to fp32, five times the bytes of a Q4 file. This module
+reads the file's block-quantized matrices as they are (Blocks), so the runner's kernels can stream
+them in their own format and a converted folder keeps no fp32 copy of them (model/conversion.py);
+Blocks.dequantize gives one matrix's fp32 values where a float copy is needed. It also quantizes a
+float matrix to Q8_0 for --quantization q8_0. Each block tensor is checked against transformers'
+dequantized values when it is converted: a layout mistake fails the conversion, it never runs
+silently wrong.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from braid.server.model import progress
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -138,45 +136,6 @@ def gguf_type_name(tensor_type) -> str:
     return {"f32": "f32", "f16": "f16", "bf16": "bf16"}.get(name, name)
 
 
-def read_gguf(
-    path: Path, hf_model, advance: Callable[[float], None] = lambda fraction: None
-) -> tuple[dict[str, Blocks], dict[str, str]]:
-    """The block matrices of a GGUF file, keyed by the Hugging Face parameter name transformers
-    gives them, and every tensor's GGUF type by the same name. Rows come in transformers' order:
-    the permutation its tensor processor applies (Llama's q and k) is applied to the blocks too; a
-    matrix it does more to (transposes, stores under another name: GPT-2's) keeps no blocks.
-    Slow (gguf-py parses the whole vocabulary): the loader does it once per file and keeps the result;
-    advance is told how far through the tensors it is (model/progress.py's bar)."""
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    reader = GGUFReader(str(path))
-    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_model.config.to_dict())
-    params = dict(hf_model.named_parameters())
-    names = _gguf_names(
-        get_tensor_name_map(
-            next(k for k, v in MODEL_ARCH_NAMES.items() if v == architecture), hf_model.config.num_hidden_layers
-        ),
-        hf_model.state_dict(),
-    )
-    blocks: dict[str, Blocks] = {}
-    types: dict[str, str] = {}
-    for tensor in progress.counted(reader.tensors, advance):
-        hf_name = names.get(tensor.name)
-        if hf_name is None:
-            continue
-        kind = gguf_type_name(tensor.tensor_type)
-        types[hf_name] = kind
-        if kind in BLOCK_FORMATS:
-            b = matching_blocks(processor, tensor, kind, params[hf_name].detach(), path.name)
-            if b is not None:
-                blocks[hf_name] = b
-    if "lm_head.weight" not in types and "model.embed_tokens.weight" in types:
-        types["lm_head.weight"] = types["model.embed_tokens.weight"]  # a tied head
-    return blocks, types
-
-
 def matching_blocks(processor, tensor, kind: str, expected: torch.Tensor, file_name: str) -> Blocks | None:
     """A GGUF tensor's blocks, its rows in the order transformers' tensor processor puts them in,
     checked against `expected` (its values as transformers loads them); None where the processor
@@ -215,15 +174,3 @@ def row_order(processor, name: str, rows: int) -> np.ndarray | None:
     if processed.name != name or order.shape != numbers.shape:
         return None
     return order.reshape(-1)
-
-
-def _gguf_names(name_map, state_dict) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face parameter name, by gguf-py's own table (as transformers
-    maps them, without its walk over every submodule)."""
-    names = {}
-    for hf_name in state_dict:
-        base, dot, suffix = hf_name.rpartition(".")
-        gguf_name = name_map.get_name(base)
-        if gguf_name is not None:
-            names[f"{gguf_name}.{suffix}"] = hf_name
-    return names

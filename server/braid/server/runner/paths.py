@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from braid.server.model.loader import LoadedModel
+from braid.server.model.loader import LoadedModel, float_model
 from braid.server.model.weights import FLOAT_FORMATS
 from braid.server.runner.decoder import Decoder
 from braid.server.runner.families import native_family
@@ -59,13 +59,14 @@ def pick_path(
     )
     if quantization == "q8_0":
         _LOGGER.warning("--quantization q8_0: the transformers path serves the weights as they are")
+    hf_model = float_model(model)  # a GGUF's block matrices dequantized: transformers' modules run floats
     return ModelPath(
-        TransformersDecoder(model.hf_model, device, dtype),
+        TransformersDecoder(hf_model, device, dtype),
         "transformers",
         "torch",
         "none",
         "float32",
-        Counter(FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for p in model.hf_model.parameters()),
+        Counter(FLOAT_FORMATS.get(p.dtype, str(p.dtype)) for p in hf_model.parameters()),
         "torch, in the model's own modules",
     )
 

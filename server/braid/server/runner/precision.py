@@ -33,12 +33,16 @@ class Precision:
         self._told: set[str] = set()
 
     def matrix(self, name: str) -> Weight:
-        """The parameter `name`, [out, in], in the format it is served in."""
+        """The parameter `name`, [out, in], in the format it is served in: a GGUF's block matrix in
+        float (--quantization none, or q8_0 of another format) dequantized from its blocks, which
+        alone hold its values (the loaded model keeps no float copy)."""
         value = self._params[name].detach()
         own = self._own.get(name) or FLOAT_FORMATS.get(value.dtype, "f32")
         blocks = self._blocks.get(name)
         if blocks is not None and self.quantization != "none":
             return self._served(blocks, blocks.format)
+        if value.is_meta:
+            value = blocks.dequantize()
         if own not in FLOAT_FORMATS.values() and own not in BLOCK_FORMATS:
             self._tell(
                 own,
