@@ -20,6 +20,7 @@ from pathlib import Path
 
 import braid_server
 import drive
+import format_models
 import llamacpp
 import machine
 import peers
@@ -303,7 +304,8 @@ async def run_all(args) -> Results:
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         await bench_braid(mode, selected, warm, args, results, save)
     if not args.skip_peers:
-        await bench_hf(model_path, selected, args, results, save)
+        # transformers needs the weights in fp32: braid's converted folder keeps the quantized matrices as blocks
+        await bench_hf(str(format_models.smollm_fp32_folder()), selected, args, results, save)
         if args.skip_llama_cpp:
             results.notes.append("llama.cpp was skipped (--skip-llama-cpp).")
         else:

@@ -49,11 +49,16 @@ LLAMA_1B_SHAPE = dict(
 LLAMA_1B_NAME = "llama-3.2-1b-shape-random"
 
 
-def smollm_fp32_folder() -> Path:
-    """braid's fp32 safetensors folder of the embedded GGUF (converted now if braid has not yet)."""
-    from braid.server.model.loader import default_cache_dir, resolve
+def smollm_fp32_folder(out: Path = BENCH_DIR / "SmolLM2-135M-Instruct-fp32") -> Path:
+    """The embedded GGUF's weights as a plain fp32 safetensors folder (its quantized matrices
+    dequantized, as transformers reads the file), with its tokenizer; made once. braid's converted
+    folder keeps those matrices only as their blocks."""
+    if (out / "config.json").is_file():
+        return out
+    from braid.server.model.loader import default_cache_dir, float_model, load, resolve
 
-    return Path(resolve(None, default_cache_dir())[1])
+    _save(float_model(load(None, default_cache_dir())), Path(resolve(None, default_cache_dir())[1]), out)
+    return out
 
 
 def bf16_folder(fp32_folder: Path, out: Path) -> Path:

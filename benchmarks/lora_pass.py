@@ -26,9 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import format_models
 import torch
 
-from braid.server.model.loader import default_cache_dir, load, resolve
+from braid.server.model.loader import default_cache_dir, load
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
@@ -58,7 +59,7 @@ def rows(n: int, adapters: list[int], decode: bool) -> list[Row]:
 
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    base = Path(resolve(None, default_cache_dir())[1])
+    base = format_models.smollm_fp32_folder()  # PEFT builds its adapters on transformers' fp32 model
     runner = ModelRunner(
         load(None, default_cache_dir()),
         torch.device("cpu"),
