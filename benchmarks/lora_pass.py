@@ -26,14 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import format_models
 import torch
 
-from braid.server.model.loader import default_cache_dir, load
+from braid.server.model.loader import default_cache_dir, load, resolve
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent / d) for d in ("tests", "tests/support")]
 from lora_files import make_adapter  # noqa: E402
 
 PROMPT = list(range(100, 140))
@@ -59,7 +58,7 @@ def rows(n: int, adapters: list[int], decode: bool) -> list[Row]:
 
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    base = format_models.smollm_fp32_folder()  # PEFT builds its adapters on transformers' fp32 model
+    base = Path(resolve(None, default_cache_dir())[1])
     runner = ModelRunner(
         load(None, default_cache_dir()),
         torch.device("cpu"),

@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+from braid_testing.models import fp32_model
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -26,9 +28,8 @@ def make_adapter(
     (bfloat16: as an adapter trained in it is, which braid's C step reads in half the bytes)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = fp32_model(base_dir)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
@@ -55,11 +56,9 @@ def make_adapter(
 
 def merged(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
     """The base model with the adapter merged in by PEFT, saved with the base's tokenizer."""
-    import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = fp32_model(base_dir)
     PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().save_pretrained(out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (base_dir / name).exists():
@@ -71,9 +70,8 @@ def peft_logits(base_dir: Path, adapter_dir: Path, ids: list[int]):
     """transformers + PEFT's logits at every position of ids, the adapter not merged."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = fp32_model(base_dir)
     with torch.no_grad():
         return PeftModel.from_pretrained(model, adapter_dir)(torch.tensor([ids])).logits[0]
 

@@ -88,6 +88,21 @@ def save_model(path: Path, model, tokenizer_from: Path | None = None, files: tup
     return path
 
 
+def fp32_model(folder: Path):
+    """transformers' model of the folder in fp32, in eval mode; of braid's converted GGUF folder
+    (smol_dir), with its block matrices dequantized (loader.float_model): the folder keeps them
+    only as blocks, and transformers' from_pretrained refuses it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from braid.server.model.conversion import BLOCKS_FILE
+    from braid.server.model.loader import float_model, load
+
+    if (folder / BLOCKS_FILE).is_file():
+        return float_model(load(str(folder), folder.parent)).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 def loaded(model, name: str = "tiny"):
     """The model as the loader gives it (braid.server.model.loader.LoadedModel), without a
     tokenizer: what a ModelRunner takes in process."""
