@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from braid.client import Client
-from braid_testing.models import WITH_TEMPLATE, save_model, tiny_model
+from braid_testing.models import WITH_TEMPLATE, fp32_model, save_model, tiny_model
 from braid_testing.process import BraidProcess, free_port  # noqa: F401  (free_port: for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -266,17 +266,7 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
 
 @functools.lru_cache(maxsize=None)
 def _reference_model(model_dir: Path):
-    """transformers' model of model_dir in fp32; of a converted GGUF (smol_dir), with its block
-    matrices dequantized (the values transformers reads from the file: the conversion checks them)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from braid.server.model.conversion import BLOCKS_FILE
-    from braid.server.model.loader import float_model, load
-
-    if (model_dir / BLOCKS_FILE).is_file():
-        return float_model(load(str(model_dir), model_dir.parent)).eval()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return fp32_model(model_dir)
 
 
 @functools.lru_cache(maxsize=None)
