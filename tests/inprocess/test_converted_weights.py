@@ -31,12 +31,41 @@ def test_a_converted_folder_holds_each_block_matrix_once_as_its_blocks(gguf, tmp
     assert not (folder / "model.safetensors").exists()  # transformers refuses the folder, never loads it half random
 
 
-def test_a_loaded_gguf_holds_no_float_copy_of_its_block_matrices(gguf, tmp_path):
+def _formats_gguf(folder, formats: str):
+    """A tiny Llama's GGUF file with its layers' matrices in `formats` (its embedding in Q8_0)."""
+    from gguf import GGMLQuantizationType
+    from gguf_files import write_gguf
+    from test_architectures import _tiny_for_gguf
+
+    shape = dict(hidden_size=256, intermediate_size=512) if "k" in formats else {}  # K-quants: rows of 256
+    model, vocab = _tiny_for_gguf("llama", **shape)
+    layers = tuple(GGMLQuantizationType[f.upper()] for f in formats.split("+"))
+    return write_gguf(model, folder / "tiny.gguf", vocab, layer_formats=layers)
+
+
+def test_the_blocks_file_holds_the_gguf_files_own_bytes(tmp_path):
+    """Q8_0, Q4_0 and Q4_1 blocks at rest take the file's bytes, no more (4-bit quants two to a byte)."""
+    from gguf import GGUFReader
+
+    gguf = _formats_gguf(tmp_path, "q4_0+q4_1")
+    folder = conversion.converted(gguf, tmp_path)
+    reader = TensorReader(folder / conversion.BLOCKS_FILE)
+    held = sum(reader.get(name).nbytes for name in reader.keys())
+    assert held == sum(
+        int(t.n_bytes) for t in GGUFReader(gguf).tensors if t.tensor_type.name in ("Q8_0", "Q4_0", "Q4_1")
+    )
+
+
+@pytest.mark.parametrize("formats", ["q8_0", "q4_0+q4_1", "q4_k+q6_k"])
+def test_a_loaded_gguf_holds_no_float_copy_of_its_block_matrices(gguf, tmp_path, formats):
     """The block matrices are on the meta device (no memory, never initialised); float_model fills
     them with exactly the values transformers' own GGUF loading gives."""
     from transformers import AutoModelForCausalLM
 
+    if formats != "q8_0":
+        gguf = _formats_gguf(tmp_path, formats)
     model = load(str(gguf), tmp_path)
+    assert set(model.blocks) and {model.formats[n] for n in model.blocks} == set(formats.split("+")) | {"q8_0"}
     params = dict(model.hf_model.named_parameters())
     assert {n for n, p in params.items() if p.is_meta} == set(model.blocks)
     assert all(not p.is_meta for n, p in params.items() if n not in model.blocks)

@@ -136,7 +136,7 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from braid.server.model.tensor_file import TensorWriter
-    from braid.server.model.weights import BLOCK_FORMATS, gguf_type_name, matching_blocks
+    from braid.server.model.weights import BLOCK_FORMATS, FOUR_BIT, gguf_type_name, matching_blocks, pack_nibbles
 
     with torch.device("meta"):  # names and shapes only: no memory
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -165,7 +165,8 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
             weights.add(hf_name, value)
             return
         kinds[hf_name] = kind
-        for part, t in (("d", b.d), ("m", b.m), ("q", b.q)):
+        q = pack_nibbles(b.q) if kind in FOUR_BIT else b.q  # as the file holds them: half the bytes
+        for part, t in (("d", b.d), ("m", b.m), ("q", q)):
             if t is not None:
                 blocks.add(f"{hf_name}.{part}", t)
 
@@ -252,11 +253,12 @@ class BlockFile(Mapping):
         self.formats: dict[str, str] = json.loads(self.reader.metadata["formats"])  # every tensor's GGUF type
 
     def __getitem__(self, name: str) -> Blocks:
-        from braid.server.model.weights import Blocks
+        from braid.server.model.weights import FOUR_BIT, Blocks, unpack_nibbles
 
         kind = self._kinds[name]
         m = self.reader.get(f"{name}.m") if f"{name}.m" in self.reader.keys() else None
-        return Blocks(kind, self.reader.get(f"{name}.d"), m, self.reader.get(f"{name}.q"))
+        q = self.reader.get(f"{name}.q")
+        return Blocks(kind, self.reader.get(f"{name}.d"), m, unpack_nibbles(q) if kind in FOUR_BIT else q)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._kinds)

@@ -22,6 +22,7 @@ _LOGGER = logging.getLogger(__name__)
 
 QBLOCK = 32  # weights per GGUF block (Q8_0, Q4_0, Q4_1; a K-quant's sub-block), along a matrix's input
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q6_k", "q4_k")  # the block formats braid's kernels run
+FOUR_BIT = ("q4_0", "q4_1", "q4_k")  # those whose quants are 0..15: kept two to a byte at rest
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
@@ -87,8 +88,19 @@ def unpack_gguf(format: str, raw: np.ndarray) -> Blocks:
     if format == "q8_0":
         q = quants.view(torch.int8)
     else:
-        q = torch.cat([quants & 0x0F, quants >> 4], dim=-1)
+        q = unpack_nibbles(quants)
     return Blocks(format, d, m, q)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit quants [..., 32] (uint8, 0..15) two to a byte, [..., 16]: element j in the low nibble
+    of byte j, element j + 16 in its high one (a Q4_0 block's own layout)."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles undone: [..., 16] bytes -> [..., 32] quants."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
 
 
 def _unpack_k_quant(format: str, raw: np.ndarray) -> Blocks:
