@@ -2,11 +2,12 @@
 block matrices as the file holds them (model/weights.py), and in fp32 only the tensors braid does
 not keep as blocks (norms, biases, a tensor in no block format braid runs).
 
-Tensor by tensor: each is dequantized, put in transformers' layout by transformers' own tensor
-processor, checked against its blocks, written out and dropped before the next, so a conversion
-holds about one tensor in fp32, never the model (transformers' GGUF loading held it twice: 6.9 GB
-at the 1B shape, about 7 bytes a parameter). The block matrices are never written in fp32: an 8B
-Q4_K_M file's folder held 32 GB of them, which nothing ran. Later starts read the folder (loader.py).
+Tensor by tensor: each is put in transformers' layout by transformers' own tensor processor (a
+block matrix's rows reordered as its blocks, every other tensor dequantized first), written out
+and dropped before the next, so a conversion holds at most one tensor in fp32, never the model
+(transformers' GGUF loading held it twice: 6.9 GB at the 1B shape, about 7 bytes a parameter).
+The block matrices are never written in fp32: an 8B Q4_K_M file's folder held 32 GB of them, which
+nothing ran. Later starts read the folder (loader.py).
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def remove_stale(target: Path, mine: str) -> None:
 
 def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], None] = lambda fraction: None) -> str:
     """Writes the file's tensors into folder, one at a time: a matrix in a block format braid's
-    kernels run as its blocks, as the file holds them (BLOCKS_FILE; checked against its values as
-    transformers loads them), every other tensor in fp32 as transformers loads it (WEIGHTS_FILE).
+    kernels run as its blocks, as the file holds them (BLOCKS_FILE; sampled rows checked against
+    gguf-py's dequantization, weights.stored_blocks), every other tensor dequantized to fp32 as
+    transformers loads it (WEIGHTS_FILE).
     Refuses a file a tensor of the model is missing from, or has another shape in (transformers
     would leave it random, or log a table). Returns the model's class name."""
     import torch
@@ -136,7 +138,7 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from braid.server.model.tensor_file import TensorWriter
-    from braid.server.model.weights import BLOCK_FORMATS, FOUR_BIT, gguf_type_name, matching_blocks, pack_nibbles
+    from braid.server.model.weights import BLOCK_FORMATS, QBLOCK, gguf_type_name, stored_blocks
 
     with torch.device("meta"):  # names and shapes only: no memory
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -152,25 +154,24 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
     kinds: dict[str, str] = {}
     mismatched: list[tuple[str, tuple, tuple]] = []  # (name, in the file, in the model)
 
-    def fits(hf_name: str, value: torch.Tensor) -> bool:
-        if hf_name in shapes and tuple(value.shape) != shapes[hf_name]:
-            mismatched.append((hf_name, tuple(value.shape), shapes[hf_name]))
+    def fits(hf_name: str, shape: tuple) -> bool:
+        if hf_name in shapes and shape != shapes[hf_name]:
+            mismatched.append((hf_name, shape, shapes[hf_name]))
             return False
         return True
 
-    def add(hf_name: str, kind: str, tensor, value: torch.Tensor) -> None:
-        """The tensor as blocks where it is a matrix braid keeps so, else in fp32."""
-        b = matching_blocks(processor, tensor, kind, value, gguf.name) if kind in BLOCK_FORMATS else None
-        if b is None:
-            weights.add(hf_name, value)
-            return
-        kinds[hf_name] = kind
-        q = pack_nibbles(b.q) if kind in FOUR_BIT else b.q  # as the file holds them: half the bytes
-        for part, t in (("d", b.d), ("m", b.m), ("q", q)):
-            if t is not None:
-                blocks.add(f"{hf_name}.{part}", t)
-
     for tensor in _released(reader, advance):
+        kind = gguf_type_name(tensor.tensor_type)
+        kept = kind in BLOCK_FORMATS and tensor.name in mapping
+        parts = stored_blocks(processor, tensor, kind, gguf.name) if kept else None
+        if parts is not None:  # a matrix kept as its blocks, never dequantized whole
+            hf_name = mapping[tensor.name]
+            formats[hf_name] = kind
+            if fits(hf_name, (parts["q"].shape[0], parts["q"].shape[1] * QBLOCK)):
+                kinds[hf_name] = kind
+                for part, t in parts.items():
+                    blocks.add(f"{hf_name}.{part}", t)
+            continue
         result = processor.process(
             weights=dequantize(tensor.data, tensor.tensor_type),
             name=tensor.name,
@@ -181,12 +182,12 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
             continue
         hf_name = mapping[result.name]
         value = torch.from_numpy(_own(result.weights)).float()  # as transformers loads it
-        formats[hf_name] = kind = gguf_type_name(tensor.tensor_type)
-        if fits(hf_name, value):
-            add(hf_name, kind, tensor, value)
+        formats[hf_name] = kind
+        if fits(hf_name, tuple(value.shape)):
+            weights.add(hf_name, value)
         del result, value
     for hf_name, value in parsed["tensors"].items():  # what a processor kept to the end (GPT-2's head)
-        if fits(hf_name, value):
+        if fits(hf_name, tuple(value.shape)):
             weights.add(hf_name, value.float())
     if mismatched:
         raise shape_mismatch(str(gguf), "GGUF file", architecture, *min(mismatched))

@@ -73,11 +73,16 @@ class Blocks:
 Weight = torch.Tensor | Blocks  # a matrix [out, in]: float, or in GGUF blocks
 
 
-def unpack_gguf(format: str, raw: np.ndarray) -> Blocks:
+def unpack_gguf(format: str, raw: np.ndarray, packed: bool = False) -> Blocks:
     """Blocks from a GGUF tensor's bytes, [out, blocks per row * block bytes] uint8. A Q4 block's
-    16 quant bytes hold element j in the low nibble of byte j and element j + 16 in its high one."""
+    16 quant bytes hold element j in the low nibble of byte j and element j + 16 in its high one.
+    packed: 4-bit quants left two to a byte (pack_nibbles': Q4_0's and Q4_1's own bytes), as a
+    converted folder keeps them."""
     if format in ("q6_k", "q4_k"):
-        return _unpack_k_quant(format, raw)
+        b = _unpack_k_quant(format, raw)
+        if packed and format in FOUR_BIT:
+            b.q = pack_nibbles(b.q)
+        return b
     out = raw.shape[0]
     head = 4 if format == "q4_1" else 2
     body = QBLOCK if format == "q8_0" else QBLOCK // 2
@@ -88,7 +93,7 @@ def unpack_gguf(format: str, raw: np.ndarray) -> Blocks:
     if format == "q8_0":
         q = quants.view(torch.int8)
     else:
-        q = unpack_nibbles(quants)
+        q = quants if packed else unpack_nibbles(quants)
     return Blocks(format, d, m, q)
 
 
@@ -148,32 +153,33 @@ def gguf_type_name(tensor_type) -> str:
     return {"f32": "f32", "f16": "f16", "bf16": "bf16"}.get(name, name)
 
 
-def matching_blocks(processor, tensor, kind: str, expected: torch.Tensor, file_name: str) -> Blocks | None:
-    """A GGUF tensor's blocks, its rows in the order transformers' tensor processor puts them in,
-    checked against `expected` (its values as transformers loads them); None where the processor
-    does more than reorder rows (it is served as transformers loaded it)."""
-    b = unpack_gguf(kind, tensor.data)
-    order = row_order(processor, tensor.name, b.shape[0])
+def stored_blocks(processor, tensor, kind: str, file_name: str, sample: int = 64) -> dict[str, torch.Tensor] | None:
+    """A GGUF block matrix's parts as a converted folder keeps them ("d", "m", "q"; 4-bit quants
+    two to a byte, pack_nibbles'), its rows in the order transformers' tensor processor puts them
+    in; None where the processor does more than reorder rows (its values are kept in fp32). Never
+    dequantized whole: `sample` rows spread over the matrix are checked against gguf-py's own
+    dequantization of the file's rows (a layout mistake shows in every row: it fails the
+    conversion, it never runs silently wrong)."""
+    from gguf import dequantize
+
+    n = tensor.data.shape[0]
+    order = row_order(processor, tensor.name, n)
     if order is None:
         return None
-    if not np.array_equal(order, np.arange(b.shape[0])):
+    b = unpack_gguf(kind, tensor.data, packed=True)
+    if not np.array_equal(order, np.arange(n)):
         b = b.rows(torch.from_numpy(order.copy()))
-    if b.shape != tuple(expected.shape) or not _reads_back(b, expected):
+    rows = torch.from_numpy(np.unique(np.linspace(0, n - 1, min(n, sample)).astype(np.int64)))
+    checked = b.rows(rows)
+    if kind in FOUR_BIT:
+        checked.q = unpack_nibbles(checked.q)
+    expected = torch.from_numpy(np.asarray(dequantize(tensor.data[order[rows.numpy()]], tensor.tensor_type)))
+    if checked.shape != tuple(expected.shape) or not torch.equal(checked.dequantize(), expected.float()):
         raise ValueError(
             f"--model {file_name}: tensor {tensor.name} ({kind}) does not read back as transformers "
             "loads it; braid will not serve it in its own format (--quantization none does)"
         )
-    return b
-
-
-def _reads_back(b: Blocks, expected: torch.Tensor, rows: int = 1024) -> bool:
-    """Whether b dequantizes to expected, compared `rows` rows at a time (the whole matrix's fp32
-    copies would be the largest memory a conversion holds: 0.8 GB for the 1B shape's embedding)."""
-    for i in range(0, b.shape[0], rows):
-        part = Blocks(b.format, b.d[i : i + rows], None if b.m is None else b.m[i : i + rows], b.q[i : i + rows])
-        if not torch.equal(part.dequantize(), expected[i : i + rows].float()):
-            return False
-    return True
+    return {part: t for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None}
 
 
 def row_order(processor, name: str, rows: int) -> np.ndarray | None:
@@ -185,4 +191,6 @@ def row_order(processor, name: str, rows: int) -> np.ndarray | None:
     order = np.asarray(processed.weights)
     if processed.name != name or order.shape != numbers.shape:
         return None
+    if not np.array_equal(np.sort(order.reshape(-1)), numbers.reshape(-1)):
+        return None  # it changes values, not only their order
     return order.reshape(-1)
