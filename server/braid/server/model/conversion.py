@@ -138,7 +138,7 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from braid.server.model.tensor_file import TensorWriter
-    from braid.server.model.weights import BLOCK_FORMATS, QBLOCK, gguf_type_name, stored_blocks
+    from braid.server.model.weights import BLOCK_FORMATS, gguf_type_name, stored_blocks
 
     with torch.device("meta"):  # names and shapes only: no memory
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -163,14 +163,15 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
     for tensor in _released(reader, advance):
         kind = gguf_type_name(tensor.tensor_type)
         kept = kind in BLOCK_FORMATS and tensor.name in mapping
-        parts = stored_blocks(processor, tensor, kind, gguf.name) if kept else None
-        if parts is not None:  # a matrix kept as its blocks, never dequantized whole
+        b = stored_blocks(processor, tensor, kind, gguf.name) if kept else None
+        if b is not None:  # a matrix kept as its blocks, never dequantized whole
             hf_name = mapping[tensor.name]
             formats[hf_name] = kind
-            if fits(hf_name, (parts["q"].shape[0], parts["q"].shape[1] * QBLOCK)):
+            if fits(hf_name, b.shape):
                 kinds[hf_name] = kind
-                for part, t in parts.items():
-                    blocks.add(f"{hf_name}.{part}", t)
+                for part, t in (("d", b.d), ("m", b.m), ("q", b.q)):
+                    if t is not None:
+                        blocks.add(f"{hf_name}.{part}", t)
             continue
         result = processor.process(
             weights=dequantize(tensor.data, tensor.tensor_type),
@@ -197,20 +198,10 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
     if "lm_head.weight" not in formats and "model.embed_tokens.weight" in formats:
         formats["lm_head.weight"] = formats["model.embed_tokens.weight"]  # a tied head
     weights.close({"format": "pt"})
-    blocks.close(block_metadata(formats, kinds))
+    # every tensor's GGUF type, and the block matrices' formats (BlockFile reads both; the block
+    # formats of the braid that wrote it are in the folder's key)
+    blocks.close({"formats": json.dumps(formats), "blocks": json.dumps(kinds)})
     return architecture
-
-
-def block_metadata(formats: dict[str, str], kinds: dict[str, str]) -> dict[str, str]:
-    """BLOCKS_FILE's metadata: every tensor's GGUF type, the block matrices' formats, and the block
-    formats of the braid that wrote it (one that ran fewer left some tensors out)."""
-    from braid.server.model.weights import BLOCK_FORMATS
-
-    return {
-        "formats": json.dumps(formats),
-        "blocks": json.dumps(kinds),
-        "block_formats": json.dumps(BLOCK_FORMATS),
-    }
 
 
 def _released(reader, advance: Callable[[float], None]) -> Iterator:

@@ -153,9 +153,9 @@ def gguf_type_name(tensor_type) -> str:
     return {"f32": "f32", "f16": "f16", "bf16": "bf16"}.get(name, name)
 
 
-def stored_blocks(processor, tensor, kind: str, file_name: str, sample: int = 64) -> dict[str, torch.Tensor] | None:
-    """A GGUF block matrix's parts as a converted folder keeps them ("d", "m", "q"; 4-bit quants
-    two to a byte, pack_nibbles'), its rows in the order transformers' tensor processor puts them
+def stored_blocks(processor, tensor, kind: str, file_name: str, sample: int = 64) -> Blocks | None:
+    """A GGUF block matrix as a converted folder keeps it (4-bit quants two to a byte,
+    pack_nibbles'), its rows in the order transformers' tensor processor puts them
     in; None where the processor does more than reorder rows (its values are kept in fp32). Never
     dequantized whole: `sample` rows spread over the matrix are checked against gguf-py's own
     dequantization of the file's rows (a layout mistake shows in every row: it fails the
@@ -179,7 +179,7 @@ def stored_blocks(processor, tensor, kind: str, file_name: str, sample: int = 64
             f"--model {file_name}: tensor {tensor.name} ({kind}) does not read back as transformers "
             "loads it; braid will not serve it in its own format (--quantization none does)"
         )
-    return {part: t for part, t in (("d", b.d), ("m", b.m), ("q", b.q)) if t is not None}
+    return b
 
 
 def row_order(processor, name: str, rows: int) -> np.ndarray | None:
