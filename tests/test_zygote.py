@@ -36,19 +36,27 @@ def test_a_variable_read_when_a_module_loads_is_honoured(monkeypatch):
         forked = zygote.spawn(["--version"], {**os.environ, "BRAID_LOG_LEVEL": "debug"}, devnull.fileno())
         assert forked is not None and forked.wait(60) == 0
     # this process's own, changed after its zygote imported (loading a model sets HF_HUB_OFFLINE): a
-    # new zygote imports under it, and the servers are forks still
-    before = zygote._client._proc
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    with open(os.devnull, "wb") as devnull:
-        forked = zygote.spawn(["--version"], dict(os.environ), devnull.fileno())
-        assert forked is not None and forked.wait(60) == 0
-    assert zygote._client._proc is not before
-    # the environment restored (as monkeypatch restores it): its zygote forks again, none imports anew
-    monkeypatch.undo()
-    with open(os.devnull, "wb") as devnull:
-        forked = zygote.spawn(["--version"], dict(os.environ), devnull.fileno())
-        assert forked is not None and forked.wait(60) == 0
-    assert zygote._client._proc is before
+    # new zygote imports under it, and the servers are forks still. A client of its own, whose zygotes
+    # import no braid before they fork (the tests' client's would each import it: 9 s of CPU).
+    client = zygote._Client(preload=False)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            forked = client.spawn(["--version"], dict(os.environ), devnull.fileno())
+            assert forked is not None and forked.wait(60) == 0
+        before = client._proc
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        with open(os.devnull, "wb") as devnull:
+            forked = client.spawn(["--version"], dict(os.environ), devnull.fileno())
+            assert forked is not None and forked.wait(60) == 0
+        assert client._proc is not before
+        # the environment restored (as monkeypatch restores it): its zygote forks again, none imports anew
+        monkeypatch.undo()
+        with open(os.devnull, "wb") as devnull:
+            forked = client.spawn(["--version"], dict(os.environ), devnull.fileno())
+            assert forked is not None and forked.wait(60) == 0
+        assert client._proc is before and len(client._all) == 2
+    finally:
+        client._stop()
 
 
 def test_a_forked_server_drains_on_sigterm_and_reports_a_kill_as_popen_does(tiny_dir):
@@ -98,10 +106,11 @@ def test_a_forked_server_waited_on_by_two_threads_gives_both_its_exit_code(tiny_
 def test_a_zygote_started_on_a_thread_outlives_the_thread():
     """A test's first server may start on a thread of its own (conftest.start_together): the zygote
     it starts must serve the rest of the run. It was killed when that thread ended (it asked for
-    the parent-death signal, which is the starting thread's), and every later server ran unforked."""
+    the parent-death signal, which is the starting thread's), and every later server ran unforked.
+    (Its zygote imports no braid before it forks: what it outlives does not depend on what it holds.)"""
     import threading
 
-    client = zygote._Client()
+    client = zygote._Client(preload=False)
     forked = []
 
     def first() -> None:

@@ -104,9 +104,11 @@ class _Client:
     import) when it started a server, started on first use under it. The tests' loading of a model sets
     HF_HUB_OFFLINE, and a test's monkeypatch changes a variable and then restores it: the zygote of the
     environment restored serves again, where a new one imported braid anew (9 s of CPU) each time. Every
-    zygote ends with this process."""
+    zygote ends with this process. preload=False: zygotes that import nothing of braid first (a test of the
+    zygote's own lifetime and bookkeeping needs no 9 s of CPU of imports per zygote it starts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: bool = True) -> None:
+        self._preload = preload
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None  # the zygote of the environment last seen
         self._path = ""
@@ -157,7 +159,7 @@ class _Client:
         support = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(filter(None, [support, os.environ.get("PYTHONPATH")]))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "braid_testing.zygote", socket_path],
+            [sys.executable, "-m", "braid_testing.zygote", socket_path, *([] if self._preload else ["--bare"])],
             env={**os.environ, "PYTHONPATH": path},
             stdin=subprocess.PIPE,
         )
@@ -236,11 +238,6 @@ def _preload() -> None:
 
 def _child(conn: socket.socket, request: dict, out: int, err: int) -> int:
     """In the fork: becomes `braid <argv>` and returns its exit code."""
-    import random
-
-    import numpy
-    import torch
-
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -252,9 +249,7 @@ def _child(conn: socket.socket, request: dict, out: int, err: int) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    random.seed()
-    numpy.random.seed()
-    torch.seed()
+    _reseed()
     sys.argv = ["braid", *request["argv"]]
     from braid.server.cli import main
     from braid_testing.faults import Faults
@@ -267,6 +262,18 @@ def _child(conn: socket.socket, request: dict, out: int, err: int) -> int:
             print(f"braid: error: {exc}", file=sys.stderr)
             return 2
     return main(request["argv"], ports=ports)
+
+
+def _reseed() -> None:
+    """New seeds for the fork's random generators that the zygote imported (each would otherwise
+    repeat its siblings' numbers); one imported after the fork seeds itself."""
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
 
 
 def _exit_in_child(code: int) -> None:
@@ -282,11 +289,12 @@ def _exit_in_child(code: int) -> None:
         os._exit(code)
 
 
-def _serve(path: str) -> None:
+def _serve(path: str, preload: bool = True) -> None:
     # Python 3.12 warns at each fork of a process with more than one thread: torch's import starts
     # one, which stays idle (no lock of it is taken by the child's code).
     warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded", DeprecationWarning)
-    _preload()
+    if preload:
+        _preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -346,4 +354,4 @@ if __name__ == "__main__":
     # It ends with the test process when its stdin closes (_serve). Not PR_SET_PDEATHSIG: that fires
     # when the *thread* that started it ends, and a test's first server may start on a thread of its
     # own (start_together): the zygote was killed with it, and the rest of the run lost its forks.
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], preload="--bare" not in sys.argv[2:])
