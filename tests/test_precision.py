@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -25,15 +24,15 @@ import pytest
 import torch
 
 from braid.server.engine.types import FinishReason
-from braid.server.model.loader import LoadedModel, default_cache_dir, float_model, load
+from braid.server.model.loader import LoadedModel, default_cache_dir, load
 from braid.server.runner.kernels.extension import ISA_VARIABLE
 from braid.server.runner.kv_cache import Q8_0, auto_dtype, head_dim, kv_dtype_name
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.precision import Precision
 from braid_testing.models import loaded, tiny_model
-from braid_testing.perplexity import divergence, prompt_logits
+from braid_testing.perplexity import divergence, logits_perplexity, prompt_logits
 from braid_testing.process import run_braid
-from conftest import REPO, Server, assert_greedy, compute_dtype, near_tie
+from conftest import REPO, Server, _reference_model, assert_greedy, compute_dtype, near_tie
 
 EMBEDDED_FORMATS = {"q4_1": 210, "q8_0": 1, "f32": 61}  # SmolLM2-135M-Instruct.Q4_1.gguf's tensors
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
@@ -204,8 +203,8 @@ def test_the_isa_variable_picks_the_kernels_and_a_wrong_one_fails_the_start(tiny
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_q8_0_costs_at_most_one_percent_of_perplexity(text_pass, dtype, record_property):
     """--quantization q8_0 on an fp32 or a bf16 model, against the same model unquantized, on the
-    fixed text the repo ships (tests/data/perplexity.txt), float32 rows. docs/benchmarks.md quotes the
-    figures. The bf16 model unquantized is the embedded one served in bf16 (BF16), the pass the bf16
+    first 512 tokens of the fixed text the repo ships (tests/data/perplexity.txt), float32 rows.
+    docs/benchmarks.md quotes the figures. The bf16 model unquantized is the embedded one served in bf16 (BF16), the pass the bf16
     rows tests read too: the same weights as a bf16 checkpoint's, rounded once."""
     if dtype == "float32":
         plain = text_pass("float32", "fp32", quantization="none")
@@ -224,17 +223,18 @@ def test_q8_0_costs_at_most_one_percent_of_perplexity(text_pass, dtype, record_p
 
 @dataclass
 class TextPass:
-    """A model over the fixed text (tests/data/perplexity.txt) in one prompt pass."""
+    """A model over the first POSITIONS tokens of the fixed text (tests/data/perplexity.txt) in one prompt pass."""
 
     activations: str  # the rows the runner multiplied (auto resolved)
     weight_formats: dict[str, int]  # the runner's, format: matrices
-    perplexity: float | None  # of the whole text; None where only the divergence tests' positions ran
-    logits: torch.Tensor  # [DIVERGENCE_POSITIONS, V]: the first positions', for the divergence tests
+    perplexity: float  # of those tokens after the first (511), each given all before it
+    logits: torch.Tensor  # [POSITIONS, V]
 
 
-# The divergence tests compare the first 512 positions of the fixed text (a pass over them alone gives
-# the same bits as the whole text's pass gives them: each row attends through its own page table).
-DIVERGENCE_POSITIONS = 512
+# Every pass runs the fixed text's first 512 tokens: the perplexity tests score the 511 after the
+# first, the divergence tests compare the 512 positions' logits (a pass over them alone gives the same
+# bits as the whole text's pass gives them: each row attends through its own page table).
+POSITIONS = 512
 
 
 def _as_checkpoint(model: LoadedModel, name: str, hf_model) -> LoadedModel:
@@ -249,26 +249,25 @@ def _as_checkpoint(model: LoadedModel, name: str, hf_model) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def text_pass(embedded):
-    """text_pass(activations, model="embedded", scored=True, **weights): a model over the fixed text
-    with those rows and weights (ModelRunner's weight_dtype, quantization; and kv_dtype, fp32 unless
-    given), run once per model and configuration the runner resolves to for the whole module: the
-    perplexity and the divergence tests read the same pass (on a CPU without AVX-512 BF16, bf16 rows
-    are float32 rows, and so computed once). scored=False: a configuration only the divergence tests
-    read, over their DIVERGENCE_POSITIONS alone (half the text: perplexity None), unless the whole
-    text's pass is already done. model: "embedded" (the GGUF in its own formats), "fp32" (its weights
-    as an fp32 checkpoint: its block matrices dequantized) or "bf16" (those in bf16, as a bf16
-    checkpoint, made once)."""
-    ids = embedded.hf_tokenizer(TEXT)["input_ids"]
+def text_pass(embedded, smol_dir):
+    """text_pass(activations, model="embedded", **weights): a model over the fixed text's first
+    POSITIONS tokens with those rows and weights (ModelRunner's weight_dtype, quantization; and
+    kv_dtype, fp32 unless given), run once per model and configuration the runner resolves to for the
+    whole module: the perplexity and the divergence tests read the same pass (on a CPU without
+    AVX-512 BF16, bf16 rows are float32 rows, and so computed once). model: "embedded" (the GGUF in
+    its own formats), "fp32" (its weights as an fp32 checkpoint: its block matrices dequantized, the
+    session's transformers reference of the same folder, conftest._reference_model) or "bf16" (those
+    in bf16, as a bf16 checkpoint, made once)."""
+    ids = embedded.hf_tokenizer(TEXT)["input_ids"][:POSITIONS]
     models = {
         "embedded": lambda: embedded,
-        "fp32": lambda: _as_checkpoint(embedded, "fp32", float_model(embedded)),
-        "bf16": functools.cache(lambda: _as_checkpoint(embedded, "bf16", _bf16_copy(float_model(embedded)))),
+        "fp32": lambda: _as_checkpoint(embedded, "fp32", _reference_model(smol_dir)),
+        "bf16": functools.cache(lambda: _as_checkpoint(embedded, "bf16", _bf16_copy(_reference_model(smol_dir)))),
     }
     resolved: dict[tuple, tuple] = {}  # as asked -> as the runner resolved it: a runner is not built to learn it again
-    done: dict[tuple, TextPass] = {}  # (as resolved, whether the whole text ran) -> its pass
+    done: dict[tuple, TextPass] = {}  # as resolved -> its pass
 
-    def get(activations: str, model: str = "embedded", scored: bool = True, **weights) -> TextPass:
+    def get(activations: str, model: str = "embedded", **weights) -> TextPass:
         question = (model, activations, tuple(sorted(weights.items())))
         runner = None
         if question not in resolved:
@@ -276,24 +275,18 @@ def text_pass(embedded):
             formats = tuple(sorted(runner.weight_formats.items()))
             resolved[question] = (model, runner.activations, runner.kv_dtype_name, formats)
         key = resolved[question]
-        if (key, True) not in done and (scored or (key, False) not in done):
+        if key not in done:
             runner = runner or _runner(models[model](), activations, **weights)
-            if scored:
-                logits = prompt_logits(runner, ids)
-                nll = -torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
-                head = logits[:DIVERGENCE_POSITIONS].clone()
-                done[key, True] = TextPass(runner.activations, runner.weight_formats, math.exp(nll.item()), head)
-            else:
-                logits = prompt_logits(runner, ids[:DIVERGENCE_POSITIONS])
-                done[key, False] = TextPass(runner.activations, runner.weight_formats, None, logits)
-        return done.get((key, True)) or done[key, False]
+            logits = prompt_logits(runner, ids)
+            done[key] = TextPass(runner.activations, runner.weight_formats, logits_perplexity(logits, ids), logits)
+        return done[key]
 
     return get
 
 
 def test_int8_activations_cost_at_most_one_percent_of_perplexity(text_pass, record_property):
     """The embedded model in its own formats (Q4_1, with a Q8_0 head), its quantized matrices
-    multiplied by int8 rows (--activations int8) against float32 rows, on the same fixed text.
+    multiplied by int8 rows (--activations int8) against float32 rows, on the same 512 tokens.
     docs/benchmarks.md quotes the figures."""
     plain, int8 = text_pass("float32"), text_pass("int8")
     assert int8.activations == ("float32" if plain is int8 else "int8")  # float32: where braid's kernels do not run
@@ -310,7 +303,7 @@ BF16 = dict(weight_dtype="bfloat16", quantization="none")
 
 def test_bf16_activations_cost_at_most_one_percent_of_perplexity(text_pass, record_property):
     """The embedded model served in bf16, its matrices multiplied by bf16 rows (--activations bf16:
-    AVX-512 BF16's vdpbf16ps) against float32 rows, on the same fixed text. Where the CPU has no
+    AVX-512 BF16's vdpbf16ps) against float32 rows, on the same 512 tokens. Where the CPU has no
     AVX-512 BF16 both run float32 rows (and the figures are equal). docs/benchmarks.md quotes the figures."""
     plain, bf16 = text_pass("float32", **BF16), text_pass("bf16", **BF16)
     assert set(bf16.weight_formats) == {"bf16", "f32"}  # the matrices bf16, the norms f32
@@ -337,10 +330,16 @@ LLAMA_CPP_Q4_1 = {"kld": 0.0045, "same_top": 0.945}
 
 
 def _runner(model: LoadedModel, activations: str, **weights) -> ModelRunner:
-    """A runner of braid's decoder on the CPU for prompt passes (prompt_logits) of up to 2,048 tokens.
+    """A runner of braid's decoder on the CPU for prompt passes (prompt_logits) of up to POSITIONS tokens.
     weights: ModelRunner's weight_dtype, quantization and kv_dtype (fp32 unless given)."""
     return ModelRunner(
-        model, torch.device("cpu"), torch.float32, num_pages=128, max_seq_len=2048, activations=activations, **weights
+        model,
+        torch.device("cpu"),
+        torch.float32,
+        num_pages=POSITIONS // 16,
+        max_seq_len=POSITIONS,
+        activations=activations,
+        **weights,
     )
 
 
@@ -348,7 +347,7 @@ def test_int8_activations_diverge_from_float32_rows_as_little_as_llama_cpps(text
     """--activations int8 (and auto, which runs it) against float32 rows, over the first 512
     positions of the fixed text: mean KL divergence and same-top-token rate within llama.cpp's own
     figures for the same file (LLAMA_CPP_Q4_1). docs/benchmarks.md quotes the figures."""
-    kld, same_top = divergence(text_pass("float32", scored=False).logits, text_pass("auto", scored=False).logits)
+    kld, same_top = divergence(text_pass("float32").logits, text_pass("auto").logits)
     record_property("divergence", f"int8 rows against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}")
     print(f"\nint8 rows against float32 rows: mean KLD {kld:.4f}, same top {same_top:.2%}")
     assert kld <= LLAMA_CPP_Q4_1["kld"] and same_top >= LLAMA_CPP_Q4_1["same_top"], (kld, same_top)
@@ -360,7 +359,7 @@ def test_the_default_diverges_from_float32_rows_as_little_as_llama_cpps(text_pas
     llama.cpp's own figures for its Q4_1 file with its default cache against its F32 (LLAMA_CPP_Q4_1).
     The bound that chose the default KV cache (runner/kv_cache.auto_dtype; docs/benchmarks.md)."""
     kv_dtype = default_kv_dtype(embedded)
-    plain, default = text_pass("float32", scored=False), text_pass("auto", scored=False, kv_dtype=kv_dtype)
+    plain, default = text_pass("float32"), text_pass("auto", kv_dtype=kv_dtype)
     kld, same_top = divergence(plain.logits, default.logits)
     name = kv_dtype_name(kv_dtype)
     record_property(
@@ -381,7 +380,7 @@ def test_a_q8_0_cache_costs_at_most_0_002_of_kl_divergence_over_a_bf16_one(text_
     cache's tokens wherever pages are touched). Measured on Zen 3 (AVX2): bf16 0.00004, q8_0 0.0008,
     same top 98.6% (2026-11-28; the same figures as in test_q8_0_cache, where it was measured before)."""
     base, bf16, q8 = (
-        text_pass("float32", "fp32", scored=False, quantization="none", **kv)
+        text_pass("float32", "fp32", quantization="none", **kv)
         for kv in ({}, {"kv_dtype": torch.bfloat16}, {"kv_dtype": Q8_0})
     )
     assert base.activations == bf16.activations == q8.activations == "float32"
@@ -401,9 +400,9 @@ BF16_NEAR_TIE = 0.01
 
 
 def test_bf16_activations_choose_float32_rows_tokens_but_for_near_ties(text_pass):
-    """The embedded model in bf16: at every position of the fixed text, the token bf16 rows (auto)
+    """The embedded model in bf16: at each of the fixed text's first 512 positions, the token bf16 rows (auto)
     rank first is the one float32 rows rank first, or within BF16_NEAR_TIE of it."""
-    rows, plain = text_pass("auto", scored=False, **BF16).logits, text_pass("float32", scored=False, **BF16).logits
+    rows, plain = text_pass("auto", **BF16).logits, text_pass("float32", **BF16).logits
     best = plain.max(1).values
     gap = best - plain.gather(1, rows.argmax(1, keepdim=True))[:, 0]
     print(

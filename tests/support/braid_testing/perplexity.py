@@ -40,11 +40,23 @@ def prompt_logits(runner: ModelRunner, token_ids: Sequence[int]) -> torch.Tensor
         return runner.decoder.forward(batch, runner.cache).float()
 
 
+def logits_perplexity(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
+    """exp of the mean negative log-likelihood of token_ids[1:] under logits [len(token_ids), V]
+    (prompt_logits'), each position's logits scoring the token after it. The log-softmax in fp32: on
+    the fixed text's first 512 tokens the perplexity moves by 2e-5 of itself from float64's, the same
+    for every model (their ratio to 1e-6), and it costs a third."""
+    targets = torch.tensor(list(token_ids)[1:])[:, None]
+    nll = -torch.log_softmax(logits[:-1].float(), -1).gather(1, targets).double().mean()
+    return math.exp(nll.item())
+
+
 def divergence(base: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
     """(mean KL divergence, same-top-token rate) of logits [N, V] against base [N, V], position by
     position: what llama.cpp's `llama-perplexity --kl-divergence` reports of a quantized model against
     its base (KL(base || logits), in nats, the mean over the N positions; and the share of positions
     whose most likely token is the base's)."""
-    base_lp, lp = torch.log_softmax(base.double(), -1), torch.log_softmax(logits.double(), -1)
+    # fp32: on the fixed text's first 512 positions int8 rows' mean KLD is 0.00348947 against float64's
+    # 0.00348945 (the default's 0.00392006 against 0.00392005), at half float64's cost
+    base_lp, lp = torch.log_softmax(base.float(), -1), torch.log_softmax(logits.float(), -1)
     kld = (base_lp.exp() * (base_lp - lp)).sum(-1)
     return kld.mean().item(), (base.argmax(-1) == logits.argmax(-1)).double().mean().item()
