@@ -2,16 +2,23 @@
 braid.v1 stubs are in no file: the build generates them), installed into a fresh virtual environment
 that has nothing else, then imported and called.
 
-pip reaches its index (or its cache) for the build's requirements and the client's dependencies.
+pip builds the wheel and installs it, each in a new virtual environment that holds only what the
+wheel's pyproject.toml requires for its build, or what the wheel requires (and what those require,
+each at a version its requirement allows), linked from this interpreter's environment: where pip
+found them on its index it spent 12 of the module's 16 s of CPU reading pypi.org's lists of grpcio's
+and grpcio-tools' thousands of files, and proved no more about the client.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import venv
 import zipfile
@@ -19,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENT = REPO / "clients" / "python"
@@ -72,9 +81,52 @@ def _pip(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return _run(sys.executable, "-m", "pip", *args)
 
 
+def _installed(requirements: list[str]) -> list[importlib.metadata.Distribution]:
+    """This environment's distributions that requirements name, and those that theirs name, each
+    at a version its requirement allows (as pip would resolve them, had it none of them to fetch)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    wanted = [(Requirement(text), ("",)) for text in requirements]
+    while wanted:
+        requirement, extras = wanted.pop()
+        if requirement.marker and not any(requirement.marker.evaluate({"extra": e}) for e in extras):
+            continue
+        try:
+            dist = found.get(canonicalize_name(requirement.name)) or importlib.metadata.distribution(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.fail(f"{requirement} is not installed here: `make install-test` installs it")
+        assert requirement.specifier.contains(dist.version, prereleases=True), f"{requirement}: {dist.version} here"
+        if canonicalize_name(requirement.name) not in found:
+            found[canonicalize_name(requirement.name)] = dist
+            wanted += [(Requirement(text), ("", *requirement.extras)) for text in dist.requires or ()]
+    return list(found.values())
+
+
+def _environment(root: Path, requirements: list[str]) -> Path:
+    """The python of a new virtual environment (no system site-packages) holding only the
+    distributions _installed(requirements) gives, each of their files linked, their scripts run by it."""
+    venv.EnvBuilder(with_pip=False, system_site_packages=False).create(root)
+    python = root / "bin" / "python"
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}))
+    for dist in _installed(requirements):
+        assert dist.files is not None, f"{dist.metadata['Name']} lists no files (no RECORD)"
+        for file in dist.files:
+            source, target = Path(dist.locate_file(file)), Path(os.path.normpath(site / file))
+            if not source.is_file() or not target.is_relative_to(root):
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.parent == python.parent:  # a script: its first line names its interpreter
+                text = source.read_text()
+                target.write_text(f"#!{python}\n{text.split(chr(10), 1)[1]}" if text.startswith("#!") else text)
+                target.chmod(0o755)
+            else:
+                target.symlink_to(source)
+    return python
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel of clients/python, built from a copy of the files git keeps (or would) in it and in protos/."""
+    """A wheel of clients/python, built from a copy of the files git keeps (or would) in it and in protos/,
+    by pip in an environment of its build requirements alone (and on a PATH of that environment's)."""
     checkout = tmp_path_factory.mktemp("checkout")
     listed = _run(
         "git", "-C", REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard", "clients/python", "protos"
@@ -84,20 +136,31 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             (checkout / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, checkout / name)
     assert not (checkout / "clients/python/src/braid/v1").exists(), "generated stubs are never in git"
+    build_requires = tomllib.loads((CLIENT / "pyproject.toml").read_text())["build-system"]["requires"]
+    python = _environment(tmp_path_factory.mktemp("build-env"), build_requires)
     dist = tmp_path_factory.mktemp("dist")
-    _pip("wheel", "--no-deps", "--wheel-dir", dist, checkout / "clients" / "python")
-    (built,) = dist.glob("*.whl")
-    return built
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "wheel", "--no-build-isolation", "--no-deps"]
+        + ["--wheel-dir", dist, checkout / "clients" / "python"],
+        env={**os.environ, "PATH": f"{python.parent}:/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = dist.glob("*.whl")
+    return wheel
 
 
 @pytest.fixture(scope="module")
 def fresh_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The interpreter of a new virtual environment (no system site-packages) holding only the
-    wheel and what it requires."""
-    root = tmp_path_factory.mktemp("venv")
-    venv.EnvBuilder(with_pip=False, system_site_packages=False).create(root)
-    python = root / "bin" / "python"
-    _pip("--python", python, "install", wheel)
+    wheel, installed by pip, and what it requires."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    python = _environment(tmp_path_factory.mktemp("venv"), re.findall(r"^Requires-Dist: (.+)$", metadata, re.M))
+    _pip("--python", python, "install", "--no-index", wheel)  # pip finds what the wheel requires installed
     return python
 
 
