@@ -14,6 +14,7 @@ from braid.server.config import SettingError
 from braid.server.model import conversion
 from braid.server.model.loader import LoadedModel, default_cache_dir, float_model, load
 from braid.server.model.tensor_file import TensorReader, TensorWriter
+from conftest import _reference_model
 from in_process import generate, load_model
 
 
@@ -108,11 +109,19 @@ def embedded() -> LoadedModel:
     return load(None, default_cache_dir())
 
 
+@pytest.fixture(scope="module")
+def held(embedded, smol_dir) -> LoadedModel:
+    """The embedded model with every block matrix also held in fp32, as braid loaded it before: its
+    blocks and formats, and transformers' model of the same folder with them dequantized (float_model;
+    the session's reference, conftest._reference_model, made once)."""
+    return LoadedModel(**{**vars(embedded), "hf_model": _reference_model(smol_dir)})
+
+
 @pytest.mark.parametrize("config", CONFIGS)
-def test_the_embedded_models_tokens_are_those_of_its_fp32_copy(embedded, config):
+def test_the_embedded_models_tokens_are_those_of_its_fp32_copy(embedded, held, config):
     """Greedy tokens of the embedded model as loaded (block matrices only in their blocks) against
     the same model with every block matrix also held in fp32, as braid loaded it before: identical."""
-    held = LoadedModel(**{**vars(embedded), "hf_model": float_model(embedded)})
+    assert not any(p.is_meta for p in held.hf_model.parameters())
     requests = [dict(prompt=p, max_new_tokens=16, ignore_eos=True) for p in PROMPTS]
     now = generate(load_model(None, default_cache_dir(), loaded=embedded, **CONFIGS[config]), requests)
     before = generate(load_model(None, default_cache_dir(), loaded=held, **CONFIGS[config]), requests)

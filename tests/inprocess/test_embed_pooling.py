@@ -135,18 +135,31 @@ def test_an_embedding_beside_a_decoding_session_leaves_its_tokens_unchanged(kern
         assert not shared
 
 
+@pytest.fixture(scope="module")
+def embedded_model() -> LoadedModel:
+    """The embedded model as `braid serve` loads it (its GGUF's Q4_1 blocks), loaded once for both runners."""
+    from braid.server.model.loader import default_cache_dir, load
+
+    return load(None, default_cache_dir())
+
+
 @pytest.fixture(scope="module", params=["float32", "auto"], ids=["fp32-activations", "int8-activations"])
-def embedded(request):
-    """The embedded model as `braid serve` loads it (its GGUF's Q4_1 blocks), in process: with fp32
-    activations and an fp32 KV cache (BOUNDS' float32 row is fp32 rounding, which the CPU's default
-    q8_0 cache does not keep), and with the default (int8 rows on a CPU that has the kernels, q8_0 cache)."""
+def embedded(request, embedded_model):
+    """The embedded model in process: with fp32 activations and an fp32 KV cache (BOUNDS' float32 row
+    is fp32 rounding, which the CPU's default q8_0 cache does not keep), and with the default (int8
+    rows on a CPU that has the kernels, q8_0 cache)."""
     from in_process import load_model
 
     from braid.server.model.loader import default_cache_dir
 
     kv_cache_dtype = "float32" if request.param == "float32" else "auto"
     return load_model(
-        None, default_cache_dir(), max_seq_len=512, activations=request.param, kv_cache_dtype=kv_cache_dtype
+        None,
+        default_cache_dir(),
+        embedded_model,
+        max_seq_len=512,
+        activations=request.param,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
