@@ -47,18 +47,20 @@ def test_a_replica_with_a_long_queue_reports_it(tiny_dir):
         idle = _status_report(server.target)
         assert idle.named_metrics["queue_depth"] == 0 and idle.application_utilization == 0
         with server.client() as client:
-            threads = [
-                threading.Thread(target=lambda kw=kw: client.generate("Hold the model", **kw), daemon=True)
-                for kw in (LONG, *[dict(max_new_tokens=1)] * 3)
-            ]  # one runs, three wait (one token each: they are here to be counted in the queue)
-            threads[0].start()
+            # one runs, three wait (one token each: they are here to be counted in the queue)
+            hold = client.stream("Hold the model", **LONG)
             # the long call runs before the others are sent: one that reached the server first would
             # run its one token and leave two in the queue (a race the test lost about one run in six)
-            wait_for(lambda: client.server_status().sessions_active == 1)
-            for thread in threads[1:]:
+            next(iter(hold))
+            threads = [
+                threading.Thread(target=lambda: client.generate("Wait in line", max_new_tokens=1), daemon=True)
+                for _ in range(3)
+            ]
+            for thread in threads:
                 thread.start()
             wait_for(lambda: client.server_status().sessions_queued == 3)
             busy = _status_report(server.target)
+            hold.cancel()  # it has held the model long enough: the queue's report is taken
             busy_stream = threading.Thread(
                 target=lambda: streamed.append(
                     _report(server.target, "Stream", {"prompt": "And one more", "max_new_tokens": 2})

@@ -11,9 +11,8 @@ def test_queued_sessions_hear_their_position_then_get_their_tokens(tiny_dir):
     server = tiny_server(tiny_dir, "--mode", "sequential", env=SLOW)
     try:
         with server.client() as client:
-            first = threading.Thread(target=lambda: client.generate("Hold the model", **LONG), daemon=True)
-            first.start()
-            wait_for(lambda: client.server_status().sessions_active == 1)
+            hold = client.stream("Hold the model", **LONG)
+            next(iter(hold))  # it runs: the next ones queue behind it
             seen: dict[str, list] = {"second": [], "third": []}
 
             def waiting(name: str) -> None:
@@ -25,7 +24,10 @@ def test_queued_sessions_hear_their_position_then_get_their_tokens(tiny_dir):
             wait_for(lambda: client.server_status().sessions_queued == 1)
             third = threading.Thread(target=waiting, args=("third",), daemon=True)
             third.start()
-            for thread in (first, second, third):
+            # the third has heard where it stands on arrival: the hold has done its part
+            wait_for(lambda: any(m.queue_position for m in seen["third"]))
+            hold.cancel()
+            for thread in (second, third):
                 thread.join(60)
         for name, first_position in (("second", 1), ("third", 2)):
             messages = seen[name]
