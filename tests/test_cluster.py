@@ -473,7 +473,9 @@ def test_max_connection_age_closes_a_connection_its_calls_done(tiny_dir):
             states: list[grpc.ChannelConnectivity] = []
             channel.subscribe(states.append, try_to_connect=True)
             stub = pb_grpc.GenerateStub(channel)
-            final = list(stub.Stream(request(900), timeout=60))[-1]  # 2.7 s at least: past the age
+            # 500 tokens of SLOW passes last 1.5 s at least, on any machine: past the age and the
+            # 10% jitter gRPC adds to it (1.1 s at most), so the GOAWAY comes while the call runs
+            final = list(stub.Stream(request(500), timeout=60))[-1]
             assert final.finish_reason == MAX_TOKENS
             wait_for(lambda: states[-1] == grpc.ChannelConnectivity.IDLE, timeout=10)
             assert stub.ServerStatus(pb.ServerStatusRequest(), timeout=10).sessions_submitted == 1
