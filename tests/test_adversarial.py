@@ -253,16 +253,20 @@ def test_long_prompts_on_torchs_ops_in_every_mode(long_dir, in_process, mode):
         for inputs in (dict(prompt=WORD * num_tokens), dict(messages=chat)):
             ids = model.tokenizer.encode(inputs.get("prompt"), [Message(*m) for m in inputs.get("messages", ())])
             assert len(ids) == num_tokens
-            [done] = generate(model, [dict(inputs, max_new_tokens=4, ignore_eos=True)], mode=mode)
+            request, expected = dict(inputs, max_new_tokens=4, ignore_eos=True), 4
+            if num_tokens == LONGEST:  # left at 0: the default (256), clipped to the context, as the edge asks
+                # (one prefill of the longest prompt, where a run of 4 tokens and one of the default
+                # each prefilled it: the 4 tokens are the first of these 6, checked the same way)
+                request = dict(inputs, ignore_eos=True, clip_max_new_tokens=True)
+                expected = min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - num_tokens)
+            [done] = generate(model, [request], mode=mode)
             assert (done.final.reason, done.final.prompt_tokens, len(done.token_ids)) == (
                 FinishReason.MAX_TOKENS,
                 num_tokens,
-                4,
+                expected,
             )
+            assert done.final.generated_tokens == expected
             assert_greedy(long_dir, ids, done.token_ids)
-            if num_tokens == LONGEST:  # left at 0: the default (256), clipped to the context, as the edge asks
-                [done] = generate(model, [dict(inputs, ignore_eos=True, clip_max_new_tokens=True)], mode=mode)
-                assert done.final.generated_tokens == min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - num_tokens)
 
 
 # ---- 2. cancellations and timeouts at random moments ---------------------------------------------
