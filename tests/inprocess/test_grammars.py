@@ -25,21 +25,36 @@ def tokenizer(smol_dir):
     return AutoTokenizer.from_pretrained(smol_dir)
 
 
+@pytest.fixture(scope="module")
+def llg_tokenizer(tokenizer):
+    """llguidance's tokenizer of the embedded model's vocabulary, as Grammars builds it (0.6 s of CPU
+    each time), built once for the module."""
+    return grammars_module._llguidance_tokenizer(tokenizer, 49152, [2])
+
+
+def _grammars(tokenizer, llg_tokenizer, **config) -> Grammars:
+    """Grammars over the embedded model's vocabulary with llguidance's tokenizer of it already built:
+    for the tests of what a compile does, not of building it (those make a Grammars of their own)."""
+    grammars = Grammars(tokenizer, [2], 49152, **config)
+    grammars._tokenizer = llg_tokenizer
+    return grammars
+
+
 # The tests of what a compile finds run with no time limit (compile_timeout_s=None): under load a
 # compile can pass the default 5 s, and the test then got the limit's refusal instead of what it
 # checks. The limit has its own test.
 
 
-def test_a_constraint_compiles_once_and_each_session_gets_its_own_matcher(tokenizer):
-    grammars = Grammars(tokenizer, [2], 49152, compile_timeout_s=None)
+def test_a_constraint_compiles_once_and_each_session_gets_its_own_matcher(tokenizer, llg_tokenizer):
+    grammars = _grammars(tokenizer, llg_tokenizer, compile_timeout_s=None)
     regex = Constraint("regex", "(yes|no)", "constraint.regex")
     first, second = grammars.matcher(regex), grammars.matcher(regex)
     assert grammars.num_compiled == 1 and first is not second
     assert first.consume_token(tokenizer.encode("yes")[0]) and not second.is_error()
 
 
-def test_a_compile_past_its_time_limit_is_invalid_argument_naming_the_field(tokenizer):
-    grammars = Grammars(tokenizer, [2], 49152, compile_timeout_s=1e-6)
+def test_a_compile_past_its_time_limit_is_invalid_argument_naming_the_field(tokenizer, llg_tokenizer):
+    grammars = _grammars(tokenizer, llg_tokenizer, compile_timeout_s=1e-6)
     schema = Constraint(
         "json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', "constraint.json_schema"
     )
@@ -52,9 +67,9 @@ def _deep_schema(depth: int) -> str:
     return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
 
 
-def test_a_schema_nested_past_pythons_recursion_limit_is_invalid_argument(tokenizer):
+def test_a_schema_nested_past_pythons_recursion_limit_is_invalid_argument(tokenizer, llg_tokenizer):
     # json.loads raised RecursionError at 1,000 levels: INTERNAL with a traceback in the log.
-    grammars = Grammars(tokenizer, [2], 49152, compile_timeout_s=None)
+    grammars = _grammars(tokenizer, llg_tokenizer, compile_timeout_s=None)
     for depth in (300, 1000, 5000):
         with pytest.raises(InvalidArgument) as err:
             grammars.matcher(Constraint("json_schema", _deep_schema(depth), "constraint.json_schema"))
@@ -66,12 +81,12 @@ def _optional_properties(n: int) -> Constraint:
     return Constraint("json_schema", json.dumps(schema), "constraint.json_schema")
 
 
-def test_a_schema_the_matcher_cannot_run_is_refused_before_its_stream_starts(tokenizer):
+def test_a_schema_the_matcher_cannot_run_is_refused_before_its_stream_starts(tokenizer, llg_tokenizer):
     # 500 optional properties compiled, then failed the session at its first token with a 13 KB
     # parser dump ("Current row has 2007 items; max is 2000"). No compile timeout: 3,000 properties
     # take seconds to compile, past the default 5 s on a loaded machine, and this is the probe's
     # refusal, not the timeout's (the test above has that).
-    grammars = Grammars(tokenizer, [2], 49152, compile_timeout_s=None)
+    grammars = _grammars(tokenizer, llg_tokenizer, compile_timeout_s=None)
     for n in (500, 3000):
         with pytest.raises(InvalidArgument) as err:
             grammars.matcher(_optional_properties(n))
@@ -80,11 +95,11 @@ def test_a_schema_the_matcher_cannot_run_is_refused_before_its_stream_starts(tok
     assert not grammars.matcher(_optional_properties(100)).is_error()  # a smaller one runs
 
 
-def test_the_cache_is_bounded_by_the_memory_its_templates_hold(tokenizer):
+def test_the_cache_is_bounded_by_the_memory_its_templates_hold(tokenizer, llg_tokenizer):
     # 256 entries of ~27 MB each (65,000-character regexes) let one client take a server to 6 GB.
     rng = random.Random(0)
     budget = 60 * 2**20
-    grammars = Grammars(tokenizer, [2], 49152, compile_timeout_s=60, cache_bytes=budget)
+    grammars = _grammars(tokenizer, llg_tokenizer, compile_timeout_s=60, cache_bytes=budget)
     regexes = ["".join(rng.choice("abcdefghij") for _ in range(65_000)) for _ in range(5)]
     for regex in regexes:
         grammars.matcher(Constraint("regex", regex, "constraint.regex"))
@@ -123,10 +138,10 @@ def test_the_first_constrained_call_builds_the_tokenizer_outside_the_compile_tim
     assert threads == [threading.current_thread()]
 
 
-def test_the_constraint_tokenizer_is_llguidances_own(tokenizer):
+def test_the_constraint_tokenizer_is_llguidances_own(tokenizer, llg_tokenizer):
     # built from the Rust tokenizer's JSON without llguidance.hf's copy of it: the same vocabulary,
     # token bytes, special tokens and tokenization
-    ours = grammars_module._llguidance_tokenizer(tokenizer, 49152, [2])
+    ours = llg_tokenizer  # grammars_module._llguidance_tokenizer's
     theirs = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152, eos_token=[2])
     assert (ours.vocab_size, ours.eos_tokens, ours.is_canonical) == (
         theirs.vocab_size,
