@@ -28,16 +28,26 @@ def _cache(pages: int) -> str:
     return f"{pages * PAGE_TOKENS * TOKEN_BYTES}B"
 
 
+QUESTIONS = [f"Question {i}: how far is the horizon from a ship's mast {i} meters tall?" for i in range(4)]
+# each grows to about 170 tokens (11 pages): two fit in the cache of 24 pages at once, four do not
+GROWING = [dict(prompt=q, max_new_tokens=150, ignore_eos=True) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def crowded(tiny_dir, in_process):
+    """The tiny model's runner with a cache of 24 pages (384 tokens), and the tokens each of GROWING
+    gives alone on it (each run by itself, sequential mode), once for the module's modes."""
+    model = in_process(tiny_dir, max_seq_len=256, kv_cache_memory=_cache(24))
+    assert model.runner.num_pages == 24
+    return model, [run(model, [r], mode="sequential")[0][0].token_ids for r in GROWING]
+
+
 @pytest.mark.parametrize("mode", ["continuous", "batched"])
-def test_sessions_preempted_for_memory_resume_to_the_same_tokens(tiny_dir, in_process, mode):
-    """A cache of 48 pages (768 tokens) and four sessions that grow to 360 tokens each: the
+def test_sessions_preempted_for_memory_resume_to_the_same_tokens(crowded, mode):
+    """A cache of 24 pages (384 tokens) and four sessions that grow to about 170 tokens each: the
     scheduler must preempt. Every session still ends normally, with the tokens it gives alone."""
-    model = in_process(tiny_dir, max_seq_len=512, kv_cache_memory=_cache(48))
-    assert model.runner.num_pages == 48
-    questions = [f"Question {i}: how far is the horizon from a ship's mast {i} meters tall?" for i in range(4)]
-    requests = [dict(prompt=q, max_new_tokens=300, ignore_eos=True) for q in questions]
-    alone = [run(model, [r], mode="sequential")[0][0].token_ids for r in requests]
-    outcomes, stats = run(model, requests, mode=mode, max_batch_size=4, max_wait_ms=5000)
+    model, alone = crowded
+    outcomes, stats = run(model, GROWING, mode=mode, max_batch_size=4, max_wait_ms=5000)
     assert [o.token_ids for o in outcomes] == alone
     assert all(o.final.reason == FinishReason.MAX_TOKENS for o in outcomes)
     assert stats.preemptions > 0 and stats.kv_pages_used == 0
