@@ -152,8 +152,13 @@ def test_a_row_drawn_from_its_most_likely_tokens_gets_the_whole_sorted_rows_toke
     from braid.server.runner import sampler
 
     torch.manual_seed(4)
-    logits = torch.randn(6, 49152) * 3
-    logits[:3] *= 3  # sharper rows: their top 256 tokens hold most of the mass, as a trained model's do
+    # 8,192 tokens (a sort of 49,152 rows took most of the module's 15 s of CPU), as flat as needed
+    logits = torch.randn(6, 8192) * 2
+    logits[:3] *= 4.5  # sharper rows: their top 256 tokens hold most of the mass, as a trained model's do
+    # both ways _draw goes: the sharp rows' kept tokens (top_p 0.999 and below) end among the
+    # candidates, the flat rows' (top_p 0.9 and above) beyond them
+    mass = (logits / 0.8).softmax(dim=-1).topk(sampler.CANDIDATES).values.sum(dim=-1)
+    assert (mass[:3] > 0.999).all() and (mass[3:] < 0.9).all(), mass
 
     def draw(first_seed: int) -> list[int]:
         samplings = [Sampling(temperature=0.8, seed=first_seed + i, **params) for i in range(6)]
