@@ -343,15 +343,19 @@ def test_every_call_has_its_request_log_line(server, client):
 def test_sigterm_lets_an_http_stream_finish_while_new_calls_get_503(tiny_dir):
     port = free_port()
     # The grace is no subject here (the server ends when its stream does, not at the grace): a long one,
-    # so that a loaded machine's slower 900 tokens are never cut by it (seen at 708 with 60 s)
-    server = tiny_server(tiny_dir, "--http-port", str(port), "--grace-period", "3600", env=SLOW)
+    # so that a loaded machine's slower stream is never cut by it (900 tokens were, at 708, with 60 s).
+    # 150 passes of 20 ms more each: the stream lasts 3 s at least on any machine, and costs a sixth of
+    # the CPU of 900 SLOW ones (its time is the sleeps, not the tokens).
+    server = tiny_server(
+        tiny_dir, "--http-port", str(port), "--grace-period", "3600", env={"BRAID_INJECT_FAULT": "delay:20"}
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=base, timeout=60) as http:
-            body = {"model": "tiny", "prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": True}
+            body = {"model": "tiny", "prompt": "Once", "max_tokens": 150, "ignore_eos": True, "stream": True}
             with http.stream("POST", "/v1/completions", json=body) as stream:
                 events = stream.iter_lines()
-                assert next(e for e in events if e.startswith("data: "))  # it runs (SLOW: 2.7 s at least)
+                assert next(e for e in events if e.startswith("data: "))  # it runs (3 s at least)
                 server.proc.send_signal(signal.SIGTERM)
                 wait_for(lambda: http.get("/health").status_code == 503)
                 refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
