@@ -999,6 +999,8 @@ def test_a_stream_cut_by_the_network_or_a_proxy_counts_as_broken_and_a_server_er
     assert is_broken(Failed(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
     assert is_broken(Failed(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"))
     assert is_broken(Failed(grpc.StatusCode.UNKNOWN, "Stream removed (Data frame with END_STREAM flag received)"))
+    assert is_broken(Failed(grpc.StatusCode.CANCELLED, "CANCELLED"))  # gRPC's, for a call its server shut down on
+    assert not is_broken(Failed(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
     assert not is_broken(Failed(grpc.StatusCode.INTERNAL, "forward pass failed: boom"))
     assert not is_broken(Failed(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set prompt or messages"))
 
@@ -1170,5 +1172,27 @@ def test_a_stream_cut_before_its_headers_is_sent_again_as_it_was(monkeypatch: py
         with Client(target) as client, pytest.raises(grpc.RpcError):
             list(client.stream("hi"))
         assert len(servicer.requests) == 1
+    finally:
+        server.stop(0)
+
+
+def test_a_call_its_server_shut_down_on_before_taking_it_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC ends a call that reached a server as it shut down, before any handler took it, with
+    CANCELLED "CANCELLED" (grpc/grpc#41785), and HAProxy passes that on: the rolling-restart test's
+    load failed so, once. The call never ran, so it goes again as it was; the client's own cancel()
+    still just ends the stream."""
+    import braid.client.generation as generation_module
+
+    monkeypatch.setattr(generation_module.time, "sleep", lambda s: None)
+    servicer = CutBeforeHeaders(cuts=1, code=grpc.StatusCode.CANCELLED, details="CANCELLED")
+    server, target = _serve(servicer)
+    try:
+        with Client(target) as client, client.stream("hi", seed=7) as generation:
+            assert [t for m in generation for t in m.token_ids] == STORY and generation.resumes == 1
+        assert [(r.prompt, list(r.resume_token_ids), r.seed) for r in servicer.requests] == [("hi", [], 7)] * 2
+        with Client(target) as client, client.stream("hi") as generation:
+            next(generation)
+            generation.cancel()
+            assert list(generation) == [] and generation.resumes == 0
     finally:
         server.stop(0)

@@ -25,8 +25,14 @@ RESUME_BACKOFF_S = 0.25  # before the first resume; doubled before each further 
 
 
 def is_cut(error: grpc.RpcError) -> bool:
-    """Whether a proxy or the network cut the stream: RST_STREAM, or an END_STREAM with no status."""
+    """Whether a proxy, the network or a server's shutdown cut the stream: RST_STREAM, an END_STREAM
+    with no status, or gRPC's own CANCELLED "CANCELLED" for a call that reached a server as it shut
+    down, before any handler took it (grpc/grpc#41785: it should be UNAVAILABLE; the rolling-restart
+    test's load saw it through HAProxy). braid's server never ends a call with CANCELLED itself (a
+    cancelled session ends with a final message), and the client's own cancel() is told apart first."""
     code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.CANCELLED:
+        return details == "CANCELLED"
     return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
         "RST_STREAM" in details or "Stream removed" in details
     )
