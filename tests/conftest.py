@@ -30,7 +30,7 @@ LONG = dict(max_new_tokens=900, ignore_eos=True)
 SLOW = {"BRAID_INJECT_FAULT": "delay:3"}
 START_TIMEOUT_S = 180
 DEVICE = "cpu"  # pytest's --device: where every Server runs (braid serve --device)
-# Under pytest-xdist (make test: two workers on a 2-core machine), a server the tests start runs on
+# Under pytest-xdist (make test: three workers on a 2-core machine), a server the tests start runs on
 # one thread unless it names --threads: two workers' servers with a thread per core each, beside
 # the workers' own reference computations, left more runnable threads than cores, and every pass's
 # OpenMP barriers waited out other processes' time slices. The tests of the threaded kernels pass
