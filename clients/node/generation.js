@@ -8,8 +8,10 @@
  * proxy cut it or ended it with no status) is started again with the same
  * request, the token ids it delivered as resume_token_ids and the seed of its first response
  * headers (braid-seed); the server skips those tokens and goes on exactly as the broken stream
- * would have, so the caller reads one unbroken stream. A call that fails before it began is
- * gRPC's to retry (the channel's retry policy), not this.
+ * would have, so the caller reads one unbroken stream. A call refused before it began
+ * (UNAVAILABLE) is gRPC's to retry (the channel's retry policy); one a proxy or a server's shutdown
+ * cut before its headers, having delivered nothing, is sent again as it was. Each resume waits
+ * first (RESUME_BACKOFF_MS, doubled each time), as the Python client's does.
  */
 
 const { Readable } = require('node:stream');
@@ -18,6 +20,10 @@ const { fromServiceError } = require('./errors.js');
 
 const SEED_KEY = 'braid-seed';
 const MAX_RESUMES = 3;
+// Before the first resume; doubled before each further one. A proxy that balances by least
+// connections sends a call straight back to a replica that has just drained its streams until its
+// health check takes it out: a call resumed at once was cut there again (the Python client's reason).
+const RESUME_BACKOFF_MS = 250;
 const FINISH_REASON_PREFIX = 'FINISH_REASON_';
 
 /**
@@ -31,16 +37,25 @@ function finishReasonName(finishReason) {
 }
 
 /**
- * Whether a failed stream broke (its server or connection went away) rather than failed. A proxy
- * whose replica died or drained can reset the stream (grpc-js: INTERNAL "Received RST_STREAM ...",
- * also for an END_STREAM with no trailers) or end it with trailers but no grpc-status (UNKNOWN
- * "No status information received"; HAProxy did so in braid's rolling-restart test).
+ * Whether a proxy, the network or a server's shutdown cut the stream. A proxy whose replica died
+ * or drained can reset the stream (grpc-js: INTERNAL "Received RST_STREAM ...", also for an
+ * END_STREAM with no trailers) or end it with trailers but no grpc-status (UNKNOWN "No status
+ * information received"; HAProxy did so in braid's rolling-restart test). A call that reached a
+ * server as it shut down, before any handler took it, ends with gRPC's own CANCELLED "CANCELLED"
+ * (grpc/grpc#41785: it should be UNAVAILABLE; HAProxy passes it on). braid's server never ends a
+ * call with CANCELLED itself, and this client's own cancel() ("Cancelled on client") is told apart
+ * first.
  */
-function isBroken(error) {
+function isCut(error) {
   const details = error.details ?? '';
-  const cut = (error.code === grpc.status.INTERNAL && details.includes('RST_STREAM')) ||
-    (error.code === grpc.status.UNKNOWN && details.includes('No status information received'));
-  return error.code === grpc.status.UNAVAILABLE || cut;
+  return (error.code === grpc.status.INTERNAL && details.includes('RST_STREAM')) ||
+    (error.code === grpc.status.UNKNOWN && details.includes('No status information received')) ||
+    (error.code === grpc.status.CANCELLED && details === 'CANCELLED');
+}
+
+/** Whether a failed stream broke (its server or connection went away) rather than failed. */
+function isBroken(error) {
+  return error.code === grpc.status.UNAVAILABLE || isCut(error);
 }
 
 /** The request that resumes a broken stream of `request`, which delivered these token ids. */
@@ -55,10 +70,13 @@ class Generation extends Readable {
   #call; // the call now streaming
   #isCallDone = false; // #call has ended, or failed
   #seed = null; // from the first response headers
+  #hasHeaders = false; // the first response headers came
   #tokenIds = []; // delivered so far (one sample)
   #samples; // the request's n
   #finals = new Set(); // the samples whose final message came
   #isCancelled = false;
+  #resumeTimer = null; // a resume waiting out its backoff
+  #lastCall; // the last call started (#call is null while a resume waits)
 
   /**
    * Starts a Stream call of `request`; with `resume`, and one sample, a broken call is resumed.
@@ -84,10 +102,13 @@ class Generation extends Readable {
 
   #follow(call) {
     this.#call = call;
+    this.#lastCall = call;
     this.#isCallDone = false;
     const isCurrent = () => call === this.#call;
     call.on('metadata', (metadata) => {
-      if (this.resumes > 0 || !isCurrent()) return; // one stream: its first headers
+      // one stream: its first headers (a call sent again after a cut before its headers gives them)
+      if (this.#hasHeaders || !isCurrent()) return;
+      this.#hasHeaders = true;
       const [seed] = metadata.get(SEED_KEY);
       if (typeof seed === 'string' && /^\d+$/.test(seed)) this.#seed = seed;
       this.emit('metadata', metadata);
@@ -117,9 +138,15 @@ class Generation extends Readable {
         this.destroy(fromServiceError(error)); // a BraidError by its status (errors.js)
         return;
       }
-      this.resumes += 1;
-      this.#follow(this.#start(resumedRequest(this.#request, this.#tokenIds, this.#seed)));
-      this.emit('resumed', fromServiceError(error));
+      // begun: resumed from its tokens, with its seed; cut before its headers: sent again as it was
+      const request = this.#seed === null ? this.#request : resumedRequest(this.#request, this.#tokenIds, this.#seed);
+      this.#call = null; // the broken call's own status is not the stream's
+      this.#resumeTimer = setTimeout(() => {
+        this.#resumeTimer = null;
+        this.resumes += 1;
+        this.#follow(this.#start(request));
+        this.emit('resumed', fromServiceError(error));
+      }, RESUME_BACKOFF_MS * 2 ** this.resumes);
     });
     call.on('status', (status) => {
       if (isCurrent()) this.emit('status', status);
@@ -136,18 +163,21 @@ class Generation extends Readable {
     return this.#finals.size >= this.#samples && isBroken(error);
   }
 
-  /** Whether this broken call can be resumed: not cancelled, begun (gRPC retries the rest), not ended. */
+  /**
+   * Whether this broken call can be resumed: not cancelled, not ended, begun (gRPC's retry policy
+   * sends a refused one again), or cut before its headers with nothing delivered.
+   */
   #isResumable(error) {
-    return this.#canResume && !this.#isCancelled && this.#seed !== null && this.final === null &&
-      this.resumes < MAX_RESUMES && isBroken(error);
+    return this.#canResume && !this.#isCancelled && this.final === null && this.resumes < MAX_RESUMES &&
+      isBroken(error) && (this.#seed !== null || (this.#tokenIds.length === 0 && isCut(error)));
   }
 
   _read() {
-    this.#call.resume();
+    this.#call?.resume(); // none between a broken call and the one resuming it
   }
 
   _destroy(error, callback) {
-    if (!this.#isCallDone) this.cancel(); // left early (a break out of for await): the session goes too
+    if (!this.#isCallDone || this.#resumeTimer !== null) this.cancel(); // left early (a break out of for await): the session goes too
     callback(error);
   }
 
@@ -155,13 +185,19 @@ class Generation extends Readable {
    * (a CallCancelledError; see isCancelled). */
   cancel() {
     this.#isCancelled = true;
+    if (this.#resumeTimer !== null) { // between two calls: none to cancel, so fail as a cancelled call does
+      clearTimeout(this.#resumeTimer);
+      this.#resumeTimer = null;
+      if (!this.destroyed) this.destroy(fromServiceError({ code: grpc.status.CANCELLED, details: 'Cancelled on client' }));
+      return;
+    }
     this.#call.cancel();
   }
 
-  /** The address of the server now streaming. */
+  /** The address of the server now streaming (the last one's while a resume waits out its backoff). */
   getPeer() {
-    return this.#call.getPeer();
+    return (this.#call ?? this.#lastCall).getPeer();
   }
 }
 
-module.exports = { Generation, finishReasonName, isBroken, resumedRequest, MAX_RESUMES };
+module.exports = { Generation, finishReasonName, isBroken, isCut, resumedRequest, MAX_RESUMES, RESUME_BACKOFF_MS };

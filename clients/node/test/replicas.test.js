@@ -7,7 +7,7 @@ const assert = require('node:assert/strict');
 const { test } = require('node:test');
 const { Client, DEFAULT_CHANNEL_OPTIONS, SERVICE_CONFIG, channelTarget, grpc, isCancelled, loadBraid } =
   require('../index.js');
-const { MAX_RESUMES, isBroken } = require('../generation.js');
+const { MAX_RESUMES, RESUME_BACKOFF_MS, isBroken, isCut } = require('../generation.js');
 
 const braid = loadBraid();
 const SEED = '42';
@@ -15,6 +15,7 @@ const STORY = [11, 12, 13, 14, 15, 16]; // the token ids of the one generation t
 const textOf = (ids) => ids.map((id) => `t${id} `).join('');
 const UNAVAILABLE = { code: grpc.status.UNAVAILABLE, details: 'Connection dropped' };
 const RST_STREAM = { code: grpc.status.INTERNAL, details: 'Received RST_STREAM with code 2 (Internal server error)' };
+const SHUTDOWN = { code: grpc.status.CANCELLED, details: 'CANCELLED' };
 
 /**
  * Serves STORY as braid does: headers with the seed, then a message per token from the request's
@@ -115,7 +116,46 @@ test('isBroken: a dropped connection, a reset stream and a stream ended with no 
   assert.ok(!isBroken({ code: grpc.status.INTERNAL, details: 'forward pass failed: boom' }));
   assert.ok(!isBroken({ code: grpc.status.UNKNOWN, details: 'Unexpected error in handler' }));
   assert.ok(!isBroken({ code: grpc.status.INVALID_ARGUMENT, details: 'prompt: set prompt or messages' }));
+  // gRPC's own status for a call that reached a server as it shut down (grpc/grpc#41785), not a cancel
+  assert.ok(isCut(SHUTDOWN) && isBroken(SHUTDOWN));
+  assert.ok(!isBroken({ code: grpc.status.CANCELLED, details: 'Cancelled on client' }));
+  assert.ok(!isCut(UNAVAILABLE)); // refused, not cut: the retry policy's to send again
 });
+
+test('a stream cut before its headers is sent again as it was, after a backoff, then resumed with the new call\'s seed',
+  async (t) => {
+    for (const failure of [SHUTDOWN, RST_STREAM]) {
+      const { addresses, calls } = await replicas(t, [
+        (call) => call.emit('error', failure), // no headers, nothing delivered
+        (call) => serveStory(call, { breakAfter: 2 }), // then a replica dies mid-way
+        (call) => serveStory(call),
+      ]);
+      const call = connect(t, addresses).stream({ prompt: 'hi', seed: '7' });
+      const { messages, events, error } = await read(call);
+      const what = grpc.status[failure.code];
+      assert.equal(error, null, what);
+      assert.deepEqual(messages.flatMap((m) => m.tokenIds), STORY, what);
+      assert.equal(call.resumes, 2, what);
+      assert.deepEqual(calls.map(({ request }) => [request.resumeTokenIds, request.seed]), [
+        [[], '7'], [[], '7'], [[11, 12], SEED], // the request's own seed kept, then the headers'
+      ], what);
+      assert.ok(calls[1].at - calls[0].at >= RESUME_BACKOFF_MS - 10, `${calls[1].at - calls[0].at} ms (${what})`);
+      assert.ok(calls[2].at - calls[1].at >= 2 * RESUME_BACKOFF_MS - 10, `${calls[2].at - calls[1].at} ms (${what})`);
+      const names = events.map(([name, value]) => (name === 'resumed' ? `resumed ${grpc.status[value.code]}` : name));
+      assert.deepEqual(names, [`resumed ${what}`, 'metadata', 'resumed UNAVAILABLE', 'status'], what);
+    }
+  });
+
+test('cancel() while a resume waits out its backoff fails the stream with CANCELLED, and sends nothing more',
+  async (t) => {
+    const { addresses, calls } = await replicas(t, [(call) => serveStory(call, { breakAfter: 1 })]);
+    const call = connect(t, addresses).stream({ prompt: 'hi' });
+    call.once('data', () => setTimeout(() => call.cancel(), RESUME_BACKOFF_MS / 5)); // the break comes first
+    const { error } = await read(call);
+    assert.ok(isCancelled(error), String(error));
+    await new Promise((resolve) => setTimeout(resolve, 2 * RESUME_BACKOFF_MS));
+    assert.equal(calls.length, 1);
+  });
 
 test('calls go round robin over the replicas', async (t) => {
   const { addresses, calls } = await replicas(t, [(call) => serveStory(call)]);
