@@ -12,6 +12,11 @@ from braid.server.runner.kernels.extension import ACTIVATIONS, FORMAT_CODES, LAY
 LORA_ALONE_MACS = 1 << 17
 # a KV cache's dtypes, in C (uint8: q8_0 blocks, runner/kv_cache.py)
 KV_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.uint8: "q8_0"}
+# A pass of up to this many rows (a decode batch: --max-batch-size's 32 by default, and a speculation's
+# proposals) reuses activation buffers kept between passes; a bigger one (a prompt chunk, up to
+# --prefill-chunk rows) gets its own, freed when it returns. Kept, the largest pass's were held for the
+# process's life: 62 MiB at the 1B shape after one 512-token chunk (benchmarks/memory_steps.py).
+KEPT_SCRATCH_ROWS = 64
 
 
 def _kv_format(cache: torch.Tensor) -> int:
@@ -153,11 +158,7 @@ class DecodeStep:
         layer's residual stream."""
         b = x.shape[0]
         assert x.is_contiguous() and positions.is_contiguous() and tables.is_contiguous()
-        if not self._scratch or self._scratch[0].shape[0] < b:
-            heads, kv_heads, d, inter = self.shape[:4]
-            widths = (self.hidden, (heads + 2 * kv_heads) * d, heads * d, 2 * inter, inter)
-            self._scratch = [x.new_empty(b, w) for w in widths]
-        h, qkv, attn, gate_up, act = self._scratch
+        h, qkv, attn, gate_up, act = self._scratch_for(x, b)
         _cpu_kernels.decode_step(
             b,
             self.hidden,
@@ -181,3 +182,15 @@ class DecodeStep:
             int(shared),
             LORA_ALONE_MACS,
         )
+
+    def _scratch_for(self, x: torch.Tensor, rows: int) -> list[torch.Tensor]:
+        """The pass's activation buffers [rows, width] (h, qkv, attn, gate_up, act): the kept ones
+        where they are big enough, else new ones, kept only up to KEPT_SCRATCH_ROWS rows."""
+        if self._scratch and self._scratch[0].shape[0] >= rows:
+            return self._scratch
+        heads, kv_heads, d, inter = self.shape[:4]
+        widths = (self.hidden, (heads + 2 * kv_heads) * d, heads * d, 2 * inter, inter)
+        scratch = [x.new_empty(rows, w) for w in widths]
+        if rows <= KEPT_SCRATCH_ROWS:
+            self._scratch = scratch
+        return scratch
