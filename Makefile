@@ -91,8 +91,9 @@ cluster: install
 # cores, at most 8. A test mostly waits on a server it started: one worker left a 2-core machine idle
 # (17.8 min -> 12.1 min with two), and two still left its cores idle a tenth of the run (a server's
 # start, a stream's pace, a drain's grace): three took 438 s of tests against two's 470 s, for the
-# same 850 CPU-s. TEST_WORKERS=0 runs the suite in one process.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n + 1 : 8 )))
+# same 850 CPU-s. TEST_WORKERS=0 runs the suite in one process. (nproc counts the cores this process
+# may use, but no more than an OMP_NUM_THREADS it inherits says: that is not asked here.)
+TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n + 1 : 8 )))
 # braid's own modules are compiled to bytecode first: an editable install leaves them as source, and
 # where PYTHONDONTWRITEBYTECODE is set (as in many containers and CI images) every process that
 # imports them compiles them again. The tests start over a hundred servers; each started 0.3-0.4 s
@@ -108,10 +109,10 @@ AVX2_TESTS := tests/test_kernels.py tests/test_precision.py
 
 test: install-test
 	@$(BYTECODE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	@best=$$($(BEST_ISA)); if [ "$$best" != avx2 ] && [ "$$best" != none ]; then \
 		echo "braid: the kernel and precision tests again with the avx2 build forced (this CPU's best: $$best)"; \
-		BRAID_KERNELS_ISA=avx2 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(AVX2_TESTS); fi
+		BRAID_KERNELS_ISA=avx2 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(AVX2_TESTS); fi
 
 # The fast tier: tests/unit/, torch-free and in process (the engine core with a scripted runner, the
 # servicer and the HTTP app over a fake engine client). The folder is the tier: the run fails if a

@@ -3,6 +3,7 @@ its two commands set up what it says they do, saying what they are doing."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -42,11 +43,11 @@ def make_commands(target: str, venv: Path) -> list[str]:
     return dry.stdout.splitlines()
 
 
-def make_echoes(target: str, venv: Path) -> list[str]:
+def make_echoes(target: str, venv: Path, *variables: str) -> list[str]:
     """What make itself prints for `make TARGET` from a fresh clone: each command is handed to a
     shell that does nothing, so only the lines make echoes are left (not the recipes' own output)."""
     run = subprocess.run(
-        ["make", "--no-print-directory", "-B", target, f"VENV={venv}", "SHELL=/bin/true"],
+        ["make", "--no-print-directory", "-B", target, f"VENV={venv}", "SHELL=/bin/true", *variables],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -67,7 +68,19 @@ def test_make_serve_installs_what_serving_needs_and_make_test_adds_the_test_extr
 
 def test_make_echoes_no_comment_and_no_set_up_command(tmp_path):
     assert make_echoes("serve", tmp_path) == [f"{tmp_path}/bin/braid serve --http-port 8000 "]
-    assert make_echoes("test", tmp_path) == [f"{tmp_path}/bin/python -m pytest -q -n 2 --dist loadfile"]
+    # (make_echoes' shell does nothing, so TEST_WORKERS, which asks a shell, is named here)
+    assert make_echoes("test", tmp_path, "TEST_WORKERS=3") == [
+        f"{tmp_path}/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder"
+    ]
+
+
+def test_make_test_runs_a_worker_per_core_and_one_more(tmp_path, monkeypatch):
+    """Whatever OMP_NUM_THREADS the caller has (the suite's own workers run under 1)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    workers = min(len(os.sched_getaffinity(0)) + 1, 8)
+    assert f"{tmp_path}/bin/python -m pytest -q -n {workers} --dist loadfile --no-loadscope-reorder" in (
+        make_commands("test", tmp_path)
+    )
 
 
 def test_make_says_what_it_installs_before_the_long_steps(tmp_path):
