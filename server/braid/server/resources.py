@@ -11,9 +11,12 @@ counts too (the smallest wins). Torch-free: cli.py reads it before torch is impo
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 import os
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +122,26 @@ def bound_spinning(environ: MutableMapping[str, str] = os.environ) -> str:
             return f"{name}={environ[name]} (from the environment)"
     environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     return f"GOMP_SPINCOUNT={SPIN_COUNT}"
+
+
+def release_freed_heap() -> bool:
+    """Hands the pages that glibc's heaps hold free back to the system (malloc_trim: every arena's,
+    not only the top of the main one). glibc keeps what a program frees for its next allocations:
+    its mmap threshold rises to the largest chunk freed, so later big buffers come from the heap and
+    stay resident once freed. False where the C library has no malloc_trim (not glibc)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _cgroup_dirs(controller: str, proc: Path) -> Iterator[Path]:

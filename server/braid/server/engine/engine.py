@@ -16,6 +16,7 @@ import logging
 import queue
 import time
 
+from braid.server import resources
 from braid.server.config import EngineConfig
 from braid.server.engine.client import EngineClient, ToLoop, apply
 from braid.server.engine.grammars import Grammars
@@ -26,6 +27,13 @@ from braid.server.engine.tokenizer import Tokenizer
 from braid.server.engine.types import FinishReason, ModelInfo
 
 _LOGGER = logging.getLogger(__name__)
+
+
+# Once the loop has run no pass for this long, the heap pages that the passes freed go back to the
+# system (resources.release_freed_heap), once: a prompt chunk's activations, freed, stayed resident in
+# glibc's heaps (the 1B shape, 16 prompts at once: 55 MiB more than the server held before them, with
+# one thread; benchmarks/memory_steps.py). Not between passes: the next would fault them back in.
+RELEASE_AFTER_IDLE_S = 1.0
 
 
 class Engine:
@@ -44,6 +52,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[ToLoop] = queue.SimpleQueue()
         self.client = EngineClient(config, runner, tokenizer, info, grammars, self._inbox.put, draft)
         self.core = self.client.core
+        self._last_pass: float | None = None  # when the last pass ran, until the heap is released after it
 
     @property
     def observer(self) -> EngineObserver:
@@ -74,7 +83,14 @@ class Engine:
         """One step of the core, its events delivered, then the inbox; False once asked to stop."""
         step = self.core.step()
         deliver(step.events)
-        return self._drain(block_for=None if step.ran else self.core.idle_wait(time.monotonic()))
+        now = time.monotonic()
+        if step.ran:
+            self._last_pass = now
+            return self._drain(block_for=None)
+        if self._last_pass is not None and now - self._last_pass >= RELEASE_AFTER_IDLE_S:
+            self._last_pass = None
+            resources.release_freed_heap()
+        return self._drain(block_for=self.core.idle_wait(now))
 
     def _drain(self, block_for: float | None) -> bool:
         """Applies every inbox message; waits up to block_for seconds for the first one."""

@@ -3,13 +3,10 @@ own format for braid's gemm (PackedLinear)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-
 import torch
 
 from braid.server.model.weights import FLOAT_FORMATS, Blocks, Weight
+from braid.server.resources import _malloc_trim, release_freed_heap  # noqa: F401 (_malloc_trim: test_model_memory's)
 from braid.server.runner.kernels.extension import (
     BF16_ROWS,
     FORMAT_CODES,
@@ -23,23 +20,10 @@ from braid.server.runner.kernels.extension import (
 
 
 def release_freed_memory() -> bool:
-    """Hands the pages glibc's heap holds free back to the system (malloc_trim), once the weights are
-    packed: packing frees hundreds of transient copies of 1-100 MB, which glibc keeps (its mmap
-    threshold rises to the largest freed chunk, so later ones come from the heap): 144 MiB of the
-    1B shape's 1.6 GB start, measured. False where the C library has no malloc_trim (not glibc)."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
+    """The heap's free pages handed back (resources.release_freed_heap) once the weights are packed:
+    packing frees hundreds of transient copies of 1-100 MB, which glibc keeps: 144 MiB of the 1B
+    shape's 1.6 GB start, measured."""
+    return release_freed_heap()
 
 
 def format_of(weight: Weight) -> str:
