@@ -3,8 +3,9 @@
 Starts `braid serve` in a child process of this script, as cli.main does, with snapshots of its
 memory taken at each step: Python and braid's CLI imported, torch imported, transformers imported,
 the model loaded (`loader.load`), the runner built (`ModelRunner.build`), the engine built, then,
-asked for by this script over SIGUSR1, the server SERVING, idle a while, after its first request and
-after a warm-up of concurrent requests. A snapshot is /proc/self/smaps split by kind of mapping
+asked for by this script over SIGUSR1, the server SERVING, idle a while, after its first request,
+after a warm-up of concurrent requests, idle 3 s after them, and after a malloc_trim(0) of its own
+(what glibc's heaps still held free). A snapshot is /proc/self/smaps split by kind of mapping
 (glibc's main heap, its other arenas, the KV cache's mapping, other anonymous mappings, shared
 libraries, other mapped files), VmRSS, VmHWM, the thread count and glibc's mallinfo2 (bytes in use
 and free in its arenas). Several starts give the median of each figure.
@@ -232,6 +233,8 @@ def one_start(flags: list[str], requests: int, files: bool = False) -> list[dict
                 ]
                 list(pool.map(lambda p: client.generate(p, max_new_tokens=16, temperature=0), prompts))
             ask(f"{requests} requests at once")
+            time.sleep(3)
+            ask("idle 3 s after them")
             if files:
                 print("\n".join(f"{mib:8.1f} MiB  {name}" for name, mib in largest_files(child.pid)))
             ask("malloc_trim")
