@@ -19,6 +19,15 @@ from braid.server.runner.kernels.extension import (
 )
 
 
+# A matrix of this many packed bytes or more is followed by a release of the heap's free pages
+# (release_freed_heap) as soon as it is packed: its transient copies (1-100 MB), freed between the
+# packed results that stay, were kept by glibc and not all reused by the next matrix's, so the
+# build's peak at the 1B shape was 1,755-2,142 MiB (varying with where `load` had left the heap's
+# free space) where packing needs 1,551-1,584 (benchmarks/memory_steps.py; 71 releases, 0.5-0.8 s
+# of a 7-20 s build). Smaller matrices (every test model's) leave it to the build's end.
+RELEASE_AFTER_BYTES = 4 * 2**20
+
+
 def release_freed_memory() -> bool:
     """The heap's free pages handed back (resources.release_freed_heap) once the weights are packed:
     packing frees hundreds of transient copies of 1-100 MB, which glibc keeps: 144 MiB of the 1B
@@ -81,6 +90,8 @@ class PackedLinear(Linear):
         )
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.nbytes = self.weight.nbytes
+        if self.nbytes >= RELEASE_AFTER_BYTES:
+            release_freed_heap()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = x.new_empty(x.shape[0], self.out_features)

@@ -1,8 +1,10 @@
-"""What a served model holds after its passes, beyond its weights and KV cache (issue 40): the
-one-call step (runner/kernels/step.py DecodeStep) kept the activation buffers of the largest pass it
-had run for the process's life, 62 MiB at the 1B shape after one 512-token prompt chunk. A pass of
-a decode batch's size still reuses kept buffers; a prompt chunk's are freed with it. Memory is
-counted as live tensors, never timed."""
+"""What a served model holds beyond its weights and KV cache, and what its build peaks at (issue 40).
+The one-call step (runner/kernels/step.py DecodeStep) kept the activation buffers of the largest pass
+it had run for the process's life, 62 MiB at the 1B shape after one 512-token prompt chunk: a pass of
+a decode batch's size still reuses kept buffers; a prompt chunk's are freed with it. Packing a big
+matrix left its transient copies in glibc's heap until the build's end, which raised the 1B shape's
+peak by up to 560 MiB: each is handed back as soon as it is packed. Memory is counted as live tensors,
+never timed."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 from braid_testing.models import loaded, tiny_model
 
+from braid.server.runner.kernels import packing
 from braid.server.runner.kernels.pick import kernels_isa
 from braid.server.runner.kernels.step import KEPT_SCRATCH_ROWS
 from braid.server.runner.model_runner import ModelRunner
@@ -63,3 +66,12 @@ def test_a_prompt_chunks_activations_are_freed_with_its_pass_and_a_decode_batchs
     # a decode batch's pass (up to KEPT_SCRATCH_ROWS rows) keeps its buffers, as before, and reuses them
     assert _held_after(runner, rows(KEPT_SCRATCH_ROWS)) == KEPT_SCRATCH_ROWS * one_row
     assert _held_after(runner, rows(KEPT_SCRATCH_ROWS // 2)) == 0
+
+
+def test_a_big_matrix_hands_its_packings_copies_back_once_packed(monkeypatch):
+    released = []
+    monkeypatch.setattr(packing, "release_freed_heap", lambda: released.append(1) or True)
+    small = packing.PackedLinear(torch.randn(64, 64), None)  # a test model's: left to the build's end
+    assert small.nbytes < packing.RELEASE_AFTER_BYTES and released == []
+    big = packing.PackedLinear(torch.randn(packing.RELEASE_AFTER_BYTES // (4 * 256), 256), None)
+    assert big.nbytes >= packing.RELEASE_AFTER_BYTES and released == [1]
