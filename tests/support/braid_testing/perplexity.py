@@ -60,3 +60,29 @@ def divergence(base: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
     base_lp, lp = torch.log_softmax(base.float(), -1), torch.log_softmax(logits.float(), -1)
     kld = (base_lp.exp() * (base_lp - lp)).sum(-1)
     return kld.mean().item(), (base.argmax(-1) == logits.argmax(-1)).double().mean().item()
+
+
+def nudge_(x: torch.Tensor, seed: int) -> None:
+    """Every element of x one ulp up or down (at random, from seed), in place."""
+    up = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+    x.copy_(torch.nextafter(x, torch.where(up, float("inf"), float("-inf"))))
+
+
+def nudged_logits(runner: ModelRunner, token_ids: Sequence[int], seed: int) -> torch.Tensor:
+    """prompt_logits with the pass's embeddings each moved by one ulp (nudge_). int8 rows re-draw
+    their rounding from any last-bit change (docs/benchmarks.md, "int8 rows' figure is one draw"):
+    passes nudged so are the other draws that another build's bits, or a change to any float
+    kernel, would give. (It replaces the decoder's private _embed for the pass: a seam of the tests
+    and benchmarks/int8_spread.py, not of serving.)"""
+    embed = runner.decoder._embed
+
+    def nudged(input_ids: torch.Tensor) -> torch.Tensor:
+        x = embed(input_ids).clone()  # never the embedding's own storage
+        nudge_(x, seed)
+        return x
+
+    runner.decoder._embed = nudged
+    try:
+        return prompt_logits(runner, token_ids)
+    finally:
+        del runner.decoder._embed  # the bound method again
