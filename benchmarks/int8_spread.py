@@ -31,7 +31,7 @@ from braid.server.model.loader import default_cache_dir, load  # noqa: E402
 from braid.server.runner.kernels.step import DecodeStep  # noqa: E402
 from braid.server.runner.model_runner import ModelRunner  # noqa: E402
 from braid.server.runner.rows import prompt_row  # noqa: E402
-from braid_testing.perplexity import divergence, prompt_logits  # noqa: E402
+from braid_testing.perplexity import divergence, nudge_, nudged_logits, prompt_logits  # noqa: E402
 from kv_dtypes import runner as kv_runner  # noqa: E402  (this folder's)
 
 POSITIONS = 512
@@ -41,28 +41,6 @@ BOUND = {"kld": 0.0045, "same_top": 0.945}  # tests/test_precision.py's LLAMA_CP
 def runner(model, activations: str, kv_dtype: str = "float32") -> ModelRunner:
     """A CPU runner for one prompt pass of POSITIONS tokens (kv_dtypes.py's)."""
     return kv_runner(model, kv_dtype, activations, POSITIONS // 16, POSITIONS)
-
-
-def nudge_(x: torch.Tensor, seed: int) -> None:
-    """Every element of x one ulp up or down (at random, from seed), in place."""
-    up = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
-    x.copy_(torch.nextafter(x, torch.where(up, float("inf"), float("-inf"))))
-
-
-def nudged_logits(r: ModelRunner, ids: list[int], seed: int) -> torch.Tensor:
-    """prompt_logits with the pass's embeddings nudged (nudge_)."""
-    embed = r.decoder._embed
-
-    def nudged(input_ids: torch.Tensor) -> torch.Tensor:
-        x = embed(input_ids)
-        nudge_(x, seed)
-        return x
-
-    r.decoder._embed = nudged
-    try:
-        return prompt_logits(r, ids)
-    finally:
-        del r.decoder._embed  # the bound method again
 
 
 def spread(model, ids: list[int], draws: int) -> None:
