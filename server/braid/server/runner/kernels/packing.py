@@ -21,10 +21,10 @@ from braid.server.runner.kernels.extension import (
 
 # A matrix of this many packed bytes or more is followed by a release of the heap's free pages
 # (release_freed_heap) as soon as it is packed: its transient copies (1-100 MB), freed between the
-# packed results that stay, were kept by glibc and not all reused by the next matrix's, so the
-# build's peak at the 1B shape was 1,755-2,142 MiB (varying with where `load` had left the heap's
-# free space) where packing needs 1,551-1,584 (benchmarks/memory_steps.py; 71 releases, 0.5-0.8 s
-# of a 7-20 s build). Smaller matrices (every test model's) leave it to the build's end.
+# packed results that stay, were kept by glibc and not all reused by the next matrix's, so the 1B
+# shape's build peaked at 1,592-2,142 MiB (varying with where `load` had left the heap's free space)
+# where it needs 1,551-1,609 (docs/benchmarks.md; about 65 releases, 0.5-0.8 s of a 7-20 s build).
+# Smaller matrices (every test model's) leave it to the build's end.
 RELEASE_AFTER_BYTES = 4 * 2**20
 
 
