@@ -1,7 +1,7 @@
 """The model loop hands the heap's freed pages back to the system once it has run no pass for
 RELEASE_AFTER_IDLE_S (engine/engine.py, resources.release_freed_heap): a burst's prompt chunks
 freed their activations into glibc's heaps, which kept them resident while the server sat idle
-(issue 40: 55 MiB at the 1B shape after 16 prompts at once, benchmarks/memory_steps.py). Once after passes,
+(issue 40: 25-58 MiB at the 1B shape after 16 prompts at once, benchmarks/memory_steps.py). Once after passes,
 never between them, never again while it stays idle."""
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ _LOGGER = logging.getLogger(__name__)
 
 # Once the loop has run no pass for this long, the heap pages that the passes freed go back to the
 # system (resources.release_freed_heap), once: a prompt chunk's activations, freed, stayed resident in
-# glibc's heaps (the 1B shape, 16 prompts at once: 55 MiB more than the server held before them, with
-# one thread; benchmarks/memory_steps.py). Not between passes: the next would fault them back in.
+# glibc's heaps (25-58 MiB at the 1B shape after 16 prompts at once, one thread, which a malloc_trim
+# gave back; benchmarks/memory_steps.py). Not between passes: the next would fault them back in.
 RELEASE_AFTER_IDLE_S = 1.0
 
 
