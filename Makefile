@@ -109,10 +109,10 @@ AVX2_TESTS := tests/test_kernels.py tests/test_precision.py
 
 test: install-test
 	@$(BYTECODE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	@best=$$($(BEST_ISA)); if [ "$$best" != avx2 ] && [ "$$best" != none ]; then \
 		echo "braid: the kernel and precision tests again with the avx2 build forced (this CPU's best: $$best)"; \
-		BRAID_KERNELS_ISA=avx2 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(AVX2_TESTS); fi
+		BRAID_KERNELS_ISA=avx2 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(AVX2_TESTS); fi
 
 # The fast tier: tests/unit/, torch-free and in process (the engine core with a scripted runner, the
 # servicer and the HTTP app over a fake engine client). The folder is the tier: the run fails if a

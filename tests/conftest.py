@@ -76,24 +76,10 @@ def _unit_run(config) -> bool:
     return bool(paths) and all(path.is_relative_to(UNIT_DIR) for path in paths)
 
 
-INPROCESS_DIR = REPO / "tests" / "inprocess"
-
-
-def _tier(item) -> int:
-    """0 end to end, 1 in process, 2 unit: roughly the cost of a module of each."""
-    return 2 if item.path.is_relative_to(UNIT_DIR) else 1 if item.path.is_relative_to(INPROCESS_DIR) else 0
-
-
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path.is_relative_to(UNIT_DIR):
             item.add_marker(pytest.mark.unit)
-    # The end-to-end modules first, the unit ones last (a stable sort: each module's tests stay
-    # together and in order). make test hands whole modules to its workers in this order
-    # (--dist loadfile --no-loadscope-reorder), each taking the next as it runs out, so the last
-    # to be handed out are the shortest and the workers finish together: xdist's own order (most
-    # tests first) left a 60 s module among the last.
-    items.sort(key=_tier)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
