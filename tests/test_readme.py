@@ -78,7 +78,7 @@ def test_make_test_runs_a_worker_per_core_and_one_more(tmp_path, monkeypatch):
     """Whatever OMP_NUM_THREADS the caller has (the suite's own workers run under 1)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     workers = min(len(os.sched_getaffinity(0)) + 1, 8)
-    assert f"{tmp_path}/bin/python -m pytest -q -n {workers} --dist loadfile" in (make_commands("test", tmp_path))
+    assert f"{tmp_path}/bin/python -m pytest -q -n {workers} --dist loadfile" in make_commands("test", tmp_path)
 
 
 def test_make_says_what_it_installs_before_the_long_steps(tmp_path):

@@ -16,11 +16,12 @@ from gguf import GGUFReader
 from safetensors.torch import load_file
 from test_request_log import tiny_gguf  # a tiny Llama's GGUF file: layers and width as asked
 
+from braid.server import resources
 from braid.server.config import EngineConfig, SettingError
 from braid.server.model import conversion, tensor_file
 from braid.server.model.loader import load
 from braid.server.runner import decoder
-from braid.server.runner.kernels import packing
+
 from braid.server.runner.model_runner import ModelRunner
 
 LAYERS, HIDDEN = 16, 256  # 38 MB of fp32 weights; its largest tensor 0.5 MB
@@ -70,7 +71,7 @@ def test_a_start_holds_each_quantized_matrix_only_while_the_runner_packs_it_then
 
     monkeypatch.setattr(conversion.BlockFile, "__getitem__", counted)
     released = []  # the heap's freed pages handed back: when no matrix from the file is left
-    monkeypatch.setattr(decoder, "release_freed_memory", lambda: released.append(alive[0]) or packing._malloc_trim())
+    monkeypatch.setattr(decoder, "release_freed_heap", lambda: released.append(alive[0]) or resources._malloc_trim())
     config = EngineConfig(model=str(deep_gguf), cache_dir=tmp_path, kv_cache_memory="4MiB", threads=1)
     runner = ModelRunner.build(config, model)
     gc.collect()
@@ -79,7 +80,7 @@ def test_a_start_holds_each_quantized_matrix_only_while_the_runner_packs_it_then
     assert most[0] <= total / 4, (most[0], total)
     assert alive[0] == 0  # none left once packed
     assert released == [0]
-    assert packing.release_freed_memory()  # glibc's malloc_trim, on this Linux
+    assert resources.release_freed_heap()  # glibc's malloc_trim, on this Linux
 
 
 def test_a_file_written_tensor_by_tensor_is_safetensors_own(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from braid.server.model.weights import FLOAT_FORMATS, Blocks, Weight
-from braid.server.resources import _malloc_trim, release_freed_heap  # noqa: F401 (_malloc_trim: test_model_memory's)
+from braid.server.resources import release_freed_heap
 from braid.server.runner.kernels.extension import (
     BF16_ROWS,
     FORMAT_CODES,
@@ -26,13 +26,6 @@ from braid.server.runner.kernels.extension import (
 # where it needs 1,551-1,609 (docs/benchmarks.md; about 65 releases, 0.5-0.8 s of a 7-20 s build).
 # Smaller matrices (every test model's) leave it to the build's end.
 RELEASE_AFTER_BYTES = 4 * 2**20
-
-
-def release_freed_memory() -> bool:
-    """The heap's free pages handed back (resources.release_freed_heap) once the weights are packed:
-    packing frees hundreds of transient copies of 1-100 MB, which glibc keeps: 144 MiB of the 1B
-    shape's 1.6 GB start, measured."""
-    return release_freed_heap()
 
 
 def format_of(weight: Weight) -> str:
