@@ -34,10 +34,16 @@ class Model:
 def load_model(path: Path | str | None, cache_dir: Path, loaded: LoadedModel | None = None, **config) -> Model:
     """The runner `braid serve --model path` builds (None: the embedded model), on one thread, with
     a 128 MiB KV cache; config: other EngineConfig fields (kernels, activations, kv_cache_memory, ...).
-    loaded: the model at path, already loaded (another runner's, for braid's native decoder only)."""
+    loaded: the model at path, already loaded (another runner's, for braid's native decoder only).
+    The device is pytest's --device, as for the servers the tests start: left to --device auto, a
+    machine with a GPU built these runners on CUDA under plain `make test` (four of
+    test_precision's tests failed so on an H200's host, each reading CUDA's bf16 and torch kernels)."""
+    import conftest
+
     name = None if path is None else str(path)
     model = loaded or load(name, cache_dir)
-    engine_config = EngineConfig(**{"model": name, "threads": 1, "kv_cache_memory": "128MiB", **config})
+    defaults = {"model": name, "device": conftest.DEVICE, "threads": 1, "kv_cache_memory": "128MiB"}
+    engine_config = EngineConfig(**{**defaults, **config})
     runner = ModelRunner.build(engine_config, model)
     return Model(runner, Tokenizer(model.hf_tokenizer, model.eos_token_ids), name or model.name)
 

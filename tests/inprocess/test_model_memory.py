@@ -72,7 +72,7 @@ def test_a_start_holds_each_quantized_matrix_only_while_the_runner_packs_it_then
     monkeypatch.setattr(conversion.BlockFile, "__getitem__", counted)
     released = []  # the heap's freed pages handed back: when no matrix from the file is left
     monkeypatch.setattr(decoder, "release_freed_heap", lambda: released.append(alive[0]) or resources._malloc_trim())
-    config = EngineConfig(model=str(deep_gguf), cache_dir=tmp_path, kv_cache_memory="4MiB", threads=1)
+    config = EngineConfig(model=str(deep_gguf), cache_dir=tmp_path, device="cpu", kv_cache_memory="4MiB", threads=1)
     runner = ModelRunner.build(config, model)
     gc.collect()
     assert runner.weight_bytes > 0 and most[0] > 0

@@ -309,3 +309,13 @@ def test_a_gguf_adapter_reads_as_its_peft_folder(runner, tiny, tmp_path, outtype
     finally:
         runner.unload_adapter(401)
         runner.unload_adapter(402)
+
+
+def test_in_process_runners_are_built_on_pytests_device_where_a_gpu_is(tiny_dir, monkeypatch):
+    """tests/in_process.load_model builds its runner on pytest's --device (cpu unless told), as the
+    servers the tests start run: on a machine with a GPU, braid's own default (--device auto) put it on
+    CUDA, and four of test_precision's tests failed so on an H200's host. Here torch claims a GPU."""
+    from in_process import load_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert load_model(tiny_dir, tiny_dir.parent).runner.device == torch.device("cpu")
