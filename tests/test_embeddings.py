@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import grpc
 import httpx
@@ -18,17 +19,20 @@ import openai
 import pytest
 
 from braid.client import AsyncClient, BadRequestError
-from conftest import free_port, tiny_server, wait_for
+from conftest import free_port, tiny_server
 
 KEY = "sk-embed-key"
 TEXTS = ["The tide comes in", "The tide goes out, and the sea is calm again"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
-    http_port = free_port()
-    started = tiny_server(tiny_dir, "--mode", "continuous", "--http-port", str(http_port), env={"BRAID_API_KEY": KEY})
-    started.http = f"http://127.0.0.1:{http_port}"
+def server(tiny_dir, tmp_path_factory):
+    """The tiny model with its HTTP API; its forward passes wait while the file `server.hold` exists
+    (BRAID_INJECT_FAULT's hold: test_a_call_that_gives_up_frees_its_inputs_and_the_books_balance)."""
+    http_port, hold = free_port(), tmp_path_factory.mktemp("embed-hold") / "held"
+    env = {"BRAID_API_KEY": KEY, "BRAID_INJECT_FAULT": f"hold:{hold}"}
+    started = tiny_server(tiny_dir, "--mode", "continuous", "--http-port", str(http_port), env=env)
+    started.http, started.hold = f"http://127.0.0.1:{http_port}", hold
     yield started
     assert started.stop() == 0
 
@@ -87,29 +91,58 @@ def test_bad_input_is_named_over_both_apis_and_the_key_is_enforced(server):
 
 
 def test_a_call_that_gives_up_frees_its_inputs_and_the_books_balance(server):
-    with server.client() as client:
-        with pytest.raises(grpc.RpcError) as late:
-            client.embed(_long_texts("grpc"), pooling="mean", timeout=0.3)
-        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        status = wait_for(lambda: (s := client.server_status()).sessions_active + s.sessions_queued == 0 and s)
-        assert status.kv_pages_used == 0 and status.sessions_finished.cancelled + status.sessions_finished.deadline > 0
-        assert len(client.embed("still serving").embeddings) == 1
-        before = client.server_status().sessions_finished.cancelled
-        with pytest.raises(httpx.TimeoutException):  # an HTTP client that hangs up
-            httpx.post(
-                server.http + "/v1/embeddings",
-                json={"input": _long_texts("http"), "pooling": "mean"},
-                headers={"Authorization": f"Bearer {KEY}"},
-                timeout=0.3,
+    """A gRPC call cancelled, and an HTTP client that hangs up, once all 64 of the call's inputs are
+    sessions in the engine: the sessions the held pass had not taken are counted cancelled, and no
+    session or KV page is left. The model
+    is held meanwhile (server.hold), so the call cannot finish first. (The call gave up after a fixed
+    0.3 s before, which raced its own admission: on a loaded machine the deadline passed while the 64
+    texts were still being tokenized, nothing was submitted, and nothing was there to cancel.)"""
+
+    async def give_up(call) -> None:
+        async with AsyncClient(server.target, api_key=KEY) as client:
+            before = await client.server_status()
+            server.hold.touch()
+            try:
+                task = asyncio.create_task(call())
+                await _until(client, lambda s: s.sessions_submitted - before.sessions_submitted == 64)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                server.hold.unlink()
+            # the pass held when the call gave up still finishes its sessions: the rest are cancelled
+            status = await _until(
+                client,
+                lambda s: s.sessions_active + s.sessions_queued == 0 and _finished(s) == _finished(before) + 64,
             )
-        status = wait_for(
-            lambda: (
-                (s := client.server_status()).sessions_finished.cancelled > before
-                and s.sessions_active + s.sessions_queued == 0
-                and s
-            )
-        )
-        assert status.kv_pages_used == 0
+            assert status.sessions_finished.cancelled > before.sessions_finished.cancelled
+            assert status.kv_pages_used == 0
+            assert len((await client.embed("still serving")).embeddings) == 1
+
+    async def grpc_call() -> None:
+        async with AsyncClient(server.target, api_key=KEY) as client:
+            await client.embed(_long_texts("grpc"), pooling="mean")
+
+    async def http_call() -> None:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as http:
+            await http.post(server.http + "/v1/embeddings", json={"input": _long_texts("http"), "pooling": "mean"})
+
+    asyncio.run(give_up(grpc_call))
+    asyncio.run(give_up(http_call))
+
+
+def _finished(status) -> int:
+    """Sessions finished, for any reason."""
+    return sum(count for _, count in status.sessions_finished.ListFields())
+
+
+async def _until(client: AsyncClient, holds, timeout: float = 20.0):
+    """Polls the server's status until holds(status); returns that status (wait_for, awaited)."""
+    deadline = time.monotonic() + timeout
+    while not holds(status := await client.server_status()):
+        assert time.monotonic() < deadline, f"condition not met in time: {status}"
+        await asyncio.sleep(0.05)
+    return status
 
 
 def _long_texts(tag: str) -> list[str]:

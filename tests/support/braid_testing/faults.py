@@ -10,7 +10,10 @@ exit non-zero); `delay:<ms>` makes every forward pass take <ms> longer, a slow m
 stream outlasts its deadline or grace period however fast the machine; `tokenize:<ms>` makes every
 request's tokenization take <ms> longer, so a call can end while its prompt is being tokenized;
 `compile:<path>` holds every request's constraint compile until the file <path> exists (a slow
-compile that the test ends when it has seen what it needs, not after a fixed delay it must outwait).
+compile that the test ends when it has seen what it needs, not after a fixed delay it must outwait);
+`hold:<path>` holds every forward pass while the file <path> exists, so that a test can keep a call's
+sessions in the engine, unfinished, for as long as it needs them there (a held model, not a slow one
+that a fast machine would outrun).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class Faults:
     where: str | None = None
     token_id: int = -1
     delay_s: float = 0.0
-    release: str = ""  # compile's file
+    release: str = ""  # compile's file (held until it exists), hold's (held while it exists)
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -52,16 +55,16 @@ class Faults:
                 return cls(where, delay_s=float(value) / 1000)
             if where in ("pass", "thread"):
                 return cls(where, int(value))
-            if where == "compile" and value:
+            if where in ("compile", "hold") and value:
                 return cls(where, release=value)
         except ValueError:
             pass
         raise ValueError(
-            f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms>, tokenize:<ms> or compile:<path>"
+            f"{ENV}={spec!r}: expected pass:<token id>, thread:<token id>, delay:<ms>, tokenize:<ms>, compile:<path> or hold:<path>"
         )
 
     def runner(self, runner):
-        return _FaultyRunner(runner, self) if self.where in ("pass", "thread", "delay") else runner
+        return _FaultyRunner(runner, self) if self.where in ("pass", "thread", "delay", "hold") else runner
 
     def tokenizer(self, tokenizer):
         return _SlowTokenizer(tokenizer, self.delay_s) if self.where == "tokenize" else tokenizer
@@ -89,6 +92,8 @@ class _FaultyRunner(_Wrapped):
         faults = self._faults
         if faults.where == "delay":
             time.sleep(faults.delay_s)
+        while faults.where == "hold" and os.path.exists(faults.release):
+            time.sleep(0.01)
         hit = any(faults.token_id in row.token_ids for row in rows)
         if faults.where == "thread" and hit:
             raise InjectedThreadDeath(f"injected by {ENV}")
