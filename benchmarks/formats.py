@@ -198,7 +198,7 @@ async def measure_server(name: str, outcome: Outcome, send, pid: int, measured: 
     """Warms the server up with as many short requests as the most streams at once, notes its RSS,
     then measures each workload, fewest streams first."""
     await braid_server.warm_up(send, warm_up_requests(measured))
-    outcome.rss_mib = machine.rss_mib(pid)
+    outcome.rss_mib = await machine.rss_at_rest_mib(pid)
     for streams, workload in sorted(measured.items()):
         outcome.rows[streams] = await bench.measure(
             name, workload, lambda w=workload: drive.run(w, send), [pid], budget_s=math.inf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import platform
@@ -11,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+
+from braid.server.engine.engine import RELEASE_AFTER_IDLE_S
 
 REPO = Path(__file__).resolve().parent.parent
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -127,6 +130,19 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+# A served braid hands its freed heap back to the system once its model has been idle for
+# RELEASE_AFTER_IDLE_S (a malloc_trim): resident memory "at rest" is read a second after that, for
+# every server measured alike, so that a read right after the warm-up's last request does not count
+# what braid gives back a second later (25-58 MiB at the 1B shape).
+AT_REST_S = RELEASE_AFTER_IDLE_S + 1.0
+
+
+async def rss_at_rest_mib(pid: int) -> float:
+    """rss_mib once the process has been idle AT_REST_S: the warm-up done, before the workloads."""
+    await asyncio.sleep(AT_REST_S)
+    return rss_mib(pid)
 
 
 class CpuMeter:

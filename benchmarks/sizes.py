@@ -258,7 +258,7 @@ async def measure(name: str, outcome: SizeOutcome, send, pid: int, measured, arg
         await formats.measure_server(name, outcome, send, pid, measured)
         return
     await braid_server.warm_up(send, formats.warm_up_requests(measured))
-    outcome.rss_mib = machine.rss_mib(pid)
+    outcome.rss_mib = await machine.rss_at_rest_mib(pid)
 
 
 def peak_rss_mib(pid: int) -> float:
