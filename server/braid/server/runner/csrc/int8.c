@@ -136,7 +136,10 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
                     group_quants(fmt, quants, g, c0, w, u);
                     for (int m = 0; m < MR; m++) {
                         const vi xb = vibcast4(xq + m * q->K + 4 * g);
-                        for (int j = 0; j < 2; j++) s[m][j] = vidot16_u8(s[m][j], u[j], xb);
+                        for (int j = 0; j < 2; j++) {
+                            s[m][j] = vidot16_u8(s[m][j], u[j], xb);
+                            vikeep(s[m][j]);
+                        }
                     }
                 }
                 for (int m = 0; m < MR; m++)
@@ -148,9 +151,11 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
                     group_quants(fmt, quants, g, c0, w, u);
                     for (int m = 0; m < MR; m++) {
                         const vi xb = vibcast4(xq + m * q->K + 4 * g);
-                        for (int j = 0; j < 2; j++)
+                        for (int j = 0; j < 2; j++) {
                             s[m][j] = TRAITS(fmt).stored == V_I8 ? vidot_s8(s[m][j], u[j], w[j], xb)
                                                                  : vidot_u8(s[m][j], u[j], xb);
+                            vikeep(s[m][j]);
+                        }
                     }
                 }
             }
