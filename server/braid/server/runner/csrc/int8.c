@@ -189,9 +189,11 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
         }
 }
 
-/* The tiles compiled per format and per number of rows. */
+/* The tiles compiled per format and per number of rows (none of more rows than the format's tiles have). */
 #define ITILE_ROWS(F, MR) \
     case MR: \
+        if ((MR) > ITILE_ROWS_MAX(F)) \
+            break; \
         if (c0 == 0) /* a constant: which half of a byte each column's quants are (group_quants) */ \
             itile_fmt(F, MR, q, r, panel, 0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
         else \
