@@ -184,7 +184,7 @@ def exact_weights(weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 # (the path, the format) of every matmul the contract says gives the same bits in every build
 REFERENCE_PATHS = [("float32", fmt) for fmt in [*FLOATS, *QUANTIZED]] + [("int8", fmt) for fmt in QUANTIZED]
-# rows: one (the one-row path), tiles of every build (AVX2's int8 tiles of 2, AVX-512's of 6 taking
+# rows: one (the one-row path), tiles of every build (AVX2's int8 tiles of 2 and 3, AVX-512's of 6 taking
 # turns), past 16 (long k-blocks) and past 64 (chunks of rows)
 REFERENCE_ROWS = [1, 2, 3, 7, 13, 17, 70]
 

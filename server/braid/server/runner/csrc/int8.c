@@ -56,10 +56,11 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
 }
 
 /* Per 4-row group of an interleaved block, the bytes of its quants; per build, the columns a tile
- * covers in one pass (32 with AVX-512; 16 with AVX2, whose 16 registers hold no more). */
+ * covers in one pass (32 with AVX-512; 16 with AVX2, whose 16 registers hold no more) and the most
+ * rows a tile has (ITILE_ROWS_MAX below, per format). */
 #define GROUP_BYTES(fmt) (4 * ROW_BYTES(fmt))
 #define PASS_COLUMNS (2 * VEC)
-#define MAX_ITILE (VEC == 16 ? 6 : 2)
+#define MAX_ITILE (VEC == 16 ? 6 : 3)
 
 /* What the int8 path adds to a format's quants to make them unsigned bytes (LIFT: Q6_K's [-32, 31]
  * + 32), and so subtracts again, times the sum of x's quants, with the format's offset (BIAS): a
@@ -91,6 +92,10 @@ INLINE void group_quants(const int fmt, const uint8_t *quants, int g, long c0, v
  * 2). Integer sums are exact: the bits are the same. Q6_K's lifted quants (2 * 63 * 127) and Q8_0's
  * (2 * 128 * 127) would overflow in 16 bits past one group. */
 #define SUMS_16(fmt) (!VNNI && TRAITS(fmt).stored == V_U4 && SCALE_ROWS(fmt) == QBLOCK)
+/* The rows of a tile, per format: with AVX2, 3 where a block's sums are 16 bits (3 rows' sums and
+ * totals, 12 registers, beside the 2 of the quants and 1 of x's), else 2 (Q8_0's quants as they are
+ * and prepared, 2 more registers, leave room for no third row). */
+#define ITILE_ROWS_MAX(fmt) (VEC == 16 ? 6 : SUMS_16(fmt) ? 3 : 2)
 #if VNNI /* never called there (SUMS_16 is 0) */
 static inline vi vidot16_u8(vi acc16, vi w, vi x) { return (void)w, (void)x, acc16; }
 static inline vi viwiden16(vi acc16) { return acc16; }
@@ -136,7 +141,10 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
                     group_quants(fmt, quants, g, c0, w, u);
                     for (int m = 0; m < MR; m++) {
                         const vi xb = vibcast4(xq + m * q->K + 4 * g);
-                        for (int j = 0; j < 2; j++) s[m][j] = vidot16_u8(s[m][j], u[j], xb);
+                        for (int j = 0; j < 2; j++) {
+                            s[m][j] = vidot16_u8(s[m][j], u[j], xb);
+                            vikeep(s[m][j]);
+                        }
                     }
                 }
                 for (int m = 0; m < MR; m++)
@@ -148,9 +156,11 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
                     group_quants(fmt, quants, g, c0, w, u);
                     for (int m = 0; m < MR; m++) {
                         const vi xb = vibcast4(xq + m * q->K + 4 * g);
-                        for (int j = 0; j < 2; j++)
+                        for (int j = 0; j < 2; j++) {
                             s[m][j] = TRAITS(fmt).stored == V_I8 ? vidot_s8(s[m][j], u[j], w[j], xb)
                                                                  : vidot_u8(s[m][j], u[j], xb);
+                            vikeep(s[m][j]);
+                        }
                     }
                 }
             }
@@ -179,9 +189,11 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
         }
 }
 
-/* The tiles compiled per format and per number of rows. */
+/* The tiles compiled per format and per number of rows (none of more rows than the format's tiles have). */
 #define ITILE_ROWS(F, MR) \
     case MR: \
+        if ((MR) > ITILE_ROWS_MAX(F)) \
+            break; \
         if (c0 == 0) /* a constant: which half of a byte each column's quants are (group_quants) */ \
             itile_fmt(F, MR, q, r, panel, 0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
         else \
@@ -190,7 +202,7 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
 #if VEC == 16
 #define ITILE_WIDE(F) ITILE_ROWS(F, 3) ITILE_ROWS(F, 4) ITILE_ROWS(F, 5) ITILE_ROWS(F, 6)
 #else
-#define ITILE_WIDE(F)
+#define ITILE_WIDE(F) ITILE_ROWS(F, 3)
 #endif
 #define ITILE_FMT(F) switch (rows) { ITILE_ROWS(F, 1) ITILE_ROWS(F, 2) ITILE_WIDE(F) }
 
@@ -203,21 +215,22 @@ static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *pa
 #undef FORMAT_CALL
 
 /* Panel p of gemm_int8 below: columns [32p, 32p + 32) of y, for every row of q, in tiles of up to
- * MAX_ITILE rows (split evenly: 16 rows are 6 + 5 + 5). One tile reads the panel once, from memory.
+ * ITILE_ROWS_MAX rows (split evenly: 16 rows are 6 + 5 + 5 with AVX-512). One tile reads the panel
+ * once, from memory.
  * Two to TURN_TILES tiles (a verification's 7 rows are 4 + 3; a batch's 16 rows, three tiles) take
  * turns on CHUNK_BLOCKS blocks at a time, their sums kept in acc between turns: the chunk the first
  * tile brought from memory is still in L1 for the rest, and the stream from memory overlaps every
  * tile's arithmetic. (Tile after tile over the whole panel left the later tiles' arithmetic after
  * the stream: a 7th row cost a pass of 6 rows a third more, benchmarks/proposal_rows.py.) More
  * tiles, a prompt's rows, go one after another over the whole panel, read from cache but the first
- * time, where turns measured no faster. So do AVX2's tiles of 2 rows, where the turns cost more than
- * they saved: there, tiles always go one after another. */
+ * time, where turns measured no faster. So do AVX2's tiles of 2 or 3 rows (the turns cost tiles of 2
+ * more than they saved): there, tiles always go one after another. */
 #define CHUNK_BLOCKS 2
 #define TURN_TILES (VEC == 16 ? 4 : 1)
 static void int8_panel(const qrows_t *q, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                        int accumulate, const float *bias, long p) {
     const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
-    const long tiles = (M + MAX_ITILE - 1) / MAX_ITILE;
+    const long most = ITILE_ROWS_MAX(fmt), tiles = (M + most - 1) / most;
     const long step = tiles == 1 || tiles > TURN_TILES ? q->blocks : CHUNK_BLOCKS;
     const uint8_t *panel = (const uint8_t *)w + p * panel_bytes(fmt, K);
     const float *b = bias ? bias + col : NULL;

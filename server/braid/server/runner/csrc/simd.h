@@ -261,6 +261,15 @@ static inline vf vtanh(vf x) {
     return vselect_lt(a, vset1(0.625f), near, vwithsign(far, x));
 }
 
+/* v left in its register as it is. An unrolled chain of integer adds (int8.c's tile sums) is one gcc
+ * may reassociate into a tree, and it did: it computed a block's products first and spilled them to
+ * the stack to add them after. The empty asm, which might change v, keeps the adds in their order. */
+#if VEC == 16
+#define vikeep(v) __asm__("" : "+v"(v)) /* any of the 32 registers */
+#else
+#define vikeep(v) __asm__("" : "+x"(v))
+#endif
+
 /* CALL with NAME a constant: value, 1 to 4 (4 for more), so that the loops it runs unroll. */
 #define WITH_1_TO_4(value, NAME, CALL) do { \
         switch (value) { \

@@ -1,0 +1,156 @@
+"""Two builds of braid's C kernels against each other in one process: the embedded model's own packed
+matrices (layer 0's and the LM head), each matmul at every --rows, then whole passes of one
+sequence with k proposals (ModelRunner.run), the two builds taken in turns. One thread, timed as
+the calling thread's CPU time: what neighbours on a shared machine change least. Each output of a
+matmul is compared between the builds (the kernel contract: the same bits).
+
+    cp server/braid/server/runner/_cpu_kernels*.so /tmp/before.so   # the build to compare against
+    (change the kernels, build again)
+    .venv/bin/python benchmarks/kernels_ab.py --before /tmp/before.so [--rows 1,2,6] [--passes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import statistics
+import time
+
+import torch
+
+from braid.server.config import EngineConfig
+from braid.server.model.loader import default_cache_dir, load
+from braid.server.runner.kernels import packing, step
+from braid.server.runner.model_runner import ModelRunner
+from braid.server.runner.rows import Row, Sampling
+
+CLOCK = time.thread_time
+
+
+def load_build(name: str, path: str):
+    """The extension module at path, under its own name: a second copy beside the imported one."""
+    loader = importlib.machinery.ExtensionFileLoader(f"{name}._cpu_kernels", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(loader.name, path, loader=loader))
+    loader.exec_module(module)
+    return module
+
+
+def gemm(build, linear, x: torch.Tensor, y: torch.Tensor) -> None:
+    bias = None if linear.bias is None else linear.bias.data_ptr()
+    build.gemm(
+        x.data_ptr(),
+        x.stride(0),
+        linear.weight.data_ptr(),
+        linear.code,
+        y.data_ptr(),
+        y.stride(0),
+        x.shape[0],
+        linear.in_features,
+        linear.out_features,
+        0,
+        bias,
+        1,
+    )
+
+
+def matmuls(builds: dict, runner: ModelRunner, rows: list[int], repeats: int) -> None:
+    layer, decoder = runner.decoder.layers[0], runner.decoder
+    print("| matrix | rows | before, us | after, us | after / before | bits |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, linear in (
+        ("qkv", layer.qkv),
+        ("o", layer.o),
+        ("gate_up", layer.gate_up),
+        ("down", layer.down),
+        ("lm_head", decoder.lm_head),
+    ):
+        for m in rows:
+            x = torch.randn(m, linear.in_features)
+            ys = {side: torch.empty(m, linear.out_features) for side in builds}
+            start = CLOCK()
+            gemm(builds["after"], linear, x, ys["after"])
+            calls = max(3, int(0.05 / max(CLOCK() - start, 1e-6)))
+            times = {side: [] for side in builds}
+            for _ in range(repeats):
+                for side, build in builds.items():
+                    start = CLOCK()
+                    for _ in range(calls):
+                        gemm(build, linear, x, ys[side])
+                    times[side].append((CLOCK() - start) / calls)
+            before, after = (statistics.median(times[side]) * 1e6 for side in ("before", "after"))
+            same = "same" if torch.equal(ys["before"], ys["after"]) else "DIFFER"
+            shape = f"{linear.in_features}x{linear.out_features}"
+            print(f"| {name} {shape} | {m} | {before:.1f} | {after:.1f} | {after / before:.3f} | {same} |", flush=True)
+
+
+def passes(builds: dict, runner: ModelRunner, contexts: list[int], ks: list[int], repeats: int) -> None:
+    sampling = Sampling()
+    imported = packing._cpu_kernels
+    print("\n| context | k | before, ms | / its k = 0 | after, ms | / its k = 0 | after / before |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for n in contexts:
+        context = [(i * 7919) % 40000 + 100 for i in range(n)]  # no token repeats nearby
+        pages = list(range(-(-(n + max(ks) + 1) // runner.page_size)))
+        prompt = Row(pages=pages, start=0, token_ids=context, sample=False, sampling=sampling, rng=None, is_prompt=True)
+        runner.run([prompt])
+        rows = {
+            k: Row(
+                pages=pages,
+                start=n - 1,
+                token_ids=[context[-1], *(101 + i for i in range(k))],
+                sample=True,
+                sampling=sampling,
+                rng=None,
+                is_prompt=False,
+                num_proposals=k,
+            )
+            for k in ks
+        }
+        times = {(side, k): [] for side in builds for k in ks}
+        for turn in range(repeats + 2):  # the first two turns warm up
+            for side, build in builds.items():
+                step._cpu_kernels = packing._cpu_kernels = build
+                for k in ks:
+                    start = CLOCK()
+                    runner.run([rows[k]])
+                    if turn >= 2:
+                        times[side, k].append(CLOCK() - start)
+        step._cpu_kernels = packing._cpu_kernels = imported
+        ms = {key: statistics.median(value) * 1e3 for key, value in times.items()}
+        for k in ks:
+            before, after = ms["before", k], ms["after", k]
+            print(
+                f"| {n} | {k} | {before:.2f} | {before / ms['before', ks[0]]:.2f} | {after:.2f} | "
+                f"{after / ms['after', ks[0]]:.2f} | {after / before:.3f} |",
+                flush=True,
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="the build to compare against (an _cpu_kernels .so)")
+    parser.add_argument("--after", help="the other build (default: the one braid imports)")
+    parser.add_argument("--rows", default="1,2,3,6,16", help="rows of each matmul")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--passes", action="store_true", help="whole passes too")
+    parser.add_argument("--context", default="150,600", help="positions in the cache before a pass")
+    parser.add_argument("--proposals", default="0,5", help="values of k (the first is the ratios' base)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runner = ModelRunner.build(EngineConfig(threads=1), load(None, default_cache_dir()))
+    runner.governor = None  # one thread throughout
+    isa = packing._cpu_kernels.isa()
+    after = load_build("after", args.after) if args.after else packing._cpu_kernels
+    builds = {"before": load_build("before", args.before), "after": after}
+    for build in builds.values():
+        build.select_isa(isa)
+    print(f"{isa} build, 1 thread, CPU time, medians of {args.repeats}, the builds in turns\n")
+    matmuls(builds, runner, [int(r) for r in args.rows.split(",")], args.repeats)
+    if args.passes:
+        contexts = [int(c) for c in args.context.split(",")]
+        passes(builds, runner, contexts, [int(k) for k in args.proposals.split(",")], args.repeats)
+
+
+if __name__ == "__main__":
+    main()
