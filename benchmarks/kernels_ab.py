@@ -23,7 +23,7 @@ from braid.server.config import EngineConfig
 from braid.server.model.loader import default_cache_dir, load
 from braid.server.runner.kernels import packing, step
 from braid.server.runner.model_runner import ModelRunner
-from braid.server.runner.rows import Row, Sampling
+from proposal_rows import prefilled, verification
 
 CLOCK = time.thread_time
 
@@ -85,28 +85,12 @@ def matmuls(builds: dict, runner: ModelRunner, rows: list[int], repeats: int) ->
 
 
 def passes(builds: dict, runner: ModelRunner, contexts: list[int], ks: list[int], repeats: int) -> None:
-    sampling = Sampling()
     imported = packing._cpu_kernels
     print("\n| context | k | before, ms | / its k = 0 | after, ms | / its k = 0 | after / before |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for n in contexts:
-        context = [(i * 7919) % 40000 + 100 for i in range(n)]  # no token repeats nearby
-        pages = list(range(-(-(n + max(ks) + 1) // runner.page_size)))
-        prompt = Row(pages=pages, start=0, token_ids=context, sample=False, sampling=sampling, rng=None, is_prompt=True)
-        runner.run([prompt])
-        rows = {
-            k: Row(
-                pages=pages,
-                start=n - 1,
-                token_ids=[context[-1], *(101 + i for i in range(k))],
-                sample=True,
-                sampling=sampling,
-                rng=None,
-                is_prompt=False,
-                num_proposals=k,
-            )
-            for k in ks
-        }
+        context, pages = prefilled(runner, n, max(ks))
+        rows = {k: verification(context, pages, k) for k in ks}
         times = {(side, k): [] for side in builds for k in ks}
         for turn in range(repeats + 2):  # the first two turns warm up
             for side, build in builds.items():

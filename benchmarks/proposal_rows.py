@@ -22,6 +22,31 @@ from braid.server.runner.rows import Row, Sampling
 SAMPLING = Sampling()
 
 
+def prefilled(runner: ModelRunner, n: int, most_proposals: int) -> tuple[list[int], list[int]]:
+    """A sequence of n tokens prefilled into the runner's cache, with pages for most_proposals more:
+    (its token ids, its pages)."""
+    context = [(i * 7919) % 40000 + 100 for i in range(n)]  # no token repeats nearby
+    pages = list(range(-(-(n + most_proposals + 1) // runner.page_size)))
+    runner.run(
+        [Row(pages=pages, start=0, token_ids=context, sample=False, sampling=SAMPLING, rng=None, is_prompt=True)]
+    )
+    return context, pages
+
+
+def verification(context: list[int], pages: list[int], k: int) -> Row:
+    """The sequence's last token and k proposals in one row, as a verification runs them."""
+    return Row(
+        pages=pages,
+        start=len(context) - 1,
+        token_ids=[context[-1], *(101 + i for i in range(k))],
+        sample=True,
+        sampling=SAMPLING,
+        rng=None,
+        is_prompt=False,
+        num_proposals=k,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=40)
@@ -35,23 +60,10 @@ def main() -> None:
     print("| context | " + " | ".join(f"k = {k}" for k in ks) + " |")
     print("|---:|" + "---:|" * len(ks))
     for n in (int(c) for c in args.context.split(",")):
-        context = [(i * 7919) % 40000 + 100 for i in range(n)]  # no token repeats nearby
-        pages = list(range(-(-(n + max(ks) + 1) // runner.page_size)))
-        runner.run(
-            [Row(pages=pages, start=0, token_ids=context, sample=False, sampling=SAMPLING, rng=None, is_prompt=True)]
-        )
+        context, pages = prefilled(runner, n, max(ks))
         cells = []
         for k in ks:
-            row = Row(
-                pages=pages,
-                start=n - 1,
-                token_ids=[context[-1], *(101 + i for i in range(k))],
-                sample=True,
-                sampling=SAMPLING,
-                rng=None,
-                is_prompt=False,
-                num_proposals=k,
-            )
+            row = verification(context, pages, k)
             for _ in range(5):
                 runner.run([row])
             times = []
