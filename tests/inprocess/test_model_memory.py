@@ -21,7 +21,6 @@ from braid.server.config import EngineConfig, SettingError
 from braid.server.model import conversion, tensor_file
 from braid.server.model.loader import load
 from braid.server.runner import decoder
-
 from braid.server.runner.model_runner import ModelRunner
 
 LAYERS, HIDDEN = 16, 256  # 38 MB of fp32 weights; its largest tensor 0.5 MB
