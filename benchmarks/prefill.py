@@ -9,12 +9,13 @@ alone (the kernel the pass runs, csrc/attention.c, on one layer's cache with ran
 the layers); the rest of the pass (the linear layers, norms, RoPE, the LM head) is the remainder.
 
     .venv/bin/python benchmarks/prefill.py [--lengths 512,2048,8000] [--repeats 3] [--threads 2]
-    .venv/bin/python benchmarks/prefill.py --kernel   # the attention kernel alone
+    .venv/bin/python benchmarks/prefill.py --kernel [--shape 9,3,64] [--before OLD.so]   # the kernel alone
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -23,9 +24,12 @@ import torch
 from braid.server.config import EngineConfig
 from braid.server.model.loader import default_cache_dir, load
 from braid.server.runner.kernels.pick import kernels_isa
+from braid.server.runner import kv_cache
+from braid.server.runner.kernels import step
 from braid.server.runner.kernels.step import decode_attention
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
+from kernels_ab import load_build
 
 SAMPLING = Sampling()
 
@@ -73,26 +77,75 @@ def attention(
     return wall * decoder.num_layers, cpu * decoder.num_layers
 
 
-def kernel_alone(lengths: list[int], chunk: int, repeats: int) -> None:
-    """The attention of one chunk of rows ending at each length, alone: the embedded model's heads
-    (9 over 3 KV heads of 64), one layer, random caches in fp32 and bf16, one thread; best CPU ms."""
-    heads, kv_heads, d, page = 9, 3, 64, 16
+@contextlib.contextmanager
+def build_in(build):
+    """step.decode_attention calling `build` (an _cpu_kernels module) meanwhile: its argument
+    marshalling is the server's, whichever build runs."""
+    kept, step._cpu_kernels = step._cpu_kernels, build
+    try:
+        yield
+    finally:
+        step._cpu_kernels = kept
+
+
+def kernel_alone(lengths: list[int], chunk: int, repeats: int, shape: list[int], before: str | None) -> None:
+    """The attention kernel alone at each length, one layer, one thread, over random caches in fp32,
+    bf16 and q8_0 (a CPU's default): a prompt chunk of `chunk` rows ending there (its tiles), and a
+    decode step of 32 sequences each that long (its own pages each, as distinct requests are). CPU
+    ms, medians of `repeats`. With `before` (another build's .so), that build too, the two taken in
+    turns, and each output compared bit for bit (the kernel contract: a change that only moves loops
+    keeps every bit)."""
+    heads, kv_heads, d = shape
+    page, decode_rows = 16, 32
     torch.set_num_threads(1)
-    print(f"{kernels_isa()} build, one {chunk}-row chunk, one layer, one thread: best of {repeats}, CPU ms\n")
-    print("| cache | chunk ending at | ms |")
-    print("|---|---:|---:|")
-    for dtype in (torch.float32, torch.bfloat16):
+    isa = kernels_isa()
+    builds = {"this": step._cpu_kernels}
+    if before:
+        builds = {"before": load_build("before", before), **builds}
+        builds["before"].select_isa(isa)
+    print(
+        f"{isa} build, {heads} query heads over {kv_heads} KV heads of {d}, one layer, one thread: CPU ms, medians of {repeats}\n"
+    )
+    names = list(builds)
+    print(f"| cache | rows | ending at | {' | '.join(names)} |" + (" this / before | bits |" if before else ""))
+    print("|---|---|---:|" + "---:|" * len(names) + ("---:|---|" if before else ""))
+    for dtype in (torch.float32, torch.bfloat16, kv_cache.Q8_0):
         for n in lengths:
-            pages = -(-n // page)
-            k_cache, v_cache = (torch.randn(pages, kv_heads, page, d).to(dtype) for _ in range(2))
-            tables, positions = torch.arange(pages).expand(chunk, -1).contiguous(), torch.arange(n - chunk, n)
-            qkv, out = torch.randn(chunk, (heads + 2 * kv_heads) * d), torch.empty(chunk, heads * d)
-            best = float("inf")
-            for _ in range(repeats):
-                cpu = time.process_time()
-                decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, d**-0.5, write=False)
-                best = min(best, time.process_time() - cpu)
-            print(f"| {str(dtype).removeprefix('torch.')} | {n:,} | {best * 1e3:.1f} |")
+            for rows, sequences in ((chunk, 1), (decode_rows, decode_rows)):
+                pages = -(-n // page)
+                k_cache, v_cache = (
+                    kv_cache.encode(torch.randn(pages * sequences, kv_heads, page, d), dtype) for _ in range(2)
+                )
+                if sequences == 1:  # a chunk's rows: consecutive positions of one sequence, keys written
+                    tables, positions = torch.arange(pages).expand(rows, -1).contiguous(), torch.arange(n - rows, n)
+                else:  # each row its sequence's new token, at position n - 1
+                    tables, positions = torch.arange(pages * rows).view(rows, pages), torch.full((rows,), n - 1)
+                qkv = torch.randn(rows, (heads + 2 * kv_heads) * d)
+                times: dict[str, list[float]] = {name: [] for name in names}
+                outs = {name: torch.empty(rows, heads * d) for name in names}
+                for _ in range(repeats):
+                    for name, build in builds.items():
+                        with build_in(build):
+                            cpu = time.thread_time()
+                            decode_attention(
+                                qkv,
+                                heads,
+                                k_cache,
+                                v_cache,
+                                tables,
+                                positions,
+                                outs[name],
+                                d**-0.5,
+                                write=sequences > 1,
+                            )
+                            times[name].append(time.thread_time() - cpu)
+                ms = [statistics.median(times[name]) * 1e3 for name in names]
+                line = f"| {kv_cache.kv_dtype_name(dtype)} | {'prompt chunk' if sequences == 1 else 'decode'} {rows} | {n:,} | "
+                line += " | ".join(f"{m:.1f}" for m in ms) + " |"
+                if before:
+                    same = torch.equal(outs["before"], outs["this"])
+                    line += f" {ms[1] / ms[0]:.2f}x | {'same' if same else '**differ**'} |"
+                print(line, flush=True)
 
 
 def main() -> None:
@@ -103,10 +156,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--kernel", action="store_true", help="time the attention kernel alone (kernel_alone)")
+    parser.add_argument("--shape", default="9,3,64", help="--kernel: query heads, KV heads, head size")
+    parser.add_argument("--before", help="--kernel: another build's _cpu_kernels .so, timed beside this one")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.kernel:
-        kernel_alone(lengths, args.chunk, args.repeats)
+        kernel_alone(lengths, args.chunk, args.repeats, [int(v) for v in args.shape.split(",")], args.before)
         return
     config = EngineConfig(
         threads=args.threads, max_seq_len=max(lengths), kv_cache_memory="2GiB", kv_cache_dtype=args.kv_cache_dtype

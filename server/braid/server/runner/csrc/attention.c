@@ -30,6 +30,13 @@ static inline vf kv_load(const void *cache, int kv_fmt, long row, long D, long c
     return vload((const float *)cache + row * D + col);
 }
 
+/* `bytes` of a cache in kv_fmt from the start of `row` (a page's rows of one KV head are
+ * consecutive), asked into L1 ahead of their use. */
+static inline void prefetch_rows(const void *cache, int kv_fmt, long row, long bytes, long D) {
+    const char *at = (const char *)cache + row * kv_row_bytes(kv_fmt, D);
+    for (long b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+}
+
 /* One row of D values in q8_0 blocks as llama.cpp's quantize_row_q8_0_ref makes them: d = amax / 127
  * rounded to fp16, q = roundf(x / d) by the fp32 reciprocal of the unrounded d (0 where d is 0). */
 static inline void kv_store_q8_0(uint8_t *out, const float *x, long D) {
@@ -68,34 +75,59 @@ static inline void kv_store(void *cache, int kv_fmt, long row, const float *x, l
     }
 }
 
-/* The weighted sum of the values for NG query heads from g0 and NJ chunks (vectors of VEC) from j
- * of their value vectors: out[g][j + c] = inv[g] * sum over positions [lo, L) of sc[g][t] V[t][j + c].
- * Every value vector is read once for the NG heads, and the NG x NJ sums run side by side, each in its
- * own register and over the positions in order: the same sums in the same order as one head and one
- * chunk at a time, whose every multiply-add waited on the one before and which read the values once
- * per head. NG (1 to 4) and NJ (4 or 1) are constants where attend calls it, so the loops unroll.
- * sc: G rows of n_seen scores. At 600 positions this made a one-row pass of the embedded model 22%
- * faster, and a verification of 8 proposals 27% (with the key sums below). */
-static inline __attribute__((always_inline)) void weigh_values(const void *v_cache, const int kv_fmt,
-                                                               const int64_t *table, long first_page, long lo,
-                                                               long L, long KVH, long h, long D, long P,
-                                                               const float *sc, long n_seen, long g0, const int NG,
-                                                               long j, const int NJ, const float *inv, float *out) {
-    vf acc[4][4];
+/* NJ of weigh_rows for NG heads: their NG x NJ sums, NJ values and a weight in registers. AVX2 has
+ * 16: at NG 3 or 4, NJ 4 took 19-24, gcc kept two sums on the stack, and each of their multiply-adds
+ * waited on a store and a load. 3 x 3 (the embedded model's 3 query heads a KV head) fits. The
+ * grouping changes no sum: each output element's runs over the positions in order. */
+#define WEIGH_NJ(NG) (VEC == 8 && (NG) > 2 ? ((NG) == 3 ? 3 : 2) : 4)
+
+/* acc[g][j + c] += sum over rows row0 + [i0, i1) of a cache in kv_fmt of sc[g][at + i] V[i][j + c],
+ * for NG query heads from g0 and NJ vectors (of VEC) from j: every value vector read once for the NG
+ * heads, the NG x NJ sums side by side, each in its own register and over the rows in order, kept
+ * in acc (the output row, fp32: exact) between calls. The weighted sums of attention are these calls
+ * over the attended positions in order, from acc = 0, then scaled by 1 / the weights' sum: the same
+ * sums in the same order whichever rows a call covers (a page of the cache, or a block of fp32 rows).
+ * sc: G rows of n_seen weights. NG (1 to 4) and NJ (WEIGH_NJ(NG) or 1) are constants where it is
+ * called, so the loops unroll. */
+static inline __attribute__((always_inline)) void weigh_rows(const void *cache, const int kv_fmt, long row0, long i0,
+                                                             long i1, long D, const float *sc, long n_seen, long at,
+                                                             long g0, const int NG, long j, const int NJ, float *acc) {
+    vf a[4][4];
     for (int g = 0; g < NG; g++)
-        for (int c = 0; c < NJ; c++) acc[g][c] = vzero();
-    for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
-        const long rows = (table[page] * KVH + h) * P, n = L - t0 < P ? L - t0 : P;
-        for (long i = t0 < lo ? lo - t0 : 0; i < n; i++) {
-            vf v[4], w[4];
-            for (int c = 0; c < NJ; c++) v[c] = kv_load(v_cache, kv_fmt, rows + i, D, VEC * (j + c));
-            for (int g = 0; g < NG; g++) w[g] = vset1(sc[(g0 + g) * n_seen + t0 + i - lo]);
-            for (int g = 0; g < NG; g++)
-                for (int c = 0; c < NJ; c++) acc[g][c] = vfmadd(w[g], v[c], acc[g][c]);
+        for (int c = 0; c < NJ; c++) a[g][c] = vload(acc + (g0 + g) * D + VEC * (j + c));
+    for (long i = i0; i < i1; i++) {
+        vf v[4], w[4];
+        for (int c = 0; c < NJ; c++) {
+            v[c] = kv_load(cache, kv_fmt, row0 + i, D, VEC * (j + c));
+            vikeep(v[c]); /* in a register: gcc had read it from memory again for each head */
         }
+        for (int g = 0; g < NG; g++) w[g] = vset1(sc[(g0 + g) * n_seen + at + i]);
+        for (int g = 0; g < NG; g++)
+            for (int c = 0; c < NJ; c++) a[g][c] = vfmadd(w[g], v[c], a[g][c]);
     }
     for (int g = 0; g < NG; g++)
-        for (int c = 0; c < NJ; c++) vstore(out + (g0 + g) * D + VEC * (j + c), vmul(acc[g][c], vset1(inv[g0 + g])));
+        for (int c = 0; c < NJ; c++) vstore(acc + (g0 + g) * D + VEC * (j + c), a[g][c]);
+}
+
+/* weigh_rows for all G heads and all D / VEC vectors of the rows, NG heads and WEIGH_NJ(NG) vectors at
+ * a time: while the rows (a page, a block) are in L1. */
+static inline __attribute__((always_inline)) void weigh_all(const void *cache, const int kv_fmt, long row0, long i0,
+                                                            long i1, long G, long D, const float *sc, long n_seen,
+                                                            long at, float *acc) {
+    const long chunks = D / VEC;
+    for (long g0 = 0; g0 < G; g0 += 4) {
+        const long heads = G - g0 < 4 ? G - g0 : 4;
+        long j = 0;
+        WITH_1_TO_4(heads, NG, for (; j + WEIGH_NJ(NG) <= chunks; j += WEIGH_NJ(NG))
+                                   weigh_rows(cache, kv_fmt, row0, i0, i1, D, sc, n_seen, at, g0, NG, j,
+                                              WEIGH_NJ(NG), acc));
+        if (j + 2 <= chunks) {
+            WITH_1_TO_4(heads, NG, weigh_rows(cache, kv_fmt, row0, i0, i1, D, sc, n_seen, at, g0, NG, j, 2, acc));
+            j += 2;
+        }
+        for (; j < chunks; j++)
+            WITH_1_TO_4(heads, NG, weigh_rows(cache, kv_fmt, row0, i0, i1, D, sc, n_seen, at, g0, NG, j, 1, acc));
+    }
 }
 
 /* The scores of one page's keys at rows row0 + [i, n) against the query qg, times scale, into
@@ -124,6 +156,56 @@ static inline __attribute__((always_inline)) void page_scores(const void *k_cach
     }
 }
 
+#if VEC == 8
+/* The scores of 4 keys at rows row .. row + 3 against 3 query heads q (D apart), times
+ * scale, into sc[g * n_seen ...]: each key's sum page_scores' (its lanes' multiply-adds over the D / VEC
+ * chunks in order, then vhsum's tree of the lanes, taken here as vhsum takes lanes 0-3 of its 8),
+ * with each key vector loaded once for the 3 heads, not once a head. A key cost a load per
+ * multiply-add (9 loads for 8 on a core that does 2 a cycle); here 7 for 12. AVX2 only: its
+ * registers fit 3 heads x 4 keys; the AVX-512 builds keep page_scores' 16-key tree. Not for 2 heads:
+ * 2 x 4 keys' 8 sums wait on each other's latency, and a 2-head tile (Qwen3's 16 over 8 KV heads)
+ * ran 7-12% slower than page_scores. */
+static inline __attribute__((always_inline)) void heads_scores4(const void *cache, const int kv_fmt, long row, long D,
+                                                                const float *q, float scale, float *sc, long n_seen) {
+    enum { NH = 3 };
+    vf d[3][4];
+    for (int g = 0; g < NH; g++)
+        for (int r = 0; r < 4; r++) d[g][r] = vzero();
+    for (long j = 0; j < D / VEC; j++) {
+        vf qv[3];
+        for (int g = 0; g < NH; g++) qv[g] = vload(q + g * D + VEC * j);
+        for (int r = 0; r < 4; r++) {
+            const vf k = kv_load(cache, kv_fmt, row + r, D, VEC * j);
+            for (int g = 0; g < NH; g++) d[g][r] = vfmadd(qv[g], k, d[g][r]);
+        }
+    }
+    for (int g = 0; g < NH; g++) {
+        const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(d[g][0], d[g][1]), _mm256_hadd_ps(d[g][2], d[g][3]));
+        const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+        _mm_storeu_ps(sc + g * n_seen, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+}
+#endif
+
+/* page_scores for the G query heads of q (D apart) into sc (n_seen apart): every score the bits
+ * page_scores gives it. */
+static inline __attribute__((always_inline)) void heads_page_scores(const void *k_cache, const int kv_fmt, long row0,
+                                                                    long i, long n, long D, const float *q, long G,
+                                                                    float scale, float *sc, long n_seen, long at) {
+    long g = 0;
+#if VEC == 8
+    for (; g + 3 <= G; g += 3) {
+        long k = i;
+        for (; k + VEC <= n; k += VEC) /* the VEC-key groups page_scores makes, in halves */
+            for (long half = k; half < k + VEC; half += 4)
+                heads_scores4(k_cache, kv_fmt, row0 + half, D, q + g * D, scale, sc + g * n_seen + at + half, n_seen);
+        for (long h = g; h < g + 3; h++) /* the keys after them, one at a time */
+            page_scores(k_cache, kv_fmt, row0, k, n, D, q + h * D, scale, sc + h * n_seen, at);
+    }
+#endif
+    for (; g < G; g++) page_scores(k_cache, kv_fmt, row0, i, n, D, q + g * D, scale, sc + g * n_seen, at);
+}
+
 /* The n_seen scores sc of one query head (sc[t - lo]: position t's score), soft-capped where softcap > 0,
  * turned into exp(score - the highest) in place; returns 1 / their sum. */
 static inline float softmax(float *sc, long n_seen, float softcap) {
@@ -133,7 +215,13 @@ static inline float softmax(float *sc, long n_seen, float softcap) {
             const vmask k = vmask_n(n_seen - t);
             vstorem(k, sc + t, vmul(vtanh(vdiv(vloadm(k, sc + t), vset1(softcap))), vset1(softcap)));
         }
-    for (long t = 0; t < n_seen; t++) top = sc[t] > top ? sc[t] : top;
+    /* the highest, VEC at a time: max is exact, so the lanes' order changes nothing (vmax keeps its
+     * second operand, as the scalar loop keeps top, where a score is NaN) */
+    long t = 0;
+    vf tops = vset1(-INFINITY);
+    for (; t + VEC <= n_seen; t += VEC) tops = vmax(vload(sc + t), tops);
+    top = vhmax(tops);
+    for (; t < n_seen; t++) top = sc[t] > top ? sc[t] : top;
     vf total = vzero();
     const vf topv = vset1(top);
     for (long t = 0; t < n_seen; t += VEC) {
@@ -151,7 +239,7 @@ static inline float softmax(float *sc, long n_seen, float softcap) {
  * positions [lo, L). Inlined once per kv_fmt, so the
  * format is a constant in the loops. Position t is row t % P of page table[t / P]; the loops walk
  * a page at a time from lo's page, so no position is divided, and score a page's keys for the G
- * heads in turn while it is in cache. scores: G (L - lo) floats; keys: P D floats (q8_0's
+ * heads while it is in cache (heads_page_scores), then weigh a page's values for them the same way. scores: G (L - lo) floats; keys: P D floats (q8_0's
  * dequantized page). */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *k_new, const float *v_new,
                                                          void *k_cache, void *v_cache, const int kv_fmt,
@@ -171,25 +259,28 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             for (long r = i; r < n; r++)
                 for (long j = 0; j < chunks; j++)
                     vstore(keys + r * D + VEC * j, kv_load(k_cache, F_Q8_0, ROWS(page) + r, D, VEC * j));
-            for (long g = 0; g < G; g++)
-                page_scores(keys, F_F32, 0, i, n, D, q + g * D, scale, scores + g * n_seen, at);
+            heads_page_scores(keys, F_F32, 0, i, n, D, q, G, scale, scores, n_seen, at);
         } else {
-            for (long g = 0; g < G; g++)
-                page_scores(k_cache, kv_fmt, ROWS(page), i, n, D, q + g * D, scale, scores + g * n_seen, at);
+            heads_page_scores(k_cache, kv_fmt, ROWS(page), i, n, D, q, G, scale, scores, n_seen, at);
         }
     }
     float inv[G]; /* per query head, 1 / the sum of its weights */
     for (long g = 0; g < G; g++) inv[g] = softmax(scores + g * n_seen, n_seen, softcap);
-    for (long g0 = 0; g0 < G; g0 += 4) {
-        const long heads = G - g0 < 4 ? G - g0 : 4;
-        long j = 0;
-        for (; j + 4 <= chunks; j += 4)
-            WITH_1_TO_4(heads, NG, weigh_values(v_cache, kv_fmt, table, first_page, lo, L, KVH, h, D, P,
-                                                 scores, n_seen, g0, NG, j, 4, inv, out));
-        for (; j < chunks; j++)
-            WITH_1_TO_4(heads, NG, weigh_values(v_cache, kv_fmt, table, first_page, lo, L, KVH, h, D, P,
-                                                 scores, n_seen, g0, NG, j, 1, inv, out));
+    /* the weighted sums, a page at a time (all its columns while it is in L1), summed in out; the
+     * next page's values asked for meanwhile: a page's first column group waited on memory for each
+     * of its rows, where the old order (one column group over all positions) had kept the hardware
+     * prefetcher ahead of it (the keys' pages, asked for the same way, ran 6-23% slower: the
+     * prefetcher keeps ahead of their one column group) */
+    memset(out, 0, sizeof(float) * G * D);
+    const long page_bytes = P * kv_row_bytes(kv_fmt, D);
+    for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
+        if (t0 + P < L) prefetch_rows(v_cache, kv_fmt, ROWS(page + 1), page_bytes, D);
+        weigh_all(v_cache, kv_fmt, ROWS(page), t0 < lo ? lo - t0 : 0, L - t0 < P ? L - t0 : P, G, D, scores, n_seen,
+                  t0 - lo, out);
     }
+    for (long g = 0; g < G; g++)
+        for (long j = 0; j < chunks; j++)
+            vstore(out + g * D + VEC * j, vmul(vload(out + g * D + VEC * j), vset1(inv[g])));
 #undef ROWS
 }
 
@@ -291,26 +382,6 @@ static inline __attribute__((always_inline)) void load_block(const void *cache, 
     }
 }
 
-/* acc[g][j + c] += sum over block rows [i0, i1) of sc[g][i - lo... ] V[i][j + c], for NG heads from g0
- * and NJ vectors from j: weigh_values' sums, one block at a time, the sums kept in acc (the output
- * row) between blocks. sc: the row's scores, n_seen a head, sc[at + i] block row i's. */
-static inline __attribute__((always_inline)) void weigh_block(const float *block, long i0, long i1, long D,
-                                                              const float *sc, long n_seen, long at, long g0,
-                                                              const int NG, long j, const int NJ, float *acc) {
-    vf a[4][4];
-    for (int g = 0; g < NG; g++)
-        for (int c = 0; c < NJ; c++) a[g][c] = vload(acc + (g0 + g) * D + VEC * (j + c));
-    for (long i = i0; i < i1; i++) {
-        vf v[4], w[4];
-        for (int c = 0; c < NJ; c++) v[c] = vload(block + i * D + VEC * (j + c));
-        for (int g = 0; g < NG; g++) w[g] = vset1(sc[(g0 + g) * n_seen + at + i]);
-        for (int g = 0; g < NG; g++)
-            for (int c = 0; c < NJ; c++) a[g][c] = vfmadd(w[g], v[c], a[g][c]);
-    }
-    for (int g = 0; g < NG; g++)
-        for (int c = 0; c < NJ; c++) vstore(acc + (g0 + g) * D + VEC * (j + c), a[g][c]);
-}
-
 /* One (tile, KV head) task: rows [b0, b0 + R) of a tile (attention_tiles), keys and values in the
  * cache already. scores: G (L - lo) floats per row; block: BLOCK_POSITIONS rounded up to pages, D
  * floats each. Inlined once per kv_fmt. */
@@ -340,9 +411,8 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, lo
             for (long p0 = t0; p0 < t1 && p0 < L[r]; p0 += P) { /* a page at a time, as attend does */
                 if (p0 + P <= lo[r]) continue;
                 const long i = p0 < lo[r] ? lo[r] - p0 : 0, n = L[r] - p0 < P ? L[r] - p0 : P, n_seen = L[r] - lo[r];
-                for (long g = 0; g < G; g++)
-                    page_scores(block, F_F32, p0 - t0, i, n, D, q + (b0 + r) * ldq + g * D, scale,
-                                scores + at[r] + g * n_seen, p0 - lo[r]);
+                heads_page_scores(block, F_F32, p0 - t0, i, n, D, q + (b0 + r) * ldq, G, scale, scores + at[r],
+                                  n_seen, p0 - lo[r]);
             }
     }
     for (long r = 0; r < R; r++) {
@@ -356,16 +426,7 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, lo
         for (long r = 0; r < R; r++) {
             const long i0 = lo[r] > t0 ? lo[r] - t0 : 0, i1 = (L[r] < t1 ? L[r] : t1) - t0, n_seen = L[r] - lo[r];
             if (i0 >= i1) continue;
-            const float *sc = scores + at[r];
-            float *acc = out + (b0 + r) * ldo;
-            for (long g0 = 0; g0 < G; g0 += 4) {
-                const long heads = G - g0 < 4 ? G - g0 : 4;
-                long j = 0;
-                for (; j + 4 <= chunks; j += 4)
-                    WITH_1_TO_4(heads, NG, weigh_block(block, i0, i1, D, sc, n_seen, t0 - lo[r], g0, NG, j, 4, acc));
-                for (; j < chunks; j++)
-                    WITH_1_TO_4(heads, NG, weigh_block(block, i0, i1, D, sc, n_seen, t0 - lo[r], g0, NG, j, 1, acc));
-            }
+            weigh_all(block, F_F32, 0, i0, i1, G, D, scores + at[r], n_seen, t0 - lo[r], out + (b0 + r) * ldo);
         }
     }
     for (long r = 0; r < R; r++)
