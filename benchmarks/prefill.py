@@ -2,13 +2,15 @@
 chunks of --chunk tokens as the engine feeds them, one prompt at a time; prompt tokens per second
 (wall, and from the CPU time every thread took: on a shared machine, what the work cost) and where
 the time goes. The embedded model on braid's C kernels, default flags (--kv-cache-dtype
-to try another cache).
+to try another cache), or --model: any model braid serves, as `braid serve --model` takes it (a
+random model of a real shape: make_shape_gguf below).
 
 Attention's share: after each prompt, its chunks' attention over the cache it just filled is timed
 alone (the kernel the pass runs, csrc/attention.c, on one layer's cache with random queries, times
 the layers); the rest of the pass (the linear layers, norms, RoPE, the LM head) is the remainder.
 
     .venv/bin/python benchmarks/prefill.py [--lengths 512,2048,8000] [--repeats 3] [--threads 2]
+    .venv/bin/python benchmarks/prefill.py --model "$(.venv/bin/python benchmarks/prefill.py --make-shape 1b)"
     .venv/bin/python benchmarks/prefill.py --kernel [--shape 9,3,64] [--before OLD.so]   # the kernel alone
 """
 
@@ -18,6 +20,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -148,6 +151,19 @@ def kernel_alone(lengths: list[int], chunk: int, repeats: int, shape: list[int],
                 print(line, flush=True)
 
 
+def make_shape_gguf(key: str) -> Path:
+    """The Q4_0 GGUF of a random model of shape `key` (format_models.SHAPES), the files sizes.py makes
+    (a bf16 folder, then llama.cpp's convert_hf_to_gguf.py and llama-quantize; made once, in
+    ~/.cache/braid/bench). Random weights: right for speed, not for text."""
+    import format_models
+    import llamacpp
+
+    shape = format_models.SHAPES[key]
+    folder = format_models.shape_folder(shape, format_models.smollm_fp32_folder())
+    llama = llamacpp.find() or RuntimeError("llama.cpp is not built: make bench-formats builds it")
+    return format_models.shape_ggufs(llama, shape, folder, ("Q4_0",))["Q4_0"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="512,2048,8000", help="prompt lengths")
@@ -155,18 +171,28 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=EngineConfig.prefill_chunk)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--model", help="a model braid serves (default: the embedded one)")
+    parser.add_argument(
+        "--make-shape",
+        metavar="SHAPE",
+        help="make a random model of a real shape (format_models.SHAPES: 1b, 3b, 8b) as a Q4_0 GGUF by "
+        "llama.cpp's converter and quantizer (sizes.py's files), print its path and stop",
+    )
     parser.add_argument("--kernel", action="store_true", help="time the attention kernel alone (kernel_alone)")
     parser.add_argument("--shape", default="9,3,64", help="--kernel: query heads, KV heads, head size")
     parser.add_argument("--before", help="--kernel: another build's _cpu_kernels .so, timed beside this one")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.make_shape:
+        print(make_shape_gguf(args.make_shape))
+        return
     if args.kernel:
         kernel_alone(lengths, args.chunk, args.repeats, [int(v) for v in args.shape.split(",")], args.before)
         return
     config = EngineConfig(
         threads=args.threads, max_seq_len=max(lengths), kv_cache_memory="2GiB", kv_cache_dtype=args.kv_cache_dtype
     )
-    runner = ModelRunner.build(config, load(None, default_cache_dir()))
+    runner = ModelRunner.build(config, load(args.model, default_cache_dir()))
     runner.governor = None  # the threads stay --threads
     vocab = runner.decoder.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -181,7 +207,8 @@ def main() -> None:
                 prefill(runner, prompt, pages, args.chunk) + attention(runner, n, pages, args.chunk, generator)
             )
     print(
-        f"{args.threads} threads, chunks of {args.chunk}, {runner.cache.k[0].dtype} cache, medians of {args.repeats}\n"
+        f"{args.model or 'the embedded model'}: {args.threads} threads, chunks of {args.chunk}, "
+        f"{runner.cache.k[0].dtype} cache, medians of {args.repeats}\n"
     )
     print("| prompt tokens | prompt tok/s (wall) | (CPU) | attention, wall (s) | rest (s) | attention share (CPU) |")
     print("|---:|---:|---:|---:|---:|---:|")
