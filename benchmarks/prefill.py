@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -181,6 +183,11 @@ def main() -> None:
     parser.add_argument("--kernel", action="store_true", help="time the attention kernel alone (kernel_alone)")
     parser.add_argument("--shape", default="9,3,64", help="--kernel: query heads, KV heads, head size")
     parser.add_argument("--before", help="--kernel: another build's _cpu_kernels .so, timed beside this one")
+    parser.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="--model a GGUF file: llama.cpp's server on the same file too, the same prompts, its own timings",
+    )
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.make_shape:
@@ -192,32 +199,74 @@ def main() -> None:
     config = EngineConfig(
         threads=args.threads, max_seq_len=max(lengths), kv_cache_memory="2GiB", kv_cache_dtype=args.kv_cache_dtype
     )
-    runner = ModelRunner.build(config, load(args.model, default_cache_dir()))
+    model = load(args.model, default_cache_dir())
+    runner = ModelRunner.build(config, model)
     runner.governor = None  # the threads stay --threads
-    vocab = runner.decoder.vocab_size
+    # token ids both the model and its tokenizer have (a random model of a real shape has a bigger
+    # embedding than the tokenizer it borrows, and llama.cpp refuses ids past the tokenizer's)
+    vocab = min(runner.decoder.vocab_size, len(model.hf_tokenizer))
     generator = torch.Generator().manual_seed(0)
     page = runner.page_size
     results: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in lengths}
+    prompts: dict[int, list[list[int]]] = {n: [] for n in lengths}
     prefill(runner, list(range(100, 100 + args.chunk)), list(range(-(-args.chunk // page))), args.chunk)  # warm-up
     for _ in range(args.repeats):
         for n in lengths:
             prompt = torch.randint(100, vocab, (n,), generator=generator).tolist()  # distinct: no prefix shared
+            prompts[n].append(prompt)
             pages = list(range(-(-n // page)))
             results[n].append(
                 prefill(runner, prompt, pages, args.chunk) + attention(runner, n, pages, args.chunk, generator)
             )
+    llama = llama_cpp_rates(Path(args.model), prompts, args.threads) if args.llama_cpp else None
     print(
         f"{args.model or 'the embedded model'}: {args.threads} threads, chunks of {args.chunk}, "
-        f"{runner.cache.k[0].dtype} cache, medians of {args.repeats}\n"
+        f"{runner.kv_dtype_name} KV cache, medians of {args.repeats}\n"
     )
-    print("| prompt tokens | prompt tok/s (wall) | (CPU) | attention, wall (s) | rest (s) | attention share (CPU) |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    extra = (" llama.cpp: prompt tok/s |", " braid / llama.cpp |") if llama else ("", "")
+    print(
+        "| prompt tokens | prompt tok/s (wall) | (CPU) | attention, wall (s) | rest (s) | attention share (CPU) |"
+        + "".join(extra)
+    )
+    print("|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 if llama else 0))
     for n in lengths:
         wall, cpu, attn_wall, attn_cpu = (statistics.median(r[i] for r in results[n]) for i in range(4))
-        print(
+        line = (
             f"| {n:,} | {n / wall:.0f} | {n / cpu * args.threads:.0f} | {attn_wall:.2f} | {wall - attn_wall:.2f} "
             f"| {attn_cpu / cpu:.0%} |"
         )
+        if llama:
+            line += f" {llama[n]:.1f} | {n / wall / llama[n]:.2f}x |"
+        print(line)
+
+
+def llama_cpp_rates(gguf: Path, prompts: dict[int, list[list[int]]], threads: int) -> dict[int, float]:
+    """llama.cpp's server (built by make bench-formats) on the same GGUF file and the same prompts,
+    one at a time, with no prompt cache: the median of its own prompt tok/s for each length."""
+    import llamacpp
+
+    llama = llamacpp.find()
+    if llama is None:
+        raise SystemExit("prefill.py: llama.cpp is not built (make bench-formats builds it)")
+    longest = max(prompts)
+    context = llamacpp.context_size(1, longest)
+    log = Path(llamacpp.cache_dir()) / "prefill-server.log"
+    with llamacpp.running_server(llama, gguf, 8089, parallel=1, context=context, threads=threads, log_path=log) as (
+        url,
+        _,
+    ):
+        _llama_prompt(url, list(range(100, 164)))  # warm-up
+        return {n: statistics.median(_llama_prompt(url, p) for p in ps) for n, ps in prompts.items()}
+
+
+def _llama_prompt(url: str, prompt: list[int]) -> float:
+    """llama.cpp's prompt tok/s (its timings) for one prompt of token ids, one token generated."""
+    body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": False}).encode()
+    request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        timings = json.load(response)["timings"]
+    assert timings["prompt_n"] == len(prompt), timings  # every token prefilled, none from a cache
+    return timings["prompt_per_second"]
 
 
 if __name__ == "__main__":
