@@ -34,6 +34,10 @@ from braid.server.runner.kernels import step
 from braid.server.runner.kernels.step import decode_attention
 from braid.server.runner.model_runner import ModelRunner
 from braid.server.runner.rows import Row, Sampling
+
+import braid_server
+import format_models
+import llamacpp
 from kernels_ab import load_build
 
 SAMPLING = Sampling()
@@ -116,7 +120,7 @@ def kernel_alone(lengths: list[int], chunk: int, repeats: int, shape: list[int],
     print("|---|---|---:|" + "---:|" * len(names) + ("---:|---|" if before else ""))
     for dtype in (torch.float32, torch.bfloat16, kv_cache.Q8_0):
         for n in lengths:
-            for rows, sequences in ((chunk, 1), (decode_rows, decode_rows)):
+            for rows, sequences in ((min(chunk, n), 1), (decode_rows, decode_rows)):
                 pages = -(-n // page)
                 k_cache, v_cache = (
                     kv_cache.encode(torch.randn(pages * sequences, kv_heads, page, d), dtype) for _ in range(2)
@@ -157,9 +161,6 @@ def make_shape_gguf(key: str) -> Path:
     """The Q4_0 GGUF of a random model of shape `key` (format_models.SHAPES), the files sizes.py makes
     (a bf16 folder, then llama.cpp's convert_hf_to_gguf.py and llama-quantize; made once, in
     ~/.cache/braid/bench). Random weights: right for speed, not for text."""
-    import format_models
-    import llamacpp
-
     shape = format_models.SHAPES[key]
     folder = format_models.shape_folder(shape, format_models.smollm_fp32_folder())
     llama = llamacpp.find() or RuntimeError("llama.cpp is not built: make bench-formats builds it")
@@ -189,6 +190,8 @@ def main() -> None:
         help="--model a GGUF file: llama.cpp's server on the same file too, the same prompts, its own timings",
     )
     args = parser.parse_args()
+    if args.llama_cpp and not (args.model or "").endswith(".gguf"):
+        parser.error("--llama-cpp needs --model, a GGUF file (llama.cpp runs the same file)")
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.make_shape:
         print(make_shape_gguf(args.make_shape))
@@ -243,15 +246,14 @@ def main() -> None:
 def llama_cpp_rates(gguf: Path, prompts: dict[int, list[list[int]]], threads: int) -> dict[int, float]:
     """llama.cpp's server (built by make bench-formats) on the same GGUF file and the same prompts,
     one at a time, with no prompt cache: the median of its own prompt tok/s for each length."""
-    import llamacpp
-
     llama = llamacpp.find()
     if llama is None:
         raise SystemExit("prefill.py: llama.cpp is not built (make bench-formats builds it)")
     longest = max(prompts)
     context = llamacpp.context_size(1, longest)
     log = Path(llamacpp.cache_dir()) / "prefill-server.log"
-    with llamacpp.running_server(llama, gguf, 8089, parallel=1, context=context, threads=threads, log_path=log) as (
+    port = braid_server.free_port()
+    with llamacpp.running_server(llama, gguf, port, parallel=1, context=context, threads=threads, log_path=log) as (
         url,
         _,
     ):
