@@ -236,10 +236,10 @@ static inline float softmax(float *sc, long n_seen, float softcap) {
 
 /* One (sequence, KV head) task of decode_attention: writes the new key and value at position L - 1
  * (unless `write` is 0: they are in the cache already) and attends the head's G query heads over
- * positions [lo, L). Inlined once per kv_fmt, so the
- * format is a constant in the loops. Position t is row t % P of page table[t / P]; the loops walk
- * a page at a time from lo's page, so no position is divided, and score a page's keys for the G
- * heads while it is in cache (heads_page_scores), then weigh a page's values for them the same way. scores: G (L - lo) floats; keys: P D floats (q8_0's
+ * positions [lo, L). Inlined once per kv_fmt, so the format is a constant in the loops. Position t
+ * is row t % P of page table[t / P]; the loops walk a page at a time from lo's page, so no position
+ * is divided, score a page's keys for the G heads while it is in cache (heads_page_scores), then
+ * weigh a page's values for them the same way. scores: G (L - lo) floats; keys: P D floats (q8_0's
  * dequantized page). */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *k_new, const float *v_new,
                                                          void *k_cache, void *v_cache, const int kv_fmt,
