@@ -30,6 +30,28 @@ static inline vf kv_load(const void *cache, int kv_fmt, long row, long D, long c
     return vload((const float *)cache + row * D + col);
 }
 
+/* `row` of a cache in kv_fmt widened to D fp32 values at out: kv_load's values. A q8_0 row's scale is
+ * widened once per block of 32, not once per vector as kv_load does: the same d, the same products. */
+static inline __attribute__((always_inline)) void widen_row(const void *cache, const int kv_fmt, long row, long D,
+                                                            float *out) {
+    if (kv_fmt == F_F32) {
+        memcpy(out, (const float *)cache + row * D, sizeof(float) * D);
+        return;
+    }
+    if (kv_fmt == F_Q8_0) {
+        const uint8_t *block = (const uint8_t *)cache + row * kv_row_bytes(F_Q8_0, D);
+        for (long b = 0; b < D / QBLOCK; b++, block += KV_Q8_BLOCK) {
+            uint16_t h;
+            memcpy(&h, block, sizeof h);
+            const vf d = vset1(_cvtsh_ss(h));
+            for (long c = 0; c < QBLOCK; c += VEC)
+                vstore(out + b * QBLOCK + c, vmul(vcvt_i8((const int8_t *)block + 2 + c), d));
+        }
+        return;
+    }
+    for (long j = 0; j < D / VEC; j++) vstore(out + VEC * j, kv_load(cache, kv_fmt, row, D, VEC * j));
+}
+
 /* `bytes` of a cache in kv_fmt from the start of `row` (a page's rows of one KV head are
  * consecutive), asked into L1 ahead of their use. */
 static inline void prefetch_rows(const void *cache, int kv_fmt, long row, long bytes, long D) {
@@ -256,9 +278,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
     for (long t0 = first_page * P, page = first_page; t0 < L; t0 += P, page++) {
         const long n = L - t0 < P ? L - t0 : P, i = t0 < lo ? lo - t0 : 0, at = t0 - lo;
         if (kv_fmt == F_Q8_0) { /* the page's keys dequantized once for the G heads, not once per head */
-            for (long r = i; r < n; r++)
-                for (long j = 0; j < chunks; j++)
-                    vstore(keys + r * D + VEC * j, kv_load(k_cache, F_Q8_0, ROWS(page) + r, D, VEC * j));
+            for (long r = i; r < n; r++) widen_row(k_cache, F_Q8_0, ROWS(page) + r, D, keys + r * D);
             heads_page_scores(keys, F_F32, 0, i, n, D, q, G, scale, scores, n_seen, at);
         } else {
             heads_page_scores(k_cache, kv_fmt, ROWS(page), i, n, D, q, G, scale, scores, n_seen, at);
@@ -372,14 +392,8 @@ static long attention_tiles(const int64_t *tables, long table_stride, const int6
 static inline __attribute__((always_inline)) void load_block(const void *cache, const int kv_fmt,
                                                              const int64_t *table, long t0, long t1, long h,
                                                              long KVH, long D, long P, float *block) {
-    for (long t = t0; t < t1; t++) {
-        const long row = (table[t / P] * KVH + h) * P + t % P;
-        if (kv_fmt == F_F32) {
-            memcpy(block + (t - t0) * D, (const float *)cache + row * D, sizeof(float) * D);
-            continue;
-        }
-        for (long j = 0; j < D / VEC; j++) vstore(block + (t - t0) * D + VEC * j, kv_load(cache, kv_fmt, row, D, VEC * j));
-    }
+    for (long t = t0; t < t1; t++)
+        widen_row(cache, kv_fmt, (table[t / P] * KVH + h) * P + t % P, D, block + (t - t0) * D);
 }
 
 /* One (tile, KV head) task: rows [b0, b0 + R) of a tile (attention_tiles), keys and values in the
