@@ -152,6 +152,13 @@ static inline __attribute__((always_inline)) void weigh_all(const void *cache, c
     }
 }
 
+/* The G heads' weighted sums (G rows of D at out) times each head's 1 / the sum of its weights. */
+static inline void scale_heads(float *out, long G, long D, const float *inv) {
+    for (long g = 0; g < G; g++)
+        for (long j = 0; j < D / VEC; j++)
+            vstore(out + g * D + VEC * j, vmul(vload(out + g * D + VEC * j), vset1(inv[g])));
+}
+
 /* The scores of one page's keys at rows row0 + [i, n) against the query qg, times scale, into
  * sc[at + i ...] (at: the page's first position less the first attended). VEC keys at a time, their
  * sums side by side and in one transpose: each key's is the same sum in the same order as one key
@@ -268,7 +275,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
                                                          const int write, const int64_t *table, long lo, long L,
                                                          long h, long G, long KVH, long D, long P, float scale, float softcap,
                                                          float *scores, float *keys, float *out) {
-    const long chunks = D / VEC, n_seen = L - lo;
+    const long n_seen = L - lo;
 #define ROWS(page) ((table[page] * KVH + h) * P) /* the row of position 0 of a page, this head */
     if (write) {
         kv_store(k_cache, kv_fmt, ROWS((L - 1) / P) + (L - 1) % P, k_new, D);
@@ -298,9 +305,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         weigh_all(v_cache, kv_fmt, ROWS(page), t0 < lo ? lo - t0 : 0, L - t0 < P ? L - t0 : P, G, D, scores, n_seen,
                   t0 - lo, out);
     }
-    for (long g = 0; g < G; g++)
-        for (long j = 0; j < chunks; j++)
-            vstore(out + g * D + VEC * j, vmul(vload(out + g * D + VEC * j), vset1(inv[g])));
+    scale_heads(out, G, D, inv);
 #undef ROWS
 }
 
@@ -408,7 +413,7 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, lo
                                                               float *out, long ldo) {
     long L[TILE_ROWS], lo[TILE_ROWS], at[TILE_ROWS]; /* a row's end, window start, scores' offset */
     float inv[TILE_ROWS][G];
-    const long chunks = D / VEC, span = (BLOCK_POSITIONS + P - 1) / P * P; /* positions a block */
+    const long span = (BLOCK_POSITIONS + P - 1) / P * P; /* positions a block */
     for (long r = 0, used = 0; r < R; r++) {
         L[r] = positions[b0 + r] + 1;
         lo[r] = window > 0 && L[r] > window ? L[r] - window : 0;
@@ -443,12 +448,7 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, lo
             weigh_all(block, F_F32, 0, i0, i1, G, D, scores + at[r], n_seen, t0 - lo[r], out + (b0 + r) * ldo);
         }
     }
-    for (long r = 0; r < R; r++)
-        for (long g = 0; g < G; g++)
-            for (long j = 0; j < chunks; j++) {
-                float *o = out + (b0 + r) * ldo + g * D + VEC * j;
-                vstore(o, vmul(vload(o), vset1(inv[r][g])));
-            }
+    for (long r = 0; r < R; r++) scale_heads(out + (b0 + r) * ldo, G, D, inv[r]);
 }
 
 /* The task of tile [starts[i], starts[i + 1]) and KV head h, keys and values written already: a
