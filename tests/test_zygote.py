@@ -55,8 +55,11 @@ def test_a_variable_read_when_a_module_loads_is_honoured(monkeypatch):
             forked = client.spawn(["--version"], dict(os.environ), devnull.fileno())
             assert forked is not None and forked.wait(60) == 0
         assert client._proc is before and len(client._all) == 2
+        folders = [os.path.dirname(path) for _, path in client._zygotes.values()]
     finally:
         client._stop()
+    # the zygotes' sockets' folders go with them (each suite's run left three in /tmp)
+    assert len(folders) == 2 and not any(os.path.exists(folder) for folder in folders)
 
 
 def test_a_forked_server_drains_on_sigterm_and_reports_a_kill_as_popen_does(tiny_dir):

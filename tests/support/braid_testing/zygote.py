@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -114,6 +115,7 @@ class _Client:
         self._path = ""
         self._zygotes: dict[frozenset[tuple[str, str]], tuple[subprocess.Popen, str]] = {}
         self._all: list[subprocess.Popen] = []
+        self._folders: list[str] = []  # each zygote's socket's, removed when this process ends
         self._failed = False
 
     def spawn(
@@ -155,7 +157,11 @@ class _Client:
         return self._proc is not None
 
     def _start(self, key: frozenset[tuple[str, str]]) -> None:
-        socket_path = os.path.join(tempfile.mkdtemp(prefix="braid-zygote-"), "socket")
+        folder = tempfile.mkdtemp(prefix="braid-zygote-")
+        if not self._folders:
+            atexit.register(self._stop)
+        self._folders.append(folder)
+        socket_path = os.path.join(folder, "socket")
         support = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(filter(None, [support, os.environ.get("PYTHONPATH")]))
         proc = subprocess.Popen(
@@ -171,8 +177,6 @@ class _Client:
                 return
             threading.Event().wait(0.05)
         self._zygotes[key] = proc, socket_path
-        if not self._all:
-            atexit.register(self._stop)
         self._all.append(proc)
 
     def _stop(self) -> None:
@@ -184,6 +188,8 @@ class _Client:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for folder in self._folders:  # each suite's run left three behind in /tmp
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
