@@ -47,6 +47,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # (9 s of CPU a worker). A test that means the hub to be asked says so (test_startup_errors' hub id).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# SDKS_WHERE_USED: the API SDKs (openai, anthropic, pydantic_ai) are imported in the tests that call
+# them, not at the top of their modules: every xdist worker collects every module, and importing
+# them at collection cost each worker about 4 CPU-s (12 of a 2-core run's ~670) for the dozen
+# tests, on one worker each, that use them.
 
 
 def pytest_addoption(parser) -> None:

@@ -15,22 +15,20 @@ import asyncio
 import ipaddress
 import json
 import socket
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jsonschema
-import openai
 import pytest
-from pydantic_ai import Agent, RunContext
-from pydantic_ai.messages import ModelResponse, ToolCallPart, ToolReturnPart
-from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
-from pydantic_ai.providers.openai import OpenAIProvider
 
 from conftest import wait_for
 from test_openai import KEY, WEATHER, server  # noqa: F401  (server: the module's fixture)
 
+if TYPE_CHECKING:  # imported where used, as the SDKs are (tests/conftest.py: SDKS_WHERE_USED)
+    from pydantic_ai import Agent, RunContext
+
 SCHEMA = WEATHER["function"]["parameters"]  # {"unit": "c"|"f", "days": 1|2|3}, both required
 RESULT = "Sunny, 21 degrees, in Oslo."  # what the tool returns, to be found in the second request
-MODELS = {"chat": OpenAIChatModel, "responses": OpenAIResponsesModel}
+MODELS = {"chat": "OpenAIChatModel", "responses": "OpenAIResponsesModel"}  # pydantic_ai.models.openai's
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 
 
@@ -50,9 +48,14 @@ class Recorder:
 
 
 def agent_for(server, api: str, recorder: Recorder) -> tuple[Agent, list[dict]]:  # noqa: F811
+    import openai
+    import pydantic_ai.models.openai
+    from pydantic_ai import Agent
+    from pydantic_ai.providers.openai import OpenAIProvider
+
     http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [recorder.request], "response": [recorder.response]})
     client = openai.AsyncOpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0, http_client=http)
-    model = MODELS[api]("tiny", provider=OpenAIProvider(openai_client=client))
+    model = getattr(pydantic_ai.models.openai, MODELS[api])("tiny", provider=OpenAIProvider(openai_client=client))
     agent = Agent(model, instructions="Answer with the weather tool's help.")
     calls: list[dict] = []
 
@@ -73,6 +76,8 @@ def agent_for(server, api: str, recorder: Recorder) -> tuple[Agent, list[dict]]:
 def settings(ctx: RunContext) -> dict:
     """Per step, as pydantic-ai wants a forcing tool_choice: the weather tool named until its result is
     in the history, then auto (the random model's free output is the answer)."""
+    from pydantic_ai.messages import ToolReturnPart
+
     returned = any(isinstance(p, ToolReturnPart) for m in ctx.messages for p in getattr(m, "parts", ()))
     return {
         "tool_choice": "auto" if returned else ["get_weather"],
@@ -83,6 +88,8 @@ def settings(ctx: RunContext) -> dict:
 
 
 def check(api: str, recorder: Recorder, calls: list[dict], messages: list) -> None:
+    from pydantic_ai.messages import ModelResponse, ToolCallPart, ToolReturnPart
+
     # the model called the tool once, with arguments that validate, and the framework ran it with them
     (call,) = [p for m in messages if isinstance(m, ModelResponse) for p in m.parts if isinstance(p, ToolCallPart)]
     assert call.tool_name == "get_weather"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
 import pytest
@@ -28,6 +27,8 @@ WEATHER = {  # test_openai's function, as Anthropic defines a tool
 
 @pytest.fixture(scope="module")
 def client(server):  # noqa: F811
+    import anthropic
+
     with anthropic.Anthropic(base_url=server.http, api_key=KEY, max_retries=0) as c:
         yield c
 
@@ -137,6 +138,8 @@ def test_a_stop_sequence_ends_the_message_and_is_named(client):
 
 
 def test_a_wrong_x_api_key_is_an_authentication_error(server):  # noqa: F811
+    import anthropic
+
     with anthropic.Anthropic(base_url=server.http, api_key="wrong", max_retries=0) as wrong:
         with pytest.raises(anthropic.AuthenticationError) as refused:
             wrong.messages.create(model="tiny", max_tokens=2, messages=HI)
@@ -144,6 +147,8 @@ def test_a_wrong_x_api_key_is_an_authentication_error(server):  # noqa: F811
 
 
 def test_bad_input_is_a_bad_request_naming_the_parameter(client):
+    import anthropic
+
     with pytest.raises(anthropic.BadRequestError) as refused:
         client.messages.create(
             model="tiny", max_tokens=2, messages=HI, thinking={"type": "enabled", "budget_tokens": 1024}
@@ -166,6 +171,8 @@ def test_closing_the_sdks_stream_cancels_the_session(server, client):  # noqa: F
 
 
 def test_every_call_has_its_request_log_line(server, client):  # noqa: F811
+    import anthropic
+
     client.messages.create(model="tiny", max_tokens=2, messages=HI)
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="tiny", max_tokens=2, messages=HI, extra_body={"temperature": -1})

@@ -15,7 +15,6 @@ import time
 
 import grpc
 import httpx
-import openai
 import pytest
 
 from braid.client import AsyncClient, BadRequestError
@@ -42,6 +41,8 @@ def _norm(values) -> float:
 
 
 def test_grpc_and_the_openai_sdk_give_the_same_unit_vectors_in_order(server):
+    import openai
+
     with server.client() as client:
         info = client.model_info()
         assert info.embedding_dimensions == 64 and info.embedding_pooling_source == "default"
@@ -72,6 +73,8 @@ def test_the_async_client_embeds_token_ids(server):
 
 
 def test_bad_input_is_named_over_both_apis_and_the_key_is_enforced(server):
+    import openai
+
     with server.client() as client, pytest.raises(BadRequestError) as error:
         client.embed(["fine", ""])
     assert error.value.field == "texts[1]"

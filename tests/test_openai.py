@@ -9,7 +9,6 @@ import signal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from braid_testing.models import save_model, tiny_model
@@ -81,6 +80,8 @@ def server(tmp_path_factory, smol_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0) as c:
         yield c
 
@@ -276,6 +277,8 @@ def test_bad_input_is_400_naming_the_param_and_the_server_stays_up(server):
 
 
 def test_the_api_key_guards_every_route_but_health(server):
+    import openai
+
     with httpx.Client(base_url=server.http) as http:
         assert http.get("/health").json() == {"status": "ok"}
         for path in ("/v1/models", "/v1/chat/completions"):
@@ -305,6 +308,8 @@ def test_greedy_text_over_http_is_greedy_text_over_grpc(server, client):
 
 
 def test_a_prompt_of_token_ids_completes_as_its_text_does(server, client):
+    import openai
+
     text = "Once upon a time, the river"
     with server.client() as grpc_client:
         ids = list(grpc_client.tokenize(text).token_ids)
@@ -330,6 +335,8 @@ def test_langchain_chat_openai_calls_it(server):
 
 
 def test_every_call_has_its_request_log_line(server, client):
+    import openai
+
     client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=HI, temperature=-1)

@@ -16,9 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import anthropic
 import jsonschema
-import openai
 import pytest
 
 from braid.client import function_choice, json_schema
@@ -132,6 +130,8 @@ def test_enable_thinking_false_gives_an_answer_without_reasoning(server, client)
 def test_tokenize_and_count_tokens_count_the_thinking_switch_and_tools_as_a_generation(server, client):
     """This template renders no tools: a chat's tools are counted in its system message, as its
     generation gets them; enable_thinking false writes an empty reasoning into the prompt."""
+    import anthropic
+
     counts = {}
     for switch in (None, True, False):
         for tools in (None, [WEATHER]):
@@ -184,6 +184,8 @@ def test_a_schema_waits_for_a_reasoning_the_model_opens_over_openai_chat(opening
     """The template leaves the output at its opening: the model writes <think> first (the mask
     allows it besides the schema's tokens), reasons until the budget closes the reasoning, and the
     answer that follows validates."""
+    import openai
+
     bias = {str(token): value for token, value in bias_to_open(opening_server).items()}
     with openai.OpenAI(base_url=opening_server.http + "/v1", api_key=KEY, max_retries=0) as sdk:
         response = sdk.chat.completions.create(
@@ -220,6 +222,8 @@ def test_a_forced_tool_call_waits_for_a_reasoning_the_model_opens_over_grpc(open
 
 
 def test_openai_chat_sends_reasoning_content(server, client):
+    import openai
+
     over_grpc = client.generate(messages=HI, max_new_tokens=12, max_reasoning_tokens=5, temperature=0)
     with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0) as sdk:
         response = sdk.chat.completions.create(
@@ -238,6 +242,8 @@ def test_openai_chat_sends_reasoning_content(server, client):
 
 
 def test_anthropic_sends_thinking_then_text(server, client):
+    import anthropic
+
     over_grpc = client.generate(messages=HI, max_new_tokens=12, max_reasoning_tokens=5, temperature=0)
     with anthropic.Anthropic(base_url=server.http, api_key=KEY, max_retries=0) as sdk:
         thinking = {"type": "enabled", "budget_tokens": 5}
@@ -256,6 +262,8 @@ def test_anthropic_sends_thinking_then_text(server, client):
 
 
 def test_the_responses_api_sends_a_reasoning_item(server, client):
+    import openai
+
     over_grpc = client.generate(messages=HI, max_new_tokens=8, temperature=0)  # no budget: all reasoning
     with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0) as sdk:
         response = sdk.responses.create(

@@ -9,7 +9,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from conftest import wait_for
@@ -26,6 +25,8 @@ NAMED = {"type": "function", "name": "get_weather"}
 
 @pytest.fixture(scope="module")
 def client(server):  # noqa: F811
+    import openai
+
     with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0) as c:
         yield c
 
@@ -122,6 +123,8 @@ def test_a_json_schema_text_format_output_validates(client):
 
 
 def test_state_is_refused_naming_the_field(client):
+    import openai
+
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="tiny", input="Hi", previous_response_id="resp_123")
     assert refused.value.body["param"] == "previous_response_id"
@@ -145,6 +148,8 @@ def test_closing_the_sdks_stream_cancels_the_session(server, client):  # noqa: F
 
 
 def test_every_call_has_its_request_log_line(server, client):  # noqa: F811
+    import openai
+
     client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="tiny", input="Hi", temperature=-1)

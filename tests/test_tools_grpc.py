@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from braid.client import BadRequestError, function_choice
@@ -92,6 +90,8 @@ def test_the_same_request_over_grpc_openais_chat_and_anthropics_messages_gives_t
     grpc_client,
     forced,
 ):
+    import anthropic
+
     named = forced != "required"
     grpc_choice = (
         function_choice(forced)
@@ -142,6 +142,8 @@ def test_a_required_list_streams_each_call_as_it_closes_over_openais_chat(server
     """As over gRPC: each whole call's delta (its index, id, name and arguments) comes as its JSON
     closes, not all at the end; the calls are gRPC's (this random model calls until max_tokens cuts
     its last call short, which comes at the end, as far as it got)."""
+    import openai
+
     several = pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)
     over_grpc = grpc_client.generate(messages=HI, tools=[WEATHER, TIME], tool_choice=several, max_new_tokens=MAX)
     with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0) as sdk:
@@ -177,6 +179,8 @@ def test_a_required_list_streams_each_call_as_it_closes_over_openais_chat(server
 def test_tokenize_and_count_tokens_of_a_chat_with_tools_count_its_generations_prompt(server, grpc_client):  # noqa: F811
     """Tokenize (gRPC) and Anthropic's count_tokens count a chat's tools as its generation renders
     them: through this template's tools, not in a system message of their own."""
+    import anthropic
+
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "c"}'}}
     turns = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
     for chat_turns in (HI, turns):
