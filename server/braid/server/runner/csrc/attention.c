@@ -242,7 +242,7 @@ static inline float softmax(float *sc, long n_seen, float softcap) {
     if (softcap > 0.0f) /* Gemma 2: softcap * tanh(score / softcap), as transformers computes it */
         for (long t = 0; t < n_seen; t += VEC) {
             const vmask k = vmask_n(n_seen - t);
-            vstorem(k, sc + t, vmul(vtanh(vdiv(vloadm(k, sc + t), vset1(softcap))), vset1(softcap)));
+            vstore_n(sc + t, vmul(vtanh(vdiv(vloadm(k, sc + t), vset1(softcap))), vset1(softcap)), n_seen - t);
         }
     /* the highest, VEC at a time: max is exact, so the lanes' order changes nothing (vmax keeps its
      * second operand, as the scalar loop keeps top, where a score is NaN) */
@@ -253,7 +253,13 @@ static inline float softmax(float *sc, long n_seen, float softcap) {
     for (; t < n_seen; t++) top = sc[t] > top ? sc[t] : top;
     vf total = vzero();
     const vf topv = vset1(top);
-    for (long t = 0; t < n_seen; t += VEC) {
+    /* Whole vectors plain, the tail masked (vstore_n says why): the same lanes in the same order. */
+    for (t = 0; t + VEC <= n_seen; t += VEC) {
+        const vf e = vexp(vsub(vload(sc + t), topv));
+        vstore(sc + t, e);
+        total = vadd(total, e);
+    }
+    if (t < n_seen) {
         const vmask k = vmask_n(n_seen - t);
         /* masked-off lanes load 0, whose exp is not 0: zeroed before they are summed */
         const vf e = vmaskz(k, vexp(vsub(vloadm(k, sc + t), topv)));

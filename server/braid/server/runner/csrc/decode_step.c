@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void down_rows(const float *x, long
         }
     }
     for (int r = 0; r < n; r++)
-        for (int j = 0; j < nv; j++) vstorem(vmask_n(cols - c0 - j * VEC), u + r * ldu + c0 + j * VEC, acc[r][j]);
+        for (int j = 0; j < nv; j++) vstore_n(u + r * ldu + c0 + j * VEC, acc[r][j], cols - c0 - j * VEC);
 }
 
 /* CALL with NAME 1 where fields f hold bf16 matrices, else 0 (fp32), a constant as above. */

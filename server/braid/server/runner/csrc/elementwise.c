@@ -50,7 +50,7 @@ INLINE void gated(const int activation, const float *gu, long ldg, long M, long 
         for (long i = 0; i < I; i += VEC) {
             const vmask k = vmask_n(I - i);
             const vf gv = vloadm(k, g + i);
-            vstorem(k, o + i, vmul(activation == A_SILU ? vsilu(gv) : vgelu_tanh(gv), vloadm(k, u + i)));
+            vstore_n(o + i, vmul(activation == A_SILU ? vsilu(gv) : vgelu_tanh(gv), vloadm(k, u + i)), I - i);
         }
     }
 }

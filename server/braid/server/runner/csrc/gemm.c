@@ -19,7 +19,7 @@ INLINE void store_row(const vf a[NV], float *restrict y, int accumulate, const f
         const vmask mask = vmask_n(width - VEC * j);
         vf r = bias ? vadd(a[j], vloadm(mask, bias + VEC * j)) : a[j];
         if (accumulate) r = vadd(r, vloadm(mask, y + VEC * j));
-        vstorem(mask, y + VEC * j, r);
+        vstore_n(y + VEC * j, r, width - VEC * j);
     }
 }
 

@@ -185,7 +185,7 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
             const vmask mask = vmask_n(width - c);
             vf v = bias ? vadd(a[m][j], vloadm(mask, bias + c)) : a[m][j];
             if (accumulate) v = vadd(v, vloadm(mask, y + m * ldy + c));
-            vstorem(mask, y + m * ldy + c, v);
+            vstore_n(y + m * ldy + c, v, width - c);
         }
 }
 
