@@ -1,6 +1,7 @@
 """The packed matmul in every weight format, in process: time per call and weight bytes streamed
 per second, at 1 row (one decoding session), 16 rows (a decode batch) and 256 rows (a prefill
-chunk), on SmolLM2's and Llama-3.2-1B's layer shapes. Where a step's time goes, by format.
+chunk), on SmolLM2's and Llama-3.2-1B's layer shapes. Where a step's time goes, by format. The
+K-quants (Q4_K, Q6_K: the bulk of a Q4_K_M file) are random blocks, which time the same.
 
     .venv/bin/python benchmarks/gemm_formats.py [--isa avx2] [--repeats 5] [--activations float32,int8,bf16]
     .venv/bin/python benchmarks/gemm_formats.py --threads 1 --cpu-time --rows 16,32 --activations int8
@@ -29,13 +30,21 @@ SHAPES = {
     "1B gate_up 2048x16384": (2048, 16384),
     "1B down 8192x2048": (8192, 2048),
 }
-FORMATS = ("f32", "bf16", "f16", "q8_0", "q4_1", "q4_0")
+FORMATS = ("f32", "bf16", "f16", "q8_0", "q4_1", "q4_0", "q4_k", "q6_k")
+# The K-quants' GGUF blocks: bytes per 256 weights, and where its fp16 scales (d, and Q4_K's dmin) lie.
+K_QUANT_BLOCKS = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}
 
 
 def matrix(fmt: str, k: int, n: int):
     values = torch.randn(n, k)
     if fmt in ("f32", "bf16", "f16"):
         return values.to({"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[fmt])
+    if fmt in K_QUANT_BLOCKS:  # gguf-py cannot quantize these: random blocks, their fp16 scales 2^-10
+        size, scales = K_QUANT_BLOCKS[fmt]
+        raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8)
+        for at in scales:
+            raw[..., at : at + 2] = torch.tensor([2**-10], dtype=torch.float16).view(torch.uint8)
+        return unpack_gguf(fmt, raw.view(n, -1).numpy())
     return unpack_gguf(fmt, quants.quantize(values.numpy(), GGMLQuantizationType[fmt.upper()]))
 
 
