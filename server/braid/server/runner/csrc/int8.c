@@ -241,8 +241,9 @@ static void int8_panel(const qrows_t *q, const void *w, int fmt, float *y, long 
          * group, every other cache line of the panel, and the rest of each block came from memory a
          * pass later (1 row ran at 6 GB/s, a third of its float32 rows'). The passes take turns on
          * SPLIT_BLOCKS blocks, their sums kept in accs: the same sums in the same order, so the same
-         * bits. 1-3 rows took 0.54-0.85x their time. (Q8_0's halves measured slower so, at 2 rows
-         * 1.3-1.8x; 4-bit quants' passes both read all of each group, the second from cache.) */
+         * bits. 1 and 2 rows took 0.54-0.80x their time, 3 rows 0.71-1.04x (two runs). (Q8_0's halves
+         * ran slower so, at 2 rows 1.3-1.8x; 4-bit quants' passes both read all of each group, the
+         * second from cache.) */
         float accs[PANEL / PASS_COLUMNS][MAX_ITILE * 2 * VEC] __attribute__((aligned(64)));
         for (long b0 = 0; b0 < q->blocks; b0 += SPLIT_BLOCKS) {
             const long b1 = b0 + SPLIT_BLOCKS < q->blocks ? b0 + SPLIT_BLOCKS : q->blocks;
