@@ -215,8 +215,8 @@ static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *pa
 #undef FORMAT_CALL
 
 /* Panel p of gemm_int8 below: columns [32p, 32p + 32) of y, for every row of q, in tiles of up to
- * ITILE_ROWS_MAX rows (split evenly: 16 rows are 6 + 5 + 5 with AVX-512). One tile reads the panel
- * once, from memory.
+ * ITILE_ROWS_MAX rows (split evenly: 16 rows are 6 + 5 + 5 with AVX-512), each in passes of
+ * PASS_COLUMNS columns (two with AVX2, one with AVX-512). One tile reads the panel once, from memory.
  * Two to TURN_TILES tiles (a verification's 7 rows are 4 + 3; a batch's 16 rows, three tiles) take
  * turns on CHUNK_BLOCKS blocks at a time, their sums kept in acc between turns: the chunk the first
  * tile brought from memory is still in L1 for the rest, and the stream from memory overlaps every
@@ -224,46 +224,38 @@ static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *pa
  * the stream: a 7th row cost a pass of 6 rows a third more, benchmarks/proposal_rows.py.) More
  * tiles, a prompt's rows, go one after another over the whole panel, read from cache but the first
  * time, where turns measured no faster. So do AVX2's tiles of 2 or 3 rows (the turns cost tiles of 2
- * more than they saved): there, tiles always go one after another. */
+ * more than they saved): there, tiles always go one after another.
+ * A single tile of Q6_K takes its two AVX2 passes in turns on SPLIT_BLOCKS blocks: each pass reads its
+ * columns' half of every 4-row group, every other cache line of the panel, and the rest of each block
+ * came from memory a pass later (1 row ran at 6 GB/s, a third of its float32 rows'). 1 and 2 rows
+ * took 0.54-0.80x their time, 3 rows 0.71-1.04x (two runs). (Q8_0's halves ran slower so, at 2 rows
+ * 1.3-1.8x; 4-bit quants' passes both read all of each group, the second from cache.) Every split
+ * keeps each row's sums in the same order: the same bits. */
 #define CHUNK_BLOCKS 2
-#define SPLIT_BLOCKS 8 /* a single tile's turns (below): 8 blocks of Q6_K are 10 KiB, in L1 */
+#define SPLIT_BLOCKS 8 /* 8 blocks of Q6_K are 10 KiB, in L1 */
 #define TURN_TILES (VEC == 16 ? 4 : 1)
 static void int8_panel(const qrows_t *q, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                        int accumulate, const float *bias, long p) {
     const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
     const long most = ITILE_ROWS_MAX(fmt), tiles = (M + most - 1) / most;
-    const long step = tiles == 1 || tiles > TURN_TILES ? q->blocks : CHUNK_BLOCKS;
+    const long step = tiles == 1 && width > PASS_COLUMNS && TRAITS(fmt).stored == V_I6 ? SPLIT_BLOCKS
+                      : tiles == 1 || tiles > TURN_TILES                                ? q->blocks
+                                                                                        : CHUNK_BLOCKS;
     const uint8_t *panel = (const uint8_t *)w + p * panel_bytes(fmt, K);
     const float *b = bias ? bias + col : NULL;
-    float acc[TURN_TILES][MAX_ITILE * 2 * VEC] __attribute__((aligned(64)));
-    if (tiles == 1 && width > PASS_COLUMNS && TRAITS(fmt).stored == V_I6) {
-        /* One tile of Q6_K in two passes (AVX2): each pass reads its columns' half of every 4-row
-         * group, every other cache line of the panel, and the rest of each block came from memory a
-         * pass later (1 row ran at 6 GB/s, a third of its float32 rows'). The passes take turns on
-         * SPLIT_BLOCKS blocks, their sums kept in accs: the same sums in the same order, so the same
-         * bits. 1 and 2 rows took 0.54-0.80x their time, 3 rows 0.71-1.04x (two runs). (Q8_0's halves
-         * ran slower so, at 2 rows 1.3-1.8x; 4-bit quants' passes both read all of each group, the
-         * second from cache.) */
-        float accs[PANEL / PASS_COLUMNS][MAX_ITILE * 2 * VEC] __attribute__((aligned(64)));
-        for (long b0 = 0; b0 < q->blocks; b0 += SPLIT_BLOCKS) {
-            const long b1 = b0 + SPLIT_BLOCKS < q->blocks ? b0 + SPLIT_BLOCKS : q->blocks;
-            for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS)
-                itile(fmt, (int)M, q, 0, panel, c0, b0, b1, accs[c0 / PASS_COLUMNS], b0 == 0, b1 == q->blocks, y + col,
-                      ldy, accumulate, b, width);
-        }
-        return;
-    }
-    for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS)
-        for (long b0 = 0; b0 < q->blocks; b0 += step) {
-            const long b1 = b0 + step < q->blocks ? b0 + step : q->blocks;
+    float acc[PANEL / PASS_COLUMNS][TURN_TILES][MAX_ITILE * 2 * VEC] __attribute__((aligned(64)));
+    for (long b0 = 0; b0 < q->blocks; b0 += step) {
+        const long b1 = b0 + step < q->blocks ? b0 + step : q->blocks;
+        for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS) {
             long row = 0;
             for (long t = 0; t < tiles; t++) {
                 const long rows = (M - row + (tiles - t) - 1) / (tiles - t);
-                itile(fmt, (int)rows, q, row, panel, c0, b0, b1, acc[t % TURN_TILES], b0 == 0, b1 == q->blocks,
-                      y + row * ldy + col, ldy, accumulate, b, width);
+                itile(fmt, (int)rows, q, row, panel, c0, b0, b1, acc[c0 / PASS_COLUMNS][t % TURN_TILES], b0 == 0,
+                      b1 == q->blocks, y + row * ldy + col, ldy, accumulate, b, width);
                 row += rows;
             }
         }
+    }
 }
 
 /* y[M, N] (+)= x @ W + bias for W packed interleaved in a quantized format (fmt without F_INT8):
