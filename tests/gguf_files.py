@@ -113,10 +113,12 @@ def write_gguf(
     vocab: Vocab,
     leave_out: tuple[str, ...] = (),
     layer_formats: tuple[GGMLQuantizationType, ...] = LAYER_FORMATS,
+    tensor_formats: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """Writes `model` (a transformers causal LM of ARCHITECTURES) with `vocab`'s tokenizer as a
-    GGUF file at path, each layer's matrices in layer_formats (alternating); without the tensors
-    named in leave_out (a broken file)."""
+    GGUF file at path, each layer's matrices in layer_formats (alternating), but those of the kinds
+    in tensor_formats ('attn_v': every layer's blk.N.attn_v.weight) in theirs, as llama.cpp's Q4_K_M
+    keeps v in Q6_K beside q and k in Q4_K; without the tensors named in leave_out (a broken file)."""
     arch = ARCHITECTURES[type(model).__name__]
     writer = GGUFWriter(str(path), arch)
     writer.add_name(path.stem)
@@ -127,7 +129,7 @@ def write_gguf(
         if name in leave_out:
             continue
         if value.ndim == 2:
-            kind = _block_format(name, layer_formats)
+            kind = _block_format(name, layer_formats, tensor_formats or {})
             fmt = kind.name.lower()
             # random K-quant blocks in the matrix's place: gguf-py cannot quantize to them
             raw = k_quant_bytes(fmt, *value.shape, seed=len(name)) if fmt in K_QUANTS else quants.quantize(value, kind)
@@ -260,8 +262,13 @@ def _extra_tensors(cfg) -> Iterator[tuple[str, np.ndarray]]:
         yield "rope_freqs.weight", np.array(divisors, dtype=np.float32)
 
 
-def _block_format(name: str, layer_formats: tuple[GGMLQuantizationType, ...]) -> GGMLQuantizationType:
-    """Q8_0 for the embedding and the head; each layer's matrices in layer_formats, alternating."""
+def _block_format(
+    name: str, layer_formats: tuple[GGMLQuantizationType, ...], tensor_formats: dict[str, GGMLQuantizationType]
+) -> GGMLQuantizationType:
+    """Q8_0 for the embedding and the head; each layer's matrices in layer_formats, alternating, or
+    their kind's in tensor_formats."""
+    if name.startswith("blk.") and name.split(".")[2] in tensor_formats:
+        return tensor_formats[name.split(".")[2]]
     if name.startswith("blk."):
         return layer_formats[int(name.split(".")[1]) % len(layer_formats)]
     return GGMLQuantizationType.Q8_0

@@ -15,6 +15,7 @@ from braid_testing.models import LLAMA_LIKE, loaded
 
 from braid.server.runner import decoder
 from braid.server.runner.kernels.extension import ACTIVATIONS, LAYER_FIELDS, has_bf16_rows
+from braid.server.runner.kernels.packing import PackedParts
 from braid.server.runner.kernels.pick import kernels_isa
 from braid.server.runner.kernels.step import DecodeStep
 from braid.server.runner.model_runner import ModelRunner
@@ -247,3 +248,56 @@ def test_a_step_that_drops_a_field_is_caught(monkeypatch, kind, field):
     monkeypatch.setattr(decoder, "DecodeStep", broken)
     logits = _decode(_runner(_model(kind)))
     assert not torch.allclose(logits, _reference(kind), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mixed_qkv(tmp_path_factory):
+    """A tiny Llama as a GGUF file that keeps every layer's v in Q6_K beside q and k in Q4_K (llama.cpp's
+    Q4_K_M does so in half the layers), loaded as `braid serve --model` loads it."""
+    from braid_testing.models import tiny_model
+    from gguf import GGMLQuantizationType
+    from gguf_files import embedded_bpe, write_gguf
+
+    from braid.server.model.loader import load
+
+    folder, vocab = tmp_path_factory.mktemp("mixed"), embedded_bpe(512)
+    model = tiny_model("llama", len(vocab.tokens), hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    formats = dict(layer_formats=(GGMLQuantizationType.Q4_K,), tensor_formats={"attn_v": GGMLQuantizationType.Q6_K})
+    return load(str(write_gguf(model, folder / "mixed.gguf", vocab, **formats)), folder)
+
+
+@pytest.mark.parametrize("activations", ["int8", "float32"])
+def test_a_qkv_of_two_formats_keeps_both_and_the_step_gives_the_per_op_paths_logits(mixed_qkv, activations):
+    """q and k in Q4_K, v in Q6_K: the fused q/k/v keeps each part in its format (it was fused in
+    fp32, 5x Q4_K's bytes), the one-call step multiplies the parts in one call with the per-op path's
+    logits bit for bit, and with float32 rows those are the dequantized fp32 model's to rounding."""
+
+    def runner(**kwargs) -> ModelRunner:
+        return ModelRunner(
+            mixed_qkv, torch.device("cpu"), torch.float32, num_pages=PAGES * len(PROMPTS), max_seq_len=64, **kwargs
+        )
+
+    step = runner(activations=activations)
+    qkv = step.decoder.layers[0].qkv
+    assert isinstance(qkv, PackedParts) and qkv.format == "q4_k+q6_k"
+    assert qkv.nbytes < qkv.in_features * qkv.out_features  # under a byte a weight; fp32 is 4
+    logits = _decode(step)
+    assert step.decoder._step is not None
+    per_op = runner(activations=activations)
+    per_op.decoder.one_call = False
+    assert torch.equal(logits, _decode(per_op))
+    if activations == "float32":
+        fp32 = _decode(runner(activations="float32", quantization="none"))
+        # the quantized kernels fold each group's scale into its sums (csrc/weights.c): other rounding
+        torch.testing.assert_close(logits, fp32, rtol=0, atol=1e-4 * fp32.abs().max().item())
+
+
+@pytest.mark.parametrize("field, value, error", [(0, 0, "1 to 4"), (2, 33, "whole panels"), (1, 1 << 10, "no parts")])
+def test_a_step_refuses_a_matrix_of_parts_it_cannot_read(mixed_qkv, field, value, error):
+    """The list of parts a fused q/k/v hands the C step (csrc/kernels.h's F_PARTS) is checked before
+    the step reads it: a count of none, a first part that ends mid-panel, a part that lists parts."""
+    runner = ModelRunner(mixed_qkv, torch.device("cpu"), torch.float32, num_pages=PAGES, max_seq_len=64)
+    runner.decoder.layers[1].qkv.weight[field] = value
+    row = Row(pages=[0], start=0, token_ids=[5, 6], sample=True, sampling=Sampling(), rng=None, is_prompt=True)
+    with pytest.raises(ValueError, match=error):
+        _pass(runner, [row])

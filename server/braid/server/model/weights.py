@@ -73,6 +73,24 @@ class Blocks:
 Weight = torch.Tensor | Blocks  # a matrix [out, in]: float, or in GGUF blocks
 
 
+@dataclass
+class Parts:
+    """Matrices of different formats stacked along out as one, each kept in its own: q, k and v where a
+    GGUF file keeps v in another format than q and k (Q4_K_M does in half the layers). The runner's
+    kernels multiply each part in its format (runner/kernels/packing.py's PackedParts); fused in one
+    format, the matrix would be fp32."""
+
+    parts: list[Weight]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32: each part's values (Blocks.dequantize's for blocks)."""
+        return torch.cat([p.dequantize() if isinstance(p, Blocks) else p.float() for p in self.parts])
+
+
 def unpack_gguf(format: str, raw: np.ndarray, packed: bool = False) -> Blocks:
     """Blocks from a GGUF tensor's bytes, [out, blocks per row * block bytes] uint8. A Q4 block's
     16 quant bytes hold element j in the low nibble of byte j and element j + 16 in its high one.

@@ -15,7 +15,8 @@ from collections import Counter
 import torch
 
 from braid.server.model.loader import LoadedModel
-from braid.server.model.weights import BLOCK_FORMATS, FLOAT_FORMATS, QBLOCK, Blocks, Weight, quantize_q8_0
+from braid.server.model.weights import BLOCK_FORMATS, FLOAT_FORMATS, QBLOCK, Blocks, Parts, Weight, quantize_q8_0
+from braid.server.runner.kernels.extension import PANEL
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -79,15 +80,29 @@ class Precision:
             _LOGGER.warning(message)
 
 
-def fuse(weights: list[Weight]) -> Weight:
-    """Matrices stacked along out (q, k and v; gate and up) as one. Parts in different formats
-    (a GGUF file may mix them) are fused in fp32."""
-    if all(isinstance(w, Blocks) for w in weights) and len({w.format for w in weights}) == 1:
-        return Blocks.cat(weights)
-    if all(isinstance(w, torch.Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:
-        return torch.cat(weights)
+def fuse(weights: list[Weight]) -> Weight | Parts:
+    """Matrices stacked along out (q, k and v; gate and up) as one. Parts in different formats (a GGUF
+    file may mix them: Q4_K_M's v in Q6_K beside q and k in Q4_K) stay in their own, each run of one
+    format fused (Parts), where each part but the last fills whole panels of the kernels; else
+    (a part's outputs not a multiple of 32) they are fused in fp32."""
+    runs: list[list[Weight]] = []
+    for w in weights:
+        if runs and _format(runs[-1][0]) == _format(w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    fused = [Blocks.cat(run) if isinstance(run[0], Blocks) else torch.cat(run) for run in runs]
+    if len(fused) == 1:
+        return fused[0]
+    if all(part.shape[0] % PANEL == 0 for part in fused[:-1]):
+        return Parts(fused)
     _LOGGER.warning(
-        "fusing matrices of formats %s in float32",
-        sorted({getattr(w, "format", None) or FLOAT_FORMATS.get(w.dtype) for w in weights}),
+        "fusing matrices of formats %s in float32 (a part's outputs are not a multiple of %d)",
+        [_format(part) for part in fused],
+        PANEL,
     )
     return torch.cat([w.dequantize() if isinstance(w, Blocks) else w.float() for w in weights])
+
+
+def _format(weight: Weight) -> str:
+    return weight.format if isinstance(weight, Blocks) else FLOAT_FORMATS.get(weight.dtype, str(weight.dtype))

@@ -179,6 +179,41 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
     Py_RETURN_NONE;
 }
 
+/* A decode step's matrix (its weight pointer, then its format code), or each part of an F_PARTS one:
+ * a known format, on a path this build has; a part's columns whole panels but the last's. */
+static int check_step_code(long fmt) {
+    if (check_format(fmt, 0, "decode_step")) return -1;
+    if (fmt & F_BF16_ROWS && !K->bf16_rows) {
+        PyErr_Format(PyExc_ValueError, "decode_step: the %s kernels have no bf16-rows path (it needs AVX-512 BF16)",
+                     K->name);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_step_matrix(const int64_t *field) {
+    if (field[1] != F_PARTS) return check_step_code((long)field[1]);
+    const int64_t *parts = (const int64_t *)(intptr_t)field[0];
+    if (!parts || parts[0] < 1 || parts[0] > MAX_PARTS) {
+        PyErr_Format(PyExc_ValueError, "decode_step: a matrix of parts has 1 to %d of them", MAX_PARTS);
+        return -1;
+    }
+    for (long i = 0; i < parts[0]; i++) {
+        const int64_t *part = parts + 1 + i * PART_FIELDS;
+        if (part[PART_CODE] == F_PARTS) {
+            PyErr_SetString(PyExc_ValueError, "decode_step: a part of a matrix has no parts of its own");
+            return -1;
+        }
+        if (check_step_code((long)part[PART_CODE])) return -1;
+        if (part[PART_COLUMNS] < 1 || !part[PART_WEIGHT] || (i + 1 < parts[0] && part[PART_COLUMNS] % PANEL)) {
+            PyErr_Format(PyExc_ValueError, "decode_step: part %ld of a matrix needs a weight and whole panels of "
+                         "columns (%d) but the last's, not %lld", i, PANEL, (long long)part[PART_COLUMNS]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     arg_t a[29];
     if (parse(args, nargs, "llllllllllfffppplpppppplpplll", a) || selected()) return NULL;
@@ -196,14 +231,8 @@ static PyObject *py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_
     }
     static const int MATRICES[] = {T_QKV_FMT, T_O_FMT, T_GATE_UP_FMT, T_DOWN_FMT};
     for (long layer = 0; layer < s.layers; layer++) /* a weight packed for a path this build lacks */
-        for (size_t i = 0; i < sizeof MATRICES / sizeof *MATRICES; i++) {
-            if (check_format(s.table[layer * T_FIELDS + MATRICES[i]], 0, "decode_step")) return NULL;
-            if (s.table[layer * T_FIELDS + MATRICES[i]] & F_BF16_ROWS && !K->bf16_rows) {
-                PyErr_Format(PyExc_ValueError, "decode_step: the %s kernels have no bf16-rows path (it needs "
-                             "AVX-512 BF16)", K->name);
-                return NULL;
-            }
-        }
+        for (size_t i = 0; i < sizeof MATRICES / sizeof *MATRICES; i++)
+            if (check_step_matrix(s.table + layer * T_FIELDS + MATRICES[i] - 1)) return NULL;
     if (s.lora_rows && (!s.lora_tables || s.lora_cols < 1)) {
         PyErr_SetString(PyExc_ValueError, "decode_step: LoRA rows need their adapters' tables and lora_cols >= 1");
         return NULL;
@@ -320,6 +349,7 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     if (!layout || !fields || !activations || !lora || PyModule_AddObjectRef(m, "LORA_FIELDS", lora) < 0 || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 ||
         PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 || PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 || PyModule_AddIntConstant(m, "INT8", F_INT8) < 0 ||
         PyModule_AddIntConstant(m, "BF16_ROWS", F_BF16_ROWS) < 0 ||
+        PyModule_AddIntConstant(m, "PARTS", F_PARTS) < 0 ||
         PyModule_AddObjectRef(m, "FORMATS", layout) < 0 || PyModule_AddObjectRef(m, "LAYER_FIELDS", fields) < 0 ||
         PyModule_AddObjectRef(m, "ACTIVATIONS", activations) < 0) {
         Py_XDECREF(layout);

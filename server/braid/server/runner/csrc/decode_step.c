@@ -212,38 +212,46 @@ static void lora_up(const step_t *s, const scratch_t *t, long layer, int group, 
  * Returns 0, or -1 if this thread could not allocate a panel buffer. */
 static int team_gemm(const step_t *s, scratch_t *t, long layer, int group, const float *x, long ldx, const void *w,
                      int fmt, float *y, long ldy, long M, long K, long N, int accumulate, const float *bias) {
-    const long panels = (N + PANEL - 1) / PANEL;
-    int failed = 0;
+    /* One matrix is one part; F_PARTS (kernels.h) lists its parts. x is prepared once for each path
+     * a part takes, and a panel goes through its part's. */
+    const int64_t one[1 + PART_FIELDS] = {1, fmt, N, (int64_t)(intptr_t)w};
+    const int64_t *parts = fmt == F_PARTS ? (const int64_t *)w : one;
+    int bf16 = 0, int8 = 0, sums = 0, failed = 0;
+    for (long i = 0; i < parts[0]; i++) {
+        const int code = (int)parts[1 + i * PART_FIELDS + PART_CODE];
+        bf16 |= (code & F_BF16_ROWS) != 0, int8 |= (code & F_INT8) != 0;
+        sums |= !(code & (F_BF16_ROWS | F_INT8)) && NEEDS_SUMS(code);
+    }
     if (s->lora_rows) lora_down(s, t, layer, group, x, ldx, K);
-#define LORA_UP(p) if (s->lora_rows) lora_up(s, t, layer, group, y, ldy, p, N)
+    (void)bf16; /* a build without the bf16 path never has such a part (the bindings refuse it) */
 #if BF16
-    if (fmt & F_BF16_ROWS) {
-        round_rows_into(x, ldx, M, K, &t->b);
-#pragma omp for schedule(static)
-        for (long p = 0; p < panels; p++) {
-            bf16_panel(&t->b, w, y, ldy, M, K, N, accumulate, bias, p);
-            LORA_UP(p);
-        }
-        return 0;
-    }
+    if (bf16) round_rows_into(x, ldx, M, K, &t->b);
 #endif
-    if (fmt & F_INT8) {
-        quantize_rows_into(x, ldx, M, K, &t->q);
-#pragma omp for schedule(static)
-        for (long p = 0; p < panels; p++) {
-            int8_panel(&t->q, w, fmt & ~F_INT8, y, ldy, M, K, N, accumulate, bias, p);
-            LORA_UP(p);
-        }
-        return 0;
-    }
-    if (NEEDS_SUMS(fmt)) block_sums_into(x, ldx, M, K, t->sums);
-    const float *sums = NEEDS_SUMS(fmt) ? t->sums : NULL;
+    if (int8) quantize_rows_into(x, ldx, M, K, &t->q);
+    if (sums) block_sums_into(x, ldx, M, K, t->sums);
+    const long panels = (N + PANEL - 1) / PANEL;
 #pragma omp for schedule(static)
     for (long p = 0; p < panels; p++) {
-        failed |= gemm_panel(x, ldx, w, fmt, y, ldy, M, K, N, accumulate, bias, sums, p);
-        LORA_UP(p);
+        const int64_t *part = parts + 1;
+        long col = 0; /* the part's first column */
+        while (p * PANEL >= col + part[PART_COLUMNS]) col += part[PART_COLUMNS], part += PART_FIELDS;
+        const int code = (int)part[PART_CODE];
+        const void *pw = (const void *)(intptr_t)part[PART_WEIGHT];
+        const long pn = part[PART_COLUMNS], pp = p - col / PANEL;
+        float *py = y + col;
+        const float *pb = bias ? bias + col : NULL;
+#if BF16
+        if (code & F_BF16_ROWS)
+            bf16_panel(&t->b, pw, py, ldy, M, K, pn, accumulate, pb, pp);
+        else
+#endif
+        if (code & F_INT8)
+            int8_panel(&t->q, pw, code & ~F_INT8, py, ldy, M, K, pn, accumulate, pb, pp);
+        else
+            failed |= gemm_panel(x, ldx, pw, code, py, ldy, M, K, pn, accumulate, pb, NEEDS_SUMS(code) ? t->sums : NULL,
+                                 pp);
+        if (s->lora_rows) lora_up(s, t, layer, group, y, ldy, p, N);
     }
-#undef LORA_UP
     return failed;
 }
 

@@ -76,6 +76,16 @@
  * column j's two at 2j and 2j + 1 (an odd K's last pair padded with a row of zeros). */
 #define F_BF16_ROWS 0x200
 
+/* A matrix fused from parts in different formats (kernels/packing.py's PackedParts). A GGUF file may
+ * keep q and k in one format and v in another (Q4_K_M keeps v in Q6_K in half the layers): fused in
+ * one format, such a q/k/v was fp32, 4 bytes a weight where Q4_K reads 0.75. With F_PARTS as its
+ * format, a decode step's matrix pointer points to int64s {count, then per part PART_FIELDS: its code,
+ * its columns (each part's but the last a multiple of PANEL) and its packed weight}, the parts side by
+ * side along the outputs, each in its own format and path. gemm's callers multiply part by part. */
+#define F_PARTS 0x400
+#define MAX_PARTS 4
+enum { PART_CODE, PART_COLUMNS, PART_WEIGHT, PART_FIELDS };
+
 static inline long block_bytes(int fmt) { return TRAITS(fmt).block_bytes; }
 /* Bytes of one packed panel of K rows. A quantized format needs K to be a multiple of QBLOCK. */
 static inline long panel_bytes(int fmt, long K) {

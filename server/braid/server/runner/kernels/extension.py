@@ -91,6 +91,8 @@ FORMATS: dict[str, Format] = {row[0]: Format(*row) for row in _cpu_kernels.FORMA
 # The format flags of the int8 and bf16 paths (csrc/kernels.h: F_INT8, F_BF16_ROWS); None in a build without it.
 INT8 = getattr(_cpu_kernels, "INT8", None)
 BF16_ROWS = getattr(_cpu_kernels, "BF16_ROWS", None)
+# The format code of a matrix of parts in different formats (csrc/kernels.h: F_PARTS; a decode step's).
+PARTS = getattr(_cpu_kernels, "PARTS", None)
 
 
 def has_bf16_rows() -> bool:

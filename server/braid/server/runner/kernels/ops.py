@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from braid.server.model.weights import Weight
+from braid.server.model.weights import Parts, Weight
 from braid.server.runner.kernels.extension import _cpu_kernels
-from braid.server.runner.kernels.packing import Linear, PackedLinear, rows_of
+from braid.server.runner.kernels.packing import Linear, PackedLinear, PackedParts, rows_of
 
 
 class TorchOps:
@@ -24,7 +24,7 @@ class TorchOps:
     def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
         self.dtype, self.device = dtype, device
 
-    def linear(self, weight: Weight, bias: torch.Tensor | None) -> Linear:
+    def linear(self, weight: Weight | Parts, bias: torch.Tensor | None) -> Linear:
         """weight: [out, in], float or GGUF blocks."""
         return Linear(weight, bias, self.dtype, self.device)
 
@@ -83,9 +83,10 @@ class CpuKernelOps(TorchOps):
         assert activations in ("int8", "bf16", "int8+bf16", "float32")
         self.isa, self.name, self.activations = isa, f"braid's {isa} kernels", activations
 
-    def linear(self, weight: Weight, bias: torch.Tensor | None) -> Linear:
+    def linear(self, weight: Weight | Parts, bias: torch.Tensor | None) -> Linear:
         paths = self.activations.split("+")
-        return PackedLinear(weight, bias, int8="int8" in paths, bf16="bf16" in paths)
+        packed = PackedParts if isinstance(weight, Parts) else PackedLinear
+        return packed(weight, bias, int8="int8" in paths, bf16="bf16" in paths)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = rows_of(x)

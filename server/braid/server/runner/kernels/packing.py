@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from braid.server.model.weights import FLOAT_FORMATS, Blocks, Weight
+from braid.server.model.weights import FLOAT_FORMATS, Blocks, Parts, Weight
 from braid.server.resources import release_freed_heap
 from braid.server.runner.kernels.extension import (
     BF16_ROWS,
@@ -13,6 +13,7 @@ from braid.server.runner.kernels.extension import (
     FORMATS,
     INT8,
     PANEL,
+    PARTS,
     QBLOCK,
     _cpu_kernels,
     has_bf16_rows,
@@ -32,9 +33,9 @@ def format_of(weight: Weight) -> str:
     return weight.format if isinstance(weight, Blocks) else FLOAT_FORMATS.get(weight.dtype, "f32")
 
 
-def dense(weight: Weight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def dense(weight: Weight | Parts, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The matrix as a plain tensor [out, in] in dtype: blocks dequantized as GGUF's reference does."""
-    if isinstance(weight, Blocks):
+    if isinstance(weight, (Blocks, Parts)):
         weight = weight.dequantize()
     return weight.detach().to(device=device, dtype=dtype)
 
@@ -44,7 +45,9 @@ class Linear:
     `add_into(y, x)` does y += x @ W.T in place; `columns(ids)` is the embedding lookup in a tied
     head: rows ids of W."""
 
-    def __init__(self, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, weight: Weight | Parts, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.weight = dense(weight, dtype, device).t().contiguous()
         self.bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
         self.in_features, self.out_features = self.weight.shape
@@ -149,6 +152,48 @@ class PackedLinear(Linear):
             None if self.bias is None else self.bias.data_ptr(),
             torch.get_num_threads(),
         )
+
+
+class PackedParts(PackedLinear):
+    """A matrix of parts in different formats (model.weights.Parts), each packed in its own as a
+    PackedLinear. A decode step multiplies them all in one call (csrc/kernels.h's F_PARTS: `weight`
+    lists the parts' codes, columns and packed weights); elsewhere each part fills its columns of y."""
+
+    def __init__(self, weight: Parts, bias: torch.Tensor | None, int8: bool = False, bf16: bool = False) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.parts: list[PackedLinear] = []
+        for part in weight.parts:
+            begin = sum(p.out_features for p in self.parts)
+            part_bias = None if bias is None else bias[begin : begin + part.shape[0]]
+            self.parts.append(PackedLinear(part, part_bias, int8=int8, bf16=bf16))
+        self.format = "+".join(p.format for p in self.parts)
+        self.rows = "+".join(dict.fromkeys(p.rows for p in self.parts))
+        self.int8, self.bf16 = any(p.int8 for p in self.parts), any(p.bf16 for p in self.parts)
+        self.code = PARTS
+        fields = [[p.code, p.out_features, p.weight.data_ptr()] for p in self.parts]
+        self.weight = torch.tensor([len(self.parts), *(v for f in fields for v in f)], dtype=torch.int64)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a matrix of parts is q/k/v's, never an embedding")
+
+    def reference(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self.out_features) if y is None else y
+        for part, columns in self._columns(out):
+            part.reference(x, columns)
+        return out
+
+    def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+        for part, columns in self._columns(y):
+            part._gemm(x, columns, accumulate)
+
+    def _columns(self, y: torch.Tensor):
+        """Each part, with its columns of y (a view)."""
+        begin = 0
+        for part in self.parts:
+            yield part, y[:, begin : begin + part.out_features]
+            begin += part.out_features
 
 
 def _pack_dense(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
