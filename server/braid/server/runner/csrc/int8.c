@@ -10,11 +10,12 @@
  * same bits alone and in any batch, and in every build (the integer sums are exact everywhere and
  * the folds are elementwise). */
 
-/* The rows of x quantized: q [M][K] (row stride K), and per row and block its scale d and sum of q. */
+/* The rows of x quantized: q [M][K] (row stride K), and per row and block its scale d and sum of q,
+ * and the sums of its two halves of 16 (Q6_K's scale groups). */
 typedef struct {
     int8_t *q;
     float *d;
-    int32_t *sum;
+    int32_t *sum, *half;
     long K, blocks;
 } qrows_t;
 
@@ -22,6 +23,7 @@ static void free_qrows(qrows_t *r) {
     free(r->q);
     free(r->d);
     free(r->sum);
+    free(r->half);
 }
 
 /* Room in r for M rows of up to K values. Returns -1 without memory (r then holds nothing). */
@@ -29,9 +31,10 @@ static int alloc_qrows(long M, long K, qrows_t *r) {
     r->q = malloc((size_t)(M * K));
     r->d = malloc(sizeof(float) * M * (K / QBLOCK));
     r->sum = malloc(sizeof(int32_t) * M * (K / QBLOCK));
-    if (r->q && r->d && r->sum) return 0;
+    r->half = malloc(sizeof(int32_t) * M * (K / QBLOCK) * 2);
+    if (r->q && r->d && r->sum && r->half) return 0;
     free_qrows(r);
-    r->q = NULL, r->d = NULL, r->sum = NULL;
+    r->q = NULL, r->d = NULL, r->sum = NULL, r->half = NULL;
     return -1;
 }
 
@@ -44,14 +47,16 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
             vf v[NV], amax = vzero();
             for (int j = 0; j < NV; j++) amax = vmax(amax, vabs(v[j] = vload(xb + VEC * j)));
             const float max = vhmax(amax), inv = max > 0.0f ? 127.0f / max : 0.0f;
-            vi sum = vizero();
+            vi half[2] = {vizero(), vizero()};
             for (int j = 0; j < NV; j++) {
                 const vi q = vround_i32(vmul(v[j], vset1(inv)));
                 vistore_i8(r->q + m * K + b * QBLOCK + VEC * j, q);
-                sum = viadd(sum, q);
+                half[VEC * j / 16] = viadd(half[VEC * j / 16], q);
             }
-            r->d[m * r->blocks + b] = max / 127.0f;
-            r->sum[m * r->blocks + b] = vihsum(sum);
+            const long at = m * r->blocks + b;
+            r->d[at] = max / 127.0f;
+            r->half[2 * at] = vihsum(half[0]), r->half[2 * at + 1] = vihsum(half[1]);
+            r->sum[at] = r->half[2 * at] + r->half[2 * at + 1];
         }
 }
 
@@ -61,6 +66,15 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
 #define GROUP_BYTES(fmt) (4 * ROW_BYTES(fmt))
 #define PASS_COLUMNS (2 * VEC)
 #define MAX_ITILE (VEC == 16 ? 6 : 3)
+/* A one-row tile of AVX2 takes the panel's 32 columns in one pass (NJ_ONE_ROW vectors of 8): its sums
+ * and totals are 8 registers. A pass of 16 columns read every other cache line of each 4-row group of
+ * 8-bit quants, the other half a pass later: one row of Q6_K ran at 7-11 GB/s, slower on two threads
+ * than on one. In one pass it takes 0.40-0.49x the time, Q8_0 0.81-1.02x, Q4_0 and Q4_1 0.67-0.94x
+ * (two 4-bit passes read the same bytes, the second from L1). Q4_K, whose head is fp32 scales and mins,
+ * took 1.10-1.19x at 2048 x 16384, and keeps its two passes. The same bits either way. */
+#define NJ_ONE_ROW (PANEL / VEC)
+#define NJ_MAX (PANEL / VEC)
+#define ONE_ROW_PASS(fmt) ((fmt) != F_Q4_K)
 
 /* What the int8 path adds to a format's quants to make them unsigned bytes (LIFT: Q6_K's [-32, 31]
  * + 32), and so subtracts again, times the sum of x's quants, with the format's offset (BIAS): a
@@ -68,10 +82,11 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
 #define LIFT(fmt) (TRAITS(fmt).stored == V_I6 ? 32 : 0)
 #define BIAS(fmt) (TRAITS(fmt).stored == V_I8 ? S8_BIAS : LIFT(fmt) + TRAITS(fmt).offset)
 
-/* The weight quants of 4-row group g of a block, for the columns [c0, c0 + 2 VEC), as unsigned bytes
+/* The weight quants of 4-row group g of a block, for the columns [c0, c0 + NJ VEC), as unsigned bytes
  * (4-bit ones: 0..15; Q6_K's: q + LIFT) or, a full-range int8 (Q8_0), as they are (w) and prepared (u). */
-INLINE void group_quants(const int fmt, const uint8_t *quants, int g, long c0, vi w[2], vi u[2]) {
-    for (int j = 0; j < 2; j++) {
+INLINE void group_quants(const int fmt, const int NJ, const uint8_t *quants, int g, long c0, vi w[NJ_MAX],
+                         vi u[NJ_MAX]) {
+    for (int j = 0; j < NJ; j++) {
         const long c = c0 + VEC * j;
         if (TRAITS(fmt).stored == V_I8) {
             w[j] = viload(quants + g * GROUP_BYTES(fmt) + 4 * c);
@@ -102,12 +117,12 @@ static inline vi viwiden16(vi acc16) { return acc16; }
 #endif
 
 /* What a scale group's integer sums s (the block, or a Q6_K half) add to the totals a, for columns
- * [c0, c0 + 2 VEC) of row m: (d_w d) (s - BIAS sum(q)) (+ or - m_w d sum(q)). */
-INLINE void int8_fold(const int fmt, const uint8_t *blk, int group, long c0, const vi s[2], float d, int32_t qsum,
-                      vf a[2]) {
+ * [c0, c0 + NJ VEC) of row m: (d_w d) (s - BIAS sum(q)) (+ or - m_w d sum(q)). */
+INLINE void int8_fold(const int fmt, const int NJ, const uint8_t *blk, int group, long c0, const vi s[NJ_MAX], float d,
+                      int32_t qsum, vf a[NJ_MAX]) {
     const int bias = BIAS(fmt);
     const vf dx = vset1(d), mx = vset1(d * (float)qsum);
-    for (int j = 0; j < 2; j++) {
+    for (int j = 0; j < NJ; j++) {
         const long c = c0 + VEC * j;
         const vf sf = vicvt(bias ? visub(s[j], viset1(bias * qsum)) : s[j]);
         a[j] = vfmadd(vmul(block_scales(fmt, blk, group, c), dx), sf, a[j]);
@@ -120,43 +135,44 @@ INLINE void int8_fold(const int fmt, const uint8_t *blk, int group, long c0, con
  * interleaved panel, blocks [b0, b1). Its sums start at zero (first) or from acc [MR][2 VEC], and end
  * stored into y (+ bias, or added to y; last) or into acc: a row's sums are the same fp32 numbers in
  * the same order either way, so its bits do not depend on how the blocks were split. */
-INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, const uint8_t *panel, long c0, long b0,
-                      long b1, float *acc, int first, int last, float *y, long ldy, int accumulate, const float *bias,
-                      long width) {
+INLINE void itile_fmt(const int fmt, const int MR, const int NJ, const qrows_t *q, long r, const uint8_t *panel,
+                      long c0, long b0, long b1, float *acc, int first, int last, float *y, long ldy, int accumulate,
+                      const float *bias, long width) {
     const long bytes = block_bytes(fmt);
-    vf a[MAX_ITILE][2];
+    vf a[MAX_ITILE][NJ_MAX];
     for (int m = 0; m < MR; m++)
-        for (int j = 0; j < 2; j++) a[m][j] = first ? vzero() : vload(acc + (2 * m + j) * VEC);
+        for (int j = 0; j < NJ; j++) a[m][j] = first ? vzero() : vload(acc + (NJ * m + j) * VEC);
     for (long b = b0; b < b1; b++) {
         const uint8_t *blk = panel + b * bytes, *quants = blk + HEAD_BYTES(fmt);
         const int8_t *xq = q->q + r * q->K + b * QBLOCK;
-        vi s[MAX_ITILE][2];
+        vi s[MAX_ITILE][NJ_MAX];
         for (int group = 0; group < TRAITS(fmt).groups; group++) { /* its 4-row groups [g0, g1) */
-            for (int m = 0; m < MR; m++) s[m][0] = s[m][1] = vizero();
+            for (int m = 0; m < MR; m++)
+                for (int j = 0; j < NJ; j++) s[m][j] = vizero();
             const int g0 = group * SCALE_ROWS(fmt) / 4, g1 = g0 + SCALE_ROWS(fmt) / 4;
             if (SUMS_16(fmt)) { /* a block's 4-bit products summed in 16 bits, widened once */
 #pragma GCC unroll 8
                 for (int g = g0; g < g1; g++) {
-                    vi w[2], u[2];
-                    group_quants(fmt, quants, g, c0, w, u);
+                    vi w[NJ_MAX], u[NJ_MAX];
+                    group_quants(fmt, NJ, quants, g, c0, w, u);
                     for (int m = 0; m < MR; m++) {
                         const vi xb = vibcast4(xq + m * q->K + 4 * g);
-                        for (int j = 0; j < 2; j++) {
+                        for (int j = 0; j < NJ; j++) {
                             s[m][j] = vidot16_u8(s[m][j], u[j], xb);
                             vikeep(s[m][j]);
                         }
                     }
                 }
                 for (int m = 0; m < MR; m++)
-                    for (int j = 0; j < 2; j++) s[m][j] = viwiden16(s[m][j]);
+                    for (int j = 0; j < NJ; j++) s[m][j] = viwiden16(s[m][j]);
             } else {
 #pragma GCC unroll 8 /* unrolled, the sums stay in their registers; looped, gcc moved them each turn */
                 for (int g = g0; g < g1; g++) {
-                    vi w[2], u[2];
-                    group_quants(fmt, quants, g, c0, w, u);
+                    vi w[NJ_MAX], u[NJ_MAX];
+                    group_quants(fmt, NJ, quants, g, c0, w, u);
                     for (int m = 0; m < MR; m++) {
                         const vi xb = vibcast4(xq + m * q->K + 4 * g);
-                        for (int j = 0; j < 2; j++) {
+                        for (int j = 0; j < NJ; j++) {
                             s[m][j] = TRAITS(fmt).stored == V_I8 ? vidot_s8(s[m][j], u[j], w[j], xb)
                                                                  : vidot_u8(s[m][j], u[j], xb);
                             vikeep(s[m][j]);
@@ -166,19 +182,16 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
             }
             for (int m = 0; m < MR; m++) {
                 const long at = (r + m) * q->blocks + b;
-                int32_t sum = q->sum[at];
-                if (TRAITS(fmt).groups > 1) { /* the group's sum of q */
-                    sum = 0;
-                    for (int k = group * SCALE_ROWS(fmt); k < (group + 1) * SCALE_ROWS(fmt); k++) sum += xq[m * q->K + k];
-                }
-                int8_fold(fmt, blk, group, c0, s[m], q->d[at], sum, a[m]);
+                /* the group's sum of x's quants: the block's, or (Q6_K) its half's */
+                const int32_t sum = TRAITS(fmt).groups > 1 ? q->half[2 * at + group] : q->sum[at];
+                int8_fold(fmt, NJ, blk, group, c0, s[m], q->d[at], sum, a[m]);
             }
         }
     }
     for (int m = 0; m < MR; m++)
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < NJ; j++) {
             if (!last) {
-                vstore(acc + (2 * m + j) * VEC, a[m][j]);
+                vstore(acc + (NJ * m + j) * VEC, a[m][j]);
                 continue;
             }
             const long c = c0 + VEC * j;
@@ -194,10 +207,12 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
     case MR: \
         if ((MR) > ITILE_ROWS_MAX(F)) \
             break; \
-        if (c0 == 0) /* a constant: which half of a byte each column's quants are (group_quants) */ \
-            itile_fmt(F, MR, q, r, panel, 0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
+        if ((MR) == 1 && pass == PANEL) /* the whole panel in one pass (NJ_ONE_ROW) */ \
+            itile_fmt(F, MR, NJ_ONE_ROW, q, r, panel, 0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
+        else if (c0 == 0) /* a constant: which half of a byte each column's quants are (group_quants) */ \
+            itile_fmt(F, MR, 2, q, r, panel, 0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
         else \
-            itile_fmt(F, MR, q, r, panel, c0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
+            itile_fmt(F, MR, 2, q, r, panel, c0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
         break;
 #if VEC == 16
 #define ITILE_WIDE(F) ITILE_ROWS(F, 3) ITILE_ROWS(F, 4) ITILE_ROWS(F, 5) ITILE_ROWS(F, 6)
@@ -208,8 +223,9 @@ INLINE void itile_fmt(const int fmt, const int MR, const qrows_t *q, long r, con
 
 /* Every quantized format's tiles, through EACH_FORMAT (formats.h); a float format has no int8 path. */
 #define FORMAT_CALL(F) if (QUANTIZED(F)) { ITILE_FMT(F) }
-static void itile(int fmt, int rows, const qrows_t *q, long r, const uint8_t *panel, long c0, long b0, long b1,
-                  float *acc, int first, int last, float *y, long ldy, int accumulate, const float *bias, long width) {
+static void itile(int fmt, int rows, long pass, const qrows_t *q, long r, const uint8_t *panel, long c0, long b0,
+                  long b1, float *acc, int first, int last, float *y, long ldy, int accumulate, const float *bias,
+                  long width) {
     EACH_FORMAT(fmt)
 }
 #undef FORMAT_CALL
@@ -238,19 +254,20 @@ static void int8_panel(const qrows_t *q, const void *w, int fmt, float *y, long 
                        int accumulate, const float *bias, long p) {
     const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
     const long most = ITILE_ROWS_MAX(fmt), tiles = (M + most - 1) / most;
-    const long step = tiles == 1 && width > PASS_COLUMNS && TRAITS(fmt).stored == V_I6 ? SPLIT_BLOCKS
-                      : tiles == 1 || tiles > TURN_TILES                                ? q->blocks
-                                                                                        : CHUNK_BLOCKS;
+    const long pass = M == 1 && ONE_ROW_PASS(fmt) ? PANEL : PASS_COLUMNS; /* one row's: all (NJ_ONE_ROW) */
+    const long step = tiles == 1 && width > pass && TRAITS(fmt).stored == V_I6 ? SPLIT_BLOCKS
+                      : tiles == 1 || tiles > TURN_TILES                        ? q->blocks
+                                                                                : CHUNK_BLOCKS;
     const uint8_t *panel = (const uint8_t *)w + p * panel_bytes(fmt, K);
     const float *b = bias ? bias + col : NULL;
     float acc[PANEL / PASS_COLUMNS][TURN_TILES][MAX_ITILE * 2 * VEC] __attribute__((aligned(64)));
     for (long b0 = 0; b0 < q->blocks; b0 += step) {
         const long b1 = b0 + step < q->blocks ? b0 + step : q->blocks;
-        for (long c0 = 0; c0 < width; c0 += PASS_COLUMNS) {
+        for (long c0 = 0; c0 < width; c0 += pass) {
             long row = 0;
             for (long t = 0; t < tiles; t++) {
                 const long rows = (M - row + (tiles - t) - 1) / (tiles - t);
-                itile(fmt, (int)rows, q, row, panel, c0, b0, b1, acc[c0 / PASS_COLUMNS][t % TURN_TILES], b0 == 0,
+                itile(fmt, (int)rows, pass, q, row, panel, c0, b0, b1, acc[c0 / pass][t % TURN_TILES], b0 == 0,
                       b1 == q->blocks, y + row * ldy + col, ldy, accumulate, b, width);
                 row += rows;
             }
