@@ -177,8 +177,8 @@ def exact_weights(weight) -> tuple[torch.Tensor, torch.Tensor]:
         return weight.double(), weight.double().abs()
     f = extension.FORMATS[weight.format]
     n, blocks = weight.q.shape[:2]
-    d = weight.d.double().view(n, blocks, f.groups, 1).expand(-1, -1, -1, 32 // f.groups).reshape(n, blocks, 32)
-    q, m = weight.q.double(), 0 if weight.m is None else weight.m.double().unsqueeze(-1)
+    d = weight.scales().double().view(n, blocks, f.groups, 1).expand(-1, -1, -1, 32 // f.groups).reshape(n, blocks, 32)
+    q, m = weight.q.double(), 0 if weight.m is None else weight.scales(mins=True).double().unsqueeze(-1)
     return (d * (q - f.offset) + f.min * m).view(n, -1), (d.abs() * (q.abs() + f.offset) + abs(m)).view(n, -1)
 
 
@@ -502,6 +502,18 @@ def test_a_step_packed_for_bf16_rows_is_refused_by_a_build_without_them(monkeypa
             decode_step(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     finally:
         extension._cpu_kernels.select_isa(before or ISAS[0])
+
+
+@pytest.mark.parametrize("fmt, most", [("q4_k", 0.58), ("q6_k", 1.08)])
+def test_a_k_quant_keeps_its_two_levels_of_scales(isa, fmt, most):
+    """A K-quant's sub-block scales stay int8 beside its super-blocks' fp16 d (csrc/kernels.h): Q4_K
+    packs in 0.578 bytes a weight (the file: 0.5625), Q6_K in 1.07 (its quants widened to int8). As
+    fp32 products of the two they took 0.75 and 1.25."""
+    weight, _ = matrix(fmt, (2048, 64), seed=4)
+    for int8 in (False, True):
+        layer = PackedLinear(weight, None, int8=int8)
+        assert layer.nbytes / (2048 * 64) < most
+        assert torch.equal(layer.columns(torch.arange(64)), weight.dequantize())  # the weights, exactly
 
 
 def test_a_quantized_matrix_needs_whole_blocks(isa):

@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 # Part of a converted folder's name: raised when a conversion changes, so older ones are made again
-# (2: the config keys transformers drops are read from the file; 3: no fp32 copy of the block matrices)
-CONVERSION_VERSION = 3
+# (2: the config keys transformers drops are read from the file; 3: no fp32 copy of the block matrices;
+# 4: the K-quants' two levels of scales, not their fp32 products)
+CONVERSION_VERSION = 4
 # the tensors a converted GGUF keeps in fp32: not model.safetensors, so that transformers refuses the
 # folder (it holds no fp32 block matrices) rather than loading it with those at random values
 WEIGHTS_FILE = "gguf-floats.safetensors"
@@ -169,7 +170,7 @@ def write_tensors(gguf: Path, config, folder: Path, advance: Callable[[float], N
             formats[hf_name] = kind
             if fits(hf_name, b.shape):
                 kinds[hf_name] = kind
-                for part, t in (("d", b.d), ("m", b.m), ("q", b.q)):
+                for part, t in (("d", b.d), ("m", b.m), ("q", b.q), ("s", b.s)):
                     if t is not None:
                         blocks.add(f"{hf_name}.{part}", t)
             continue
@@ -248,9 +249,9 @@ class BlockFile(Mapping):
         from braid.server.model.weights import FOUR_BIT, Blocks, unpack_nibbles
 
         kind = self._kinds[name]
-        m = self.reader.get(f"{name}.m") if f"{name}.m" in self.reader.keys() else None
+        m, s = (self.reader.get(f"{name}.{part}") if f"{name}.{part}" in self.reader.keys() else None for part in "ms")
         q = self.reader.get(f"{name}.q")
-        return Blocks(kind, self.reader.get(f"{name}.d"), m, unpack_nibbles(q) if kind in FOUR_BIT else q)
+        return Blocks(kind, self.reader.get(f"{name}.d"), m, unpack_nibbles(q) if kind in FOUR_BIT else q, s)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._kinds)

@@ -30,14 +30,17 @@ FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f
 class Blocks:
     """A matrix [out, in] in GGUF blocks of 32 along `in`, unpacked from the file's bytes: quants
     q [out, in / 32, 32] (int8 for Q8_0; q - 32 in int8 for Q6_K; uint8 0..15 for the 4-bit ones)
-    and scales d: [out, in / 32] fp16 for Q8_0, Q4_0, Q4_1 (and Q4_1's mins m likewise); the fp32
-    products d * scale GGUF's reference forms first for the K-quants: [out, in / 16] for Q6_K,
-    [out, in / 32] for Q4_K (with m = dmin * min)."""
+    and scales d: [out, in / 32] fp16 for Q8_0, Q4_0, Q4_1 (and Q4_1's mins m likewise). The
+    K-quants keep GGUF's two levels: d (and Q4_K's m) are the int8 sub-block scales (and mins),
+    [out, in / 16] for Q6_K, [out, in / 32] for Q4_K, and s the fp16 super-block scales of each 256
+    inputs, [out, in / 256, 1] (Q6_K's d) or [out, in / 256, 2] (Q4_K's d and dmin); a weight's scale
+    is s's d times its d (and its min dmin times its m), as GGUF's reference forms them first."""
 
     format: str
     d: torch.Tensor
     m: torch.Tensor | None
     q: torch.Tensor
+    s: torch.Tensor | None = None  # the K-quants' super-block scales
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -46,7 +49,7 @@ class Blocks:
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32, computed as GGUF's reference does it (gguf-py, ggml): d * q, then + m
         (- m for Q4_K), each step rounded to fp32."""
-        d, q = self.d.float().unsqueeze(-1), self.q.float()
+        d, q = self.scales().unsqueeze(-1), self.q.float()
         if self.format == "q8_0":
             w = q * d
         elif self.format == "q4_0":
@@ -54,20 +57,36 @@ class Blocks:
         elif self.format == "q6_k":
             w = d * q.view(q.shape[0], -1, 16)
         elif self.format == "q4_k":
-            w = d * q - self.m.unsqueeze(-1)
+            w = d * q - self.scales(mins=True).unsqueeze(-1)
         else:
             w = d * q + self.m.float().unsqueeze(-1)
         return w.reshape(self.shape)
 
+    def scales(self, mins: bool = False) -> torch.Tensor:
+        """The scales d (mins: m) in fp32, [out, scale groups]: a K-quant's as the products of its
+        two levels (exact in fp32: an fp16 times a 6- or 8-bit integer)."""
+        own = self.m if mins else self.d
+        if self.s is None:
+            return own.float()
+        top = self.s[..., int(mins)].float()  # [out, in / 256]
+        return top.repeat_interleave(own.shape[1] // top.shape[1], dim=1) * own.float()
+
     def rows(self, index: torch.Tensor) -> Blocks:
         """The matrix with its rows (outputs) taken in `index` order."""
-        return Blocks(self.format, self.d[index], None if self.m is None else self.m[index], self.q[index])
+        return Blocks(
+            self.format,
+            self.d[index],
+            None if self.m is None else self.m[index],
+            self.q[index],
+            None if self.s is None else self.s[index],
+        )
 
     @staticmethod
     def cat(parts: list[Blocks]) -> Blocks:
         """Matrices of one format stacked along out (q, k and v fused into one)."""
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return Blocks(parts[0].format, torch.cat([p.d for p in parts]), m, torch.cat([p.q for p in parts]))
+        s = None if parts[0].s is None else torch.cat([p.s for p in parts])
+        return Blocks(parts[0].format, torch.cat([p.d for p in parts]), m, torch.cat([p.q for p in parts]), s)
 
 
 Weight = torch.Tensor | Blocks  # a matrix [out, in]: float, or in GGUF blocks
@@ -128,8 +147,8 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def _unpack_k_quant(format: str, raw: np.ndarray) -> Blocks:
     """Q6_K and Q4_K super-blocks of 256 as braid's Blocks: the bit unpacking of gguf-py's own
-    dequantize_blocks (gguf/quants.py), stopped before the last multiplication, whose operands
-    are kept (so the kernels compute it with the same rounding)."""
+    dequantize_blocks (gguf/quants.py), stopped before its multiplications, whose operands are kept
+    (the two levels of scales; the kernels multiply them as it does)."""
     from gguf.quants import Q4_K
 
     out = raw.shape[0]
@@ -137,22 +156,29 @@ def _unpack_k_quant(format: str, raw: np.ndarray) -> Blocks:
     if format == "q6_k":
         blocks = blocks.reshape(-1, 210)
         ql, qh, scales, d = np.split(blocks, [128, 192, 208], axis=1)
-        d = d.view(np.float16).astype(np.float32) * scales.view(np.int8).astype(np.float32)  # [n, 16]
+        top = d.view(np.float16).reshape(out, -1, 1)  # [out, in / 256, 1]
+        d = scales.view(np.int8)  # [n, 16]
         ql = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
         qh = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
         q = (ql.reshape(-1, 8, 32) | (qh.reshape(-1, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
-        return Blocks(format, torch.from_numpy(d.reshape(out, -1)), None, torch.from_numpy(q.reshape(out, -1, 32)))
+        return Blocks(
+            format,
+            torch.from_numpy(d.reshape(out, -1)),
+            None,
+            torch.from_numpy(q.reshape(out, -1, 32)),
+            torch.from_numpy(top),
+        )
     blocks = blocks.reshape(-1, 144)
     d, dmin, scales, qs = np.split(blocks, [2, 4, 16], axis=1)
-    sc, mn = Q4_K.get_scale_min(scales)
-    d = d.view(np.float16).astype(np.float32) * sc.astype(np.float32)  # [n, 8]
-    m = dmin.view(np.float16).astype(np.float32) * mn.astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(scales)  # [n, 8] each, 0..63
+    top = np.concatenate([d, dmin], axis=1).view(np.float16).reshape(out, -1, 2)  # [out, in / 256, 2]
     q = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
     return Blocks(
         format,
-        torch.from_numpy(d.reshape(out, -1)),
-        torch.from_numpy(m.reshape(out, -1)),
+        torch.from_numpy(sc.astype(np.int8).reshape(out, -1)),
+        torch.from_numpy(mn.astype(np.int8).reshape(out, -1)),
         torch.from_numpy(q.reshape(out, -1, 32)),
+        torch.from_numpy(np.ascontiguousarray(top)),
     )
 
 

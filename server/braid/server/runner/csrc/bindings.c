@@ -57,9 +57,10 @@ static int check_format(long fmt, long K, const char *who) {
         PyErr_Format(PyExc_ValueError, "%s: only a quantized format has an int8 path, not format %ld", who, base);
         return -1;
     }
-    if (K % FORMAT_TRAITS[base].block_rows) {
-        PyErr_Format(PyExc_ValueError, "%s: a quantized weight needs K a multiple of %d, not %ld", who,
-                     FORMAT_TRAITS[base].block_rows, K);
+    const long rows = FORMAT_TRAITS[base].super_bytes ? SUPER_ROWS : FORMAT_TRAITS[base].block_rows;
+    if (K % rows) {
+        PyErr_Format(PyExc_ValueError, "%s: a %s weight needs K a multiple of %ld, not %ld", who,
+                     FORMAT_TRAITS[base].name, rows, K);
         return -1;
     }
     return 0;
@@ -339,8 +340,8 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     PyObject *layout = PyTuple_New(F_FORMATS); /* per format, in code order: formats.h's traits */
     for (int f = 0; layout && f < F_FORMATS; f++) {
         const format_t *t = &FORMAT_TRAITS[f];
-        PyObject *row = Py_BuildValue("(siilliiii)", t->name, t->block_rows, STORED_BITS(t->stored), t->block_bytes,
-                                      t->head_bytes, t->scale_bytes, t->groups, t->offset, t->min);
+        PyObject *row = Py_BuildValue("(siilliiiil)", t->name, t->block_rows, STORED_BITS(t->stored), t->block_bytes,
+                                      t->head_bytes, t->scale_bytes, t->groups, t->offset, t->min, t->super_bytes);
         if (!row) Py_CLEAR(layout);
         else PyTuple_SET_ITEM(layout, f, row);
     }

@@ -77,7 +77,8 @@ DEFINE_TILE(12)
     for (int m = 0; m < TILE_ROWS; m++) {                                                        \
         vf a[NV];                                                                                \
         for (int j = 0; j < NV; j++) a[j] = first && b0 == 0 && group == 0 ? vzero() : vload(acc + m * PANEL + VEC * j); \
-        block_fold(F, blk, group, s[m], sums ? sums[m * blocks + b0 / QBLOCK] : 0.0f, a);       \
+        block_fold(F, blk, super_scales(F, panel, blocks, b0 / QBLOCK), group, s[m],             \
+                   sums ? sums[m * blocks + b0 / QBLOCK] : 0.0f, a);                             \
         for (int j = 0; j < NV; j++) vstore(acc + m * PANEL + VEC * j, a[j]);                    \
     }
 

@@ -70,11 +70,9 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
  * and totals are 8 registers. A pass of 16 columns read every other cache line of each 4-row group of
  * 8-bit quants, the other half a pass later: one row of Q6_K ran at 7-11 GB/s, slower on two threads
  * than on one. In one pass it takes 0.40-0.49x the time, Q8_0 0.81-1.02x, Q4_0 and Q4_1 0.67-0.94x
- * (two 4-bit passes read the same bytes, the second from L1). Q4_K, whose head is fp32 scales and mins,
- * took 1.10-1.19x at 2048 x 16384, and keeps its two passes. The same bits either way. */
+ * (two 4-bit passes read the same bytes, the second from L1), Q4_K 0.59-0.79x. The same bits. */
 #define NJ_ONE_ROW (PANEL / VEC)
 #define NJ_MAX (PANEL / VEC)
-#define ONE_ROW_PASS(fmt) ((fmt) != F_Q4_K)
 
 /* What the int8 path adds to a format's quants to make them unsigned bytes (LIFT: Q6_K's [-32, 31]
  * + 32), and so subtracts again, times the sum of x's quants, with the format's offset (BIAS): a
@@ -118,16 +116,16 @@ static inline vi viwiden16(vi acc16) { return acc16; }
 
 /* What a scale group's integer sums s (the block, or a Q6_K half) add to the totals a, for columns
  * [c0, c0 + NJ VEC) of row m: (d_w d) (s - BIAS sum(q)) (+ or - m_w d sum(q)). */
-INLINE void int8_fold(const int fmt, const int NJ, const uint8_t *blk, int group, long c0, const vi s[NJ_MAX], float d,
-                      int32_t qsum, vf a[NJ_MAX]) {
+INLINE void int8_fold(const int fmt, const int NJ, const uint8_t *blk, const uint8_t *sup, int group, long c0,
+                      const vi s[NJ_MAX], float d, int32_t qsum, vf a[NJ_MAX]) {
     const int bias = BIAS(fmt);
     const vf dx = vset1(d), mx = vset1(d * (float)qsum);
     for (int j = 0; j < NJ; j++) {
         const long c = c0 + VEC * j;
         const vf sf = vicvt(bias ? visub(s[j], viset1(bias * qsum)) : s[j]);
-        a[j] = vfmadd(vmul(block_scales(fmt, blk, group, c), dx), sf, a[j]);
-        if (TRAITS(fmt).min > 0) a[j] = vfmadd(block_scales(fmt, blk, MIN_GROUP(fmt), c), mx, a[j]);
-        if (TRAITS(fmt).min < 0) a[j] = vfnmadd(block_scales(fmt, blk, MIN_GROUP(fmt), c), mx, a[j]);
+        a[j] = vfmadd(vmul(block_scales(fmt, blk, sup, group, c), dx), sf, a[j]);
+        if (TRAITS(fmt).min > 0) a[j] = vfmadd(block_scales(fmt, blk, sup, MIN_GROUP(fmt), c), mx, a[j]);
+        if (TRAITS(fmt).min < 0) a[j] = vfnmadd(block_scales(fmt, blk, sup, MIN_GROUP(fmt), c), mx, a[j]);
     }
 }
 
@@ -144,6 +142,7 @@ INLINE void itile_fmt(const int fmt, const int MR, const int NJ, const qrows_t *
         for (int j = 0; j < NJ; j++) a[m][j] = first ? vzero() : vload(acc + (NJ * m + j) * VEC);
     for (long b = b0; b < b1; b++) {
         const uint8_t *blk = panel + b * bytes, *quants = blk + HEAD_BYTES(fmt);
+        const uint8_t *sup = super_scales(fmt, panel, q->blocks, b);
         const int8_t *xq = q->q + r * q->K + b * QBLOCK;
         vi s[MAX_ITILE][NJ_MAX];
         for (int group = 0; group < TRAITS(fmt).groups; group++) { /* its 4-row groups [g0, g1) */
@@ -184,7 +183,7 @@ INLINE void itile_fmt(const int fmt, const int MR, const int NJ, const qrows_t *
                 const long at = (r + m) * q->blocks + b;
                 /* the group's sum of x's quants: the block's, or (Q6_K) its half's */
                 const int32_t sum = TRAITS(fmt).groups > 1 ? q->half[2 * at + group] : q->sum[at];
-                int8_fold(fmt, NJ, blk, group, c0, s[m], q->d[at], sum, a[m]);
+                int8_fold(fmt, NJ, blk, sup, group, c0, s[m], q->d[at], sum, a[m]);
             }
         }
     }
@@ -254,7 +253,7 @@ static void int8_panel(const qrows_t *q, const void *w, int fmt, float *y, long 
                        int accumulate, const float *bias, long p) {
     const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
     const long most = ITILE_ROWS_MAX(fmt), tiles = (M + most - 1) / most;
-    const long pass = M == 1 && ONE_ROW_PASS(fmt) ? PANEL : PASS_COLUMNS; /* one row's: all (NJ_ONE_ROW) */
+    const long pass = M == 1 ? PANEL : PASS_COLUMNS; /* the columns of a pass: one row's, all (NJ_ONE_ROW) */
     const long step = tiles == 1 && width > pass && TRAITS(fmt).stored == V_I6 ? SPLIT_BLOCKS
                       : tiles == 1 || tiles > TURN_TILES                        ? q->blocks
                                                                                 : CHUNK_BLOCKS;

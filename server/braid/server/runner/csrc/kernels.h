@@ -56,10 +56,13 @@
 
 /* The weight formats (formats.h): F_F32, F_BF16, F_F16, then GGUF's Q8_0, Q4_0, Q4_1, Q6_K, Q4_K, each one
  * row of FORMATS. Q8_0, Q4_0 and Q4_1 keep GGUF's fp16 d (then Q4_1's fp16 m). GGUF's K-quants have
- * sub-block scales built from two levels; they are kept as the fp32 products GGUF's reference computes
- * first (Q6_K: d * scale per 16 rows, the int8 q - 32 as the row; Q4_K: d * scale and dmin * min per 32
- * rows), so the weights come out exactly as there for 50% (Q6_K) and 33% (Q4_K) more bytes than the
- * file's. Q4 rows hold column j in the low nibble of byte j and column j + 16 in its high nibble. */
+ * sub-block scales built from two levels, kept as two levels: per block the int8 scales (Q6_K: per 16
+ * rows; Q4_K: per 32, then its mins, GGUF's 6-bit ones widened to a byte), and per 256-row super-block
+ * the fp16 d (and Q4_K's dmin) of each column, after the panel's blocks. A kernel multiplies the two as
+ * GGUF's reference does first (exact in fp32), so the weights come out exactly as there, for 31%
+ * (Q6_K: its quants as int8 q - 32) and 3% (Q4_K) more bytes than the file's. (They were kept as those
+ * fp32 products: 1.25 and 0.75 bytes a weight, against 1.07 and 0.58 now.) Q4 rows hold column j in
+ * the low nibble of byte j and column j + 16 in its high nibble. */
 #include "formats.h"
 
 /* A quantized format's code with F_INT8 set (kernels/packing.py sets it for --activations int8): each row
@@ -87,11 +90,19 @@
 enum { PART_CODE, PART_COLUMNS, PART_WEIGHT, PART_FIELDS };
 
 static inline long block_bytes(int fmt) { return TRAITS(fmt).block_bytes; }
-/* Bytes of one packed panel of K rows. A quantized format needs K to be a multiple of QBLOCK. */
+/* Bytes of one packed panel of K rows. A quantized format needs K to be a multiple of QBLOCK, a
+ * K-quant of SUPER_ROWS. */
 static inline long panel_bytes(int fmt, long K) {
     if (fmt & F_BF16_ROWS) return (K + 1) / 2 * 2 * ROW_BYTES(F_BF16);
     fmt &= ~F_INT8;
-    return K / TRAITS(fmt).block_rows * TRAITS(fmt).block_bytes;
+    return K / TRAITS(fmt).block_rows * TRAITS(fmt).block_bytes + K / SUPER_ROWS * TRAITS(fmt).super_bytes;
+}
+/* The super-block scales of block b of a panel of `blocks` blocks (a K-quant's: after its blocks, per
+ * super-block the 32 columns' fp16 d, then dmin); NULL for the other formats. */
+static inline const uint8_t *super_scales(int fmt, const uint8_t *panel, long blocks, long b) {
+    fmt &= ~F_INT8;
+    if (!TRAITS(fmt).super_bytes) return NULL;
+    return panel + blocks * TRAITS(fmt).block_bytes + b / (SUPER_ROWS / QBLOCK) * TRAITS(fmt).super_bytes;
 }
 
 /* A whole decode step through every layer, for passes where each sequence feeds one token: the

@@ -67,55 +67,61 @@ static int quant_at(const format_t *f, const uint8_t *blk, int layout, long r, l
     return c < 16 ? byte & 0x0F : byte >> 4;
 }
 
-/* Column c's scale of group `group` of a quantized block; group `groups` holds the mins. */
-static float scale_at(const format_t *f, const uint8_t *blk, int group, long c) {
+/* Column c's scale of group `group` of a quantized block; group `groups` holds the mins. A K-quant's
+ * is its int8 times the super-block's fp16 d (the mins': dmin) in sup, as GGUF's reference forms it. */
+static float scale_at(const format_t *f, const uint8_t *blk, const uint8_t *sup, int group, long c) {
     const uint8_t *p = blk + ((long)group * PANEL + c) * f->scale_bytes;
-    if (f->scale_bytes == S_F32) {
-        float v;
-        memcpy(&v, p, sizeof v);
-        return v;
-    }
     uint16_t h;
+    if (f->scale_bytes == S_I8) {
+        memcpy(&h, sup + ((group == f->groups ? PANEL : 0) + c) * 2, sizeof h);
+        return f16_value(h) * (float)(int8_t)p[0];
+    }
     memcpy(&h, p, sizeof h);
     return f16_value(h);
 }
 
-void ref_dequantize_float(const format_t *f, const uint8_t *blk, int layout, long c, float *out) {
-    (void)layout;
+void ref_dequantize_float(const format_t *f, const uint8_t *blk, const uint8_t *sup, int layout, long c, float *out) {
+    (void)sup, (void)layout;
     out[0] = float_at(f, blk, c);
 }
 
-void ref_dequantize_quants(const format_t *f, const uint8_t *blk, int layout, long c, float *out) {
-    const float m = f->min ? scale_at(f, blk, f->groups, c) : 0.0f;
+void ref_dequantize_quants(const format_t *f, const uint8_t *blk, const uint8_t *sup, int layout, long c, float *out) {
+    const float m = f->min ? scale_at(f, blk, sup, f->groups, c) : 0.0f;
     for (long r = 0; r < f->block_rows; r++) {
-        const float d = scale_at(f, blk, (int)(r / (QBLOCK / f->groups)), c);
+        const float d = scale_at(f, blk, sup, (int)(r / (QBLOCK / f->groups)), c);
         const float w = d * (float)(quant_at(f, blk, layout, r, c) - f->offset);
         out[r] = f->min > 0 ? w + m : f->min < 0 ? w - m : w;
     }
 }
 
-float ref_dot_float(const format_t *f, const uint8_t *blk, long c, const float *x, float xs, float acc) {
-    (void)xs;
+float ref_dot_float(const format_t *f, const uint8_t *blk, const uint8_t *sup, long c, const float *x, float xs,
+                    float acc) {
+    (void)sup, (void)xs;
     return fmaf(x[0], float_at(f, blk, c), acc);
 }
 
 /* Per scale group: s = x times the unscaled quants, a chain from zero; then acc += d (s - offset xs)
  * (+ or - m xs), as weights.c's gemv_fmt and block_fold. */
-float ref_dot_quants(const format_t *f, const uint8_t *blk, long c, const float *x, float xs, float acc) {
+float ref_dot_quants(const format_t *f, const uint8_t *blk, const uint8_t *sup, long c, const float *x, float xs,
+                     float acc) {
     const long rows = QBLOCK / f->groups;
     for (int g = 0; g < f->groups; g++) {
         float s = 0.0f;
         for (long r = g * rows; r < (g + 1) * rows; r++) s = fmaf(x[r], (float)quant_at(f, blk, 0, r, c), s);
         if (f->offset) s = fmaf(-(float)f->offset, xs, s);
-        acc = fmaf(scale_at(f, blk, g, c), s, acc);
+        acc = fmaf(scale_at(f, blk, sup, g, c), s, acc);
     }
-    if (f->min) acc = fmaf(f->min > 0 ? scale_at(f, blk, f->groups, c) : -scale_at(f, blk, f->groups, c), xs, acc);
+    if (f->min) {
+        const float m = scale_at(f, blk, sup, f->groups, c);
+        acc = fmaf(f->min > 0 ? m : -m, xs, acc);
+    }
     return acc;
 }
 
 /* Per scale group: the exact integer sum of (q_w - offset) q, then acc += (d_w d) sum (+ or - m_w
  * (d sum(q))), as int8.c's itile_fmt and int8_fold. */
-float ref_dot_int8_quants(const format_t *f, const uint8_t *blk, long c, const int8_t *q, float d, float acc) {
+float ref_dot_int8_quants(const format_t *f, const uint8_t *blk, const uint8_t *sup, long c, const int8_t *q, float d,
+                          float acc) {
     const long rows = QBLOCK / f->groups;
     for (int g = 0; g < f->groups; g++) {
         int32_t s = 0, qsum = 0;
@@ -123,9 +129,9 @@ float ref_dot_int8_quants(const format_t *f, const uint8_t *blk, long c, const i
             s += (quant_at(f, blk, F_INT8, r, c) - f->offset) * q[r];
             qsum += q[r];
         }
-        acc = fmaf(scale_at(f, blk, g, c) * d, (float)s, acc);
+        acc = fmaf(scale_at(f, blk, sup, g, c) * d, (float)s, acc);
         if (f->min) {
-            const float m = scale_at(f, blk, f->groups, c);
+            const float m = scale_at(f, blk, sup, f->groups, c);
             acc = fmaf(f->min > 0 ? m : -m, d * (float)qsum, acc);
         }
     }
@@ -194,9 +200,9 @@ static int reference_gemm(const float *x, long ldx, const void *w, int fmt, floa
             const uint8_t *panel = (const uint8_t *)w + n / PANEL * bytes;
             float acc = bf16_rows ? reference_bf16_rows(row, panel, K, n % PANEL) : 0.0f;
             for (long b = 0; b < blocks && !bf16_rows; b++) {
-                const uint8_t *blk = panel + b * f->block_bytes;
-                acc = int8 ? f->dot_int8(f, blk, n % PANEL, q + b * QBLOCK, d[b], acc)
-                           : f->dot(f, blk, n % PANEL, row + b * f->block_rows, sums[b], acc);
+                const uint8_t *blk = panel + b * f->block_bytes, *sup = super_scales(fmt, panel, blocks, b);
+                acc = int8 ? f->dot_int8(f, blk, sup, n % PANEL, q + b * QBLOCK, d[b], acc)
+                           : f->dot(f, blk, sup, n % PANEL, row + b * f->block_rows, sums[b], acc);
             }
             if (bias) acc = acc + bias[n];
             y[m * ldy + n] = accumulate ? acc + y[m * ldy + n] : acc;
@@ -221,7 +227,9 @@ static void reference_columns(const void *w, int fmt, long K, long N, const int6
             continue;
         }
         const format_t *f = &FORMAT_TRAITS[fmt & ~F_INT8];
-        for (long b = 0; b < K / f->block_rows; b++)
-            f->dequantize(f, panel + b * f->block_bytes, fmt & F_INT8, c, out + i * ldo + b * f->block_rows);
+        const long blocks = K / f->block_rows;
+        for (long b = 0; b < blocks; b++)
+            f->dequantize(f, panel + b * f->block_bytes, super_scales(fmt, panel, blocks, b), fmt & F_INT8, c,
+                          out + i * ldo + b * f->block_rows);
     }
 }

@@ -29,10 +29,13 @@ INLINE void quant_row(const int fmt, const uint8_t *blk, long k, vf w[NV]) {
         for (int j = 0; j < NV; j++) w[j] = vcvt_i8((const int8_t *)row + VEC * j);
 }
 
-/* Lanes [c, c + VEC) of a block's scales of group `group` (min: its mins), widened to fp32. */
-INLINE vf block_scales(const int fmt, const uint8_t *blk, int group, long c) {
+/* Lanes [c, c + VEC) of a block's scales of group `group` (min: its mins), widened to fp32: an fp16's,
+ * or a K-quant's int8 times its super-block's fp16 d (dmin for the mins) in sup (exact in fp32). */
+INLINE vf block_scales(const int fmt, const uint8_t *blk, const uint8_t *sup, int group, long c) {
     const uint8_t *row = blk + (long)group * PANEL * TRAITS(fmt).scale_bytes;
-    return TRAITS(fmt).scale_bytes == S_F16 ? vcvt_f16(row + 2 * c) : vload((const float *)row + c);
+    if (TRAITS(fmt).scale_bytes == S_F16) return vcvt_f16(row + 2 * c);
+    const uint8_t *d = sup + (group == TRAITS(fmt).groups ? 2 * PANEL : 0); /* the mins' dmin */
+    return vmul(vcvt_f16(d + 2 * c), vcvt_i8((const int8_t *)row + c));
 }
 #define MIN_GROUP(fmt) TRAITS(fmt).groups /* the mins come after the scales */
 
@@ -59,14 +62,15 @@ static float *block_sums(int fmt, const float *x, long ldx, long M, long K) {
  * a += d (s - offset sum(x)) (+ or - m sum(x)): Q4_0's offset is 8, Q4_1's min +, Q4_K's -.
  * Scaling once per group instead of once per weight is what makes a quantized row cheaper than an
  * fp32 one. (A float format has nothing to fold.) */
-INLINE void block_fold(const int fmt, const uint8_t *blk, int group, const vf s[NV], float xs, vf a[NV]) {
+INLINE void block_fold(const int fmt, const uint8_t *blk, const uint8_t *sup, int group, const vf s[NV], float xs,
+                       vf a[NV]) {
     if (!QUANTIZED(fmt)) return;
     const vf sum = vset1(xs);
     for (int j = 0; j < NV; j++) {
-        const vf d = block_scales(fmt, blk, group, VEC * j);
+        const vf d = block_scales(fmt, blk, sup, group, VEC * j);
         a[j] = vfmadd(d, TRAITS(fmt).offset ? vfnmadd(vset1((float)TRAITS(fmt).offset), sum, s[j]) : s[j], a[j]);
-        if (TRAITS(fmt).min > 0) a[j] = vfmadd(block_scales(fmt, blk, MIN_GROUP(fmt), VEC * j), sum, a[j]);
-        if (TRAITS(fmt).min < 0) a[j] = vfnmadd(block_scales(fmt, blk, MIN_GROUP(fmt), VEC * j), sum, a[j]);
+        if (TRAITS(fmt).min > 0) a[j] = vfmadd(block_scales(fmt, blk, sup, MIN_GROUP(fmt), VEC * j), sum, a[j]);
+        if (TRAITS(fmt).min < 0) a[j] = vfnmadd(block_scales(fmt, blk, sup, MIN_GROUP(fmt), VEC * j), sum, a[j]);
     }
 }
 
@@ -109,7 +113,8 @@ INLINE void gemv_fmt(const int fmt, const float *restrict x, const float *restri
                 const vf b = vset1(x[k0 + k]);
                 for (int j = 0; j < NV; j++) s[j] = vfmadd(b, w[j], s[j]);
             }
-            block_fold(fmt, blk, group, s, NEEDS_SUMS(fmt) ? sums[k0 / QBLOCK] : 0.0f, acc);
+            block_fold(fmt, blk, super_scales(fmt, panel, K / QBLOCK, k0 / QBLOCK), group, s,
+                       NEEDS_SUMS(fmt) ? sums[k0 / QBLOCK] : 0.0f, acc);
         }
     }
 }

@@ -80,10 +80,11 @@ class Format(NamedTuple):
     bits: int  # per stored value: 32, 16 (float formats), 8 or 4 (quants)
     block_bytes: int  # one block of a panel: its head, then block_rows rows of 32 values
     head_bytes: int  # a quantized block's scales (then mins) ahead of its rows; 0 for a float format
-    scale_bytes: int  # each scale's: 2 (fp16, GGUF's own), 4 (fp32, the K-quants' products), 0 (none)
+    scale_bytes: int  # each scale's: 2 (fp16, GGUF's own), 1 (int8, the K-quants' sub-block ones), 0 (none)
     groups: int  # scales per column per block (Q6_K: 2, one per 16 rows)
     offset: int  # a quantized weight is d (q - offset) + min m: Q4_0's offset is 8,
     min: int  # and min +1 (Q4_1), -1 (Q4_K) or 0 (no mins after the scales)
+    super_bytes: int  # a K-quant's super-block scales in a panel, per 256 rows (fp16 d, then dmin); 0
 
 
 # Each format's traits, from the extension's table; empty without it (torch's kernels need none).

@@ -69,7 +69,8 @@ class Linear:
 class PackedLinear(Linear):
     """The weight packed into panels in its own format, for the C kernels' gemm: [ceil(out / 32),
     in, 32] for a float dtype; for GGUF blocks, per panel and block of 32 rows, the 32 columns'
-    scales (and mins) then the 32 rows of quants, as bytes."""
+    scales (and mins) then the 32 rows of quants, as bytes (a K-quant's super-block scales after
+    the blocks)."""
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None, int8: bool = False, bf16: bool = False) -> None:
         """int8: quantize x to int8 per row and block for integer dot products (GGUF blocks only;
@@ -213,19 +214,20 @@ def _pack_dense(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
 
 
 def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
-    """GGUF blocks -> panels [ceil(out / 32), in / 32, block bytes] uint8, as the format's row of the
-    C table says (csrc/formats.h): per block of 32 rows, the 32 columns' scales (per scale group: Q6_K
-    has two, rows 0-15 and 16-31), then their mins if any, then 32 rows of 32 quants (4-bit ones:
-    column j in the low nibble of byte j, column j + 16 in its high one). interleaved (the int8
-    path's layout): the rows in 8 groups of 4, each column's 4 quants of a group in 4 consecutive
-    bytes (4-bit ones: columns j and j + 16 in the low and high nibbles)."""
+    """GGUF blocks -> panels [ceil(out / 32), panel bytes] uint8, as the format's row of the C table
+    says (csrc/formats.h): per block of 32 rows, the 32 columns' scales (per scale group: Q6_K has
+    two, rows 0-15 and 16-31), then their mins if any, then 32 rows of 32 quants (4-bit ones: column
+    j in the low nibble of byte j, column j + 16 in its high one); after the blocks, a K-quant's
+    super-block scales (per 256 rows, the 32 columns' fp16 d, then Q4_K's dmin). interleaved (the
+    int8 path's layout): the rows in 8 groups of 4, each column's 4 quants of a group in 4
+    consecutive bytes (4-bit ones: columns j and j + 16 in the low and high nibbles)."""
     fmt = FORMATS[b.format]
     n, blocks = b.q.shape[:2]
     panels = -(-n // PANEL)
 
     def by_panel(t: torch.Tensor) -> torch.Tensor:  # [n, blocks, ...] -> [panels, blocks, 32 columns, ...]
         t = torch.cat([t, t.new_zeros(panels * PANEL - n, *t.shape[1:])])
-        return t.view(panels, PANEL, blocks, *t.shape[2:]).transpose(1, 2)
+        return t.view(panels, PANEL, t.shape[1], *t.shape[2:]).transpose(1, 2)
 
     # [n, blocks * groups] -> [panels, blocks, groups, 32 columns]
     parts = [by_panel(b.d.view(n, blocks, fmt.groups)).transpose(2, 3)] + ([] if b.m is None else [by_panel(b.m)])
@@ -238,9 +240,18 @@ def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
         q = q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)
     parts.append(q)
     packed = torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)
-    if packed.shape[-1] != fmt.block_bytes or (b.m is not None) != (fmt.min != 0):
+    if (
+        packed.shape[-1] != fmt.block_bytes
+        or (b.m is not None) != (fmt.min != 0)
+        or (b.s is None) != (fmt.super_bytes == 0)
+    ):
         raise ValueError(f"{b.format} blocks of {packed.shape[-1]} bytes do not match the C kernels' {fmt}")
-    return packed
+    packed = packed.reshape(panels, -1)
+    if b.s is None:
+        return packed
+    # [n, supers, levels] -> [panels, supers, levels, 32 columns]
+    top = by_panel(b.s).permute(0, 1, 3, 2).contiguous().view(torch.uint8).reshape(panels, -1)
+    return torch.cat([packed, top], dim=-1)
 
 
 def rows_of(x: torch.Tensor) -> torch.Tensor:

@@ -51,15 +51,17 @@ def _self_check() -> bool:
             and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])
         ):
             return False
+    wide = torch.randn(5, 256, generator=generator)  # a K-quant's super-block of rows
     for weight in _random_blocks(70, 96, generator) if INT8 is not None else ():
         # the int8 path: within the activations' quantization error (half a step of 127 per block)
         reference = dense(weight, torch.float32, torch.device("cpu"))
         layer = PackedLinear(weight, None, int8=True)
-        error = (layer(x) - x @ reference.t()).abs().max() / (x.abs().max() * reference.abs().sum(1).max())
+        rows = x if weight.shape[1] == x.shape[1] else wide
+        error = (layer(rows) - rows @ reference.t()).abs().max() / (rows.abs().max() * reference.abs().sum(1).max())
         if not (
             error < 1 / 127
-            and torch.equal(layer(x), layer.reference(x))
-            and torch.equal(layer(x[1:2]), layer(x)[1:2])
+            and torch.equal(layer(rows), layer.reference(rows))
+            and torch.equal(layer(rows[1:2]), layer(rows)[1:2])
             and torch.equal(layer.columns(torch.tensor([0, 69])), reference[[0, 69]])
         ):
             return False
@@ -155,20 +157,24 @@ def _q8_0(values: torch.Tensor) -> Blocks:
 
 
 def _random_blocks(out: int, k: int, generator: torch.Generator) -> list[Blocks]:
-    """A matrix [out, k] in each GGUF block format, of random quants and scales (not a real matrix's
-    quantization: what the kernels compute from them is the same either way)."""
+    """A matrix [out, k] in each GGUF block format (the K-quants: [out, 256], one super-block), of random
+    quants and scales (not a real matrix's quantization: what the kernels compute from them is the
+    same either way)."""
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=generator) * 0.1
 
-    def quants(low: int, high: int, dtype: torch.dtype) -> torch.Tensor:
+    def scales(low: int, high: int, groups: int) -> torch.Tensor:  # a K-quant's int8 sub-block ones
+        return torch.randint(low, high, (out, groups), generator=generator).to(torch.int8)
+
+    def quants(low: int, high: int, dtype: torch.dtype, k: int = k) -> torch.Tensor:
         return torch.randint(low, high, (out, k // QBLOCK, QBLOCK), generator=generator).to(dtype)
 
-    blocks = k // QBLOCK
+    blocks, top = k // QBLOCK, 256 // QBLOCK
     return [
         Blocks("q8_0", rand(out, blocks).half(), None, quants(-127, 128, torch.int8)),
         Blocks("q4_0", rand(out, blocks).half(), None, quants(0, 16, torch.uint8)),
         Blocks("q4_1", rand(out, blocks).half(), rand(out, blocks).half() - 0.05, quants(0, 16, torch.uint8)),
-        Blocks("q6_k", rand(out, 2 * blocks), None, quants(-32, 32, torch.int8)),
-        Blocks("q4_k", rand(out, blocks), rand(out, blocks), quants(0, 16, torch.uint8)),
+        Blocks("q6_k", scales(-128, 128, 2 * top), None, quants(-32, 32, torch.int8, 256), rand(out, 1, 1).half()),
+        Blocks("q4_k", scales(0, 64, top), scales(0, 64, top), quants(0, 16, torch.uint8, 256), rand(out, 1, 2).half()),
     ]
