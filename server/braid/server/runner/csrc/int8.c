@@ -73,11 +73,13 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
  * (two 4-bit passes read the same bytes, the second from L1), Q4_K 0.59-0.79x. The same bits. */
 #define NJ_ONE_ROW (PANEL / VEC)
 #define NJ_MAX (PANEL / VEC)
-/* A one-row tile reads its panel once, from memory, and asks for the bytes ONE_ROW_AHEAD past each
- * block (the hardware's prefetch alone left it at 20-23 GB/s on two threads; the 1B Q4_K_M shape's
- * matmuls of a token, each matrix its own copy, took 0.86-0.97x the time with 2 KiB ahead, 0.90x with
- * 8 KiB, 0.92-0.93x with 1 and 4 KiB). A prefetch past the panel reads the next one, the same thread's. */
-#define ONE_ROW_AHEAD 2048
+/* A panel's first tile (rows from 0) reads it from memory, and asks for the bytes FIRST_TILE_AHEAD
+ * past each block; the other tiles find it in cache. The hardware's prefetch alone left one row at
+ * 20-23 GB/s on two threads. The 1B Q4_K_M shape's matmuls of a token, each matrix its own copy: one
+ * row took 0.86-0.97x the time with 2 KiB ahead (0.90x with 8 KiB, 0.92-0.93x with 1 and 4 KiB), 2
+ * rows 0.80x, 4 rows 0.87x, 16 rows 0.93x, 64 rows 0.98x. A prefetch past the panel reads the next
+ * one, the same thread's. */
+#define FIRST_TILE_AHEAD 2048
 
 /* What the int8 path adds to a format's quants to make them unsigned bytes (LIFT: Q6_K's [-32, 31]
  * + 32), and so subtracts again, times the sum of x's quants, with the format's offset (BIAS): a
@@ -148,8 +150,9 @@ INLINE void itile_fmt(const int fmt, const int MR, const int NJ, const qrows_t *
     for (long b = b0; b < b1; b++) {
         const uint8_t *blk = panel + b * bytes, *quants = blk + HEAD_BYTES(fmt);
         const uint8_t *sup = super_scales(fmt, panel, q->blocks, b);
-        if (MR == 1) /* a row's stream from memory: each block's lines ONE_ROW_AHEAD bytes ahead */
-            for (long off = 0; off < bytes; off += 64) _mm_prefetch((const char *)blk + ONE_ROW_AHEAD + off, _MM_HINT_T0);
+        if (r == 0) /* the panel's stream from memory: each block's lines FIRST_TILE_AHEAD bytes ahead */
+            for (long off = 0; off < bytes; off += 64)
+                _mm_prefetch((const char *)blk + FIRST_TILE_AHEAD + off, _MM_HINT_T0);
         const int8_t *xq = q->q + r * q->K + b * QBLOCK;
         vi s[MAX_ITILE][NJ_MAX];
         for (int group = 0; group < TRAITS(fmt).groups; group++) { /* its 4-row groups [g0, g1) */
