@@ -15,7 +15,7 @@
  * fp16 super-block scale of its column times it (and m: the super-block's dmin times its min), as
  * GGUF's reference computes them first; exact in fp32. The super-block scales of a panel's 256-row
  * super-blocks (per super-block: the 32 columns' fp16 d, then with a min their dmin) follow all of
- * its blocks (SUPER_BYTES each; kernels.h).
+ * its blocks (super_bytes each; kernels.h's super_scales).
  *
  * A new format that fits these columns is one row here, its name in runner/kernels/extension.py's
  * FORMAT_NAMES and the loader's unpacking of its blocks (model/weights.py): kernels/packing.py packs
@@ -118,7 +118,6 @@ static const format_t FORMAT_TRAITS[F_FORMATS] = {FORMATS(FORMAT_TRAITS_ROW)};
 #define ROW_BYTES(fmt) (TRAITS(fmt).row_bytes)
 #define HEAD_BYTES(fmt) (TRAITS(fmt).head_bytes)
 #define SCALE_ROWS(fmt) (TRAITS(fmt).group_rows) /* rows per scale: 16 for Q6_K, 32 for the others */
-#define SUPER_BYTES(fmt) (TRAITS(fmt).super_bytes) /* a K-quant's super-block scales per panel; 0 for others */
 /* Whether a format's fold needs the sum of x over each block (a min, or an offset such as Q4_0's 8). */
 #define NEEDS_SUMS(fmt) (TRAITS(fmt).offset != 0 || TRAITS(fmt).min != 0)
 

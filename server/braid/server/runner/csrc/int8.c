@@ -250,12 +250,12 @@ static void itile(int fmt, int rows, long pass, const qrows_t *q, long r, const 
  * tiles, a prompt's rows, go one after another over the whole panel, read from cache but the first
  * time, where turns measured no faster. So do AVX2's tiles of 2 or 3 rows (the turns cost tiles of 2
  * more than they saved): there, tiles always go one after another.
- * A single tile of Q6_K takes its two AVX2 passes in turns on SPLIT_BLOCKS blocks: each pass reads its
- * columns' half of every 4-row group, every other cache line of the panel, and the rest of each block
- * came from memory a pass later (1 row ran at 6 GB/s, a third of its float32 rows'). 1 and 2 rows
- * took 0.54-0.80x their time, 3 rows 0.71-1.04x (two runs). (Q8_0's halves ran slower so, at 2 rows
- * 1.3-1.8x; 4-bit quants' passes both read all of each group, the second from cache.) Every split
- * keeps each row's sums in the same order: the same bits. */
+ * A single tile of 2 or 3 rows of Q6_K takes its two AVX2 passes in turns on SPLIT_BLOCKS blocks (one
+ * row takes the panel in one pass, NJ_ONE_ROW): each pass reads its columns' half of every 4-row group,
+ * every other cache line of the panel, and the rest of each block came from memory a pass later. 1
+ * and 2 rows took 0.54-0.80x their time so, 3 rows 0.71-1.04x (two runs). (Q8_0's halves ran slower
+ * so, at 2 rows 1.3-1.8x; 4-bit quants' passes both read all of each group, the second from cache.)
+ * Every split keeps each row's sums in the same order: the same bits. */
 #define CHUNK_BLOCKS 2
 #define SPLIT_BLOCKS 8 /* 8 blocks of Q6_K are 10 KiB, in L1 */
 #define TURN_TILES (VEC == 16 ? 4 : 1)

@@ -81,7 +81,7 @@
 
 /* A matrix fused from parts in different formats (kernels/packing.py's PackedParts). A GGUF file may
  * keep q and k in one format and v in another (Q4_K_M keeps v in Q6_K in half the layers): fused in
- * one format, such a q/k/v was fp32, 4 bytes a weight where Q4_K reads 0.75. With F_PARTS as its
+ * one format, such a q/k/v was fp32, 4 bytes a weight where Q4_K reads 0.58. With F_PARTS as its
  * format, a decode step's matrix pointer points to int64s {count, then per part PART_FIELDS: its code,
  * its columns (each part's but the last a multiple of PANEL) and its packed weight}, the parts side by
  * side along the outputs, each in its own format and path. gemm's callers multiply part by part. */
