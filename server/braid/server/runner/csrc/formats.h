@@ -60,7 +60,8 @@ enum { FORMATS(FORMAT_ID) F_FORMATS };
 typedef struct format format_t;
 /* out[r] = the weight (r, c) of the block, r < block_rows, as GGUF's reference dequantizes it. sup: the
  * block's super-block scales (a K-quant's; kernels.h's super_scales), else unused. */
-typedef void (*dequantize_fn)(const format_t *f, const uint8_t *blk, const uint8_t *sup, int layout, long c, float *out);
+typedef void (*dequantize_fn)(const format_t *f, const uint8_t *blk, const uint8_t *sup, int layout, long c,
+                              float *out);
 /* acc + the block's part of column c's dot product with x (block_rows values; xs: their sum, in
  * order), in the order the kernels add it (float32 rows). */
 typedef float (*dot_fn)(const format_t *f, const uint8_t *blk, const uint8_t *sup, long c, const float *x, float xs,
