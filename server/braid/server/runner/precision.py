@@ -9,6 +9,7 @@ always in the compute dtype. What was picked is counted for ModelInfo.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 
@@ -17,6 +18,7 @@ import torch
 from braid.server.model.loader import LoadedModel
 from braid.server.model.weights import BLOCK_FORMATS, FLOAT_FORMATS, QBLOCK, Blocks, Parts, Weight, quantize_q8_0
 from braid.server.runner.kernels.extension import PANEL
+from braid.server.runner.kernels.packing import format_of
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -85,12 +87,7 @@ def fuse(weights: list[Weight]) -> Weight | Parts:
     file may mix them: Q4_K_M's v in Q6_K beside q and k in Q4_K) stay in their own, each run of one
     format fused (Parts), where each part but the last fills whole panels of the kernels; else
     (a part's outputs not a multiple of 32) they are fused in fp32."""
-    runs: list[list[Weight]] = []
-    for w in weights:
-        if runs and _format(runs[-1][0]) == _format(w):
-            runs[-1].append(w)
-        else:
-            runs.append([w])
+    runs = [list(run) for _, run in itertools.groupby(weights, key=format_of)]
     fused = [Blocks.cat(run) if isinstance(run[0], Blocks) else torch.cat(run) for run in runs]
     if len(fused) == 1:
         return fused[0]
@@ -98,11 +95,7 @@ def fuse(weights: list[Weight]) -> Weight | Parts:
         return Parts(fused)
     _LOGGER.warning(
         "fusing matrices of formats %s in float32 (a part's outputs are not a multiple of %d)",
-        [_format(part) for part in fused],
+        [format_of(part) for part in fused],
         PANEL,
     )
-    return torch.cat([w.dequantize() if isinstance(w, Blocks) else w.float() for w in weights])
-
-
-def _format(weight: Weight) -> str:
-    return weight.format if isinstance(weight, Blocks) else FLOAT_FORMATS.get(weight.dtype, str(weight.dtype))
+    return Parts(fused).dequantize()

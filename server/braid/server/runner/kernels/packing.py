@@ -163,10 +163,11 @@ class PackedParts(PackedLinear):
     def __init__(self, weight: Parts, bias: torch.Tensor | None, int8: bool = False, bf16: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.parts: list[PackedLinear] = []
+        begin = 0
         for part in weight.parts:
-            begin = sum(p.out_features for p in self.parts)
             part_bias = None if bias is None else bias[begin : begin + part.shape[0]]
             self.parts.append(PackedLinear(part, part_bias, int8=int8, bf16=bf16))
+            begin += part.shape[0]
         self.format = "+".join(p.format for p in self.parts)
         self.rows = "+".join(dict.fromkeys(p.rows for p in self.parts))
         self.int8, self.bf16 = any(p.int8 for p in self.parts), any(p.bf16 for p in self.parts)
