@@ -15,6 +15,7 @@ rounded to bf16, so within 2^-8 of the fp32 answer's sum of |x W|.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
+from braid.server import resources
 from braid.server.model.weights import BLOCK_FORMATS, FLOAT_FORMATS, Blocks, unpack_gguf
 from gguf_files import K_QUANTS, k_quant_bytes
 from braid.server.runner.kernels import extension, packing, pick, selfcheck, step
@@ -514,6 +516,36 @@ def test_a_k_quant_keeps_its_two_levels_of_scales(isa, fmt, most):
         layer = PackedLinear(weight, None, int8=int8)
         assert layer.nbytes / (2048 * 64) < most
         assert torch.equal(layer.columns(torch.arange(64)), weight.dequantize())  # the weights, exactly
+
+
+def anon_huge_pages(address: int) -> int:
+    """AnonHugePages of the mapping that holds address, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            begin, end = (int(v, 16) for v in head.split("-"))
+            inside = begin <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_packed_matrix_is_read_from_huge_pages_where_the_kernel_has_them(isa):
+    """Every token reads all of the packed weights: a matrix starts on a huge-page boundary and its
+    whole huge pages are transparent huge pages (packing.in_huge_pages), counted for the start-up line.
+    One smaller than a huge page keeps torch's memory."""
+    weight, _ = matrix("q4_0", (4096, 2048), seed=5)  # 4.5 MiB packed
+    layer = PackedLinear(weight, None, int8=True)
+    size = resources.huge_page_size()
+    if layer.huge_bytes == 0:
+        pytest.skip("this kernel has no transparent huge pages or no madvise(MADV_COLLAPSE) (Linux 6.1+)")
+    assert layer.weight.data_ptr() % size == 0
+    assert layer.huge_bytes == layer.nbytes // size * size == 2 * size
+    assert anon_huge_pages(layer.weight.data_ptr()) >= layer.huge_bytes
+    assert torch.equal(layer.columns(torch.arange(2048)), weight.dequantize())
+    small = PackedLinear(matrix("q4_0", (256, 2048), seed=5)[0], None, int8=True)
+    assert small.huge_bytes == 0
 
 
 def test_a_quantized_matrix_needs_whole_blocks(isa):

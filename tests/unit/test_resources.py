@@ -169,3 +169,12 @@ def test_this_machine_gives_at_least_one_thread() -> None:
     threads = resources.threads()
     assert threads.count >= 1 and threads.reason
     assert resources.available_memory().available > 0
+
+
+def test_the_huge_page_size_is_the_kernels_or_none(tmp_path: Path) -> None:
+    thp = tmp_path / "kernel/mm/transparent_hugepage"
+    assert resources.huge_page_size(tmp_path) == 0  # a kernel without transparent huge pages
+    thp.mkdir(parents=True)
+    (thp / "hpage_pmd_size").write_text("2097152\n")
+    resources.huge_page_size.cache_clear()
+    assert resources.huge_page_size(tmp_path) == 2 * MiB

@@ -137,6 +137,13 @@ def release_freed_heap() -> bool:
 
 
 @functools.cache
+def huge_page_size(sys_dir: Path = Path("/sys")) -> int:
+    """The size of the kernel's transparent huge pages (a PMD's: 2 MiB on x86-64), or 0 where it has none."""
+    text = _read(sys_dir / "kernel/mm/transparent_hugepage/hpage_pmd_size")
+    return int(text) if text and text.isdigit() else 0
+
+
+@functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim

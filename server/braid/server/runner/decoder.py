@@ -141,6 +141,8 @@ class Decoder:
         )
         # what the matrices multiply: int8 or bf16 rows (--activations), or float32 ones
         self.activations = activations_of(self._matrices())
+        # of the packed matrices, those moved into transparent huge pages (PackedLinear.huge_bytes)
+        self.huge_page_bytes = sum(w.huge_bytes for w in self._matrices())
         self.weight_bytes = sum(w.nbytes for w in self._matrices()) + sum(
             t.nbytes for t in [self.final_norm, *(v for w in self.layers for v in (w.input_norm, w.post_norm))]
         )

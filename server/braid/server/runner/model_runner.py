@@ -97,10 +97,11 @@ class ModelRunner:
         self.weight_formats = dict(chosen.formats)  # tensors served in each format
         self.weight_bytes = self.decoder.weight_bytes
         _LOGGER.info(
-            "kernels: %s; weights: %s, %.0f MB",
+            "kernels: %s; weights: %s, %.0f MB (%.0f MB of them in huge pages)",
             chosen.ops,
             ", ".join(f"{n} {fmt}" for fmt, n in chosen.formats.most_common()),
             self.weight_bytes / 1e6,
+            self.decoder.huge_page_bytes / 1e6,
         )
 
     @classmethod

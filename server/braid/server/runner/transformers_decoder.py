@@ -60,6 +60,7 @@ class TransformersDecoder:
         self.num_layers = len(probe.layers)
         self.vocab_size = logits.shape[-1]
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.huge_page_bytes = 0  # torch's own tensors, as torch allocates them
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

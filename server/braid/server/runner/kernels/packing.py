@@ -3,10 +3,12 @@ own format for braid's gemm (PackedLinear)."""
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from braid.server.model.weights import FLOAT_FORMATS, Blocks, Parts, Weight
-from braid.server.resources import release_freed_heap
+from braid.server.resources import huge_page_size, release_freed_heap
 from braid.server.runner.kernels.extension import (
     BF16_ROWS,
     FORMAT_CODES,
@@ -44,6 +46,8 @@ class Linear:
     """y = x @ W.T (+ bias), torch's matmul, W [out, in] held as [in, out].
     `add_into(y, x)` does y += x @ W.T in place; `columns(ids)` is the embedding lookup in a tied
     head: rows ids of W."""
+
+    huge_bytes = 0  # of the weight, in transparent huge pages (torch's memory: none counted; in_huge_pages)
 
     def __init__(
         self, weight: Weight | Parts, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
@@ -87,6 +91,7 @@ class PackedLinear(Linear):
         )
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.nbytes = self.weight.nbytes
+        self.weight, self.huge_bytes = in_huge_pages(self.weight)
         if self.nbytes >= RELEASE_AFTER_BYTES:
             release_freed_heap()
 
@@ -176,6 +181,7 @@ class PackedParts(PackedLinear):
         self.weight = torch.tensor([len(self.parts), *(v for f in fields for v in f)], dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.nbytes = sum(p.nbytes for p in self.parts)
+        self.huge_bytes = sum(p.huge_bytes for p in self.parts)
 
     def columns(self, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("a matrix of parts is q/k/v's, never an embedding")
@@ -196,6 +202,41 @@ class PackedParts(PackedLinear):
         for part in self.parts:
             yield part, y[:, begin : begin + part.out_features]
             begin += part.out_features
+
+
+MADV_COLLAPSE = 25  # linux/mman.h; Python 3.11's mmap module does not name it
+
+
+def in_huge_pages(packed: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """packed, copied to start on a huge-page boundary of memory of its own whose whole huge pages
+    (2 MiB on x86-64) are transparent huge pages, and how many bytes are. Every token reads all of a
+    model's packed weights, and in 4 KiB pages each page of them costs a TLB miss. A token's matmuls
+    at the 1B shape, one row, each matrix its own copy (so read from memory), took 0.90-0.93x the time
+    on one thread and 0.81-0.94x on two (docs/benchmarks.md, "Huge pages for the weights").
+    - madvise(MADV_HUGEPAGE) before the copy: most distributions' THP setting is "madvise", where
+      memory nobody advised stays in 4 KiB pages. MADV_COLLAPSE (Linux 6.1) then moves any page the
+      writes' faults left small, whatever the setting.
+    - Only the whole huge pages are advised. The partial one at the end stays in 4 KiB pages, so
+      nothing past the matrix is committed; nor is the room before its start, never written.
+    - A matrix smaller than a huge page, or a kernel without them, keeps torch's memory (0 bytes)."""
+    size, nbytes = huge_page_size(), packed.nbytes
+    whole = nbytes // size * size if size else 0
+    if not whole:
+        return packed, 0
+    memory = mmap.mmap(-1, nbytes + size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    room = torch.frombuffer(memory, dtype=torch.uint8)  # holds the mapping for as long as a view lives
+    start = -room.data_ptr() % size
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    except OSError:  # a kernel built without transparent huge pages
+        return packed, 0
+    out = room[start : start + nbytes]
+    out.copy_(packed.contiguous().view(-1).view(torch.uint8))
+    try:
+        memory.madvise(MADV_COLLAPSE, start, whole)
+    except OSError:  # before Linux 6.1, or no huge page free: what the writes' faults took, uncounted
+        whole = 0
+    return out.view(packed.dtype).view(packed.shape), whole
 
 
 def _pack_dense(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
