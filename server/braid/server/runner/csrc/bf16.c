@@ -99,7 +99,7 @@ static int gemm_bf16(const float *x, long ldx, const void *w, float *y, long ldy
     if (alloc_brows(M, K, &b)) return -1;
     round_rows_into(x, ldx, M, K, &b);
     const long panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#pragma omp parallel for schedule(dynamic, PANEL_CHUNK) num_threads(threads) if (threads > 1)
     for (long p = 0; p < panels; p++) bf16_panel(&b, w, y, ldy, M, K, N, accumulate, bias, p);
     free(b.x);
     return 0;

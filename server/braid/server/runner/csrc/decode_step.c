@@ -3,8 +3,8 @@
  * The pass runs in one OpenMP parallel region: the threads meet at a barrier only where a stage
  * reads what the one before wrote across the threads: after the q/k/v matmul (a head spans two
  * panels), the attention (the o matmul reads every head), and the o, gate/up and down matmuls (a
- * norm or the gated activation reads a whole row). Each matmul's panels are shared out statically
- * (`omp for`, whose end is the barrier); the row-wise work between two matmuls (RMSNorm, the
+ * norm or the gated activation reads a whole row). Each matmul's panels are shared out PANEL_CHUNK at
+ * a time (`omp for`, whose end is the barrier); the row-wise work between two matmuls (RMSNorm, the
  * gated activation, quantizing or summing the rows a matmul multiplies: a few microseconds) is done
  * by every thread for every row into its own scratch, which costs less than a barrier. A task of
  * the attention norms and rotates its own heads first. Every value is computed by the same code in
@@ -230,7 +230,7 @@ static int team_gemm(const step_t *s, scratch_t *t, long layer, int group, const
     if (int8) quantize_rows_into(x, ldx, M, K, &t->q);
     if (sums) block_sums_into(x, ldx, M, K, t->sums);
     const long panels = (N + PANEL - 1) / PANEL;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, PANEL_CHUNK)
     for (long p = 0; p < panels; p++) {
         const int64_t *part = parts + 1;
         long col = 0; /* the part's first column */

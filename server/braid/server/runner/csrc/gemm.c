@@ -245,7 +245,7 @@ static int gemm(const float *x, long ldx, const void *w, int fmt, float *y, long
     float *sums = block_sums(fmt, x, ldx, M, K);
     if (NEEDS_SUMS(fmt) && !sums) return -1;
     int failed = 0;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1) reduction(| : failed)
+#pragma omp parallel for schedule(dynamic, PANEL_CHUNK) num_threads(threads) if (threads > 1) reduction(| : failed)
     for (long p = 0; p < panels; p++) failed |= gemm_panel(x, ldx, w, fmt, y, ldy, M, K, N, accumulate, bias, sums, p);
     free(sums);
     return failed ? -1 : 0;

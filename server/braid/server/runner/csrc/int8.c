@@ -78,7 +78,7 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
  * 20-23 GB/s on two threads. The 1B Q4_K_M shape's matmuls of a token, each matrix its own copy: one
  * row took 0.86-0.97x the time with 2 KiB ahead (0.90x with 8 KiB, 0.92-0.93x with 1 and 4 KiB), 2
  * rows 0.80x, 4 rows 0.87x, 16 rows 0.93x, 64 rows 0.98x. A prefetch past the panel reads the next
- * one, the same thread's. */
+ * one, the same thread's but at the end of a run of PANEL_CHUNK. */
 #define FIRST_TILE_AHEAD 2048
 
 /* What the int8 path adds to a format's quants to make them unsigned bytes (LIFT: Q6_K's [-32, 31]
@@ -292,7 +292,7 @@ static int gemm_int8(const float *x, long ldx, const void *w, int fmt, float *y,
     if (alloc_qrows(M, K, &q)) return -1;
     quantize_rows_into(x, ldx, M, K, &q);
     const long panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#pragma omp parallel for schedule(dynamic, PANEL_CHUNK) num_threads(threads) if (threads > 1)
     for (long p = 0; p < panels; p++) int8_panel(&q, w, fmt, y, ldy, M, K, N, accumulate, bias, p);
     free_qrows(&q);
     return 0;

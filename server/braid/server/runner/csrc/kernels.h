@@ -10,7 +10,7 @@
  *
  * The matmul reads each weight exactly once per call, as one sequential stream: the weights are
  * packed into column panels of 32 (panel p holds output columns [32p, 32p + 32)), each thread walks
- * its own run of panels, and every 32-weight row of a panel is multiplied into all rows of x while
+ * runs of PANEL_CHUNK panels, and every 32-weight row of a panel is multiplied into all rows of x while
  * it is in registers. Within a panel the rows k = 0..K-1 come in blocks of 32 (QBLOCK); a quantized
  * block starts with its 32 columns' scales (and mins), then its 32 rows of quants (formats.h).
  *
@@ -88,6 +88,14 @@
 #define F_PARTS 0x400
 #define MAX_PARTS 4
 enum { PART_CODE, PART_COLUMNS, PART_WEIGHT, PART_FIELDS };
+
+/* The panels a thread takes at a time where the threads share out a matmul's (`schedule(dynamic,
+ * PANEL_CHUNK)`): whichever finishes first takes the next four. Shared out statically, in halves,
+ * one thread waited for the other at every matmul's end: two cores do not stream at one rate, and
+ * a q/k/v of parts (Q4_K_M's v in Q6_K) put all of the dearer panels in one half. libgomp's wait
+ * was 8% of a 1B Q4_K_M decode's samples; whole passes took 0.95-1.0x the time at 1 row and 0.90-0.99x
+ * at 8 (docs/benchmarks.md). Which thread computes a panel never changes its bits. */
+#define PANEL_CHUNK 4
 
 static inline long block_bytes(int fmt) { return TRAITS(fmt).block_bytes; }
 /* Bytes of one packed panel of K rows. A quantized format needs K to be a multiple of QBLOCK, a
