@@ -1,12 +1,15 @@
 """Two builds of braid's C kernels against each other in one process: the embedded model's own packed
 matrices (layer 0's and the LM head), each matmul at every --rows, then whole passes of one
-sequence with k proposals (ModelRunner.run), the two builds taken in turns. One thread, timed as
-the calling thread's CPU time: what neighbours on a shared machine change least. Each output of a
-matmul is compared between the builds (the kernel contract: the same bits).
+sequence with k proposals (ModelRunner.run), the two builds taken in turns. One thread by default,
+timed as the calling thread's CPU time: what neighbours on a shared machine change least. Each output
+of a matmul is compared between the builds (the kernel contract: the same bits).
 
     cp server/braid/server/runner/_cpu_kernels*.so /tmp/before.so   # the build to compare against
     (change the kernels, build again)
     .venv/bin/python benchmarks/kernels_ab.py --before /tmp/before.so [--rows 1,2,6] [--passes]
+
+--model (a GGUF file or folder) times another model's matrices and passes; --threads N > 1 times
+them on N threads by the wall clock (the calling thread's CPU time no longer counts the work).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from braid.server.runner.kernels import packing, step
 from braid.server.runner.model_runner import ModelRunner
 from proposal_rows import prefilled, verification
 
-CLOCK = time.thread_time
+CLOCK = time.thread_time  # time.perf_counter with --threads above 1
+THREADS = 1  # --threads
 
 
 def load_build(name: str, path: str):
@@ -37,21 +41,26 @@ def load_build(name: str, path: str):
 
 
 def gemm(build, linear, x: torch.Tensor, y: torch.Tensor) -> None:
-    bias = None if linear.bias is None else linear.bias.data_ptr()
-    build.gemm(
-        x.data_ptr(),
-        x.stride(0),
-        linear.weight.data_ptr(),
-        linear.code,
-        y.data_ptr(),
-        y.stride(0),
-        x.shape[0],
-        linear.in_features,
-        linear.out_features,
-        0,
-        bias,
-        1,
-    )
+    """y = x @ W by the given build: a matrix of parts (PackedParts: a Q4_K_M q/k/v) part by part."""
+    begin = 0
+    for part in getattr(linear, "parts", [linear]):
+        bias = None if part.bias is None else part.bias.data_ptr()
+        columns = y[:, begin : begin + part.out_features]
+        build.gemm(
+            x.data_ptr(),
+            x.stride(0),
+            part.weight.data_ptr(),
+            part.code,
+            columns.data_ptr(),
+            columns.stride(0),
+            x.shape[0],
+            part.in_features,
+            part.out_features,
+            0,
+            bias,
+            THREADS,
+        )
+        begin += part.out_features
 
 
 def matmuls(builds: dict, runner: ModelRunner, rows: list[int], repeats: int) -> None:
@@ -120,16 +129,21 @@ def main() -> None:
     parser.add_argument("--passes", action="store_true", help="whole passes too")
     parser.add_argument("--context", default="150,600", help="positions in the cache before a pass")
     parser.add_argument("--proposals", default="0,5", help="values of k (the first is the ratios' base)")
+    parser.add_argument("--model", help="a GGUF file or folder (default: the embedded model)")
+    parser.add_argument("--threads", type=int, default=1, help="above 1: timed by the wall clock")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    runner = ModelRunner.build(EngineConfig(threads=1), load(None, default_cache_dir()))
-    runner.governor = None  # one thread throughout
+    global CLOCK, THREADS
+    THREADS, CLOCK = args.threads, time.thread_time if args.threads == 1 else time.perf_counter
+    torch.set_num_threads(THREADS)
+    runner = ModelRunner.build(EngineConfig(threads=THREADS), load(args.model, default_cache_dir()))
+    runner.governor = None  # the same threads throughout
     isa = packing._cpu_kernels.isa()
     after = load_build("after", args.after) if args.after else packing._cpu_kernels
     builds = {"before": load_build("before", args.before), "after": after}
     for build in builds.values():
         build.select_isa(isa)
-    print(f"{isa} build, 1 thread, CPU time, medians of {args.repeats}, the builds in turns\n")
+    clock = "1 thread, CPU time" if THREADS == 1 else f"{THREADS} threads, wall time"
+    print(f"{isa} build, {clock}, medians of {args.repeats}, the builds in turns\n")
     matmuls(builds, runner, [int(r) for r in args.rows.split(",")], args.repeats)
     if args.passes:
         contexts = [int(c) for c in args.context.split(",")]

@@ -93,8 +93,9 @@ enum { PART_CODE, PART_COLUMNS, PART_WEIGHT, PART_FIELDS };
  * PANEL_CHUNK)`): whichever finishes first takes the next four. Shared out statically, in halves,
  * one thread waited for the other at every matmul's end: two cores do not stream at one rate, and
  * a q/k/v of parts (Q4_K_M's v in Q6_K) put all of the dearer panels in one half. libgomp's wait
- * was 8% of a 1B Q4_K_M decode's samples; whole passes took 0.95-1.0x the time at 1 row and 0.90-0.99x
- * at 8 (docs/benchmarks.md). Which thread computes a panel never changes its bits. */
+ * was 8% of a 1B Q4_K_M decode's samples; whole passes took 0.96-0.98x the time at 1 row and 0.88-0.90x
+ * at 8 (benchmarks/kernels_ab.py --threads 2 --passes; docs/benchmarks.md). Which thread computes a panel
+ * never changes its bits. */
 #define PANEL_CHUNK 4
 
 static inline long block_bytes(int fmt) { return TRAITS(fmt).block_bytes; }

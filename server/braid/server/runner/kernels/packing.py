@@ -211,8 +211,8 @@ def in_huge_pages(packed: torch.Tensor) -> tuple[torch.Tensor, int]:
     """packed, copied to start on a huge-page boundary of memory of its own whose whole huge pages
     (2 MiB on x86-64) are transparent huge pages, and how many bytes are. Every token reads all of a
     model's packed weights, and in 4 KiB pages each page of them costs a TLB miss. A token's matmuls
-    at the 1B shape, one row, each matrix its own copy (so read from memory), took 0.90-0.93x the time
-    on one thread and 0.81-0.94x on two (docs/benchmarks.md, "Huge pages for the weights").
+    at the 1B shape, one row, each matrix its own copy (so read from memory), took 0.89-0.95x the time
+    on one thread and 0.89-0.90x on two (docs/benchmarks.md, "Huge pages for the weights").
     - madvise(MADV_HUGEPAGE) before the copy: most distributions' THP setting is "madvise", where
       memory nobody advised stays in 4 KiB pages. MADV_COLLAPSE (Linux 6.1) then moves any page the
       writes' faults left small, whatever the setting.
