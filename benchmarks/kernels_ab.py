@@ -42,10 +42,8 @@ def load_build(name: str, path: str):
 
 def gemm(build, linear, x: torch.Tensor, y: torch.Tensor) -> None:
     """y = x @ W by the given build: a matrix of parts (PackedParts: a Q4_K_M q/k/v) part by part."""
-    begin = 0
-    for part in getattr(linear, "parts", [linear]):
+    for part, columns in linear.by_part(y):
         bias = None if part.bias is None else part.bias.data_ptr()
-        columns = y[:, begin : begin + part.out_features]
         build.gemm(
             x.data_ptr(),
             x.stride(0),
@@ -60,7 +58,6 @@ def gemm(build, linear, x: torch.Tensor, y: torch.Tensor) -> None:
             bias,
             THREADS,
         )
-        begin += part.out_features
 
 
 def matmuls(builds: dict, runner: ModelRunner, rows: list[int], repeats: int) -> None:

@@ -139,6 +139,10 @@ class PackedLinear(Linear):
         )
         return out
 
+    def by_part(self, y: torch.Tensor):
+        """Each matrix one gemm call takes, with its columns of y (a view): this one, all of y."""
+        yield self, y
+
     def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
         x = rows_of(x)
         assert x.shape[1] == self.in_features and y.stride(-1) == 1
@@ -188,15 +192,15 @@ class PackedParts(PackedLinear):
 
     def reference(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         out = x.new_empty(x.shape[0], self.out_features) if y is None else y
-        for part, columns in self._columns(out):
+        for part, columns in self.by_part(out):
             part.reference(x, columns)
         return out
 
     def _gemm(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
-        for part, columns in self._columns(y):
+        for part, columns in self.by_part(y):
             part._gemm(x, columns, accumulate)
 
-    def _columns(self, y: torch.Tensor):
+    def by_part(self, y: torch.Tensor):
         """Each part, with its columns of y (a view)."""
         begin = 0
         for part in self.parts:
