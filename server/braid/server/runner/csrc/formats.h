@@ -7,8 +7,8 @@
  * is one row of 32 values; a quantized format's is 32 rows (QBLOCK, GGUF's block size), its 32
  * columns' scales (the head) first, then its 32 rows of quants. A quantized weight is
  *     w = d (q - OFFSET) + MIN m
- * where q is the stored quant (STORED: a full-range int8, an int8 in [-32, 31] or a 4-bit
- * unsigned one), d the scale of its column and scale group (GROUPS per block: BLOCK_ROWS / GROUPS
+ * where q is the stored quant (STORED: a full-range int8, a 6-bit one stored as q + 32, or a
+ * 4-bit unsigned one), d the scale of its column and scale group (GROUPS per block: BLOCK_ROWS / GROUPS
  * rows share one), and m (if MIN is +1 or -1) the column's min. The head holds GROUPS rows of 32
  * scales, then (with a min) a row of 32 mins, each an fp16 (GGUF's own d and m) or, for the K-quants
  * (SUPER), the int8 sub-block scale (and min) of GGUF's two levels: the weight's d is then the
@@ -30,9 +30,13 @@
 
 #include <stdint.h>
 
-/* How one weight is stored: a float format's value, or a quantized format's quant. */
-enum { V_F32, V_BF16, V_F16, V_I8, V_I6, V_U4 };
-#define STORED_BITS(v) ((v) == V_F32 ? 32 : (v) == V_BF16 || (v) == V_F16 ? 16 : (v) == V_U4 ? 4 : 8)
+/* How one weight is stored: a float format's value, or a quantized format's quant. V_U6 (Q6_K's
+ * quants q in [-32, 31]) holds q + 32 in 6 bits, as two planes (kernels.h): its low 4 bits as V_U4's
+ * nibbles, then its high 2 bits, four columns to a byte. */
+enum { V_F32, V_BF16, V_F16, V_I8, V_U6, V_U4, V_U6_BYTES };
+#define STORED_BITS(v) ((v) == V_F32 ? 32 : (v) == V_BF16 || (v) == V_F16 ? 16 : (v) == V_U4 ? 4 : (v) == V_U6 ? 6 : 8)
+/* What a V_U6 quant holds above the format's q: Q6_K's [-32, 31] as 0..63 */
+#define U6_LIFT 32
 /* The type of a quantized format's scales and mins (0: a float format has none): fp16, or an int8
  * times its super-block's fp16 (the K-quants). */
 enum { S_I8 = 1, S_F16 = 2 };
@@ -47,11 +51,16 @@ enum { S_I8 = 1, S_F16 = 2 };
     X(F_Q8_0, "q8_0", V_I8, QBLOCK, S_F16, 1, 0, 0, 0)     \
     X(F_Q4_0, "q4_0", V_U4, QBLOCK, S_F16, 1, 8, 0, 0)     \
     X(F_Q4_1, "q4_1", V_U4, QBLOCK, S_F16, 1, 0, 1, 0)     \
-    X(F_Q6_K, "q6_k", V_I6, QBLOCK, S_I8, 2, 0, 0, 1)      \
+    X(F_Q6_K, "q6_k", V_U6, QBLOCK, S_I8, 2, 0, 0, 1)      \
     X(F_Q4_K, "q4_k", V_U4, QBLOCK, S_I8, 1, 0, -1, 1)
+
+/* The kernels' own formats, never a weight's: Q6_K with its 6-bit quants a byte each (q + 32), as
+ * int8.c widens a panel for a matmul of many rows, once for all its tiles. */
+#define INNER_FORMATS(X) X(F_Q6_K_BYTES, "q6_k bytes", V_U6_BYTES, QBLOCK, S_I8, 2, 0, 0, 1)
 
 #define FORMAT_ID(id, ...) id,
 enum { FORMATS(FORMAT_ID) F_FORMATS };
+enum { F_INNER_BEFORE = F_FORMATS - 1, INNER_FORMATS(FORMAT_ID) F_ALL_FORMATS };
 #undef FORMAT_ID
 
 /* The plain-C reference (reference.c, compiled once, no intrinsics): what every build's kernels
@@ -110,7 +119,7 @@ float ref_dot_int8_quants(const format_t *f, const uint8_t *blk, const uint8_t *
             .dequantize = scale ? ref_dequantize_quants : ref_dequantize_float,                                 \
             .dot = scale ? ref_dot_quants : ref_dot_float, .dot_int8 = scale ? ref_dot_int8_quants : 0},
 /* Each translation unit's copy: a build's kernels read a constant format's row at compile time. */
-static const format_t FORMAT_TRAITS[F_FORMATS] = {FORMATS(FORMAT_TRAITS_ROW)};
+static const format_t FORMAT_TRAITS[F_ALL_FORMATS] = {FORMATS(FORMAT_TRAITS_ROW) INNER_FORMATS(FORMAT_TRAITS_ROW)};
 #undef FORMAT_TRAITS_ROW
 
 /* A format's traits, for code compiled with fmt a constant (each build's kernels). */

@@ -68,9 +68,10 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
 #define MAX_ITILE (VEC == 16 ? 6 : 3)
 /* A one-row tile of AVX2 takes the panel's 32 columns in one pass (NJ_ONE_ROW vectors of 8): its sums
  * and totals are 8 registers. A pass of 16 columns read every other cache line of each 4-row group of
- * 8-bit quants, the other half a pass later: one row of Q6_K ran at 7-11 GB/s, slower on two threads
- * than on one. In one pass it takes 0.40-0.49x the time, Q8_0 0.81-1.02x, Q4_0 and Q4_1 0.67-0.94x
- * (two 4-bit passes read the same bytes, the second from L1), Q4_K 0.59-0.79x. The same bits. */
+ * 8-bit quants, the other half a pass later: one row of Q6_K (then a byte a quant) ran at 7-11 GB/s,
+ * slower on two threads than on one. In one pass it took 0.40-0.49x the time, Q8_0 0.81-1.02x, Q4_0
+ * and Q4_1 0.67-0.94x (two 4-bit passes read the same bytes, the second from L1), Q4_K 0.59-0.79x.
+ * The same bits. */
 #define NJ_ONE_ROW (PANEL / VEC)
 #define NJ_MAX (PANEL / VEC)
 /* A panel's first tile (rows from 0) reads it from memory, and asks for the bytes FIRST_TILE_AHEAD
@@ -81,14 +82,15 @@ static void quantize_rows_into(const float *x, long ldx, long M, long K, qrows_t
  * one, the same thread's but at the end of a run of PANEL_CHUNK. */
 #define FIRST_TILE_AHEAD 2048
 
-/* What the int8 path adds to a format's quants to make them unsigned bytes (LIFT: Q6_K's [-32, 31]
- * + 32), and so subtracts again, times the sum of x's quants, with the format's offset (BIAS): a
- * full-range int8 quant (Q8_0) goes through the build's signed dot product (S8_BIAS). */
-#define LIFT(fmt) (TRAITS(fmt).stored == V_I6 ? 32 : 0)
+/* What a format's stored quants hold above q to be unsigned bytes (LIFT: Q6_K's [-32, 31] as 0..63),
+ * and so what the int8 path subtracts again, times the sum of x's quants, with the format's offset
+ * (BIAS): a full-range int8 quant (Q8_0) goes through the build's signed dot product (S8_BIAS). */
+#define LIFT(fmt) (TRAITS(fmt).stored == V_U6 || TRAITS(fmt).stored == V_U6_BYTES ? U6_LIFT : 0)
 #define BIAS(fmt) (TRAITS(fmt).stored == V_I8 ? S8_BIAS : LIFT(fmt) + TRAITS(fmt).offset)
 
 /* The weight quants of 4-row group g of a block, for the columns [c0, c0 + NJ VEC), as unsigned bytes
- * (4-bit ones: 0..15; Q6_K's: q + LIFT) or, a full-range int8 (Q8_0), as they are (w) and prepared (u). */
+ * (4-bit ones: 0..15; Q6_K's: q + LIFT, its two planes put together) or, a full-range int8 (Q8_0), as
+ * they are (w) and prepared (u). */
 INLINE void group_quants(const int fmt, const int NJ, const uint8_t *quants, int g, long c0, vi w[NJ_MAX],
                          vi u[NJ_MAX]) {
     for (int j = 0; j < NJ; j++) {
@@ -96,8 +98,12 @@ INLINE void group_quants(const int fmt, const int NJ, const uint8_t *quants, int
         if (TRAITS(fmt).stored == V_I8) {
             w[j] = viload(quants + g * GROUP_BYTES(fmt) + 4 * c);
             u[j] = viprep_s8(w[j]);
-        } else if (TRAITS(fmt).stored == V_I6) {
-            u[j] = viadd8(viload(quants + g * GROUP_BYTES(fmt) + 4 * c), LIFT(fmt));
+        } else if (TRAITS(fmt).stored == V_U6) {
+            const uint8_t *group = quants + g * GROUP_BYTES(fmt);
+            const vi v = viload(group + 4 * (c % 16));
+            u[j] = vior(c < 16 ? vilo4(v) : vihi4(v), vihi2(group + 4 * (PANEL / 2), c));
+        } else if (TRAITS(fmt).stored == V_U6_BYTES) {
+            u[j] = viload(quants + g * GROUP_BYTES(fmt) + 4 * c);
         } else {
             const vi v = viload(quants + g * GROUP_BYTES(fmt) + 4 * (c % 16));
             u[j] = c < 16 ? vilo4(v) : vihi4(v);
@@ -220,8 +226,8 @@ INLINE void itile_fmt(const int fmt, const int MR, const int NJ, const qrows_t *
             itile_fmt(F, MR, NJ_ONE_ROW, q, r, panel, 0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
         else if (c0 == 0) /* a constant: which half of a byte each column's quants are (group_quants) */ \
             itile_fmt(F, MR, 2, q, r, panel, 0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
-        else \
-            itile_fmt(F, MR, 2, q, r, panel, c0, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
+        else /* the second pass of a panel: c0 is PASS_COLUMNS (AVX2's 16; AVX-512 takes one pass) */ \
+            itile_fmt(F, MR, 2, q, r, panel, PASS_COLUMNS, b0, b1, acc, first, last, y, ldy, accumulate, bias, width); \
         break;
 #if VEC == 16
 #define ITILE_WIDE(F) ITILE_ROWS(F, 3) ITILE_ROWS(F, 4) ITILE_ROWS(F, 5) ITILE_ROWS(F, 6)
@@ -230,14 +236,53 @@ INLINE void itile_fmt(const int fmt, const int MR, const int NJ, const qrows_t *
 #endif
 #define ITILE_FMT(F) switch (rows) { ITILE_ROWS(F, 1) ITILE_ROWS(F, 2) ITILE_WIDE(F) }
 
-/* Every quantized format's tiles, through EACH_FORMAT (formats.h); a float format has no int8 path. */
+/* Every quantized format's tiles, through EACH_FORMAT (formats.h), and Q6_K's widened to bytes (a float
+ * format has no int8 path). */
 #define FORMAT_CALL(F) if (QUANTIZED(F)) { ITILE_FMT(F) }
 static void itile(int fmt, int rows, long pass, const qrows_t *q, long r, const uint8_t *panel, long c0, long b0,
                   long b1, float *acc, int first, int last, float *y, long ldy, int accumulate, const float *bias,
                   long width) {
+    if (fmt == F_Q6_K_BYTES) {
+        ITILE_FMT(F_Q6_K_BYTES)
+        return;
+    }
     EACH_FORMAT(fmt)
 }
 #undef FORMAT_CALL
+
+/* A Q6_K panel of `blocks` blocks for a matmul of more than one tile: its quants widened to a byte each
+ * (F_Q6_K_BYTES), once for all the tiles, in a buffer of the calling thread's (kept for its next
+ * panels: a thread's is at most one panel, 0.5 MiB at K = 14,336). Unpacked in every tile, AVX2's
+ * tiles of 2 rows each spent as much on putting the quants' two planes together as on their products:
+ * 16 rows took 1.15-1.27x the time of the old panels of bytes. Returns the panel, or NULL without memory
+ * (the tiles then unpack it themselves). */
+static const uint8_t *q6_k_bytes(const uint8_t *panel, long blocks) {
+    static __thread uint8_t *buffer;
+    static __thread long room;
+    const long bytes = panel_bytes(F_Q6_K_BYTES, blocks * QBLOCK), supers = blocks / (SUPER_ROWS / QBLOCK);
+    if (bytes > room) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        room = buffer ? bytes : 0;
+        if (!buffer) return NULL;
+    }
+    for (long b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * block_bytes(F_Q6_K);
+        uint8_t *out = buffer + b * block_bytes(F_Q6_K_BYTES);
+        for (long off = 0; off < block_bytes(F_Q6_K); off += 64)
+            _mm_prefetch((const char *)blk + FIRST_TILE_AHEAD + off, _MM_HINT_T0);
+        memcpy(out, blk, HEAD_BYTES(F_Q6_K));
+        for (int g = 0; g < QBLOCK / 4; g++) {
+            vi w[NJ_MAX], u[NJ_MAX];
+            group_quants(F_Q6_K, NJ_MAX, blk + HEAD_BYTES(F_Q6_K), g, 0, w, u);
+            for (int j = 0; j < NJ_MAX; j++)
+                viput(out + HEAD_BYTES(F_Q6_K) + g * GROUP_BYTES(F_Q6_K_BYTES) + 4 * VEC * j, u[j]);
+        }
+    }
+    memcpy(buffer + blocks * block_bytes(F_Q6_K_BYTES), panel + blocks * block_bytes(F_Q6_K),
+           (size_t)(supers * TRAITS(F_Q6_K).super_bytes));
+    return buffer;
+}
 
 /* Panel p of gemm_int8 below: columns [32p, 32p + 32) of y, for every row of q, in tiles of up to
  * ITILE_ROWS_MAX rows (split evenly: 16 rows are 6 + 5 + 5 with AVX-512), each in passes of
@@ -250,24 +295,24 @@ static void itile(int fmt, int rows, long pass, const qrows_t *q, long r, const 
  * tiles, a prompt's rows, go one after another over the whole panel, read from cache but the first
  * time, where turns measured no faster. So do AVX2's tiles of 2 or 3 rows (the turns cost tiles of 2
  * more than they saved): there, tiles always go one after another.
- * A single tile of 2 or 3 rows of Q6_K takes its two AVX2 passes in turns on SPLIT_BLOCKS blocks (one
- * row takes the panel in one pass, NJ_ONE_ROW): each pass reads its columns' half of every 4-row group,
- * every other cache line of the panel, and the rest of each block came from memory a pass later. 1
- * and 2 rows took 0.54-0.80x their time so, 3 rows 0.71-1.04x (two runs). (Q8_0's halves ran slower
- * so, at 2 rows 1.3-1.8x; 4-bit quants' passes both read all of each group, the second from cache.)
- * Every split keeps each row's sums in the same order: the same bits. */
+ * A Q6_K panel for more than one tile has its quants widened to bytes first, once (q6_k_bytes).
+ * Every split keeps each row's sums in the same order: the same bits. (When Q6_K's quants were a byte
+ * each in the panel, a single AVX2 tile of 2 or 3 rows took its two passes in turns on 8 blocks: each
+ * pass read every other cache line of the panel. Its 6-bit planes are read whole by both passes, as
+ * 4-bit quants are, and 2 rows measured the same with turns and without.) */
 #define CHUNK_BLOCKS 2
-#define SPLIT_BLOCKS 8 /* 8 blocks of Q6_K are 10 KiB, in L1 */
 #define TURN_TILES (VEC == 16 ? 4 : 1)
 static void int8_panel(const qrows_t *q, const void *w, int fmt, float *y, long ldy, long M, long K, long N,
                        int accumulate, const float *bias, long p) {
     const long col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;
     const long most = ITILE_ROWS_MAX(fmt), tiles = (M + most - 1) / most;
     const long pass = M == 1 ? PANEL : PASS_COLUMNS; /* the columns of a pass: one row's, all (NJ_ONE_ROW) */
-    const long step = tiles == 1 && width > pass && TRAITS(fmt).stored == V_I6 ? SPLIT_BLOCKS
-                      : tiles == 1 || tiles > TURN_TILES                        ? q->blocks
-                                                                                : CHUNK_BLOCKS;
+    const long step = tiles == 1 || tiles > TURN_TILES ? q->blocks : CHUNK_BLOCKS;
     const uint8_t *panel = (const uint8_t *)w + p * panel_bytes(fmt, K);
+    if (TRAITS(fmt).stored == V_U6 && tiles > 1) { /* Q6_K's quants to bytes once for all tiles */
+        const uint8_t *bytes = q6_k_bytes(panel, q->blocks);
+        if (bytes) panel = bytes, fmt = F_Q6_K_BYTES;
+    }
     const float *b = bias ? bias + col : NULL;
     float acc[PANEL / PASS_COLUMNS][TURN_TILES][MAX_ITILE * 2 * VEC] __attribute__((aligned(64)));
     for (long b0 = 0; b0 < q->blocks; b0 += step) {

@@ -59,18 +59,22 @@
  * sub-block scales built from two levels, kept as two levels: per block the int8 scales (Q6_K: per 16
  * rows; Q4_K: per 32, then its mins, GGUF's 6-bit ones widened to a byte), and per 256-row super-block
  * the fp16 d (and Q4_K's dmin) of each column, after the panel's blocks. A kernel multiplies the two as
- * GGUF's reference does first (exact in fp32), so the weights come out exactly as there, for 31%
- * (Q6_K: its quants as int8 q - 32) and 3% (Q4_K) more bytes than the file's. (They were kept as those
- * fp32 products: 1.25 and 0.75 bytes a weight, against 1.07 and 0.58 now.) Q4 rows hold column j in
- * the low nibble of byte j and column j + 16 in its high nibble. */
+ * GGUF's reference does first (exact in fp32), so the weights come out exactly as there, in the
+ * file's bytes (Q6_K: 0.820 a weight) or 3% more (Q4_K). (They were kept as those fp32 products: 1.25
+ * and 0.75 bytes a weight; then Q6_K's quants as int8, 1.07.) Q4 rows hold column j in the low nibble
+ * of byte j and column j + 16 in its high nibble. A Q6_K row is 24 bytes: its quants' low 4 bits as a
+ * Q4 row's 16, then their high 2 bits, column j (j < 8) and j + 8, j + 16, j + 24 in bits 0-1, 2-3,
+ * 4-5 and 6-7 of byte 16 + j. */
 #include "formats.h"
 
 /* A quantized format's code with F_INT8 set (kernels/packing.py sets it for --activations int8): each row
  * of x is quantized to int8 per block of 32 and multiplied with integer dot products (int8.c), and
  * the weight's blocks are packed for them: a block's 32 rows of quants come in 8 groups of 4 rows,
- * and a group holds each column's 4 quants in 4 consecutive bytes (Q8_0, Q6_K: column j at byte
- * 4j of the group's 128; Q4: column j < 16 in the low nibbles of bytes 4j..4j+3 of its 64, column
- * j + 16 in their high nibbles), the order vpdpbusd and vpmaddubsw read. Same bytes per block. */
+ * and a group holds each column's 4 quants in 4 consecutive bytes (Q8_0: column j at byte 4j of the
+ * group's 128; Q4: column j < 16 in the low nibbles of bytes 4j..4j+3 of its 64, column j + 16 in
+ * their high nibbles; Q6_K: the low 4 bits of its quants as Q4's 64, then their high 2 bits in 32,
+ * columns j, j + 8, j + 16 and j + 24 (j < 8) in the bit pairs of bytes 64 + 4j..64 + 4j+3), the order
+ * vpdpbusd and vpmaddubsw read. Same bytes per block. */
 #define F_INT8 0x100
 
 /* F_BF16 with F_BF16_ROWS set (kernels/packing.py sets it for --activations bf16 where the build has it):

@@ -55,16 +55,24 @@ static float float_at(const format_t *f, const uint8_t *blk, long c) {
     return f->stored == V_BF16 ? bf16_value(h) : f16_value(h);
 }
 
-/* Quant (r, c) of a quantized block as stored (an int8, or a 4-bit one as 0..15), in either layout:
- * rows of 32 columns, or (F_INT8) groups of 4 rows, each column's 4 quants in 4 consecutive bytes. A
- * 4-bit column c >= 16 is the high nibble of column c - 16's byte. */
+/* Quant (r, c) of a quantized block (an int8, a 6-bit one as q in [-32, 31], or a 4-bit one as
+ * 0..15), in either layout (kernels.h): rows of 32 columns, or (F_INT8) groups of 4 rows, each
+ * column's 4 quants in 4 consecutive bytes. A 4-bit column c >= 16 is the high nibble of column
+ * c - 16's byte; a 6-bit quant's low 4 bits are a 4-bit one's, its high 2 bits in the plane after
+ * them (PANEL / 2 bytes a row), at bit 2 (c / 8) of column c % 8's byte. */
 static int quant_at(const format_t *f, const uint8_t *blk, int layout, long r, long c) {
-    const long column = f->stored == V_U4 ? c % 16 : c;
     const uint8_t *quants = blk + f->head_bytes;
-    const uint8_t byte = layout & F_INT8 ? quants[r / 4 * 4 * f->row_bytes + 4 * column + r % 4]
-                                         : quants[r * f->row_bytes + column];
-    if (f->stored != V_U4) return (int8_t)byte;
-    return c < 16 ? byte & 0x0F : byte >> 4;
+    const int int8 = layout & F_INT8;
+    /* the byte of row r and column `column` of a plane that starts `at` bytes into a row (or group) */
+#define BYTE_AT(at, column)                                                       \
+    (int8 ? quants[r / 4 * 4 * f->row_bytes + 4 * (at) + 4 * (column) + r % 4] \
+          : quants[r * f->row_bytes + (at) + (column)])
+    if (f->stored != V_U4 && f->stored != V_U6) return (int8_t)BYTE_AT(0, c);
+    const uint8_t low = BYTE_AT(0, c % 16), nibble = c < 16 ? low & 0x0F : low >> 4;
+    if (f->stored == V_U4) return nibble;
+    const uint8_t high = BYTE_AT(PANEL / 2, c % 8) >> (2 * (c / 8)) & 3;
+#undef BYTE_AT
+    return (nibble | high << 4) - U6_LIFT;
 }
 
 /* Column c's scale of group `group` of a quantized block; group `groups` holds the mins. A K-quant's

@@ -88,7 +88,18 @@ typedef __m512i vi;
 #define vicvt _mm512_cvtepi32_ps
 #define vilo4(v) _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
 #define vihi4(v) _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))
-#define viadd8(v, c) _mm512_add_epi8(v, _mm512_set1_epi8(c))
+#define vior _mm512_or_si512
+#define viput(p, v) _mm512_storeu_si512((void *)(p), v)
+/* The high 2 bits of a 4-row group's 6-bit quants (kernels.h's Q6_K plane of 32 bytes at p) for
+ * columns [c, c + 16), c 0 or 16, in bits 4-5 of each byte (their low 4 bits' nibble below): the plane
+ * in both halves, each shifted to its columns' bit pair (a qword's shift moves no bit of a byte's
+ * pair into another byte's bits 4-5). */
+static inline vi vihi2(const uint8_t *p, long c) {
+    const vi v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+    const vi s = c < 16 ? _mm512_sllv_epi64(v, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4))
+                        : _mm512_srlv_epi64(v, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0));
+    return _mm512_and_si512(s, _mm512_set1_epi8(0x30));
+}
 /* 4 signed bytes broadcast to every lane */
 static inline vi vibcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 /* acc + the sums of 4 products of unsigned bytes w by signed bytes x, per lane (w <= 127, or w <= 255 with VNNI) */
@@ -191,7 +202,16 @@ typedef __m256i vi;
 #define vicvt _mm256_cvtepi32_ps
 #define vilo4(v) _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
 #define vihi4(v) _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))
-#define viadd8(v, c) _mm256_add_epi8(v, _mm256_set1_epi8(c))
+#define vior _mm256_or_si256
+#define viput(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+/* vihi2 above, for columns [c, c + 8): the plane's bit pair c / 8 of each byte to bits 4-5. */
+static inline vi vihi2(const uint8_t *p, long c) {
+    const vi v = _mm256_loadu_si256((const __m256i *)p);
+    const long pair = c / 8 % 4;
+    const vi s = pair == 0 ? _mm256_slli_epi16(v, 4) : pair == 1 ? _mm256_slli_epi16(v, 2)
+                 : pair == 2 ? v : _mm256_srli_epi16(v, 2);
+    return _mm256_and_si256(s, _mm256_set1_epi8(0x30));
+}
 static inline vi vibcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 #if VNNI
 static inline vi vidot_u8(vi acc, vi w, vi x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
@@ -269,6 +289,21 @@ static inline vf vtanh(vf x) {
     p = vfmadd(p, z, vset1(-3.33332819422e-1f));
     const vf near = vfmadd(vmul(p, z), x, x);
     return vselect_lt(a, vset1(0.625f), near, vwithsign(far, x));
+}
+
+/* Row `row` of a Q6_K block in rows (kernels.h: 16 bytes of low nibbles, 8 of high bit pairs) as its
+ * 32 quants q in [-32, 31]. SSE2, the same in every build. */
+static inline void u6_row(const uint8_t *row, int8_t out[PANEL]) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)row), h = _mm_loadl_epi64((const __m128i *)(row + 16));
+    const __m128i f = _mm_set1_epi8(0x0F), three = _mm_set1_epi8(3), lift = _mm_set1_epi8(U6_LIFT);
+    const __m128i h0 = _mm_and_si128(h, three), h1 = _mm_and_si128(_mm_srli_epi16(h, 2), three);
+    const __m128i h2 = _mm_and_si128(_mm_srli_epi16(h, 4), three), h3 = _mm_and_si128(_mm_srli_epi16(h, 6), three);
+    const __m128i top0 = _mm_slli_epi16(_mm_unpacklo_epi64(h0, h1), 4); /* columns 0-15's, at bits 4-5 */
+    const __m128i top1 = _mm_slli_epi16(_mm_unpacklo_epi64(h2, h3), 4); /* columns 16-31's */
+    const __m128i lo = _mm_or_si128(_mm_and_si128(b, f), top0);
+    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), f), top1);
+    _mm_storeu_si128((__m128i *)out, _mm_sub_epi8(lo, lift));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm_sub_epi8(hi, lift));
 }
 
 /* v left in its register as it is. An unrolled chain of integer adds (int8.c's tile sums) is one gcc

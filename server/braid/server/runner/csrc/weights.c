@@ -20,13 +20,18 @@ INLINE void float_row(const int fmt, const uint8_t *blk, long k, vf w[NV]) {
 }
 
 /* Row k of a quantized block: its 32 quants as fp32, unscaled (Q4_0's as 0..15, its -8 is folded in
- * with the scale; Q6_K's as q - 32). */
+ * with the scale; Q6_K's as q in [-32, 31]). */
 INLINE void quant_row(const int fmt, const uint8_t *blk, long k, vf w[NV]) {
     const uint8_t *row = blk + HEAD_BYTES(fmt) + k * ROW_BYTES(fmt);
-    if (TRAITS(fmt).stored == V_U4)
+    if (TRAITS(fmt).stored == V_U4) {
         vcvt_u4(row, w);
-    else
+    } else if (TRAITS(fmt).stored == V_U6) {
+        int8_t q[PANEL];
+        u6_row(row, q);
+        for (int j = 0; j < NV; j++) w[j] = vcvt_i8(q + VEC * j);
+    } else {
         for (int j = 0; j < NV; j++) w[j] = vcvt_i8((const int8_t *)row + VEC * j);
+    }
 }
 
 /* Lanes [c, c + VEC) of a block's scales of group `group` (min: its mins), widened to fp32: an fp16's,

@@ -278,13 +278,14 @@ def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
     # [n, blocks * groups] -> [panels, blocks, groups, 32 columns]
     parts = [by_panel(b.d.view(n, blocks, fmt.groups)).transpose(2, 3)] + ([] if b.m is None else [by_panel(b.m)])
     q = by_panel(b.q).transpose(2, 3)  # [panels, blocks, 32 rows, 32 columns]
+    columns = -1  # the dim of a row's (or a group's) columns
     if interleaved:  # [panels, blocks, 8 groups, 32 columns, 4 rows]
         q = q.reshape(panels, blocks, QBLOCK // 4, 4, PANEL).transpose(3, 4)
-        if fmt.bits == 4:
-            q = q[..., : PANEL // 2, :] | (q[..., PANEL // 2 :, :] << 4)
-    elif fmt.bits == 4:
-        q = q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)
-    parts.append(q)
+        columns = -2
+    if fmt.bits < 8:
+        parts.append(_planes(q, fmt.bits, columns))
+    else:
+        parts.append(q)
     packed = torch.cat([p.contiguous().view(torch.uint8).reshape(panels, blocks, -1) for p in parts], dim=-1)
     if (
         packed.shape[-1] != fmt.block_bytes
@@ -298,6 +299,28 @@ def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
     # [n, supers, levels] -> [panels, supers, levels, 32 columns]
     top = by_panel(b.s).permute(0, 1, 3, 2).contiguous().view(torch.uint8).reshape(panels, -1)
     return torch.cat([packed, top], dim=-1)
+
+
+U6_LIFT = 32  # csrc/formats.h: a 6-bit quant is stored as q + 32 (Q6_K's [-32, 31] as 0..63)
+
+
+def _planes(q: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Quants of 4 or 6 bits packed along dim (a row's or a group's 32 columns) as csrc/kernels.h lays
+    them out: the low 4 bits of column j (j < 16) and j + 16 in the low and high nibbles of one byte,
+    then (6 bits: stored as q + 32) the high 2 bits of columns j, j + 8, j + 16 and j + 24 (j < 8) in
+    the bit pairs of one byte. A row's planes (dim -1), or a group's ([32 columns, 4 rows], dim -2:
+    each plane's columns of 4 bytes, one per row), one after the other."""
+    u = (q.to(torch.int16) + U6_LIFT).to(torch.uint8) if bits == 6 else q.to(torch.uint8)
+    nibbles = u & 0x0F
+    low = nibbles.narrow(dim, 0, PANEL // 2) | (nibbles.narrow(dim, PANEL // 2, PANEL // 2) << 4)
+    if bits == 4:
+        return low
+    high = u >> 4
+    pairs = [high.narrow(dim, PANEL // 4 * t, PANEL // 4) << (2 * t) for t in range(4)]
+    high = pairs[0] | pairs[1] | pairs[2] | pairs[3]
+    if dim == -2:
+        low, high = low.flatten(-2), high.flatten(-2)
+    return torch.cat([low, high], dim=-1)
 
 
 def rows_of(x: torch.Tensor) -> torch.Tensor:
