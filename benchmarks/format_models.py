@@ -305,6 +305,7 @@ def shape_folder(shape: Shape, tokenizer_folder: Path) -> Path:
 
 
 GGUF_TYPES = ("Q4_K_M", "Q4_0", "Q8_0")  # as llama-quantize makes them, its own choices for every tensor
+MORE_GGUF_TYPES = ("Q6_K",)  # made and measured when asked for by name (sizes.py --formats)
 
 
 def shape_ggufs(

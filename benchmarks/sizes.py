@@ -1,6 +1,7 @@
 """braid against llama.cpp's server on models of real shapes (issue 40): random weights in the shapes
 of Llama 3.2 1B and 3B and Llama 3.1 8B (and Qwen3 1.7B, on request), written as GGUF Q4_K_M, Q4_0
-and Q8_0 by llama.cpp's own converter and quantizer, served side by side in one run:
+and Q8_0 (and Q6_K, on request) by llama.cpp's own converter and quantizer, served side by side in one
+run:
 
 - decode: output tok/s at 1, 4 and 16 streams (the 8B shape: 1 and 4), and 1 stream's tok/s as a
   share of the bound that the machine's read bandwidth sets (the weights' bytes a token reads);
@@ -48,7 +49,7 @@ import llamacpp
 import machine
 import report
 import workloads
-from format_models import GGUF_TYPES, SHAPES, Shape
+from format_models import GGUF_TYPES, MORE_GGUF_TYPES, SHAPES, Shape
 from sizes_report import Prefill, Quality, SizeOutcome, SizeResults, markdown, table
 
 DEFAULT_MODELS = ("1b", "3b", "8b")
@@ -82,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="32 and 16 new tokens, prompts of 512 tokens only, one run each"
     )
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of: {', '.join(SHAPES)}")
-    parser.add_argument("--formats", default=",".join(GGUF_TYPES), help=f"of: {', '.join(GGUF_TYPES)}")
+    parser.add_argument(
+        "--formats", default=",".join(GGUF_TYPES), help=f"of: {', '.join(GGUF_TYPES + MORE_GGUF_TYPES)}"
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"of: {', '.join(SYSTEMS)}")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each decode measurement; the median is quoted")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every server")
@@ -471,7 +474,7 @@ async def run_all(args, command: str) -> SizeResults:
     from transformers import AutoTokenizer
 
     shapes = [SHAPES[m] for m in formats._chosen(args.models, SHAPES, "models")]
-    formats_wanted = formats._chosen(args.formats, GGUF_TYPES, "formats")
+    formats_wanted = formats._chosen(args.formats, GGUF_TYPES + MORE_GGUF_TYPES, "formats")
     systems = formats._chosen(args.systems, SYSTEMS, "systems")
     repeats = 1 if args.quick else args.repeats
     if args.memory_only:
