@@ -1,12 +1,12 @@
 """A token's matmuls with the packed weights in transparent huge pages against 4 KiB pages.
 
-The matrices of a Q4_K_M file of the 1B (or 8B) shape, each its own copy so that every token reads
+The matrices of a Q4_K_M file of the 1B (or another benchmarks/format_models.py) shape, each its own copy so that every token reads
 them from memory as a decode step does; the same packed bytes twice: as PackedLinear keeps them
 (packing.in_huge_pages: a huge-page boundary, the whole huge pages advised and collapsed) and as a
 plain torch copy (4 KiB pages where the system's THP setting is "madvise" or "never"). The two sets
 take turns; medians of --repeats, and the outputs compared bit for bit.
 
-    .venv/bin/python benchmarks/huge_pages.py [--shape 1b|8b] [--threads 2] [--rows 1] [--repeats 11]
+    .venv/bin/python benchmarks/huge_pages.py [--shape 1b|3b|8b|qwen3-1.7b] [--threads 2] [--rows 1] [--repeats 11]
 """
 
 from __future__ import annotations
@@ -20,31 +20,30 @@ import torch
 
 from braid.server.resources import huge_page_size
 from braid.server.runner.kernels import extension, pick
+from format_models import SHAPES
 from gemm_formats import matrix
 
-# (format, in, out, how many): a token's matrices in Q4_K_M, the head last (the bench models' 49,152-token
-# vocabulary: benchmarks/format_models.py)
-SHAPES = {
-    "1b": (
-        ("q4_k", 2048, 2560, 16),
-        ("q6_k", 2048, 512, 8),
-        ("q4_k", 2048, 2048, 16),
-        ("q4_k", 2048, 16384, 16),
-        ("q4_k", 8192, 2048, 8),
-        ("q6_k", 8192, 2048, 8),
-        ("q6_k", 2048, 49152, 1),
-    ),
-    "8b": (
-        ("q4_k", 4096, 5120, 32),
-        ("q6_k", 4096, 1024, 16),
-        ("q4_k", 4096, 1024, 16),
-        ("q4_k", 4096, 4096, 32),
-        ("q4_k", 4096, 28672, 32),
-        ("q4_k", 14336, 4096, 16),
-        ("q6_k", 14336, 4096, 16),
-        ("q6_k", 4096, 49152, 1),
-    ),
-}
+
+def token_matrices(shape: str) -> list[tuple[str, int, int, int]]:
+    """(format, in, out, how many): the matrices a token of the shape's Q4_K_M file reads, the head last,
+    with llama-quantize's choice for Q4_K_M: Q4_K, but the head and the v and down projections of the
+    layers its use_more_bits picks (the first and last eighth, and every third between) in Q6_K."""
+    sizes = SHAPES[shape].sizes
+    hidden, layers = sizes["hidden_size"], sizes["num_hidden_layers"]
+    d = sizes.get("head_dim", hidden // sizes["num_attention_heads"])
+    q, kv, inter = sizes["num_attention_heads"] * d, sizes["num_key_value_heads"] * d, sizes["intermediate_size"]
+    more = sum(i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2 for i in range(layers))
+    rows = [
+        ("q4_k", hidden, q + kv, layers),  # q and k
+        ("q6_k", hidden, kv, more),  # v
+        ("q4_k", hidden, kv, layers - more),
+        ("q4_k", q, hidden, layers),  # o
+        ("q4_k", hidden, 2 * inter, layers),  # gate and up
+        ("q6_k", inter, hidden, more),  # down
+        ("q4_k", inter, hidden, layers - more),
+        ("q6_k", hidden, sizes["vocab_size"], 1),  # the head
+    ]
+    return [row for row in rows if row[3]]
 
 
 def main() -> None:
@@ -57,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ops = pick.pick_ops(torch.device("cpu"), torch.float32, activations="int8")
     sets: dict[str, list] = {"huge pages": [], "4 KiB pages": []}
-    for fmt, k, n, count in SHAPES[args.shape]:
+    for fmt, k, n, count in token_matrices(args.shape):
         weight = matrix(fmt, k, n)
         for _ in range(count):
             layer = ops.linear(weight, None)
