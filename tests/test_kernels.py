@@ -594,12 +594,13 @@ def test_geglu_matches_torch(isa):
 
 
 # (scale, soft-cap, window): Llama's, Gemma 2's capped scores, a sliding window (which starts within a
-# page for some rows and covers a whole short row for another), and both
-ATTENTION = [(32**-0.5, None, None), (0.3, 2.0, None), (32**-0.5, None, 5), (0.2, 1.5, 18)]
+# page for some rows and covers a whole short row for another), both, and a window of 100 (long rows
+# attend whole blocks inside it)
+ATTENTION = [(32**-0.5, None, None), (0.3, 2.0, None), (32**-0.5, None, 5), (0.2, 1.5, 18), (32**-0.5, None, 100)]
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, kv_cache.Q8_0], ids=str)
-@pytest.mark.parametrize("scale, softcap, window", ATTENTION, ids=["llama", "softcap", "window", "both"])
+@pytest.mark.parametrize("scale, softcap, window", ATTENTION, ids=["llama", "softcap", "window", "both", "long-window"])
 def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype, scale, softcap, window):
     """Pages of 16 positions, each sequence's scattered and out of order; two sequences share their
     first page (a common prefix). A bf16 or f16 cache is written rounded as torch rounds, and read
@@ -631,24 +632,33 @@ def test_decode_attention_reads_and_writes_through_page_tables(isa, kv_dtype, sc
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, kv_cache.Q8_0], ids=str)
-@pytest.mark.parametrize("scale, softcap, window", ATTENTION, ids=["llama", "softcap", "window", "both"])
+@pytest.mark.parametrize("scale, softcap, window", ATTENTION, ids=["llama", "softcap", "window", "both", "long-window"])
 @pytest.mark.parametrize("heads, kv_heads, d", [(6, 2, 64), (8, 2, 64), (2, 2, 32), (5, 1, 48)])
 def test_prompt_rows_attend_in_tiles_with_the_bits_of_a_row_alone(
     isa, kv_dtype, scale, softcap, window, heads, kv_heads, d
 ):
     """Rows that read keys written already (write=False: a prompt chunk's, csrc/attention.c) attend in
-    tiles of up to 16 rows of one sequence, a block of keys and values loaded once for them all: each
-    row's output is the bits it gets alone, for every KV dtype, group size and head size, in a sliding
-    window or soft-capped. A chunk of 37 rows from mid-page (tiles of 16, 16 and 5), then another
-    sequence's chunk at the very next positions (its pages differ: a new tile), then a decode row."""
+    tiles of up to 32 rows of one sequence, a block of 64 keys and values loaded once for them all:
+    each row's output is the bits it gets alone, for every KV dtype, group size and head size, in a
+    sliding window or soft-capped. A chunk of 37 rows from mid-page (tiles of 32 and 5), another
+    sequence's chunk at the very next positions (its pages differ: a new tile), a decode row, then
+    two long chunks whose rows attend whole blocks (scored and weighed together, many rows' heads at
+    once), one of 70 rows ending mid-block (tiles of 32, 32 and 6) and one of 40 ending 40 keys into a
+    block (its last row attends the whole of that block)."""
     d = 96 if kv_dtype is kv_cache.Q8_0 and d % 32 else d  # a q8_0 cache needs head_dim a multiple of 32
     torch.manual_seed(6)
-    num_pages, page = 12, 16
+    num_pages, page = 36, 16
     k_cache = kv_cache.encode(torch.randn(num_pages, kv_heads, page, d), kv_dtype)
     v_cache = kv_cache.encode(torch.randn(num_pages, kv_heads, page, d), kv_dtype)
+    long_a, long_b = list(range(12, 27)), [28, 30, 27, 31, 29, 32, 33]  # 15 and 7 pages, out of order
     rows = (
-        [([7, 2, 9, 0], p) for p in range(5, 42)] + [([5, 1, 10, 8], p) for p in range(42, 62)] + [([3, 4, 0, 0], 30)]
+        [([7, 2, 9, 0], p) for p in range(5, 42)]
+        + [([5, 1, 10, 8], p) for p in range(42, 62)]
+        + [([3, 4, 0, 0], 30)]
+        + [(long_a, p) for p in range(160, 230)]
+        + [(long_b, p) for p in range(64, 104)]
     )
+    rows = [(table + [0] * (15 - len(table)), p) for table, p in rows]  # page tables padded with page 0
     tables = torch.tensor([table for table, _ in rows])
     positions = torch.tensor([p for _, p in rows])
     qkv = torch.randn(len(rows), (heads + 2 * kv_heads) * d) * 2
@@ -672,7 +682,7 @@ def test_prompt_rows_attend_in_tiles_with_the_bits_of_a_row_alone(
             write=False,
         )
         assert torch.equal(out[b], alone[0]), b
-    for b in (0, 20, 36, 37, 56, 57):  # and torch's answer (the first and last rows of each tile and chunk)
+    for b in (0, 20, 36, 37, 56, 57, 58, 127, 128, 167):  # and torch's answer (first and last rows of chunks)
         pos = positions[b].item()
         q = qkv[b, : heads * d].view(heads, 1, d)
         expected = _attention(q, k_cache, v_cache, tables[b, : pos // page + 1], pos, scale, softcap, window)

@@ -378,7 +378,7 @@ static void store_task(const float *k_new, const float *v_new, long ldq, void *k
  * over the row's own [i, n) of each page (the same VEC-key groups), the softmax is the same
  * function over the row's own scores, and each output sum runs over the positions in order, from
  * 0, held in the output row between blocks (fp32 in memory: exact) and scaled by inv at the end. */
-#define TILE_ROWS 16
+#define TILE_ROWS 32
 #define BLOCK_POSITIONS 64
 
 /* Cuts rows [0, B) into tiles: runs of up to TILE_ROWS rows, each at the position after the one
@@ -407,6 +407,174 @@ static inline __attribute__((always_inline)) void load_block(const void *cache, 
         widen_row(cache, kv_fmt, (table[t / P] * KVH + h) * P + t % P, D, block + (t - t0) * D);
 }
 
+#if VEC == 8
+/* The scores of a block of keys for the query vectors of every row of a tile that attends all of it,
+ * keys in lanes (AVX2). heads_scores4 and page_scores sum a key's dot product in the lanes of one
+ * vector (lane l: the terms at l, l + 8, ... in order), then add the lanes as a tree
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of horizontal adds: at D = 64 a key is 8
+ * multiply-adds and 3 horizontal adds a query head, and the Zen 3 ran them at about 45% of its
+ * multiply-add peak. Here each lane is a key: partial sum l of 8 keys is one vector, accumulated from
+ * 0 over the same terms in the same order, from the block's keys transposed (kt: D rows of its
+ * positions), and the tree is 7 vertical adds of those vectors, about 60% of the peak. The same
+ * operations on the same values: the same bits. */
+#define SCORE_NQ 4 /* query vectors a pass: 4 x 2 ran 1.4x 6 x 2's rate in a loop alone */
+#define SCORE_NC 2 /* vectors of 8 keys a pass */
+
+/* Rows [0, 8) of `in` (stride in_stride) transposed into columns of `out` (stride out_stride). */
+static inline void transpose8(const float *in, long in_stride, float *out, long out_stride) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(in + i * in_stride);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(out + i * out_stride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(out + (i + 4) * out_stride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+/* Block positions [t0, t1) of KV head h from a cache in kv_fmt, widened to fp32 (load_block's values)
+ * and transposed: kt[d * span + i] is position t0 + i's value d; positions up to a multiple of 8 are
+ * 0. rows: 8 D floats of scratch. */
+static inline __attribute__((always_inline)) void load_block_t(const void *cache, const int kv_fmt,
+                                                               const int64_t *table, long t0, long t1, long h,
+                                                               long KVH, long D, long P, long span, float *rows,
+                                                               float *kt) {
+    for (long i = 0; t0 + i < t1; i += 8) {
+        for (long k = 0; k < 8; k++) {
+            const long t = t0 + i + k;
+            if (t < t1)
+                widen_row(cache, kv_fmt, (table[t / P] * KVH + h) * P + t % P, D, rows + k * D);
+            else
+                memset(rows + k * D, 0, sizeof(float) * D);
+        }
+        for (long c = 0; c < D; c += 8) transpose8(rows + c, D, kt + c * span + i, span);
+    }
+}
+
+/* sc[q][8 (c0 + c) ...] = scale times the dot products of NQ query vectors q and the 8 keys in lanes
+ * of NC vectors from c0 (at most n keys written a row), each lane sum over j in order from 0, then
+ * the tree. NQ and NC are constants where it is called, so the loops unroll. */
+static inline __attribute__((always_inline)) void score_keys(const float *kt, long span, long n, long D,
+                                                             const float *const *q, float *const *sc, float scale,
+                                                             const int NQ, long c0, const int NC) {
+    vf part[8][SCORE_NQ][SCORE_NC];
+    for (int l = 0; l < 8; l++) {
+        vf a[SCORE_NQ][SCORE_NC];
+        for (int g = 0; g < NQ; g++)
+            for (int c = 0; c < NC; c++) a[g][c] = vzero();
+        for (long j = 0; j < D / 8; j++) {
+            const float *keys = kt + (8 * j + l) * span + 8 * c0;
+            vf k[SCORE_NC];
+            for (int c = 0; c < NC; c++) {
+                k[c] = vload(keys + 8 * c);
+                vikeep(k[c]);
+            }
+            for (int g = 0; g < NQ; g++) {
+                const vf b = vset1(q[g][8 * j + l]);
+                for (int c = 0; c < NC; c++) a[g][c] = vfmadd(b, k[c], a[g][c]);
+            }
+        }
+        for (int g = 0; g < NQ; g++)
+            for (int c = 0; c < NC; c++) part[l][g][c] = a[g][c];
+    }
+    for (int g = 0; g < NQ; g++)
+        for (int c = 0; c < NC; c++) {
+            const vf s = vadd(vadd(vadd(part[0][g][c], part[1][g][c]), vadd(part[2][g][c], part[3][g][c])),
+                              vadd(vadd(part[4][g][c], part[5][g][c]), vadd(part[6][g][c], part[7][g][c])));
+            const long key = 8 * (c0 + c);
+            vstore_n(sc[g] + key, vmul(s, vset1(scale)), n - key);
+        }
+}
+
+/* score_keys for nq query vectors over the n keys of a transposed block, SCORE_NQ and SCORE_NC at a
+ * time. A function of its own, for the registers (as weigh_block). */
+static __attribute__((noinline)) void score_block(const float *kt, long span, long n, long D, const float *const *q,
+                                                  float *const *sc, long nq, float scale) {
+    const long vecs = (n + 7) / 8;
+    for (long q0 = 0; q0 < nq; q0 += SCORE_NQ) {
+        const long m = nq - q0 < SCORE_NQ ? nq - q0 : SCORE_NQ;
+        for (long c0 = 0; c0 < vecs; c0 += SCORE_NC) {
+            const long nc = vecs - c0 < SCORE_NC ? vecs - c0 : SCORE_NC;
+#define SCORE_M(NQ)                                                            \
+    do {                                                                       \
+        if (nc == 2)                                                           \
+            score_keys(kt, span, n, D, q + q0, sc + q0, scale, NQ, c0, 2);     \
+        else                                                                   \
+            score_keys(kt, span, n, D, q + q0, sc + q0, scale, NQ, c0, 1);     \
+    } while (0)
+            WITH_1_TO_4(m, NQ, SCORE_M(NQ));
+#undef SCORE_M
+        }
+    }
+}
+
+#endif
+
+/* Query vectors (a tile's rows and heads, flattened) weighed together over a block of fp32 values. */
+#define WEIGH_NQ 6
+
+/* acc[q][VEC (j + c) ...] += sum over i in [0, n) of w[q][i] block[i][VEC (j + c) ...] for NQ query
+ * vectors and NJ (1 or 2) vectors of columns from j: weigh_rows' sums (each over the positions in
+ * order, kept in acc between calls: the same bits) for query vectors of any rows of a tile, not the
+ * heads of one. 6 x 2 sums against weigh_rows' 4 x 2: a position's 4 cycles of multiply-add latency
+ * hide behind its 6 of issue. NQ and NJ are constants where it is called, so the loops unroll. */
+static inline __attribute__((always_inline)) void weigh_queries(const float *block, long n, long D,
+                                                                const float *const *w, float *const *acc,
+                                                                const int NQ, long j, const int NJ) {
+    vf a[WEIGH_NQ][2];
+    const float *wq[WEIGH_NQ];
+    for (int q = 0; q < NQ; q++) {
+        wq[q] = w[q];
+        for (int c = 0; c < NJ; c++) a[q][c] = vload(acc[q] + VEC * (j + c));
+    }
+    for (long i = 0; i < n; i++) {
+        vf v[2];
+        for (int c = 0; c < NJ; c++) {
+            v[c] = vload(block + i * D + VEC * (j + c));
+            vikeep(v[c]);
+        }
+        for (int q = 0; q < NQ; q++) {
+            const vf wv = vset1(wq[q][i]);
+            for (int c = 0; c < NJ; c++) a[q][c] = vfmadd(wv, v[c], a[q][c]);
+        }
+    }
+    for (int q = 0; q < NQ; q++)
+        for (int c = 0; c < NJ; c++) vstore(acc[q] + VEC * (j + c), a[q][c]);
+}
+
+/* weigh_queries for nq query vectors over the n rows of a block, WEIGH_NQ at a time, every column.
+ * A function of its own: inlined into attend_tile, weigh_rows' weight offsets lived on the stack and
+ * were loaded again at every position. */
+static __attribute__((noinline)) void weigh_block(const float *block, long n, long D, const float *const *w,
+                                                  float *const *acc, long nq) {
+    for (long q0 = 0; q0 < nq; q0 += WEIGH_NQ) {
+        const long k = nq - q0 < WEIGH_NQ ? nq - q0 : WEIGH_NQ;
+#define WEIGH_J(NQ)                                                                          \
+    do {                                                                                     \
+        long j = 0;                                                                          \
+        for (; j + 2 <= D / VEC; j += 2) weigh_queries(block, n, D, w + q0, acc + q0, NQ, j, 2); \
+        if (j < D / VEC) weigh_queries(block, n, D, w + q0, acc + q0, NQ, j, 1);              \
+    } while (0)
+        switch (k) {
+        case 1: WEIGH_J(1); break;
+        case 2: WEIGH_J(2); break;
+        case 3: WEIGH_J(3); break;
+        case 4: WEIGH_J(4); break;
+        case 5: WEIGH_J(5); break;
+        default: WEIGH_J(6); break;
+        }
+#undef WEIGH_J
+    }
+}
+
 /* One (tile, KV head) task: rows [b0, b0 + R) of a tile (attention_tiles), keys and values in the
  * cache already. scores: G (L - lo) floats per row; block: BLOCK_POSITIONS rounded up to pages, D
  * floats each. Inlined once per kv_fmt. */
@@ -419,6 +587,12 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, lo
                                                               float *out, long ldo) {
     long L[TILE_ROWS], lo[TILE_ROWS], at[TILE_ROWS]; /* a row's end, window start, scores' offset */
     float inv[TILE_ROWS][G];
+    const float *weights[TILE_ROWS * G]; /* a block's query vectors for weigh_block: their weights, */
+    float *sums[TILE_ROWS * G];          /* their sums */
+#if VEC == 8
+    const float *reads[TILE_ROWS * G]; /* and for score_block: the query vectors, */
+    float *writes[TILE_ROWS * G];      /* their scores of the block's first position */
+#endif
     const long span = (BLOCK_POSITIONS + P - 1) / P * P; /* positions a block */
     for (long r = 0, used = 0; r < R; r++) {
         L[r] = positions[b0 + r] + 1;
@@ -431,9 +605,28 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, lo
     const long first = low / P * P, end = positions[b0 + R - 1] + 1;
     for (long t0 = first; t0 < end; t0 += span) { /* the scores, a block of keys at a time */
         const long t1 = t0 + span < end ? t0 + span : end, from = t0 > low ? t0 : low;
+        char whole[TILE_ROWS] = {0}; /* rows scored with the keys in lanes */
+        long nq = 0;
+#if VEC == 8
+        /* Rows that attend the whole block, each of its keys in a group of VEC in page_scores (not
+         * past the row's last whole group of its last page: page_scores sums those keys one at a
+         * time, with vsum's tree), keys in lanes (score_block); the rest as before. */
+        for (long r = 0; r < R; r++) {
+            whole[r] = lo[r] <= t0 && L[r] >= t1 && (L[r] > t1 || (t1 - t0) % VEC == 0);
+            for (long g = 0; whole[r] && g < G; g++, nq++) {
+                reads[nq] = q + (b0 + r) * ldq + g * D;
+                writes[nq] = scores + at[r] + g * (L[r] - lo[r]) + t0 - lo[r];
+            }
+        }
+        if (nq) {
+            load_block_t(k_cache, kv_fmt, table, t0, t1, h, KVH, D, P, span, block, block + span * D);
+            score_block(block + span * D, span, t1 - t0, D, reads, writes, nq, scale);
+        }
+#endif
+        if (nq == R * G) continue;
         load_block(k_cache, kv_fmt, table, from, t1, h, KVH, D, P, block + (from - t0) * D);
         for (long r = 0; r < R; r++)
-            for (long p0 = t0; p0 < t1 && p0 < L[r]; p0 += P) { /* a page at a time, as attend does */
+            for (long p0 = t0; !whole[r] && p0 < t1 && p0 < L[r]; p0 += P) { /* a page at a time, as attend does */
                 if (p0 + P <= lo[r]) continue;
                 const long i = p0 < lo[r] ? lo[r] - p0 : 0, n = L[r] - p0 < P ? L[r] - p0 : P, n_seen = L[r] - lo[r];
                 heads_page_scores(block, F_F32, p0 - t0, i, n, D, q + (b0 + r) * ldq, G, scale, scores + at[r],
@@ -448,11 +641,20 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, lo
     for (long t0 = first; t0 < end; t0 += span) { /* the weighted sums, a block of values at a time */
         const long t1 = t0 + span < end ? t0 + span : end, from = t0 > low ? t0 : low;
         load_block(v_cache, kv_fmt, table, from, t1, h, KVH, D, P, block + (from - t0) * D);
+        long nq = 0; /* the query vectors of the rows that attend the whole block, weighed together */
         for (long r = 0; r < R; r++) {
             const long i0 = lo[r] > t0 ? lo[r] - t0 : 0, i1 = (L[r] < t1 ? L[r] : t1) - t0, n_seen = L[r] - lo[r];
             if (i0 >= i1) continue;
-            weigh_all(block, F_F32, 0, i0, i1, G, D, scores + at[r], n_seen, t0 - lo[r], out + (b0 + r) * ldo);
+            if (i0 > 0 || i1 < t1 - t0) { /* a row that sees part of it (the block of its own position) */
+                weigh_all(block, F_F32, 0, i0, i1, G, D, scores + at[r], n_seen, t0 - lo[r], out + (b0 + r) * ldo);
+                continue;
+            }
+            for (long g = 0; g < G; g++, nq++) {
+                weights[nq] = scores + at[r] + g * n_seen + t0 - lo[r];
+                sums[nq] = out + (b0 + r) * ldo + g * D;
+            }
         }
+        weigh_block(block, t1 - t0, D, weights, sums, nq);
     }
     for (long r = 0; r < R; r++) scale_heads(out + (b0 + r) * ldo, G, D, inv[r]);
 }
@@ -476,7 +678,8 @@ static void tile_task(const float *q, long ldq, const void *k_cache, const void 
         n_scores += G * (window > 0 && L > window ? window : L);
     }
     const long span = (BLOCK_POSITIONS + P - 1) / P * P;
-    float *scores = malloc(sizeof(float) * (n_scores + span * D)), *block = scores + n_scores;
+    /* a block of keys or values, and (AVX2) its keys transposed */
+    float *scores = malloc(sizeof(float) * (n_scores + (1 + (VEC == 8)) * span * D)), *block = scores + n_scores;
     const float *qh = q + h * G * D;
     float *oh = out + h * G * D;
 #define ATTEND(FMT) attend_tile(qh, ldq, k_cache, v_cache, FMT, table, positions, b0, R, window, h, G, KVH, D, P, \

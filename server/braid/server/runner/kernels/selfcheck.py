@@ -121,13 +121,15 @@ def _q8_0_attention_checks(generator: torch.Generator) -> bool:
 
 def _tiled_attention_checks(generator: torch.Generator) -> bool:
     """A prompt chunk's rows (keys written already: in tiles, csrc/attention.c), 20 of one sequence
-    from mid-page, over an fp32 and a q8_0 cache: each row the bits it gets alone, and torch's
-    answer to rounding for the last."""
+    from mid-page, past a whole block of 64 positions (which every row attends: their heads scored
+    and weighed together), over an fp32 and a q8_0 cache: each row the bits it gets alone, and
+    torch's answer to rounding for the last."""
     heads, kv_heads, d, page = 4, 2, 64, 16
     qkv = torch.randn(20, (heads + 2 * kv_heads) * d, generator=generator)
-    tables, positions = torch.tensor([[3, 1]]).expand(20, 2).contiguous(), torch.arange(10, 30)
+    pages = [3, 1, 5, 0, 2, 4]
+    tables, positions = torch.tensor([pages]).expand(20, 6).contiguous(), torch.arange(70, 90)
     for encode in (lambda c: c, kv_cache.quantize_q8_0):
-        k_cache, v_cache = (encode(torch.randn(4, kv_heads, page, d, generator=generator)) for _ in range(2))
+        k_cache, v_cache = (encode(torch.randn(6, kv_heads, page, d, generator=generator)) for _ in range(2))
         out, alone = torch.empty(20, heads * d), torch.empty(1, heads * d)
         decode_attention(qkv, heads, k_cache, v_cache, tables, positions, out, d**-0.5, write=False)
         for b in range(20):
@@ -137,11 +139,11 @@ def _tiled_attention_checks(generator: torch.Generator) -> bool:
             if not torch.equal(out[b], alone[0]):
                 return False
     keys, values = (
-        kv_cache.dequantize_q8_0(c[[3, 1]].transpose(0, 1).reshape(kv_heads, -1, c.shape[-1])[:, :30])
+        kv_cache.dequantize_q8_0(c[pages].transpose(0, 1).reshape(kv_heads, -1, c.shape[-1])[:, :90])
         for c in (k_cache, v_cache)
     )
     q = qkv[19, : heads * d].view(kv_heads, heads // kv_heads, d)
-    expected = F.scaled_dot_product_attention(q, keys, values, scale=d**-0.5)  # [KVH, G, D], all 30 positions
+    expected = F.scaled_dot_product_attention(q, keys, values, scale=d**-0.5)  # [KVH, G, D], all 90 positions
     return torch.allclose(out[19], expected.reshape(-1), rtol=1e-4, atol=1e-5)
 
 
