@@ -4,6 +4,7 @@ receiver) and serving Prometheus /metrics, called as a client would."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import urllib.error
@@ -77,8 +78,9 @@ def collector():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, collector):
+def server(tiny_dir, collector, tmp_path_factory):
     metrics_port = free_port()
+    log_path = tmp_path_factory.mktemp("telemetry-log") / "server.log"
     # Export quickly, so the test need not wait for the SDK's default 5 s (spans) and 60 s (metrics).
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "500"}
     server = Server(
@@ -93,7 +95,9 @@ def server(tiny_dir, collector):
             f"http://127.0.0.1:{collector.port}",
         ],
         env=env,
+        log_path=log_path,
     )
+    server.log_path = log_path
     server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield server
     server.stop()
@@ -207,7 +211,10 @@ def test_a_stream_the_client_closes_ends_its_span_as_cancelled(server, collector
 
 def test_a_stream_closed_while_its_send_waits_ends_its_span_as_cancelled(server, collector):
     """grpc cancels the handler where it waits; here that is in grpc's send, so braid's generators
-    are left suspended and only closed later. The span must still end with the call's code."""
+    are left suspended and only closed later (by asyncio, in a task of its own). The span must
+    still end with the call's code, and the server's log stay clean: opentelemetry-instrumentation-
+    grpc's stream layer then failed to reset its context there and logged it as an ERROR with two
+    tracebacks, once for each call a client closed that way."""
     trace_id = os.urandom(16)
     with grpc.insecure_channel(server.target, options=SMALL_WINDOW) as channel:
         call = pb_grpc.GenerateStub(channel).Stream(
@@ -221,6 +228,8 @@ def test_a_stream_closed_while_its_send_waits_ends_its_span_as_cancelled(server,
     assert _attributes(span.attributes)["rpc.response.status_code"] == "CANCELLED"
     with server.client() as client:
         wait_for(lambda: client.server_status(timeout=10).sessions_active == 0)
+    log = server.log_path.read_text()  # the span ends after the library's context is reset, or not
+    assert "Failed to detach context" not in log and "Traceback" not in log, log
 
 
 def test_metrics_move_with_a_stream(server):
@@ -327,3 +336,50 @@ def test_with_telemetry_off_a_stream_still_reports_its_timings_to_the_client(ser
     t = messages[-1].timings
     assert t.total_ms > 0
     assert_trailers_carry(t, trailers)
+
+
+def _raised_in(module: str, error: BaseException) -> BaseException:
+    """error, raised (so with a traceback) in a function of the module named `module`."""
+    namespace = {"__name__": module}
+    exec("def throw(error):\n    raise error\n", namespace)  # noqa: S102 (a frame of that module)
+    try:
+        namespace["throw"](error)
+    except BaseException as raised:  # noqa: BLE001
+        return raised
+    raise AssertionError("not raised")
+
+
+def test_only_a_closed_streams_noise_is_dropped_from_the_two_libraries_logs():
+    """The filter behind the clean log above (braid/server/grpc/closed_streams.py) drops the two
+    libraries' records of a stream its client closed mid-send, and nothing else they log."""
+    from braid.server.grpc import closed_streams
+
+    def kept(logger: str, message: str, error: BaseException) -> bool:
+        record = logging.LogRecord(logger, logging.ERROR, __file__, 1, message, None, (type(error), error, None))
+        return closed_streams._FILTER.filter(record)
+
+    def detach_failure(exiting: BaseException) -> ValueError:
+        error = ValueError("<Token ...> was created in a different Context")
+        error.__context__ = exiting
+        return error
+
+    layer = "opentelemetry.instrumentation.grpc._aio_server"
+    assert not kept(
+        "opentelemetry.context", "Failed to detach context", detach_failure(_raised_in(layer, GeneratorExit()))
+    )
+    assert kept(
+        "opentelemetry.context", "Failed to detach context", detach_failure(_raised_in(__name__, GeneratorExit()))
+    )
+    assert kept("opentelemetry.context", "Failed to detach context", RuntimeError("another failure"))
+
+    class ExecuteBatchError(Exception):  # grpc's, by name (it lives in grpc's Cython module)
+        pass
+
+    method = "[/braid.v1.Generate/Stream]"
+    assert not kept(
+        "grpc._cython.cygrpc", f"ExecuteBatchError raised in core by servicer method {method}", ExecuteBatchError()
+    )
+    assert kept("grpc._cython.cygrpc", f"Unexpected [ValueError] raised by servicer method {method}", ValueError())
+    assert kept(
+        "braid.server.grpc.server", "Failed to detach context", detach_failure(_raised_in(layer, GeneratorExit()))
+    )

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from braid.server.config import ServerConfig, SettingError
 from braid.server.grpc import reflection
 from braid.server.grpc.auth import ApiKeyInterceptor
+from braid.server.grpc.closed_streams import quiet_closed_streams
 from braid.server.grpc.errors import ErrorInterceptor
 from braid.server.frontend.observer import CallObserver
 from braid.server.grpc.request_log import RequestLogInterceptor
@@ -53,6 +54,7 @@ class GrpcFrontEnd:
         """The server with its interceptors, bound to --port, not started: nothing answered yet.
         Raises SettingError if the port cannot be listened on. On the event loop that serves it."""
         config = self._config
+        quiet_closed_streams()  # no traceback in the log for a stream its client closed mid-send
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self._calls is not None:
             interceptors.append(TracingInterceptor(self._calls))  # outermost: sees every status
