@@ -350,7 +350,7 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     if (!layout || !fields || !activations || !lora || PyModule_AddObjectRef(m, "LORA_FIELDS", lora) < 0 || PyModule_AddIntConstant(m, "PANEL", PANEL) < 0 ||
         PyModule_AddIntConstant(m, "QBLOCK", QBLOCK) < 0 || PyModule_AddIntConstant(m, "KV_LAYOUT", KV_LAYOUT) < 0 || PyModule_AddIntConstant(m, "INT8", F_INT8) < 0 ||
         PyModule_AddIntConstant(m, "BF16_ROWS", F_BF16_ROWS) < 0 ||
-        PyModule_AddIntConstant(m, "PARTS", F_PARTS) < 0 ||
+        PyModule_AddIntConstant(m, "PARTS", F_PARTS) < 0 || PyModule_AddIntConstant(m, "U6_LIFT", U6_LIFT) < 0 ||
         PyModule_AddObjectRef(m, "FORMATS", layout) < 0 || PyModule_AddObjectRef(m, "LAYER_FIELDS", fields) < 0 ||
         PyModule_AddObjectRef(m, "ACTIVATIONS", activations) < 0) {
         Py_XDECREF(layout);

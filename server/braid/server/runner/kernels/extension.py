@@ -10,6 +10,7 @@ _LOGGER = logging.getLogger(__name__)
 
 PANEL = 32  # columns per packed panel
 QBLOCK = 32  # rows of k per block of a panel
+U6_LIFT = 32  # a 6-bit quant (Q6_K's, in [-32, 31]) is stored as q + 32, 0..63 (csrc/formats.h)
 # A layer's row of DecodeStep's table, in the C enum's order (csrc/kernels.h says what each holds)
 LAYER_FIELDS = (
     "input_norm",
@@ -61,13 +62,15 @@ if _cpu_kernels is not None and (
         tuple(row[0] if isinstance(row, tuple) else row for row in _cpu_kernels.FORMATS),
         getattr(_cpu_kernels, "ACTIVATIONS", None),
         getattr(_cpu_kernels, "LORA_FIELDS", None),
+        getattr(_cpu_kernels, "U6_LIFT", None),
     )
-    != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, FORMAT_NAMES, ACTIVATIONS, LORA_FIELDS)
+    != (PANEL, QBLOCK, LAYER_FIELDS, KV_LAYOUT, FORMAT_NAMES, ACTIVATIONS, LORA_FIELDS, U6_LIFT)
 ):
     # A stale build of the extension: its memory layout is not this module's. Never run it.
     _LOGGER.error(
         "braid's C kernels were built for another layout than this code's (panels, blocks, table "
-        "fields, KV cache, formats, activations or LoRA fields): rebuild them (make install); running torch's kernels"
+        "fields, KV cache, formats, activations, LoRA fields or 6-bit quants' lift): rebuild them (make install); "
+        "running torch's kernels"
     )
     _cpu_kernels = None
 

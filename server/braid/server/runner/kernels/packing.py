@@ -17,6 +17,7 @@ from braid.server.runner.kernels.extension import (
     PANEL,
     PARTS,
     QBLOCK,
+    U6_LIFT,
     _cpu_kernels,
     has_bf16_rows,
 )
@@ -299,9 +300,6 @@ def _pack_blocks(b: Blocks, interleaved: bool = False) -> torch.Tensor:
     # [n, supers, levels] -> [panels, supers, levels, 32 columns]
     top = by_panel(b.s).permute(0, 1, 3, 2).contiguous().view(torch.uint8).reshape(panels, -1)
     return torch.cat([packed, top], dim=-1)
-
-
-U6_LIFT = 32  # csrc/formats.h: a 6-bit quant is stored as q + 32 (Q6_K's [-32, 31] as 0..63)
 
 
 def _planes(q: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
