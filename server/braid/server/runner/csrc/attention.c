@@ -448,13 +448,9 @@ static inline __attribute__((always_inline)) void load_block_t(const void *cache
                                                                long KVH, long D, long P, long span, float *rows,
                                                                float *kt) {
     for (long i = 0; t0 + i < t1; i += 8) {
-        for (long k = 0; k < 8; k++) {
-            const long t = t0 + i + k;
-            if (t < t1)
-                widen_row(cache, kv_fmt, (table[t / P] * KVH + h) * P + t % P, D, rows + k * D);
-            else
-                memset(rows + k * D, 0, sizeof(float) * D);
-        }
+        const long n = t1 - t0 - i < 8 ? t1 - t0 - i : 8;
+        load_block(cache, kv_fmt, table, t0 + i, t0 + i + n, h, KVH, D, P, rows);
+        memset(rows + n * D, 0, sizeof(float) * (8 - n) * D);
         for (long c = 0; c < D; c += 8) transpose8(rows + c, D, kt + c * span + i, span);
     }
 }
