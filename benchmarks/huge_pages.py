@@ -1,10 +1,10 @@
 """A token's matmuls with the packed weights in transparent huge pages against 4 KiB pages.
 
-The matrices of a Q4_K_M file of the 1B (or another benchmarks/format_models.py) shape, each its own copy so that every token reads
-them from memory as a decode step does; the same packed bytes twice: as PackedLinear keeps them
-(packing.in_huge_pages: a huge-page boundary, the whole huge pages advised and collapsed) and as a
-plain torch copy (4 KiB pages where the system's THP setting is "madvise" or "never"). The two sets
-take turns; medians of --repeats, and the outputs compared bit for bit.
+The matrices of a Q4_K_M file of the 1B (or another benchmarks/format_models.py) shape, each its own
+copy so that every token reads them from memory as a decode step does; the same packed bytes twice:
+as PackedLinear keeps them (packing.in_huge_pages: a huge-page boundary, the whole huge pages advised
+and collapsed) and as a plain torch copy (4 KiB pages where the system's THP setting is "madvise" or
+"never"). The two sets take turns; medians of --repeats, and the outputs compared bit for bit.
 
     .venv/bin/python benchmarks/huge_pages.py [--shape 1b|3b|8b|qwen3-1.7b] [--threads 2] [--rows 1] [--repeats 11]
 """
