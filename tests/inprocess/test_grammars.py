@@ -54,12 +54,25 @@ def test_a_constraint_compiles_once_and_each_session_gets_its_own_matcher(tokeni
 
 
 def test_a_compile_past_its_time_limit_is_invalid_argument_naming_the_field(tokenizer, llg_tokenizer):
+    """The compile is held until the call has given up on it. Left to run, a small schema's compile
+    could finish inside even a 1e-6 s limit: the caller's thread, descheduled between handing the
+    compile to the pool and waiting on it, found it done (a failure seen on a busy 2-core machine)."""
     grammars = _grammars(tokenizer, llg_tokenizer, compile_timeout_s=1e-6)
+    compile_, released = grammars._compile, threading.Event()
+
+    def held(text: str):
+        released.wait(timeout=60)  # a bound on the pool thread only: the call under test never waits on it
+        return compile_(text)
+
+    grammars._compile = held
     schema = Constraint(
         "json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', "constraint.json_schema"
     )
-    with pytest.raises(InvalidArgument) as err:
-        grammars.matcher(schema)
+    try:
+        with pytest.raises(InvalidArgument) as err:
+            grammars.matcher(schema)
+    finally:
+        released.set()
     assert err.value.field == "constraint.json_schema" and "did not compile within" in err.value.description
 
 
